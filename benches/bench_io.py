@@ -1,0 +1,43 @@
+"""The foundation benchmark: raw disk limit vs ckptio vs torch.save/torch.load.
+
+Runs ckptio.bench at 1 GiB and 4 GiB (CPU state dicts) in one process and
+prints one table per size, with ratios against the raw limit measured in the
+same run. Usage: python benches/bench_io.py [--sizes 1G,4G] [--dir DIR] [--json OUT]
+"""
+
+import argparse
+import json
+
+from ckptio import bench
+from ckptio.cli import _size
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default="1G,4G")
+    p.add_argument("--dir", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    out = {}
+    for s in a.sizes.split(","):
+        rows = bench.run(_size(s), a.dir, a.threads, None, a.device)
+        print(bench.table(rows), flush=True)
+        ratio = {r.name: r.gib_s for r in rows}
+        raw_w = next(v for k, v in ratio.items() if k.startswith("raw write"))
+        raw_r = next(v for k, v in ratio.items() if k.startswith("raw read"))
+        print(
+            f"targets: ckptio.save/raw write = {ratio['ckptio.save (durable)'] / raw_w:.2f} "
+            f"(>= 0.85), ckptio.load/raw read = {ratio['ckptio.load, cold'] / raw_r:.2f} "
+            f"(>= 0.85)\n",
+            flush=True,
+        )
+        out[s] = json.loads(bench.to_json(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""ckptio: fast, crash-safe checkpoint I/O for PyTorch.
+
+``ckptio.save`` writes files that plain ``torch.load`` reads, with every storage
+4 KiB-aligned, its bytes moved by a pool of I/O threads straight from tensor
+memory, and the file replaced atomically (temp file, fsync, rename, fsync of
+the folder). ``ckptio.load`` reads any torch.save zip checkpoint, bytes read
+in parallel straight into the destination storages.
+"""
+
+from ckptio._native import (
+    BackendUnavailableError,
+    CkptioError,
+    CudaError,
+    CuFileError,
+    Engine,
+    FormatError,
+)
+from ckptio._native import __version__ as __version__
+from ckptio.serialization import IOReport, RecordInfo, TensorInfo, load, records, save
+
+__all__ = [
+    "save",
+    "load",
+    "records",
+    "IOReport",
+    "RecordInfo",
+    "TensorInfo",
+    "Engine",
+    "CkptioError",
+    "FormatError",
+    "BackendUnavailableError",
+    "CudaError",
+    "CuFileError",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from ckptio.cli import main
+
+sys.exit(main())

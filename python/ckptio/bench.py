@@ -1,0 +1,263 @@
+"""Side-by-side benchmark: the disk's raw limit, ckptio, torch.save/torch.load.
+
+Every figure is measured in the same run, so ratios compare like with like.
+Reads are cold: each file's cached pages are dropped (fsync, then
+POSIX_FADV_DONTNEED) before it is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+import ckptio
+
+GiB = 2**30
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    seconds: float
+    nbytes: int
+    baseline: str  # the row this one is compared with
+
+    @property
+    def gib_s(self) -> float:
+        return self.nbytes / GiB / self.seconds
+
+
+def synthetic_state_dict(
+    nbytes: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """A transformer-shaped state dict of about ``nbytes``: big matrices and small vectors."""
+    item = torch.empty((), dtype=dtype).element_size()
+    hidden = 2048
+    sd: dict[str, torch.Tensor] = {}
+    total, layer = 0, 0
+    while total < nbytes:
+        for name, shape in (
+            ("attn.qkv.weight", (3 * hidden, hidden)),
+            ("attn.out.weight", (hidden, hidden)),
+            ("mlp.up.weight", (4 * hidden, hidden)),
+            ("mlp.down.weight", (hidden, 4 * hidden)),
+            ("norm.weight", (hidden,)),
+            ("norm.bias", (hidden,)),
+        ):
+            numel = 1
+            for s in shape:
+                numel *= s
+            left = max((nbytes - total) // item, 1)
+            if numel > left:  # last tensor: trim to the target size
+                shape, numel = (left,), left
+            t = torch.empty(shape, dtype=dtype, device=device)
+            t.view(-1)[:].uniform_() if dtype.is_floating_point else t.random_()
+            sd[f"layers.{layer}.{name}"] = t
+            total += numel * item
+            if total >= nbytes:
+                break
+        layer += 1
+    return sd
+
+
+def drop_cache(path: str) -> None:
+    """Evict the file's pages so that the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _parallel(n_threads: int, nbytes: int, chunk: int, fn: Callable[[int, int], None]) -> None:
+    offsets = list(range(0, nbytes, chunk))
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not offsets or errors:
+                    return
+                off = offsets.pop(0)
+            try:
+                fn(off, min(chunk, nbytes - off))
+            except BaseException as e:  # report, stop the others
+                with lock:
+                    errors.append(e)
+                return
+
+    ts = [threading.Thread(target=work) for _ in range(n_threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def raw_limits(
+    folder: str, nbytes: int, threads: int = 8, chunk: int = 64 << 20
+) -> tuple[float, float, bool]:
+    """O_DIRECT (where the filesystem takes it) write + fsync and cold read, several
+    threads, large chunks, from page-aligned memory: the disk's limit.
+    Returns (write seconds, read seconds, direct)."""
+    path = os.path.join(folder, "raw.bin")
+    buf = mmap.mmap(-1, nbytes)
+    buf.write(os.urandom(1 << 20) * (nbytes // (1 << 20)))
+    view = memoryview(buf)
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | direct, 0o644)
+    except OSError:
+        direct = 0
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        t0 = time.perf_counter()
+        _parallel(threads, nbytes, chunk, lambda o, n: _pwrite_all(fd, view[o : o + n], o))
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    drop_cache(path)
+    fd = os.open(path, os.O_RDONLY | direct)
+    try:
+        t0 = time.perf_counter()
+        _parallel(threads, nbytes, chunk, lambda o, n: _pread_all(fd, view[o : o + n], o))
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    view.release()
+    buf.close()
+    os.unlink(path)
+    return write_s, read_s, bool(direct)
+
+
+def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:
+    while len(mv):
+        n = os.pwrite(fd, mv, off)
+        mv, off = mv[n:], off + n
+
+
+def _pread_all(fd: int, mv: memoryview, off: int) -> None:
+    while len(mv):
+        n = os.preadv(fd, [mv], off)
+        if n == 0:
+            raise EOFError("short read")
+        mv, off = mv[n:], off + n
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def run(
+    size: int = GiB,
+    folder: str | None = None,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    device: str = "cpu",
+    repeat: int = 3,
+    log: Callable[[str], None] = print,
+) -> list[Row]:
+    """Measure everything ``repeat`` times on a synthetic state dict of ``size``
+    bytes, interleaved round by round, and keep each row's median."""
+    tmp = tempfile.mkdtemp(prefix="ckptio-bench-", dir=folder)
+    try:
+        log(
+            f"# {size / GiB:.2f} GiB state dict on {device}, files in {tmp}, "
+            f"median of {repeat} rounds"
+        )
+        sd = synthetic_state_dict(size, device)
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        times: dict[str, list[float]] = {}
+        p_torch = os.path.join(tmp, "torch.pt")
+        p_ck = os.path.join(tmp, "ckptio.pt")
+        raw_w = raw_r = ""
+
+        def timed(name: str, fn: Callable[[], object]) -> object:
+            t0 = time.perf_counter()
+            out = fn()
+            _sync(device)
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+            return out
+
+        for _ in range(repeat):
+            ws, rs, direct = raw_limits(tmp, nbytes)
+            raw_w = "raw write + fsync" + (" (O_DIRECT)" if direct else "")
+            raw_r = "raw read, cold" + (" (O_DIRECT)" if direct else "")
+            times.setdefault(raw_w, []).append(ws)
+            times.setdefault(raw_r, []).append(rs)
+            timed("torch.save + fsync", lambda: (torch.save(sd, p_torch), fsync_path(p_torch)))
+            rep = timed(
+                "ckptio.save (durable)",
+                lambda: ckptio.save(sd, p_ck, threads=threads, chunk_size=chunk_size),
+            )
+            drop_cache(p_torch)
+            timed(
+                "torch.load, cold",
+                lambda: torch.load(p_torch, map_location=device, weights_only=True),
+            )
+            drop_cache(p_ck)
+            timed(
+                "ckptio.load, cold",
+                lambda: ckptio.load(
+                    p_ck, map_location=device, threads=threads, chunk_size=chunk_size
+                ),
+            )
+        log(
+            f"# ckptio.save: backend={rep.backend} direct={rep.direct} "  # type: ignore[union-attr]
+            f"threads={rep.threads}"
+        )  # type: ignore[union-attr]
+        base = {
+            raw_w: "",
+            raw_r: "",
+            "torch.save + fsync": raw_w,
+            "ckptio.save (durable)": raw_w,
+            "torch.load, cold": raw_r,
+            "ckptio.load, cold": raw_r,
+        }
+        return [Row(name, _median(ts), nbytes, base[name]) for name, ts in times.items()]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def table(rows: list[Row]) -> str:
+    by_name = {r.name: r for r in rows}
+    lines = [
+        f"{'what':<28} {'seconds':>8} {'GiB/s':>7}  ratio",
+        f"{'-' * 28} {'-' * 8} {'-' * 7}  {'-' * 24}",
+    ]
+    for r in rows:
+        ratio = ""
+        if r.baseline in by_name:
+            ratio = f"{by_name[r.baseline].seconds / r.seconds:.2f}x {by_name[r.baseline].name}"
+        lines.append(f"{r.name:<28} {r.seconds:>8.3f} {r.gib_s:>7.2f}  {ratio}")
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row]) -> str:
+    return json.dumps([dict(dataclasses.asdict(r), gib_s=r.gib_s) for r in rows], indent=2)

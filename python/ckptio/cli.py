@@ -1,0 +1,62 @@
+"""The ``ckptio`` command: ``bench``, ``ls``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _size(s: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    s = s.strip().lower().removesuffix("ib").removesuffix("b")
+    if s and s[-1] in units:
+        return int(float(s[:-1]) * units[s[-1]])
+    return int(s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="ckptio", description="Fast, crash-safe checkpoint I/O for PyTorch"
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("bench", help="save/load side by side with torch.save/torch.load")
+    b.add_argument("--size", type=_size, default=2**30, help="state dict size (default 1G)")
+    b.add_argument("--dir", default=None, help="folder for the files (default: system temp)")
+    b.add_argument("--device", default="cpu", help="where the state dict lives (cpu, cuda)")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--chunk-size", type=_size, default=None)
+    b.add_argument("--repeat", type=int, default=3, help="rounds; each row keeps its median")
+    b.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+    ls = sub.add_parser("ls", help="list a checkpoint's records: offsets, sizes, dtypes, shapes")
+    ls.add_argument("path")
+
+    a = p.parse_args(argv)
+    if a.cmd == "bench":
+        from ckptio import bench
+
+        rows = bench.run(a.size, a.dir, a.threads, a.chunk_size, a.device, a.repeat)
+        print(bench.table(rows))
+        if a.json:
+            with open(a.json, "w") as f:
+                f.write(bench.to_json(rows))
+        return 0
+    if a.cmd == "ls":
+        import ckptio
+
+        print(f"{'offset':>12} {'bytes':>12} {'align':>5}  record / tensors")
+        for r in ckptio.records(a.path):
+            print(f"{r.offset:>12} {r.nbytes:>12} {r.alignment:>5}  {r.name}")
+            for t in r.tensors:
+                shape = "x".join(map(str, t.shape)) or "scalar"
+                print(
+                    f"{'':>33}  - {t.name}: {str(t.dtype).removeprefix('torch.')} [{shape}]"
+                    + (f" at element {t.storage_offset}" if t.storage_offset else "")
+                )
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,428 @@
+"""save / load / records: torch.save-compatible checkpoints through the ckptio engine.
+
+The data path never detours through Python: ``save`` lets ``torch.save`` write
+only the metadata (under ``torch.serialization.skip_data``, storages aligned to
+4 KiB), learns which storage goes to which record while torch pickles, and
+hands (record key, data pointer, nbytes, device) to the Rust engine, which
+writes the bytes in parallel and commits the file atomically. ``load`` lets
+``torch.load`` rebuild the object (structure, dtypes, views, aliasing) over a
+lazy file mapping that is never read, allocates each storage empty on its
+destination device, and has the engine read the bytes straight into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import pickle
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ckptio import _native
+
+#: Storage alignment of files ckptio writes (what O_DIRECT and GPUDirect Storage want).
+STORAGE_ALIGNMENT = 4096
+
+MapLocation = (
+    None | str | torch.device | dict[str, str] | Callable[[torch.UntypedStorage, str], Any]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class IOReport:
+    """What one save or load did: how many bytes, how fast, through which path."""
+
+    path: str
+    nbytes: int
+    seconds: float
+    backend: str
+    direct: bool
+    direct_reason: str | None
+    threads: int
+    storages: int
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.nbytes / 2**30 / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """A tensor that lives in a record: where it sits in the object, its dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordInfo:
+    """One record of a checkpoint archive."""
+
+    name: str
+    offset: int
+    nbytes: int
+    tensors: tuple[TensorInfo, ...] = ()
+
+    @property
+    def alignment(self) -> int:
+        """The largest power of two (up to 4096) dividing the record's data offset."""
+        a = 1
+        while a < STORAGE_ALIGNMENT and self.offset % (a * 2) == 0:
+            a *= 2
+        return a
+
+
+@functools.lru_cache(maxsize=8)
+def _engine(threads: int | None, chunk_size: int | None, direct: str | None) -> _native.Engine:
+    # One engine per configuration: its threads' buffers are reused save after save.
+    return _native.Engine(threads, chunk_size, direct)
+
+
+def _direct_arg(direct: bool | str | None) -> str | None:
+    if direct is None or isinstance(direct, str):
+        return direct
+    if isinstance(direct, bool):
+        return "on" if direct else "off"
+    raise TypeError(
+        f"direct must be None, a bool or 'auto'/'on'/'off', not {type(direct).__name__}"
+    )
+
+
+def _path(f: Any, what: str) -> str:
+    if isinstance(f, (str, bytes, os.PathLike)):
+        return os.fsdecode(f)
+    raise TypeError(
+        f"ckptio.{what} needs a file path (str or os.PathLike), not {type(f).__name__}; "
+        "file objects cannot be replaced atomically"
+    )
+
+
+# torch's serialization config is process-global: set and restore it under a lock.
+_CONFIG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _storage_alignment(n: int) -> Iterator[None]:
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # torch without the knob writes 64-byte alignment: still valid
+        yield
+        return
+    old = config.save.storage_alignment
+    config.save.storage_alignment = n
+    try:
+        yield
+    finally:
+        config.save.storage_alignment = old
+
+
+def _capturing_pickle_module(found: dict[str, torch.UntypedStorage]) -> types.ModuleType:
+    """A pickle module whose Pickler records which storage torch.save files under which key.
+
+    torch.save subclasses ``pickle_module.Pickler`` to add its ``persistent_id``;
+    ``__init_subclass__`` wraps that method, so the C pickler stays in use.
+    """
+
+    class Pickler(pickle.Pickler):
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            inner = cls.persistent_id
+
+            def persistent_id(self: Any, obj: Any) -> Any:
+                pid = inner(self, obj)
+                if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+                    storage = (
+                        obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+                    )
+                    found.setdefault(pid[2], storage)
+                return pid
+
+            cls.persistent_id = persistent_id  # type: ignore[method-assign]
+
+    mod = types.ModuleType("ckptio._capturing_pickle")
+    for name in (
+        "dump",
+        "dumps",
+        "load",
+        "loads",
+        "Unpickler",
+        "HIGHEST_PROTOCOL",
+        "DEFAULT_PROTOCOL",
+        "PickleError",
+        "PicklingError",
+        "UnpicklingError",
+    ):
+        setattr(mod, name, getattr(pickle, name))
+    mod.Pickler = Pickler  # type: ignore[attr-defined]
+    return mod
+
+
+def _device_code(storage: torch.UntypedStorage, what: str) -> int:
+    """-1 for host memory, the CUDA ordinal for device memory."""
+    dev = storage.device
+    if dev.type == "cpu":
+        return -1
+    if dev.type == "cuda":
+        return dev.index if dev.index is not None else torch.cuda.current_device()
+    raise ValueError(f"{what} is on device {dev}; ckptio moves cpu and cuda storages only")
+
+
+def _sync_cuda(devices: set[int]) -> None:
+    """Work queued on the current streams is finished before bytes are copied."""
+    for d in sorted(devices):
+        if d >= 0:
+            torch.cuda.current_stream(d).synchronize()
+
+
+def save(
+    obj: object,
+    f: str | os.PathLike[str],
+    *,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    direct: bool | str | None = None,
+) -> IOReport:
+    """Save ``obj`` like ``torch.save(obj, f)``, fast and crash-safe.
+
+    The file is a regular torch.save zip archive (plain ``torch.load`` reads it)
+    whose storages start at multiples of 4096 bytes. It is written to a temp
+    file in the same folder and renamed over ``f`` only once complete and
+    fsynced: a failed or killed save leaves the previous file untouched.
+
+    threads / chunk_size: I/O threads and bytes per chunk (defaults from
+    CKPTIO_THREADS / CKPTIO_CHUNK_SIZE, else 8 and 16 MiB). direct: O_DIRECT
+    "auto" (default: where the filesystem takes it), True/"on" (required) or
+    False/"off".
+    """
+    path = _path(f, "save")
+    d = _direct_arg(direct)
+    t0 = time.perf_counter()
+    engine = _engine(threads, chunk_size, d)
+    writer = _native.AtomicWriter(path, d)
+    try:
+        found: dict[str, torch.UntypedStorage] = {}
+        with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT), torch.serialization.skip_data():
+            with os.fdopen(os.dup(writer.fileno()), "wb") as fh:
+                torch.save(obj, fh, pickle_module=_capturing_pickle_module(found))
+        storages = []
+        for key, st in found.items():
+            dev = _device_code(st, f"storage {key}")
+            storages.append((key, st.data_ptr(), st.nbytes(), dev))
+        _sync_cuda({s[3] for s in storages})
+        stats = writer.write_storages(engine, storages)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return IOReport(
+        path=path,
+        nbytes=stats["bytes"],
+        seconds=time.perf_counter() - t0,
+        backend=stats["backend"],
+        direct=stats["direct"],
+        direct_reason=stats["direct_reason"],
+        threads=stats["threads"],
+        storages=len(storages),
+    )
+
+
+class _Restorer:
+    """torch.load's map_location: allocates every storage empty on its destination.
+
+    torch.load runs with ``mmap=True``, so each storage it hands over is a slice
+    of a lazy mapping of the file (never touched here); its address tells the
+    record it came from. The bytes are read later by the engine.
+    """
+
+    def __init__(self, map_location: MapLocation) -> None:
+        self.map_location = map_location
+        # (address in the file mapping, nbytes, destination storage)
+        self.pending: list[tuple[int, int, torch.UntypedStorage]] = []
+
+    def _device(self, location: str) -> torch.device | None:
+        ml = self.map_location
+        if isinstance(ml, dict):
+            location = ml.get(location, location)
+        elif isinstance(ml, (str, torch.device)):
+            location = str(ml)
+        dev = torch.device(location)
+        if dev.type == "cpu":
+            return dev
+        if dev.type == "cuda" and torch.cuda.is_available():
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            if index < torch.cuda.device_count():
+                return torch.device("cuda", index)
+        return None  # let torch decide (and raise its own error where it must)
+
+    def __call__(self, storage: torch.UntypedStorage, location: str) -> Any:
+        if callable(self.map_location) and not isinstance(self.map_location, torch.device):
+            # A user callable may do anything with the storage; the mapping
+            # holds the real bytes, so its result is right as it is.
+            result = self.map_location(storage, location)
+            if result is None:
+                result = torch.serialization.default_restore_location(storage, location)
+            return result
+        dev = self._device(location)
+        if dev is None:
+            ml = self.map_location
+            loc = str(ml) if isinstance(ml, (str, torch.device)) else location
+            if isinstance(ml, dict):
+                loc = ml.get(location, location)
+            return torch.serialization.default_restore_location(storage, loc)
+        dest = _empty_storage(storage.nbytes(), dev)
+        self.pending.append((storage.data_ptr(), storage.nbytes(), dest))
+        return dest
+
+
+def _empty_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
+    """An uninitialised storage; large host ones start on a 4 KiB boundary so that
+    O_DIRECT reads land in them without a staging copy. (The aligned slice keeps
+    its allocation alive, as torch.load's mmap slices do; like those, it cannot
+    be resized.)"""
+    if device.type != "cpu" or nbytes < _ALIGNED_ALLOC_MIN:
+        return torch.UntypedStorage(nbytes, device=device)
+    raw = torch.UntypedStorage(nbytes + STORAGE_ALIGNMENT)
+    skip = -raw.data_ptr() % STORAGE_ALIGNMENT
+    return raw[skip : skip + nbytes]
+
+
+_ALIGNED_ALLOC_MIN = 1 << 20
+
+
+def _file_offsets(
+    pending: list[tuple[int, int, torch.UntypedStorage]], data: dict[int, int], path: str
+) -> list[int]:
+    """File offset of each pending storage, from its address in the file mapping.
+
+    All addresses share one base (the mapping's start); find the base that puts
+    every storage exactly on a data record of its size.
+    """
+    sized = [(p, n) for p, n, _ in pending if n > 0]
+    if not sized:
+        return [0] * len(pending)
+    p0, n0 = sized[0]
+    for off, size in sorted(data.items()):
+        if size != n0:
+            continue
+        base = p0 - off
+        if all(data.get(p - base) == n for p, n in sized):
+            return [p - base for p, _, _ in pending]
+    raise _native.FormatError(f"{path}: storages in the pickle do not match the archive's records")
+
+
+def load(
+    f: str | os.PathLike[str],
+    map_location: MapLocation = None,
+    weights_only: bool = True,
+    *,
+    mmap: bool | None = None,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    direct: bool | str | None = None,
+    **pickle_load_args: Any,
+) -> Any:
+    """Load a torch.save zip checkpoint like ``torch.load``, bytes read in parallel.
+
+    Reads any torch.save zip file (also 64-byte-aligned ones from plain
+    torch.save). ``map_location`` and ``weights_only`` mean what they mean for
+    torch.load (``weights_only`` defaults to True: a pickle that is not plain
+    tensors and containers is refused). Views and shared storages stay shared.
+    ``mmap=True`` is handed to torch.load as is (a lazy, mapped load).
+    """
+    path = _path(f, "load")
+    if mmap:
+        return torch.load(
+            path,
+            map_location=map_location,
+            weights_only=weights_only,
+            mmap=True,
+            **pickle_load_args,
+        )
+    d = _direct_arg(direct)
+    engine = _engine(threads, chunk_size, d)
+    reader = _native.Reader(path, d)
+    records_ = reader.records()
+    prefix = reader.prefix
+    names = {name for name, _, _ in records_}
+    byteorder = f"{prefix}/byteorder"
+    if byteorder in names and reader.read_record(byteorder).decode() != sys.byteorder:
+        # Byte-swapped storages are rare: let torch swap them.
+        return torch.load(
+            path, map_location=map_location, weights_only=weights_only, **pickle_load_args
+        )
+    data = {off: size for name, off, size in records_ if name.startswith(f"{prefix}/data/")}
+    restorer = _Restorer(map_location)
+    # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
+    # replaced meanwhile by a concurrent save.
+    obj = torch.load(
+        f"/proc/self/fd/{reader.fileno()}",
+        map_location=restorer,
+        weights_only=weights_only,
+        mmap=True,
+        **pickle_load_args,
+    )
+    offsets = _file_offsets(restorer.pending, data, path)
+    segments = []
+    for off, (_, n, dest) in zip(offsets, restorer.pending, strict=True):
+        if n:
+            segments.append((off, dest.data_ptr(), n, _device_code(dest, "destination")))
+    reader.read_into(engine, segments)
+    _sync_cuda({s[3] for s in segments})
+    return obj
+
+
+def _tensors(obj: Any, name: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    if id(obj) in seen:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+        return
+    seen.add(id(obj))
+    join = (lambda k: f"{name}.{k}") if name else str
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, join(k), seen)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, join(i), seen)
+    elif hasattr(obj, "__dict__"):
+        for k, v in vars(obj).items():
+            yield from _tensors(v, join(k), seen)
+
+
+def records(f: str | os.PathLike[str], *, weights_only: bool = True) -> list[RecordInfo]:
+    """Every record of a checkpoint: name, data offset, size, and the tensors stored in it.
+
+    Reads no tensor data: offsets come from the zip mapper, dtypes and shapes
+    from a load onto the meta device.
+    """
+    path = _path(f, "records")
+    reader = _native.Reader(path, "off")
+    meta = torch.load(
+        f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
+    )
+    by_offset: dict[int, list[TensorInfo]] = {}
+    for name, t in _tensors(meta, "", set()):
+        off = getattr(t.untyped_storage(), "_checkpoint_offset", None)
+        if off is None:
+            continue
+        by_offset.setdefault(off, []).append(
+            TensorInfo(
+                name or "<root>", t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
+            )
+        )
+    return [
+        RecordInfo(name, off, size, tuple(by_offset.get(off, ())) if "/data/" in name else ())
+        for name, off, size in reader.records()
+    ]

@@ -1,0 +1,560 @@
+//! The engine: moves segments (memory range <-> file range) in parallel chunks.
+//!
+//! A transfer is a list of [`Segment`]s. The engine cuts them into chunks on a
+//! grid of `chunk_size` in file offsets (so every chunk but a segment's first
+//! and last starts and ends aligned), and a pool of I/O threads takes chunks in
+//! file order until none is left. The call returns when every chunk is done,
+//! or with the first error; the other threads stop taking chunks as soon as one
+//! fails, so an error never goes unreported and a write is never silently partial.
+//!
+//! Each thread works in a [`Lane`]: its aligned staging buffer (for O_DIRECT
+//! from memory that is not aligned). Lanes are kept between calls, so a
+//! steady stream of saves allocates nothing.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::align::{self, AlignedBuf};
+use crate::file::{DirectMode, IoFile};
+use crate::{Error, Result};
+
+/// Default I/O threads: enough to keep an NVMe queue busy, few enough for small hosts.
+pub const DEFAULT_THREADS: usize = 8;
+/// Default chunk: large enough to amortise a syscall, small enough to spread over threads.
+pub const DEFAULT_CHUNK_SIZE: usize = 16 << 20;
+
+/// Tunables. `Default` reads `CKPTIO_THREADS`, `CKPTIO_CHUNK_SIZE` and `CKPTIO_DIRECT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    pub threads: usize,
+    pub chunk_size: usize,
+    pub direct: DirectMode,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            threads: DEFAULT_THREADS,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            direct: DirectMode::Auto,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Defaults overridden by the environment; a malformed variable is an error, not ignored.
+    pub fn from_env() -> Result<Self> {
+        let mut c = EngineConfig::default();
+        if let Ok(v) = std::env::var("CKPTIO_THREADS") {
+            c.threads =
+                parse_size(&v).map_err(|e| Error::invalid(format!("CKPTIO_THREADS: {e}")))?;
+        }
+        if let Ok(v) = std::env::var("CKPTIO_CHUNK_SIZE") {
+            c.chunk_size =
+                parse_size(&v).map_err(|e| Error::invalid(format!("CKPTIO_CHUNK_SIZE: {e}")))?;
+        }
+        if let Ok(v) = std::env::var("CKPTIO_DIRECT") {
+            c.direct = v.parse()?;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.threads == 0 || self.threads > 256 {
+            return Err(Error::invalid(format!(
+                "threads must be between 1 and 256, not {}",
+                self.threads
+            )));
+        }
+        if self.chunk_size < align::DEFAULT_ALIGN
+            || self.chunk_size > (1 << 30)
+            || self.chunk_size % align::DEFAULT_ALIGN != 0
+        {
+            return Err(Error::invalid(format!(
+                "chunk_size must be a multiple of 4096 between 4 KiB and 1 GiB, not {}",
+                self.chunk_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// "16M", "4k", "1G" or a plain number.
+pub fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m: usize = match c.to_ascii_lowercase() {
+                'k' => 1 << 10,
+                'm' => 1 << 20,
+                'g' => 1 << 30,
+                _ => return Err(format!("unknown size suffix in {s:?}")),
+            };
+            (&t[..i], m)
+        }
+        _ => (t, 1),
+    };
+    num.trim()
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("not a size: {s:?}"))
+}
+
+/// Where a segment's memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    Host,
+    /// Device memory of CUDA device `n`.
+    Cuda(i32),
+}
+
+/// One contiguous memory range and the file range it maps to.
+#[derive(Clone, Copy, Debug)]
+pub struct Segment {
+    pub file_offset: u64,
+    pub addr: u64,
+    pub len: u64,
+    pub memory: Memory,
+}
+
+/// What a transfer did.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    pub bytes: u64,
+    pub chunks: usize,
+    pub threads: usize,
+    /// O_DIRECT was available on the file.
+    pub direct: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Chunk {
+    file_offset: u64,
+    addr: u64,
+    len: usize,
+    memory: Memory,
+}
+
+/// Per-thread resources, reused across calls.
+pub struct Lane {
+    staging: AlignedBuf,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Write,
+    Read,
+}
+
+pub struct Engine {
+    cfg: EngineConfig,
+    lanes: Mutex<Vec<Lane>>,
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Engine {
+            cfg,
+            lanes: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Write every segment's memory to its file range.
+    ///
+    /// # Safety
+    /// For the whole call, each segment's `[addr, addr+len)` must be readable
+    /// memory of its kind (host, or device memory of that CUDA device) that
+    /// nobody frees or writes to.
+    pub unsafe fn write(&self, file: &IoFile, segments: &[Segment]) -> Result<Stats> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.transfer(file, segments, Dir::Write) }
+    }
+
+    /// Read every segment's file range into its memory.
+    ///
+    /// # Safety
+    /// For the whole call, each segment's `[addr, addr+len)` must be writable
+    /// memory of its kind that nobody else reads, writes or frees, and the
+    /// segments must not overlap each other.
+    pub unsafe fn read(&self, file: &IoFile, segments: &[Segment]) -> Result<Stats> {
+        for s in segments.iter().filter(|s| s.memory == Memory::Host) {
+            advise_huge_pages(s.addr, s.len);
+        }
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.transfer(file, segments, Dir::Read) }
+    }
+
+    /// # Safety
+    /// See [`Engine::write`] and [`Engine::read`].
+    unsafe fn transfer(&self, file: &IoFile, segments: &[Segment], dir: Dir) -> Result<Stats> {
+        let chunks = self.plan(segments)?;
+        let bytes = segments.iter().map(|s| s.len).sum();
+        let threads = self.cfg.threads.min(chunks.len()).max(1);
+        let stats = Stats {
+            bytes,
+            chunks: chunks.len(),
+            threads,
+            direct: file.is_direct(),
+        };
+        if chunks.is_empty() {
+            return Ok(stats);
+        }
+        let mut lanes = self.take_lanes(threads, file)?;
+        let next = AtomicUsize::new(0);
+        let failed = AtomicBool::new(false);
+        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+
+        std::thread::scope(|s| {
+            for lane in lanes.iter_mut() {
+                let (chunks, next, failed, first_error) = (&chunks, &next, &failed, &first_error);
+                s.spawn(move || {
+                    while !failed.load(Ordering::Relaxed) {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(c) = chunks.get(i) else { break };
+                        // SAFETY: chunk ranges lie inside the caller's segments
+                        // (see `plan`), whose validity the caller guarantees.
+                        let r = unsafe {
+                            match dir {
+                                Dir::Write => lane.write_chunk(file, c),
+                                Dir::Read => lane.read_chunk(file, c),
+                            }
+                        };
+                        if let Err(e) = r {
+                            failed.store(true, Ordering::Relaxed);
+                            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                            slot.get_or_insert(e);
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        self.return_lanes(lanes);
+        match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(stats),
+        }
+    }
+
+    /// Cut segments into chunks on the `chunk_size` grid of file offsets.
+    fn plan(&self, segments: &[Segment]) -> Result<Vec<Chunk>> {
+        let cs = self.cfg.chunk_size as u64;
+        let mut out = Vec::new();
+        for (i, s) in segments.iter().enumerate() {
+            let end_file = s.file_offset.checked_add(s.len);
+            let end_mem = s.addr.checked_add(s.len);
+            if end_file.is_none() || end_mem.is_none() || end_file > Some(i64::MAX as u64) {
+                return Err(Error::invalid(format!(
+                    "segment {i} (offset {}, length {}) overflows",
+                    s.file_offset, s.len
+                )));
+            }
+            if s.len > 0 && s.addr == 0 {
+                return Err(Error::invalid(format!("segment {i} has a null address")));
+            }
+            if let Memory::Cuda(_) = s.memory {
+                return Err(Error::invalid(format!(
+                    "segment {i} is CUDA memory, which this engine cannot move"
+                )));
+            }
+            let mut off = s.file_offset;
+            let end = s.file_offset + s.len;
+            while off < end {
+                let stop = (align::align_down(off, cs) + cs).min(end);
+                out.push(Chunk {
+                    file_offset: off,
+                    addr: s.addr + (off - s.file_offset),
+                    len: (stop - off) as usize,
+                    memory: s.memory,
+                });
+                off = stop;
+            }
+        }
+        Ok(out)
+    }
+
+    fn take_lanes(&self, n: usize, file: &IoFile) -> Result<Vec<Lane>> {
+        let want = self.cfg.chunk_size + 2 * file.alignment().offset.max(align::DEFAULT_ALIGN);
+        let mut pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut lanes = Vec::with_capacity(n);
+        while lanes.len() < n {
+            match pool.pop() {
+                Some(l)
+                    if l.staging.len() >= want && l.staging.align() >= file.alignment().memory =>
+                {
+                    lanes.push(l)
+                }
+                Some(_) => {} // too small for this file: drop it
+                None => break,
+            }
+        }
+        drop(pool);
+        while lanes.len() < n {
+            let align = file.alignment().memory.max(align::DEFAULT_ALIGN);
+            lanes.push(Lane {
+                staging: AlignedBuf::new(want, align)?,
+            });
+        }
+        Ok(lanes)
+    }
+
+    fn return_lanes(&self, lanes: Vec<Lane>) {
+        let mut pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        pool.extend(lanes);
+        pool.truncate(self.cfg.threads);
+    }
+
+    /// Host memory held by the lane pool (staging buffers), in bytes.
+    pub fn pooled_bytes(&self) -> usize {
+        let pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        pool.iter().map(|l| l.staging.len()).sum()
+    }
+}
+
+/// Ask for transparent huge pages over the 2 MiB-aligned interior of a
+/// destination about to be filled: one fault per 2 MiB instead of per 4 KiB
+/// (fresh tensor memory is faulted in by the read itself). Only a hint.
+fn advise_huge_pages(addr: u64, len: u64) {
+    const HUGE: u64 = 2 << 20;
+    let start = align::align_up(addr, HUGE);
+    let end = align::align_down(addr.saturating_add(len), HUGE);
+    if end > start {
+        // SAFETY: MADV_HUGEPAGE changes no contents; the range lies inside
+        // memory the caller handed us to fill.
+        unsafe {
+            libc::madvise(
+                start as *mut libc::c_void,
+                (end - start) as usize,
+                libc::MADV_HUGEPAGE,
+            )
+        };
+    }
+}
+
+impl Lane {
+    /// # Safety
+    /// `c` must describe readable host memory (see [`Engine::write`]).
+    unsafe fn write_chunk(&mut self, file: &IoFile, c: &Chunk) -> Result<()> {
+        debug_assert_eq!(c.memory, Memory::Host);
+        // SAFETY: the caller guarantees [addr, addr+len) is readable.
+        let src = unsafe { std::slice::from_raw_parts(c.addr as *const u8, c.len) };
+        let a = file.alignment();
+        if !file.is_direct()
+            || align::is_aligned(c.addr, a.memory as u64)
+                && align::is_aligned(c.file_offset, a.offset as u64)
+        {
+            // Buffered, or O_DIRECT straight from the caller's memory.
+            return file.write_at(src, c.file_offset);
+        }
+        // O_DIRECT from misaligned memory: stage the aligned middle.
+        let ao = a.offset as u64;
+        let mid_start = align::align_up(c.file_offset, ao).min(c.file_offset + c.len as u64);
+        let mid_end = align::align_down(c.file_offset + c.len as u64, ao).max(mid_start);
+        let h = (mid_start - c.file_offset) as usize;
+        let m = (mid_end - mid_start) as usize;
+        file.write_at(&src[..h], c.file_offset)?;
+        if m > 0 {
+            let stage = &mut self.staging.as_mut_slice()[..m];
+            stage.copy_from_slice(&src[h..h + m]);
+            file.write_blocks(stage, mid_start)?;
+        }
+        file.write_at(&src[h + m..], mid_end)
+    }
+
+    /// # Safety
+    /// `c` must describe writable host memory (see [`Engine::read`]).
+    unsafe fn read_chunk(&mut self, file: &IoFile, c: &Chunk) -> Result<()> {
+        debug_assert_eq!(c.memory, Memory::Host);
+        // SAFETY: the caller guarantees [addr, addr+len) is writable and unshared.
+        let dst = unsafe { std::slice::from_raw_parts_mut(c.addr as *mut u8, c.len) };
+        let a = file.alignment();
+        if !file.is_direct()
+            || align::is_aligned(c.addr, a.memory as u64)
+                && align::is_aligned(c.file_offset, a.offset as u64)
+        {
+            return file.read_at(dst, c.file_offset);
+        }
+        // O_DIRECT into the staging buffer over the aligned superset, then copy out.
+        let ao = a.offset as u64;
+        let start = align::align_down(c.file_offset, ao);
+        let end = align::align_up(c.file_offset + c.len as u64, ao);
+        let span = (end - start) as usize;
+        let stage = &mut self.staging.as_mut_slice()[..span];
+        let got = file.read_blocks_upto(stage, start)?;
+        let skip = (c.file_offset - start) as usize;
+        if got < skip + c.len {
+            return Err(Error::format(
+                Some(file.path()),
+                format!(
+                    "file ends at byte {} but data runs to byte {}",
+                    start + got as u64,
+                    c.file_offset + c.len as u64
+                ),
+            ));
+        }
+        dst.copy_from_slice(&stage[skip..skip + c.len]);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+// Test buffers outlive every engine call that borrows their addresses.
+#[allow(clippy::undocumented_unsafe_blocks)]
+mod tests {
+    use super::*;
+    use std::fs::OpenOptions;
+
+    fn engine(threads: usize, chunk: usize) -> Engine {
+        Engine::new(EngineConfig {
+            threads,
+            chunk_size: chunk,
+            direct: DirectMode::Auto,
+        })
+        .unwrap()
+    }
+
+    fn host(file_offset: u64, buf: &[u8]) -> Segment {
+        Segment {
+            file_offset,
+            addr: buf.as_ptr() as u64,
+            len: buf.len() as u64,
+            memory: Memory::Host,
+        }
+    }
+
+    fn open(path: &std::path::Path, mode: DirectMode) -> IoFile {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .unwrap();
+        IoFile::from_writable(f, path, mode).unwrap()
+    }
+
+    #[test]
+    fn parallel_roundtrip_many_shapes() {
+        let d = tempfile::tempdir().unwrap();
+        for mode in [DirectMode::Auto, DirectMode::Off] {
+            let f = open(&d.path().join(format!("{mode:?}")), mode);
+            // Odd sizes, odd offsets, a segment spanning many chunks, an empty one.
+            let layout: &[(u64, usize)] = &[
+                (4096, 300_000),
+                (1_000_000, 5),
+                (1_003_000, 4096),
+                (2_000_001, 123_457),
+                (3_000_000, 0),
+            ];
+            let data: Vec<Vec<u8>> = layout
+                .iter()
+                .enumerate()
+                .map(|(k, &(_, n))| (0..n).map(|i| (i * 7 + k * 13) as u8).collect())
+                .collect();
+            // Misaligned source memory: slice one byte in.
+            let shifted: Vec<Vec<u8>> = data.iter().map(|v| [&[0u8][..], v].concat()).collect();
+            let segs: Vec<Segment> = layout
+                .iter()
+                .zip(&shifted)
+                .map(|(&(o, _), v)| host(o, &v[1..]))
+                .collect();
+            let e = engine(4, 64 << 10);
+            let st = unsafe { e.write(&f, &segs) }.unwrap();
+            assert_eq!(st.bytes, data.iter().map(|v| v.len() as u64).sum::<u64>());
+            assert!(st.chunks > 5);
+            let mut back: Vec<Vec<u8>> = data.iter().map(|v| vec![0xAA; v.len()]).collect();
+            let rsegs: Vec<Segment> = layout
+                .iter()
+                .zip(&back)
+                .map(|(&(o, _), v)| host(o, v))
+                .collect();
+            unsafe { e.read(&f, &rsegs) }.unwrap();
+            for v in back.iter_mut().zip(&data) {
+                assert_eq!(v.0, v.1);
+            }
+            // Aligned destination memory takes the zero-copy path.
+            let mut ab = AlignedBuf::new(300_000, 4096).unwrap();
+            let seg = Segment {
+                file_offset: 4096,
+                addr: ab.as_mut_ptr() as u64,
+                len: 300_000,
+                memory: Memory::Host,
+            };
+            unsafe { e.read(&f, &[seg]) }.unwrap();
+            assert_eq!(&ab.as_slice()[..300_000], &data[0][..]);
+        }
+    }
+
+    #[test]
+    fn reading_past_the_end_is_an_error_from_any_thread() {
+        let d = tempfile::tempdir().unwrap();
+        let f = open(&d.path().join("short"), DirectMode::Auto);
+        let data = vec![1u8; 100_000];
+        unsafe { engine(2, 4096).write(&f, &[host(0, &data)]) }.unwrap();
+        let mut big = vec![0u8; 200_000];
+        let seg = Segment {
+            file_offset: 0,
+            addr: big.as_mut_ptr() as u64,
+            len: 200_000,
+            memory: Memory::Host,
+        };
+        match unsafe { engine(4, 4096).read(&f, &[seg]) } {
+            Err(Error::Format { .. }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn cuda_segments_are_refused_here() {
+        let d = tempfile::tempdir().unwrap();
+        let f = open(&d.path().join("x"), DirectMode::Auto);
+        let seg = Segment {
+            file_offset: 0,
+            addr: 4096,
+            len: 10,
+            memory: Memory::Cuda(0),
+        };
+        assert!(matches!(
+            unsafe { engine(1, 4096).write(&f, &[seg]) },
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn lanes_are_reused_and_bounded() {
+        let d = tempfile::tempdir().unwrap();
+        let f = open(&d.path().join("x"), DirectMode::Auto);
+        let e = engine(3, 64 << 10);
+        let data = vec![3u8; 1 << 20];
+        for _ in 0..5 {
+            unsafe { e.write(&f, &[host(1, &data)]) }.unwrap();
+        }
+        assert!(e.pooled_bytes() <= 3 * ((64 << 10) + 2 * 4096 + 4096));
+    }
+
+    #[test]
+    fn config_validation_and_sizes() {
+        assert_eq!(parse_size("16M").unwrap(), 16 << 20);
+        assert_eq!(parse_size("4k").unwrap(), 4096);
+        assert_eq!(parse_size(" 12 ").unwrap(), 12);
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("3q").is_err());
+        assert!(Engine::new(EngineConfig {
+            threads: 0,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(Engine::new(EngineConfig {
+            chunk_size: 1000,
+            ..Default::default()
+        })
+        .is_err());
+    }
+}

@@ -1,0 +1,128 @@
+//! The one error type of the core. Every fallible function returns [`Result`].
+//!
+//! Variants keep their sources (`io::Error` intact, so the binding can raise the
+//! matching `OSError` subclass) and say *where* things went wrong: the step, the
+//! path, the record.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// An operating-system call failed; `op` names the step ("open", "pwrite", "fsync", ...).
+    Io {
+        op: &'static str,
+        path: Option<PathBuf>,
+        source: io::Error,
+    },
+    /// The file is not a usable torch.save archive (bad zip, truncated, compressed record...).
+    Format {
+        path: Option<PathBuf>,
+        reason: String,
+    },
+    /// The caller asked for something impossible (bad offset, size, pointer, option).
+    InvalidArgument(String),
+    /// A library loaded at run time (libcuda, libcufile) is missing or lacks a symbol.
+    Library { name: String, reason: String },
+    /// A CUDA driver call failed.
+    Cuda {
+        call: &'static str,
+        code: i32,
+        name: String,
+    },
+    /// A cuFile call failed. `code` is the CUfileOpError, `cuda_code` the CUresult behind it.
+    CuFile {
+        call: &'static str,
+        code: i32,
+        cuda_code: i32,
+        reason: String,
+    },
+}
+
+impl Error {
+    pub fn io(op: &'static str, path: impl Into<Option<PathBuf>>, source: io::Error) -> Self {
+        Error::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub fn io_at(op: &'static str, path: &Path, source: io::Error) -> Self {
+        Self::io(op, Some(path.to_path_buf()), source)
+    }
+
+    pub fn format(path: Option<&Path>, reason: impl Into<String>) -> Self {
+        Error::Format {
+            path: path.map(Path::to_path_buf),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn invalid(reason: impl Into<String>) -> Self {
+        Error::InvalidArgument(reason.into())
+    }
+
+    /// Attach a path to an error raised by a layer that did not know it.
+    #[must_use]
+    pub fn with_path(mut self, p: &Path) -> Self {
+        match &mut self {
+            Error::Io { path, .. } | Error::Format { path, .. } if path.is_none() => {
+                *path = Some(p.to_path_buf());
+            }
+            _ => {}
+        }
+        self
+    }
+
+    /// The errno behind an I/O error, if any.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            Error::Io { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Io { op, path, source } => match path {
+                Some(p) => write!(f, "{op} failed on {}: {source}", p.display()),
+                None => write!(f, "{op} failed: {source}"),
+            },
+            Error::Format { path, reason } => match path {
+                Some(p) => write!(f, "{}: not a usable checkpoint: {reason}", p.display()),
+                None => write!(f, "not a usable checkpoint: {reason}"),
+            },
+            Error::InvalidArgument(reason) => f.write_str(reason),
+            Error::Library { name, reason } => write!(f, "{name} unavailable: {reason}"),
+            Error::Cuda { call, code, name } => write!(f, "{call} failed: {name} ({code})"),
+            Error::CuFile {
+                call,
+                code,
+                cuda_code,
+                reason,
+            } => {
+                write!(f, "{call} failed: {reason} (cuFile error {code}")?;
+                if *cuda_code != 0 {
+                    write!(f, ", CUDA error {cuda_code}")?;
+                }
+                f.write_str(")")
+            }
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,443 @@
+//! A file for aligned positional I/O.
+//!
+//! Each [`IoFile`] holds two descriptors of one file, like KvikIO: a buffered one,
+//! always there, and an O_DIRECT one where the filesystem takes it. Aligned
+//! ranges go through O_DIRECT (no page-cache copy, no cache pollution), the
+//! unaligned head and tail of a range through the buffered descriptor. On tmpfs
+//! or any filesystem refusing O_DIRECT (EINVAL) the file is simply buffered.
+//!
+//! The loops here handle short transfers and EINTR; a read that meets the end of
+//! the file before the bytes it needs is a typed `Format` error (a truncated file).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use crate::align::{self, DioAlign};
+use crate::{Error, Result};
+
+/// Whether to use O_DIRECT.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DirectMode {
+    /// Where the filesystem takes it.
+    #[default]
+    Auto,
+    /// Never: every byte through the page cache.
+    Off,
+    /// Always: opening fails when the filesystem refuses O_DIRECT.
+    Required,
+}
+
+impl std::str::FromStr for DirectMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" | "" => Ok(DirectMode::Auto),
+            "off" | "0" | "false" | "no" => Ok(DirectMode::Off),
+            "on" | "1" | "true" | "yes" | "required" => Ok(DirectMode::Required),
+            other => Err(Error::invalid(format!(
+                "direct I/O mode must be auto, on or off, not {other:?}"
+            ))),
+        }
+    }
+}
+
+/// One open file: a buffered descriptor and, where possible, an O_DIRECT one.
+#[derive(Debug)]
+pub struct IoFile {
+    path: PathBuf,
+    buffered: File,
+    direct: Option<File>,
+    align: DioAlign,
+    /// Why O_DIRECT is not used, when it is not.
+    no_direct_reason: Option<String>,
+}
+
+impl IoFile {
+    /// Open an existing file for reading.
+    pub fn open_read(path: &Path, mode: DirectMode) -> Result<Self> {
+        let buffered = File::open(path).map_err(|e| Error::io_at("open", path, e))?;
+        let meta = buffered
+            .metadata()
+            .map_err(|e| Error::io_at("stat", path, e))?;
+        if meta.is_dir() {
+            return Err(Error::io_at(
+                "open",
+                path,
+                io::Error::from_raw_os_error(libc::EISDIR),
+            ));
+        }
+        Self::with_direct(buffered, path, false, mode)
+    }
+
+    /// Wrap a file already open for writing (e.g. a temp file made by
+    /// [`crate::persist`]) and add an O_DIRECT descriptor to it.
+    pub fn from_writable(file: File, path: &Path, mode: DirectMode) -> Result<Self> {
+        Self::with_direct(file, path, true, mode)
+    }
+
+    fn with_direct(buffered: File, path: &Path, write: bool, mode: DirectMode) -> Result<Self> {
+        let align = align::dio_align(buffered.as_raw_fd());
+        let (direct, reason) = match mode {
+            DirectMode::Off => (None, Some("O_DIRECT disabled by configuration".to_string())),
+            // Linux >= 6.6 accepts O_DIRECT on tmpfs but it buys nothing there
+            // (memory is the storage) and would force aligned staging copies.
+            DirectMode::Auto if align::is_tmpfs_fd(buffered.as_raw_fd()) => (
+                None,
+                Some("tmpfs: the page cache is the storage".to_string()),
+            ),
+            _ => match reopen_direct(&buffered, write) {
+                Ok(f) => (Some(f), None),
+                Err(e) if mode == DirectMode::Required => {
+                    return Err(Error::io_at("open with O_DIRECT", path, e));
+                }
+                Err(e) => (None, Some(format!("filesystem refused O_DIRECT: {e}"))),
+            },
+        };
+        Ok(IoFile {
+            path: path.to_path_buf(),
+            buffered,
+            direct,
+            align,
+            no_direct_reason: reason,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The buffered descriptor's file (always present).
+    pub fn file(&self) -> &File {
+        &self.buffered
+    }
+
+    pub fn alignment(&self) -> DioAlign {
+        self.align
+    }
+
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some()
+    }
+
+    pub fn no_direct_reason(&self) -> Option<&str> {
+        self.no_direct_reason.as_deref()
+    }
+
+    pub fn len(&self) -> Result<u64> {
+        self.buffered
+            .metadata()
+            .map(|m| m.len())
+            .map_err(|e| Error::io_at("stat", &self.path, e))
+    }
+
+    pub fn is_empty(&self) -> Result<bool> {
+        self.len().map(|n| n == 0)
+    }
+
+    /// The O_DIRECT descriptor, if the range (offset, length, address) meets its alignment.
+    fn direct_fd_for(&self, off: u64, len: usize, addr: usize) -> Option<RawFd> {
+        let d = self.direct.as_ref()?;
+        let ok = align::is_aligned(off, self.align.offset as u64)
+            && align::is_aligned(len as u64, self.align.offset as u64)
+            && align::is_aligned(addr as u64, self.align.memory as u64);
+        ok.then(|| d.as_raw_fd())
+    }
+
+    /// Write all of `buf` at `off`: the aligned middle through O_DIRECT when the
+    /// memory allows it, head and tail buffered.
+    pub fn write_at(&self, buf: &[u8], off: u64) -> Result<()> {
+        let (head, mid, tail) = self.split(off, buf);
+        let fd = self.buffered.as_raw_fd();
+        if !head.is_empty() {
+            pwrite_all(fd, head, off).map_err(|e| Error::io_at("pwrite", &self.path, e))?;
+        }
+        let mid_off = off + head.len() as u64;
+        if !mid.is_empty() {
+            let dfd = self
+                .direct_fd_for(mid_off, mid.len(), mid.as_ptr() as usize)
+                .unwrap_or(fd);
+            pwrite_all(dfd, mid, mid_off).map_err(|e| Error::io_at("pwrite", &self.path, e))?;
+        }
+        if !tail.is_empty() {
+            let tail_off = mid_off + mid.len() as u64;
+            pwrite_all(fd, tail, tail_off).map_err(|e| Error::io_at("pwrite", &self.path, e))?;
+        }
+        Ok(())
+    }
+
+    /// Fill all of `buf` from `off`. Meeting the end of the file first is a
+    /// `Format` error (the file is truncated).
+    pub fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
+        let total = buf.len();
+        let (h, m) = {
+            let (head, mid, _) = self.split(off, buf);
+            (head.len(), mid.len())
+        };
+        let fd = self.buffered.as_raw_fd();
+        let (head, rest) = buf.split_at_mut(h);
+        let (mid, tail) = rest.split_at_mut(m);
+        self.read_exact(fd, head, off, total)?;
+        let mid_off = off + h as u64;
+        let dfd = self
+            .direct_fd_for(mid_off, mid.len(), mid.as_ptr() as usize)
+            .unwrap_or(fd);
+        self.read_exact(dfd, mid, mid_off, total)?;
+        self.read_exact(fd, tail, mid_off + m as u64, total)
+    }
+
+    /// Read whole aligned blocks `[off, off+buf.len())` through O_DIRECT (or
+    /// buffered when there is none), stopping early only at end of file.
+    /// Returns the bytes read. `off`, `buf.len()` and `buf`'s address must meet
+    /// [`Self::alignment`] when the file is direct.
+    pub fn read_blocks_upto(&self, buf: &mut [u8], off: u64) -> Result<usize> {
+        let fd = self
+            .direct_fd_for(off, buf.len(), buf.as_ptr() as usize)
+            .unwrap_or(self.buffered.as_raw_fd());
+        pread_upto(fd, buf, off).map_err(|e| Error::io_at("pread", &self.path, e))
+    }
+
+    /// Write whole aligned blocks through O_DIRECT when possible.
+    pub fn write_blocks(&self, buf: &[u8], off: u64) -> Result<()> {
+        let fd = self
+            .direct_fd_for(off, buf.len(), buf.as_ptr() as usize)
+            .unwrap_or(self.buffered.as_raw_fd());
+        pwrite_all(fd, buf, off).map_err(|e| Error::io_at("pwrite", &self.path, e))
+    }
+
+    fn read_exact(&self, fd: RawFd, buf: &mut [u8], off: u64, total: usize) -> Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let n = pread_upto(fd, buf, off).map_err(|e| Error::io_at("pread", &self.path, e))?;
+        if n < buf.len() {
+            return Err(Error::format(
+                Some(&self.path),
+                format!(
+                    "file ends at byte {} but {total} bytes are needed from a range starting near {off}",
+                    off + n as u64
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Split `[off, off+len)` into an unaligned head, an aligned middle and an
+    /// unaligned tail (by file offset). Without O_DIRECT everything is "head".
+    fn split<'a>(&self, off: u64, buf: &'a [u8]) -> (&'a [u8], &'a [u8], &'a [u8]) {
+        if self.direct.is_none() {
+            return (buf, &[], &[]);
+        }
+        let a = self.align.offset as u64;
+        let end = off + buf.len() as u64;
+        let mid_start = align::align_up(off, a).min(end);
+        let mid_end = align::align_down(end, a).max(mid_start);
+        let h = (mid_start - off) as usize;
+        let m = (mid_end - mid_start) as usize;
+        let (head, rest) = buf.split_at(h);
+        let (mid, tail) = rest.split_at(m);
+        (head, mid, tail)
+    }
+
+    /// Preallocate `[0, len)` so that a full disk fails now, not mid-write,
+    /// and the data lands in few extents. Filesystems without fallocate are fine.
+    pub fn preallocate(&self, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: fallocate on a valid fd with in-range arguments.
+        let rc = unsafe { libc::fallocate(self.buffered.as_raw_fd(), 0, 0, len as libc::off_t) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL) => Ok(()),
+            _ => Err(Error::io_at("fallocate", &self.path, e)),
+        }
+    }
+
+    /// fsync the file (data and metadata).
+    pub fn sync(&self) -> Result<()> {
+        self.buffered
+            .sync_all()
+            .map_err(|e| Error::io_at("fsync", &self.path, e))
+    }
+}
+
+/// A second, independent open of the same file with O_DIRECT. Opening
+/// /proc/self/fd/N makes a new open file description, so O_DIRECT does not leak
+/// onto the buffered descriptor (fcntl would set it on both).
+fn reopen_direct(file: &File, write: bool) -> io::Result<File> {
+    let proc = format!("/proc/self/fd/{}", file.as_raw_fd());
+    OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        .open(proc)
+}
+
+/// pread until `buf` is full or the end of the file; returns the bytes read.
+pub fn pread_upto(fd: RawFd, buf: &mut [u8], off: u64) -> io::Result<usize> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        let pos = off + done as u64;
+        // SAFETY: the pointer/length pair lies within `buf`.
+        let n = unsafe {
+            libc::pread(
+                fd,
+                buf[done..].as_mut_ptr().cast(),
+                buf.len() - done,
+                pos as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            break;
+        }
+        done += n as usize;
+    }
+    Ok(done)
+}
+
+/// pwrite all of `buf` at `off`, across short writes and EINTR.
+pub fn pwrite_all(fd: RawFd, buf: &[u8], off: u64) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        let pos = off + done as u64;
+        // SAFETY: the pointer/length pair lies within `buf`.
+        let n = unsafe {
+            libc::pwrite(
+                fd,
+                buf[done..].as_ptr().cast(),
+                buf.len() - done,
+                pos as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "pwrite wrote nothing",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::align::AlignedBuf;
+
+    fn pattern(n: usize, seed: u8) -> Vec<u8> {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect()
+    }
+
+    fn roundtrip(dir: &Path, mode: DirectMode) {
+        let path = dir.join("f.bin");
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        let io = IoFile::from_writable(f, &path, mode).unwrap();
+        // Unaligned offsets and lengths, from unaligned and aligned memory.
+        let cases: &[(u64, usize)] = &[
+            (0, 4096),
+            (1, 10),
+            (4095, 4098),
+            (8192, 3 * 4096 + 17),
+            (100_000, 1),
+        ];
+        for (i, &(off, len)) in cases.iter().enumerate() {
+            let data = pattern(len, i as u8);
+            io.write_at(&data, off).unwrap();
+            let mut back = vec![0u8; len];
+            io.read_at(&mut back, off).unwrap();
+            assert_eq!(back, data, "case {i}");
+            // Aligned memory too (the zero-copy O_DIRECT path).
+            let mut ab = AlignedBuf::new(len, 4096).unwrap();
+            io.read_at(&mut ab.as_mut_slice()[..len], off).unwrap();
+            assert_eq!(&ab.as_slice()[..len], &data[..]);
+        }
+        io.sync().unwrap();
+        // Reading past the end is a typed truncation error.
+        let end = io.len().unwrap();
+        let mut b = vec![0u8; 10];
+        match io.read_at(&mut b, end - 5) {
+            Err(Error::Format { .. }) => {}
+            other => panic!("expected a Format error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn roundtrip_on_disk_auto() {
+        let d = tempfile::tempdir().unwrap();
+        roundtrip(d.path(), DirectMode::Auto);
+    }
+
+    #[test]
+    fn roundtrip_buffered() {
+        let d = tempfile::tempdir().unwrap();
+        roundtrip(d.path(), DirectMode::Off);
+    }
+
+    #[test]
+    fn tmpfs_falls_back_to_buffered() {
+        let shm = Path::new("/dev/shm");
+        if !shm.is_dir() {
+            return;
+        }
+        let d = tempfile::tempdir_in(shm).unwrap();
+        roundtrip(d.path(), DirectMode::Auto);
+        let path = d.path().join("g.bin");
+        std::fs::write(&path, b"x").unwrap();
+        let f = IoFile::open_read(&path, DirectMode::Auto).unwrap();
+        assert!(!f.is_direct());
+        assert!(f.no_direct_reason().is_some());
+    }
+
+    #[test]
+    fn open_errors_are_typed() {
+        let d = tempfile::tempdir().unwrap();
+        match IoFile::open_read(&d.path().join("missing"), DirectMode::Auto) {
+            Err(Error::Io { source, op, .. }) => {
+                assert_eq!(source.kind(), io::ErrorKind::NotFound);
+                assert_eq!(op, "open");
+            }
+            other => panic!("{other:?}"),
+        }
+        match IoFile::open_read(d.path(), DirectMode::Auto) {
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EISDIR)),
+            Ok(_) => panic!("a folder opened as a file"),
+        }
+    }
+
+    #[test]
+    fn mode_parsing() {
+        assert_eq!("AUTO".parse::<DirectMode>().unwrap(), DirectMode::Auto);
+        assert_eq!("off".parse::<DirectMode>().unwrap(), DirectMode::Off);
+        assert_eq!("on".parse::<DirectMode>().unwrap(), DirectMode::Required);
+        assert!("sometimes".parse::<DirectMode>().is_err());
+    }
+}
