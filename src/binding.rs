@@ -14,6 +14,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::engine::{Engine as CoreEngine, EngineConfig, Memory, Segment, Stats};
 use crate::file::{DirectMode, IoFile};
+use crate::gpu::{self, Backend, DevicePath};
 use crate::persist::AtomicFile;
 use crate::zipmap::{self, Archive};
 use crate::Error;
@@ -54,7 +55,7 @@ impl From<Error> for PyErr {
                 Some(errno) => {
                     let text = format!("{op} failed: {}", strip_os_suffix(&source.to_string()));
                     match path {
-                        Some(p) => PyOSError::new_err((errno, text, p)),
+                        Some(p) => PyOSError::new_err((errno, text, p.into_os_string())),
                         None => PyOSError::new_err((errno, text)),
                     }
                 }
@@ -137,6 +138,11 @@ impl Engine {
         self.inner.pooled_bytes()
     }
 
+    /// Pinned host memory held by the engine's bounce buffers.
+    fn pinned_bytes(&self) -> usize {
+        self.inner.pinned_bytes()
+    }
+
     fn __repr__(&self) -> String {
         let c = self.inner.config();
         format!(
@@ -166,17 +172,6 @@ fn segments(raw: Vec<RawSegment>) -> Vec<Segment> {
         .collect()
 }
 
-fn stats_dict<'py>(py: Python<'py>, s: &Stats, file: &IoFile) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("bytes", s.bytes)?;
-    d.set_item("chunks", s.chunks)?;
-    d.set_item("threads", s.threads)?;
-    d.set_item("direct", s.direct)?;
-    d.set_item("direct_reason", file.no_direct_reason())?;
-    d.set_item("backend", "posix")?;
-    Ok(d)
-}
-
 fn records_list(a: &Archive) -> Vec<(String, u64, u64)> {
     a.records
         .iter()
@@ -195,8 +190,56 @@ fn map_archive(py: Python<'_>, path: PathBuf) -> PyResult<Vec<(String, u64, u64)
 }
 
 struct WriterState {
-    atomic: AtomicFile,
+    // Field order is drop order: a cuFile handle goes before the fd it uses.
+    device: Option<DevicePath>,
     io: IoFile,
+    atomic: AtomicFile,
+}
+
+fn backend_arg(s: Option<&str>) -> PyResult<Backend> {
+    Ok(match s {
+        Some(s) => s.parse()?,
+        None => Backend::from_env()?,
+    })
+}
+
+fn report<'py>(
+    py: Python<'py>,
+    s: &Stats,
+    io: &IoFile,
+    device: Option<&DevicePath>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bytes", s.bytes)?;
+    d.set_item("chunks", s.chunks)?;
+    d.set_item("threads", s.threads)?;
+    d.set_item("direct", s.direct)?;
+    d.set_item("direct_reason", io.no_direct_reason())?;
+    d.set_item("backend", s.device_path.unwrap_or("posix"))?;
+    let dev = device.filter(|_| s.device_path.is_some());
+    d.set_item("gds_mode", dev.and_then(DevicePath::gds_mode))?;
+    d.set_item("fallback_reason", dev.and_then(DevicePath::fallback_reason))?;
+    Ok(d)
+}
+
+/// The device path for a file, opened on first need (only when device memory moves).
+///
+/// # Safety
+/// The returned path must be dropped before `io`.
+unsafe fn ensure_device_path<'a>(
+    slot: &'a mut Option<DevicePath>,
+    io: &IoFile,
+    backend: Backend,
+    segs: &[Segment],
+) -> Result<Option<&'a DevicePath>, Error> {
+    if !segs.iter().any(|s| s.len > 0 && s.memory != Memory::Host) {
+        return Ok(None);
+    }
+    if slot.is_none() {
+        // SAFETY: the caller drops `slot` before `io`.
+        *slot = Some(unsafe { gpu::open_device_path(io, backend)? });
+    }
+    Ok(slot.as_ref())
 }
 
 /// A checkpoint being written: a temp file beside the target, replaced atomically on commit.
@@ -206,6 +249,7 @@ pub struct AtomicWriter {
     fd: i32,
     tmp_path: PathBuf,
     target: PathBuf,
+    backend: Backend,
 }
 
 impl AtomicWriter {
@@ -223,9 +267,15 @@ impl AtomicWriter {
 #[pymethods]
 impl AtomicWriter {
     #[new]
-    #[pyo3(signature = (path, direct=None))]
-    fn new(py: Python<'_>, path: PathBuf, direct: Option<&str>) -> PyResult<Self> {
+    #[pyo3(signature = (path, direct=None, backend=None))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        direct: Option<&str>,
+        backend: Option<&str>,
+    ) -> PyResult<Self> {
         let mode = direct_mode(direct)?.unwrap_or(EngineConfig::from_env()?.direct);
+        let backend = backend_arg(backend)?;
         py.detach(|| {
             let atomic = AtomicFile::create(&path)?;
             let file = atomic
@@ -238,7 +288,12 @@ impl AtomicWriter {
                 fd: atomic.file().as_raw_fd(),
                 tmp_path: atomic.tmp_path().to_path_buf(),
                 target: atomic.target().to_path_buf(),
-                state: Mutex::new(Some(WriterState { atomic, io })),
+                backend,
+                state: Mutex::new(Some(WriterState {
+                    device: None,
+                    io,
+                    atomic,
+                })),
             })
         })
         .map_err(Into::into)
@@ -281,45 +336,41 @@ impl AtomicWriter {
         storages: Vec<(String, u64, u64, i32)>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let engine = engine.inner.clone();
-        let (stats, reason, direct) = py.detach(|| {
-            self.with_state(|s| {
-                let path = s.atomic.tmp_path().to_path_buf();
-                let a = zipmap::map_file(s.io.file(), Some(&path))?;
-                let mut raw = Vec::with_capacity(storages.len());
-                for (key, addr, nbytes, dev) in storages {
-                    let r = a.storage(&key).ok_or_else(|| {
-                        Error::format(Some(&path), format!("no record for storage {key}"))
-                    })?;
-                    if r.size != nbytes {
-                        return Err(Error::format(
-                            Some(&path),
-                            format!(
-                                "record {} holds {} bytes, storage {key} has {nbytes}",
-                                r.name, r.size
-                            ),
-                        ));
-                    }
-                    raw.push((r.data_offset, addr, nbytes, dev));
+        let backend = self.backend;
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(st) = g.as_mut() else {
+            return Err(PyValueError::new_err(
+                "the checkpoint writer is already committed or aborted",
+            ));
+        };
+        let stats = py.detach(|| {
+            let path = st.atomic.tmp_path().to_path_buf();
+            let a = zipmap::map_file(st.io.file(), Some(&path))?;
+            let mut raw = Vec::with_capacity(storages.len());
+            for (key, addr, nbytes, dev) in storages {
+                let r = a.storage(&key).ok_or_else(|| {
+                    Error::format(Some(&path), format!("no record for storage {key}"))
+                })?;
+                if r.size != nbytes {
+                    return Err(Error::format(
+                        Some(&path),
+                        format!(
+                            "record {} holds {} bytes, storage {key} has {nbytes}",
+                            r.name, r.size
+                        ),
+                    ));
                 }
-                s.io.preallocate(a.file_len)?;
-                // SAFETY: the Python caller keeps each storage alive and
-                // unmodified for the duration of this call (documented contract).
-                let st = unsafe { engine.write(&s.io, &segments(raw))? };
-                Ok((
-                    st,
-                    s.io.no_direct_reason().map(str::to_owned),
-                    s.io.is_direct(),
-                ))
-            })
+                raw.push((r.data_offset, addr, nbytes, dev));
+            }
+            st.io.preallocate(a.file_len)?;
+            let segs = segments(raw);
+            // SAFETY: `st.device` is dropped before `st.io` (field order).
+            let device = unsafe { ensure_device_path(&mut st.device, &st.io, backend, &segs)? };
+            // SAFETY: the Python caller keeps each storage alive and
+            // unmodified for the duration of this call (documented contract).
+            unsafe { engine.write_via(&st.io, &segs, device) }
         })?;
-        let d = PyDict::new(py);
-        d.set_item("bytes", stats.bytes)?;
-        d.set_item("chunks", stats.chunks)?;
-        d.set_item("threads", stats.threads)?;
-        d.set_item("direct", direct)?;
-        d.set_item("direct_reason", reason)?;
-        d.set_item("backend", "posix")?;
-        Ok(d)
+        report(py, &stats, &st.io, st.device.as_ref())
     }
 
     /// fsync, rename over the target, fsync the folder.
@@ -331,8 +382,10 @@ impl AtomicWriter {
             ));
         };
         py.detach(move || {
-            drop(s.io);
-            s.atomic.commit()
+            let WriterState { device, io, atomic } = s;
+            drop(device);
+            drop(io);
+            atomic.commit()
         })?;
         Ok(())
     }
@@ -348,18 +401,29 @@ impl AtomicWriter {
 pub struct Reader {
     io: IoFile,
     archive: Archive,
+    backend: Backend,
 }
 
 #[pymethods]
 impl Reader {
     #[new]
-    #[pyo3(signature = (path, direct=None))]
-    fn new(py: Python<'_>, path: PathBuf, direct: Option<&str>) -> PyResult<Self> {
+    #[pyo3(signature = (path, direct=None, backend=None))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        direct: Option<&str>,
+        backend: Option<&str>,
+    ) -> PyResult<Self> {
         let mode = direct_mode(direct)?.unwrap_or(EngineConfig::from_env()?.direct);
+        let backend = backend_arg(backend)?;
         py.detach(|| {
             let io = IoFile::open_read(&path, mode)?;
             let archive = zipmap::map_file(io.file(), Some(&path))?;
-            Ok::<_, Error>(Reader { io, archive })
+            Ok::<_, Error>(Reader {
+                io,
+                archive,
+                backend,
+            })
         })
         .map_err(Into::into)
     }
@@ -416,7 +480,7 @@ impl Reader {
         segments_in: Vec<RawSegment>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let engine = engine.inner.clone();
-        let stats = py.detach(|| {
+        let (stats, device) = py.detach(|| {
             for &(off, _, len, _) in &segments_in {
                 let inside = self.archive.records.iter().any(|r| {
                     off >= r.data_offset
@@ -434,18 +498,286 @@ impl Reader {
                     ));
                 }
             }
+            let segs = segments(segments_in);
+            let mut device = None;
+            // SAFETY: `device` is dropped (end of this call) before `self.io`.
+            let path = unsafe { ensure_device_path(&mut device, &self.io, self.backend, &segs)? };
             // SAFETY: the Python caller keeps each destination alive and
             // untouched for the duration of this call (documented contract).
-            unsafe { engine.read(&self.io, &segments(segments_in)) }
+            let st = unsafe { engine.read_via(&self.io, &segs, path)? };
+            Ok::<_, Error>((st, device))
         })?;
-        stats_dict(py, &stats, &self.io)
+        report(py, &stats, &self.io, device.as_ref())
     }
+}
+
+/// An open file for moving storages at given offsets (what `ckptio.GdsFile` wraps).
+///
+/// `register_handle` picks the device path (cuFile, or the bounce pipeline when
+/// cuFile cannot take the file); transfers work either way.
+#[pyclass(frozen, module = "ckptio._native")]
+pub struct DeviceFile {
+    // Field order is drop order: the cuFile handle before the fd.
+    device: Mutex<Option<DevicePath>>,
+    io: IoFile,
+    backend: Backend,
+}
+
+impl DeviceFile {
+    fn transfer(&self, engine: &Engine, seg: RawSegment, write: bool) -> Result<Stats, Error> {
+        let segs = segments(vec![seg]);
+        let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the Python caller keeps the storage alive and untouched for
+        // the duration of the call (documented contract).
+        unsafe {
+            if write {
+                engine.inner.write_via(&self.io, &segs, g.as_ref())
+            } else {
+                engine.inner.read_via(&self.io, &segs, g.as_ref())
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl DeviceFile {
+    #[new]
+    #[pyo3(signature = (path, writable, direct=None, backend=None))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        writable: bool,
+        direct: Option<&str>,
+        backend: Option<&str>,
+    ) -> PyResult<Self> {
+        let mode = direct_mode(direct)?.unwrap_or(EngineConfig::from_env()?.direct);
+        let backend = backend_arg(backend)?;
+        py.detach(|| {
+            let io = if writable {
+                let f = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&path)
+                    .map_err(|e| Error::io_at("open", &path, e))?;
+                IoFile::from_writable(f, &path, mode)?
+            } else {
+                IoFile::open_read(&path, mode)?
+            };
+            Ok::<_, Error>(DeviceFile {
+                device: Mutex::new(None),
+                io,
+                backend,
+            })
+        })
+        .map_err(Into::into)
+    }
+
+    /// Choose the device path: cuFile where it works (or an error when the
+    /// backend is forced to cuFile), else the bounce pipeline.
+    fn register_handle(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.device.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            // SAFETY: `device` is declared before `io`, so it drops first.
+            *g = Some(py.detach(|| unsafe { gpu::open_device_path(&self.io, self.backend) })?);
+        }
+        Ok(())
+    }
+
+    fn deregister_handle(&self) {
+        self.device.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+
+    /// "cufile", "bounce", or None before register_handle.
+    #[getter]
+    fn backend(&self) -> Option<&'static str> {
+        self.device
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(DevicePath::name)
+    }
+
+    #[getter]
+    fn gds_mode(&self) -> Option<&'static str> {
+        self.device
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(DevicePath::gds_mode)
+    }
+
+    #[getter]
+    fn fallback_reason(&self) -> Option<String> {
+        let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
+        g.as_ref()
+            .and_then(DevicePath::fallback_reason)
+            .map(str::to_owned)
+    }
+
+    /// Write `nbytes` at `addr` (device -1 = host) to the file at `offset`.
+    fn write(
+        &self,
+        py: Python<'_>,
+        engine: &Engine,
+        offset: u64,
+        addr: u64,
+        nbytes: u64,
+        device: i32,
+    ) -> PyResult<()> {
+        py.detach(|| self.transfer(engine, (offset, addr, nbytes, device), true))?;
+        Ok(())
+    }
+
+    /// Read `nbytes` from the file at `offset` into `addr`.
+    fn read(
+        &self,
+        py: Python<'_>,
+        engine: &Engine,
+        offset: u64,
+        addr: u64,
+        nbytes: u64,
+        device: i32,
+    ) -> PyResult<()> {
+        py.detach(|| self.transfer(engine, (offset, addr, nbytes, device), false))?;
+        Ok(())
+    }
+}
+
+/// A cuFileBufRegister registration; deregistered when dropped or on `close()`.
+#[pyclass(frozen, module = "ckptio._native")]
+pub struct BufferRegistration {
+    inner: Mutex<Option<crate::cufile::BufferRegistration>>,
+}
+
+#[pymethods]
+impl BufferRegistration {
+    fn close(&self) {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+}
+
+/// Register device memory with cuFile. The caller keeps the memory allocated
+/// until the registration is closed.
+#[pyfunction]
+fn cufile_register_buffer(
+    py: Python<'_>,
+    addr: u64,
+    nbytes: usize,
+) -> PyResult<BufferRegistration> {
+    let reg = py.detach(|| {
+        let d = crate::cufile::driver()?;
+        // SAFETY: the Python caller keeps the storage allocated until close().
+        unsafe { d.register_buffer(addr, nbytes) }
+    })?;
+    Ok(BufferRegistration {
+        inner: Mutex::new(Some(reg)),
+    })
+}
+
+/// What this machine offers: libcuda, libcufile, and (for `folder`) whether
+/// O_DIRECT and cuFile handles work on files there, and why not.
+#[pyfunction]
+#[pyo3(signature = (folder=None))]
+fn info<'py>(py: Python<'py>, folder: Option<PathBuf>) -> PyResult<Bound<'py, PyDict>> {
+    let (c, f, folder_info) = py.detach(|| {
+        let c = crate::cuda::probe();
+        let f = crate::cufile::probe();
+        let fi = folder.map(|dir| probe_folder(&dir));
+        (c, f, fi)
+    });
+    let d = PyDict::new(py);
+    let cd = PyDict::new(py);
+    cd.set_item("found", c.found)?;
+    cd.set_item("path", c.path)?;
+    cd.set_item("driver_version", c.driver_version)?;
+    cd.set_item("device_count", c.device_count)?;
+    cd.set_item("reason", c.reason)?;
+    d.set_item("cuda", cd)?;
+    let fd = PyDict::new(py);
+    fd.set_item("found", f.found)?;
+    fd.set_item("path", f.path.clone())?;
+    fd.set_item("version", f.version)?;
+    fd.set_item("driver_open", f.driver_open)?;
+    fd.set_item("nvfs_version", f.nvfs_version)?;
+    fd.set_item("compat_mode", f.compat_mode)?;
+    fd.set_item("run_udev", f.run_udev)?;
+    fd.set_item("reason", f.reason.clone())?;
+    d.set_item("cufile", fd)?;
+    if let Some((path, direct, direct_reason, align, cufile, cufile_reason)) = folder_info {
+        let x = PyDict::new(py);
+        x.set_item("path", path)?;
+        x.set_item("o_direct", direct)?;
+        x.set_item("o_direct_reason", direct_reason)?;
+        x.set_item("alignment", align)?;
+        x.set_item("cufile_handle", cufile)?;
+        x.set_item("cufile_reason", cufile_reason)?;
+        d.set_item("folder", x)?;
+    }
+    Ok(d)
+}
+
+type FolderProbe = (
+    PathBuf,
+    bool,
+    Option<String>,
+    (usize, usize),
+    bool,
+    Option<String>,
+);
+
+fn probe_folder(dir: &std::path::Path) -> FolderProbe {
+    let fail = |why: String| {
+        (
+            dir.to_path_buf(),
+            false,
+            Some(why.clone()),
+            (0, 0),
+            false,
+            Some(why),
+        )
+    };
+    let tmp = match AtomicFile::create(&dir.join(".ckptio-probe")) {
+        Ok(t) => t,
+        Err(e) => return fail(e.to_string()),
+    };
+    let file = match tmp.file().try_clone() {
+        Ok(f) => f,
+        Err(e) => return fail(e.to_string()),
+    };
+    let io = match IoFile::from_writable(file, tmp.tmp_path(), DirectMode::Auto) {
+        Ok(io) => io,
+        Err(e) => return fail(e.to_string()),
+    };
+    let a = io.alignment();
+    // SAFETY: the handle is dropped at the end of this expression, before `io`.
+    let (cufile, why) = match unsafe { gpu::open_device_path(&io, Backend::CuFile) } {
+        Ok(p) => (
+            true,
+            p.gds_mode()
+                .map(|m| format!("cuFile handle registered ({m} mode)")),
+        ),
+        Err(e) => (false, Some(e.to_string())),
+    };
+    let r = (
+        dir.to_path_buf(),
+        io.is_direct(),
+        io.no_direct_reason().map(str::to_owned),
+        (a.offset, a.memory),
+        cufile,
+        why,
+    );
+    drop(io);
+    drop(tmp);
+    r
 }
 
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
-    use super::{map_archive, AtomicWriter, Engine, Reader};
+    use super::{
+        cufile_register_buffer, info, map_archive, AtomicWriter, BufferRegistration, DeviceFile,
+        Engine, Reader,
+    };
 
     use super::*;
 

@@ -496,6 +496,16 @@ static DRIVER: OnceLock<std::result::Result<Driver, OpenFailure>> = OnceLock::ne
 
 fn open_driver() -> Result<Driver> {
     let lib = library()?;
+    // cuFile needs a CUDA device; without one, libcufile 1.17's cuFileDriverOpen
+    // was seen spinning forever (a CPU-only machine with the pip wheel). Never
+    // call it unless the CUDA driver is up and sees a device.
+    let cuda = crate::cuda::driver()?;
+    if cuda.device_count()? < 1 {
+        return Err(Error::Library {
+            name: "libcufile".into(),
+            reason: "no CUDA device: cuFile cannot run".into(),
+        });
+    }
     // SAFETY: cuFileDriverOpen takes no arguments. preserving_fd undoes its known
     // fd-0 bug.
     let st = preserving_fd(0, || unsafe { (lib.api.driver_open)() });

@@ -16,6 +16,7 @@ use std::sync::Mutex;
 
 use crate::align::{self, AlignedBuf};
 use crate::file::{DirectMode, IoFile};
+use crate::gpu::{BounceLane, DevicePath, InFlight};
 use crate::{Error, Result};
 
 /// Default I/O threads: enough to keep an NVMe queue busy, few enough for small hosts.
@@ -127,6 +128,8 @@ pub struct Stats {
     pub threads: usize,
     /// O_DIRECT was available on the file.
     pub direct: bool,
+    /// How device memory moved: None (host only), "bounce" or "cufile".
+    pub device_path: Option<&'static str>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -140,6 +143,8 @@ struct Chunk {
 /// Per-thread resources, reused across calls.
 pub struct Lane {
     staging: AlignedBuf,
+    /// Pinned double buffers and streams, per device, made on first use.
+    bounce: Vec<BounceLane>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -174,7 +179,39 @@ impl Engine {
     /// nobody frees or writes to.
     pub unsafe fn write(&self, file: &IoFile, segments: &[Segment]) -> Result<Stats> {
         // SAFETY: forwarded from the caller's contract.
-        unsafe { self.transfer(file, segments, Dir::Write) }
+        unsafe { self.transfer(file, segments, Dir::Write, None) }
+    }
+
+    /// [`Engine::write`], with device memory moved along `path`
+    /// (cuFile or bounce; without one, bounce).
+    ///
+    /// # Safety
+    /// As for [`Engine::write`].
+    pub unsafe fn write_via(
+        &self,
+        file: &IoFile,
+        segments: &[Segment],
+        path: Option<&DevicePath>,
+    ) -> Result<Stats> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.transfer(file, segments, Dir::Write, path) }
+    }
+
+    /// [`Engine::read`], with device memory moved along `path`.
+    ///
+    /// # Safety
+    /// As for [`Engine::read`].
+    pub unsafe fn read_via(
+        &self,
+        file: &IoFile,
+        segments: &[Segment],
+        path: Option<&DevicePath>,
+    ) -> Result<Stats> {
+        for s in segments.iter().filter(|s| s.memory == Memory::Host) {
+            advise_huge_pages(s.addr, s.len);
+        }
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.transfer(file, segments, Dir::Read, path) }
     }
 
     /// Read every segment's file range into its memory.
@@ -184,24 +221,31 @@ impl Engine {
     /// memory of its kind that nobody else reads, writes or frees, and the
     /// segments must not overlap each other.
     pub unsafe fn read(&self, file: &IoFile, segments: &[Segment]) -> Result<Stats> {
-        for s in segments.iter().filter(|s| s.memory == Memory::Host) {
-            advise_huge_pages(s.addr, s.len);
-        }
         // SAFETY: forwarded from the caller's contract.
-        unsafe { self.transfer(file, segments, Dir::Read) }
+        unsafe { self.read_via(file, segments, None) }
     }
 
     /// # Safety
     /// See [`Engine::write`] and [`Engine::read`].
-    unsafe fn transfer(&self, file: &IoFile, segments: &[Segment], dir: Dir) -> Result<Stats> {
+    unsafe fn transfer(
+        &self,
+        file: &IoFile,
+        segments: &[Segment],
+        dir: Dir,
+        path: Option<&DevicePath>,
+    ) -> Result<Stats> {
         let chunks = self.plan(segments)?;
         let bytes = segments.iter().map(|s| s.len).sum();
         let threads = self.cfg.threads.min(chunks.len()).max(1);
+        let has_device = segments
+            .iter()
+            .any(|s| s.len > 0 && s.memory != Memory::Host);
         let stats = Stats {
             bytes,
             chunks: chunks.len(),
             threads,
             direct: file.is_direct(),
+            device_path: has_device.then(|| path.map_or("bounce", DevicePath::name)),
         };
         if chunks.is_empty() {
             return Ok(stats);
@@ -210,28 +254,25 @@ impl Engine {
         let next = AtomicUsize::new(0);
         let failed = AtomicBool::new(false);
         let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        let capacity = self.lane_capacity(file);
 
         std::thread::scope(|s| {
             for lane in lanes.iter_mut() {
                 let (chunks, next, failed, first_error) = (&chunks, &next, &failed, &first_error);
                 s.spawn(move || {
-                    while !failed.load(Ordering::Relaxed) {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(c) = chunks.get(i) else { break };
-                        // SAFETY: chunk ranges lie inside the caller's segments
-                        // (see `plan`), whose validity the caller guarantees.
-                        let r = unsafe {
-                            match dir {
-                                Dir::Write => lane.write_chunk(file, c),
-                                Dir::Read => lane.read_chunk(file, c),
-                            }
-                        };
-                        if let Err(e) = r {
-                            failed.store(true, Ordering::Relaxed);
-                            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                            slot.get_or_insert(e);
-                            break;
+                    let take = || {
+                        if failed.load(Ordering::Relaxed) {
+                            return None;
                         }
+                        chunks.get(next.fetch_add(1, Ordering::Relaxed))
+                    };
+                    // SAFETY: chunk ranges lie inside the caller's segments
+                    // (see `plan`), whose validity the caller guarantees.
+                    let r = unsafe { lane.run(file, dir, path, capacity, take) };
+                    if let Err(e) = r {
+                        failed.store(true, Ordering::Relaxed);
+                        let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                        slot.get_or_insert(e);
                     }
                 });
             }
@@ -241,6 +282,12 @@ impl Engine {
             Some(e) => Err(e),
             None => Ok(stats),
         }
+    }
+
+    /// Bytes each staging or pinned buffer needs for this file: a chunk plus
+    /// room to widen it to aligned bounds at both ends.
+    fn lane_capacity(&self, file: &IoFile) -> usize {
+        self.cfg.chunk_size + 2 * file.alignment().offset.max(align::DEFAULT_ALIGN)
     }
 
     /// Cut segments into chunks on the `chunk_size` grid of file offsets.
@@ -259,11 +306,6 @@ impl Engine {
             if s.len > 0 && s.addr == 0 {
                 return Err(Error::invalid(format!("segment {i} has a null address")));
             }
-            if let Memory::Cuda(_) = s.memory {
-                return Err(Error::invalid(format!(
-                    "segment {i} is CUDA memory, which this engine cannot move"
-                )));
-            }
             let mut off = s.file_offset;
             let end = s.file_offset + s.len;
             while off < end {
@@ -281,7 +323,7 @@ impl Engine {
     }
 
     fn take_lanes(&self, n: usize, file: &IoFile) -> Result<Vec<Lane>> {
-        let want = self.cfg.chunk_size + 2 * file.alignment().offset.max(align::DEFAULT_ALIGN);
+        let want = self.lane_capacity(file);
         let mut pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         let mut lanes = Vec::with_capacity(n);
         while lanes.len() < n {
@@ -300,6 +342,7 @@ impl Engine {
             let align = file.alignment().memory.max(align::DEFAULT_ALIGN);
             lanes.push(Lane {
                 staging: AlignedBuf::new(want, align)?,
+                bounce: Vec::new(),
             });
         }
         Ok(lanes)
@@ -316,6 +359,50 @@ impl Engine {
         let pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         pool.iter().map(|l| l.staging.len()).sum()
     }
+
+    /// Pinned host memory held by the lanes' bounce buffers, in bytes: at most
+    /// threads x 2 x (chunk_size + alignment slack) per device, whatever the
+    /// checkpoint size.
+    pub fn pinned_bytes(&self) -> usize {
+        let pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        pool.iter()
+            .flat_map(|l| &l.bounce)
+            .map(BounceLane::pinned_bytes)
+            .sum()
+    }
+}
+
+/// One chunk through cuFile, looping over short transfers.
+///
+/// # Safety
+/// `c` must describe device memory valid for the transfer.
+unsafe fn cufile_chunk(h: &crate::cufile::FileHandle, c: &Chunk, dir: Dir) -> Result<()> {
+    let mut done = 0usize;
+    while done < c.len {
+        let off = c.file_offset + done as u64;
+        // SAFETY: [addr+done, addr+len) lies in the caller's device range.
+        let n = unsafe {
+            match dir {
+                Dir::Write => h.write(c.addr, c.len - done, off, done as u64)?,
+                Dir::Read => h.read(c.addr, c.len - done, off, done as u64)?,
+            }
+        };
+        if n == 0 {
+            return Err(match dir {
+                Dir::Write => Error::io(
+                    "cuFileWrite",
+                    None,
+                    std::io::Error::from(std::io::ErrorKind::WriteZero),
+                ),
+                Dir::Read => Error::format(
+                    None,
+                    format!("file ends before byte {}", c.file_offset + c.len as u64),
+                ),
+            });
+        }
+        done += n;
+    }
+    Ok(())
 }
 
 /// Ask for transparent huge pages over the 2 MiB-aligned interior of a
@@ -339,6 +426,94 @@ fn advise_huge_pages(addr: u64, len: u64) {
 }
 
 impl Lane {
+    /// Take chunks until none is left, pipelining device chunks through the
+    /// bounce buffers: the copy of one chunk is in flight while the previous
+    /// one's file I/O runs.
+    ///
+    /// # Safety
+    /// Every chunk `take` yields must satisfy the engine's memory contract.
+    unsafe fn run<'c>(
+        &mut self,
+        file: &IoFile,
+        dir: Dir,
+        path: Option<&DevicePath>,
+        capacity: usize,
+        mut take: impl FnMut() -> Option<&'c Chunk>,
+    ) -> Result<()> {
+        let mut in_flight: Option<(usize, InFlight)> = None;
+        let r = (|| {
+            while let Some(c) = take() {
+                match (c.memory, path) {
+                    // SAFETY: the caller's contract covers `c`.
+                    (Memory::Host, _) => unsafe {
+                        match dir {
+                            Dir::Write => self.write_chunk(file, c)?,
+                            Dir::Read => self.read_chunk(file, c)?,
+                        }
+                    },
+                    (Memory::Cuda(dev), Some(DevicePath::CuFile { handle, .. })) => {
+                        crate::cuda::driver()?.make_current(dev)?;
+                        // SAFETY: the caller's contract covers `c`.
+                        unsafe { cufile_chunk(handle, c, dir)? }
+                    }
+                    (Memory::Cuda(dev), _) => {
+                        let lane = self.bounce_lane(dev, capacity)?;
+                        // SAFETY: the caller's contract covers `c`; chunks are at
+                        // most chunk_size, within the lane's capacity; the slot
+                        // taken was finished before (two slots, one in flight).
+                        let started = unsafe {
+                            match dir {
+                                Dir::Write => {
+                                    self.bounce[lane].start_save(c.addr, c.len, c.file_offset)?
+                                }
+                                Dir::Read => self.bounce[lane].start_load(
+                                    c.addr,
+                                    c.len,
+                                    c.file_offset,
+                                    file,
+                                )?,
+                            }
+                        };
+                        if let Some((l, f)) = in_flight.replace((lane, started)) {
+                            self.finish(l, f, dir, file)?;
+                        }
+                    }
+                }
+            }
+            if let Some((l, f)) = in_flight.take() {
+                self.finish(l, f, dir, file)?;
+            }
+            Ok(())
+        })();
+        if r.is_err() {
+            for b in &self.bounce {
+                b.quiesce();
+            }
+        }
+        r
+    }
+
+    fn finish(&mut self, lane: usize, f: InFlight, dir: Dir, file: &IoFile) -> Result<()> {
+        match dir {
+            Dir::Write => self.bounce[lane].finish_save(f, file),
+            Dir::Read => self.bounce[lane].finish_load(f),
+        }
+    }
+
+    /// Index of this thread's bounce lane for `device`, made on first use.
+    fn bounce_lane(&mut self, device: i32, capacity: usize) -> Result<usize> {
+        if let Some(i) = self
+            .bounce
+            .iter()
+            .position(|b| b.device() == device && b.capacity() >= capacity)
+        {
+            return Ok(i);
+        }
+        self.bounce.retain(|b| b.device() != device);
+        self.bounce.push(BounceLane::new(device, capacity)?);
+        Ok(self.bounce.len() - 1)
+    }
+
     /// # Safety
     /// `c` must describe readable host memory (see [`Engine::write`]).
     unsafe fn write_chunk(&mut self, file: &IoFile, c: &Chunk) -> Result<()> {
@@ -509,22 +684,6 @@ mod tests {
             Err(Error::Format { .. }) => {}
             other => panic!("{other:?}"),
         }
-    }
-
-    #[test]
-    fn cuda_segments_are_refused_here() {
-        let d = tempfile::tempdir().unwrap();
-        let f = open(&d.path().join("x"), DirectMode::Auto);
-        let seg = Segment {
-            file_offset: 0,
-            addr: 4096,
-            len: 10,
-            memory: Memory::Cuda(0),
-        };
-        assert!(matches!(
-            unsafe { engine(1, 4096).write(&f, &[seg]) },
-            Err(Error::InvalidArgument(_))
-        ));
     }
 
     #[test]

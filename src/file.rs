@@ -118,6 +118,11 @@ impl IoFile {
         self.align
     }
 
+    /// The descriptor cuFile should register: the O_DIRECT one where there is one.
+    pub fn fd_for_device_io(&self) -> RawFd {
+        self.direct.as_ref().unwrap_or(&self.buffered).as_raw_fd()
+    }
+
     pub fn is_direct(&self) -> bool {
         self.direct.is_some()
     }

@@ -9,6 +9,7 @@
 //!   segments between memory and a file in parallel chunks.
 //! - [`persist`]: crash-safe replacement of a file (temp file, fsync, rename, fsync dir).
 //! - [`cuda`], [`cufile`]: libcuda and libcufile, loaded at run time.
+//! - [`gpu`]: per-file choice of cuFile or the pinned bounce pipeline for device memory.
 //!
 //! The Python binding lives in `binding` behind the `python` feature.
 
@@ -18,6 +19,7 @@ pub mod cufile;
 pub mod engine;
 pub mod error;
 pub mod file;
+pub mod gpu;
 pub mod persist;
 pub mod zipmap;
 

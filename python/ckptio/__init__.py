@@ -16,12 +16,27 @@ from ckptio._native import (
     FormatError,
 )
 from ckptio._native import __version__ as __version__
-from ckptio.serialization import IOReport, RecordInfo, TensorInfo, load, records, save
+from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
+from ckptio.serialization import (
+    IOReport,
+    RecordInfo,
+    TensorInfo,
+    last_report,
+    load,
+    records,
+    save,
+)
+from ckptio.sysinfo import info
 
 __all__ = [
     "save",
     "load",
     "records",
+    "last_report",
+    "info",
+    "GdsFile",
+    "gds_register_buffer",
+    "gds_deregister_buffer",
     "IOReport",
     "RecordInfo",
     "TensorInfo",

@@ -1,4 +1,4 @@
-"""The ``ckptio`` command: ``bench``, ``ls``."""
+"""The ``ckptio`` command: ``bench``, ``ls``, ``info``."""
 
 from __future__ import annotations
 
@@ -32,7 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     ls = sub.add_parser("ls", help="list a checkpoint's records: offsets, sizes, dtypes, shapes")
     ls.add_argument("path")
 
+    inf = sub.add_parser("info", help="CUDA, cuFile, and what a folder supports (O_DIRECT, cuFile)")
+    inf.add_argument("folder", nargs="?", default=".", help="folder to probe (default: .)")
+    inf.add_argument("--json", action="store_true")
+
     a = p.parse_args(argv)
+    if a.cmd == "info":
+        import json
+
+        from ckptio.sysinfo import format_info, info
+
+        d = info(a.folder)
+        print(json.dumps(d, indent=2, default=str) if a.json else format_info(d))
+        return 0
     if a.cmd == "bench":
         from ckptio import bench
 

@@ -43,11 +43,16 @@ class IOReport:
     path: str
     nbytes: int
     seconds: float
+    #: "posix" (host memory only), "bounce" (device memory via pinned buffers) or "cufile".
     backend: str
     direct: bool
     direct_reason: str | None
     threads: int
     storages: int
+    #: With cuFile: "p2p" (true GPUDirect) or "compat" (cuFile bounces through host memory).
+    gds_mode: str | None = None
+    #: Why device memory did not go through cuFile, when it did not.
+    fallback_reason: str | None = None
 
     @property
     def gib_per_s(self) -> float:
@@ -83,9 +88,37 @@ class RecordInfo:
         return a
 
 
+_last = threading.local()
+
+
+def last_report() -> IOReport | None:
+    """The report of this thread's last ckptio.save or ckptio.load."""
+    return getattr(_last, "report", None)
+
+
+def _report(path: str, t0: float, stats: dict[str, Any], storages: int) -> IOReport:
+    rep = IOReport(
+        path=path,
+        nbytes=stats["bytes"],
+        seconds=time.perf_counter() - t0,
+        backend=stats["backend"],
+        direct=stats["direct"],
+        direct_reason=stats["direct_reason"],
+        threads=stats["threads"],
+        storages=storages,
+        gds_mode=stats.get("gds_mode"),
+        fallback_reason=stats.get("fallback_reason"),
+    )
+    _last.report = rep
+    return rep
+
+
 @functools.lru_cache(maxsize=8)
 def _engine(threads: int | None, chunk_size: int | None, direct: str | None) -> _native.Engine:
     # One engine per configuration: its threads' buffers are reused save after save.
+    for name, v in (("threads", threads), ("chunk_size", chunk_size)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive int, not {v!r}")
     return _native.Engine(threads, chunk_size, direct)
 
 
@@ -192,6 +225,7 @@ def save(
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
+    backend: str | None = None,
 ) -> IOReport:
     """Save ``obj`` like ``torch.save(obj, f)``, fast and crash-safe.
 
@@ -203,18 +237,32 @@ def save(
     threads / chunk_size: I/O threads and bytes per chunk (defaults from
     CKPTIO_THREADS / CKPTIO_CHUNK_SIZE, else 8 and 16 MiB). direct: O_DIRECT
     "auto" (default: where the filesystem takes it), True/"on" (required) or
-    False/"off".
+    False/"off". backend: how CUDA storages move, "auto" (default, or
+    CKPTIO_BACKEND: cuFile where it can register the file, else pinned bounce
+    buffers), "cufile" (or an error) or "posix" (bounce buffers).
+    Work queued on the current CUDA streams is finished before bytes are copied.
     """
     path = _path(f, "save")
     d = _direct_arg(direct)
     t0 = time.perf_counter()
     engine = _engine(threads, chunk_size, d)
-    writer = _native.AtomicWriter(path, d)
+    writer = _native.AtomicWriter(path, d, backend)
     try:
         found: dict[str, torch.UntypedStorage] = {}
-        with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT), torch.serialization.skip_data():
-            with os.fdopen(os.dup(writer.fileno()), "wb") as fh:
-                torch.save(obj, fh, pickle_module=_capturing_pickle_module(found))
+        try:
+            with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT):
+                with (
+                    torch.serialization.skip_data(),
+                    os.fdopen(os.dup(writer.fileno()), "wb") as fh,
+                ):
+                    torch.save(obj, fh, pickle_module=_capturing_pickle_module(found))
+        except OSError as e:
+            if e.errno is None or e.filename is not None:
+                raise
+            # torch wrote the metadata through a file object: name the file.
+            raise OSError(
+                e.errno, f"writing checkpoint metadata failed: {e.strerror}", writer.tmp_path
+            ) from e
         storages = []
         for key, st in found.items():
             dev = _device_code(st, f"storage {key}")
@@ -225,16 +273,7 @@ def save(
     except BaseException:
         writer.abort()
         raise
-    return IOReport(
-        path=path,
-        nbytes=stats["bytes"],
-        seconds=time.perf_counter() - t0,
-        backend=stats["backend"],
-        direct=stats["direct"],
-        direct_reason=stats["direct_reason"],
-        threads=stats["threads"],
-        storages=len(storages),
-    )
+    return _report(path, t0, stats, len(storages))
 
 
 class _Restorer:
@@ -330,6 +369,7 @@ def load(
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
+    backend: str | None = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load a torch.save zip checkpoint like ``torch.load``, bytes read in parallel.
@@ -339,7 +379,12 @@ def load(
     torch.load (``weights_only`` defaults to True: a pickle that is not plain
     tensors and containers is refused). Views and shared storages stay shared.
     ``mmap=True`` is handed to torch.load as is (a lazy, mapped load).
+    Storages mapped to a CUDA device are read straight into device memory
+    (cuFile or pinned bounce buffers, see ``save``'s ``backend``) and are ready
+    for kernels on any stream when load returns. ``ckptio.last_report()`` says
+    which path ran.
     """
+    t0 = time.perf_counter()
     path = _path(f, "load")
     if mmap:
         return torch.load(
@@ -351,7 +396,7 @@ def load(
         )
     d = _direct_arg(direct)
     engine = _engine(threads, chunk_size, d)
-    reader = _native.Reader(path, d)
+    reader = _open(path, d, backend)
     records_ = reader.records()
     prefix = reader.prefix
     names = {name for name, _, _ in records_}
@@ -375,11 +420,24 @@ def load(
     offsets = _file_offsets(restorer.pending, data, path)
     segments = []
     for off, (_, n, dest) in zip(offsets, restorer.pending, strict=True):
+        if dest.nbytes() != n:
+            # The pickle grew a storage past its record (torch's own mmap load refuses).
+            raise _native.FormatError(
+                f"{path}: a tensor needs {dest.nbytes()} bytes of a record that holds {n}"
+            )
         if n:
             segments.append((off, dest.data_ptr(), n, _device_code(dest, "destination")))
-    reader.read_into(engine, segments)
-    _sync_cuda({s[3] for s in segments})
+    stats = reader.read_into(engine, segments)
+    _report(path, t0, stats, len(segments))
     return obj
+
+
+def _open(path: str, direct: str | None, backend: str | None) -> _native.Reader:
+    """Open and map a checkpoint; a zip without a pickle is no checkpoint."""
+    reader = _native.Reader(path, direct, backend)
+    if not any(name == f"{reader.prefix}/data.pkl" for name, _, _ in reader.records()):
+        raise _native.FormatError(f"{path}: no data.pkl record: not a torch.save checkpoint")
+    return reader
 
 
 def _tensors(obj: Any, name: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -408,7 +466,7 @@ def records(f: str | os.PathLike[str], *, weights_only: bool = True) -> list[Rec
     from a load onto the meta device.
     """
     path = _path(f, "records")
-    reader = _native.Reader(path, "off")
+    reader = _open(path, "off", None)
     meta = torch.load(
         f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
     )

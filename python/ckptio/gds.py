@@ -1,0 +1,140 @@
+"""A drop-in for ``torch.cuda.gds`` that always works.
+
+Same names, signatures and semantics as torch.cuda.gds (``GdsFile``,
+``gds_register_buffer``, ``gds_deregister_buffer``), so code written for it
+(e.g. the PyTorch GDS tutorial) runs with ``torch.cuda.gds`` replaced by
+``ckptio``. Where cuFile cannot take the file (no nvidia-fs, no udev data in a
+VM or container, tmpfs) transfers go through ckptio's pinned bounce pipeline
+instead of raising; ``GdsFile.backend`` says which path is in use. The
+transfers are synchronous, like cuFileRead/cuFileWrite.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from ckptio import _native
+from ckptio.serialization import _device_code, _direct_arg, _engine, _sync_cuda
+
+_registrations: dict[int, _native.BufferRegistration] = {}
+_reg_lock = threading.Lock()
+
+
+def _untyped(s: torch.UntypedStorage | torch.TypedStorage) -> torch.UntypedStorage:
+    if isinstance(s, torch.TypedStorage):
+        return s._untyped_storage
+    if isinstance(s, torch.UntypedStorage):
+        return s
+    raise TypeError(f"expected a torch storage, not {type(s).__name__}")
+
+
+def gds_register_buffer(s: torch.UntypedStorage | torch.TypedStorage) -> None:
+    """Register a CUDA storage with cuFile (cuFileBufRegister) for repeated transfers.
+
+    Without a usable cuFile this is a no-op: the bounce pipeline needs no registration.
+    """
+    st = _untyped(s)
+    if st.device.type != "cuda":
+        raise ValueError(f"gds_register_buffer needs a CUDA storage, not one on {st.device}")
+    try:
+        reg = _native.cufile_register_buffer(st.data_ptr(), st.nbytes())
+    except _native.BackendUnavailableError:
+        return
+    with _reg_lock:
+        old = _registrations.pop(st.data_ptr(), None)
+        _registrations[st.data_ptr()] = reg
+    if old is not None:
+        old.close()
+
+
+def gds_deregister_buffer(s: torch.UntypedStorage | torch.TypedStorage) -> None:
+    """Undo ``gds_register_buffer`` (cuFileBufDeregister)."""
+    st = _untyped(s)
+    with _reg_lock:
+        reg = _registrations.pop(st.data_ptr(), None)
+    if reg is not None:
+        reg.close()
+
+
+class GdsFile:
+    """``torch.cuda.gds.GdsFile``: storages saved to and loaded from given offsets.
+
+    ``flags`` are ``os.open`` flags (e.g. ``os.O_RDWR``); O_DIRECT is added where
+    the filesystem takes it. ``backend``: "auto" (cuFile where it can register
+    the file, else bounce buffers), "cufile" (or an error) or "posix".
+    """
+
+    def __init__(
+        self,
+        filename: str | os.PathLike[str],
+        flags: int,
+        *,
+        backend: str | None = None,
+        direct: bool | str | None = None,
+        threads: int | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
+        self.filename = os.fspath(filename)
+        self.flags = flags
+        # Create/truncate as asked; the file is then opened by ckptio itself.
+        os.close(os.open(self.filename, flags & ~getattr(os, "O_DIRECT", 0), 0o644))
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        self._engine = _engine(threads, chunk_size, _direct_arg(direct))
+        self._file = _native.DeviceFile(self.filename, writable, _direct_arg(direct), backend)
+        self.handle: int | None = None
+        self.register_handle()
+
+    @property
+    def backend(self) -> str | None:
+        """ "cufile", "bounce", or None when the handle is deregistered."""
+        return self._file.backend
+
+    @property
+    def gds_mode(self) -> str | None:
+        """With cuFile: "p2p" or "compat"."""
+        return self._file.gds_mode
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return self._file.fallback_reason
+
+    def register_handle(self) -> None:
+        """Pick the path (cuFileHandleRegister where it works)."""
+        self._file.register_handle()
+        self.handle = id(self._file)
+
+    def deregister_handle(self) -> None:
+        """cuFileHandleDeregister; later transfers use the bounce pipeline."""
+        self._file.deregister_handle()
+        self.handle = None
+
+    def _args(self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int):
+        st = _untyped(storage)
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int, not {offset!r}")
+        dev = _device_code(st, "storage")
+        return st, offset, dev
+
+    def save_storage(
+        self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int = 0
+    ) -> None:
+        """Write all of ``storage`` to the file at ``offset`` (synchronous)."""
+        st, offset, dev = self._args(storage, offset)
+        _sync_cuda({dev})
+        self._file.write(self._engine, offset, st.data_ptr(), st.nbytes(), dev)
+
+    def load_storage(
+        self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int = 0
+    ) -> None:
+        """Fill all of ``storage`` from the file at ``offset`` (synchronous)."""
+        st, offset, dev = self._args(storage, offset)
+        _sync_cuda({dev})
+        self._file.read(self._engine, offset, st.data_ptr(), st.nbytes(), dev)
+
+    def __del__(self) -> None:
+        f = getattr(self, "_file", None)
+        if f is not None:
+            f.deregister_handle()

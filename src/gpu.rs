@@ -1,0 +1,273 @@
+//! How device memory reaches a file: cuFile (GPUDirect Storage) or the
+//! pinned bounce-buffer pipeline, chosen per file.
+//!
+//! [`open_device_path`] tries cuFile when asked (or in `auto`), and falls back
+//! to the bounce pipeline when the library, the driver or the file's handle
+//! registration fails, keeping the reason. [`BounceLane`] is one I/O thread's
+//! share of the pipeline: two pinned buffers and two streams, so the copy of
+//! chunk i+1 (D2H on save, H2D on load) overlaps the file I/O of chunk i.
+
+use crate::cuda::{self, PinnedBuffer, Stream};
+use crate::cufile::{self, FileHandle};
+use crate::file::IoFile;
+use crate::{Error, Result};
+
+/// Which path moves device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// cuFile where it works on the file, the bounce pipeline otherwise.
+    #[default]
+    Auto,
+    /// cuFile or an error.
+    CuFile,
+    /// The pinned bounce pipeline, never cuFile.
+    Posix,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" | "" => Ok(Backend::Auto),
+            "cufile" | "gds" => Ok(Backend::CuFile),
+            "posix" | "bounce" => Ok(Backend::Posix),
+            other => Err(Error::invalid(format!(
+                "backend must be auto, cufile or posix, not {other:?}"
+            ))),
+        }
+    }
+}
+
+impl Backend {
+    /// `CKPTIO_BACKEND`, else auto.
+    pub fn from_env() -> Result<Self> {
+        std::env::var("CKPTIO_BACKEND").map_or(Ok(Backend::Auto), |v| v.parse())
+    }
+}
+
+/// The path chosen for one file's device memory.
+pub enum DevicePath {
+    /// Pinned bounce buffers; `reason` says why cuFile is not used.
+    Bounce { reason: String },
+    /// cuFile on a registered handle; `compat` when cuFile runs in its
+    /// compatibility mode (no nvidia-fs: it bounces through host memory itself).
+    CuFile { handle: FileHandle, compat: bool },
+}
+
+impl DevicePath {
+    pub fn name(&self) -> &'static str {
+        match self {
+            DevicePath::Bounce { .. } => "bounce",
+            DevicePath::CuFile { .. } => "cufile",
+        }
+    }
+
+    /// For cuFile: "p2p" (true GPUDirect) or "compat".
+    pub fn gds_mode(&self) -> Option<&'static str> {
+        match self {
+            DevicePath::CuFile { compat: true, .. } => Some("compat"),
+            DevicePath::CuFile { compat: false, .. } => Some("p2p"),
+            DevicePath::Bounce { .. } => None,
+        }
+    }
+
+    pub fn fallback_reason(&self) -> Option<&str> {
+        match self {
+            DevicePath::Bounce { reason } => Some(reason),
+            DevicePath::CuFile { .. } => None,
+        }
+    }
+}
+
+/// Decide how device memory moves to and from `file`.
+///
+/// # Safety
+/// With cuFile, the handle keeps using `file`'s descriptor: the returned value
+/// must be dropped before `file`.
+pub unsafe fn open_device_path(file: &IoFile, backend: Backend) -> Result<DevicePath> {
+    if backend == Backend::Posix {
+        return Ok(DevicePath::Bounce {
+            reason: "posix backend requested".into(),
+        });
+    }
+    let attempt = || -> Result<DevicePath> {
+        let driver = cufile::driver()?;
+        // SAFETY: the caller drops the handle before `file`, which owns the fd.
+        let handle = unsafe { driver.register(file.fd_for_device_io())? };
+        Ok(DevicePath::CuFile {
+            handle,
+            compat: driver.is_compat_mode(),
+        })
+    };
+    match attempt() {
+        Ok(p) => Ok(p),
+        Err(e) if backend == Backend::Auto => Ok(DevicePath::Bounce {
+            reason: format!("cuFile unavailable for {}: {e}", file.path().display()),
+        }),
+        Err(e) => Err(e),
+    }
+}
+
+/// One slot of a lane: a pinned buffer and the stream that fills or drains it.
+struct Slot {
+    buf: PinnedBuffer,
+    stream: Stream,
+}
+
+/// A chunk whose copy is in flight on one slot.
+pub struct InFlight {
+    slot: usize,
+    file_offset: u64,
+    len: usize,
+    /// Where the chunk's bytes start inside the slot's buffer.
+    skip: usize,
+}
+
+/// One thread's double-buffered pipeline for one device.
+pub struct BounceLane {
+    device: i32,
+    slots: [Slot; 2],
+    next: usize,
+}
+
+impl BounceLane {
+    /// Two pinned buffers of `capacity` bytes and two streams on `device`.
+    pub fn new(device: i32, capacity: usize) -> Result<Self> {
+        cuda::driver()?.make_current(device)?;
+        let mk = || -> Result<Slot> {
+            Ok(Slot {
+                stream: Stream::new(device)?,
+                buf: PinnedBuffer::new(capacity)?,
+            })
+        };
+        Ok(BounceLane {
+            device,
+            slots: [mk()?, mk()?],
+            next: 0,
+        })
+    }
+
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.slots[0].buf.len()
+    }
+
+    /// Pinned bytes held.
+    pub fn pinned_bytes(&self) -> usize {
+        self.slots.iter().map(|s| s.buf.len()).sum()
+    }
+
+    fn take_slot(&mut self) -> usize {
+        let s = self.next;
+        self.next ^= 1;
+        s
+    }
+
+    /// Save, first half: queue the D2H copy of a chunk into a free slot.
+    ///
+    /// # Safety
+    /// `[src, src+len)` must be readable device memory of this lane's device,
+    /// `len <= capacity`, and the slot taken must not hold a chunk in flight.
+    pub unsafe fn start_save(
+        &mut self,
+        src: u64,
+        len: usize,
+        file_offset: u64,
+    ) -> Result<InFlight> {
+        let cuda = cuda::driver()?;
+        cuda.make_current(self.device)?;
+        let slot = self.take_slot();
+        let s = &mut self.slots[slot];
+        // SAFETY: the buffer holds `len` bytes (caller checked) and is not in use
+        // (the caller finished this slot); the source is valid per the caller.
+        unsafe { cuda.memcpy_dtoh_async(s.buf.as_mut_ptr(), src, len, &s.stream)? };
+        Ok(InFlight {
+            slot,
+            file_offset,
+            len,
+            skip: 0,
+        })
+    }
+
+    /// Save, second half: wait for the copy, write the bytes.
+    pub fn finish_save(&mut self, f: InFlight, file: &IoFile) -> Result<()> {
+        let s = &self.slots[f.slot];
+        s.stream.synchronize()?;
+        file.write_at(&s.buf.as_slice()[..f.len], f.file_offset)
+    }
+
+    /// Load, first half: read a chunk into a free slot (O_DIRECT over its
+    /// aligned superset), then queue its H2D copy.
+    ///
+    /// # Safety
+    /// `[dst, dst+len)` must be writable device memory of this lane's device
+    /// that nobody else touches until the copy is finished, and
+    /// `len + 2 * alignment <= capacity`.
+    pub unsafe fn start_load(
+        &mut self,
+        dst: u64,
+        len: usize,
+        file_offset: u64,
+        file: &IoFile,
+    ) -> Result<InFlight> {
+        let slot = self.take_slot();
+        let s = &mut self.slots[slot];
+        let a = file.alignment().offset as u64;
+        let start = if file.is_direct() {
+            crate::align::align_down(file_offset, a)
+        } else {
+            file_offset
+        };
+        let skip = (file_offset - start) as usize;
+        let span = if file.is_direct() {
+            (crate::align::align_up(file_offset + len as u64, a) - start) as usize
+        } else {
+            len
+        };
+        if span > s.buf.len() {
+            return Err(Error::invalid(format!(
+                "chunk of {span} bytes exceeds the pinned buffer ({})",
+                s.buf.len()
+            )));
+        }
+        let got = file.read_blocks_upto(&mut s.buf.as_mut_slice()[..span], start)?;
+        if got < skip + len {
+            return Err(Error::format(
+                Some(file.path()),
+                format!(
+                    "file ends at byte {} but data runs to byte {}",
+                    start + got as u64,
+                    file_offset + len as u64
+                ),
+            ));
+        }
+        let cuda = cuda::driver()?;
+        cuda.make_current(self.device)?;
+        // SAFETY: the pinned range holds the bytes just read and stays untouched
+        // until `finish_load` synchronizes; the destination is valid per the caller.
+        unsafe { cuda.memcpy_htod_async(dst, s.buf.as_ptr().add(skip), len, &s.stream)? };
+        Ok(InFlight {
+            slot,
+            file_offset,
+            len,
+            skip,
+        })
+    }
+
+    /// Load, second half: wait for the H2D copy.
+    pub fn finish_load(&mut self, f: InFlight) -> Result<()> {
+        let _ = (f.file_offset, f.len, f.skip);
+        self.slots[f.slot].stream.synchronize()
+    }
+
+    /// Wait for every copy of this lane (after an error too: no copy may
+    /// outlive the call that queued it).
+    pub fn quiesce(&self) {
+        for s in &self.slots {
+            let _ = s.stream.synchronize();
+        }
+    }
+}
