@@ -362,7 +362,9 @@ impl AtomicWriter {
                 }
                 raw.push((r.data_offset, addr, nbytes, dev));
             }
-            st.io.preallocate(a.file_len)?;
+            if engine.config().preallocate {
+                st.io.preallocate(a.file_len)?;
+            }
             let segs = segments(raw);
             // SAFETY: `st.device` is dropped before `st.io` (field order).
             let device = unsafe { ensure_device_path(&mut st.device, &st.io, backend, &segs)? };

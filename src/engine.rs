@@ -30,6 +30,8 @@ pub struct EngineConfig {
     pub threads: usize,
     pub chunk_size: usize,
     pub direct: DirectMode,
+    /// fallocate a file's full size before writing it (a full disk fails at once).
+    pub preallocate: bool,
 }
 
 impl Default for EngineConfig {
@@ -38,6 +40,7 @@ impl Default for EngineConfig {
             threads: DEFAULT_THREADS,
             chunk_size: DEFAULT_CHUNK_SIZE,
             direct: DirectMode::Auto,
+            preallocate: true,
         }
     }
 }
@@ -56,6 +59,17 @@ impl EngineConfig {
         }
         if let Ok(v) = std::env::var("CKPTIO_DIRECT") {
             c.direct = v.parse()?;
+        }
+        if let Ok(v) = std::env::var("CKPTIO_PREALLOCATE") {
+            c.preallocate = match v.trim() {
+                "1" | "true" | "on" | "yes" => true,
+                "0" | "false" | "off" | "no" => false,
+                other => {
+                    return Err(Error::invalid(format!(
+                        "CKPTIO_PREALLOCATE: not a boolean: {other:?}"
+                    )))
+                }
+            };
         }
         c.validate()?;
         Ok(c)
@@ -591,6 +605,7 @@ mod tests {
             threads,
             chunk_size: chunk,
             direct: DirectMode::Auto,
+            preallocate: true,
         })
         .unwrap()
     }

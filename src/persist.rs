@@ -135,6 +135,10 @@ impl AtomicFile {
         let from = cstr(&self.tmp_name)?;
         let to = cstr(&self.target_name)?;
         let fd = self.dir.as_raw_fd();
+        // Hold the file being replaced open across the rename: otherwise the
+        // rename drops its last link and frees all its blocks (tenths of a
+        // second per GiB here, with online discard) before returning.
+        let replaced = open_existing(fd, &to);
         // SAFETY: valid dir fd and NUL-terminated names.
         if unsafe { libc::renameat(fd, from.as_ptr(), fd, to.as_ptr()) } != 0 {
             return Err(Error::io_at(
@@ -144,9 +148,17 @@ impl AtomicFile {
             ));
         }
         self.committed = true;
-        self.dir
+        let synced = self
+            .dir
             .sync_all()
-            .map_err(|e| Error::io_at("fsync folder of", &self.target, e))
+            .map_err(|e| Error::io_at("fsync folder of", &self.target, e));
+        // The new file is durable: free the old one's blocks off this thread.
+        if let Some(old) = replaced {
+            let _ = std::thread::Builder::new()
+                .name("ckptio-release".into())
+                .spawn(move || drop(old));
+        }
+        synced
     }
 }
 
@@ -160,6 +172,20 @@ impl Drop for AtomicFile {
             }
         }
     }
+}
+
+/// The regular file `name` in folder `dir`, opened read-only, if there is one.
+fn open_existing(dir: libc::c_int, name: &CString) -> Option<File> {
+    // SAFETY: valid dir fd and NUL-terminated name; the fd is owned below.
+    let fd = unsafe {
+        libc::openat(
+            dir,
+            name.as_ptr(),
+            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK,
+        )
+    };
+    // SAFETY: a fresh descriptor nobody else owns.
+    (fd >= 0).then(|| unsafe { File::from_raw_fd(fd) })
 }
 
 fn cstr(s: &OsStr) -> Result<CString> {

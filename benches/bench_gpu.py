@@ -1,0 +1,299 @@
+"""GPU checkpoint benchmark, side by side in one run (issue: GPU data path).
+
+For each size (bf16 state dicts on the GPU) and folder it measures: the disk's
+raw limits (O_DIRECT write + fsync, cold O_DIRECT and cold buffered reads),
+pinned D2H bandwidth, torch.save + fsync, torch.load(map_location="cuda"),
+the PyTorch tutorial's torch.cuda.gds recipe, KvikIO (POSIX and cuFile paths,
+8 threads, in subprocesses so its environment applies), and ckptio.save/load
+through the bounce pipeline and through cuFile. Prints a table per case and
+writes all rows as JSON.
+
+Usage: python benches/bench_gpu.py [--sizes 2G,8G] [--dir /tmp] [--shm-size 8G] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import ckptio
+import torch
+from ckptio import bench
+from ckptio.cli import _size
+
+GiB = 2**30
+ROWS: list[dict] = []
+
+
+def row(case: str, name: str, seconds: float | None, nbytes: int, note: str = "") -> None:
+    r = {
+        "case": case,
+        "name": name,
+        "seconds": seconds,
+        "nbytes": nbytes,
+        "note": note,
+        "gib_s": (nbytes / GiB / seconds) if seconds else None,
+    }
+    ROWS.append(r)
+    g = f"{r['gib_s']:7.2f}" if r["gib_s"] else "      -"
+    s = f"{seconds:8.3f}" if seconds else "       -"
+    print(f"{case:<14} {name:<34} {s} {g}  {note}", flush=True)
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def buffered_cold_read(path: str, nbytes: int, threads: int = 8, chunk: int = 64 << 20) -> float:
+    bench.drop_cache(path)
+    buf = bytearray(chunk * threads)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        bench._parallel(
+            threads,
+            nbytes,
+            chunk,
+            lambda o, n: os.preadv(fd, [view[(o // chunk % threads) * chunk :][:n]], o),
+        )
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
+def d2h_pinned(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)  # warm up
+    t = timed(lambda: dst.copy_(src, non_blocking=True))
+    return t
+
+
+def gds_recipe(sd: dict, path: str) -> tuple[float, float]:
+    """The tutorial: skip_data save, FakeTensorMode offsets, GdsFile.save_storage; and back."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.serialization import config
+
+    old = config.save.storage_alignment
+    config.save.storage_alignment = 4096
+    try:
+
+        def save() -> None:
+            with torch.serialization.skip_data():
+                torch.save(sd, path)
+            with FakeTensorMode():
+                fake = torch.load(path)
+            f = torch.cuda.gds.GdsFile(path, os.O_RDWR)
+            for k, v in sd.items():
+                f.save_storage(v.untyped_storage(), fake[k].untyped_storage()._checkpoint_offset)
+            del f
+            bench.fsync_path(path)
+
+        ws = timed(save)
+        bench.drop_cache(path)
+
+        def load() -> None:
+            with FakeTensorMode():
+                fake = torch.load(path)
+            with torch.serialization.skip_data():
+                out = torch.load(path)
+            f = torch.cuda.gds.GdsFile(path, os.O_RDONLY)
+            for k, v in out.items():
+                f.load_storage(v.untyped_storage(), fake[k].untyped_storage()._checkpoint_offset)
+            del f
+
+        return ws, timed(load)
+    finally:
+        config.save.storage_alignment = old
+
+
+KVIKIO_CHILD = r"""
+import json, os, sys, time
+import torch, kvikio, kvikio.defaults
+sys.path.insert(0, os.environ["CKPTIO_BENCH_DIR"])
+from ckptio import bench
+path, size = sys.argv[1], int(sys.argv[2])
+sd = bench.synthetic_state_dict(size, "cuda", torch.bfloat16)
+offs, off = [], 0
+for t in sd.values():
+    offs.append(off); off += (t.numel() * 2 + 4095) // 4096 * 4096
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+f = kvikio.CuFile(path, "w")
+futs = [f.pwrite(t.view(torch.int16), file_offset=o) for t, o in zip(sd.values(), offs)]
+for x in futs: x.get()
+f.close(); bench.fsync_path(path)
+ws = time.perf_counter() - t0
+bench.drop_cache(path)
+out = [torch.empty_like(t) for t in sd.values()]
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+f = kvikio.CuFile(path, "r")
+futs = [f.pread(t.view(torch.int16), file_offset=o) for t, o in zip(out, offs)]
+for x in futs: x.get()
+f.close(); torch.cuda.synchronize()
+rs = time.perf_counter() - t0
+ok = all(torch.equal(a, b) for a, b in zip(sd.values(), out))
+mode = str(kvikio.defaults.get("compat_mode"))
+print(json.dumps({"write": ws, "read": rs, "ok": ok, "compat": mode}))
+"""
+
+
+def kvikio_run(folder: str, size: int, mode: str) -> tuple[float, float, str]:
+    env = dict(
+        os.environ,
+        KVIKIO_COMPAT_MODE=mode,
+        KVIKIO_NTHREADS="8",
+        CKPTIO_BENCH_DIR=os.path.dirname(os.path.dirname(ckptio.__file__)),
+    )
+    path = os.path.join(folder, f"kvikio_{mode}.bin")
+    p = subprocess.run(
+        [sys.executable, "-c", KVIKIO_CHILD, path, str(size)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr.strip().splitlines()[-1] if p.stderr else "failed")
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    return r["write"], r["read"], f"compat={r['compat']} ok={r['ok']}"
+
+
+def case(label: str, folder: str, size: int, full: bool) -> None:
+    tmp = tempfile.mkdtemp(prefix="ckptio-gpu-", dir=folder)
+    sd = bench.synthetic_state_dict(size, "cuda", torch.bfloat16)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    print(f"\n## {label}: {nbytes / GiB:.2f} GiB bf16, {len(sd)} tensors, {tmp}", flush=True)
+    ws, rs, direct = bench.raw_limits(tmp, nbytes)
+    row(label, "raw write + fsync" + (" (O_DIRECT)" if direct else ""), ws, nbytes)
+    row(label, "raw read, cold" + (" (O_DIRECT)" if direct else ""), rs, nbytes)
+    raw = os.path.join(tmp, "rawb.bin")
+    with open(raw, "wb") as f:
+        chunk = os.urandom(1 << 20) * 64
+        for _ in range(0, nbytes, len(chunk)):
+            f.write(chunk)
+    row(label, "raw read, cold (buffered)", buffered_cold_read(raw, nbytes), nbytes)
+    os.unlink(raw)
+    row(label, "D2H pinned copy", d2h_pinned(nbytes), nbytes)
+
+    def attempt(name: str, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # a peer that cannot run here is a row, not a crash
+            row(label, name, None, nbytes, f"unavailable: {type(e).__name__}: {e}"[:160])
+
+    if full:
+
+        def torch_rows() -> None:
+            p = os.path.join(tmp, "torch.pt")
+            t = timed(lambda: (torch.save(sd, p), bench.fsync_path(p)))
+            row(label, "torch.save + fsync", t, nbytes)
+            bench.drop_cache(p)
+            row(
+                label,
+                "torch.load -> cuda, cold",
+                timed(lambda: torch.load(p, map_location="cuda", weights_only=True)),
+                nbytes,
+            )
+            os.unlink(p)
+
+        attempt("torch.save/load", torch_rows)
+
+        def gds_rows() -> None:
+            p = os.path.join(tmp, "gds.pt")
+            w, r = gds_recipe(sd, p)
+            row(label, "torch.cuda.gds recipe save", w, nbytes)
+            row(label, "torch.cuda.gds recipe load", r, nbytes)
+            os.unlink(p)
+
+        attempt("torch.cuda.gds recipe", gds_rows)
+
+    for mode in ("ON", "AUTO") if full else ("ON",):
+
+        def kv(mode: str = mode) -> None:
+            w, r, note = kvikio_run(tmp, size, mode)
+            name = "KvikIO posix" if mode == "ON" else "KvikIO cuFile"
+            row(label, f"{name} write + fsync", w, nbytes, note)
+            row(label, f"{name} read, cold", r, nbytes, note)
+
+        attempt(f"KvikIO {mode}", kv)
+
+    for backend in ("posix", "cufile") if full else ("posix",):
+
+        def ck(backend: str = backend) -> None:
+            # Warm the engine (pinned pool) on another file, then time a save
+            # to a fresh path, as every other row does.
+            warm = os.path.join(tmp, f"warm_{backend}.pt")
+            ckptio.save(sd, warm, backend=backend)
+            os.unlink(warm)
+            os.sync()
+            p = os.path.join(tmp, f"ckptio_{backend}.pt")
+            t = timed(lambda: ckptio.save(sd, p, backend=backend))
+            rep = ckptio.last_report()
+            row(
+                label,
+                f"ckptio.save ({rep.backend})",
+                t,
+                nbytes,
+                f"gds_mode={rep.gds_mode} direct={rep.direct}",
+            )
+            bench.drop_cache(p)
+            out = {}
+            t = timed(lambda: out.update(x=ckptio.load(p, map_location="cuda", backend=backend)))
+            rep = ckptio.last_report()
+            ok = all(torch.equal(out["x"][k], v) for k, v in sd.items())
+            row(label, f"ckptio.load ({rep.backend}), cold", t, nbytes, f"ok={ok}")
+            eng = ckptio.serialization._engine(None, None, None)
+            row(label, "ckptio pinned pool", None, nbytes, f"{eng.pinned_bytes() / 2**20:.0f} MiB")
+            out.clear()
+            os.unlink(p)
+
+        attempt(f"ckptio {backend}", ck)
+    sd.clear()
+    torch.cuda.empty_cache()
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="2G,8G")
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--shm-size", default="8G")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    print(f"{'case':<14} {'what':<34} {'seconds':>8} {'GiB/s':>7}  note", flush=True)
+    for s in a.sizes.split(","):
+        try:
+            case(f"disk {s}", a.dir, _size(s), True)
+        except Exception:
+            traceback.print_exc()
+    if a.shm_size and os.path.isdir("/dev/shm"):
+        try:
+            case(f"shm {a.shm_size}", "/dev/shm", _size(a.shm_size), False)
+        except Exception:
+            traceback.print_exc()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(ROWS, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

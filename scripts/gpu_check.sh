@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (the device tool), from the repo root, with dist/
+# (the abi3 wheel and the Rust test binary, built by scripts/build_gpu_bundle.sh)
+# and optionally .whl/ (KvikIO wheels) carried along.
+#   scripts/gpu_check.sh tests   # the suite without the udev entry (fallback), then
+#                                # the GPU tests with it (cuFile compat for real)
+#   scripts/gpu_check.sh tune    # benches/tune_gpu.py: threads/chunk/preallocation sweep
+#   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
+set -uo pipefail
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site
+$PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site dist/ckptio-*.whl 2>&1 | grep -v 'WARNING: Target' ; [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v 'WARNING: Target'
+fi
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+# The block device under /tmp: cuFile looks up its udev properties.
+majmin=$(findmnt -n -o MAJ:MIN --target /tmp | tr -d ' ')
+udev_on()  { mkdir -p /run/udev/data; printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\n' > "/run/udev/data/b$majmin"; }
+udev_off() { rm -f "/run/udev/data/b$majmin"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+$PY -c 'import torch, ckptio; print("torch", torch.__version__, "ckptio", ckptio.__version__)'
+rc=0
+case "${1:-tests}" in
+tests)
+    udev_off
+    echo "=== Rust unit tests (GPU parts run here)"
+    for t in dist/ckptio-test-*; do "$t" -q 2>&1 | tail -3 || rc=1; done
+    echo "=== info without the udev entry"; $PY -m ckptio info /tmp
+    echo "=== phase 1: whole suite, no udev entry: cuFile cannot register, automatic fallback"
+    CKPTIO_EXPECT_BACKEND=bounce $PY -m pytest tests -q -p no:cacheprovider -x 2>&1 | tee "$OUT/pytest_fallback.log" | tail -15
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    udev_on
+    echo "=== info with the udev entry"; $PY -m ckptio info /tmp
+    echo "=== phase 2: GPU tests, udev entry present: cuFile (compat mode) for real"
+    CKPTIO_EXPECT_BACKEND=cufile $PY -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cufile.log" | tail -15
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    ;;
+tune)
+    udev_off
+    $PY benches/tune_gpu.py --dir /tmp ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_disk.log"
+    $PY benches/tune_gpu.py --dir /dev/shm --configs "8,16M,1 16,16M,1 16,4M,1 32,8M,1" 2>&1 | tee "$OUT/tune_shm.log"
+    ;;
+bench)
+    udev_on
+    $PY benches/bench_gpu.py --json "$OUT/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
+    ;;
+esac
+exit $rc
