@@ -221,9 +221,6 @@ impl Engine {
         segments: &[Segment],
         path: Option<&DevicePath>,
     ) -> Result<Stats> {
-        for s in segments.iter().filter(|s| s.memory == Memory::Host) {
-            advise_huge_pages(s.addr, s.len);
-        }
         // SAFETY: forwarded from the caller's contract.
         unsafe { self.transfer(file, segments, Dir::Read, path) }
     }
@@ -417,26 +414,6 @@ unsafe fn cufile_chunk(h: &crate::cufile::FileHandle, c: &Chunk, dir: Dir) -> Re
         done += n;
     }
     Ok(())
-}
-
-/// Ask for transparent huge pages over the 2 MiB-aligned interior of a
-/// destination about to be filled: one fault per 2 MiB instead of per 4 KiB
-/// (fresh tensor memory is faulted in by the read itself). Only a hint.
-fn advise_huge_pages(addr: u64, len: u64) {
-    const HUGE: u64 = 2 << 20;
-    let start = align::align_up(addr, HUGE);
-    let end = align::align_down(addr.saturating_add(len), HUGE);
-    if end > start {
-        // SAFETY: MADV_HUGEPAGE changes no contents; the range lies inside
-        // memory the caller handed us to fill.
-        unsafe {
-            libc::madvise(
-                start as *mut libc::c_void,
-                (end - start) as usize,
-                libc::MADV_HUGEPAGE,
-            )
-        };
-    }
 }
 
 impl Lane {
