@@ -157,7 +157,7 @@ impl Engine {
 /// (file offset, address, length, device) as the Python side hands them; device -1 is host memory.
 type RawSegment = (u64, u64, u64, i32);
 
-fn segments(raw: Vec<RawSegment>) -> Vec<Segment> {
+fn to_segments(raw: Vec<RawSegment>) -> Vec<Segment> {
     raw.into_iter()
         .map(|(file_offset, addr, len, dev)| Segment {
             file_offset,
@@ -196,11 +196,14 @@ struct WriterState {
     atomic: AtomicFile,
 }
 
-fn backend_arg(s: Option<&str>) -> PyResult<Backend> {
-    Ok(match s {
+/// O_DIRECT mode and device backend for a file: the arguments, else the environment.
+fn file_modes(direct: Option<&str>, backend: Option<&str>) -> PyResult<(DirectMode, Backend)> {
+    let mode = direct_mode(direct)?.unwrap_or(EngineConfig::from_env()?.direct);
+    let backend = match backend {
         Some(s) => s.parse()?,
         None => Backend::from_env()?,
-    })
+    };
+    Ok((mode, backend))
 }
 
 fn report<'py>(
@@ -274,8 +277,7 @@ impl AtomicWriter {
         direct: Option<&str>,
         backend: Option<&str>,
     ) -> PyResult<Self> {
-        let mode = direct_mode(direct)?.unwrap_or(EngineConfig::from_env()?.direct);
-        let backend = backend_arg(backend)?;
+        let (mode, backend) = file_modes(direct, backend)?;
         py.detach(|| {
             let atomic = AtomicFile::create(&path)?;
             let file = atomic
@@ -365,7 +367,7 @@ impl AtomicWriter {
             if engine.config().preallocate {
                 st.io.preallocate(a.file_len)?;
             }
-            let segs = segments(raw);
+            let segs = to_segments(raw);
             // SAFETY: `st.device` is dropped before `st.io` (field order).
             let device = unsafe { ensure_device_path(&mut st.device, &st.io, backend, &segs)? };
             // SAFETY: the Python caller keeps each storage alive and
@@ -416,8 +418,7 @@ impl Reader {
         direct: Option<&str>,
         backend: Option<&str>,
     ) -> PyResult<Self> {
-        let mode = direct_mode(direct)?.unwrap_or(EngineConfig::from_env()?.direct);
-        let backend = backend_arg(backend)?;
+        let (mode, backend) = file_modes(direct, backend)?;
         py.detach(|| {
             let io = IoFile::open_read(&path, mode)?;
             let archive = zipmap::map_file(io.file(), Some(&path))?;
@@ -479,11 +480,11 @@ impl Reader {
         &self,
         py: Python<'py>,
         engine: &Engine,
-        segments_in: Vec<RawSegment>,
+        segments: Vec<RawSegment>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let engine = engine.inner.clone();
         let (stats, device) = py.detach(|| {
-            for &(off, _, len, _) in &segments_in {
+            for &(off, _, len, _) in &segments {
                 let inside = self.archive.records.iter().any(|r| {
                     off >= r.data_offset
                         && off
@@ -500,7 +501,7 @@ impl Reader {
                     ));
                 }
             }
-            let segs = segments(segments_in);
+            let segs = to_segments(segments);
             let mut device = None;
             // SAFETY: `device` is dropped (end of this call) before `self.io`.
             let path = unsafe { ensure_device_path(&mut device, &self.io, self.backend, &segs)? };
@@ -526,8 +527,16 @@ pub struct DeviceFile {
 }
 
 impl DeviceFile {
+    fn with_path<T>(&self, f: impl FnOnce(&DevicePath) -> T) -> Option<T> {
+        self.device
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(f)
+    }
+
     fn transfer(&self, engine: &Engine, seg: RawSegment, write: bool) -> Result<Stats, Error> {
-        let segs = segments(vec![seg]);
+        let segs = to_segments(vec![seg]);
         let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the Python caller keeps the storage alive and untouched for
         // the duration of the call (documented contract).
@@ -552,8 +561,7 @@ impl DeviceFile {
         direct: Option<&str>,
         backend: Option<&str>,
     ) -> PyResult<Self> {
-        let mode = direct_mode(direct)?.unwrap_or(EngineConfig::from_env()?.direct);
-        let backend = backend_arg(backend)?;
+        let (mode, backend) = file_modes(direct, backend)?;
         py.detach(|| {
             let io = if writable {
                 let f = std::fs::OpenOptions::new()
@@ -592,28 +600,18 @@ impl DeviceFile {
     /// "cufile", "bounce", or None before register_handle.
     #[getter]
     fn backend(&self) -> Option<&'static str> {
-        self.device
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(DevicePath::name)
+        self.with_path(DevicePath::name)
     }
 
     #[getter]
     fn gds_mode(&self) -> Option<&'static str> {
-        self.device
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .and_then(DevicePath::gds_mode)
+        self.with_path(DevicePath::gds_mode).flatten()
     }
 
     #[getter]
     fn fallback_reason(&self) -> Option<String> {
-        let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-        g.as_ref()
-            .and_then(DevicePath::fallback_reason)
-            .map(str::to_owned)
+        self.with_path(|p| p.fallback_reason().map(str::to_owned))
+            .flatten()
     }
 
     /// Write `nbytes` at `addr` (device -1 = host) to the file at `offset`.

@@ -284,20 +284,13 @@ fn reopen_direct(file: &File, write: bool) -> io::Result<File> {
         .open(proc)
 }
 
-/// pread until `buf` is full or the end of the file; returns the bytes read.
-pub fn pread_upto(fd: RawFd, buf: &mut [u8], off: u64) -> io::Result<usize> {
+/// Run a positional transfer to completion: `op(done)` moves bytes from
+/// `done` on and returns what the syscall returned. Retries EINTR, continues
+/// after short transfers, stops when `op` returns 0. Returns the bytes moved.
+fn transfer_all(len: usize, mut op: impl FnMut(usize) -> isize) -> io::Result<usize> {
     let mut done = 0usize;
-    while done < buf.len() {
-        let pos = off + done as u64;
-        // SAFETY: the pointer/length pair lies within `buf`.
-        let n = unsafe {
-            libc::pread(
-                fd,
-                buf[done..].as_mut_ptr().cast(),
-                buf.len() - done,
-                pos as libc::off_t,
-            )
-        };
+    while done < len {
+        let n = op(done);
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -313,34 +306,43 @@ pub fn pread_upto(fd: RawFd, buf: &mut [u8], off: u64) -> io::Result<usize> {
     Ok(done)
 }
 
+/// pread until `buf` is full or the end of the file; returns the bytes read.
+pub fn pread_upto(fd: RawFd, buf: &mut [u8], off: u64) -> io::Result<usize> {
+    let len = buf.len();
+    let ptr = buf.as_mut_ptr();
+    transfer_all(len, |done| {
+        // SAFETY: [ptr+done, ptr+len) lies within `buf`.
+        unsafe {
+            libc::pread(
+                fd,
+                ptr.add(done).cast(),
+                len - done,
+                (off + done as u64) as libc::off_t,
+            )
+        }
+    })
+}
+
 /// pwrite all of `buf` at `off`, across short writes and EINTR.
 pub fn pwrite_all(fd: RawFd, buf: &[u8], off: u64) -> io::Result<()> {
-    let mut done = 0usize;
-    while done < buf.len() {
-        let pos = off + done as u64;
-        // SAFETY: the pointer/length pair lies within `buf`.
-        let n = unsafe {
+    let len = buf.len();
+    let ptr = buf.as_ptr();
+    let done = transfer_all(len, |done| {
+        // SAFETY: [ptr+done, ptr+len) lies within `buf`.
+        unsafe {
             libc::pwrite(
                 fd,
-                buf[done..].as_ptr().cast(),
-                buf.len() - done,
-                pos as libc::off_t,
+                ptr.add(done).cast(),
+                len - done,
+                (off + done as u64) as libc::off_t,
             )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
         }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::WriteZero,
-                "pwrite wrote nothing",
-            ));
-        }
-        done += n as usize;
+    })?;
+    if done < len {
+        return Err(io::Error::new(
+            io::ErrorKind::WriteZero,
+            "pwrite wrote nothing",
+        ));
     }
     Ok(())
 }

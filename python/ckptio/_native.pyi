@@ -1,42 +1,79 @@
-"""Type stubs of the Rust extension ``ckptio._native``."""
+"""Type stubs of the Rust extension ``ckptio._native`` (checked by mypy.stubtest in CI)."""
 
 import os
-from typing import Any
+from typing import Any, final
+
+from typing_extensions import Self
 
 __version__: str
+__all__ = [
+    "cufile_register_buffer",
+    "info",
+    "map_archive",
+    "AtomicWriter",
+    "BufferRegistration",
+    "DeviceFile",
+    "Engine",
+    "Reader",
+    "CkptioError",
+    "FormatError",
+    "BackendUnavailableError",
+    "CudaError",
+    "CuFileError",
+    "__version__",
+]
 
-class CkptioError(Exception): ...
-class FormatError(CkptioError): ...
-class BackendUnavailableError(CkptioError): ...
-class CudaError(CkptioError): ...
-class CuFileError(CkptioError): ...
+class CkptioError(Exception):
+    """Base class of ckptio's own errors."""
 
-StrPath = str | os.PathLike[str]
+class FormatError(CkptioError):
+    """The file is not a usable torch.save checkpoint."""
 
+class BackendUnavailableError(CkptioError):
+    """A library or backend (libcuda, libcufile) is not available."""
+
+class CudaError(CkptioError):
+    """A CUDA driver call failed."""
+
+class CuFileError(CkptioError):
+    """A cuFile (GPUDirect Storage) call failed."""
+
+_Path = str | os.PathLike[str]
+# (file offset, address, nbytes, device); device -1 is host memory
+_Segment = tuple[int, int, int, int]
+
+@final
 class Engine:
-    """A pool of I/O threads and its reusable staging buffers.
+    """A pool of I/O threads and its reusable staging and pinned buffers.
 
-    Defaults come from CKPTIO_THREADS, CKPTIO_CHUNK_SIZE ("16M") and CKPTIO_DIRECT (auto|on|off).
+    Defaults: CKPTIO_THREADS, CKPTIO_CHUNK_SIZE ("16M"), CKPTIO_DIRECT (auto|on|off),
+    CKPTIO_PREALLOCATE (1|0).
     """
 
-    def __init__(
-        self, threads: int | None = None, chunk_size: int | None = None, direct: str | None = None
-    ) -> None: ...
+    def __new__(
+        cls, threads: int | None = None, chunk_size: int | None = None, direct: str | None = None
+    ) -> Self: ...
     @property
     def threads(self) -> int: ...
     @property
     def chunk_size(self) -> int: ...
     @property
     def direct(self) -> str: ...
-    def pooled_bytes(self) -> int: ...
+    def pooled_bytes(self) -> int:
+        """Host memory held by the reusable staging buffers."""
+    def pinned_bytes(self) -> int:
+        """Pinned host memory held by the bounce buffers (bounded by threads x 2 x chunk)."""
 
-def map_archive(path: StrPath) -> list[tuple[str, int, int]]:
+def map_archive(path: _Path) -> list[tuple[str, int, int]]:
     """[(record name, data offset, size)] of a torch.save zip archive."""
 
+@final
 class AtomicWriter:
     """A temp file beside ``path``; ``commit`` replaces ``path`` with it, durably."""
 
-    def __init__(self, path: StrPath, direct: str | None = None) -> None: ...
+    def __new__(
+        cls, path: _Path, direct: str | None = None, backend: str | None = None
+    ) -> Self: ...
     def fileno(self) -> int: ...
     @property
     def tmp_path(self) -> str: ...
@@ -50,10 +87,13 @@ class AtomicWriter:
     def commit(self) -> None: ...
     def abort(self) -> None: ...
 
+@final
 class Reader:
     """An existing checkpoint, mapped and opened for (O_DIRECT where possible) reading."""
 
-    def __init__(self, path: StrPath, direct: str | None = None) -> None: ...
+    def __new__(
+        cls, path: _Path, direct: str | None = None, backend: str | None = None
+    ) -> Self: ...
     def records(self) -> list[tuple[str, int, int]]: ...
     @property
     def prefix(self) -> str: ...
@@ -61,7 +101,33 @@ class Reader:
     def direct(self) -> bool: ...
     def fileno(self) -> int: ...
     def read_record(self, name: str) -> bytes: ...
-    def read_into(
-        self, engine: Engine, segments: list[tuple[int, int, int, int]]
-    ) -> dict[str, Any]:
+    def read_into(self, engine: Engine, segments: list[_Segment]) -> dict[str, Any]:
         """Read (file offset, address, nbytes, device) ranges; each must lie inside one record."""
+
+@final
+class DeviceFile:
+    """An open file for storages at given offsets (what ckptio.GdsFile wraps)."""
+
+    def __new__(
+        cls, path: _Path, writable: bool, direct: str | None = None, backend: str | None = None
+    ) -> Self: ...
+    def register_handle(self) -> None: ...
+    def deregister_handle(self) -> None: ...
+    @property
+    def backend(self) -> str | None: ...
+    @property
+    def gds_mode(self) -> str | None: ...
+    @property
+    def fallback_reason(self) -> str | None: ...
+    def write(self, engine: Engine, offset: int, addr: int, nbytes: int, device: int) -> None: ...
+    def read(self, engine: Engine, offset: int, addr: int, nbytes: int, device: int) -> None: ...
+
+@final
+class BufferRegistration:
+    """A cuFileBufRegister registration."""
+
+    def close(self) -> None: ...
+
+def cufile_register_buffer(addr: int, nbytes: int) -> BufferRegistration: ...
+def info(folder: _Path | None = None) -> dict[str, Any]:
+    """libcuda, libcufile and (for ``folder``) O_DIRECT / cuFile handle support."""
