@@ -201,6 +201,12 @@ def run(
             return out
 
         for _ in range(repeat):
+            # Every round writes fresh files, as the raw limit does: no row pays
+            # for freeing an earlier round's file.
+            for p in (p_torch, p_ck):
+                if os.path.exists(p):
+                    os.unlink(p)
+            os.sync()
             ws, rs, direct = raw_limits(tmp, nbytes)
             raw_w = "raw write + fsync" + (" (O_DIRECT)" if direct else "")
             raw_r = "raw read, cold" + (" (O_DIRECT)" if direct else "")
