@@ -180,9 +180,10 @@ def case(label: str, folder: str, size: int, full: bool) -> None:
     sd = bench.synthetic_state_dict(size, "cuda", torch.bfloat16)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     print(f"\n## {label}: {nbytes / GiB:.2f} GiB bf16, {len(sd)} tensors, {tmp}", flush=True)
-    ws, rs, direct = bench.raw_limits(tmp, nbytes)
-    row(label, "raw write + fsync" + (" (O_DIRECT)" if direct else ""), ws, nbytes)
-    row(label, "raw read, cold" + (" (O_DIRECT)" if direct else ""), rs, nbytes)
+    raw_ = bench.raw_limits(tmp, nbytes)
+    tag = " (O_DIRECT)" if raw_.direct else ""
+    row(label, "raw write + fsync" + tag, raw_.write, nbytes)
+    row(label, "raw read, cold" + tag, raw_.read, nbytes)
     raw = os.path.join(tmp, "rawb.bin")
     with open(raw, "wb") as f:
         chunk = os.urandom(1 << 20) * 64

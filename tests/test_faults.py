@@ -387,6 +387,21 @@ def test_not_a_checkpoint_is_formaterror(tmp_path, content):
     assert_format_error(p)
 
 
+def not_formaterror(p, label: str) -> list[str]:
+    """What ckptio.load and ckptio.records did with ``p`` other than raise FormatError."""
+    bad = []
+    for fn in (ckptio.load, ckptio.records):
+        try:
+            fn(p)
+        except ckptio.FormatError:
+            continue
+        except Exception as e:  # noqa: BLE001 - report every wrong outcome at once
+            bad.append(f"{label}: {fn.__name__} raised {e!r}")
+        else:
+            bad.append(f"{label}: {fn.__name__} returned data")
+    return bad
+
+
 def cut_points(data: bytes) -> list[int]:
     """~20 truncation lengths: inside records' data, the central directory and the end records."""
     e = end_records(data)
@@ -429,15 +444,7 @@ def test_truncated_checkpoint_is_formaterror(tmp_path, good, writer):
     assert len(points) >= 20
     for cut in points:
         p.write_bytes(data[:cut])
-        for fn in (ckptio.load, ckptio.records):
-            try:
-                fn(p)
-            except ckptio.FormatError:
-                continue
-            except Exception as e:  # noqa: BLE001 - report every wrong outcome at once
-                bad.append(f"cut at {cut}/{len(data)}: {fn.__name__} raised {e!r}")
-            else:
-                bad.append(f"cut at {cut}/{len(data)}: {fn.__name__} returned data")
+        bad += not_formaterror(p, f"cut at {cut}/{len(data)}")
     assert bad == []
     assert temps(tmp_path) == []
 
@@ -509,15 +516,7 @@ def test_overwritten_headers_and_offsets_outside_the_file_are_formaterror(tmp_pa
     bad = []
     for what, content in header_patches(data).items():
         p.write_bytes(content)
-        for fn in (ckptio.load, ckptio.records):
-            try:
-                fn(p)
-            except ckptio.FormatError:
-                continue
-            except Exception as e:  # noqa: BLE001 - report every wrong outcome at once
-                bad.append(f"{what}: {fn.__name__} raised {e!r}")
-            else:
-                bad.append(f"{what}: {fn.__name__} returned data")
+        bad += not_formaterror(p, what)
     assert bad == []
 
 
