@@ -4,6 +4,7 @@
 # and optionally .whl/ (KvikIO wheels) carried along.
 #   scripts/gpu_check.sh tests   # the suite without the udev entry (fallback), then
 #                                # the GPU tests with it (cuFile compat for real)
+#   scripts/gpu_check.sh gpu     # only tests/test_gpu.py, without then with the udev entry
 #   scripts/gpu_check.sh tune    # benches/tune_gpu.py: threads/chunk/preallocation sweep
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
 set -uo pipefail
@@ -35,6 +36,15 @@ tests)
     echo "=== info with the udev entry"; $PY -m ckptio info /tmp
     echo "=== phase 2: GPU tests, udev entry present: cuFile (compat mode) for real"
     CKPTIO_EXPECT_BACKEND=cufile $PY -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cufile.log" | tail -15
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    ;;
+gpu)
+    # Only the GPU tests, both ways (a short re-check after a change).
+    udev_off
+    CKPTIO_EXPECT_BACKEND=bounce $PY -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -3
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    udev_on
+    CKPTIO_EXPECT_BACKEND=cufile $PY -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -3
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     ;;
 tune)
