@@ -289,20 +289,14 @@ class _Restorer:
         # (address in the file mapping, nbytes, destination storage)
         self.pending: list[tuple[int, int, torch.UntypedStorage]] = []
 
-    def _device(self, location: str) -> torch.device | None:
+    def _mapped(self, location: str) -> str:
+        """The location string after a str / device / dict map_location."""
         ml = self.map_location
         if isinstance(ml, dict):
-            location = ml.get(location, location)
-        elif isinstance(ml, (str, torch.device)):
-            location = str(ml)
-        dev = torch.device(location)
-        if dev.type == "cpu":
-            return dev
-        if dev.type == "cuda" and torch.cuda.is_available():
-            index = dev.index if dev.index is not None else torch.cuda.current_device()
-            if index < torch.cuda.device_count():
-                return torch.device("cuda", index)
-        return None  # let torch decide (and raise its own error where it must)
+            return ml.get(location, location)
+        if isinstance(ml, (str, torch.device)):
+            return str(ml)
+        return location
 
     def __call__(self, storage: torch.UntypedStorage, location: str) -> Any:
         if callable(self.map_location) and not isinstance(self.map_location, torch.device):
@@ -312,16 +306,25 @@ class _Restorer:
             if result is None:
                 result = torch.serialization.default_restore_location(storage, location)
             return result
-        dev = self._device(location)
-        if dev is None:
-            ml = self.map_location
-            loc = str(ml) if isinstance(ml, (str, torch.device)) else location
-            if isinstance(ml, dict):
-                loc = ml.get(location, location)
+        loc = self._mapped(location)
+        dev = _engine_device(loc)
+        if dev is None:  # not ours to fill: torch copies from the mapping (or raises)
             return torch.serialization.default_restore_location(storage, loc)
         dest = _empty_storage(storage.nbytes(), dev)
         self.pending.append((storage.data_ptr(), storage.nbytes(), dest))
         return dest
+
+
+def _engine_device(location: str) -> torch.device | None:
+    """The device the engine fills for ``location``: cpu, or a present CUDA device."""
+    dev = torch.device(location)
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda" and torch.cuda.is_available():
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index < torch.cuda.device_count():
+            return torch.device("cuda", index)
+    return None
 
 
 def _empty_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
