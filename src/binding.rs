@@ -255,16 +255,8 @@ pub struct AtomicWriter {
     backend: Backend,
 }
 
-impl AtomicWriter {
-    fn with_state<T>(&self, f: impl FnOnce(&mut WriterState) -> Result<T, Error>) -> PyResult<T> {
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        match g.as_mut() {
-            Some(s) => Ok(f(s)?),
-            None => Err(PyValueError::new_err(
-                "the checkpoint writer is already committed or aborted",
-            )),
-        }
-    }
+fn writer_done() -> PyErr {
+    PyValueError::new_err("the checkpoint writer is already committed or aborted")
 }
 
 #[pymethods]
@@ -317,16 +309,6 @@ impl AtomicWriter {
         self.target.clone()
     }
 
-    /// Map the archive written so far (by torch.save under skip_data).
-    fn map_archive(&self, py: Python<'_>) -> PyResult<Vec<(String, u64, u64)>> {
-        py.detach(|| {
-            self.with_state(|s| {
-                let a = zipmap::map_file(s.io.file(), Some(s.atomic.tmp_path()))?;
-                Ok(records_list(&a))
-            })
-        })
-    }
-
     /// Write each storage's bytes into its record `<prefix>/data/<key>`.
     /// `storages`: [(key, address, nbytes, device)], device -1 for host memory.
     ///
@@ -341,9 +323,7 @@ impl AtomicWriter {
         let backend = self.backend;
         let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let Some(st) = g.as_mut() else {
-            return Err(PyValueError::new_err(
-                "the checkpoint writer is already committed or aborted",
-            ));
+            return Err(writer_done());
         };
         let stats = py.detach(|| {
             let path = st.atomic.tmp_path().to_path_buf();
@@ -381,9 +361,7 @@ impl AtomicWriter {
     fn commit(&self, py: Python<'_>) -> PyResult<()> {
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner()).take();
         let Some(s) = state else {
-            return Err(PyValueError::new_err(
-                "the checkpoint writer is already committed or aborted",
-            ));
+            return Err(writer_done());
         };
         py.detach(move || {
             let WriterState { device, io, atomic } = s;

@@ -119,8 +119,6 @@ pub struct InFlight {
     slot: usize,
     file_offset: u64,
     len: usize,
-    /// Where the chunk's bytes start inside the slot's buffer.
-    skip: usize,
 }
 
 /// One thread's double-buffered pipeline for one device.
@@ -188,7 +186,6 @@ impl BounceLane {
             slot,
             file_offset,
             len,
-            skip: 0,
         })
     }
 
@@ -253,13 +250,11 @@ impl BounceLane {
             slot,
             file_offset,
             len,
-            skip,
         })
     }
 
     /// Load, second half: wait for the H2D copy.
     pub fn finish_load(&mut self, f: InFlight) -> Result<()> {
-        let _ = (f.file_offset, f.len, f.skip);
         self.slots[f.slot].stream.synchronize()
     }
 
