@@ -357,6 +357,48 @@ impl AtomicWriter {
         report(py, &stats, &st.io, st.device.as_ref())
     }
 
+    /// Write raw file ranges: `segments` = [(file offset, address, nbytes, device)],
+    /// device -1 for host memory. `file_len`: the final length, preallocated when
+    /// the engine preallocates. The caller keeps the memory alive and unmodified
+    /// until this returns.
+    #[pyo3(signature = (engine, segments, file_len=None))]
+    fn write_segments<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        segments: Vec<RawSegment>,
+        file_len: Option<u64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let engine = engine.inner.clone();
+        let backend = self.backend;
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(st) = g.as_mut() else {
+            return Err(writer_done());
+        };
+        let stats = py.detach(|| {
+            if let (Some(n), true) = (file_len, engine.config().preallocate) {
+                st.io.preallocate(n)?;
+            }
+            let segs = to_segments(segments);
+            // SAFETY: `st.device` is dropped before `st.io` (field order).
+            let device = unsafe { ensure_device_path(&mut st.device, &st.io, backend, &segs)? };
+            // SAFETY: the Python caller keeps each range alive and unmodified
+            // for the duration of this call (documented contract).
+            unsafe { engine.write_via(&st.io, &segs, device) }
+        })?;
+        report(py, &stats, &st.io, st.device.as_ref())
+    }
+
+    /// Write small bytes (headers, metadata) at `offset`, through the page cache.
+    fn write_bytes(&self, py: Python<'_>, offset: u64, data: &[u8]) -> PyResult<()> {
+        let g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(st) = g.as_ref() else {
+            return Err(writer_done());
+        };
+        py.detach(|| st.io.write_at(data, offset))?;
+        Ok(())
+    }
+
     /// fsync, rename over the target, fsync the folder.
     fn commit(&self, py: Python<'_>) -> PyResult<()> {
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -592,6 +634,40 @@ impl DeviceFile {
             .flatten()
     }
 
+    /// Read file ranges `segments` = [(file offset, address, nbytes, device)] in one
+    /// parallel pass; the device path is opened on first need. Ranges past the
+    /// end of the file are a FormatError.
+    fn read_segments<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        segments: Vec<RawSegment>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let stats = py.detach(|| {
+            let len = self.io.len()?;
+            for &(off, _, n, _) in &segments {
+                if off.checked_add(n).is_none_or(|e| e > len) {
+                    return Err(Error::format(
+                        Some(self.io.path()),
+                        format!(
+                            "bytes {off}..{} lie past the end of the {len}-byte file",
+                            off.saturating_add(n)
+                        ),
+                    ));
+                }
+            }
+            let segs = to_segments(segments);
+            let mut g = self.device.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: `device` is declared before `io`, so it drops first.
+            let path = unsafe { ensure_device_path(&mut g, &self.io, self.backend, &segs)? };
+            // SAFETY: the Python caller keeps each destination alive and
+            // untouched for the duration of this call (documented contract).
+            unsafe { engine.inner.read_via(&self.io, &segs, path) }
+        })?;
+        let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
+        report(py, &stats, &self.io, g.as_ref())
+    }
+
     /// Write `nbytes` at `addr` (device -1 = host) to the file at `offset`.
     fn write(
         &self,
@@ -650,6 +726,112 @@ fn cufile_register_buffer(
     Ok(BufferRegistration {
         inner: Mutex::new(Some(reg)),
     })
+}
+
+/// Pinning state of host memory the caller owns (a staging buffer): chunks are
+/// page-locked by the first copies that reach them, and unlocked on `close()`
+/// or when this object goes.
+#[pyclass(frozen, module = "ckptio._native")]
+pub struct HostPin {
+    inner: Mutex<Option<Arc<crate::staging::HostPin>>>,
+    nbytes: u64,
+}
+
+impl HostPin {
+    fn get(&self) -> PyResult<Arc<crate::staging::HostPin>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| PyValueError::new_err("the HostPin is closed"))
+    }
+}
+
+#[pymethods]
+impl HostPin {
+    /// `addr..addr+nbytes`: host memory the caller keeps mapped until `close()`.
+    #[new]
+    #[pyo3(signature = (addr, nbytes, pin=true, chunk_size=67108864))]
+    fn new(addr: u64, nbytes: u64, pin: bool, chunk_size: u64) -> PyResult<Self> {
+        // SAFETY: the Python caller keeps the memory mapped until close()
+        // (documented contract; ckptio.staging closes pins before freeing).
+        let p = unsafe { crate::staging::HostPin::new(addr, nbytes, chunk_size, pin) }?;
+        Ok(HostPin {
+            inner: Mutex::new(Some(Arc::new(p))),
+            nbytes,
+        })
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.nbytes
+    }
+
+    /// Bytes page-locked so far (0 once closed).
+    fn pinned_bytes(&self) -> u64 {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or(0, |p| p.pinned_bytes())
+    }
+
+    /// Unlock every pinned chunk (after copies in flight finish). Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let p = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(move || drop(p));
+    }
+}
+
+/// One staging copy as Python hands it: (source address, source device (-1 host),
+/// destination pin, destination offset, nbytes).
+type RawCopy<'py> = (u64, i32, Bound<'py, HostPin>, u64, u64);
+
+/// Copy tensor memory into staging buffers on `threads` threads; returns when
+/// every byte has landed. The caller keeps sources unmodified until then.
+#[pyfunction]
+#[pyo3(signature = (copies, threads=8))]
+fn stage_copy<'py>(
+    py: Python<'py>,
+    copies: Vec<RawCopy<'py>>,
+    threads: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let mut pins: Vec<Arc<crate::staging::HostPin>> = Vec::new();
+    let mut jobs = Vec::with_capacity(copies.len());
+    for (src, dev, pin, dst_offset, len) in copies {
+        let p = pin.get().get()?;
+        let dst = match pins.iter().position(|q| Arc::ptr_eq(q, &p)) {
+            Some(i) => i,
+            None => {
+                pins.push(p);
+                pins.len() - 1
+            }
+        };
+        jobs.push(crate::staging::CopyJob {
+            src,
+            memory: if dev < 0 {
+                Memory::Host
+            } else {
+                Memory::Cuda(dev)
+            },
+            dst,
+            dst_offset,
+            len,
+        });
+    }
+    let st = py.detach(|| {
+        let refs: Vec<&crate::staging::HostPin> = pins.iter().map(|p| p.as_ref()).collect();
+        // SAFETY: the Python caller keeps sources alive and unmodified and owns
+        // the destinations (documented contract); pins are held by `pins`.
+        unsafe { crate::staging::copy_to_host(&refs, &jobs, threads) }
+    })?;
+    let d = PyDict::new(py);
+    d.set_item("bytes", st.bytes)?;
+    d.set_item("device_bytes", st.device_bytes)?;
+    d.set_item("unpinned_device_bytes", st.unpinned_device_bytes)?;
+    d.set_item("pieces", st.pieces)?;
+    d.set_item("threads", st.threads)?;
+    Ok(d)
 }
 
 /// What this machine offers: libcuda, libcufile, and (for `folder`) whether
@@ -753,8 +935,8 @@ fn probe_folder(dir: &std::path::Path) -> FolderProbe {
 mod _native {
     #[pymodule_export]
     use super::{
-        cufile_register_buffer, info, map_archive, AtomicWriter, BufferRegistration, DeviceFile,
-        Engine, Reader,
+        cufile_register_buffer, info, map_archive, stage_copy, AtomicWriter, BufferRegistration,
+        DeviceFile, Engine, HostPin, Reader,
     };
 
     use super::*;

@@ -635,6 +635,9 @@ impl Drop for HostRegistration {
 // SAFETY: the guard holds only an address and the driver. Unregistering from
 // any thread is allowed, since the driver API is thread-safe.
 unsafe impl Send for HostRegistration {}
+// SAFETY: `&HostRegistration` only reads the address and length; it gives no
+// access to the memory itself.
+unsafe impl Sync for HostRegistration {}
 
 /// What `ckptio info` prints about the CUDA driver.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -10,6 +10,8 @@
 //! - [`persist`]: crash-safe replacement of a file (temp file, fsync, rename, fsync dir).
 //! - [`cuda`], [`cufile`]: libcuda and libcufile, loaded at run time.
 //! - [`gpu`]: per-file choice of cuFile or the pinned bounce pipeline for device memory.
+//! - [`staging`]: parallel copies of tensor memory into host buffers pinned on first use
+//!   (snapshots for async checkpoints).
 //!
 //! The Python binding lives in `binding` behind the `python` feature.
 
@@ -21,6 +23,7 @@ pub mod error;
 pub mod file;
 pub mod gpu;
 pub mod persist;
+pub mod staging;
 pub mod zipmap;
 
 #[cfg(feature = "python")]

@@ -10,10 +10,12 @@ __all__ = [
     "cufile_register_buffer",
     "info",
     "map_archive",
+    "stage_copy",
     "AtomicWriter",
     "BufferRegistration",
     "DeviceFile",
     "Engine",
+    "HostPin",
     "Reader",
     "CkptioError",
     "FormatError",
@@ -83,6 +85,11 @@ class AtomicWriter:
         self, engine: Engine, storages: list[tuple[str, int, int, int]]
     ) -> dict[str, Any]:
         """Write (key, address, nbytes, device) storages into records ``<prefix>/data/<key>``."""
+    def write_segments(
+        self, engine: Engine, segments: list[_Segment], file_len: int | None = None
+    ) -> dict[str, Any]:
+        """Write raw (file offset, address, nbytes, device) ranges."""
+    def write_bytes(self, offset: int, data: bytes) -> None: ...
     def commit(self) -> None: ...
     def abort(self) -> None: ...
 
@@ -118,6 +125,8 @@ class DeviceFile:
     def gds_mode(self) -> str | None: ...
     @property
     def fallback_reason(self) -> str | None: ...
+    def read_segments(self, engine: Engine, segments: list[_Segment]) -> dict[str, Any]:
+        """Read (file offset, address, nbytes, device) ranges in one parallel pass."""
     def write(self, engine: Engine, offset: int, addr: int, nbytes: int, device: int) -> None: ...
     def read(self, engine: Engine, offset: int, addr: int, nbytes: int, device: int) -> None: ...
 
@@ -126,6 +135,23 @@ class BufferRegistration:
     """A cuFileBufRegister registration."""
 
     def close(self) -> None: ...
+
+@final
+class HostPin:
+    """Pinning state of caller-owned host memory, page-locked chunk by chunk by copies."""
+
+    def __new__(
+        cls, addr: int, nbytes: int, pin: bool = True, chunk_size: int = 67108864
+    ) -> Self: ...
+    @property
+    def nbytes(self) -> int: ...
+    def pinned_bytes(self) -> int: ...
+    def close(self) -> None: ...
+
+def stage_copy(
+    copies: list[tuple[int, int, HostPin, int, int]], threads: int = 8
+) -> dict[str, Any]:
+    """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel."""
 
 def cufile_register_buffer(addr: int, nbytes: int) -> BufferRegistration: ...
 def info(folder: _Path | None = None) -> dict[str, Any]:

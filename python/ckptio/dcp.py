@@ -1,0 +1,353 @@
+"""``torch.distributed.checkpoint`` storage through the ckptio engine.
+
+:class:`FileSystemWriter` and :class:`FileSystemReader` are drop-in
+replacements for DCP's: same constructor arguments, same files
+(``__{rank}_{n}.distcp`` plus ``.metadata``), same item encoding (each tensor
+item is a complete ``torch.save`` zip of that tensor), so checkpoints move
+freely between them and torch's own reader and writer. What changes is how the
+bytes move:
+
+- Each item starts at a 4 KiB boundary of its file and its data at a 4 KiB
+  boundary too, so tensor bytes go straight from tensor memory (host or CUDA)
+  to the file with O_DIRECT or cuFile, in parallel chunks on the engine's
+  threads; no host copy of the whole shard, no per-item Python write loop.
+- Data files and ``.metadata`` are written crash-safely (temp file, fsync,
+  rename, fsync of the folder): the metadata of a checkpoint only appears once
+  every data file it names is durable.
+- The reader maps each item's zip header once and reads tensor bytes straight
+  into the destination tensors, GPU included (the planner's tensors, or a
+  temporary on the same device when the request is a strided slice).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zipfile
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import filesystem as _fs
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    _FileSystemWriter,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemReader as _TorchReader,
+)
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ckptio import _native
+from ckptio.serialization import (
+    _CONFIG_LOCK,
+    STORAGE_ALIGNMENT,
+    _device_code,
+    _direct_arg,
+    _engine,
+    _storage_alignment,
+    _sync_cuda,
+)
+from ckptio.staging import BlockingAsyncStager
+
+__all__ = ["FileSystemWriter", "FileSystemReader"]
+
+_ALIGN = STORAGE_ALIGNMENT
+_DCP_VERSION: str | None = getattr(_fs, "CURRENT_DCP_VERSION", None)
+_METADATA = ".metadata"
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _item_zip(t: torch.Tensor) -> tuple[bytes, int]:
+    """The torch.save zip of a tensor shaped like ``t`` (data left as a hole) and
+    the offset of its data record. Byte for byte what ``torch.save(t)`` of a
+    contiguous CPU tensor writes, at 4 KiB storage alignment."""
+    shell = torch.empty(t.shape, dtype=t.dtype)  # untouched pages: costs nothing
+    buf = io.BytesIO()
+    with _CONFIG_LOCK, _storage_alignment(_ALIGN), torch.serialization.skip_data():
+        torch.save(shell, buf)
+    z = buf.getvalue()
+    info = zipfile.ZipFile(io.BytesIO(z)).getinfo("archive/data/0")
+    name_len, extra_len = struct.unpack_from("<HH", z, info.header_offset + 26)
+    return z, info.header_offset + 30 + name_len + extra_len
+
+
+class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[misc]
+    """DCP's ``FileSystemWriter`` with ckptio's engine under it (see the module doc).
+
+    Takes torch's arguments (``path, single_file_per_rank=True, sync_files=True,
+    thread_count=1, per_thread_copy_ahead, cache_staged_state_dict=False,
+    overwrite=True``) plus ckptio's ``threads``, ``chunk_size``, ``direct`` and
+    ``backend`` (see ``ckptio.save``). ``thread_count`` still sets files per rank;
+    the engine's threads move the bytes of each file in parallel. Data files are
+    always fsynced (``sync_files`` is kept for compatibility).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        *,
+        threads: int | None = None,
+        chunk_size: int | None = None,
+        direct: bool | str | None = None,
+        backend: str | None = None,
+    ) -> None:
+        _FileSystemWriter.__init__(
+            self,
+            path,
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            overwrite=overwrite,
+        )
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        self._io = (threads, chunk_size, _direct_arg(direct), backend)
+        self.last_stats: list[dict[str, Any]] = []
+
+    # The writer travels to DCP's checkpoint process (PROCESS mode): the stager's
+    # buffers and threads stay behind.
+    def __getstate__(self) -> dict[str, Any]:
+        keep = ("_cache", "_executor", "_future", "_side_streams", "_lock")
+        return {k: v for k, v in self.__dict__.items() if k not in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=self.cache_staged_state_dict)
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        return BlockingAsyncStager.stage(self, state_dict)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix: _StoragePrefix = plan.storage_data
+        if self.single_file_per_rank:
+            buckets = _split_by_size_and_type(self.thread_count, plan.items)
+        else:
+            buckets = [[item] for item in plan.items]
+        results: list[WriteResult] = []
+        self.last_stats = []
+        for n, items in enumerate(buckets):
+            name = f"{prefix.prefix}{n}{DEFAULT_SUFFIX}"
+            results += self._write_file(os.path.join(self.path, name), name, items, planner)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_file(
+        self, path: str, name: str, items: list[Any], planner: SavePlanner
+    ) -> list[WriteResult]:
+        threads, chunk_size, direct, backend = self._io
+        engine = _engine(threads, chunk_size, direct)
+        writer = _native.AtomicWriter(path, direct, backend)
+        try:
+            offset = 0
+            segments: list[tuple[int, int, int, int]] = []
+            results = []
+            keep = []  # tensors made contiguous here live until the write is done
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                    writer.write_bytes(offset, blob)
+                    length = len(blob)
+                else:
+                    t = data.detach()
+                    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                        t = t.contiguous().resolve_conj().resolve_neg()
+                    keep.append(t)
+                    z, data_off = _item_zip(t)
+                    nbytes = t.numel() * t.element_size()
+                    writer.write_bytes(offset, z[:data_off])
+                    writer.write_bytes(offset + data_off + nbytes, z[data_off + nbytes :])
+                    if nbytes:
+                        dev = _device_code(t.untyped_storage(), f"item {item.index.fqn}")
+                        segments.append((offset + data_off, t.data_ptr(), nbytes, dev))
+                    length = len(z)
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=length,
+                        storage_data=_StorageInfo(name, offset, length),
+                    )
+                )
+                offset = _align(offset + length)
+            _sync_cuda({s[3] for s in segments})
+            stats = writer.write_segments(engine, segments, offset)
+            writer.commit()
+            self.last_stats.append(dict(stats, path=path))
+            del keep
+            return results
+        except BaseException:
+            writer.abort()
+            raise
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write ``.metadata`` (or ``__{rank}.metadata``) crash-safely: it appears, in
+        full, only after every data file is durable."""
+        if _DCP_VERSION is not None:
+            metadata.version = _DCP_VERSION
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        per_rank = not self.use_collectives and self.rank is not None
+        name = f"__{self.rank}{_METADATA}" if per_rank else _METADATA
+        w = _native.AtomicWriter(os.path.join(self.path, name), "off")
+        try:
+            w.write_bytes(0, pickle.dumps(metadata))
+            w.commit()
+        except BaseException:
+            w.abort()
+            raise
+
+
+class FileSystemReader(_TorchReader):
+    """DCP's ``FileSystemReader`` with ckptio's engine under it: reads checkpoints
+    written by either writer, tensor bytes straight into the destination tensors.
+
+    ``threads``, ``chunk_size``, ``direct``, ``backend``: as for ``ckptio.load``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        threads: int | None = None,
+        chunk_size: int | None = None,
+        direct: bool | str | None = None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(path)
+        self._io = (threads, chunk_size, _direct_arg(direct), backend)
+        self._layouts: dict[Any, tuple[torch.Tensor, int]] = {}
+        self.last_stats: list[dict[str, Any]] = []
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._layouts = {}
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            info: _StorageInfo = self.storage_data[req.storage_index]
+            if info.transform_descriptors:
+                raise NotImplementedError(
+                    f"item {req.storage_index} uses stream transforms "
+                    f"{info.transform_descriptors}; read it with torch's FileSystemReader"
+                )
+            per_file.setdefault(info.relative_path, []).append(req)
+        self.last_stats = []
+        for rel, reqs in per_file.items():
+            self._read_file(os.path.join(self.path, rel), reqs, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _layout(self, f: io.BufferedReader, path: str, info: _StorageInfo) -> tuple[Any, int]:
+        """(meta tensor as saved, absolute file offset of its storage) of an item."""
+        key = (path, info.offset)
+        got = self._layouts.get(key)
+        if got is None:
+            try:
+                meta = torch.load(
+                    _fs._create_file_view(f, info.offset, info.length),
+                    map_location="meta",
+                    weights_only=True,
+                )
+            except Exception as e:
+                raise _native.FormatError(
+                    f"{path}: item at bytes {info.offset}..+{info.length} is not a "
+                    f"torch.save archive of a tensor: {e}"
+                ) from e
+            if not isinstance(meta, torch.Tensor):
+                raise _native.FormatError(
+                    f"{path}: item at bytes {info.offset} holds {type(meta).__name__}, not a tensor"
+                )
+            off = meta.untyped_storage()._checkpoint_offset
+            if off is None:
+                raise _native.FormatError(f"{path}: no data offset for item at {info.offset}")
+            got = self._layouts[key] = (meta, info.offset + off)
+        return got
+
+    def _read_file(self, path: str, reqs: list[Any], planner: LoadPlanner) -> None:
+        threads, chunk_size, direct, backend = self._io
+        engine = _engine(threads, chunk_size, direct)
+        dev_file = _native.DeviceFile(path, False, direct, backend)
+        segments: list[tuple[int, int, int, int]] = []
+        commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
+        with open(path, "rb") as f:
+            for req in reqs:
+                info: _StorageInfo = self.storage_data[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO:
+                    f.seek(info.offset)
+                    planner.load_bytes(req, io.BytesIO(f.read(info.length)))
+                    continue
+                meta, data_off = self._layout(f, path, info)
+                target = planner.resolve_tensor(req).detach()
+                src = _narrow(meta, req.storage_offsets, req.lengths)
+                if tuple(target.shape) != tuple(src.shape):
+                    raise _native.FormatError(
+                        f"{path}: item {req.storage_index} has shape {tuple(src.shape)}, "
+                        f"the destination {tuple(target.shape)}"
+                    )
+                if target.dtype != src.dtype:
+                    raise _native.FormatError(
+                        f"{path}: item {req.storage_index} is {src.dtype}, "
+                        f"the destination {target.dtype}"
+                    )
+                isz = src.element_size()
+                dev = _device_code(target.untyped_storage(), f"destination of {req.storage_index}")
+                if src.is_contiguous() and target.is_contiguous() and target.numel():
+                    # Straight into the destination.
+                    start = data_off + src.storage_offset() * isz
+                    segments.append((start, target.data_ptr(), target.numel() * isz, dev))
+                    commits.append((req, target, None, None))
+                elif target.numel() == 0:
+                    commits.append((req, target, None, None))
+                else:
+                    # A strided request: read the item's storage once into a
+                    # temporary on the destination device, then copy the slice.
+                    nbytes = meta.untyped_storage().nbytes()
+                    tmp = torch.empty(nbytes, dtype=torch.uint8, device=target.device)
+                    segments.append((data_off, tmp.data_ptr(), nbytes, dev))
+                    commits.append((req, target, tmp, src))
+            stats = dev_file.read_segments(engine, segments) if segments else {}
+        self.last_stats.append(dict(stats, path=path))
+        for req, target, tmp, src in commits:
+            if tmp is not None:
+                view = tmp.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
+                target.copy_(view)
+            planner.commit_tensor(req, target)
+
+
+def _narrow(meta: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    out = meta
+    for dim, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
+        if o != 0 or n != out.shape[dim]:
+            out = out.narrow(dim, o, n)
+    return out
+

@@ -1,0 +1,616 @@
+"""Stagers for ``torch.distributed.checkpoint.async_save``.
+
+A stager takes a training-safe snapshot of a state dict so that training can go
+on while the snapshot is written. ckptio's stagers follow DCP's ``AsyncStager``
+protocol (``stage`` returns a Future or the staged dict;
+``should_synchronize_after_execute``, ``synchronize_staging``, ``close``) and
+differ from torch 2.11's in what matters for a long training run:
+
+- **Reusable, with a real cache.** Staging buffers are kept per source storage
+  and reused save after save; a buffer whose storage left the state dict is
+  freed at the next stage, and ``close()`` frees them all. Host memory stays
+  flat however many saves run. (torch 2.11's DefaultStager raises KeyError on
+  its second use and never reuses its pinned cache: pytorch#183413.)
+- **Copies in the Rust pool.** Bytes move in chunks on several threads and CUDA
+  streams into host buffers that are pinned chunk by chunk by the copies
+  themselves, so the first save does not stall on pinning GiBs up front.
+- **Consistent snapshot.** ``stage()`` records an event on the current stream
+  of every device involved; copies start after the work queued before
+  ``stage()``. The caller may modify parameters again once the staging future
+  is done (``AsyncSaveResponse.staging_completion``).
+- **Aliasing kept.** Views of one storage are views of one staged storage.
+- **Device snapshot** (``StagingOptions(device_snapshot=True)``): where the GPU
+  has room, stage by a device-to-device copy on a side stream (milliseconds for
+  GiBs); the writer then drains the snapshot to storage in the background.
+
+One rule, as with any reusing stager: wait for a save's upload to finish before
+the next ``stage()`` (the staged buffers are reused).
+"""
+
+from __future__ import annotations
+
+import copy
+import mmap
+import os
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ckptio import _native
+
+__all__ = [
+    "StagingOptions",
+    "DefaultStager",
+    "BlockingAsyncStager",
+    "ReplicationStager",
+    "load_replica",
+]
+
+try:  # the protocol class when torch has it (>= 2.7), so isinstance() checks pass
+    from torch.distributed.checkpoint.staging import AsyncStager as _AsyncStagerBase
+except ImportError:  # pragma: no cover - torch without distributed
+    _AsyncStagerBase = object  # type: ignore[assignment,misc]
+
+_PIN_CHUNK = 64 << 20
+
+
+@dataclass
+class StagingOptions:
+    """torch's four staging options (same names and defaults) plus ckptio's.
+
+    - ``use_pinned_memory``: page-lock staging buffers (fast device-to-host copies).
+    - ``use_shared_memory``: stage into shared memory, so the staged dict travels to
+      DCP's checkpoint process (``AsyncCheckpointerType.PROCESS``) without a copy.
+    - ``use_async_staging``: ``stage()`` returns a Future at once and copies in the
+      background; else it returns the staged dict when the copy is done.
+    - ``use_non_blocking_copy``: accepted for compatibility; ckptio's copies are
+      always asynchronous on their own streams.
+    - ``device_snapshot``: stage CUDA tensors by a copy into cached device buffers
+      (falls back to host staging, with a warning, when the device lacks room).
+    - ``device_headroom``: bytes that must stay free on a device after the snapshot.
+    - ``threads``: copy threads (default ``CKPTIO_THREADS`` or 8).
+    """
+
+    use_pinned_memory: bool = True
+    use_shared_memory: bool = True
+    use_async_staging: bool = True
+    use_non_blocking_copy: bool = True
+    device_snapshot: bool = False
+    device_headroom: int = 1 << 30
+    threads: int | None = None
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, int(os.environ.get("CKPTIO_THREADS", "8")))
+    except ValueError:
+        return 8
+
+
+class _HostBuffer:
+    """One staging buffer: a CPU storage (anonymous or shared memory) and its pin."""
+
+    __slots__ = ("storage", "pin", "nbytes", "shared")
+
+    def __init__(self, nbytes: int, shared: bool, pinned: bool) -> None:
+        self.nbytes = nbytes
+        self.shared = shared
+        if shared:
+            storage = torch.UntypedStorage._new_shared(nbytes)
+        else:
+            # mmap gives page-aligned memory that is not touched until the copy
+            # (so allocation is instant and page faults spread over the copy threads).
+            mm = mmap.mmap(-1, nbytes)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    mm.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass
+            storage = torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()
+        self.storage: torch.UntypedStorage | None = storage
+        self.pin = _native.HostPin(storage.data_ptr(), nbytes, pin=pinned, chunk_size=_PIN_CHUNK)
+
+    def close(self) -> None:
+        # Unpin before the memory can go; staged tensors still using the
+        # storage keep it alive (now pageable).
+        self.pin.close()
+        self.storage = None
+
+
+class _DeviceBuffer:
+    __slots__ = ("storage", "nbytes")
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.storage: torch.UntypedStorage | None = torch.empty(
+            nbytes, dtype=torch.uint8, device=device
+        ).untyped_storage()
+
+    def close(self) -> None:
+        self.storage = None
+
+
+_Key = tuple[str, int, int, int, bool]
+
+
+class _Cache:
+    """Staging buffers keyed by source storage; what one stage() did not use goes."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[_Key, _HostBuffer | _DeviceBuffer] = {}
+
+    def host(self, key: _Key, nbytes: int, shared: bool, pinned: bool) -> _HostBuffer:
+        b = self.buffers.get(key)
+        if not isinstance(b, _HostBuffer) or b.shared != shared:
+            if b is not None:
+                b.close()
+            b = self.buffers[key] = _HostBuffer(nbytes, shared, pinned)
+        return b
+
+    def device(self, key: _Key, nbytes: int, device: torch.device) -> _DeviceBuffer:
+        b = self.buffers.get(key)
+        if not isinstance(b, _DeviceBuffer):
+            if b is not None:
+                b.close()
+            b = self.buffers[key] = _DeviceBuffer(nbytes, device)
+        return b
+
+    def sweep(self, used: set[_Key]) -> None:
+        for k in [k for k in self.buffers if k not in used]:
+            self.buffers.pop(k).close()
+
+    def clear(self) -> None:
+        self.sweep(set())
+
+    def host_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values() if isinstance(b, _HostBuffer))
+
+    def device_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values() if isinstance(b, _DeviceBuffer))
+
+    def pinned_bytes(self) -> int:
+        bufs = self.buffers.values()
+        return sum(b.pin.pinned_bytes() for b in bufs if isinstance(b, _HostBuffer))
+
+
+class _Plan:
+    """What one stage() will do: the staged structure and the copies that fill it."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, Any, int, int]] = []
+        self.d2d: dict[int, list[tuple[torch.UntypedStorage, torch.UntypedStorage]]] = {}
+        self.devices: set[int] = set()
+        self.used: set[_Key] = set()
+        self.memo: dict[_Key, torch.UntypedStorage] = {}
+        self.nbytes = 0
+
+
+def _storage_key(st: torch.UntypedStorage, snapshot: bool) -> _Key:
+    d = st.device
+    return (d.type, -1 if d.index is None else d.index, st.data_ptr(), st.nbytes(), snapshot)
+
+
+class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
+    """A reusable stager with cached, pinned (optionally shared) host buffers.
+
+    ``async_save(sd, checkpoint_id=..., async_stager=DefaultStager())`` returns an
+    ``AsyncSaveResponse`` in milliseconds; ``staging_completion`` is done when the
+    snapshot is complete. Call ``close()`` when done (async_save never does).
+    """
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(self, config: Any = None) -> None:
+        cfg = StagingOptions() if config is None else config
+        self._opts = StagingOptions(
+            use_pinned_memory=bool(getattr(cfg, "use_pinned_memory", True)),
+            use_shared_memory=bool(getattr(cfg, "use_shared_memory", True)),
+            use_async_staging=bool(getattr(cfg, "use_async_staging", True)),
+            use_non_blocking_copy=bool(getattr(cfg, "use_non_blocking_copy", True)),
+            device_snapshot=bool(getattr(cfg, "device_snapshot", False)),
+            device_headroom=int(getattr(cfg, "device_headroom", 1 << 30)),
+            threads=getattr(cfg, "threads", None),
+        )
+        if self._opts.threads is not None and self._opts.threads < 1:
+            raise ValueError(f"StagingOptions.threads must be >= 1, got {self._opts.threads}")
+        self._threads = self._opts.threads or _default_threads()
+        self._cache = _Cache()
+        self._executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptio-stage")
+            if self._opts.use_async_staging
+            else None
+        )
+        self._future: Future[Any] | None = None
+        self._side_streams: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._snapshot = False
+        self.last_stats: dict[str, Any] = {}
+
+    # -- protocol -----------------------------------------------------------------
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        """The staged copy of ``state_dict``: a Future of it (async staging) or the dict."""
+        if self._closed:
+            raise RuntimeError("this stager is closed")
+        with self._lock:
+            # Buffers are reused: a new snapshot waits for the previous one.
+            if self._future is not None:
+                self._future.result()
+            plan = _Plan()
+            self._snapshot = self._opts.device_snapshot and self._device_has_room(state_dict)
+            if self._opts.device_snapshot and not self._snapshot:
+                warnings.warn(
+                    "ckptio: not enough free device memory for a device snapshot; "
+                    "staging to host for this save",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            staged = self._walk(state_dict, plan, {})
+            self._cache.sweep(plan.used)
+            events = self._record(plan)
+            if self._executor is None:
+                self._run(plan, events)
+                return staged
+            fut: Future[Any] = Future()
+            inner = self._executor.submit(self._run, plan, events)
+
+            def _done(f: Future[Any]) -> None:
+                e = f.exception()
+                if e is not None:
+                    fut.set_exception(e)
+                else:
+                    fut.set_result(staged)
+
+            inner.add_done_callback(_done)
+            self._future = fut
+            return fut
+
+    def synchronize_staging(self) -> None:
+        """Wait until the last snapshot is complete (a no-op for blocking staging)."""
+        f = self._future
+        if f is not None:
+            f.result()
+
+    def close(self) -> None:
+        """Wait for staging in flight, then free every cached buffer. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.synchronize_staging()
+        except Exception:  # noqa: BLE001 - the error was the caller's to see already
+            pass
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        for s in self._side_streams.values():
+            s.synchronize()
+        self._cache.clear()
+
+    def __enter__(self) -> DefaultStager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- accounting ---------------------------------------------------------------
+
+    def staged_bytes(self) -> int:
+        """Host bytes held by cached staging buffers."""
+        return self._cache.host_bytes()
+
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked by this stager."""
+        return self._cache.pinned_bytes()
+
+    def device_bytes(self) -> int:
+        """Device bytes held by device snapshot buffers."""
+        return self._cache.device_bytes()
+
+    # -- the walk -----------------------------------------------------------------
+
+    def _walk(self, obj: Any, plan: _Plan, memo: dict[int, Any]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor_like(obj, plan)
+        if isinstance(obj, (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)):
+            return obj
+        if isinstance(obj, dict):
+            items = [(k, self._walk(v, plan, memo)) for k, v in obj.items()]
+            try:
+                out = type(obj)()
+            except TypeError:
+                return dict(items)
+            for k, v in items:
+                out[k] = v
+            return out
+        if isinstance(obj, list):
+            return [self._walk(v, plan, memo) for v in obj]
+        if isinstance(obj, tuple):
+            vals = [self._walk(v, plan, memo) for v in obj]
+            if hasattr(obj, "_fields"):  # namedtuple
+                return type(obj)(*vals)
+            return tuple(vals)
+        return copy.deepcopy(obj, memo)
+
+    def _tensor_like(self, t: torch.Tensor, plan: _Plan) -> Any:
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(t, dtensor):
+            local = self._tensor(t._local_tensor, plan)  # type: ignore[attr-defined]
+            return dtensor(local, t._spec, requires_grad=t.requires_grad)  # type: ignore[attr-defined,call-arg]
+        sharded = _sharded_tensor_type()
+        if sharded is not None and isinstance(t, sharded):
+            return self._sharded(t, plan)
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return t.detach().to("cpu", copy=True)
+        return self._tensor(t, plan)
+
+    def _sharded(self, t: Any, plan: _Plan) -> Any:
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+        shards = [Shard(self._tensor(s.tensor, plan), s.metadata) for s in t.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, t.metadata(), process_group=t._process_group
+        )
+
+    def _tensor(self, t: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        t = t.detach()
+        dev = t.device
+        if (
+            t.layout != torch.strided
+            or dev.type not in ("cpu", "cuda")
+            or t.is_conj()
+            or t.is_neg()
+            or t.is_quantized
+        ):
+            return t.to("cpu", copy=True).resolve_conj().resolve_neg()
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        snapshot = self._snapshot and dev.type == "cuda"
+        key = _storage_key(st, snapshot)
+        staged = plan.memo.get(key)
+        if staged is None:
+            if nbytes == 0 or st.data_ptr() == 0:
+                staged = torch.UntypedStorage(0, device="cuda" if snapshot else "cpu")
+            elif snapshot:
+                staged = self._cache.device(key, nbytes, dev).storage
+                plan.d2d.setdefault(dev.index or 0, []).append((st, staged))  # type: ignore[arg-type]
+            else:
+                b = self._cache.host(key, nbytes, self._opts.use_shared_memory, self._pin())
+                staged = b.storage
+                dev_index = -1 if dev.type == "cpu" else (dev.index or 0)
+                if dev_index >= 0:
+                    plan.devices.add(dev_index)
+                plan.copies.append((st.data_ptr(), dev_index, b.pin, 0, nbytes))
+            plan.used.add(key)
+            plan.memo[key] = staged  # type: ignore[assignment]
+            plan.nbytes += nbytes
+        out = torch.empty((0,), dtype=t.dtype, device=staged.device)  # type: ignore[union-attr]
+        out.set_(staged, t.storage_offset(), t.size(), t.stride())  # type: ignore[arg-type]
+        return out
+
+    def _pin(self) -> bool:
+        return self._opts.use_pinned_memory and torch.cuda.is_available()
+
+    # -- execution ----------------------------------------------------------------
+
+    def _record(self, plan: _Plan) -> list[Any]:
+        """Events on the current streams: the snapshot starts after work queued so far."""
+        events = []
+        for dev in sorted(plan.devices):
+            events.append(torch.cuda.current_stream(dev).record_event())
+        for dev, pairs in plan.d2d.items():
+            side = self._side_streams.get(dev)
+            if side is None:
+                side = self._side_streams[dev] = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for src, dst in pairs:
+                    _bytes_view(dst).copy_(_bytes_view(src), non_blocking=True)
+            events.append(side.record_event())
+        return events
+
+    def _device_has_room(self, state_dict: Any) -> bool:
+        """Whether every device can hold its snapshot buffers and keep the headroom."""
+        need: dict[int, int] = {}
+        seen: set[_Key] = set()
+        for st in _cuda_storages(state_dict):
+            key = _storage_key(st, True)
+            if key in seen or key in self._cache.buffers:
+                continue
+            seen.add(key)
+            dev = st.device.index or 0
+            need[dev] = need.get(dev, 0) + st.nbytes()
+        for dev, n in need.items():
+            free, _total = torch.cuda.mem_get_info(dev)
+            cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+            if n + self._opts.device_headroom > free + cached:
+                return False
+        return True
+
+    def _run(self, plan: _Plan, events: list[Any]) -> None:
+        for e in events:
+            e.synchronize()
+        if plan.copies:
+            self.last_stats = dict(_native.stage_copy(plan.copies, threads=self._threads))
+        else:
+            self.last_stats = {"bytes": 0}
+        self.last_stats["staged_bytes"] = plan.nbytes
+
+
+def _bytes_view(st: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty((0,), dtype=torch.uint8, device=st.device).set_(st)
+
+
+def _cuda_storages(obj: Any) -> Any:
+    """The CUDA storages under ``obj`` (DTensor local tensors and shards included)."""
+    if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensor", None)
+        if local is not None:
+            yield from _cuda_storages(local)
+        elif hasattr(obj, "local_shards"):
+            for s in obj.local_shards():
+                yield from _cuda_storages(s.tensor)
+        elif obj.is_cuda and obj.layout == torch.strided:
+            yield obj.untyped_storage()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _cuda_storages(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _cuda_storages(v)
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return None
+    return DTensor
+
+
+def _sharded_tensor_type() -> Any:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover
+        return None
+    return ShardedTensor
+
+
+class BlockingAsyncStager(DefaultStager):
+    """torch's ``BlockingAsyncStager`` with ckptio's copy engine: ``stage`` returns
+    the staged dict. With ``cache_staged_state_dict`` the pinned buffers are kept
+    and reused; without, each stage gets fresh (pageable) buffers."""
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(self, cache_staged_state_dict: bool = False, type_check: bool = False) -> None:
+        super().__init__(
+            StagingOptions(
+                use_pinned_memory=cache_staged_state_dict,
+                use_shared_memory=False,
+                use_async_staging=False,
+            )
+        )
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self.type_check = type_check
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        out = super().stage(state_dict)
+        if not self.cache_staged_state_dict:
+            self._cache.clear()  # the staged dict keeps its buffers; we keep none
+        return out
+
+
+class ReplicationStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
+    """Replicates each rank's state dict to a partner rank, ``(rank + world/2) % world``.
+
+    ``stage(sd)`` snapshots ``sd`` to host, exchanges it with the partner over the
+    process group (the lower rank sends first), persists the received replica
+    with ckptio's crash-safe writer under ``storage_dir``, and returns the
+    partner's state dict (as torch's ``_ReplicationStager`` does). Recover a lost
+    rank's state with :func:`load_replica` on its partner.
+    """
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(
+        self,
+        pg: Any = None,
+        timeout: timedelta = timedelta(minutes=30),
+        device: torch.device | str = "cpu",
+        storage_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        import tempfile
+
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ReplicationStager needs an initialized torch.distributed process group"
+            )
+        self._pg = pg if pg is not None else dist.group.WORLD
+        world = dist.get_world_size(self._pg)
+        if world < 2 or world % 2:
+            raise ValueError(
+                f"ReplicationStager pairs rank r with r + world/2: the world size must be "
+                f"even and >= 2, got {world}"
+            )
+        self._timeout = timeout
+        self._device = torch.device(device)
+        self._storage_dir = os.fspath(
+            storage_dir if storage_dir is not None else tempfile.mkdtemp(prefix="ckptio_replica_")
+        )
+        os.makedirs(self._storage_dir, exist_ok=True)
+        self._local = DefaultStager(
+            StagingOptions(use_shared_memory=False, use_async_staging=False)
+        )
+
+    @property
+    def storage_dir(self) -> str:
+        return self._storage_dir
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint._pg_transport import PGTransport
+
+        rank = dist.get_rank(self._pg)
+        world = dist.get_world_size(self._pg)
+        partner = (rank + world // 2) % world
+        snapshot = self._local.stage(state_dict)
+        transport = PGTransport(self._pg, self._timeout, self._device, None)
+        if rank < partner:
+            transport.send_checkpoint([partner], snapshot)
+            received = transport.recv_checkpoint(partner)
+        else:
+            received = transport.recv_checkpoint(partner)
+            transport.send_checkpoint([partner], snapshot)
+        from ckptio.serialization import save
+
+        save(received, _replica_path(self._storage_dir, rank, partner))
+        return received
+
+    def synchronize_staging(self) -> None:
+        """No-op: staging is blocking."""
+
+    def close(self) -> None:
+        """Free the local staging buffers; persisted replicas stay for recovery."""
+        self._local.close()
+
+
+def _replica_path(storage_dir: str, rank: int, partner: int) -> str:
+    return os.path.join(storage_dir, f"rank_{rank}_replica_partner_{partner}.pt")
+
+
+def load_replica(
+    storage_dir: str | os.PathLike[str],
+    rank: int,
+    partner: int | None = None,
+    map_location: Any = None,
+) -> Any:
+    """The replica of ``partner``'s state dict that ``rank`` received and persisted.
+
+    With ``partner=None`` the single replica held by ``rank`` is loaded.
+    """
+    from ckptio.serialization import load
+
+    d = os.fspath(storage_dir)
+    if partner is None:
+        prefix = f"rank_{rank}_replica_partner_"
+        found = sorted(f for f in os.listdir(d) if f.startswith(prefix) and f.endswith(".pt"))
+        if len(found) != 1:
+            raise FileNotFoundError(
+                f"expected one replica held by rank {rank} in {d}, found {found or 'none'}"
+            )
+        path = os.path.join(d, found[0])
+    else:
+        path = _replica_path(d, rank, partner)
+    return load(path, map_location=map_location)
