@@ -595,10 +595,12 @@ def load_replica(
     rank: int,
     partner: int | None = None,
     map_location: Any = None,
+    weights_only: bool = True,
 ) -> Any:
     """The replica of ``partner``'s state dict that ``rank`` received and persisted.
 
     With ``partner=None`` the single replica held by ``rank`` is loaded.
+    ``weights_only=False`` allows non-tensor objects beyond torch's safe set.
     """
     from ckptio.serialization import load
 
@@ -613,4 +615,4 @@ def load_replica(
         path = os.path.join(d, found[0])
     else:
         path = _replica_path(d, rank, partner)
-    return load(path, map_location=map_location)
+    return load(path, map_location=map_location, weights_only=weights_only)

@@ -1,0 +1,117 @@
+"""One rank of a multi-process DCP test (run by tests/test_dcp.py as a subprocess).
+
+usage: python dist_worker.py SCENARIO CKPT_DIR  (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT in the environment). Exits non-zero, with a traceback, on failure.
+"""
+
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from ckptio.dcp import FileSystemReader, FileSystemWriter
+from ckptio.staging import DefaultStager, ReplicationStager, StagingOptions, load_replica
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+warnings.simplefilter("ignore")
+
+
+def full_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(1234 + step)
+    return {
+        "w": torch.randn(64, 48, generator=g),
+        "b": torch.randn(64, generator=g).bfloat16(),
+        "step": step,
+    }
+
+
+def sharded(full: dict, mesh) -> dict:
+    return {
+        "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+        "b": distribute_tensor(full["b"], mesh, [Shard(0)]),
+        "step": full["step"],
+        "replicated": torch.arange(5.0),  # a plain tensor: DCP saves rank 0's copy
+    }
+
+
+def check(out: dict, full: dict) -> None:
+    assert torch.equal(out["w"].full_tensor(), full["w"]), "w differs"
+    assert torch.equal(out["b"].full_tensor(), full["b"]), "b differs"
+    assert out["step"] == full["step"], out["step"]
+
+
+def empty_like(sd: dict) -> dict:
+    return {
+        k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()
+    }
+
+
+def main() -> None:
+    scenario, ckpt = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    if scenario == "save":
+        # A synchronous save, then async saves through a reused stager.
+        full = full_state(0)
+        dcp.save(sharded(full, mesh), storage_writer=FileSystemWriter(f"{ckpt}/sync"))
+        stager = DefaultStager(StagingOptions(use_shared_memory=False))
+        for step in range(1, 4):
+            full = full_state(step)
+            r = dcp.async_save(
+                sharded(full, mesh),
+                storage_writer=FileSystemWriter(f"{ckpt}/async"),
+                async_stager=stager,
+            )
+            r.upload_completion.result()
+        stager.close()
+        for reader in (FileSystemReader, dcp.FileSystemReader):
+            out = empty_like(sharded(full_state(0), mesh))
+            dcp.load(out, storage_reader=reader(f"{ckpt}/async"))
+            check(out, full_state(3))
+    elif scenario == "reshard":
+        # Load what a larger world saved (Shard(0) over more ranks).
+        for sub, step in (("sync", 0), ("async", 3)):
+            out = empty_like(sharded(full_state(0), mesh))
+            out.pop("replicated")
+            dcp.load(out, storage_reader=FileSystemReader(f"{ckpt}/{sub}"))
+            check(out, full_state(step))
+    elif scenario == "replicate":
+        mine = {"x": torch.full((1000,), float(rank)), "rank": rank}
+        stager = ReplicationStager(storage_dir=f"{ckpt}/replicas")
+        got = stager.stage(mine)
+        partner = (rank + world // 2) % world
+        assert got["rank"] == partner and torch.equal(got["x"], torch.full((1000,), float(partner)))
+        dist.barrier()
+        back = load_replica(f"{ckpt}/replicas", rank, weights_only=False)
+        assert back["rank"] == partner and torch.equal(back["x"], got["x"])
+        stager.close()
+    elif scenario == "process":
+        # DCP's checkpoint process: the staged dict travels in shared memory.
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        stager = DefaultStager()  # shared + pinned (pinning needs CUDA; skipped without)
+        for step in range(2):
+            full = full_state(step)
+            sd = {"w": full["w"], "b": full["b"], "step": step}
+            r = dcp.async_save(
+                sd,
+                storage_writer=FileSystemWriter(f"{ckpt}/proc"),
+                async_stager=stager,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            )
+            r.upload_completion.result()
+            out = {"w": torch.zeros(64, 48), "b": torch.zeros(64).bfloat16(), "step": None}
+            dcp.load(out, storage_reader=FileSystemReader(f"{ckpt}/proc"))
+            assert torch.equal(out["w"], full["w"]) and out["step"] == step
+        stager.close()
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,379 @@
+"""ckptio.staging and ckptio.dcp with torch.distributed.checkpoint (CPU; GPU ones in test_gpu)."""
+
+import gc
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from concurrent.futures import Future
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from ckptio.dcp import FileSystemReader, FileSystemWriter
+from ckptio.staging import BlockingAsyncStager, DefaultStager, StagingOptions
+
+HERE = os.path.dirname(__file__)
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    sd = {
+        "w": torch.randn(256, 128, generator=g),
+        "h": torch.randn(1000, generator=g).half(),
+        "i": torch.randint(0, 1 << 30, (77,), generator=g),
+        "t": torch.randn(30, 20, generator=g).t(),  # non-contiguous
+        "e": torch.empty(0, 3),
+        "z": torch.tensor(3.5),
+        "nested": {"lst": [torch.arange(10), 7, "x"], "tup": (1.5, torch.ones(3))},
+        "step": 12,
+    }
+    sd["view"] = sd["w"][10:20]  # shares w's storage
+    return sd
+
+
+def zeros_like(sd):
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    if isinstance(sd, dict):
+        return {k: zeros_like(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [zeros_like(v) for v in sd]
+    if isinstance(sd, tuple):
+        return tuple(zeros_like(v) for v in sd)
+    return None
+
+
+def assert_same(a, b, where="sd"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a.cpu(), b.cpu()), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def result(x):
+    return x.result() if isinstance(x, Future) else x
+
+
+# -- stagers --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        StagingOptions(),
+        StagingOptions(use_shared_memory=False),
+        StagingOptions(use_async_staging=False),
+        StagingOptions(use_pinned_memory=False, use_shared_memory=False),
+    ],
+    ids=["default", "private", "blocking", "pageable"],
+)
+def test_stager_snapshot_is_exact_and_reused(opts):
+    sd = state()
+    with DefaultStager(opts) as st:
+        held = None
+        for _i in range(5):
+            sd["w"].add_(1.0)
+            staged = result(st.stage(sd))
+            assert_same(sd, staged)
+            # aliasing: the view and its base share one staged storage
+            assert staged["view"].untyped_storage().data_ptr() == (
+                staged["w"].untyped_storage().data_ptr()
+            )
+            assert staged["view"].storage_offset() == sd["view"].storage_offset()
+            assert staged["t"].stride() == sd["t"].stride()
+            assert staged["w"].is_shared() == opts.use_shared_memory
+            # the snapshot does not follow later updates... until the next stage
+            before = staged["w"].clone()
+            sd["w"].add_(5.0)
+            assert torch.equal(staged["w"], before)
+            sd["w"].sub_(5.0)
+            buf = staged["w"].untyped_storage().data_ptr()
+            if held is not None:
+                assert buf == held, "cached buffer not reused"
+            held = buf
+        assert st.staged_bytes() > 0
+    assert st.staged_bytes() == 0  # close() freed the cache
+
+
+def test_stager_frees_buffers_of_storages_that_left():
+    st = DefaultStager(StagingOptions(use_async_staging=False, use_shared_memory=False))
+    a, b = torch.randn(1000), torch.randn(2000)
+    st.stage({"a": a, "b": b})
+    assert st.staged_bytes() == 12000
+    st.stage({"a": a})
+    assert st.staged_bytes() == 4000
+    st.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        st.stage({"a": a})
+
+
+def test_stager_bad_options():
+    with pytest.raises(ValueError, match="threads"):
+        DefaultStager(StagingOptions(threads=0))
+
+
+def test_stager_accepts_torch_options_and_protocol():
+    from torch.distributed.checkpoint.staging import AsyncStager
+    from torch.distributed.checkpoint.staging import StagingOptions as TorchOptions
+
+    st = DefaultStager(TorchOptions(True, False, False, False))
+    assert isinstance(st, AsyncStager)
+    assert isinstance(st.stage({"x": torch.ones(3)}), dict)
+    st.synchronize_staging()
+    st.close()
+    st.close()  # idempotent
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_blocking_async_stager(cache):
+    sd = state()
+    st = BlockingAsyncStager(cache_staged_state_dict=cache)
+    assert st.should_synchronize_after_execute is False
+    for _ in range(3):
+        staged = st.stage(sd)
+        assert_same(sd, staged)
+    assert (st.staged_bytes() > 0) == cache
+    st.close()
+
+
+# -- DCP writer and reader, one process -------------------------------------------
+
+
+def test_writer_files_are_aligned_and_stock_readable(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    names = sorted(os.listdir(tmp_path))
+    assert names == [".metadata", "__0_0.distcp"]
+    md = dcp.FileSystemReader(tmp_path).read_metadata()
+    for info in md.storage_data.values():
+        assert info.offset % 4096 == 0
+    for reader in (dcp.FileSystemReader(tmp_path), FileSystemReader(tmp_path)):
+        out = zeros_like(sd)
+        dcp.load(out, storage_reader=reader, no_dist=True)
+        for k in ("w", "h", "i", "t", "e", "z", "view", "step"):
+            assert_same(sd[k], out[k], k)
+        assert_same(sd["nested"]["lst"][0], out["nested"]["lst"][0])
+
+
+def test_reader_reads_stock_checkpoints(tmp_path):
+    sd = state()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=2), no_dist=True)
+    out = zeros_like(sd)
+    reader = FileSystemReader(tmp_path)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["t"], sd["t"])
+    assert out["step"] == 12
+    assert reader.last_stats and reader.last_stats[0]["bytes"] > 0
+
+
+def test_writer_options(tmp_path):
+    sd = state()
+    dcp.save(
+        sd,
+        storage_writer=FileSystemWriter(tmp_path, single_file_per_rank=False, threads=2),
+        no_dist=True,
+    )
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".distcp")]) > 5
+    out = zeros_like(sd)
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path, direct=False), no_dist=True)
+    assert torch.equal(out["w"], sd["w"])
+    w = FileSystemWriter(tmp_path / "x", thread_count=3)
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    assert len([n for n in os.listdir(tmp_path / "x") if n.endswith(".distcp")]) == 3
+
+
+def test_strided_read_requests(tmp_path):
+    """Row-sharded saves read back into column slices (strided requests)."""
+    from torch.distributed.checkpoint.planner import LoadItemType  # noqa: F401
+
+    sd = {"m": torch.randn(64, 32)}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    out = {"m": torch.zeros(64, 32).t().contiguous().t()}  # column-major destination
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(out["m"], sd["m"])
+
+
+def test_reader_errors_are_typed(tmp_path):
+    sd = {"w": torch.randn(100, 100)}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    data = tmp_path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[0:4] = b"XXXX"  # break the item's zip
+    data.write_bytes(bytes(raw[: len(raw) // 2]))
+    # DCP wraps a rank's error in CheckpointException (a BaseException) with its traceback.
+    with pytest.raises(BaseException) as ei:
+        dcp.load(
+            {"w": torch.zeros(100, 100)}, storage_reader=FileSystemReader(tmp_path), no_dist=True
+        )
+    assert "FormatError" in str(ei.value) and "__0_0.distcp" in str(ei.value)
+    with pytest.raises(BaseException, match="(?i)shape|size"):
+        dcp.save(sd, storage_writer=FileSystemWriter(tmp_path / "ok"), no_dist=True)
+        dcp.load(
+            {"w": torch.zeros(10, 100)},
+            storage_reader=FileSystemReader(tmp_path / "ok"),
+            no_dist=True,
+        )
+
+
+def test_metadata_replaced_atomically(tmp_path):
+    sd = {"w": torch.randn(10)}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    before = (tmp_path / ".metadata").stat().st_ino
+    sd["w"].add_(1)
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    assert (tmp_path / ".metadata").stat().st_ino != before  # a new file renamed over
+    assert not [n for n in os.listdir(tmp_path) if "tmp" in n]
+    out = {"w": torch.zeros(10)}
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(out["w"], sd["w"])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DefaultStager(),
+        lambda: DefaultStager(StagingOptions(use_shared_memory=False)),
+        lambda: BlockingAsyncStager(cache_staged_state_dict=True),
+        lambda: None,  # the writer is the stager (torch's default for FileSystemWriter)
+    ],
+    ids=["default", "private", "blocking", "writer"],
+)
+def test_async_save_five_times(tmp_path, make):
+    sd = state()
+    stager = make()
+    for i in range(5):
+        sd["w"].add_(1)
+        kw = {"async_stager": stager} if stager is not None else {}
+        r = dcp.async_save(
+            sd, storage_writer=FileSystemWriter(tmp_path / str(i)), no_dist=True, **kw
+        )
+        up = r.upload_completion if hasattr(r, "upload_completion") else r
+        if hasattr(r, "staging_completion"):
+            r.staging_completion.result()
+        up.result()
+        out = zeros_like(sd)
+        dcp.load(out, storage_reader=FileSystemReader(tmp_path / str(i)), no_dist=True)
+        assert torch.equal(out["w"], sd["w"]) and torch.equal(out["h"], sd["h"])
+    if stager is not None:
+        stager.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_fifty_async_saves_keep_memory_flat(tmp_path):
+    sd = {f"p{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
+    stager = DefaultStager()
+    samples = []
+    for _i in range(50):
+        r = dcp.async_save(
+            sd, storage_writer=FileSystemWriter(tmp_path), async_stager=stager, no_dist=True
+        )
+        r.upload_completion.result()
+        del r
+        gc.collect()
+        samples.append((_rss(), stager.staged_bytes(), len(os.listdir("/proc/self/fd"))))
+    stager.close()
+    warm = samples[9]
+    last = samples[-1]
+    assert last[1] == warm[1] == 8 << 20, samples[-1]
+    assert last[2] <= warm[2] + 2, (warm, last)
+    assert last[0] - warm[0] < 24 << 20, f"RSS grew {(last[0] - warm[0]) >> 20} MiB"
+
+
+# -- several processes over gloo ------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(world: int, scenario: str, ckpt) -> None:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "dist_worker.py"), scenario, str(ckpt)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out.decode(errors="replace")))
+    bad = [(i, o[-3000:]) for i, (rc, o) in enumerate(outs) if rc != 0]
+    assert not bad, bad
+
+
+@pytest.mark.slow
+def test_two_and_four_ranks_then_reshard(tmp_path):
+    _run_ranks(4, "save", tmp_path)
+    _run_ranks(2, "reshard", tmp_path)
+    _run_ranks(2, "save", tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_replication_stager_exchange_and_recovery(tmp_path):
+    _run_ranks(2, "replicate", tmp_path)
+    assert sorted(os.listdir(tmp_path / "replicas")) == [
+        "rank_0_replica_partner_1.pt",
+        "rank_1_replica_partner_0.pt",
+    ]
+
+
+def test_replication_stager_needs_a_group():
+    from ckptio.staging import ReplicationStager
+
+    with pytest.raises(RuntimeError, match="process group"):
+        ReplicationStager()
+
+
+@pytest.mark.slow
+def test_process_mode(tmp_path):
+    _run_ranks(1, "process", tmp_path)
+
+
+def test_public_names():
+    import ckptio.dcp
+    import ckptio.staging
+
+    assert ckptio.staging.DefaultStager and ckptio.dcp.FileSystemWriter
+    assert ckptio.__version__
+    warnings.simplefilter("default")
