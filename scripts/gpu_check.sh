@@ -7,6 +7,8 @@
 #   scripts/gpu_check.sh gpu     # only tests/test_gpu.py, without then with the udev entry
 #   scripts/gpu_check.sh tune    # benches/tune_gpu.py: threads/chunk/preallocation sweep
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
+#   scripts/gpu_check.sh dcp     # staging/DCP tests (CPU and GPU), then benches/bench_dcp.py
+#                                # (DCP_SIZES, default 2G; DCP_SKIP_TESTS=1 for the bench only)
 set -uo pipefail
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/out}
@@ -55,6 +57,17 @@ tune)
 bench)
     udev_on
     $PY benches/bench_gpu.py --json "$OUT/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
+    ;;
+dcp)
+    udev_off
+    if [ -z "${DCP_SKIP_TESTS:-}" ]; then
+        echo "=== staging/DCP tests, GPU ones included"
+        $PY -m pytest tests/test_dcp.py tests/test_gpu_dcp.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_dcp.log" | tail -8
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    fi
+    udev_on
+    $PY benches/bench_dcp.py --sizes "${DCP_SIZES:-2G}" --saves "${DCP_SAVES:-5}" --dir /tmp \
+        --json "$OUT/bench_dcp_${DCP_SIZES:-2G}.json" 2>&1 | tee "$OUT/bench_dcp_${DCP_SIZES:-2G}.log" || rc=1
     ;;
 esac
 exit $rc

@@ -36,9 +36,15 @@ def sharded(full: dict, mesh) -> dict:
     }
 
 
-def check(out: dict, full: dict) -> None:
-    assert torch.equal(out["w"].full_tensor(), full["w"]), "w differs"
-    assert torch.equal(out["b"].full_tensor(), full["b"]), "b differs"
+def check(out: dict, full: dict, what: str = "") -> None:
+    for k in ("w", "b"):
+        got = out[k].full_tensor()
+        if not torch.equal(got, full[k]):
+            bad = (got != full[k]).nonzero()
+            raise AssertionError(
+                f"{what}: {k} differs at {bad.shape[0]} places, first {bad[:4].tolist()}; "
+                f"local shape {tuple(out[k].to_local().shape)}"
+            )
     assert out["step"] == full["step"], out["step"]
 
 
@@ -70,14 +76,14 @@ def main() -> None:
         for reader in (FileSystemReader, dcp.FileSystemReader):
             out = empty_like(sharded(full_state(0), mesh))
             dcp.load(out, storage_reader=reader(f"{ckpt}/async"))
-            check(out, full_state(3))
+            check(out, full_state(3), f"save/{reader.__module__}")
     elif scenario == "reshard":
         # Load what a larger world saved (Shard(0) over more ranks).
         for sub, step in (("sync", 0), ("async", 3)):
             out = empty_like(sharded(full_state(0), mesh))
             out.pop("replicated")
             dcp.load(out, storage_reader=FileSystemReader(f"{ckpt}/{sub}"))
-            check(out, full_state(step))
+            check(out, full_state(step), f"reshard/{sub}")
     elif scenario == "replicate":
         mine = {"x": torch.full((1000,), float(rank)), "rank": rank}
         stager = ReplicationStager(storage_dir=f"{ckpt}/replicas")

@@ -338,8 +338,10 @@ def _run_ranks(world: int, scenario: str, ckpt) -> None:
                 q.kill()
             raise
         outs.append((p.returncode, out.decode(errors="replace")))
-    bad = [(i, o[-3000:]) for i, (rc, o) in enumerate(outs) if rc != 0]
-    assert not bad, bad
+    bad = [i for i, (rc, _) in enumerate(outs) if rc != 0]
+    for i in bad:
+        print(f"--- {scenario} rank {i} of {world} (exit {outs[i][0]}):\n{outs[i][1][-4000:]}")
+    assert not bad, f"{scenario}: ranks {bad} of {world} failed (their output is printed above)"
 
 
 @pytest.mark.slow

@@ -40,10 +40,10 @@ def test_cuda_snapshot_reflects_queued_work(opts):
         for i in range(3):
             # Queue a lot of work that changes w, then stage at once: the snapshot
             # must include it (stage waits for work queued before it).
-            x = torch.randn(4096, 4096, device="cuda")
+            x = torch.full((4096, 4096), 1.0 / 4096, device="cuda")
             for _ in range(20):
-                x = x @ x / 64
-            sd["w"].add_(x[:, :1024].sum() * 0 + i + 1)
+                x = x @ x  # stays 1/4096 everywhere
+            sd["w"].add_(x[:, :1024] * 4096 * (i + 1))
             staged = st.stage(sd).result()
             torch.cuda.synchronize()
             for k in ("w", "b", "t", "cpu", "v"):

@@ -1,0 +1,237 @@
+"""Async DCP checkpoints side by side: how long training is blocked, when staging
+and upload complete, for torch's stagers/writer and ckptio's, in one run.
+
+    python benches/bench_dcp.py --sizes 2G,8G --saves 5 --dir /tmp --json out.json
+
+Per configuration, ``--saves`` consecutive ``dcp.async_save`` calls of the same
+bf16 state dict (on CUDA when there is a GPU): ``return`` (async_save returned:
+training blocked), ``staged`` (staging complete: parameters may change again),
+``upload`` (checkpoint durable). Baselines measured in the same run: the pinned
+device-to-host bandwidth (a plain copy into a pinned buffer) and a synchronous
+``ckptio.save`` of the same data. Then ``dcp.load`` with torch's reader and ours
+(page cache dropped first). Prints a table and the targets' ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+import warnings
+from typing import Any
+
+import ckptio
+import torch
+import torch.distributed.checkpoint as dcp
+from ckptio.bench import drop_cache, synthetic_state_dict
+from ckptio.dcp import FileSystemReader, FileSystemWriter
+from ckptio.serialization import _engine  # noqa: F401  (warms the engine cache)
+from ckptio.staging import DefaultStager, StagingOptions
+
+warnings.simplefilter("ignore")
+GiB = 1 << 30
+
+
+def parse_size(s: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * units[s[-1].upper()]) if s[-1].upper() in units else int(s)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def pinned_d2h(sd: dict[str, torch.Tensor]) -> float:
+    """GiB/s of plain copies of the state dict into pinned buffers (the PCIe limit)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    dst = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in sd.items()}
+    best = 0.0
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        for k, v in sd.items():
+            dst[k].copy_(v, non_blocking=True)
+        sync()
+        best = max(best, nbytes(sd) / GiB / (time.perf_counter() - t0))
+    del dst
+    return best
+
+
+def nbytes(sd: dict[str, torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def drop_dir(d: str) -> None:
+    os.sync()
+    for n in os.listdir(d):
+        drop_cache(os.path.join(d, n))
+
+
+def run_saves(name: str, sd: dict, d: str, saves: int, make: Any) -> dict[str, Any]:
+    """``make(i)`` -> (storage_writer, async_stager or None)."""
+    rows = []
+    closers = []
+    for i in range(saves):
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        os.sync()
+        writer, stager = make(i)
+        if stager is not None and stager not in closers:
+            closers.append(stager)
+        sync()
+        t0 = time.perf_counter()
+        kw = {"async_stager": stager} if stager is not None else {}
+        r = dcp.async_save(sd, storage_writer=writer, no_dist=True, **kw)
+        t_ret = time.perf_counter() - t0
+        if hasattr(r, "staging_completion"):
+            r.staging_completion.result()
+            t_stage = time.perf_counter() - t0
+            r.upload_completion.result()
+        else:
+            t_stage = t_ret  # staging ran inside async_save
+            r.result()
+        t_up = time.perf_counter() - t0
+        rows.append({"return_s": t_ret, "staged_s": t_stage, "upload_s": t_up})
+        print(
+            f"  {name:<34} save {i + 1}: return {t_ret * 1e3:8.1f} ms  staged {t_stage:6.3f} s"
+            f"  upload {t_up:6.3f} s",
+            flush=True,
+        )
+    for s in closers:
+        s.close()
+    return {"name": name, "saves": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="2G")
+    ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--json")
+    ap.add_argument("--only", default="", help="comma list of configs to run")
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out: dict[str, Any] = {"device": dev, "torch": torch.__version__, "sizes": []}
+    for size_s in args.sizes.split(","):
+        size = parse_size(size_s)
+        sd = synthetic_state_dict(size, device=dev, dtype=torch.bfloat16)
+        n = nbytes(sd)
+        d = os.path.join(args.dir, "ckptio_bench_dcp")
+        print(f"== {size_s}: {n / GiB:.2f} GiB bf16 on {dev}, {len(sd)} tensors", flush=True)
+        res: dict[str, Any] = {"size": size_s, "nbytes": n, "configs": []}
+        res["pinned_d2h_gib_s"] = pinned_d2h(sd)
+        print(f"  pinned D2H copy: {res['pinned_d2h_gib_s']:.1f} GiB/s", flush=True)
+        p = os.path.join(args.dir, "ckptio_bench_sync.pt")
+        t0 = time.perf_counter()
+        ckptio.save(sd, p)
+        res["ckptio_save_s"] = time.perf_counter() - t0
+        os.unlink(p)
+        print(f"  ckptio.save (sync): {res['ckptio_save_s']:.3f} s", flush=True)
+
+        configs = {
+            "torch default": lambda i, d=d: (dcp.FileSystemWriter(d), None),
+            "torch FSW(cache_staged=True)": _cached_torch_writer(d),
+            "torch DefaultStager (fresh)": lambda i, d=d: (
+                dcp.FileSystemWriter(d),
+                _torch_default_stager(),
+            ),
+            "ckptio DefaultStager host": _ours(d, StagingOptions(use_shared_memory=False)),
+            "ckptio DefaultStager snapshot": _ours(
+                d, StagingOptions(use_shared_memory=False, device_snapshot=dev == "cuda")
+            ),
+        }
+        only = [s for s in args.only.split(",") if s]
+        for name, make in configs.items():
+            if only and not any(o in name for o in only):
+                continue
+            try:
+                res["configs"].append(run_saves(name, sd, d, args.saves, make))
+            except Exception as e:  # noqa: BLE001 - e.g. pinned memory without a GPU
+                print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
+            if args.json:
+                _dump(args.json, out, res)
+
+        # dcp.load, cold, with each reader (the checkpoint of the last config).
+        dst = {k: torch.empty_like(v) for k, v in sd.items()}
+        for name, reader in (
+            ("torch FileSystemReader", dcp.FileSystemReader),
+            ("ckptio", FileSystemReader),
+        ):
+            times = []
+            for _ in range(2):
+                drop_dir(d)
+                sync()
+                t0 = time.perf_counter()
+                dcp.load(dst, storage_reader=reader(d), no_dist=True)
+                sync()
+                times.append(time.perf_counter() - t0)
+            res[f"load_{name}_s"] = min(times)
+            print(f"  dcp.load {name:<24} {n / GiB / min(times):6.2f} GiB/s", flush=True)
+        assert all(torch.equal(dst[k], sd[k]) for k in sd)
+        shutil.rmtree(d, ignore_errors=True)
+        _summary(res)
+        if args.json:
+            _dump(args.json, out, res)
+        del sd, dst
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _cached_torch_writer(d: str) -> Any:
+    w = dcp.FileSystemWriter(d, cache_staged_state_dict=True)
+    return lambda i: (w, None)
+
+
+def _torch_default_stager() -> Any:
+    from torch.distributed.checkpoint.staging import DefaultStager as TorchStager
+
+    return TorchStager()  # torch 2.11's cannot be reused (pytorch#183413)
+
+
+def _ours(d: str, opts: StagingOptions) -> Any:
+    st = DefaultStager(opts)
+    return lambda i: (FileSystemWriter(d), st)
+
+
+def _summary(res: dict[str, Any]) -> None:
+    n = res["nbytes"]
+    pin = res["pinned_d2h_gib_s"]
+    sync_s = res["ckptio_save_s"]
+    print("  -- targets")
+    for c in res["configs"]:
+        s = c["saves"]
+        later = s[1:] or s
+        ret = max(x["return_s"] for x in s) * 1e3
+        staged_bw = n / GiB / statistics.median(x["staged_s"] for x in later)
+        first_ratio = s[0]["staged_s"] / statistics.median(x["staged_s"] for x in later)
+        up = statistics.median(x["upload_s"] for x in later) / sync_s
+        c["summary"] = {
+            "max_return_ms": ret,
+            "staging_gib_s": staged_bw,
+            "staging_vs_pinned": staged_bw / pin if pin == pin else None,
+            "first_vs_later": first_ratio,
+            "upload_vs_sync_ckptio_save": up,
+        }
+        print(
+            f"  {c['name']:<34} return max {ret:8.1f} ms | staging {staged_bw:6.1f} GiB/s "
+            f"({staged_bw / pin:4.2f}x pinned) | 1st/later {first_ratio:4.2f} | "
+            f"upload {up:4.2f}x sync ckptio.save"
+        )
+    torch_load = res["load_torch FileSystemReader_s"]
+    ours = res["load_ckptio_s"]
+    print(f"  dcp.load ours vs torch: {torch_load / ours:.2f}x")
+
+
+def _dump(path: str, out: dict[str, Any], res: dict[str, Any]) -> None:
+    sizes = [r for r in out["sizes"] if r["size"] != res["size"]] + [res]
+    with open(path, "w") as f:
+        json.dump(dict(out, sizes=sizes), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
