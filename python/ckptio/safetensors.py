@@ -51,7 +51,17 @@ from ckptio.serialization import (
     _sync_cuda,
 )
 
-__all__ = ["save_file", "load_file", "save", "load", "save_sharded", "load_sharded", "DTYPES"]
+__all__ = [
+    "save_file",
+    "load_file",
+    "save",
+    "load",
+    "metadata",
+    "save_sharded",
+    "load_sharded",
+    "find_shared",
+    "DTYPES",
+]
 
 #: safetensors dtype name -> torch dtype (those this torch has).
 DTYPES: dict[str, torch.dtype] = {
@@ -403,19 +413,30 @@ def _pread_exact(fd: int, n: int, off: int, where: str) -> bytes:
     return out
 
 
-def _plan(path: str, fill: torch.device, direct: str | None, backend: str | None) -> _Plan:
-    f = _native.DeviceFile(path, False, direct, backend)
-    fd = f.fileno()
+def _header(fd: int, where: str) -> tuple[dict[str, str] | None, list[_Entry], int]:
+    """(metadata, entries in file order, data section offset) of an open file."""
     size = os.fstat(fd).st_size
     if size < 8:
-        raise _fail(path, f"the file is {size} bytes, shorter than the 8-byte header length")
-    n = int.from_bytes(_pread_exact(fd, 8, 0, path), "little")
+        raise _fail(where, f"the file is {size} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(_pread_exact(fd, 8, 0, where), "little")
     if n > MAX_HEADER:
-        raise _fail(path, f"header length {n} is over safetensors' limit of {MAX_HEADER} bytes")
+        raise _fail(where, f"header length {n} is over safetensors' limit of {MAX_HEADER} bytes")
     if 8 + n > size:
-        raise _fail(path, f"header length {n} runs past the end of the file ({size} bytes)")
-    meta, entries = _parse_header(_pread_exact(fd, n, 8, path), size - 8 - n, path)
-    base = 8 + n
+        raise _fail(where, f"header length {n} runs past the end of the file ({size} bytes)")
+    meta, entries = _parse_header(_pread_exact(fd, n, 8, where), size - 8 - n, where)
+    return meta, entries, 8 + n
+
+
+def metadata(filename: str | os.PathLike[str]) -> dict[str, str] | None:
+    """The ``__metadata__`` of a safetensors file (the header is validated, no data is read)."""
+    path = _path(filename, "safetensors.metadata")
+    with open(path, "rb") as f:
+        return _header(f.fileno(), path)[0]
+
+
+def _plan(path: str, fill: torch.device, direct: str | None, backend: str | None) -> _Plan:
+    f = _native.DeviceFile(path, False, direct, backend)
+    meta, entries, base = _header(f.fileno(), path)
     tensors, segments = {}, []
     dev = -1 if fill.type == "cpu" else fill.index if fill.index is not None else 0
     for e in entries:
