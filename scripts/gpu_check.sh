@@ -7,6 +7,8 @@
 #   scripts/gpu_check.sh gpu     # only tests/test_gpu.py, without then with the udev entry
 #   scripts/gpu_check.sh tune    # benches/tune_gpu.py: threads/chunk/preallocation sweep
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
+#   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
+#                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
 set -uo pipefail
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/out}
@@ -55,6 +57,10 @@ tune)
 bench)
     udev_on
     $PY benches/bench_gpu.py --json "$OUT/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log" || rc=1
+    ;;
+stbench)
+    udev_on
+    $PY benches/bench_safetensors.py --device cuda --size ${ST_SIZE:-8G} --json "$OUT/bench_safetensors.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_safetensors.log" || rc=1
     ;;
 esac
 exit $rc
