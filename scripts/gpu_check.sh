@@ -9,6 +9,8 @@
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
 #   scripts/gpu_check.sh dcp     # staging/DCP tests (CPU and GPU), then benches/bench_dcp.py
 #                                # (DCP_SIZES, default 2G; DCP_SKIP_TESTS=1 for the bench only)
+#   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
+#                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
 set -uo pipefail
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/out}
@@ -68,6 +70,9 @@ dcp)
     udev_on
     $PY benches/bench_dcp.py --sizes "${DCP_SIZES:-2G}" --saves "${DCP_SAVES:-5}" --dir /tmp \
         --json "$OUT/bench_dcp_${DCP_SIZES:-2G}.json" 2>&1 | tee "$OUT/bench_dcp_${DCP_SIZES:-2G}.log" || rc=1
+stbench)
+    udev_on
+    $PY benches/bench_safetensors.py --device cuda --size ${ST_SIZE:-8G} --json "$OUT/bench_safetensors.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_safetensors.log" || rc=1
     ;;
 esac
 exit $rc

@@ -29,7 +29,7 @@ pyo3::create_exception!(
     ckptio,
     FormatError,
     CkptioError,
-    "The file is not a usable torch.save checkpoint."
+    "The file is not a usable checkpoint (torch.save archive or safetensors file)."
 );
 pyo3::create_exception!(
     ckptio,
@@ -255,6 +255,39 @@ pub struct AtomicWriter {
     backend: Backend,
 }
 
+impl AtomicWriter {
+    /// Run `plan` on the temp file (it returns the segments and the final file
+    /// length), preallocate, then have the engine write the segments.
+    fn write_planned<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        plan: impl FnOnce(&IoFile, &std::path::Path) -> Result<(Vec<RawSegment>, Option<u64>), Error>
+            + Send,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let engine = engine.inner.clone();
+        let backend = self.backend;
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(st) = g.as_mut() else {
+            return Err(writer_done());
+        };
+        let stats = py.detach(|| {
+            let path = st.atomic.tmp_path().to_path_buf();
+            let (raw, file_len) = plan(&st.io, &path)?;
+            if let Some(len) = file_len.filter(|_| engine.config().preallocate) {
+                st.io.preallocate(len)?;
+            }
+            let segs = to_segments(raw);
+            // SAFETY: `st.device` is dropped before `st.io` (field order).
+            let device = unsafe { ensure_device_path(&mut st.device, &st.io, backend, &segs)? };
+            // SAFETY: the Python caller keeps each range alive and
+            // unmodified for the duration of this call (documented contract).
+            unsafe { engine.write_via(&st.io, &segs, device) }
+        })?;
+        report(py, &stats, &st.io, st.device.as_ref())
+    }
+}
+
 fn writer_done() -> PyErr {
     PyValueError::new_err("the checkpoint writer is already committed or aborted")
 }
@@ -319,23 +352,16 @@ impl AtomicWriter {
         engine: &Engine,
         storages: Vec<(String, u64, u64, i32)>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let engine = engine.inner.clone();
-        let backend = self.backend;
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(st) = g.as_mut() else {
-            return Err(writer_done());
-        };
-        let stats = py.detach(|| {
-            let path = st.atomic.tmp_path().to_path_buf();
-            let a = zipmap::map_file(st.io.file(), Some(&path))?;
+        self.write_planned(py, engine, |io, path| {
+            let a = zipmap::map_file(io.file(), Some(path))?;
             let mut raw = Vec::with_capacity(storages.len());
             for (key, addr, nbytes, dev) in storages {
                 let r = a.storage(&key).ok_or_else(|| {
-                    Error::format(Some(&path), format!("no record for storage {key}"))
+                    Error::format(Some(path), format!("no record for storage {key}"))
                 })?;
                 if r.size != nbytes {
                     return Err(Error::format(
-                        Some(&path),
+                        Some(path),
                         format!(
                             "record {} holds {} bytes, storage {key} has {nbytes}",
                             r.name, r.size
@@ -344,23 +370,16 @@ impl AtomicWriter {
                 }
                 raw.push((r.data_offset, addr, nbytes, dev));
             }
-            if engine.config().preallocate {
-                st.io.preallocate(a.file_len)?;
-            }
-            let segs = to_segments(raw);
-            // SAFETY: `st.device` is dropped before `st.io` (field order).
-            let device = unsafe { ensure_device_path(&mut st.device, &st.io, backend, &segs)? };
-            // SAFETY: the Python caller keeps each storage alive and
-            // unmodified for the duration of this call (documented contract).
-            unsafe { engine.write_via(&st.io, &segs, device) }
-        })?;
-        report(py, &stats, &st.io, st.device.as_ref())
+            Ok((raw, Some(a.file_len)))
+        })
     }
 
-    /// Write raw file ranges: `segments` = [(file offset, address, nbytes, device)],
-    /// device -1 for host memory. `file_len`: the final length, preallocated when
-    /// the engine preallocates. The caller keeps the memory alive and unmodified
-    /// until this returns.
+    /// Write memory ranges at given file offsets: `segments` =
+    /// [(file offset, address, nbytes, device)], device -1 for host memory.
+    /// `file_len`: the final size of the file, preallocated up front (when the
+    /// engine preallocates) so that a full disk fails before any data moves.
+    ///
+    /// The caller keeps every range alive and unmodified until this returns.
     #[pyo3(signature = (engine, segments, file_len=None))]
     fn write_segments<'py>(
         &self,
@@ -369,27 +388,10 @@ impl AtomicWriter {
         segments: Vec<RawSegment>,
         file_len: Option<u64>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let engine = engine.inner.clone();
-        let backend = self.backend;
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(st) = g.as_mut() else {
-            return Err(writer_done());
-        };
-        let stats = py.detach(|| {
-            if let (Some(n), true) = (file_len, engine.config().preallocate) {
-                st.io.preallocate(n)?;
-            }
-            let segs = to_segments(segments);
-            // SAFETY: `st.device` is dropped before `st.io` (field order).
-            let device = unsafe { ensure_device_path(&mut st.device, &st.io, backend, &segs)? };
-            // SAFETY: the Python caller keeps each range alive and unmodified
-            // for the duration of this call (documented contract).
-            unsafe { engine.write_via(&st.io, &segs, device) }
-        })?;
-        report(py, &stats, &st.io, st.device.as_ref())
+        self.write_planned(py, engine, |_, _| Ok((segments, file_len)))
     }
 
-    /// Write small bytes (headers, metadata) at `offset`, through the page cache.
+    /// Write a small byte string (a header) at `offset`.
     fn write_bytes(&self, py: Python<'_>, offset: u64, data: &[u8]) -> PyResult<()> {
         let g = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let Some(st) = g.as_ref() else {
@@ -634,40 +636,6 @@ impl DeviceFile {
             .flatten()
     }
 
-    /// Read file ranges `segments` = [(file offset, address, nbytes, device)] in one
-    /// parallel pass; the device path is opened on first need. Ranges past the
-    /// end of the file are a FormatError.
-    fn read_segments<'py>(
-        &self,
-        py: Python<'py>,
-        engine: &Engine,
-        segments: Vec<RawSegment>,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let stats = py.detach(|| {
-            let len = self.io.len()?;
-            for &(off, _, n, _) in &segments {
-                if off.checked_add(n).is_none_or(|e| e > len) {
-                    return Err(Error::format(
-                        Some(self.io.path()),
-                        format!(
-                            "bytes {off}..{} lie past the end of the {len}-byte file",
-                            off.saturating_add(n)
-                        ),
-                    ));
-                }
-            }
-            let segs = to_segments(segments);
-            let mut g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-            // SAFETY: `device` is declared before `io`, so it drops first.
-            let path = unsafe { ensure_device_path(&mut g, &self.io, self.backend, &segs)? };
-            // SAFETY: the Python caller keeps each destination alive and
-            // untouched for the duration of this call (documented contract).
-            unsafe { engine.inner.read_via(&self.io, &segs, path) }
-        })?;
-        let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-        report(py, &stats, &self.io, g.as_ref())
-    }
-
     /// Write `nbytes` at `addr` (device -1 = host) to the file at `offset`.
     fn write(
         &self,
@@ -694,6 +662,52 @@ impl DeviceFile {
     ) -> PyResult<()> {
         py.detach(|| self.transfer(engine, (offset, addr, nbytes, device), false))?;
         Ok(())
+    }
+
+    /// The buffered descriptor of the open file (for reading a header beside the engine).
+    fn fileno(&self) -> i32 {
+        use std::os::fd::AsRawFd;
+        self.io.file().as_raw_fd()
+    }
+
+    /// Read file ranges into memory in one engine pass: `segments` =
+    /// [(file offset, address, nbytes, device)], device -1 for host memory.
+    /// A range past the end of the file is a `FormatError`; the device path
+    /// (cuFile or bounce) is chosen on first need, as `register_handle` does.
+    ///
+    /// The caller keeps every destination alive and untouched until this returns.
+    fn read_segments<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        segments: Vec<RawSegment>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let engine = engine.inner.clone();
+        // The lock is taken and released while detached: a thread waiting for
+        // it never holds the interpreter.
+        let stats = py.detach(|| {
+            let len = self.io.len()?;
+            for (i, &(off, _, n, _)) in segments.iter().enumerate() {
+                if off.checked_add(n).is_none_or(|end| end > len) {
+                    return Err(Error::format(
+                        Some(self.io.path()),
+                        format!(
+                            "segment {i} (bytes {off}..{}) lies past the end of the file ({len} bytes)",
+                            off.saturating_add(n)
+                        ),
+                    ));
+                }
+            }
+            let segs = to_segments(segments);
+            let mut g = self.device.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: `self.device` is declared before `self.io`, so it drops first.
+            let path = unsafe { ensure_device_path(&mut g, &self.io, self.backend, &segs)? };
+            // SAFETY: the Python caller keeps each destination alive and
+            // untouched for the duration of this call (documented contract).
+            unsafe { engine.read_via(&self.io, &segs, path) }
+        })?;
+        let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
+        report(py, &stats, &self.io, g.as_ref())
     }
 }
 

@@ -4,9 +4,11 @@
 4 KiB-aligned, its bytes moved by a pool of I/O threads straight from tensor
 memory, and the file replaced atomically (temp file, fsync, rename, fsync of
 the folder). ``ckptio.load`` reads any torch.save zip checkpoint, bytes read
-in parallel straight into the destination storages.
+in parallel straight into the destination storages. ``ckptio.safetensors`` does
+the same for safetensors files (``save_file``/``load_file``, sharded checkpoints).
 """
 
+from ckptio import safetensors
 from ckptio._native import (
     BackendUnavailableError,
     CkptioError,
@@ -34,6 +36,7 @@ __all__ = [
     "records",
     "last_report",
     "info",
+    "safetensors",
     "GdsFile",
     "gds_register_buffer",
     "gds_deregister_buffer",

@@ -29,7 +29,7 @@ class CkptioError(Exception):
     """Base class of ckptio's own errors."""
 
 class FormatError(CkptioError):
-    """The file is not a usable torch.save checkpoint."""
+    """The file is not a usable checkpoint (torch.save archive or safetensors file)."""
 
 class BackendUnavailableError(CkptioError):
     """A library or backend (libcuda, libcufile) is not available."""
@@ -88,8 +88,9 @@ class AtomicWriter:
     def write_segments(
         self, engine: Engine, segments: list[_Segment], file_len: int | None = None
     ) -> dict[str, Any]:
-        """Write raw (file offset, address, nbytes, device) ranges."""
-    def write_bytes(self, offset: int, data: bytes) -> None: ...
+        """Write (file offset, address, nbytes, device) ranges; preallocate ``file_len``."""
+    def write_bytes(self, offset: int, data: bytes) -> None:
+        """Write a small byte string (a header) at ``offset``."""
     def commit(self) -> None: ...
     def abort(self) -> None: ...
 
@@ -125,10 +126,11 @@ class DeviceFile:
     def gds_mode(self) -> str | None: ...
     @property
     def fallback_reason(self) -> str | None: ...
-    def read_segments(self, engine: Engine, segments: list[_Segment]) -> dict[str, Any]:
-        """Read (file offset, address, nbytes, device) ranges in one parallel pass."""
     def write(self, engine: Engine, offset: int, addr: int, nbytes: int, device: int) -> None: ...
     def read(self, engine: Engine, offset: int, addr: int, nbytes: int, device: int) -> None: ...
+    def fileno(self) -> int: ...
+    def read_segments(self, engine: Engine, segments: list[_Segment]) -> dict[str, Any]:
+        """Read (file offset, address, nbytes, device) ranges in one engine pass."""
 
 @final
 class BufferRegistration:

@@ -1,4 +1,4 @@
-"""The ``ckptio`` command: ``bench``, ``ls``, ``info``."""
+"""The ``ckptio`` command: ``bench``, ``ls``, ``info``, ``convert``."""
 
 from __future__ import annotations
 
@@ -36,7 +36,43 @@ def main(argv: list[str] | None = None) -> int:
     inf.add_argument("folder", nargs="?", default=".", help="folder to probe (default: .)")
     inf.add_argument("--json", action="store_true")
 
+    c = sub.add_parser(
+        "convert",
+        help="convert between torch.save files and safetensors",
+        description="Convert a torch.save checkpoint (a flat dict of tensors) into a "
+        "safetensors file, or back. The source format is read from the file; the "
+        "destination's from --to, else DST's extension (.safetensors, or .pt/.pth/.bin/"
+        ".ckpt), else the other format.",
+    )
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--to", choices=["safetensors", "torch"], default=None)
+    c.add_argument(
+        "--duplicate-shared",
+        action="store_true",
+        help="write tensors that share memory (tied weights, views) as separate copies "
+        "instead of refusing them",
+    )
+    c.add_argument(
+        "--flatten",
+        action="store_true",
+        help="store the tensors of nested dicts under dotted names ({'model': {'w': t}} -> "
+        "'model.w') instead of refusing them",
+    )
+
     a = p.parse_args(argv)
+    if a.cmd == "convert":
+        import pickle
+
+        from ckptio import FormatError
+        from ckptio.convert import ConversionError, convert
+
+        try:
+            convert(a.src, a.dst, to=a.to, duplicate_shared=a.duplicate_shared, flatten=a.flatten)
+        except (ConversionError, FormatError, OSError, pickle.UnpicklingError) as e:
+            print(f"ckptio convert: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if a.cmd == "info":
         import json
 

@@ -327,15 +327,15 @@ def _engine_device(location: str) -> torch.device | None:
     return None
 
 
-def _empty_storage(nbytes: int, device: torch.device) -> torch.UntypedStorage:
-    """An uninitialised storage; large host ones start on a 4 KiB boundary so that
-    O_DIRECT reads land in them without a staging copy. (The aligned slice keeps
-    its allocation alive, as torch.load's mmap slices do; like those, it cannot
-    be resized.)"""
+def _empty_storage(nbytes: int, device: torch.device, phase: int = 0) -> torch.UntypedStorage:
+    """An uninitialised storage; large host ones start ``phase`` bytes past a 4 KiB
+    boundary (a file offset's distance from one) so that O_DIRECT reads land in
+    them without a staging copy. (The aligned slice keeps its allocation alive,
+    as torch.load's mmap slices do; like those, it cannot be resized.)"""
     if device.type != "cpu" or nbytes < _ALIGNED_ALLOC_MIN:
         return torch.UntypedStorage(nbytes, device=device)
     raw = torch.UntypedStorage(nbytes + STORAGE_ALIGNMENT)
-    skip = -raw.data_ptr() % STORAGE_ALIGNMENT
+    skip = (phase - raw.data_ptr()) % STORAGE_ALIGNMENT
     return raw[skip : skip + nbytes]
 
 

@@ -1,0 +1,146 @@
+"""``ckptio convert``: torch.save checkpoints <-> safetensors files.
+
+A safetensors file holds one flat mapping of str -> tensor, each tensor
+contiguous and in memory of its own. A torch.save file that holds anything
+else is refused with the key that does not fit:
+
+- a value that is not a tensor (int, str, list, optimizer state...);
+- a nested dict, unless ``flatten``: then ``{"model": {"w": t}}`` is stored as
+  ``"model.w"`` (keys joined with ".", depth first; a joined name that
+  collides with another key is refused);
+- tensors that share memory (tied weights, overlapping views) and
+  non-contiguous views, unless ``duplicate_shared``: then each is written as a
+  copy of its own (loading the file back gives independent tensors).
+
+safetensors -> torch.save writes the tensors as a plain dict (ckptio.save); the
+safetensors header metadata has no place in a torch.save file and is dropped
+(the command says so).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckptio import safetensors as cst
+from ckptio.serialization import load, save
+
+FORMATS = ("safetensors", "torch")
+_TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+class ConversionError(ValueError):
+    """The source holds something the destination format cannot."""
+
+
+def detect(path: str) -> str:
+    """ "torch" for a zip archive (torch.save), else "safetensors"."""
+    with open(path, "rb") as f:
+        return "torch" if f.read(4) == b"PK\x03\x04" else "safetensors"
+
+
+def target_format(dst: str, src_format: str, to: str | None) -> str:
+    if to is not None:
+        if to not in FORMATS:
+            raise ValueError(f"--to must be one of {FORMATS}, not {to!r}")
+        return to
+    if dst.endswith(".safetensors"):
+        return "safetensors"
+    if dst.endswith(_TORCH_EXT):
+        return "torch"
+    return "torch" if src_format == "safetensors" else "safetensors"
+
+
+def flat_tensors(obj: Any, *, flatten: bool = False, where: str = "") -> dict[str, torch.Tensor]:
+    """The str -> tensor mapping in ``obj``, or ConversionError naming what does not fit."""
+    if not isinstance(obj, dict):
+        raise ConversionError(
+            f"{where}holds a {type(obj).__name__}, not a dict of tensors: "
+            "safetensors holds one flat str -> tensor mapping"
+        )
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(d: dict[Any, Any], prefix: str) -> None:
+        for k, v in d.items():
+            if not isinstance(k, str):
+                raise ConversionError(f"{where}key {k!r} is a {type(k).__name__}, not a str")
+            name = prefix + k
+            if isinstance(v, torch.Tensor):
+                if name in out:
+                    raise ConversionError(f"{where}flattened name {name!r} is there twice")
+                out[name] = v
+            elif isinstance(v, dict) and flatten:
+                walk(v, name + ".")
+            else:
+                hint = " (a nested dict: --flatten stores its tensors as 'key.sub')"
+                raise ConversionError(
+                    f"{where}{name!r} is a {type(v).__name__}, not a tensor: safetensors holds "
+                    "only tensors" + (hint if isinstance(v, dict) else "")
+                )
+
+    walk(obj, "")
+    return out
+
+
+def unshare(
+    tensors: dict[str, torch.Tensor], duplicate: bool, where: str = ""
+) -> dict[str, torch.Tensor]:
+    """Refuse (or with ``duplicate``, copy) shared and non-contiguous tensors."""
+    groups = cst.find_shared(tensors)
+    views = [k for k, v in tensors.items() if not v.is_contiguous()]
+    if not duplicate:
+        if groups:
+            names = "; ".join(", ".join(repr(n) for n in g) for g in groups)
+            raise ConversionError(
+                f"{where}tensors share memory ({names}): safetensors stores each tensor on "
+                "its own; pass --duplicate-shared to write each as a separate copy"
+            )
+        if views:
+            raise ConversionError(
+                f"{where}{views[0]!r} is a non-contiguous view: pass --duplicate-shared to "
+                "write a contiguous copy of it"
+            )
+        return tensors
+    out = dict(tensors)
+    for g in groups:
+        for k in g[1:]:
+            out[k] = tensors[k].clone(memory_format=torch.contiguous_format)
+    for k in views:
+        out[k] = out[k].contiguous()
+    return out
+
+
+def convert(
+    src: str,
+    dst: str,
+    *,
+    to: str | None = None,
+    duplicate_shared: bool = False,
+    flatten: bool = False,
+    log: Callable[[str], None] = print,
+) -> str:
+    """Convert ``src`` into ``dst``; returns the format written."""
+    src_format = detect(src)
+    fmt = target_format(os.fspath(dst), src_format, to)
+    where = f"{src}: "
+    if src_format == "torch":
+        obj = load(src, map_location="cpu", weights_only=True)
+        tensors = flat_tensors(obj, flatten=flatten, where=where)
+    else:
+        tensors = cst.load_file(src)
+        meta = cst.metadata(src)
+        if fmt == "torch" and meta:
+            log(f"note: the safetensors metadata {meta} is not kept in a torch.save file")
+    tensors = unshare(tensors, duplicate_shared, where)
+    if fmt == "safetensors":
+        rep = cst.save_file(tensors, dst, metadata={"format": "pt"})
+    else:
+        rep = save(tensors, dst)
+    log(
+        f"{src} ({src_format}) -> {dst} ({fmt}): {len(tensors)} tensors, "
+        f"{rep.nbytes / 2**20:.1f} MiB"
+    )
+    return fmt

@@ -1,0 +1,732 @@
+"""safetensors files through the ckptio engine.
+
+``save_file`` / ``load_file`` / ``save`` / ``load`` have the signatures and
+semantics of ``safetensors.torch`` and read and write the same format: an
+8-byte little-endian header length N, N bytes of JSON (``__metadata__``: str ->
+str, then per tensor ``dtype``, ``shape``, ``data_offsets`` [begin, end)
+relative to the data section), then the tensors' bytes packed back to back,
+sorted by dtype (widest first) then name, as safetensors lays them out. Files
+written here pad the JSON with spaces so that the data section starts on a
+4 KiB boundary (O_DIRECT and cuFile reads of it need no shifting); the
+``safetensors`` package reads them, and this module reads its files.
+
+Saves write the header, then each tensor's bytes straight from its data
+pointer (host or CUDA memory) with the engine's threads, into a temp file that
+replaces the target atomically (fsync, rename, fsync of the folder). Loads
+allocate one empty tensor per entry on the target device and read the data
+section into them in one parallel engine pass (O_DIRECT; cuFile or the pinned
+bounce pipeline for CUDA). Sharded checkpoints as the Hugging Face hub lays them
+out (``model.safetensors.index.json`` + ``model-0000k-of-0000n.safetensors``):
+``save_sharded`` / ``load_sharded``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ckptio import _native
+from ckptio.serialization import (
+    STORAGE_ALIGNMENT,
+    IOReport,
+    _device_code,
+    _direct_arg,
+    _empty_storage,
+    _engine,
+    _engine_device,
+    _last,
+    _path,
+    _report,
+    _sync_cuda,
+)
+
+__all__ = [
+    "save_file",
+    "load_file",
+    "save",
+    "load",
+    "metadata",
+    "save_sharded",
+    "load_sharded",
+    "find_shared",
+    "DTYPES",
+]
+
+#: safetensors dtype name -> torch dtype (those this torch has).
+DTYPES: dict[str, torch.dtype] = {
+    name: dt
+    for name, dt in (
+        ("F64", torch.float64),
+        ("F32", torch.float32),
+        ("F16", torch.float16),
+        ("BF16", torch.bfloat16),
+        ("C64", torch.complex64),
+        ("I64", torch.int64),
+        ("I32", torch.int32),
+        ("I16", torch.int16),
+        ("I8", torch.int8),
+        ("U64", getattr(torch, "uint64", None)),
+        ("U32", getattr(torch, "uint32", None)),
+        ("U16", getattr(torch, "uint16", None)),
+        ("U8", torch.uint8),
+        ("BOOL", torch.bool),
+        ("F8_E4M3", getattr(torch, "float8_e4m3fn", None)),
+        ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
+        ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
+        ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
+        ("F8_E8M0", getattr(torch, "float8_e8m0fnu", None)),
+    )
+    if dt is not None
+}
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+# safetensors' Dtype enum order (its files sort tensors by it, descending, then by
+# name). F4/F6 are known names that no torch dtype here maps to one element per value.
+_ENUM = (
+    "BOOL F4 F6_E2M3 F6_E3M2 U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ "
+    "I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64"
+).split()
+_RANK = {name: i for i, name in enumerate(_ENUM)}
+#: The safetensors package refuses headers larger than this.
+MAX_HEADER = 100_000_000
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+Device = str | int | torch.device
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # in the data section
+    end: int
+
+
+# --------------------------------------------------------------------------- header
+
+
+def _fail(where: str, what: str) -> _native.FormatError:
+    return _native.FormatError(f"{where}: not a usable safetensors file: {what}")
+
+
+def _parse_header(
+    raw: bytes, data_len: int, where: str
+) -> tuple[dict[str, str] | None, list[_Entry]]:
+    """Validate a header as the safetensors package does; entries in file order."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _fail(where, f"header is not UTF-8 ({e.reason} at byte {8 + e.start})") from None
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in d:
+                raise ValueError(f"duplicate key {k!r}")
+            d[k] = v
+        return d
+
+    try:
+        head = json.loads(text, object_pairs_hook=no_duplicates)
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise _fail(where, f"header is not valid JSON: {e}") from None
+    if not isinstance(head, dict):
+        raise _fail(where, f"header is a JSON {type(head).__name__}, not an object")
+    meta = head.pop("__metadata__", None)
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    ):
+        raise _fail(where, "__metadata__ is not an object of strings")
+    entries = []
+    for name, info in head.items():
+        tensor = f"tensor {name!r}"
+        if not isinstance(info, dict):
+            raise _fail(where, f"{tensor}: entry is not an object")
+        dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype_name, str):
+            raise _fail(where, f"{tensor}: no dtype")
+        if dtype_name not in DTYPES:
+            known = (
+                "known to safetensors but not readable here" if dtype_name in _RANK else "unknown"
+            )
+            raise _fail(where, f"{tensor}: dtype {dtype_name!r} is {known}")
+        if not _int_list(shape):
+            raise _fail(where, f"{tensor}: shape {shape!r} is not a list of non-negative ints")
+        if not (_int_list(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+            raise _fail(where, f"{tensor}: data_offsets {offsets!r} are not [begin, end]")
+        dtype = DTYPES[dtype_name]
+        need = math.prod(shape) * dtype.itemsize
+        begin, end = offsets
+        if end - begin != need:
+            raise _fail(
+                where,
+                f"{tensor}: data_offsets [{begin}, {end}] hold {end - begin} bytes but shape "
+                f"{shape} of {dtype_name} needs {need}",
+            )
+        if end > data_len:
+            raise _fail(
+                where,
+                f"{tensor}: data_offsets [{begin}, {end}] run past the end of the file "
+                f"(the data section holds {data_len} bytes)",
+            )
+        entries.append(_Entry(name, dtype, tuple(shape), begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    at, prev = 0, None
+    for e in entries:
+        if e.begin < at and prev is not None:
+            raise _fail(
+                where,
+                f"tensor {e.name!r} (bytes {e.begin}..{e.end}) overlaps tensor {prev.name!r} "
+                f"(bytes {prev.begin}..{prev.end}) in the data section",
+            )
+        if e.begin > at:
+            raise _fail(where, f"bytes {at}..{e.begin} of the data section belong to no tensor")
+        at, prev = e.end, e
+    if at != data_len:
+        raise _fail(
+            where, f"the tensors end at byte {at} of the data section, the file at {data_len}"
+        )
+    return meta, entries
+
+
+def _int_list(x: Any) -> bool:
+    return isinstance(x, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x
+    )
+
+
+def _check_tensors(tensors: Any) -> None:
+    """Refuse what safetensors refuses, with its exception types."""
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    for k, v in tensors.items():
+        if not isinstance(k, str):
+            raise TypeError(f"tensor names must be str, not {type(k).__name__} ({k!r})")
+        if k == "__metadata__":
+            raise ValueError("'__metadata__' is reserved for the header's metadata")
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"Key `{k}` is invalid, expected torch.Tensor but received {type(v)}")
+        if v.layout != torch.strided:
+            raise ValueError(f"tensor {k!r} is sparse ({v.layout}); call .to_dense() first")
+        if v.dtype not in _NAMES:
+            raise ValueError(f"tensor {k!r} has dtype {v.dtype}, which safetensors cannot hold")
+    shared = find_shared(tensors)
+    if shared:
+        raise RuntimeError(
+            f"Some tensors share memory, this would duplicate them on disk and break the sharing "
+            f"when loading: {shared}. Save only one of each (or clones)."
+        )
+    for k, v in tensors.items():
+        if not v.is_contiguous():
+            raise ValueError(
+                f"You are trying to save a non contiguous tensor: `{k}` which is not allowed. "
+                "Call `.contiguous()` on it first."
+            )
+
+
+def find_shared(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Groups of names whose tensors overlap in memory (safetensors' definition:
+    same storage and overlapping byte ranges), each sorted, groups of two or more."""
+    by_storage: dict[tuple[Any, ...], list[str]] = defaultdict(list)
+    for k, v in tensors.items():
+        if v.device.type == "meta":
+            continue
+        st = v.untyped_storage()
+        if st.data_ptr() != 0 and st.nbytes() != 0:
+            by_storage[(v.device, st.data_ptr(), st.nbytes())].append(k)
+    groups = []
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        areas = sorted((_extent(tensors[n]), n) for n in names)
+        cur = [areas[0][1]]
+        stop = areas[0][0][1]
+        for (start, end), n in areas[1:]:
+            if start < stop:
+                cur.append(n)
+                stop = max(stop, end)
+            else:
+                if len(cur) > 1:
+                    groups.append(sorted(cur))
+                cur, stop = [n], end
+        if len(cur) > 1:
+            groups.append(sorted(cur))
+    return sorted(groups)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of a strided tensor's elements."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    span = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def _check_metadata(metadata: Any) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict of str to str, not {type(metadata).__name__}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(
+                f"metadata must be a dict of str to str: {k!r} maps to a {type(v).__name__}"
+            )
+    return dict(metadata)
+
+
+@dataclasses.dataclass
+class _Layout:
+    header: bytes  # length prefix + JSON + padding: the data section starts after it
+    items: list[tuple[str, torch.Tensor, int, int]]  # name, tensor, begin, end
+
+    @property
+    def file_len(self) -> int:
+        return len(self.header) + (self.items[-1][3] if self.items else 0)
+
+
+def _layout(tensors: Mapping[str, torch.Tensor], metadata: Any) -> _Layout:
+    _check_tensors(tensors)
+    meta = _check_metadata(metadata)
+    order = sorted(tensors, key=lambda k: (-_RANK[_NAMES[tensors[k].dtype]], k))
+    head: dict[str, Any] = {}
+    if meta is not None:
+        head["__metadata__"] = meta
+    items, at = [], 0
+    for k in order:
+        t = tensors[k]
+        n = t.numel() * t.element_size()
+        head[k] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        items.append((k, t, at, at + n))
+        at += n
+    js = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    n = len(js) + (-(8 + len(js)) % STORAGE_ALIGNMENT)
+    if n > MAX_HEADER:
+        raise ValueError(f"the header would be {n} bytes, over safetensors' limit of {MAX_HEADER}")
+    return _Layout(n.to_bytes(8, "little") + js + b" " * (n - len(js)), items)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_file(
+    tensors: Mapping[str, torch.Tensor],
+    filename: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    direct: bool | str | None = None,
+    backend: str | None = None,
+) -> IOReport:
+    """Save ``tensors`` to ``filename`` in safetensors format, like
+    ``safetensors.torch.save_file``, crash-safe (temp file, fsync, rename, fsync
+    of the folder) and with the bytes written straight from each tensor's memory
+    (host or CUDA) by the engine. Tensors must be contiguous and must not share
+    memory (RuntimeError / ValueError as safetensors raises). Work queued on the
+    current CUDA streams is finished before bytes are copied. The keyword
+    options are ``ckptio.save``'s. Returns the IOReport (safetensors returns None).
+    """
+    t0 = time.perf_counter()
+    path = _path(filename, "safetensors.save_file")
+    lay = _layout(tensors, metadata)
+    base = len(lay.header)
+    keep, segments = [], []
+    for name, t, begin, end in lay.items:
+        if end == begin:
+            continue
+        if t.device.type not in ("cpu", "cuda"):
+            t = t.to("cpu")  # as safetensors does for other devices
+            keep.append(t)
+        segments.append((base + begin, t.data_ptr(), end - begin, _device_code(t, name)))
+    _sync_cuda({s[3] for s in segments})
+    d = _direct_arg(direct)
+    engine = _engine(threads, chunk_size, d)
+    writer = _native.AtomicWriter(path, d, backend)
+    try:
+        writer.write_bytes(0, lay.header)
+        stats = writer.write_segments(engine, segments, lay.file_len)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    del keep
+    return _report(path, t0, stats, len(lay.items))
+
+
+def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The bytes of a safetensors file holding ``tensors`` (``safetensors.torch.save``)."""
+    lay = _layout(tensors, metadata)
+    buf = bytearray(lay.file_len)
+    buf[: len(lay.header)] = lay.header
+    for _, t, begin, end in lay.items:
+        if end > begin:
+            dst = torch.frombuffer(
+                buf, dtype=torch.uint8, count=end - begin, offset=len(lay.header) + begin
+            )
+            dst.copy_(t.detach().reshape(-1).view(torch.uint8))
+    return bytes(buf)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _devices(device: Device) -> tuple[torch.device, torch.device | None]:
+    """(the requested device, the device the engine fills: it, or cpu to copy from)."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a str, int or torch.device, not {type(device).__name__}")
+    want = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    fill = _engine_device(str(want))
+    return want, fill
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One file's tensors allocated empty and the reads that fill them."""
+
+    path: str
+    file: _native.DeviceFile
+    metadata: dict[str, str] | None
+    tensors: dict[str, torch.Tensor]
+    segments: list[tuple[int, int, int, int]]
+
+
+def _pread_exact(fd: int, n: int, off: int, where: str) -> bytes:
+    out = b""
+    while len(out) < n:
+        b = os.pread(fd, n - len(out), off + len(out))
+        if not b:
+            raise _fail(where, f"file ends at byte {off + len(out)}, inside the header")
+        out += b
+    return out
+
+
+def _header(fd: int, where: str) -> tuple[dict[str, str] | None, list[_Entry], int]:
+    """(metadata, entries in file order, data section offset) of an open file."""
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise _fail(where, f"the file is {size} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(_pread_exact(fd, 8, 0, where), "little")
+    if n > MAX_HEADER:
+        raise _fail(where, f"header length {n} is over safetensors' limit of {MAX_HEADER} bytes")
+    if 8 + n > size:
+        raise _fail(where, f"header length {n} runs past the end of the file ({size} bytes)")
+    meta, entries = _parse_header(_pread_exact(fd, n, 8, where), size - 8 - n, where)
+    return meta, entries, 8 + n
+
+
+def metadata(filename: str | os.PathLike[str]) -> dict[str, str] | None:
+    """The ``__metadata__`` of a safetensors file (the header is validated, no data is read)."""
+    path = _path(filename, "safetensors.metadata")
+    with open(path, "rb") as f:
+        return _header(f.fileno(), path)[0]
+
+
+def _plan(path: str, fill: torch.device, direct: str | None, backend: str | None) -> _Plan:
+    f = _native.DeviceFile(path, False, direct, backend)
+    meta, entries, base = _header(f.fileno(), path)
+    tensors, segments = {}, []
+    dev = -1 if fill.type == "cpu" else fill.index if fill.index is not None else 0
+    for e in entries:
+        nbytes = e.end - e.begin
+        off = base + e.begin
+        # Host memory starts where the file offset does relative to 4 KiB (when
+        # the dtype's alignment allows it): O_DIRECT lands straight in it.
+        phase = off % STORAGE_ALIGNMENT if off % max(e.dtype.itemsize, 1) == 0 else 0
+        st = _empty_storage(nbytes, fill, phase)
+        t = torch.empty(0, dtype=e.dtype, device=fill).set_(st, 0, e.shape)
+        tensors[e.name] = t
+        if nbytes:
+            segments.append((off, t.data_ptr(), nbytes, dev))
+    return _Plan(path, f, meta, tensors, segments)
+
+
+def _read(plan: _Plan, engine: _native.Engine) -> dict[str, Any]:
+    # Memory handed out by the caching allocator may still be in use by work
+    # queued on the current stream; the engine writes it from its own streams.
+    _sync_cuda({s[3] for s in plan.segments})
+    return plan.file.read_segments(engine, plan.segments)
+
+
+def _finish(
+    tensors: dict[str, torch.Tensor], want: torch.device, fill: torch.device | None
+) -> dict[str, torch.Tensor]:
+    if fill is None:
+        return {k: v.to(want) for k, v in tensors.items()}
+    return tensors
+
+
+def load_file(
+    filename: str | os.PathLike[str],
+    device: Device = "cpu",
+    *,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    direct: bool | str | None = None,
+    backend: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load a safetensors file like ``safetensors.torch.load_file(filename, device)``:
+    a dict of tensors in file order, each with its own storage on ``device``
+    (``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int for a CUDA index), read in
+    parallel straight into that memory (cuFile or pinned bounce buffers for CUDA).
+    Other devices are filled through host memory. ``ckptio.last_report()`` says
+    how it ran; a malformed file is a FormatError naming the file and tensor.
+    """
+    t0 = time.perf_counter()
+    path = _path(filename, "safetensors.load_file")
+    want, fill = _devices(device)
+    d = _direct_arg(direct)
+    plan = _plan(path, fill or torch.device("cpu"), d, backend)
+    stats = _read(plan, _engine(threads, chunk_size, d))
+    _report(path, t0, stats, len(plan.tensors))
+    return _finish(plan.tensors, want, fill)
+
+
+def load(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Tensors (on cpu) from the bytes of a safetensors file (``safetensors.torch.load``)."""
+    mv = memoryview(data).cast("B")
+    where = "<bytes>"
+    if len(mv) < 8:
+        raise _fail(where, f"{len(mv)} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(mv[:8], "little")
+    if n > MAX_HEADER:
+        raise _fail(where, f"header length {n} is over safetensors' limit of {MAX_HEADER} bytes")
+    if 8 + n > len(mv):
+        raise _fail(where, f"header length {n} runs past the end of the data ({len(mv)} bytes)")
+    _, entries = _parse_header(bytes(mv[8 : 8 + n]), len(mv) - 8 - n, where)
+    out = {}
+    with warnings.catch_warnings():
+        # frombuffer warns that the buffer is read-only: it is only read here.
+        warnings.simplefilter("ignore", UserWarning)
+        for e in entries:
+            t = torch.empty(e.shape, dtype=e.dtype)
+            if e.end > e.begin:
+                src = torch.frombuffer(
+                    mv, dtype=torch.uint8, count=e.end - e.begin, offset=8 + n + e.begin
+                )
+                t.view(-1).view(torch.uint8).copy_(src)
+            out[e.name] = t
+    return out
+
+
+# --------------------------------------------------------------------------- sharded
+
+
+def _parse_size(size: int | str) -> int:
+    """An int, or "5GB" / "500MB" (powers of 10, as the hub counts) / "4GiB" (powers of 2)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 1:
+            raise ValueError(f"max_shard_size must be positive, not {size}")
+        return size
+    if not isinstance(size, str):
+        raise TypeError(f"max_shard_size must be an int or a str, not {type(size).__name__}")
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", size.upper())
+    if not m or (m.group(3) and not m.group(2)):
+        raise ValueError(f"max_shard_size {size!r} is not a size like 5GB, 500MB or 4GiB")
+    num, unit, binary = m.groups()
+    power = " KMGT".index(unit or " ")
+    n = int(float(num) * (1024 if binary else 1000) ** power)
+    if n < 1:
+        raise ValueError(f"max_shard_size must be positive, not {size!r}")
+    return n
+
+
+def save_sharded(
+    tensors: Mapping[str, torch.Tensor],
+    folder: str | os.PathLike[str],
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    *,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    direct: bool | str | None = None,
+    backend: str | None = None,
+) -> IOReport:
+    """Save ``tensors`` into ``folder`` as the Hugging Face hub lays checkpoints out.
+
+    Tensors go to shards in dict order, a new shard when the next tensor would
+    push the current one past ``max_shard_size`` (a larger tensor gets a shard of
+    its own), as ``huggingface_hub.split_torch_state_dict_into_shards`` splits.
+    One shard: ``model.safetensors``, no index. Several:
+    ``model-00001-of-0000n.safetensors`` ... and ``model.safetensors.index.json``
+    (``{"metadata": {"total_size": ..., **metadata}, "weight_map": {name: shard}}``),
+    written last. Each shard carries ``{"format": "pt", **metadata}`` as its
+    header metadata. Every file is replaced atomically; shards of an earlier
+    save with other names (``model*.safetensors``) are removed after the index
+    is written. A crash midway may leave new shards beside the old index: save
+    to a fresh folder when the whole set must switch at once.
+    """
+    t0 = time.perf_counter()
+    out = _path(folder, "safetensors.save_sharded")
+    limit = _parse_size(max_shard_size)
+    meta = _check_metadata(metadata) or {}
+    _check_tensors(tensors)
+    shards: list[dict[str, torch.Tensor]] = []
+    cur: dict[str, torch.Tensor] = {}
+    cur_size = total = 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        total += n
+        if n > limit:
+            shards.append({k: t})
+            continue
+        if cur and cur_size + n > limit:
+            shards.append(cur)
+            cur, cur_size = {}, 0
+        cur[k] = t
+        cur_size += n
+    if cur or not shards:
+        shards.append(cur)
+    os.makedirs(out, exist_ok=True)
+    k = len(shards)
+    names = (
+        ["model.safetensors"]
+        if k == 1
+        else [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
+    )
+    stats = []
+    for name, shard in zip(names, shards, strict=True):
+        rep = save_file(
+            shard,
+            os.path.join(out, name),
+            {"format": "pt", **meta},
+            threads=threads,
+            chunk_size=chunk_size,
+            direct=direct,
+            backend=backend,
+        )
+        stats.append(rep)
+    keep = set(names)
+    if k > 1:
+        index = {
+            "metadata": {"total_size": total, **meta},
+            "weight_map": {t: n for n, shard in zip(names, shards, strict=True) for t in shard},
+        }
+        _write_text(os.path.join(out, INDEX_NAME), json.dumps(index, indent=2) + "\n")
+        keep.add(INDEX_NAME)
+    for f in os.listdir(out):
+        if f not in keep and (_SHARD_RE.fullmatch(f) or f == INDEX_NAME):
+            os.unlink(os.path.join(out, f))
+    rep = _merge(out, t0, stats)
+    _last.report = rep
+    return rep
+
+
+def _write_text(path: str, text: str) -> None:
+    """A small file replaced atomically (temp file, fsync, rename, fsync of the folder)."""
+    w = _native.AtomicWriter(path, "off", None)
+    try:
+        w.write_bytes(0, text.encode())
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _merge(path: str, t0: float, reps: list[IOReport]) -> IOReport:
+    dev = [r for r in reps if r.backend != "posix"]
+    first = (dev or reps)[0]
+    return dataclasses.replace(
+        first,
+        path=path,
+        nbytes=sum(r.nbytes for r in reps),
+        seconds=time.perf_counter() - t0,
+        direct=all(r.direct for r in reps),
+        direct_reason=next((r.direct_reason for r in reps if r.direct_reason), None),
+        threads=max(r.threads for r in reps),
+        storages=sum(r.storages for r in reps),
+    )
+
+
+def _shard_files(index_path_or_folder: str) -> tuple[str, dict[str, str] | None]:
+    """(folder, weight_map or None for a single model.safetensors)."""
+    p = index_path_or_folder
+    if os.path.isdir(p):
+        if os.path.exists(os.path.join(p, INDEX_NAME)):
+            p = os.path.join(p, INDEX_NAME)
+        else:
+            found = sorted(f for f in os.listdir(p) if f.endswith(".safetensors.index.json"))
+            if len(found) == 1:
+                p = os.path.join(p, found[0])
+            elif os.path.exists(os.path.join(p, "model.safetensors")):
+                return p, None
+            else:
+                raise FileNotFoundError(
+                    2,
+                    f"no {INDEX_NAME} (nor a single *.safetensors.index.json or model.safetensors)",
+                    p,
+                )
+    with open(p, "rb") as f:
+        try:
+            index = json.loads(f.read())
+        except ValueError as e:
+            raise _native.FormatError(f"{p}: not a safetensors index: invalid JSON: {e}") from None
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(
+        isinstance(v, str) and os.path.basename(v) == v and v for v in wm.values()
+    ):
+        raise _native.FormatError(
+            f"{p}: not a safetensors index: no weight_map of tensor name -> shard file name"
+        )
+    return os.path.dirname(p) or ".", wm
+
+
+def load_sharded(
+    index_path_or_folder: str | os.PathLike[str],
+    device: Device = "cpu",
+    *,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    direct: bool | str | None = None,
+    backend: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load a sharded checkpoint (``*.safetensors.index.json`` + shards, or a folder
+    holding one, or a folder with a single ``model.safetensors``) to ``device``
+    in one call: every shard's tensors allocated first, then the shards read in
+    parallel (the engine's threads split among them). Every tensor the index's
+    weight_map names must be in the shard it names (FormatError otherwise); a
+    tensor name in two shards is a FormatError. Returns all tensors of the
+    shards, shard by shard in file order.
+    """
+    t0 = time.perf_counter()
+    src = _path(index_path_or_folder, "safetensors.load_sharded")
+    folder, wm = _shard_files(src)
+    files = ["model.safetensors"] if wm is None else list(dict.fromkeys(wm.values()))
+    want, fill = _devices(device)
+    d = _direct_arg(direct)
+    plans = [_plan(os.path.join(folder, f), fill or torch.device("cpu"), d, backend) for f in files]
+    out: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
+    for f, p in zip(files, plans, strict=True):
+        for name, t in p.tensors.items():
+            if name in out:
+                raise _native.FormatError(
+                    f"{src}: tensor {name!r} is in both {where[name]} and {f}"
+                )
+            out[name], where[name] = t, f
+    for name, f in (wm or {}).items():
+        if where.get(name) != f:
+            raise _native.FormatError(
+                f"{src}: the index puts tensor {name!r} in {f}, "
+                + (f"but it is in {where[name]}" if name in where else "but no shard holds it")
+            )
+    base = _engine(threads, chunk_size, d)
+    workers = max(1, min(len(plans), base.threads, 4))
+    engine = base if workers == 1 else _engine(max(1, base.threads // workers), base.chunk_size, d)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        stats = list(pool.map(lambda p: _read(p, engine), plans))
+    reps = [_report(p.path, t0, s, len(p.tensors)) for p, s in zip(plans, stats, strict=True)]
+    _last.report = _merge(src, t0, reps)
+    return _finish(out, want, fill)

@@ -1,0 +1,126 @@
+"""``ckptio convert``: torch.save <-> safetensors, and what it refuses."""
+
+import subprocess
+import sys
+
+import ckptio
+import ckptio.safetensors as cst
+import pytest
+import torch
+from ckptio.cli import main
+
+st = pytest.importorskip("safetensors.torch")
+
+
+def sd():
+    return {"w": torch.randn(8, 4), "b": torch.arange(4), "h": torch.randn(3).bfloat16()}
+
+
+def same(a, b):
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_torch_to_safetensors_and_back(tmp_path, capsys):
+    src, mid, back = tmp_path / "a.pt", tmp_path / "a.safetensors", tmp_path / "b.pt"
+    torch.save(sd(), src)
+    want = torch.load(src)
+    assert main(["convert", str(src), str(mid)]) == 0
+    same(st.load_file(mid), want)
+    assert cst.metadata(mid) == {"format": "pt"}
+    assert main(["convert", str(mid), str(back)]) == 0
+    same(torch.load(back, weights_only=True), want)
+    out = capsys.readouterr().out
+    assert "(torch) ->" in out and "(safetensors) ->" in out
+    assert "metadata {'format': 'pt'} is not kept" in out
+
+
+def test_direction_from_to_flag_and_from_source(tmp_path):
+    src = tmp_path / "a.pt"
+    ckptio.save(sd(), src)
+    out = tmp_path / "weights.data"
+    assert main(["convert", str(src), str(out)]) == 0  # unknown extension: the other format
+    same(cst.load_file(out), torch.load(src))
+    out2 = tmp_path / "x.pt"
+    assert main(["convert", str(src), str(out2), "--to", "safetensors"]) == 0
+    assert st.load_file(out2).keys() == sd().keys()
+
+
+def run_err(capsys, *args):
+    assert main(["convert", *map(str, args)]) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "obj, match",
+    [
+        ({"w": torch.zeros(2), "epoch": 3}, "'epoch' is a int, not a tensor"),
+        ({"w": torch.zeros(2), "opt": [torch.zeros(1)]}, "'opt' is a list"),
+        (
+            {"model": {"w": torch.zeros(2)}},
+            "'model' is a dict, not a tensor: safetensors holds only tensors (a nested",
+        ),
+        ([torch.zeros(2)], "holds a list, not a dict of tensors"),
+        ({1: torch.zeros(2)}, "key 1 is a int, not a str"),
+    ],
+)
+def test_what_safetensors_cannot_hold_is_refused_naming_the_key(tmp_path, capsys, obj, match):
+    src, dst = tmp_path / "a.pt", tmp_path / "a.safetensors"
+    torch.save(obj, src)
+    err = run_err(capsys, src, dst)
+    assert err.startswith("ckptio convert: error: ") and str(src) in err
+    assert match in err
+    assert not dst.exists()
+
+
+def test_flatten_joins_nested_keys_and_refuses_collisions(tmp_path, capsys):
+    src, dst = tmp_path / "a.pt", tmp_path / "a.safetensors"
+    torch.save(
+        {"model": {"w": torch.ones(2), "sub": {"b": torch.zeros(1)}}, "x": torch.ones(1)}, src
+    )
+    assert main(["convert", str(src), str(dst), "--flatten"]) == 0
+    assert list(st.load_file(dst)) and set(st.load_file(dst)) == {"model.w", "model.sub.b", "x"}
+    torch.save({"a": {"b": torch.ones(1)}, "a.b": torch.zeros(1)}, src)
+    assert "'a.b' is there twice" in run_err(capsys, src, dst, "--flatten")
+
+
+def test_shared_storages_refused_unless_duplicated(tmp_path, capsys):
+    w = torch.randn(4, 4)
+    src, dst = tmp_path / "a.pt", tmp_path / "a.safetensors"
+    torch.save({"emb": w, "head": w, "row": w[1], "other": torch.ones(2)}, src)
+    err = run_err(capsys, src, dst)
+    assert "share memory ('emb', 'head', 'row')" in err and "--duplicate-shared" in err
+    assert main(["convert", str(src), str(dst), "--duplicate-shared"]) == 0
+    out = st.load_file(dst)
+    assert (
+        torch.equal(out["emb"], w) and torch.equal(out["head"], w) and torch.equal(out["row"], w[1])
+    )
+
+
+def test_non_contiguous_view_refused_unless_duplicated(tmp_path, capsys):
+    src, dst = tmp_path / "a.pt", tmp_path / "a.safetensors"
+    w = torch.randn(4, 6)
+    torch.save({"wt": w.t()}, src)
+    assert "'wt' is a non-contiguous view" in run_err(capsys, src, dst)
+    assert main(["convert", str(src), str(dst), "--duplicate-shared"]) == 0
+    assert torch.equal(st.load_file(dst)["wt"], w.t())
+
+
+def test_bad_or_missing_source(tmp_path, capsys):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x05" + bytes(20))
+    assert "not a usable safetensors file" in run_err(capsys, bad, tmp_path / "o.pt")
+    assert "No such file" in run_err(capsys, tmp_path / "missing.pt", tmp_path / "o.safetensors")
+
+
+def test_console_entry_point(tmp_path):
+    src, dst = tmp_path / "a.pt", tmp_path / "a.safetensors"
+    torch.save(sd(), src)
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptio", "convert", str(src), str(dst)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    same(st.load_file(dst), torch.load(src))

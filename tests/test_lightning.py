@@ -1,0 +1,127 @@
+"""The Lightning CheckpointIO plugins: a tiny model trained on CPU, checkpointed
+through ckptio, resumed, and the weights equal to an uninterrupted run."""
+
+import importlib
+import sys
+import warnings
+
+import ckptio
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+from ckptio.lightning import AsyncCkptioCheckpointIO, CkptioCheckpointIO  # noqa: E402
+
+PLUGINS = {"sync": CkptioCheckpointIO, "async": AsyncCkptioCheckpointIO}
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        )
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 4, generator=g)
+    ds = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return torch.utils.data.DataLoader(ds, batch_size=4, shuffle=False)  # 3 steps an epoch
+
+
+def fit(root, epochs, plugin=None, ckpt_path=None, seed=0):
+    model = Tiny(seed)
+    trainer = L.Trainer(
+        plugins=[plugin] if plugin is not None else None,
+        max_epochs=epochs,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        accelerator="cpu",
+        devices=1,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice about workers etc.
+        trainer.fit(model, data(), ckpt_path=ckpt_path)
+    return model, trainer
+
+
+@pytest.mark.parametrize("kind", sorted(PLUGINS))
+def test_trainer_saves_and_resumes_through_ckptio(tmp_path, kind, monkeypatch):
+    loads = []
+
+    def spy(path, *a, **kw):
+        loads.append(path)
+        return ckptio.load(path, *a, **kw)
+
+    monkeypatch.setattr(ckptio.lightning, "load", spy)
+    ref, _ = fit(tmp_path / "ref", 2, PLUGINS[kind]())
+    # epoch 2's checkpoint replaced epoch 1's (ModelCheckpoint calls remove_checkpoint)
+    names = sorted(p.name for p in (tmp_path / "ref" / "checkpoints").iterdir())
+    assert names == ["epoch=1-step=6.ckpt"]
+    _, t1 = fit(tmp_path / "run", 1, PLUGINS[kind](threads=2))
+    ckpt = tmp_path / "run" / "checkpoints" / "epoch=0-step=3.ckpt"
+    assert ckpt.exists() and t1.checkpoint_callback.best_model_path == str(ckpt)
+    # a ckptio file (4 KiB-aligned records) that plain torch reads
+    assert all(
+        r.offset % 4096 == 0 for r in ckptio.records(ckpt, weights_only=False) if "/data/" in r.name
+    )
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 3
+    resumed, _ = fit(tmp_path / "run", 2, PLUGINS[kind](), ckpt_path=str(ckpt), seed=123)
+    assert loads == [str(ckpt)]  # the resume read it through ckptio
+    for (k, a), (_, b) in zip(ref.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_load_defaults(tmp_path):
+    io = CkptioCheckpointIO()
+    p = tmp_path / "sub" / "c.ckpt"
+    io.save_checkpoint({"w": torch.ones(3), "hparams": {"lr": 0.1}, "obj": Tiny}, p)
+    out = io.load_checkpoint(p)  # weights_only=False: a class in the pickle is fine
+    assert out["obj"] is Tiny and out["w"].device.type == "cpu"
+    with pytest.raises(Exception, match="weights_only|Unsupported|global"):
+        io.load_checkpoint(p, weights_only=True)
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({}, p, storage_options={"x": 1})
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(tmp_path / "nope.ckpt")
+    io.remove_checkpoint(p)
+    assert not p.exists()
+    io.remove_checkpoint(p)  # gone already: fine
+
+
+def test_async_snapshots_before_returning_and_reports_errors(tmp_path):
+    io = AsyncCkptioCheckpointIO()
+    t = torch.zeros(1 << 20)
+    p = tmp_path / "a.ckpt"
+    io.save_checkpoint({"t": t, "same": t, "step": 1}, p)
+    t.add_(1)  # training goes on at once
+    out = io.load_checkpoint(p)  # waits for the pending save
+    assert torch.equal(out["t"], torch.zeros(1 << 20)) and out["same"] is out["t"]
+    io.remove_checkpoint(p)
+    io.wait()
+    assert not p.exists()
+    (tmp_path / "file").write_text("x")
+    io.save_checkpoint({"t": t}, tmp_path / "file" / "b.ckpt")  # under a file: fails later
+    with pytest.raises(OSError):
+        io.teardown()
+    io.teardown()  # the error was reported once; nothing pending
+
+
+def test_import_error_names_the_extra(monkeypatch):
+    monkeypatch.delitem(sys.modules, "ckptio.lightning", raising=False)
+    for name in [m for m in sys.modules if m == "lightning" or m.startswith("lightning.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "lightning", None)
+    with pytest.raises(ImportError, match=r"ckptio\[lightning\]"):
+        importlib.import_module("ckptio.lightning")

@@ -1,0 +1,409 @@
+"""ckptio.safetensors: format compatibility with the safetensors package (both
+directions), layout, chunked parallel I/O, bad input, sharded checkpoints."""
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import ckptio
+import ckptio.safetensors as cst
+import pytest
+import torch
+
+st = pytest.importorskip("safetensors.torch")
+
+DTYPES = [d for d in cst.DTYPES.values()]
+
+
+def rand(shape, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 256, (*shape, dtype.itemsize), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        t = t[..., 0] & 1
+        return t.bool().to(device)
+    return t.view(dtype).reshape(shape).to(device)
+
+
+def bits(t):
+    """The bytes of a tensor (NaN-safe equality)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(got, want):
+    assert list(got) == list(want) or set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        assert got[k].shape == want[k].shape, k
+        assert torch.equal(bits(got[k]), bits(want[k])), k
+
+
+def sample(seed=0):
+    sd = {
+        f"t.{str(d).removeprefix('torch.')}": rand((7, 13), d, seed=seed + i)
+        for i, d in enumerate(DTYPES)
+    }
+    sd["scalar"] = torch.tensor(3.25)
+    sd["empty"] = torch.empty(0, 5, dtype=torch.bfloat16)
+    sd["z"] = torch.zeros(0, dtype=torch.int64)
+    sd["big"] = rand((1000, 777), torch.bfloat16, seed=seed + 99)
+    return sd
+
+
+def temps(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+# --------------------------------------------------------------------------- compatibility
+
+
+def test_roundtrip_every_dtype_both_directions(tmp_path):
+    sd = sample()
+    meta = {"format": "pt", "note": "ünïcode ✓"}
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    rep = cst.save_file(sd, ours, metadata=meta)
+    assert rep.nbytes == sum(t.numel() * t.element_size() for t in sd.values())
+    st.save_file({k: v for k, v in sd.items() if k != "t.float8_e8m0fnu"}, theirs, metadata=meta)
+    assert_same(cst.load_file(ours), sd)
+    assert ckptio.last_report().storages == len(sd)
+    # The package reads ours (all but F8_E8M0, which safetensors.torch cannot load).
+    no_e8 = {k: v for k, v in sd.items() if k != "t.float8_e8m0fnu"}
+    cst.save_file(no_e8, ours, metadata=meta)
+    assert_same(st.load_file(ours), no_e8)
+    with st.safe_open(str(ours), "pt") as f:
+        assert f.metadata() == meta
+    assert_same(cst.load_file(theirs), no_e8)
+    # bytes API, both ways
+    assert_same(st.load(cst.save(no_e8, meta)), no_e8)
+    assert_same(cst.load(st.save(no_e8, meta)), no_e8)
+    assert_same(cst.load(cst.save(sd)), sd)
+
+
+def test_layout_matches_the_package_but_for_padding(tmp_path):
+    sd = sample(1)
+    sd.pop("t.float8_e8m0fnu")
+    ours, theirs = tmp_path / "o.safetensors", tmp_path / "t.safetensors"
+    cst.save_file(sd, ours, {"a": "b"})
+    st.save_file(sd, theirs, {"a": "b"})
+    a, b = ours.read_bytes(), theirs.read_bytes()
+    na, nb = struct.unpack("<Q", a[:8])[0], struct.unpack("<Q", b[:8])[0]
+    assert (8 + na) % 4096 == 0 and a[8 + na - 1 : 8 + na] == b" "
+    ha, hb = json.loads(a[8 : 8 + na]), json.loads(b[8 : 8 + nb])
+    assert ha == hb
+    # same tensor order in the header and the data section, same bytes
+    assert list(ha) == list(json.loads(b[8 : 8 + nb], object_pairs_hook=lambda p: dict(p)))
+    assert a[8 + na :] == b[8 + nb :]
+    assert cst.save(sd, {"a": "b"}) == a
+
+
+def test_load_returns_own_storages_in_file_order(tmp_path):
+    sd = {"b": torch.randn(300_000), "a": torch.arange(400_000), "c": torch.randn(3)}
+    p = tmp_path / "x.safetensors"
+    cst.save_file(sd, p)
+    out = cst.load_file(p)
+    assert list(out) == list(st.load_file(p))
+    ptrs = {t.untyped_storage().data_ptr() for t in out.values()}
+    assert len(ptrs) == len(out)
+    st.save_file(out, tmp_path / "again.safetensors")  # not "shared" for the package
+    for t in out.values():
+        t.add_(1)  # writable
+
+
+@pytest.mark.parametrize("direct", ["on", "off"])
+def test_tensors_spanning_many_chunks(tmp_path, direct):
+    if direct == "on" and not ckptio.info(tmp_path)["folder"]["o_direct"]:
+        pytest.skip("no O_DIRECT here")
+    # odd sizes: offsets off the 4 KiB grid, several 64 KiB chunks per tensor
+    sd = {
+        f"w{i}": rand((n,), torch.float16, seed=i)
+        for i, n in enumerate([1, 70_001, 333_333, 5, 1_048_583])
+    }
+    sd["i64"] = rand((100_003,), torch.int64, seed=7)
+    p = tmp_path / "c.safetensors"
+    kw = dict(threads=3, chunk_size=64 << 10, direct=direct)
+    rep = cst.save_file(sd, p, **kw)
+    assert rep.threads == 3 and rep.direct == (direct == "on")
+    assert_same(st.load_file(p), sd)
+    assert_same(cst.load_file(p, **kw), sd)
+    rep = ckptio.last_report()
+    assert rep.backend == "posix" and rep.direct == (direct == "on")
+
+
+def test_empty_dict_and_only_empty_tensors(tmp_path):
+    for sd in ({}, {"e": torch.empty(0)}):
+        p = tmp_path / "e.safetensors"
+        cst.save_file(sd, p)
+        assert p.stat().st_size == 4096
+        assert_same(st.load_file(p), sd)
+        assert_same(cst.load_file(p), sd)
+
+
+def test_views_of_one_storage_that_do_not_overlap_are_fine(tmp_path):
+    base = torch.arange(100, dtype=torch.float32)
+    sd = {"lo": base[:50], "hi": base[50:]}
+    p = tmp_path / "v.safetensors"
+    cst.save_file(sd, p)
+    assert_same(cst.load_file(p), sd)
+
+
+def test_load_to_another_device_goes_through_host(tmp_path):
+    sd = {"a": torch.randn(5)}
+    p = tmp_path / "m.safetensors"
+    cst.save_file(sd, p)
+    out = cst.load_file(p, device="meta")
+    assert out["a"].device.type == "meta" and out["a"].shape == (5,)
+
+
+# --------------------------------------------------------------------------- refused on save
+
+
+@pytest.mark.parametrize(
+    "tensors, exc, match",
+    [
+        ([torch.zeros(1)], ValueError, "dict"),
+        ({"a": 1}, ValueError, "`a`"),
+        ({1: torch.zeros(1)}, TypeError, "str"),
+        ({"a": torch.zeros(4, 4).t()}, ValueError, "non contiguous tensor: `a`"),
+        ({"a": torch.zeros(4)[::2]}, ValueError, "non contiguous"),
+        ({"a": torch.zeros(3, dtype=torch.complex128)}, ValueError, "complex128"),
+        ({"a": torch.zeros(3).to_sparse()}, ValueError, "sparse"),
+        ({"__metadata__": torch.zeros(1)}, ValueError, "reserved"),
+    ],
+)
+def test_refused_tensors(tmp_path, tensors, exc, match):
+    p = tmp_path / "x.safetensors"
+    cst.save_file({"old": torch.ones(2)}, p)
+    before = p.read_bytes()
+    with pytest.raises(exc, match=match):
+        cst.save_file(tensors, p)
+    with pytest.raises(exc):
+        cst.save(tensors)
+    assert p.read_bytes() == before and temps(tmp_path) == []
+
+
+def test_shared_tensors_are_refused_like_the_package(tmp_path):
+    w = torch.randn(4, 4)
+    sd = {"a": w, "b": w, "c": w[1], "d": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match="share memory") as e:
+        cst.save_file(sd, tmp_path / "s.safetensors")
+    assert "'a', 'b', 'c'" in str(e.value)
+    with pytest.raises(RuntimeError):
+        st.save_file(sd, tmp_path / "s2.safetensors")
+    assert cst.find_shared(sd) == [["a", "b", "c"]]
+    assert not (tmp_path / "s.safetensors").exists() and temps(tmp_path) == []
+
+
+@pytest.mark.parametrize("meta", [{"a": 1}, {1: "a"}, ["a"]])
+def test_bad_metadata_is_typeerror(tmp_path, meta):
+    with pytest.raises(TypeError, match="metadata"):
+        cst.save_file({"a": torch.zeros(1)}, tmp_path / "m.safetensors", metadata=meta)
+
+
+# --------------------------------------------------------------------------- bad files
+
+
+def _file(header, data=b"", n=None, pad=True):
+    js = header if isinstance(header, bytes) else json.dumps(header).encode()
+    if pad:
+        js += b" " * (-len(js) % 8)
+    return struct.pack("<Q", len(js) if n is None else n) + js + data
+
+
+GOOD = {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+BAD = {
+    "empty file": (b"", "shorter than the 8-byte"),
+    "7 bytes": (b"\x01" * 7, "shorter than the 8-byte"),
+    "header length past the file": (_file(GOOD, bytes(8), n=10_000), "runs past the end"),
+    "header length over the limit": (_file(GOOD, bytes(8), n=1 << 40), "limit"),
+    "invalid JSON": (_file(b'{"x": {', bytes(8)), "not valid JSON"),
+    "not UTF-8": (_file(b'{"\xff": 1}', bytes(8)), "UTF-8"),
+    "JSON list": (_file([1, 2]), "list, not an object"),
+    "duplicate key": (
+        _file(b'{"x":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"x":{}}'),
+        "duplicate",
+    ),
+    "unknown dtype": (
+        _file({"x": {"dtype": "F7", "shape": [2], "data_offsets": [0, 2]}}, bytes(2)),
+        "'x': dtype 'F7' is unknown",
+    ),
+    "F4 not readable": (
+        _file({"x": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, bytes(1)),
+        "'x': dtype 'F4'",
+    ),
+    "entry not an object": (_file({"x": 3}), "'x'"),
+    "negative shape": (
+        _file({"x": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 0]}}),
+        "'x': shape",
+    ),
+    "offsets not a pair": (
+        _file({"x": {"dtype": "U8", "shape": [1], "data_offsets": [1]}}, bytes(1)),
+        "'x': data_offsets",
+    ),
+    "offsets reversed": (
+        _file({"x": {"dtype": "U8", "shape": [1], "data_offsets": [2, 1]}}, bytes(2)),
+        "'x': data_offsets",
+    ),
+    "size mismatch": (
+        _file({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8)),
+        "'x': data_offsets [0, 8] hold 8 bytes but shape [3] of F32 needs 12",
+    ),
+    "offsets out of range": (
+        _file({"x": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(8)),
+        "'x': data_offsets [4, 12] run past the end",
+    ),
+    "data truncated": (_file(GOOD, bytes(4)), "'x': data_offsets [0, 8] run past the end"),
+    "overlap": (
+        _file(
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+            },
+            bytes(8),
+        ),
+        "tensor 'b' (bytes 4..8) overlaps tensor 'a'",
+    ),
+    "gap": (
+        _file({"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)),
+        "bytes 0..4 of the data section belong to no tensor",
+    ),
+    "trailing bytes": (_file(GOOD, bytes(12)), "end at byte 8 of the data section, the file at 12"),
+    "metadata not strings": (_file({"__metadata__": {"a": 1}, **GOOD}, bytes(8)), "__metadata__"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_file_is_formaterror_naming_file_and_tensor(tmp_path, case):
+    data, match = BAD[case]
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(data)
+    with pytest.raises(ckptio.FormatError, match=re.escape(match)) as e:
+        cst.load_file(p)
+    assert str(p) in str(e.value)
+    with pytest.raises(ckptio.FormatError, match=re.escape(match)):
+        cst.load(data)
+    if case not in ("duplicate key", "F4 not readable"):  # the package takes the last / knows F4
+        with pytest.raises(Exception):  # noqa: B017 - the package refuses it too (its own type)
+            st.load_file(p)
+
+
+def test_good_hand_made_file_loads(tmp_path):
+    p = tmp_path / "good.safetensors"
+    p.write_bytes(_file(GOOD, struct.pack("<2f", 1.5, -2.0)))
+    assert cst.load_file(p)["x"].tolist() == [1.5, -2.0]
+    assert st.load_file(p)["x"].tolist() == [1.5, -2.0]
+
+
+def test_missing_file_and_bad_device(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        cst.load_file(tmp_path / "nope.safetensors")
+    p = tmp_path / "x.safetensors"
+    cst.save_file({"a": torch.zeros(1)}, p)
+    with pytest.raises(TypeError, match="device"):
+        cst.load_file(p, device=1.5)
+    with pytest.raises(TypeError, match="file path"):
+        cst.save_file({}, open(p, "rb"))  # noqa: SIM115
+
+
+# --------------------------------------------------------------------------- sharded
+
+
+def test_sharded_roundtrip_names_and_index(tmp_path):
+    sd = {f"layer.{i}.w": rand((100, 10), torch.float32, seed=i) for i in range(7)}  # 4000 B each
+    sd["huge"] = rand((3000,), torch.float32, seed=9)  # 12000 B: a shard of its own
+    sd["tail"] = torch.arange(10)
+    rep = cst.save_sharded(sd, tmp_path / "ck", max_shard_size="10KB", metadata={"m": "1"})
+    assert rep.storages == len(sd) and rep.nbytes == sum(t.nbytes for t in sd.values())
+    files = sorted(os.listdir(tmp_path / "ck"))
+    assert files == [
+        "model-00001-of-00005.safetensors",
+        "model-00002-of-00005.safetensors",
+        "model-00003-of-00005.safetensors",
+        "model-00004-of-00005.safetensors",
+        "model-00005-of-00005.safetensors",
+        "model.safetensors.index.json",
+    ]
+    index = json.loads((tmp_path / "ck" / cst.INDEX_NAME).read_text())
+    assert index["metadata"] == {"total_size": rep.nbytes, "m": "1"}
+    wm = index["weight_map"]
+    assert wm["layer.0.w"] == wm["layer.1.w"] == "model-00001-of-00005.safetensors"
+    assert wm["huge"] == "model-00004-of-00005.safetensors"
+    assert wm["tail"] == "model-00005-of-00005.safetensors"
+    for f in set(wm.values()):
+        with st.safe_open(str(tmp_path / "ck" / f), "pt") as h:
+            assert h.metadata() == {"format": "pt", "m": "1"}
+            assert set(h.keys()) == {k for k, v in wm.items() if v == f}
+    for src in (tmp_path / "ck", tmp_path / "ck" / cst.INDEX_NAME):
+        out = cst.load_sharded(src, threads=4, chunk_size=4096)
+        assert_same(out, sd)
+    rep = ckptio.last_report()
+    assert rep.storages == len(sd) and rep.nbytes == sum(t.nbytes for t in sd.values())
+    # A later save with one shard: model.safetensors, stale shards and index gone.
+    cst.save_sharded({"only": torch.ones(3)}, tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path / "ck")) == ["model.safetensors"]
+    assert_same(cst.load_sharded(tmp_path / "ck"), {"only": torch.ones(3)})
+
+
+def test_sharded_index_inconsistent_with_shards_is_formaterror(tmp_path):
+    d = tmp_path / "ck"
+    cst.save_sharded({"a": torch.zeros(100), "b": torch.ones(100)}, d, max_shard_size=400)
+    ip = d / cst.INDEX_NAME
+    index = json.loads(ip.read_text())
+    index["weight_map"]["c"] = "model-00001-of-00002.safetensors"
+    ip.write_text(json.dumps(index))
+    with pytest.raises(ckptio.FormatError, match="'c'.*no shard holds it"):
+        cst.load_sharded(d)
+    del index["weight_map"]["c"]
+    index["weight_map"]["b"] = "model-00001-of-00002.safetensors"
+    ip.write_text(json.dumps(index))
+    with pytest.raises(ckptio.FormatError, match="'b'"):
+        cst.load_sharded(d)
+    ip.write_text("{")
+    with pytest.raises(ckptio.FormatError, match="invalid JSON"):
+        cst.load_sharded(d)
+    ip.write_text(json.dumps({"weight_map": {"a": "../x.safetensors"}}))
+    with pytest.raises(ckptio.FormatError, match="weight_map"):
+        cst.load_sharded(ip)
+    with pytest.raises(FileNotFoundError):
+        cst.load_sharded(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "size, n",
+    [(5, 5), ("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("4GiB", 4 << 30), ("1.5KB", 1500)],
+)
+def test_shard_size_parsing(size, n):
+    assert cst._parse_size(size) == n
+
+
+@pytest.mark.parametrize("size", ["", "GB", "5XB", 0, -1, "5iB"])
+def test_bad_shard_size(size):
+    with pytest.raises(ValueError):
+        cst._parse_size(size)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "posix"])
+def test_gpu_save_and_load_to_cuda_and_cross_read(tmp_path, backend):
+    sd = {k: v.cuda() for k, v in sample(3).items()}
+    sd["big"] = rand((5_000_001,), torch.bfloat16, "cuda", seed=5)  # several chunks, odd offset
+    ours = tmp_path / "g.safetensors"
+    rep = cst.save_file(sd, ours, backend=backend)
+    assert rep.backend in ("bounce", "cufile")
+    out = cst.load_file(ours, device="cuda", backend=backend, chunk_size=1 << 20)
+    assert ckptio.last_report().backend in ("bounce", "cufile")
+    assert all(v.device.type == "cuda" for v in out.values())
+    assert_same(out, sd)
+    assert_same(cst.load_file(ours, device=0), sd)
+    no_e8 = {k: v for k, v in sd.items() if k != "t.float8_e8m0fnu"}
+    cst.save_file(no_e8, ours)
+    assert_same(st.load_file(ours, device="cuda"), no_e8)
+    theirs = tmp_path / "t.safetensors"
+    st.save_file(no_e8, theirs)
+    assert_same(cst.load_file(theirs, device="cuda:0"), no_e8)
+    d = tmp_path / "sh"
+    cst.save_sharded(sd, d, max_shard_size="4MB")
+    assert_same(cst.load_sharded(d, device="cuda"), sd)
