@@ -379,3 +379,14 @@ def test_public_names():
     assert ckptio.staging.DefaultStager and ckptio.dcp.FileSystemWriter
     assert ckptio.__version__
     warnings.simplefilter("default")
+
+
+@pytest.mark.slow
+def test_training_example_resumes_exactly(tmp_path):
+    ex = os.path.join(HERE, "..", "examples", "train_async_checkpoint.py")
+    args = ["--steps", "8", "--every", "4", "--dim", "64", "--layers", "1", "--dir", str(tmp_path)]
+    out = subprocess.run(
+        [sys.executable, ex, *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "continues exactly: True" in out.stdout
