@@ -10,6 +10,8 @@
 //! - [`persist`]: crash-safe replacement of a file (temp file, fsync, rename, fsync dir).
 //! - [`cuda`], [`cufile`]: libcuda and libcufile, loaded at run time.
 //! - [`gpu`]: per-file choice of cuFile or the pinned bounce pipeline for device memory.
+//! - [`integrity`]: the zip CRC-32 fields of files ckptio writes, and checking them.
+//! - [`fault`]: test-only fault injection and a log of durable operations.
 //!
 //! The Python binding lives in `binding` behind the `python` feature.
 
@@ -18,8 +20,10 @@ pub mod cuda;
 pub mod cufile;
 pub mod engine;
 pub mod error;
+pub mod fault;
 pub mod file;
 pub mod gpu;
+pub mod integrity;
 pub mod persist;
 pub mod zipmap;
 

@@ -53,14 +53,20 @@ pub struct Record {
     /// CRC-32 from the central directory (0 for files saved under `skip_data`;
     /// torch never checks it).
     pub crc32: u32,
+    /// Offset of the record's central directory entry (its CRC-32 is at +16).
+    pub cd_entry_offset: u64,
 }
 
 /// The records of an archive, in central-directory order.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Archive {
     pub records: Vec<Record>,
     /// Length of the file when it was mapped.
     pub file_len: u64,
+    /// Offset of the classic end-of-central-directory record.
+    pub eocd_offset: u64,
+    /// The archive comment (after the end record; torch writes none).
+    pub comment: Vec<u8>,
 }
 
 impl Archive {
@@ -80,6 +86,11 @@ impl Archive {
 
     /// The record `<prefix>/data/<key>` holding the storage pickled under `key`.
     pub fn storage(&self, key: &str) -> Option<&Record> {
+        self.storage_index(key).map(|i| &self.records[i])
+    }
+
+    /// Index in [`Archive::records`] of the record [`Archive::storage`] finds.
+    pub fn storage_index(&self, key: &str) -> Option<usize> {
         let prefix = self.prefix();
         let is_it = |r: &&Record| {
             r.name
@@ -92,12 +103,12 @@ impl Archive {
         // lookup per storage stays O(1) on torch's own files.
         if let Ok(k) = key.parse::<usize>() {
             for i in [k.saturating_add(4), k.saturating_add(3)] {
-                if let Some(r) = self.records.get(i).filter(is_it) {
-                    return Some(r);
+                if self.records.get(i).filter(is_it).is_some() {
+                    return Some(i);
                 }
             }
         }
-        self.records.iter().find(is_it)
+        self.records.iter().position(|r| is_it(&r))
     }
 }
 
@@ -175,6 +186,8 @@ struct End {
     cd_size: u64,
     /// Offset of the first end record; the central directory must end at or before it.
     end_start: u64,
+    eocd_offset: u64,
+    comment: Vec<u8>,
 }
 
 fn map<S: Source>(src: &S, path: Option<&Path>) -> Result<Archive> {
@@ -214,7 +227,12 @@ fn map<S: Source>(src: &S, path: Option<&Path>) -> Result<Archive> {
 
     resolve_data_offsets(src, &mut records, &bad)?;
     check_layout(&records, end.cd_offset, cd_end, &bad)?;
-    Ok(Archive { records, file_len })
+    Ok(Archive {
+        records,
+        file_len,
+        eocd_offset: end.eocd_offset,
+        comment: end.comment,
+    })
 }
 
 /// Finds the classic end record, then the ZIP64 one through its locator if present.
@@ -238,6 +256,9 @@ fn find_end<S: Source>(src: &S, bad: &impl Fn(String) -> Error) -> Result<End> {
     })?;
     let e = &tail[pos..pos + EOCD_LEN];
     let eocd_offset = tail_start + pos as u64;
+    // locate_eocd only returns a record whose comment lies inside the tail.
+    let comment_len = usize::from(le16(e, 20));
+    let comment = tail[pos + EOCD_LEN..pos + EOCD_LEN + comment_len].to_vec();
     let disk = le16(e, 4);
     let cd_disk = le16(e, 6);
     let disk_entries = le16(e, 8);
@@ -264,6 +285,8 @@ fn find_end<S: Source>(src: &S, bad: &impl Fn(String) -> Error) -> Result<End> {
             cd_offset: u64::from(cd_offset),
             cd_size: u64::from(cd_size),
             end_start: eocd_offset,
+            eocd_offset,
+            comment,
         });
     };
 
@@ -338,6 +361,8 @@ fn find_end<S: Source>(src: &S, bad: &impl Fn(String) -> Error) -> Result<End> {
             le64(&z, 40),
         )?,
         end_start: z64_offset,
+        eocd_offset,
+        comment,
     })
 }
 
@@ -475,6 +500,7 @@ fn parse_central_directory(
             data_offset: 0,
             size,
             crc32,
+            cd_entry_offset: at,
         });
         p = entry_end;
     }
@@ -881,12 +907,14 @@ mod tests {
         fn expected(&self) -> Vec<Record> {
             self.placed
                 .iter()
-                .map(|p| Record {
+                .zip(&self.cd_entries)
+                .map(|(p, &cd)| Record {
                     name: String::from_utf8(p.name.clone()).unwrap(),
                     header_offset: p.header_offset,
                     data_offset: p.data_offset,
                     size: p.size,
                     crc32: p.crc32,
+                    cd_entry_offset: cd,
                 })
                 .collect()
         }
@@ -1098,8 +1126,8 @@ mod tests {
     impl Archive {
         fn clone_with_len(&self, file_len: u64) -> Archive {
             Archive {
-                records: self.records.clone(),
                 file_len,
+                ..self.clone()
             }
         }
     }
@@ -1112,6 +1140,7 @@ mod tests {
             data_offset: off + 64,
             size: 1,
             crc32: 0,
+            cd_entry_offset: 0,
         };
         let a = Archive {
             records: vec![
@@ -1123,6 +1152,7 @@ mod tests {
                 rec("m/data/2", 500),
             ],
             file_len: 1000,
+            ..Default::default()
         };
         assert_eq!(a.prefix(), "m");
         for key in ["0", "1", "2", "10"] {
@@ -1133,6 +1163,7 @@ mod tests {
         let a = Archive {
             records: vec![rec("noslash", 0)],
             file_len: 100,
+            ..Default::default()
         };
         assert_eq!(a.prefix(), "");
     }

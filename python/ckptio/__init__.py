@@ -17,6 +17,7 @@ from ckptio._native import (
 )
 from ckptio._native import __version__ as __version__
 from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
+from ckptio.integrity import RecordCheck, VerifyReport, verify
 from ckptio.serialization import (
     IOReport,
     RecordInfo,
@@ -32,6 +33,7 @@ __all__ = [
     "save",
     "load",
     "records",
+    "verify",
     "last_report",
     "info",
     "GdsFile",
@@ -40,6 +42,8 @@ __all__ = [
     "IOReport",
     "RecordInfo",
     "TensorInfo",
+    "VerifyReport",
+    "RecordCheck",
     "Engine",
     "CkptioError",
     "FormatError",
