@@ -1650,4 +1650,142 @@ mod tests {
             }
         }
     }
+
+    /// proptest: mutated, truncated, spliced and random archives (built ones and real torch
+    /// files) never panic; every refusal is a typed `Format` error; anything accepted is
+    /// in bounds and disjoint, and its comment parses.
+    mod fuzz {
+        use super::*;
+        use proptest::collection::vec;
+        use proptest::prelude::*;
+        use proptest::sample::Index;
+
+        fn seeds() -> Vec<Vec<u8>> {
+            let mut zip64_all = Builder::new(64);
+            zip64_all.zip64_everywhere = true;
+            zip64_all
+                .add("archive/data.pkl", Data::Bytes(&PKL))
+                .add("archive/data/0", Data::Bytes(&[7; 64]));
+            let mut out = vec![
+                small().to_vec(),
+                small_classic().to_vec(),
+                zip64_all.finish(true).to_vec(),
+            ];
+            for f in [
+                "torch_small_a64.pt",
+                "torch_small_a4096.pt",
+                "zipfile_stored.zip",
+            ] {
+                out.push(std::fs::read(fixture(f)).unwrap());
+            }
+            out
+        }
+
+        #[derive(Debug, Clone)]
+        enum Edit {
+            Set(Index, u8),
+            Flip(Index, u8),
+            Truncate(Index),
+            /// Copy `len` bytes from one place to another.
+            Splice(Index, Index, u8),
+            /// A 32-bit field set to a boundary value.
+            Field(Index, u32),
+        }
+
+        fn edit() -> impl Strategy<Value = Edit> {
+            prop_oneof![
+                (any::<Index>(), any::<u8>()).prop_map(|(i, b)| Edit::Set(i, b)),
+                (any::<Index>(), 0u8..8).prop_map(|(i, b)| Edit::Flip(i, b)),
+                any::<Index>().prop_map(Edit::Truncate),
+                (any::<Index>(), any::<Index>(), any::<u8>())
+                    .prop_map(|(a, b, n)| Edit::Splice(a, b, n)),
+                (
+                    any::<Index>(),
+                    prop_oneof![
+                        Just(0u32),
+                        Just(u32::MAX),
+                        Just(u32::MAX - 1),
+                        Just(1u32 << 31),
+                        any::<u32>()
+                    ]
+                )
+                    .prop_map(|(i, v)| Edit::Field(i, v)),
+            ]
+        }
+
+        fn apply(v: &mut Vec<u8>, e: &Edit) {
+            if v.is_empty() {
+                return;
+            }
+            match e {
+                Edit::Set(i, b) => {
+                    let at = i.index(v.len());
+                    v[at] = *b;
+                }
+                Edit::Flip(i, bit) => {
+                    let at = i.index(v.len());
+                    v[at] ^= 1 << bit;
+                }
+                Edit::Truncate(i) => v.truncate(i.index(v.len())),
+                Edit::Splice(from, to, n) => {
+                    let (a, b) = (from.index(v.len()), to.index(v.len()));
+                    let n = usize::from(*n).min(v.len() - a).min(v.len() - b);
+                    let chunk = v[a..a + n].to_vec();
+                    v[b..b + n].copy_from_slice(&chunk);
+                }
+                Edit::Field(i, x) => {
+                    if v.len() >= 4 {
+                        let at = i.index(v.len() - 3);
+                        v[at..at + 4].copy_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+        }
+
+        fn check(v: &[u8]) {
+            match map_bytes(v) {
+                Ok(a) => {
+                    let mut spans: Vec<_> = a
+                        .records
+                        .iter()
+                        .map(|r| (r.header_offset, r.data_offset + r.size))
+                        .collect();
+                    spans.sort_unstable();
+                    assert!(spans.iter().all(|s| s.1 <= v.len() as u64));
+                    assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0));
+                    assert_eq!(crate::integrity::declared(&a).len(), a.records.len());
+                }
+                Err(Error::Format { .. }) => {}
+                Err(e) => panic!("untyped refusal: {e:?}"),
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
+
+            #[test]
+            fn mutated_archives(seed in 0usize..6, edits in vec(edit(), 1..6)) {
+                let mut v = seeds().swap_remove(seed);
+                for e in &edits {
+                    apply(&mut v, e);
+                }
+                check(&v);
+            }
+
+            #[test]
+            fn random_bytes_with_an_end_record(
+                body in vec(any::<u8>(), 0..600),
+                fields in vec(any::<u8>(), 18),
+                comment in vec(any::<u8>(), 0..40),
+            ) {
+                // An end record (so parsing gets past the first check) after random bytes.
+                let mut v = body;
+                v.extend(EOCD_SIG.to_le_bytes());
+                v.extend(&fields[..16]);
+                v.extend((comment.len() as u16).to_le_bytes());
+                v.extend(&comment);
+                check(&v);
+            }
+        }
+    }
 }
