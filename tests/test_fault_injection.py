@@ -304,7 +304,7 @@ def test_two_writers_and_a_reader_on_one_path(tmp_path):
     checkpoint, whole; no temp file is left."""
     target = tmp_path / "ckpt.pt"
     ckptio.save({"who": torch.tensor(0), "w": torch.zeros(4 * 2**20, dtype=torch.int32)}, target)
-    start = time.time() + 4
+    start = time.time() + 3
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD_PRELUDE + RACE_SCRIPT, str(target), str(v), "15",
@@ -315,7 +315,7 @@ def test_two_writers_and_a_reader_on_one_path(tmp_path):
         for v in (1, 2)
     ]
     reader = subprocess.Popen(
-        [sys.executable, "-c", CHILD_PRELUDE + LOAD_SCRIPT, str(target), str(start + 6)],
+        [sys.executable, "-c", CHILD_PRELUDE + LOAD_SCRIPT, str(target), str(start + 4)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -129,11 +129,13 @@ def _report(
     return rep
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=8, typed=True)
 def _engine(threads: int | None, chunk_size: int | None, direct: str | None) -> _native.Engine:
     # One engine per configuration: its threads' buffers are reused save after save.
     for name, v in (("threads", threads), ("chunk_size", chunk_size)):
-        if v is not None and (not isinstance(v, int) or v < 1):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+        if v is not None and v < 1:
             raise ValueError(f"{name} must be a positive int, not {v!r}")
     return _native.Engine(threads, chunk_size, direct)
 
@@ -424,6 +426,15 @@ def load(
             weights_only=weights_only,
             mmap=True,
             **pickle_load_args,
+        )
+    if not (
+        map_location is None
+        or isinstance(map_location, (str, torch.device, dict))
+        or callable(map_location)
+    ):
+        raise TypeError(
+            "map_location must be None, a str, a torch.device, a dict or a callable, "
+            f"not {type(map_location).__name__}"
         )
     d = _direct_arg(direct)
     engine = _engine(threads, chunk_size, d)
