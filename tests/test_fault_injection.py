@@ -307,8 +307,15 @@ def test_two_writers_and_a_reader_on_one_path(tmp_path):
     start = time.time() + 3
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", CHILD_PRELUDE + RACE_SCRIPT, str(target), str(v), "15",
-             str(start)],
+            [
+                sys.executable,
+                "-c",
+                CHILD_PRELUDE + RACE_SCRIPT,
+                str(target),
+                str(v),
+                "15",
+                str(start),
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -327,8 +334,9 @@ def test_two_writers_and_a_reader_on_one_path(tmp_path):
     final = ckptio.load(target)
     who = int(final["who"])
     assert who in (1, 2)
-    assert_same(final, {"who": torch.tensor(who),
-                        "w": torch.full((4 * 2**20,), who, dtype=torch.int32)})
+    assert_same(
+        final, {"who": torch.tensor(who), "w": torch.full((4 * 2**20,), who, dtype=torch.int32)}
+    )
     assert ckptio.verify(target).ok
     assert temps(tmp_path) == []
     print(f"\nreader saw {r['seen']}")
@@ -337,5 +345,7 @@ def test_two_writers_and_a_reader_on_one_path(tmp_path):
 def test_temp_name_pattern_is_documented():
     """Leftover temp files are recognisable: .<name>.ckptio-<pid>-<16 hex>.tmp."""
     assert TEMP_RE.match(".ckpt.pt.ckptio-123-0123456789abcdef.tmp")
-    assert re.search(r"ckptio-<pid>-<nonce>\.tmp|ckptio-PID-NONCE\.tmp",
-                     Path(__file__).parents[1].joinpath("README.md").read_text())
+    assert re.search(
+        r"ckptio-<pid>-<nonce>\.tmp|ckptio-PID-NONCE\.tmp",
+        Path(__file__).parents[1].joinpath("README.md").read_text(),
+    )

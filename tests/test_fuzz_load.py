@@ -70,7 +70,8 @@ def mutated(draw):
         elif kind == "truncate":
             del b[at:]
         else:
-            src = bytes(b) if kind == "splice" else ORIGINAL[draw(st.sampled_from(sorted(ORIGINAL)))]
+            other = ORIGINAL[draw(st.sampled_from(sorted(ORIGINAL)))]
+            src = bytes(b) if kind == "splice" else other
             start = draw(st.integers(0, len(src) - 1))
             n = draw(st.integers(1, 64))
             piece = src[start : start + n]

@@ -236,3 +236,55 @@ def test_inspect_lists_offsets_alignment_crc_dtypes_shapes(saved, capsys):
         assert line.split()[:4] == [str(off), str(size), "4096", f"{crc:08x}"], line
     assert "w: float32 [300001]" in out and "bf16: bfloat16 [777]" in out
     assert "unchecked 0" in out
+
+
+# --------------------------------------------------------------------------- GPU paths
+
+
+def gpu_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    return {
+        "big": torch.randn(3 * 2**20 + 5, generator=g).cuda(),  # several chunks
+        "bf16": torch.randn(1000, generator=g).to(torch.bfloat16).cuda(),
+        "host": torch.arange(5000),
+    }
+
+
+@pytest.mark.gpu
+def test_bounce_path_fills_and_checks_crcs(tmp_path):
+    """CUDA storages saved through the pinned bounce pipeline get real CRC-32s (computed on the
+    pinned slot); load(verify=True) into CUDA checks them on the slot and catches a flipped bit."""
+    p = tmp_path / "g.pt"
+    obj = gpu_state()
+    ckptio.save(obj, p, backend="posix", chunk_size=2**20)
+    with zipfile.ZipFile(p) as z:
+        assert z.testzip() is None and z.comment == b"ckptio:crc32"
+    assert ckptio.verify(p).ok and not ckptio.verify(p).unchecked
+    got = ckptio.load(p, map_location="cuda", verify=True, backend="posix", chunk_size=2**20)
+    assert ckptio.last_report().backend == "bounce" and ckptio.last_report().unchecked == ()
+    assert_same(got, {k: v.cuda() for k, v in obj.items()})
+    off, size, _ = next(v for k, v in records_of(p).items() if k.endswith("/data/0"))
+    flip(p, off + size - 3)
+    with pytest.raises(ckptio.FormatError, match="data/0.*corrupt"):
+        ckptio.load(p, map_location="cuda", verify=True, backend="posix")
+
+
+@pytest.mark.gpu
+def test_cufile_records_are_marked_unchecked_not_wrong(tmp_path):
+    """Records cuFile wrote straight from device memory keep CRC-32 0 and are named in the
+    archive comment; verify calls them unchecked (not bad); host records are checked."""
+    p = tmp_path / "g.pt"
+    obj = gpu_state()
+    try:
+        rep = ckptio.save(obj, p, backend="cufile")
+    except (ckptio.BackendUnavailableError, ckptio.CuFileError) as e:
+        pytest.skip(f"cuFile unavailable: {e}")
+    assert rep.backend == "cufile"
+    with zipfile.ZipFile(p) as z:
+        assert z.comment.startswith(b"ckptio:crc32 unchecked=")
+    v = ckptio.verify(p)
+    assert v.ok and {r.name.rsplit("/", 1)[1] for r in v.unchecked} == {"0", "1"}, v
+    got = ckptio.load(p, map_location="cuda", verify=True, backend="cufile")
+    assert set(ckptio.last_report().unchecked) == {r.name for r in v.unchecked}
+    assert_same(got, {k: v.cuda() for k, v in obj.items()})
+    assert_same(torch.load(p, weights_only=True, map_location="cuda"), got)

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in rep.records:
                 extra = (
                     f" (stored {r.stored_crc32:08x}, bytes give {r.actual_crc32:08x})"
-                    if r.state == "mismatch" and r.stored_crc32 is not None
+                    if r.state == "mismatch"
+                    and r.stored_crc32 is not None
                     and r.actual_crc32 is not None
                     else ""
                 )

@@ -13,7 +13,7 @@ import dataclasses
 import os
 
 from ckptio import _native
-from ckptio.serialization import _direct_arg, _engine, _open, _path, records
+from ckptio.serialization import _direct_arg, _engine, _path, records
 
 
 @dataclasses.dataclass(frozen=True)
