@@ -360,16 +360,9 @@ impl AtomicWriter {
             // SAFETY: the Python caller keeps each storage alive and
             // unmodified for the duration of this call (documented contract).
             let stats = unsafe { engine.write_via(&st.io, &segs, device, true)? };
-            // Data records no storage went to (none from torch.save) have no CRC-32.
-            let mut crcs: Vec<(usize, Option<u32>)> =
+            // Data records not written yet stay listed as unchecked (fill_crcs).
+            let crcs: Vec<(usize, Option<u32>)> =
                 index.into_iter().zip(stats.crc32.iter().copied()).collect();
-            let written: std::collections::HashSet<usize> = crcs.iter().map(|c| c.0).collect();
-            let prefix = format!("{}/data/", a.prefix());
-            for (i, r) in a.records.iter().enumerate() {
-                if r.name.starts_with(&prefix) && !written.contains(&i) {
-                    crcs.push((i, None));
-                }
-            }
             integrity::fill_crcs(&st.io, &a, &crcs)?;
             Ok(stats)
         })?;

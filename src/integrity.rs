@@ -160,8 +160,10 @@ pub fn comment_for(unchecked: &[&str], all_data: bool) -> String {
 
 /// Write the CRC-32 of each data record `(record index, crc or None)` into its
 /// central directory entry and its data descriptor, and the archive comment
-/// naming the records without one. The archive must be a fresh torch.save
-/// (skip_data) file without a comment.
+/// naming the data records without one: those given None here, and those not
+/// given here that have none yet (so storages may be written in several calls).
+/// The archive is a torch.save (skip_data) file, without a comment or with one
+/// of ours.
 pub fn fill_crcs(io: &IoFile, a: &Archive, crcs: &[(usize, Option<u32>)]) -> Result<()> {
     let path = io.path();
     fault::hit(Point::Crc, path)?;
@@ -172,7 +174,19 @@ pub fn fill_crcs(io: &IoFile, a: &Archive, crcs: &[(usize, Option<u32>)]) -> Res
         f.write_all_at(bytes, at)
             .map_err(|e| Error::io_at("write CRC-32 of", path, e))
     };
-    let mut unchecked = Vec::new();
+    if !a.comment.is_empty() && !a.comment.starts_with(COMMENT_TAG.as_bytes()) {
+        return Err(Error::format(
+            Some(path),
+            "the archive already has a comment; ckptio writes its own",
+        ));
+    }
+    let given: HashSet<usize> = crcs.iter().map(|c| c.0).collect();
+    let mut unchecked: Vec<&str> = declared(a)
+        .iter()
+        .enumerate()
+        .filter(|&(i, d)| *d == Declared::Unchecked && !given.contains(&i))
+        .filter_map(|(i, _)| data_key(a, &a.records[i]))
+        .collect();
     for &(i, crc) in crcs {
         let r = a
             .records
@@ -200,12 +214,6 @@ pub fn fill_crcs(io: &IoFile, a: &Archive, crcs: &[(usize, Option<u32>)]) -> Res
         }
         write(&crc.to_le_bytes(), end + 4)?;
         write(&crc.to_le_bytes(), r.cd_entry_offset + 16)?;
-    }
-    if !a.comment.is_empty() {
-        return Err(Error::format(
-            Some(path),
-            "the archive already has a comment; ckptio writes its own",
-        ));
     }
     let data_records = a
         .records

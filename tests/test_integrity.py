@@ -7,6 +7,7 @@ CRC-32 are "unchecked", never "bad".
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -288,3 +289,27 @@ def test_cufile_records_are_marked_unchecked_not_wrong(tmp_path):
     assert set(ckptio.last_report().unchecked) == {r.name for r in v.unchecked}
     assert_same(got, {k: v.cuda() for k, v in obj.items()})
     assert_same(torch.load(p, weights_only=True, map_location="cuda"), got)
+
+
+def test_storages_written_in_two_calls_get_all_their_crcs(tmp_path):
+    """A writer may fill the storages in several calls: records not written yet are listed as
+    unchecked in between, and all are checked once every storage is written."""
+    from ckptio import _native
+
+    p = tmp_path / "two.pt"
+    a, b = torch.arange(1000), torch.ones(3000)
+    w = _native.AtomicWriter(str(p))
+    with (
+        torch.serialization.skip_data(),
+        os.fdopen(os.dup(w.fileno()), "wb") as fh,
+    ):
+        torch.save({"a": a, "b": b}, fh)
+    engine = _native.Engine()
+    w.write_storages(engine, [("0", a.data_ptr(), a.nbytes, -1)])
+    with zipfile.ZipFile(w.tmp_path) as z:
+        assert z.comment == b"ckptio:crc32 unchecked=1"
+    w.write_storages(engine, [("1", b.data_ptr(), b.nbytes, -1)])
+    w.commit()
+    with zipfile.ZipFile(p) as z:
+        assert z.comment == b"ckptio:crc32" and z.testzip() is None
+    assert ckptio.verify(p).ok and not ckptio.verify(p).unchecked
