@@ -290,7 +290,7 @@ impl Engine {
             && segments
                 .iter()
                 .any(|s| s.len > 0 && s.memory != Memory::Host);
-        let stats = Stats {
+        let mut stats = Stats {
             bytes,
             chunks: chunks.len(),
             threads,
@@ -298,7 +298,6 @@ impl Engine {
             device_path: has_device.then(|| path.map_or("bounce", DevicePath::name)),
             crc32: Vec::new(),
         };
-        let mut stats = stats;
         if chunks.is_empty() {
             if checksum {
                 stats.crc32 = vec![Some(0); segments.len()];
@@ -819,6 +818,46 @@ mod tests {
         match unsafe { engine(4, 4096).read(&f, &[seg]) } {
             Err(Error::Format { .. }) => {}
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn checksums_combine_over_chunks_threads_and_directions() {
+        let d = tempfile::tempdir().unwrap();
+        for mode in [DirectMode::Auto, DirectMode::Off] {
+            let f = open(&d.path().join(format!("crc{mode:?}")), mode);
+            let layout: &[(u64, usize)] = &[(4096, 300_001), (400_000, 0), (401_000, 4096 * 3 + 5)];
+            let data: Vec<Vec<u8>> = layout
+                .iter()
+                .map(|&(o, n)| (0..n).map(|i| (i as u64 * 31 + o) as u8).collect())
+                .collect();
+            let want: Vec<Option<u32>> = data.iter().map(|v| Some(crc32fast::hash(v))).collect();
+            let segs: Vec<Segment> = layout
+                .iter()
+                .zip(&data)
+                .map(|(&(o, _), v)| host(o, v))
+                .collect();
+            let e = engine(3, 8192);
+            let st = unsafe { e.write_via(&f, &segs, None, true) }.unwrap();
+            assert_eq!(st.crc32, want);
+            let mut back: Vec<Vec<u8>> = data.iter().map(|v| vec![0; v.len()]).collect();
+            let rsegs: Vec<Segment> = layout
+                .iter()
+                .zip(back.iter_mut())
+                .map(|(&(o, _), v)| Segment {
+                    file_offset: o,
+                    addr: v.as_mut_ptr() as u64,
+                    len: v.len() as u64,
+                    memory: Memory::Host,
+                })
+                .collect();
+            let st = unsafe { e.read_via(&f, &rsegs, None, true) }.unwrap();
+            assert_eq!(st.crc32, want);
+            assert_eq!(back, data);
+            let ranges: Vec<(u64, u64)> = layout.iter().map(|&(o, n)| (o, n as u64)).collect();
+            assert_eq!(e.checksum(&f, &ranges).unwrap().crc32, want);
+            // Without checksums nothing is computed.
+            assert!(unsafe { e.write(&f, &segs) }.unwrap().crc32.is_empty());
         }
     }
 
