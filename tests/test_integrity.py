@@ -313,3 +313,13 @@ def test_storages_written_in_two_calls_get_all_their_crcs(tmp_path):
     with zipfile.ZipFile(p) as z:
         assert z.comment == b"ckptio:crc32" and z.testzip() is None
     assert ckptio.verify(p).ok and not ckptio.verify(p).unchecked
+
+
+def test_cli_on_a_missing_or_broken_file_says_so(tmp_path, capsys):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a zip" * 10)
+    for cmd in ("inspect", "verify", "ls"):
+        assert cli([cmd, str(tmp_path / "nope.pt")]) == 1
+        assert "nope.pt" in capsys.readouterr().err
+        assert cli([cmd, str(bad)]) == 1
+        assert "bad.pt" in capsys.readouterr().err

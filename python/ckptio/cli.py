@@ -65,6 +65,18 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.json, "w") as f:
                 f.write(bench.to_json(rows))
         return 0
+    if a.cmd in ("inspect", "verify", "ls"):
+        import ckptio
+
+        try:
+            return _file_command(a)
+        except (OSError, ckptio.CkptioError) as e:
+            print(f"ckptio {a.cmd}: {e}", file=sys.stderr)
+            return 1
+    return 2
+
+
+def _file_command(a: argparse.Namespace) -> int:
     if a.cmd == "inspect":
         from ckptio.integrity import inspect_lines
 
