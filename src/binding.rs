@@ -13,8 +13,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::engine::{Engine as CoreEngine, EngineConfig, Memory, Segment, Stats};
+use crate::fault;
 use crate::file::{DirectMode, IoFile};
 use crate::gpu::{self, Backend, DevicePath};
+use crate::integrity::{self, Declared, State};
 use crate::persist::AtomicFile;
 use crate::zipmap::{self, Archive};
 use crate::Error;
@@ -255,15 +257,20 @@ pub struct AtomicWriter {
     backend: Backend,
 }
 
+/// What a write plan yields: segments, the final file length, and for zip
+/// records the archive with each segment's record index (so CRCs can be filled).
+type Planned = (Vec<RawSegment>, Option<u64>, Option<(Archive, Vec<usize>)>);
+
 impl AtomicWriter {
-    /// Run `plan` on the temp file (it returns the segments and the final file
-    /// length), preallocate, then have the engine write the segments.
+    /// Run `plan` on the temp file (it returns the segments, the final file
+    /// length and, for zip records, the archive and each segment's record
+    /// index), preallocate, have the engine write the segments, then fill the
+    /// records' CRC-32s.
     fn write_planned<'py>(
         &self,
         py: Python<'py>,
         engine: &Engine,
-        plan: impl FnOnce(&IoFile, &std::path::Path) -> Result<(Vec<RawSegment>, Option<u64>), Error>
-            + Send,
+        plan: impl FnOnce(&IoFile, &std::path::Path) -> Result<Planned, Error> + Send,
     ) -> PyResult<Bound<'py, PyDict>> {
         let engine = engine.inner.clone();
         let backend = self.backend;
@@ -273,7 +280,7 @@ impl AtomicWriter {
         };
         let stats = py.detach(|| {
             let path = st.atomic.tmp_path().to_path_buf();
-            let (raw, file_len) = plan(&st.io, &path)?;
+            let (raw, file_len, records) = plan(&st.io, &path)?;
             if let Some(len) = file_len.filter(|_| engine.config().preallocate) {
                 st.io.preallocate(len)?;
             }
@@ -282,7 +289,14 @@ impl AtomicWriter {
             let device = unsafe { ensure_device_path(&mut st.device, &st.io, backend, &segs)? };
             // SAFETY: the Python caller keeps each range alive and
             // unmodified for the duration of this call (documented contract).
-            unsafe { engine.write_via(&st.io, &segs, device) }
+            let stats = unsafe { engine.write_via(&st.io, &segs, device, records.is_some())? };
+            if let Some((a, index)) = records {
+                // Data records not written yet stay listed as unchecked (fill_crcs).
+                let crcs: Vec<(usize, Option<u32>)> =
+                    index.into_iter().zip(stats.crc32.iter().copied()).collect();
+                integrity::fill_crcs(&st.io, &a, &crcs)?;
+            }
+            Ok::<_, Error>(stats)
         })?;
         report(py, &stats, &st.io, st.device.as_ref())
     }
@@ -342,7 +356,9 @@ impl AtomicWriter {
         self.target.clone()
     }
 
-    /// Write each storage's bytes into its record `<prefix>/data/<key>`.
+    /// Write each storage's bytes into its record `<prefix>/data/<key>`, then
+    /// the records' CRC-32s (computed as the bytes pass through host memory;
+    /// records written by cuFile are listed as unchecked in the archive comment).
     /// `storages`: [(key, address, nbytes, device)], device -1 for host memory.
     ///
     /// The caller keeps every storage alive and unmodified until this returns.
@@ -355,10 +371,13 @@ impl AtomicWriter {
         self.write_planned(py, engine, |io, path| {
             let a = zipmap::map_file(io.file(), Some(path))?;
             let mut raw = Vec::with_capacity(storages.len());
+            let mut index = Vec::with_capacity(storages.len());
             for (key, addr, nbytes, dev) in storages {
-                let r = a.storage(&key).ok_or_else(|| {
+                let i = a.storage_index(&key).ok_or_else(|| {
                     Error::format(Some(path), format!("no record for storage {key}"))
                 })?;
+                let r = &a.records[i];
+                index.push(i);
                 if r.size != nbytes {
                     return Err(Error::format(
                         Some(path),
@@ -370,7 +389,8 @@ impl AtomicWriter {
                 }
                 raw.push((r.data_offset, addr, nbytes, dev));
             }
-            Ok((raw, Some(a.file_len)))
+            let len = a.file_len;
+            Ok((raw, Some(len), Some((a, index))))
         })
     }
 
@@ -388,7 +408,7 @@ impl AtomicWriter {
         segments: Vec<RawSegment>,
         file_len: Option<u64>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        self.write_planned(py, engine, |_, _| Ok((segments, file_len)))
+        self.write_planned(py, engine, |_, _| Ok((segments, file_len, None)))
     }
 
     /// Write a small byte string (a header) at `offset`.
@@ -497,14 +517,22 @@ impl Reader {
     /// Read file ranges into memory. `segments`: [(file offset, address, nbytes, device)].
     /// Each range must lie inside one data record of the archive.
     ///
+    /// With `verify`, the CRC-32 of the bytes read for each whole record is
+    /// compared with the stored one (FormatError naming the record on a
+    /// mismatch); the result's "verified" and "unchecked" list the records.
+    ///
     /// The caller keeps every destination alive and untouched until this returns.
+    #[pyo3(signature = (engine, segments, verify=false))]
     fn read_into<'py>(
         &self,
         py: Python<'py>,
         engine: &Engine,
         segments: Vec<RawSegment>,
+        verify: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let engine = engine.inner.clone();
+        let mut verified = Vec::new();
+        let mut unchecked = Vec::new();
         let (stats, device) = py.detach(|| {
             for &(off, _, len, _) in &segments {
                 let inside = self.archive.records.iter().any(|r| {
@@ -529,12 +557,120 @@ impl Reader {
             let path = unsafe { ensure_device_path(&mut device, &self.io, self.backend, &segs)? };
             // SAFETY: the Python caller keeps each destination alive and
             // untouched for the duration of this call (documented contract).
-            let st = unsafe { engine.read_via(&self.io, &segs, path)? };
+            let st = unsafe { engine.read_via(&self.io, &segs, path, verify)? };
+            if verify {
+                let decl = integrity::declared(&self.archive);
+                let by_offset: std::collections::HashMap<u64, usize> = self
+                    .archive
+                    .records
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (r.data_offset, i))
+                    .collect();
+                for (s, crc) in segs.iter().zip(&st.crc32) {
+                    let whole = by_offset
+                        .get(&s.file_offset)
+                        .filter(|&&i| self.archive.records[i].size == s.len);
+                    let Some(&i) = whole else { continue };
+                    let name = &self.archive.records[i].name;
+                    match integrity::judge(decl[i], *crc) {
+                        State::Mismatch { stored, actual } => {
+                            return Err(integrity::mismatch_error(
+                                self.io.path(),
+                                name,
+                                stored,
+                                actual,
+                            ))
+                        }
+                        State::Ok => verified.push(name.clone()),
+                        State::Unchecked => unchecked.push(name.clone()),
+                    }
+                }
+            }
             Ok::<_, Error>((st, device))
         })?;
-        report(py, &stats, &self.io, device.as_ref())
+        let d = report(py, &stats, &self.io, device.as_ref())?;
+        if verify {
+            d.set_item("verified", verified)?;
+            d.set_item("unchecked", unchecked)?;
+        }
+        Ok(d)
+    }
+
+    /// The stored CRC-32 of each record, None where the archive has none
+    /// (cuFile-written records, or a writer that left 0): [(name, crc)].
+    fn checksums(&self) -> Vec<(String, Option<u32>)> {
+        self.archive
+            .records
+            .iter()
+            .zip(integrity::declared(&self.archive))
+            .map(|(r, d)| {
+                let crc = match d {
+                    Declared::Crc(c) => Some(c),
+                    Declared::Unchecked => None,
+                };
+                (r.name.clone(), crc)
+            })
+            .collect()
+    }
+
+    /// Check records against their CRC-32s (all when `names` is None), reading
+    /// them in parallel: [(name, state, stored, actual)], state "ok",
+    /// "mismatch" or "unchecked" (no CRC-32 stored: nothing read). With
+    /// `strict`, the first mismatch raises FormatError naming the record.
+    #[pyo3(signature = (engine, names=None, strict=false))]
+    fn verify(
+        &self,
+        py: Python<'_>,
+        engine: &Engine,
+        names: Option<Vec<String>>,
+        strict: bool,
+    ) -> PyResult<VerifyRows> {
+        let which = match names {
+            None => None,
+            Some(ns) => Some(
+                ns.iter()
+                    .map(|n| {
+                        self.archive
+                            .records
+                            .iter()
+                            .position(|r| &r.name == n)
+                            .ok_or_else(|| {
+                                PyKeyError::new_err(format!("no record {n:?} in the archive"))
+                            })
+                    })
+                    .collect::<PyResult<Vec<usize>>>()?,
+            ),
+        };
+        let engine = engine.inner.clone();
+        let checks =
+            py.detach(|| integrity::check(&engine, &self.io, &self.archive, which.as_deref()))?;
+        let mut out = Vec::with_capacity(checks.len());
+        for (i, state) in checks {
+            let r = &self.archive.records[i];
+            let (stored, actual) = match state {
+                State::Mismatch { stored, actual } => {
+                    if strict {
+                        return Err(integrity::mismatch_error(
+                            self.io.path(),
+                            &r.name,
+                            stored,
+                            actual,
+                        )
+                        .into());
+                    }
+                    (Some(stored), Some(actual))
+                }
+                State::Ok => (Some(r.crc32), Some(r.crc32)),
+                State::Unchecked => (None, None),
+            };
+            out.push((r.name.clone(), state.name(), stored, actual));
+        }
+        Ok(out)
     }
 }
+
+type VerifyRows = Vec<(String, &'static str, Option<u32>, Option<u32>)>;
 
 /// An open file for moving storages at given offsets (what `ckptio.GdsFile` wraps).
 ///
@@ -564,9 +700,9 @@ impl DeviceFile {
         // the duration of the call (documented contract).
         unsafe {
             if write {
-                engine.inner.write_via(&self.io, &segs, g.as_ref())
+                engine.inner.write_via(&self.io, &segs, g.as_ref(), false)
             } else {
-                engine.inner.read_via(&self.io, &segs, g.as_ref())
+                engine.inner.read_via(&self.io, &segs, g.as_ref(), false)
             }
         }
     }
@@ -704,7 +840,7 @@ impl DeviceFile {
             let path = unsafe { ensure_device_path(&mut g, &self.io, self.backend, &segs)? };
             // SAFETY: the Python caller keeps each destination alive and
             // untouched for the duration of this call (documented contract).
-            unsafe { engine.read_via(&self.io, &segs, path) }
+            unsafe { engine.read_via(&self.io, &segs, path, false) }
         })?;
         let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
         report(py, &stats, &self.io, g.as_ref())
@@ -945,12 +1081,42 @@ fn probe_folder(dir: &std::path::Path) -> FolderProbe {
     r
 }
 
+/// Test only (needs CKPTIO_TEST_FAULTS=1 at process start): make the `nth`
+/// next hit of a fault point fail with `errno`. Points: create, fallocate,
+/// write, read, crc, fsync, rename, fsync_dir.
+#[pyfunction]
+#[pyo3(signature = (point, errno, nth=1))]
+fn _set_fault(point: &str, errno: i32, nth: u64) -> PyResult<()> {
+    fault::set_fault(point.parse()?, errno, nth)?;
+    Ok(())
+}
+
+/// Test only: drop pending faults and stop recording; returns the points of
+/// faults that never fired.
+#[pyfunction]
+fn _clear_faults() -> Vec<&'static str> {
+    fault::clear().into_iter().map(|(p, _)| p.name()).collect()
+}
+
+/// Test only: start logging every fault point reached, in order.
+#[pyfunction]
+fn _record_ops() -> PyResult<()> {
+    fault::record()?;
+    Ok(())
+}
+
+/// Test only: the points logged since `_record_ops` ("point file-name").
+#[pyfunction]
+fn _op_log() -> Vec<String> {
+    fault::take_log()
+}
+
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
     use super::{
-        cufile_register_buffer, info, map_archive, stage_copy, AtomicWriter, BufferRegistration,
-        DeviceFile, Engine, HostPin, Reader,
+        _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, info, map_archive,
+        stage_copy, AtomicWriter, BufferRegistration, DeviceFile, Engine, HostPin, Reader,
     };
 
     use super::*;
@@ -967,6 +1133,8 @@ mod _native {
         m.add("CudaError", py.get_type::<CudaError>())?;
         m.add("CuFileError", py.get_type::<CuFileError>())?;
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        // Fault injection is decided once, from the environment at import.
+        crate::fault::latch_env();
         Ok(())
     }
 }

@@ -252,6 +252,7 @@ impl IoFile {
         if len == 0 {
             return Ok(());
         }
+        crate::fault::hit(crate::fault::Point::Fallocate, &self.path)?;
         // SAFETY: fallocate on a valid fd with in-range arguments.
         let rc = unsafe { libc::fallocate(self.buffered.as_raw_fd(), 0, 0, len as libc::off_t) };
         if rc == 0 {

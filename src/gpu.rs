@@ -189,15 +189,20 @@ impl BounceLane {
         })
     }
 
-    /// Save, second half: wait for the copy, write the bytes.
-    pub fn finish_save(&mut self, f: InFlight, file: &IoFile) -> Result<()> {
+    /// Save, second half: wait for the copy, write the bytes; with `crc`,
+    /// their CRC-32, computed on the pinned slot (the bytes the file gets).
+    pub fn finish_save(&mut self, f: InFlight, file: &IoFile, crc: bool) -> Result<Option<u32>> {
         let s = &self.slots[f.slot];
         s.stream.synchronize()?;
-        file.write_at(&s.buf.as_slice()[..f.len], f.file_offset)
+        let bytes = &s.buf.as_slice()[..f.len];
+        let sum = crc.then(|| crc32fast::hash(bytes));
+        file.write_at(bytes, f.file_offset)?;
+        Ok(sum)
     }
 
     /// Load, first half: read a chunk into a free slot (O_DIRECT over its
-    /// aligned superset), then queue its H2D copy.
+    /// aligned superset), then queue its H2D copy. With `crc`, also returns
+    /// the CRC-32 of the bytes read (computed on the slot).
     ///
     /// # Safety
     /// `[dst, dst+len)` must be writable device memory of this lane's device
@@ -209,7 +214,8 @@ impl BounceLane {
         len: usize,
         file_offset: u64,
         file: &IoFile,
-    ) -> Result<InFlight> {
+        crc: bool,
+    ) -> Result<(InFlight, Option<u32>)> {
         let slot = self.take_slot();
         let s = &mut self.slots[slot];
         let a = file.alignment().offset as u64;
@@ -241,16 +247,20 @@ impl BounceLane {
                 ),
             ));
         }
+        let sum = crc.then(|| crc32fast::hash(&s.buf.as_slice()[skip..skip + len]));
         let cuda = cuda::driver()?;
         cuda.make_current(self.device)?;
         // SAFETY: the pinned range holds the bytes just read and stays untouched
         // until `finish_load` synchronizes; the destination is valid per the caller.
         unsafe { cuda.memcpy_htod_async(dst, s.buf.as_ptr().add(skip), len, &s.stream)? };
-        Ok(InFlight {
-            slot,
-            file_offset,
-            len,
-        })
+        Ok((
+            InFlight {
+                slot,
+                file_offset,
+                len,
+            },
+            sum,
+        ))
     }
 
     /// Load, second half: wait for the H2D copy.

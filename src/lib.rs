@@ -12,6 +12,8 @@
 //! - [`gpu`]: per-file choice of cuFile or the pinned bounce pipeline for device memory.
 //! - [`staging`]: parallel copies of tensor memory into host buffers pinned on first use
 //!   (snapshots for async checkpoints).
+//! - [`integrity`]: the zip CRC-32 fields of files ckptio writes, and checking them.
+//! - [`fault`]: test-only fault injection and a log of durable operations.
 //!
 //! The Python binding lives in `binding` behind the `python` feature.
 
@@ -20,8 +22,10 @@ pub mod cuda;
 pub mod cufile;
 pub mod engine;
 pub mod error;
+pub mod fault;
 pub mod file;
 pub mod gpu;
+pub mod integrity;
 pub mod persist;
 pub mod staging;
 pub mod zipmap;

@@ -28,6 +28,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::fault::{self, Point};
 use crate::{Error, Result};
 
 const TMP_TAG: &str = ".ckptio-";
@@ -71,6 +72,7 @@ impl AtomicFile {
 
         let tmp_name = temp_name(&name);
         let c = cstr(&tmp_name)?;
+        fault::hit(Point::Create, &parent.join(&tmp_name))?;
         // SAFETY: openat with a valid dir fd and NUL-terminated name; the fd
         // returned is owned by the File below.
         let fd = unsafe {
@@ -129,6 +131,7 @@ impl AtomicFile {
     /// fsync the temp file, rename it over the target, fsync the folder.
     pub fn commit(mut self) -> Result<()> {
         let file = self.file.take().unwrap_or_else(|| unreachable!());
+        fault::hit(Point::Fsync, &self.tmp_path)?;
         file.sync_all()
             .map_err(|e| Error::io_at("fsync", &self.tmp_path, e))?;
         drop(file);
@@ -139,6 +142,7 @@ impl AtomicFile {
         // rename drops its last link and frees all its blocks (tenths of a
         // second per GiB here, with online discard) before returning.
         let replaced = open_existing(fd, &to);
+        fault::hit(Point::Rename, &self.target)?;
         // SAFETY: valid dir fd and NUL-terminated names.
         if unsafe { libc::renameat(fd, from.as_ptr(), fd, to.as_ptr()) } != 0 {
             return Err(Error::io_at(
@@ -148,10 +152,11 @@ impl AtomicFile {
             ));
         }
         self.committed = true;
-        let synced = self
-            .dir
-            .sync_all()
-            .map_err(|e| Error::io_at("fsync folder of", &self.target, e));
+        let synced = fault::hit(Point::FsyncDir, &self.target).and_then(|()| {
+            self.dir
+                .sync_all()
+                .map_err(|e| Error::io_at("fsync folder of", &self.target, e))
+        });
         // The new file is durable: free the old one's blocks off this thread.
         if let Some(old) = replaced {
             let _ = std::thread::Builder::new()

@@ -53,14 +53,20 @@ pub struct Record {
     /// CRC-32 from the central directory (0 for files saved under `skip_data`;
     /// torch never checks it).
     pub crc32: u32,
+    /// Offset of the record's central directory entry (its CRC-32 is at +16).
+    pub cd_entry_offset: u64,
 }
 
 /// The records of an archive, in central-directory order.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Archive {
     pub records: Vec<Record>,
     /// Length of the file when it was mapped.
     pub file_len: u64,
+    /// Offset of the classic end-of-central-directory record.
+    pub eocd_offset: u64,
+    /// The archive comment (after the end record; torch writes none).
+    pub comment: Vec<u8>,
 }
 
 impl Archive {
@@ -80,6 +86,11 @@ impl Archive {
 
     /// The record `<prefix>/data/<key>` holding the storage pickled under `key`.
     pub fn storage(&self, key: &str) -> Option<&Record> {
+        self.storage_index(key).map(|i| &self.records[i])
+    }
+
+    /// Index in [`Archive::records`] of the record [`Archive::storage`] finds.
+    pub fn storage_index(&self, key: &str) -> Option<usize> {
         let prefix = self.prefix();
         let is_it = |r: &&Record| {
             r.name
@@ -92,12 +103,12 @@ impl Archive {
         // lookup per storage stays O(1) on torch's own files.
         if let Ok(k) = key.parse::<usize>() {
             for i in [k.saturating_add(4), k.saturating_add(3)] {
-                if let Some(r) = self.records.get(i).filter(is_it) {
-                    return Some(r);
+                if self.records.get(i).filter(is_it).is_some() {
+                    return Some(i);
                 }
             }
         }
-        self.records.iter().find(is_it)
+        self.records.iter().position(|r| is_it(&r))
     }
 }
 
@@ -175,6 +186,8 @@ struct End {
     cd_size: u64,
     /// Offset of the first end record; the central directory must end at or before it.
     end_start: u64,
+    eocd_offset: u64,
+    comment: Vec<u8>,
 }
 
 fn map<S: Source>(src: &S, path: Option<&Path>) -> Result<Archive> {
@@ -214,7 +227,12 @@ fn map<S: Source>(src: &S, path: Option<&Path>) -> Result<Archive> {
 
     resolve_data_offsets(src, &mut records, &bad)?;
     check_layout(&records, end.cd_offset, cd_end, &bad)?;
-    Ok(Archive { records, file_len })
+    Ok(Archive {
+        records,
+        file_len,
+        eocd_offset: end.eocd_offset,
+        comment: end.comment,
+    })
 }
 
 /// Finds the classic end record, then the ZIP64 one through its locator if present.
@@ -238,6 +256,9 @@ fn find_end<S: Source>(src: &S, bad: &impl Fn(String) -> Error) -> Result<End> {
     })?;
     let e = &tail[pos..pos + EOCD_LEN];
     let eocd_offset = tail_start + pos as u64;
+    // locate_eocd only returns a record whose comment lies inside the tail.
+    let comment_len = usize::from(le16(e, 20));
+    let comment = tail[pos + EOCD_LEN..pos + EOCD_LEN + comment_len].to_vec();
     let disk = le16(e, 4);
     let cd_disk = le16(e, 6);
     let disk_entries = le16(e, 8);
@@ -264,6 +285,8 @@ fn find_end<S: Source>(src: &S, bad: &impl Fn(String) -> Error) -> Result<End> {
             cd_offset: u64::from(cd_offset),
             cd_size: u64::from(cd_size),
             end_start: eocd_offset,
+            eocd_offset,
+            comment,
         });
     };
 
@@ -338,6 +361,8 @@ fn find_end<S: Source>(src: &S, bad: &impl Fn(String) -> Error) -> Result<End> {
             le64(&z, 40),
         )?,
         end_start: z64_offset,
+        eocd_offset,
+        comment,
     })
 }
 
@@ -475,6 +500,7 @@ fn parse_central_directory(
             data_offset: 0,
             size,
             crc32,
+            cd_entry_offset: at,
         });
         p = entry_end;
     }
@@ -881,12 +907,14 @@ mod tests {
         fn expected(&self) -> Vec<Record> {
             self.placed
                 .iter()
-                .map(|p| Record {
+                .zip(&self.cd_entries)
+                .map(|(p, &cd)| Record {
                     name: String::from_utf8(p.name.clone()).unwrap(),
                     header_offset: p.header_offset,
                     data_offset: p.data_offset,
                     size: p.size,
                     crc32: p.crc32,
+                    cd_entry_offset: cd,
                 })
                 .collect()
         }
@@ -1098,8 +1126,8 @@ mod tests {
     impl Archive {
         fn clone_with_len(&self, file_len: u64) -> Archive {
             Archive {
-                records: self.records.clone(),
                 file_len,
+                ..self.clone()
             }
         }
     }
@@ -1112,6 +1140,7 @@ mod tests {
             data_offset: off + 64,
             size: 1,
             crc32: 0,
+            cd_entry_offset: 0,
         };
         let a = Archive {
             records: vec![
@@ -1123,6 +1152,7 @@ mod tests {
                 rec("m/data/2", 500),
             ],
             file_len: 1000,
+            ..Default::default()
         };
         assert_eq!(a.prefix(), "m");
         for key in ["0", "1", "2", "10"] {
@@ -1133,6 +1163,7 @@ mod tests {
         let a = Archive {
             records: vec![rec("noslash", 0)],
             file_len: 100,
+            ..Default::default()
         };
         assert_eq!(a.prefix(), "");
     }
@@ -1616,6 +1647,144 @@ mod tests {
                     assert!(spans.iter().all(|s| s.1 <= v.len() as u64));
                     assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0));
                 }
+            }
+        }
+    }
+
+    /// proptest: mutated, truncated, spliced and random archives (built ones and real torch
+    /// files) never panic; every refusal is a typed `Format` error; anything accepted is
+    /// in bounds and disjoint, and its comment parses.
+    mod fuzz {
+        use super::*;
+        use proptest::collection::vec;
+        use proptest::prelude::*;
+        use proptest::sample::Index;
+
+        fn seeds() -> Vec<Vec<u8>> {
+            let mut zip64_all = Builder::new(64);
+            zip64_all.zip64_everywhere = true;
+            zip64_all
+                .add("archive/data.pkl", Data::Bytes(&PKL))
+                .add("archive/data/0", Data::Bytes(&[7; 64]));
+            let mut out = vec![
+                small().to_vec(),
+                small_classic().to_vec(),
+                zip64_all.finish(true).to_vec(),
+            ];
+            for f in [
+                "torch_small_a64.pt",
+                "torch_small_a4096.pt",
+                "zipfile_stored.zip",
+            ] {
+                out.push(std::fs::read(fixture(f)).unwrap());
+            }
+            out
+        }
+
+        #[derive(Debug, Clone)]
+        enum Edit {
+            Set(Index, u8),
+            Flip(Index, u8),
+            Truncate(Index),
+            /// Copy `len` bytes from one place to another.
+            Splice(Index, Index, u8),
+            /// A 32-bit field set to a boundary value.
+            Field(Index, u32),
+        }
+
+        fn edit() -> impl Strategy<Value = Edit> {
+            prop_oneof![
+                (any::<Index>(), any::<u8>()).prop_map(|(i, b)| Edit::Set(i, b)),
+                (any::<Index>(), 0u8..8).prop_map(|(i, b)| Edit::Flip(i, b)),
+                any::<Index>().prop_map(Edit::Truncate),
+                (any::<Index>(), any::<Index>(), any::<u8>())
+                    .prop_map(|(a, b, n)| Edit::Splice(a, b, n)),
+                (
+                    any::<Index>(),
+                    prop_oneof![
+                        Just(0u32),
+                        Just(u32::MAX),
+                        Just(u32::MAX - 1),
+                        Just(1u32 << 31),
+                        any::<u32>()
+                    ]
+                )
+                    .prop_map(|(i, v)| Edit::Field(i, v)),
+            ]
+        }
+
+        fn apply(v: &mut Vec<u8>, e: &Edit) {
+            if v.is_empty() {
+                return;
+            }
+            match e {
+                Edit::Set(i, b) => {
+                    let at = i.index(v.len());
+                    v[at] = *b;
+                }
+                Edit::Flip(i, bit) => {
+                    let at = i.index(v.len());
+                    v[at] ^= 1 << bit;
+                }
+                Edit::Truncate(i) => v.truncate(i.index(v.len())),
+                Edit::Splice(from, to, n) => {
+                    let (a, b) = (from.index(v.len()), to.index(v.len()));
+                    let n = usize::from(*n).min(v.len() - a).min(v.len() - b);
+                    let chunk = v[a..a + n].to_vec();
+                    v[b..b + n].copy_from_slice(&chunk);
+                }
+                Edit::Field(i, x) => {
+                    if v.len() >= 4 {
+                        let at = i.index(v.len() - 3);
+                        v[at..at + 4].copy_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+        }
+
+        fn check(v: &[u8]) {
+            match map_bytes(v) {
+                Ok(a) => {
+                    let mut spans: Vec<_> = a
+                        .records
+                        .iter()
+                        .map(|r| (r.header_offset, r.data_offset + r.size))
+                        .collect();
+                    spans.sort_unstable();
+                    assert!(spans.iter().all(|s| s.1 <= v.len() as u64));
+                    assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0));
+                    assert_eq!(crate::integrity::declared(&a).len(), a.records.len());
+                }
+                Err(Error::Format { .. }) => {}
+                Err(e) => panic!("untyped refusal: {e:?}"),
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
+
+            #[test]
+            fn mutated_archives(seed in 0usize..6, edits in vec(edit(), 1..6)) {
+                let mut v = seeds().swap_remove(seed);
+                for e in &edits {
+                    apply(&mut v, e);
+                }
+                check(&v);
+            }
+
+            #[test]
+            fn random_bytes_with_an_end_record(
+                body in vec(any::<u8>(), 0..600),
+                fields in vec(any::<u8>(), 18),
+                comment in vec(any::<u8>(), 0..40),
+            ) {
+                // An end record (so parsing gets past the first check) after random bytes.
+                let mut v = body;
+                v.extend(EOCD_SIG.to_le_bytes());
+                v.extend(&fields[..16]);
+                v.extend((comment.len() as u16).to_le_bytes());
+                v.extend(&comment);
+                check(&v);
             }
         }
     }

@@ -19,6 +19,7 @@ from ckptio._native import (
 )
 from ckptio._native import __version__ as __version__
 from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
+from ckptio.integrity import RecordCheck, VerifyReport, verify
 from ckptio.serialization import (
     IOReport,
     RecordInfo,
@@ -34,6 +35,7 @@ __all__ = [
     "save",
     "load",
     "records",
+    "verify",
     "last_report",
     "info",
     "safetensors",
@@ -43,6 +45,8 @@ __all__ = [
     "IOReport",
     "RecordInfo",
     "TensorInfo",
+    "VerifyReport",
+    "RecordCheck",
     "Engine",
     "CkptioError",
     "FormatError",

@@ -7,6 +7,10 @@ from typing_extensions import Self
 
 __version__: str
 __all__ = [
+    "_clear_faults",
+    "_op_log",
+    "_record_ops",
+    "_set_fault",
     "cufile_register_buffer",
     "info",
     "map_archive",
@@ -108,8 +112,20 @@ class Reader:
     def direct(self) -> bool: ...
     def fileno(self) -> int: ...
     def read_record(self, name: str) -> bytes: ...
-    def read_into(self, engine: Engine, segments: list[_Segment]) -> dict[str, Any]:
-        """Read (file offset, address, nbytes, device) ranges; each must lie inside one record."""
+    def read_into(
+        self, engine: Engine, segments: list[_Segment], verify: bool = False
+    ) -> dict[str, Any]:
+        """Read (file offset, address, nbytes, device) ranges; each must lie inside one record.
+
+        With ``verify`` the CRC-32 of each whole record read is checked (FormatError naming
+        the record on a mismatch); the result then has "verified" and "unchecked" lists."""
+    def checksums(self) -> list[tuple[str, int | None]]:
+        """[(record name, stored CRC-32 or None where the archive has none)]."""
+    def verify(
+        self, engine: Engine, names: list[str] | None = None, strict: bool = False
+    ) -> list[tuple[str, str, int | None, int | None]]:
+        """[(name, "ok"|"mismatch"|"unchecked", stored CRC-32, actual CRC-32)]; strict raises
+        FormatError on the first mismatch."""
 
 @final
 class DeviceFile:
@@ -158,3 +174,15 @@ def stage_copy(
 def cufile_register_buffer(addr: int, nbytes: int) -> BufferRegistration: ...
 def info(folder: _Path | None = None) -> dict[str, Any]:
     """libcuda, libcufile and (for ``folder``) O_DIRECT / cuFile handle support."""
+
+def _set_fault(point: str, errno: int, nth: int = 1) -> None:
+    """Test only (CKPTIO_TEST_FAULTS=1 at start): fail the nth next hit of a fault point."""
+
+def _clear_faults() -> list[str]:
+    """Test only: drop pending faults, stop recording; the points whose fault never fired."""
+
+def _record_ops() -> None:
+    """Test only: log every fault point reached, in order."""
+
+def _op_log() -> list[str]:
+    """Test only: the points logged since _record_ops ("point file-name")."""

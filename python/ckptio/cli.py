@@ -1,4 +1,4 @@
-"""The ``ckptio`` command: ``bench``, ``ls``, ``info``, ``convert``."""
+"""The ``ckptio`` command: ``bench``, ``ls``, ``inspect``, ``verify``, ``info``, ``convert``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ def main(argv: list[str] | None = None) -> int:
 
     ls = sub.add_parser("ls", help="list a checkpoint's records: offsets, sizes, dtypes, shapes")
     ls.add_argument("path")
+
+    ins = sub.add_parser(
+        "inspect", help="records: offsets, alignment, sizes, CRC-32 state, dtypes, shapes"
+    )
+    ins.add_argument("path")
+
+    ver = sub.add_parser(
+        "verify", help="check every record against its CRC-32 (exit 1 and name the bad ones)"
+    )
+    ver.add_argument("path")
+    ver.add_argument("-q", "--quiet", action="store_true", help="print only problems")
 
     inf = sub.add_parser("info", help="CUDA, cuFile, and what a folder supports (O_DIRECT, cuFile)")
     inf.add_argument("folder", nargs="?", default=".", help="folder to probe (default: .)")
@@ -90,6 +101,39 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.json, "w") as f:
                 f.write(bench.to_json(rows))
         return 0
+    if a.cmd in ("inspect", "verify", "ls"):
+        import ckptio
+
+        try:
+            return _file_command(a)
+        except (OSError, ckptio.CkptioError) as e:
+            print(f"ckptio {a.cmd}: {e}", file=sys.stderr)
+            return 1
+    return 2
+
+
+def _file_command(a: argparse.Namespace) -> int:
+    if a.cmd == "inspect":
+        from ckptio.integrity import inspect_lines
+
+        print("\n".join(inspect_lines(a.path)))
+        return 0
+    if a.cmd == "verify":
+        from ckptio.integrity import verify
+
+        rep = verify(a.path)
+        if not a.quiet:
+            for r in rep.records:
+                extra = (
+                    f" (stored {r.stored_crc32:08x}, bytes give {r.actual_crc32:08x})"
+                    if r.state == "mismatch"
+                    and r.stored_crc32 is not None
+                    and r.actual_crc32 is not None
+                    else ""
+                )
+                print(f"{r.state:>9}  {r.name}{extra}")
+        print(rep.summary(), file=sys.stdout if rep.ok else sys.stderr)
+        return 0 if rep.ok else 1
     if a.cmd == "ls":
         import ckptio
 

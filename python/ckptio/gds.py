@@ -23,12 +23,18 @@ _registrations: dict[int, _native.BufferRegistration] = {}
 _reg_lock = threading.Lock()
 
 
-def _untyped(s: torch.UntypedStorage | torch.TypedStorage) -> torch.UntypedStorage:
+def _untyped(
+    s: torch.UntypedStorage | torch.TypedStorage, what: str = "storage"
+) -> torch.UntypedStorage:
     if isinstance(s, torch.TypedStorage):
         return s._untyped_storage
     if isinstance(s, torch.UntypedStorage):
         return s
-    raise TypeError(f"expected a torch storage, not {type(s).__name__}")
+    hint = "; pass tensor.untyped_storage()" if isinstance(s, torch.Tensor) else ""
+    raise TypeError(
+        f"{what} must be a torch storage (UntypedStorage or TypedStorage), "
+        f"not {type(s).__name__}{hint}"
+    )
 
 
 def gds_register_buffer(s: torch.UntypedStorage | torch.TypedStorage) -> None:
@@ -113,8 +119,10 @@ class GdsFile:
 
     def _args(self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int):
         st = _untyped(storage)
-        if not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"offset must be a non-negative int, not {offset!r}")
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise TypeError(f"offset must be an int, not {type(offset).__name__}")
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, not {offset}")
         dev = _device_code(st, "storage")
         return st, offset, dev
 

@@ -53,6 +53,10 @@ class IOReport:
     gds_mode: str | None = None
     #: Why device memory did not go through cuFile, when it did not.
     fallback_reason: str | None = None
+    #: load(verify=True): every record's CRC-32 was checked (but those in ``unchecked``).
+    verified: bool = False
+    #: Records whose bytes could not be checked: no CRC-32 stored, or read by cuFile.
+    unchecked: tuple[str, ...] = ()
 
     @property
     def gib_per_s(self) -> float:
@@ -78,6 +82,9 @@ class RecordInfo:
     offset: int
     nbytes: int
     tensors: tuple[TensorInfo, ...] = ()
+    #: The stored CRC-32, None where the archive has none (cuFile-written records,
+    #: torch.save with compute_crc32 off).
+    crc32: int | None = None
 
     @property
     def alignment(self) -> int:
@@ -96,7 +103,14 @@ def last_report() -> IOReport | None:
     return getattr(_last, "report", None)
 
 
-def _report(path: str, t0: float, stats: dict[str, Any], storages: int) -> IOReport:
+def _report(
+    path: str,
+    t0: float,
+    stats: dict[str, Any],
+    storages: int,
+    verified: bool = False,
+    unchecked: tuple[str, ...] = (),
+) -> IOReport:
     rep = IOReport(
         path=path,
         nbytes=stats["bytes"],
@@ -108,16 +122,20 @@ def _report(path: str, t0: float, stats: dict[str, Any], storages: int) -> IORep
         storages=storages,
         gds_mode=stats.get("gds_mode"),
         fallback_reason=stats.get("fallback_reason"),
+        verified=verified,
+        unchecked=unchecked,
     )
     _last.report = rep
     return rep
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=8, typed=True)
 def _engine(threads: int | None, chunk_size: int | None, direct: str | None) -> _native.Engine:
     # One engine per configuration: its threads' buffers are reused save after save.
     for name, v in (("threads", threads), ("chunk_size", chunk_size)):
-        if v is not None and (not isinstance(v, int) or v < 1):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+        if v is not None and v < 1:
             raise ValueError(f"{name} must be a positive int, not {v!r}")
     return _native.Engine(threads, chunk_size, direct)
 
@@ -373,6 +391,7 @@ def load(
     chunk_size: int | None = None,
     direct: bool | str | None = None,
     backend: str | None = None,
+    verify: bool = False,
     **pickle_load_args: Any,
 ) -> Any:
     """Load a torch.save zip checkpoint like ``torch.load``, bytes read in parallel.
@@ -386,9 +405,20 @@ def load(
     (cuFile or pinned bounce buffers, see ``save``'s ``backend``) and are ready
     for kernels on any stream when load returns. ``ckptio.last_report()`` says
     which path ran.
+
+    ``verify=True`` checks every record against its CRC-32 before returning:
+    the pickle before it is unpickled, each storage over the bytes read (in
+    the I/O threads), and raises ``ckptio.FormatError`` naming the first bad
+    record. Records without a stored CRC-32, and those read by cuFile, are
+    listed in ``last_report().unchecked``.
     """
     t0 = time.perf_counter()
     path = _path(f, "load")
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be a bool, not {type(verify).__name__}")
+    if verify and (mmap or not _reads_natively(path)):
+        # torch reads the bytes itself here: check the whole file first.
+        _verify_all(path, threads, chunk_size, direct)
     if mmap:
         return torch.load(
             path,
@@ -396,6 +426,15 @@ def load(
             weights_only=weights_only,
             mmap=True,
             **pickle_load_args,
+        )
+    if not (
+        map_location is None
+        or isinstance(map_location, (str, torch.device, dict))
+        or callable(map_location)
+    ):
+        raise TypeError(
+            "map_location must be None, a str, a torch.device, a dict or a callable, "
+            f"not {type(map_location).__name__}"
         )
     d = _direct_arg(direct)
     engine = _engine(threads, chunk_size, d)
@@ -409,7 +448,13 @@ def load(
         return torch.load(
             path, map_location=map_location, weights_only=weights_only, **pickle_load_args
         )
-    data = {off: size for name, off, size in records_ if name.startswith(f"{prefix}/data/")}
+    data_prefix = f"{prefix}/data/"
+    data = {off: size for name, off, size in records_ if name.startswith(data_prefix)}
+    unchecked: list[str] = []
+    if verify:  # the pickle and the small records, before torch unpickles anything
+        small = [name for name, _, _ in records_ if not name.startswith(data_prefix)]
+        rows = reader.verify(engine, small, strict=True)
+        unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
     restorer = _Restorer(map_location)
     # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
     # replaced meanwhile by a concurrent save.
@@ -430,9 +475,34 @@ def load(
             )
         if n:
             segments.append((off, dest.data_ptr(), n, _device_code(dest, "destination")))
-    stats = reader.read_into(engine, segments)
-    _report(path, t0, stats, len(segments))
+    stats = reader.read_into(engine, segments, verify)
+    if verify:
+        done = set(stats["verified"]) | set(stats["unchecked"])
+        unchecked += stats["unchecked"]
+        rest = [n for n, _, _ in records_ if n.startswith(data_prefix) and n not in done]
+        if rest:  # records torch filled itself (other devices, callables)
+            rows = reader.verify(engine, rest, strict=True)
+            unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
+        _report(path, t0, stats, len(segments), True, tuple(unchecked))
+    else:
+        _report(path, t0, stats, len(segments))
     return obj
+
+
+def _reads_natively(path: str) -> bool:
+    """Whether load moves the storages itself (not the byte-swapped torch.load path)."""
+    reader = _open(path, "off", None)
+    byteorder = f"{reader.prefix}/byteorder"
+    if any(name == byteorder for name, _, _ in reader.records()):
+        return bool(reader.read_record(byteorder).decode() == sys.byteorder)
+    return True
+
+
+def _verify_all(
+    path: str, threads: int | None, chunk_size: int | None, direct: bool | str | None
+) -> None:
+    d = _direct_arg(direct)
+    _open(path, d, None).verify(_engine(threads, chunk_size, d), None, True)
 
 
 def _open(path: str, direct: str | None, backend: str | None) -> _native.Reader:
@@ -483,7 +553,14 @@ def records(f: str | os.PathLike[str], *, weights_only: bool = True) -> list[Rec
                 name or "<root>", t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
             )
         )
+    crcs = dict(reader.checksums())
     return [
-        RecordInfo(name, off, size, tuple(by_offset.get(off, ())) if "/data/" in name else ())
+        RecordInfo(
+            name,
+            off,
+            size,
+            tuple(by_offset.get(off, ())) if "/data/" in name else (),
+            crcs.get(name),
+        )
         for name, off, size in reader.records()
     ]

@@ -1,0 +1,388 @@
+//! Checksums of checkpoint records: the zip CRC-32 fields of files ckptio
+//! writes, and checking any archive's records against them.
+//!
+//! torch.save under `skip_data` leaves the CRC-32 of every data record at 0
+//! (it never saw the bytes). After the engine has written the data it knows
+//! each record's CRC-32 (computed by the I/O threads as the bytes passed
+//! through host memory); [`fill_crcs`] writes them into the record's central
+//! directory entry and its data descriptor, so `zipfile` and `unzip -t` check
+//! the file. Records whose bytes never touched host memory (cuFile) keep 0
+//! and are listed in the archive comment, which torch and zip tools ignore:
+//!
+//! ```text
+//! ckptio:crc32                      every CRC-32 field is real (0 included)
+//! ckptio:crc32 unchecked=3,5-9      ... except data records 3, 5, 6, 7, 8, 9
+//! ckptio:crc32 unchecked=*          ... except every data record
+//! ```
+//!
+//! Keys are the storage keys of `<prefix>/data/<key>`. In an archive without
+//! this comment (plain torch.save, other writers) a CRC-32 of 0 is taken as
+//! "not computed" (torch with `compute_crc32` off, or `skip_data`).
+
+use std::collections::HashSet;
+use std::io;
+use std::os::unix::fs::FileExt;
+
+use crate::engine::Engine;
+use crate::fault::{self, Point};
+use crate::file::IoFile;
+use crate::zipmap::{Archive, Record};
+use crate::{Error, Result};
+
+/// The comment ckptio puts on archives whose CRC-32 fields it filled.
+pub const COMMENT_TAG: &str = "ckptio:crc32";
+const UNCHECKED: &str = " unchecked=";
+const DESCRIPTOR_SIG: u32 = 0x0807_4b50;
+/// Longest comment a zip end record can carry.
+const MAX_COMMENT: usize = u16::MAX as usize;
+
+/// What a record's stored CRC-32 is worth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Declared {
+    /// A real CRC-32 of the record's bytes.
+    Crc(u32),
+    /// None was computed (cuFile-written, or a writer that left 0).
+    Unchecked,
+}
+
+/// The outcome of checking one record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum State {
+    Ok,
+    Mismatch { stored: u32, actual: u32 },
+    Unchecked,
+}
+
+impl State {
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Ok => "ok",
+            State::Mismatch { .. } => "mismatch",
+            State::Unchecked => "unchecked",
+        }
+    }
+}
+
+/// The storage key of a data record (`<prefix>/data/<key>`).
+fn data_key<'a>(a: &Archive, r: &'a Record) -> Option<&'a str> {
+    r.name
+        .strip_prefix(a.prefix())
+        .and_then(|rest| rest.strip_prefix("/data/"))
+}
+
+/// What each record's stored CRC-32 is worth, in record order.
+pub fn declared(a: &Archive) -> Vec<Declared> {
+    let comment = std::str::from_utf8(&a.comment).unwrap_or("");
+    let Some(rest) = comment.strip_prefix(COMMENT_TAG) else {
+        return a
+            .records
+            .iter()
+            .map(|r| match r.crc32 {
+                0 => Declared::Unchecked,
+                c => Declared::Crc(c),
+            })
+            .collect();
+    };
+    let list = rest.strip_prefix(UNCHECKED).unwrap_or("");
+    let all = list == "*";
+    let keys = expand_keys(list);
+    a.records
+        .iter()
+        .map(|r| match data_key(a, r) {
+            Some(k) if all || keys.contains(k) => Declared::Unchecked,
+            _ => Declared::Crc(r.crc32),
+        })
+        .collect()
+}
+
+/// "3,5-9,x" -> {"3","5",...,"9","x"}; ranges bounded so a hostile comment stays small.
+fn expand_keys(list: &str) -> HashSet<String> {
+    let mut out = HashSet::new();
+    for item in list.split(',').filter(|s| !s.is_empty()) {
+        match item
+            .split_once('-')
+            .map(|(a, b)| (a.parse::<u64>(), b.parse::<u64>()))
+        {
+            Some((Ok(a), Ok(b))) if a <= b && b - a < 1 << 20 => {
+                out.extend((a..=b).map(|k| k.to_string()));
+            }
+            _ => {
+                out.insert(item.to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// The comment for an archive whose records `unchecked` (storage keys) have no CRC-32.
+pub fn comment_for(unchecked: &[&str], all_data: bool) -> String {
+    if unchecked.is_empty() {
+        return COMMENT_TAG.to_owned();
+    }
+    if all_data {
+        return format!("{COMMENT_TAG}{UNCHECKED}*");
+    }
+    let mut nums: Vec<u64> = Vec::new();
+    let mut items: Vec<String> = Vec::new();
+    for k in unchecked {
+        match k.parse::<u64>() {
+            Ok(n) if n.to_string() == *k => nums.push(n),
+            _ => items.push((*k).to_owned()),
+        }
+    }
+    // Keys the list cannot spell (torch's keys are plain numbers).
+    let odd = items
+        .iter()
+        .any(|k| k.is_empty() || k.contains([',', ' ', '-', '*']));
+    nums.sort_unstable();
+    nums.dedup();
+    let mut i = 0;
+    while i < nums.len() {
+        let mut j = i;
+        while j + 1 < nums.len() && nums[j + 1] == nums[j] + 1 {
+            j += 1;
+        }
+        items.push(if j > i {
+            format!("{}-{}", nums[i], nums[j])
+        } else {
+            nums[i].to_string()
+        });
+        i = j + 1;
+    }
+    let s = format!("{COMMENT_TAG}{UNCHECKED}{}", items.join(","));
+    if s.len() > MAX_COMMENT || odd {
+        // Too long, or odd keys: every data record is unchecked.
+        format!("{COMMENT_TAG}{UNCHECKED}*")
+    } else {
+        s
+    }
+}
+
+/// Write the CRC-32 of each data record `(record index, crc or None)` into its
+/// central directory entry and its data descriptor, and the archive comment
+/// naming the data records without one: those given None here, and those not
+/// given here that have none yet (so storages may be written in several calls).
+/// The archive is a torch.save (skip_data) file, without a comment or with one
+/// of ours.
+pub fn fill_crcs(io: &IoFile, a: &Archive, crcs: &[(usize, Option<u32>)]) -> Result<()> {
+    let path = io.path();
+    fault::hit(Point::Crc, path)?;
+    let f = io.file();
+    let bad =
+        |r: &Record, why: String| Error::format(Some(path), format!("record {:?}: {why}", r.name));
+    let write = |bytes: &[u8], at: u64| {
+        f.write_all_at(bytes, at)
+            .map_err(|e| Error::io_at("write CRC-32 of", path, e))
+    };
+    if !a.comment.is_empty() && !a.comment.starts_with(COMMENT_TAG.as_bytes()) {
+        return Err(Error::format(
+            Some(path),
+            "the archive already has a comment; ckptio writes its own",
+        ));
+    }
+    let given: HashSet<usize> = crcs.iter().map(|c| c.0).collect();
+    let mut unchecked: Vec<&str> = declared(a)
+        .iter()
+        .enumerate()
+        .filter(|&(i, d)| *d == Declared::Unchecked && !given.contains(&i))
+        .filter_map(|(i, _)| data_key(a, &a.records[i]))
+        .collect();
+    for &(i, crc) in crcs {
+        let r = a
+            .records
+            .get(i)
+            .ok_or_else(|| Error::invalid(format!("no record #{i}")))?;
+        let Some(crc) = crc else {
+            unchecked.push(data_key(a, r).unwrap_or(&r.name));
+            continue;
+        };
+        if r.size == 0 {
+            // CRC-32 of nothing is 0, already there (and torch writes no descriptor).
+            continue;
+        }
+        // The data descriptor torch writes right after the data: signature,
+        // CRC-32, then both sizes in 4 bytes (16 in all) or 8 (zip64, 24).
+        let end = r.data_offset + r.size;
+        let mut d = [0u8; 24];
+        let n = read_upto(f, &mut d, end).map_err(|e| Error::io_at("pread", path, e))?;
+        let le32 = |at: usize| u32::from_le_bytes([d[at], d[at + 1], d[at + 2], d[at + 3]]);
+        let le64 = |at: usize| u64::from_le_bytes(d[at..at + 8].try_into().unwrap_or([0; 8]));
+        let sized = (n >= 16 && u64::from(le32(8)) == r.size && u64::from(le32(12)) == r.size)
+            || (n == 24 && le64(8) == r.size && le64(16) == r.size);
+        if n < 16 || le32(0) != DESCRIPTOR_SIG || !sized {
+            return Err(bad(r, format!("no data descriptor at offset {end}")));
+        }
+        write(&crc.to_le_bytes(), end + 4)?;
+        write(&crc.to_le_bytes(), r.cd_entry_offset + 16)?;
+    }
+    let data_records = a
+        .records
+        .iter()
+        .filter(|r| data_key(a, r).is_some())
+        .count();
+    let comment = comment_for(&unchecked, unchecked.len() == data_records);
+    let at = a.eocd_offset + 22;
+    write(comment.as_bytes(), at)?;
+    write(&(comment.len() as u16).to_le_bytes(), a.eocd_offset + 20)?;
+    // The end record was the file's tail: the comment is the new one.
+    f.set_len(at + comment.len() as u64)
+        .map_err(|e| Error::io_at("truncate", path, e))
+}
+
+fn read_upto(f: &std::fs::File, buf: &mut [u8], off: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], off + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+/// The error for a record whose bytes do not match its CRC-32.
+pub fn mismatch_error(path: &std::path::Path, name: &str, stored: u32, actual: u32) -> Error {
+    Error::format(
+        Some(path),
+        format!(
+            "record {name:?} is corrupt: its bytes have CRC-32 {actual:#010x}, \
+             the archive stores {stored:#010x}"
+        ),
+    )
+}
+
+/// Compare computed CRC-32s (None: bytes not seen by the host) against what
+/// the archive declares for those records.
+pub fn judge(declared: Declared, actual: Option<u32>) -> State {
+    match (declared, actual) {
+        (Declared::Crc(stored), Some(actual)) if stored != actual => {
+            State::Mismatch { stored, actual }
+        }
+        (Declared::Crc(_), Some(_)) => State::Ok,
+        _ => State::Unchecked,
+    }
+}
+
+/// Check the records `which` (indexes; all when None): read their bytes in
+/// parallel through the engine and compare with the stored CRC-32s. Records
+/// without a usable CRC-32 are not read.
+pub fn check(
+    engine: &Engine,
+    io: &IoFile,
+    a: &Archive,
+    which: Option<&[usize]>,
+) -> Result<Vec<(usize, State)>> {
+    let decl = declared(a);
+    let all: Vec<usize> = (0..a.records.len()).collect();
+    let which = which.unwrap_or(&all);
+    let mut out = Vec::with_capacity(which.len());
+    let mut to_read = Vec::new();
+    for &i in which {
+        let r = a
+            .records
+            .get(i)
+            .ok_or_else(|| Error::invalid(format!("no record #{i}")))?;
+        match decl[i] {
+            Declared::Crc(_) => to_read.push((i, (r.data_offset, r.size))),
+            Declared::Unchecked => out.push((i, State::Unchecked)),
+        }
+    }
+    let ranges: Vec<(u64, u64)> = to_read.iter().map(|x| x.1).collect();
+    let st = engine.checksum(io, &ranges)?;
+    for ((i, _), crc) in to_read.iter().zip(st.crc32) {
+        out.push((*i, judge(decl[*i], crc)));
+    }
+    out.sort_unstable_by_key(|x| x.0);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arch(names: &[(&str, u32)], comment: &str) -> Archive {
+        Archive {
+            records: names
+                .iter()
+                .map(|&(n, crc)| Record {
+                    name: n.into(),
+                    header_offset: 0,
+                    data_offset: 0,
+                    size: 0,
+                    crc32: crc,
+                    cd_entry_offset: 0,
+                })
+                .collect(),
+            comment: comment.as_bytes().to_vec(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn comments_round_trip() {
+        assert_eq!(comment_for(&[], false), "ckptio:crc32");
+        assert_eq!(
+            comment_for(&["3", "5", "6", "7", "9", "8", "11"], false),
+            "ckptio:crc32 unchecked=3,5-9,11"
+        );
+        assert_eq!(comment_for(&["1"], true), "ckptio:crc32 unchecked=*");
+        assert_eq!(comment_for(&["a,b"], false), "ckptio:crc32 unchecked=*");
+        let many: Vec<String> = (0..40_000).map(|i| (i * 2).to_string()).collect();
+        let refs: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert_eq!(comment_for(&refs, false), "ckptio:crc32 unchecked=*");
+    }
+
+    #[test]
+    fn declared_follows_the_comment() {
+        let recs = [
+            ("m/data.pkl", 7),
+            ("m/data/0", 0),
+            ("m/data/1", 0),
+            ("m/data/2", 5),
+        ];
+        // Foreign archive: 0 means not computed.
+        let d = declared(&arch(&recs, ""));
+        assert_eq!(
+            d,
+            [
+                Declared::Crc(7),
+                Declared::Unchecked,
+                Declared::Unchecked,
+                Declared::Crc(5)
+            ]
+        );
+        // ckptio archive: 0 is a real value unless listed.
+        let d = declared(&arch(&recs, "ckptio:crc32 unchecked=1"));
+        assert_eq!(
+            d,
+            [
+                Declared::Crc(7),
+                Declared::Crc(0),
+                Declared::Unchecked,
+                Declared::Crc(5)
+            ]
+        );
+        let d = declared(&arch(&recs, "ckptio:crc32 unchecked=*"));
+        assert_eq!(d[0], Declared::Crc(7));
+        assert!(d[1..].iter().all(|x| *x == Declared::Unchecked));
+        // A hostile range does not allocate the world.
+        let d = declared(&arch(&recs, "ckptio:crc32 unchecked=0-99999999999"));
+        assert_eq!(d[1], Declared::Crc(0));
+    }
+
+    #[test]
+    fn judge_states() {
+        assert_eq!(judge(Declared::Crc(1), Some(1)), State::Ok);
+        assert_eq!(
+            judge(Declared::Crc(1), Some(2)),
+            State::Mismatch {
+                stored: 1,
+                actual: 2
+            }
+        );
+        assert_eq!(judge(Declared::Crc(1), None), State::Unchecked);
+        assert_eq!(judge(Declared::Unchecked, Some(2)), State::Unchecked);
+    }
+}

@@ -1,0 +1,121 @@
+"""Public functions given wrong types, negative offsets, misaligned sizes, finished handles,
+tensors on the wrong device, storages too small: a clear error naming the argument."""
+
+from __future__ import annotations
+
+import os
+
+import ckptio
+import pytest
+import torch
+from ckptio import _native
+from test_faults import make_prev, sample_state
+
+
+@pytest.fixture
+def gds(tmp_path):
+    return ckptio.GdsFile(tmp_path / "g.bin", os.O_CREAT | os.O_RDWR)
+
+
+@pytest.mark.parametrize("method", ["save_storage", "load_storage"])
+@pytest.mark.parametrize(
+    ("storage", "offset", "exc", "match"),
+    [
+        (torch.ones(3), 0, TypeError, "storage must be a torch storage.*Tensor.*untyped_storage"),
+        ("s", 0, TypeError, "storage must be a torch storage.*str"),
+        (None, 0, TypeError, "storage must be a torch storage.*NoneType"),
+        (torch.ones(3).untyped_storage(), -1, ValueError, "offset must be >= 0"),
+        (torch.ones(3).untyped_storage(), "x", TypeError, "offset must be an int, not str"),
+        (torch.ones(3).untyped_storage(), 1.5, TypeError, "offset must be an int, not float"),
+        (torch.ones(3).untyped_storage(), True, TypeError, "offset must be an int, not bool"),
+        (torch.empty(3, device="meta").untyped_storage(), 0, ValueError, "storage is on .*meta"),
+    ],
+    ids=["tensor", "str", "None", "negative", "str-offset", "float-offset", "bool-offset", "meta"],
+)
+def test_gdsfile_bad_arguments_name_the_argument(gds, method, storage, offset, exc, match):
+    with pytest.raises(exc, match=match):
+        getattr(gds, method)(storage, offset)
+
+
+def test_gdsfile_misaligned_offsets_and_sizes_roundtrip_and_short_file_is_an_error(gds):
+    """Odd offsets and sizes work (unaligned heads and tails go buffered); reading past the end
+    of the file is a FormatError naming the file; after deregister_handle transfers still work."""
+    src = torch.randint(0, 255, (4097,), dtype=torch.uint8)
+    gds.save_storage(src.untyped_storage(), 7)
+    dst = torch.zeros(4097, dtype=torch.uint8)
+    gds.load_storage(dst.untyped_storage(), 7)
+    assert torch.equal(src, dst)
+    with pytest.raises(ckptio.FormatError, match="g.bin"):
+        gds.load_storage(torch.zeros(10_000, dtype=torch.uint8).untyped_storage(), 7)
+    gds.deregister_handle()
+    gds.save_storage(src.untyped_storage(), 100_003)
+    gds.load_storage(dst.untyped_storage(), 100_003)
+    assert torch.equal(src, dst)
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "match"),
+    [
+        (dict(threads="8"), TypeError, "threads must be an int, not str"),
+        (dict(threads=True), TypeError, "threads must be an int, not bool"),
+        (dict(chunk_size=1.5), TypeError, "chunk_size must be an int, not float"),
+        (dict(backend="bogus"), ValueError, "backend must be auto, cufile or posix"),
+        (dict(backend=3), TypeError, "backend"),
+    ],
+    ids=lambda x: str(x),
+)
+def test_save_and_load_bad_options_name_the_argument(tmp_path, kw, exc, match):
+    prev = make_prev(tmp_path / "ckpt.pt")
+    with pytest.raises(exc, match=match):
+        ckptio.save(sample_state(1), prev.path, **kw)
+    with pytest.raises(exc, match=match):
+        ckptio.load(prev.path, **kw)
+    prev.assert_intact()
+
+
+@pytest.mark.parametrize("ml", [3, 1.5, object()], ids=["int", "float", "object"])
+def test_load_bad_map_location_is_typeerror(tmp_path, ml):
+    prev = make_prev(tmp_path / "ckpt.pt")
+    with pytest.raises(TypeError, match="map_location"):
+        ckptio.load(prev.path, map_location=ml)
+
+
+def test_storage_too_small_for_its_record_names_the_record(tmp_path):
+    """The writer refuses a storage whose size differs from its record, naming both."""
+    p = tmp_path / "t.pt"
+    w = _native.AtomicWriter(str(p))
+    with torch.serialization.skip_data(), os.fdopen(os.dup(w.fileno()), "wb") as fh:
+        torch.save({"a": torch.ones(100)}, fh)
+    small = torch.ones(10).untyped_storage()
+    engine = _native.Engine()
+    with pytest.raises(ckptio.FormatError, match=r"data/0.*400 bytes.*storage 0 has 40"):
+        w.write_storages(engine, [("0", small.data_ptr(), small.nbytes(), -1)])
+    with pytest.raises(ckptio.FormatError, match="no record for storage 7"):
+        w.write_storages(engine, [("7", small.data_ptr(), small.nbytes(), -1)])
+    w.abort()
+    assert not p.exists() and os.listdir(tmp_path) == []
+
+
+def test_finished_writer_refuses_further_use(tmp_path):
+    """A committed or aborted writer raises ValueError on any further call."""
+    for finish in ("commit", "abort"):
+        w = _native.AtomicWriter(str(tmp_path / f"{finish}.pt"))
+        with os.fdopen(os.dup(w.fileno()), "wb") as fh:
+            torch.save({"a": torch.ones(1)}, fh)
+        getattr(w, finish)()
+        with pytest.raises(ValueError, match="already committed or aborted"):
+            w.write_storages(_native.Engine(), [])
+        with pytest.raises(ValueError, match="already committed or aborted"):
+            w.commit()
+        w.abort()  # idempotent
+
+
+def test_reader_bad_record_names_and_fault_points(tmp_path):
+    prev = make_prev(tmp_path / "ckpt.pt")
+    r = _native.Reader(str(prev.path))
+    with pytest.raises(KeyError, match="nope"):
+        r.verify(_native.Engine(), ["nope"])
+    with pytest.raises(KeyError, match="nope"):
+        r.read_record("nope")
+    with pytest.raises(ValueError, match="fault point must be one of"):
+        _native._set_fault("nowhere", 5)
