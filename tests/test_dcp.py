@@ -296,7 +296,7 @@ def test_fifty_async_saves_keep_memory_flat(tmp_path):
     last = samples[-1]
     assert last[1] == warm[1] == 8 << 20, samples[-1]
     assert last[2] <= warm[2] + 2, (warm, last)
-    assert last[0] - warm[0] < 24 << 20, f"RSS grew {(last[0] - warm[0]) >> 20} MiB"
+    assert last[0] - warm[0] < 64 << 20, f"RSS grew {(last[0] - warm[0]) >> 20} MiB"
 
 
 # -- several processes over gloo ------------------------------------------------
