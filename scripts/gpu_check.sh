@@ -70,6 +70,7 @@ dcp)
     udev_on
     $PY benches/bench_dcp.py --sizes "${DCP_SIZES:-2G}" --saves "${DCP_SAVES:-5}" --dir /tmp \
         --json "$OUT/bench_dcp_${DCP_SIZES:-2G}.json" 2>&1 | tee "$OUT/bench_dcp_${DCP_SIZES:-2G}.log" || rc=1
+    ;;
 stbench)
     udev_on
     $PY benches/bench_safetensors.py --device cuda --size ${ST_SIZE:-8G} --json "$OUT/bench_safetensors.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_safetensors.log" || rc=1
