@@ -41,9 +41,12 @@ def check(out: dict, full: dict, what: str = "") -> None:
         got = out[k].full_tensor()
         if not torch.equal(got, full[k]):
             bad = (got != full[k]).nonzero()
+            r, c = bad[0].tolist()
             raise AssertionError(
                 f"{what}: {k} differs at {bad.shape[0]} places, first {bad[:4].tolist()}; "
-                f"local shape {tuple(out[k].to_local().shape)}"
+                f"local shape {tuple(out[k].to_local().shape)}; got {got[r, c:c + 4].tolist()} "
+                f"want {full[k][r, c:c + 4].tolist()} "
+                f"steps 0..2: {[full_state(i)[k][r, c:c + 2].tolist() for i in range(3)]}"
             )
     assert out["step"] == full["step"], out["step"]
 
@@ -73,10 +76,15 @@ def main() -> None:
             )
             r.upload_completion.result()
         stager.close()
+        errors = []
         for reader in (FileSystemReader, dcp.FileSystemReader):
             out = empty_like(sharded(full_state(0), mesh))
             dcp.load(out, storage_reader=reader(f"{ckpt}/async"))
-            check(out, full_state(3), f"save/{reader.__module__}")
+            try:
+                check(out, full_state(3), f"save/{reader.__module__}")
+            except AssertionError as e:
+                errors.append(str(e))
+        assert not errors, errors
     elif scenario == "reshard":
         # Load what a larger world saved (Shard(0) over more ranks).
         for sub, step in (("sync", 0), ("async", 3)):

@@ -390,3 +390,17 @@ def test_training_example_resumes_exactly(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "continues exactly: True" in out.stdout
+
+
+def test_stager_keeps_a_dropped_state_dict_alive_until_copied():
+    """The caller may drop its dict as soon as stage() returns (async_save of a
+    temporary): the copy must still see the original bytes, not reused memory."""
+    st = DefaultStager(StagingOptions(use_shared_memory=False))
+    for i in range(30):
+        fut = st.stage({"t": torch.full((4096,), float(i)), "u": torch.full((7,), float(-i))})
+        junk = [torch.full((4096,), -1.0) for _ in range(8)]  # reuse the freed memory
+        staged = fut.result()
+        assert torch.equal(staged["t"], torch.full((4096,), float(i))), i
+        assert torch.equal(staged["u"], torch.full((7,), float(-i))), i
+        del junk
+    st.close()

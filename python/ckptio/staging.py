@@ -187,6 +187,9 @@ class _Plan:
         self.devices: set[int] = set()
         self.used: set[_Key] = set()
         self.memo: dict[_Key, torch.UntypedStorage] = {}
+        # The copies run later, from raw addresses: the plan keeps every source
+        # storage alive until they are done (the caller may drop its dict at once).
+        self.sources: list[torch.UntypedStorage] = []
         self.nbytes = 0
 
 
@@ -390,6 +393,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 if dev_index >= 0:
                     plan.devices.add(dev_index)
                 plan.copies.append((st.data_ptr(), dev_index, b.pin, 0, nbytes))
+                plan.sources.append(st)
             plan.used.add(key)
             plan.memo[key] = staged  # type: ignore[assignment]
             plan.nbytes += nbytes
@@ -444,6 +448,8 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         else:
             self.last_stats = {"bytes": 0}
         self.last_stats["staged_bytes"] = plan.nbytes
+        plan.sources.clear()
+        plan.d2d.clear()
 
 
 def _bytes_view(st: torch.UntypedStorage) -> torch.Tensor:
