@@ -22,6 +22,8 @@ use crate::engine::Memory;
 use crate::{Error, Result};
 
 const PAGE: u64 = 4096;
+/// madvise(2) advice that prefaults pages writable (Linux 5.14).
+const MADV_POPULATE_WRITE: libc::c_int = 23;
 
 /// Pinning state of a host range the caller owns. Dropping it unregisters
 /// every chunk it registered.
@@ -92,6 +94,13 @@ impl HostPin {
         let reg = self.regs[i].get_or_init(|| {
             let start = i as u64 * self.chunk;
             let len = self.chunk.min(self.len - start) as usize;
+            let ptr = (self.base + start) as *mut libc::c_void;
+            // Fault the pages in here, in this copy thread, before the driver pins
+            // them: page faults of a fresh buffer then spread over all threads
+            // instead of running inside cuMemHostRegister. Best effort: older
+            // kernels lack MADV_POPULATE_WRITE and registration faults them anyway.
+            // SAFETY: the range is the caller's live, writable host memory.
+            let _ = unsafe { libc::madvise(ptr, len, MADV_POPULATE_WRITE) };
             // SAFETY: the range is part of the caller's live host range
             // (contract of `new`), registered once (OnceLock), and the
             // registration is dropped with `self`, before the memory goes.

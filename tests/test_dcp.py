@@ -404,3 +404,32 @@ def test_stager_keeps_a_dropped_state_dict_alive_until_copied():
         assert torch.equal(staged["u"], torch.full((7,), float(-i))), i
         del junk
     st.close()
+
+
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [(torch.float32, (3, 5)), (torch.bfloat16, (0,)), (torch.int8, ()), (torch.float16, (4097,))],
+)
+def test_item_template_is_a_torch_save_zip(dtype, shape):
+    import io
+    import zipfile
+
+    from ckptio.dcp import _item_zip
+
+    head, data_off, tail, length = _item_zip(dtype, shape)
+    nbytes = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
+    assert length == data_off + nbytes + len(tail)
+    assert data_off % 4096 == 0 or nbytes == 0  # an empty record has no data to align
+    blob = head + bytes(nbytes) + tail
+    assert len(blob) == length
+    assert "archive/data.pkl" in zipfile.ZipFile(io.BytesIO(blob)).namelist()
+    t = torch.load(io.BytesIO(blob), weights_only=True)
+    assert t.dtype == dtype and tuple(t.shape) == shape and not t.any()
+
+
+def test_item_template_past_4gib_needs_no_memory():
+    from ckptio.dcp import _item_zip
+
+    head, data_off, tail, length = _item_zip(torch.uint8, (5 << 30,))
+    assert data_off % 4096 == 0 and length == data_off + (5 << 30) + len(tail)
+    assert len(head) < 1 << 20 and len(tail) < 1 << 20

@@ -21,11 +21,10 @@ bytes move:
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
-import struct
-import zipfile
 from typing import Any
 
 import torch
@@ -75,18 +74,60 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _item_zip(t: torch.Tensor) -> tuple[bytes, int]:
-    """The torch.save zip of a tensor shaped like ``t`` (data left as a hole) and
-    the offset of its data record. Byte for byte what ``torch.save(t)`` of a
-    contiguous CPU tensor writes, at 4 KiB storage alignment."""
-    shell = torch.empty(t.shape, dtype=t.dtype)  # untouched pages: costs nothing
-    buf = io.BytesIO()
+class _SparseSink(io.RawIOBase):
+    """A write-only stream that keeps what is written and skips what is seeked
+    over: torch.save under skip_data seeks over each record's data, which a
+    BytesIO would fill with zeros (GiBs of them for a large item)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = 0
+        self.parts: list[tuple[int, bytes]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        self.parts.append((self.pos, data))
+        self.pos += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = offset if whence == io.SEEK_SET else self.pos + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
+@functools.lru_cache(maxsize=4096)
+def _item_zip(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, int, bytes, int]:
+    """The torch.save zip of a contiguous CPU tensor of this dtype and shape, at
+    4 KiB storage alignment, as (bytes before the data, data offset, bytes after
+    the data, total length): byte for byte what torch.save writes, but for the
+    data. The same for every tensor of that dtype and shape (skip_data writes
+    no CRC), hence the cache."""
+    shell = torch.empty(shape, dtype=dtype)  # untouched pages: costs nothing
+    sink = _SparseSink()
     with _CONFIG_LOCK, _storage_alignment(_ALIGN), torch.serialization.skip_data():
-        torch.save(shell, buf)
-    z = buf.getvalue()
-    info = zipfile.ZipFile(io.BytesIO(z)).getinfo("archive/data/0")
-    name_len, extra_len = struct.unpack_from("<HH", z, info.header_offset + 26)
-    return z, info.header_offset + 30 + name_len + extra_len
+        torch.save(shell, sink)
+    nbytes = shell.numel() * shell.element_size()
+    head, tail = bytearray(), bytearray()
+    for pos, data in sink.parts:
+        if pos == len(head):
+            head += data
+        else:
+            tail += data
+    data_off = len(head)
+    if nbytes == 0:
+        return bytes(head + tail), data_off, b"", len(head) + len(tail)
+    if sink.parts and sink.parts[-1][0] + len(sink.parts[-1][1]) != data_off + nbytes + len(tail):
+        raise AssertionError("unexpected torch.save layout under skip_data")
+    return bytes(head), data_off, bytes(tail), data_off + nbytes + len(tail)
 
 
 class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[misc]
@@ -178,14 +219,14 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                     if not t.is_contiguous() or t.is_conj() or t.is_neg():
                         t = t.contiguous().resolve_conj().resolve_neg()
                     keep.append(t)
-                    z, data_off = _item_zip(t)
+                    head, data_off, tail, length = _item_zip(t.dtype, tuple(t.shape))
                     nbytes = t.numel() * t.element_size()
-                    writer.write_bytes(offset, z[:data_off])
-                    writer.write_bytes(offset + data_off + nbytes, z[data_off + nbytes :])
+                    writer.write_bytes(offset, head)
+                    if tail:
+                        writer.write_bytes(offset + data_off + nbytes, tail)
                     if nbytes:
                         dev = _device_code(t.untyped_storage(), f"item {item.index.fqn}")
                         segments.append((offset + data_off, t.data_ptr(), nbytes, dev))
-                    length = len(z)
                 results.append(
                     WriteResult(
                         index=item.index,
