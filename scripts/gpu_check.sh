@@ -9,6 +9,7 @@
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
 #   scripts/gpu_check.sh dcp     # staging/DCP tests (CPU and GPU), then benches/bench_dcp.py
 #                                # (DCP_SIZES, default 2G; DCP_SKIP_TESTS=1 for the bench only)
+#   scripts/gpu_check.sh final   # all GPU tests on cuFile, then bench_dcp.py for ckptio's stagers
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
 set -uo pipefail
@@ -70,6 +71,14 @@ dcp)
     udev_on
     $PY benches/bench_dcp.py --sizes "${DCP_SIZES:-2G}" --saves "${DCP_SAVES:-5}" --dir /tmp \
         --json "$OUT/bench_dcp_${DCP_SIZES:-2G}.json" 2>&1 | tee "$OUT/bench_dcp_${DCP_SIZES:-2G}.log" || rc=1
+    ;;
+final)
+    # Every GPU-marked test with the udev entry (cuFile), then the DCP bench of ckptio's stagers.
+    udev_on
+    timeout 170 $PY -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu_cufile.log" | tail -6
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    timeout 240 $PY benches/bench_dcp.py --sizes "${DCP_SIZES:-8G}" --saves 3 --only ckptio --dir /tmp \
+        --json "$OUT/bench_dcp_final.json" 2>&1 | tee "$OUT/bench_dcp_final.log" || rc=1
     ;;
 stbench)
     udev_on
