@@ -286,7 +286,11 @@ def test_cufile_records_are_marked_unchecked_not_wrong(tmp_path):
     v = ckptio.verify(p)
     assert v.ok and {r.name.rsplit("/", 1)[1] for r in v.unchecked} == {"0", "1"}, v
     got = ckptio.load(p, map_location="cuda", verify=True, backend="cufile")
-    assert set(ckptio.last_report().unchecked) == {r.name for r in v.unchecked}
+    # Every record loaded to the GPU by cuFile skips the host, so the load cannot
+    # check it: the ones cuFile wrote, and the host-saved one mapped to cuda here.
+    rep = ckptio.last_report()
+    assert rep.backend == "cufile"
+    assert {r.name for r in v.unchecked} <= set(rep.unchecked) <= set(records_of(p))
     assert_same(got, {k: v.cuda() for k, v in obj.items()})
     assert_same(torch.load(p, weights_only=True, map_location="cuda"), got)
 
