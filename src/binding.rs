@@ -257,9 +257,15 @@ pub struct AtomicWriter {
     backend: Backend,
 }
 
-/// What a write plan yields: segments, the final file length, and for zip
-/// records the archive with each segment's record index (so CRCs can be filled).
-type Planned = (Vec<RawSegment>, Option<u64>, Option<(Archive, Vec<usize>)>);
+/// What a write plan yields: segments, the final file length, for zip records
+/// the archive with each segment's record index (so CRCs can be filled), and
+/// whether to hand each segment's CRC-32 back to the caller.
+type Planned = (
+    Vec<RawSegment>,
+    Option<u64>,
+    Option<(Archive, Vec<usize>)>,
+    bool,
+);
 
 impl AtomicWriter {
     /// Run `plan` on the temp file (it returns the segments, the final file
@@ -280,25 +286,32 @@ impl AtomicWriter {
         };
         let stats = py.detach(|| {
             let path = st.atomic.tmp_path().to_path_buf();
-            let (raw, file_len, records) = plan(&st.io, &path)?;
+            let (raw, file_len, records, checksum) = plan(&st.io, &path)?;
             if let Some(len) = file_len.filter(|_| engine.config().preallocate) {
                 st.io.preallocate(len)?;
             }
             let segs = to_segments(raw);
             // SAFETY: `st.device` is dropped before `st.io` (field order).
             let device = unsafe { ensure_device_path(&mut st.device, &st.io, backend, &segs)? };
+            let crc = checksum || records.is_some();
             // SAFETY: the Python caller keeps each range alive and
             // unmodified for the duration of this call (documented contract).
-            let stats = unsafe { engine.write_via(&st.io, &segs, device, records.is_some())? };
+            let stats = unsafe { engine.write_via(&st.io, &segs, device, crc)? };
             if let Some((a, index)) = records {
                 // Data records not written yet stay listed as unchecked (fill_crcs).
                 let crcs: Vec<(usize, Option<u32>)> =
                     index.into_iter().zip(stats.crc32.iter().copied()).collect();
                 integrity::fill_crcs(&st.io, &a, &crcs)?;
             }
-            Ok::<_, Error>(stats)
+            Ok::<_, Error>((stats, checksum))
         })?;
-        report(py, &stats, &st.io, st.device.as_ref())
+        let (stats, checksum) = stats;
+        let d = report(py, &stats, &st.io, st.device.as_ref())?;
+        if checksum {
+            // Per segment: the CRC-32 of its bytes, None where cuFile moved them.
+            d.set_item("crc32", stats.crc32.clone())?;
+        }
+        Ok(d)
     }
 }
 
@@ -390,7 +403,7 @@ impl AtomicWriter {
                 raw.push((r.data_offset, addr, nbytes, dev));
             }
             let len = a.file_len;
-            Ok((raw, Some(len), Some((a, index))))
+            Ok((raw, Some(len), Some((a, index)), false))
         })
     }
 
@@ -399,16 +412,20 @@ impl AtomicWriter {
     /// `file_len`: the final size of the file, preallocated up front (when the
     /// engine preallocates) so that a full disk fails before any data moves.
     ///
+    /// `checksum`: also return each segment's CRC-32 (`"crc32"`, None where
+    /// cuFile moved the bytes), computed in the I/O threads.
+    ///
     /// The caller keeps every range alive and unmodified until this returns.
-    #[pyo3(signature = (engine, segments, file_len=None))]
+    #[pyo3(signature = (engine, segments, file_len=None, checksum=false))]
     fn write_segments<'py>(
         &self,
         py: Python<'py>,
         engine: &Engine,
         segments: Vec<RawSegment>,
         file_len: Option<u64>,
+        checksum: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
-        self.write_planned(py, engine, |_, _| Ok((segments, file_len, None)))
+        self.write_planned(py, engine, |_, _| Ok((segments, file_len, None, checksum)))
     }
 
     /// Write a small byte string (a header) at `offset`.

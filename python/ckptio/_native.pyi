@@ -90,9 +90,14 @@ class AtomicWriter:
     ) -> dict[str, Any]:
         """Write (key, address, nbytes, device) storages into records ``<prefix>/data/<key>``."""
     def write_segments(
-        self, engine: Engine, segments: list[_Segment], file_len: int | None = None
+        self,
+        engine: Engine,
+        segments: list[_Segment],
+        file_len: int | None = None,
+        checksum: bool = False,
     ) -> dict[str, Any]:
-        """Write (file offset, address, nbytes, device) ranges; preallocate ``file_len``."""
+        """Write (file offset, address, nbytes, device) ranges; preallocate ``file_len``;
+        with ``checksum``, "crc32" lists each segment's CRC-32 (None: not via host)."""
     def write_bytes(self, offset: int, data: bytes) -> None:
         """Write a small byte string (a header) at ``offset``."""
     def commit(self) -> None: ...

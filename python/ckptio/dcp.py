@@ -25,7 +25,8 @@ import functools
 import io
 import os
 import pickle
-from typing import Any
+import struct
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint import filesystem as _fs
@@ -104,13 +105,36 @@ class _SparseSink(io.RawIOBase):
         return self.pos
 
 
+class _Item(NamedTuple):
+    head: bytes  # the zip up to the data
+    data_off: int
+    tail: bytes  # the zip after the data
+    length: int
+    crc_at: tuple[int, ...]  # offsets in ``tail`` of the data record's CRC-32 fields
+
+
+def _crc_fields(tail: bytes, name: bytes) -> tuple[int, ...]:
+    """Where the CRC-32 of record ``name`` sits in a record's tail: its data
+    descriptor (first) and its central-directory entry."""
+    at = []
+    if tail[:4] == b"PK\x07\x08":
+        at.append(4)
+    i = tail.find(b"PK\x01\x02")
+    while i >= 0:
+        n, x, c = struct.unpack_from("<HHH", tail, i + 28)
+        if tail[i + 46 : i + 46 + n] == name:
+            at.append(i + 16)
+            break
+        i = tail.find(b"PK\x01\x02", i + 46 + n + x + c)
+    return tuple(at)
+
+
 @functools.lru_cache(maxsize=4096)
-def _item_zip(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, int, bytes, int]:
+def _item_zip(dtype: torch.dtype, shape: tuple[int, ...]) -> _Item:
     """The torch.save zip of a contiguous CPU tensor of this dtype and shape, at
-    4 KiB storage alignment, as (bytes before the data, data offset, bytes after
-    the data, total length): byte for byte what torch.save writes, but for the
-    data. The same for every tensor of that dtype and shape (skip_data writes
-    no CRC), hence the cache."""
+    4 KiB storage alignment: byte for byte what torch.save writes, but for the
+    data and its CRC-32 (filled in by the writer). The same for every tensor of
+    that dtype and shape, hence the cache."""
     shell = torch.empty(shape, dtype=dtype)  # untouched pages: costs nothing
     sink = _SparseSink()
     with _CONFIG_LOCK, _storage_alignment(_ALIGN), torch.serialization.skip_data():
@@ -124,10 +148,11 @@ def _item_zip(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, int, b
             tail += data
     data_off = len(head)
     if nbytes == 0:
-        return bytes(head + tail), data_off, b"", len(head) + len(tail)
+        return _Item(bytes(head + tail), data_off, b"", len(head) + len(tail), ())
     if sink.parts and sink.parts[-1][0] + len(sink.parts[-1][1]) != data_off + nbytes + len(tail):
         raise AssertionError("unexpected torch.save layout under skip_data")
-    return bytes(head), data_off, bytes(tail), data_off + nbytes + len(tail)
+    crc_at = _crc_fields(bytes(tail), b"archive/data/0")
+    return _Item(bytes(head), data_off, bytes(tail), data_off + nbytes + len(tail), crc_at)
 
 
 class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[misc]
@@ -206,6 +231,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         try:
             offset = 0
             segments: list[tuple[int, int, int, int]] = []
+            tails: list[tuple[int, _Item]] = []  # written after the data, with its CRC
             results = []
             keep = []  # tensors made contiguous here live until the write is done
             for item in items:
@@ -219,14 +245,14 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                     if not t.is_contiguous() or t.is_conj() or t.is_neg():
                         t = t.contiguous().resolve_conj().resolve_neg()
                     keep.append(t)
-                    head, data_off, tail, length = _item_zip(t.dtype, tuple(t.shape))
+                    z = _item_zip(t.dtype, tuple(t.shape))
                     nbytes = t.numel() * t.element_size()
-                    writer.write_bytes(offset, head)
-                    if tail:
-                        writer.write_bytes(offset + data_off + nbytes, tail)
+                    writer.write_bytes(offset, z.head)
+                    length = z.length
                     if nbytes:
                         dev = _device_code(t.untyped_storage(), f"item {item.index.fqn}")
-                        segments.append((offset + data_off, t.data_ptr(), nbytes, dev))
+                        segments.append((offset + z.data_off, t.data_ptr(), nbytes, dev))
+                        tails.append((offset + z.data_off + nbytes, z))
                 results.append(
                     WriteResult(
                         index=item.index,
@@ -236,7 +262,16 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                 )
                 offset = _align(offset + length)
             _sync_cuda({s[3] for s in segments})
-            stats = writer.write_segments(engine, segments, offset)
+            stats = writer.write_segments(engine, segments, offset, checksum=True)
+            # Each item's tail follows its data in the same page: write it once the
+            # data is down (never a buffered and a direct write of one page at once),
+            # with the CRC-32 computed as the bytes went (0, "unchecked", where
+            # cuFile moved them without touching host memory).
+            for (at, z), crc in zip(tails, stats.pop("crc32"), strict=True):
+                tail = bytearray(z.tail)
+                for pos in z.crc_at if crc is not None else ():
+                    struct.pack_into("<I", tail, pos, crc)
+                writer.write_bytes(at, bytes(tail))
             writer.commit()
             self.last_stats.append(dict(stats, path=path))
             del keep
