@@ -91,8 +91,11 @@ def fastsafetensors_loader(device: str, nogds: bool) -> Callable[[str], Any] | N
     except ImportError:
         return None
 
+    # fastsafetensors wants an indexed device ("cuda:0", not "cuda").
+    dev = f"{device}:{torch.cuda.current_device()}" if device == "cuda" else device
+
     def load(path: str) -> dict[str, torch.Tensor]:
-        with fastsafe_open(path, device=device, nogds=nogds) as f:
+        with fastsafe_open(path, device=dev, nogds=nogds) as f:
             return {k: f.get_tensor(k) for k in f.keys()}
 
     return load
