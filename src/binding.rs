@@ -208,23 +208,47 @@ fn file_modes(direct: Option<&str>, backend: Option<&str>) -> PyResult<(DirectMo
     Ok((mode, backend))
 }
 
+/// What a transfer report says, gathered while the file's lock is held
+/// (detached), turned into a dict once attached again.
+struct Report {
+    stats: Stats,
+    direct_reason: Option<String>,
+    gds_mode: Option<&'static str>,
+    fallback_reason: Option<String>,
+}
+
+impl Report {
+    fn new(stats: Stats, io: &IoFile, device: Option<&DevicePath>) -> Self {
+        let dev = device.filter(|_| stats.device_path.is_some());
+        Report {
+            direct_reason: io.no_direct_reason().map(str::to_owned),
+            gds_mode: dev.and_then(DevicePath::gds_mode),
+            fallback_reason: dev.and_then(DevicePath::fallback_reason).map(str::to_owned),
+            stats,
+        }
+    }
+
+    fn into_dict(self, py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+        let (s, d) = (&self.stats, PyDict::new(py));
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("chunks", s.chunks)?;
+        d.set_item("threads", s.threads)?;
+        d.set_item("direct", s.direct)?;
+        d.set_item("direct_reason", self.direct_reason)?;
+        d.set_item("backend", s.device_path.unwrap_or("posix"))?;
+        d.set_item("gds_mode", self.gds_mode)?;
+        d.set_item("fallback_reason", self.fallback_reason)?;
+        Ok(d)
+    }
+}
+
 fn report<'py>(
     py: Python<'py>,
     s: &Stats,
     io: &IoFile,
     device: Option<&DevicePath>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("bytes", s.bytes)?;
-    d.set_item("chunks", s.chunks)?;
-    d.set_item("threads", s.threads)?;
-    d.set_item("direct", s.direct)?;
-    d.set_item("direct_reason", io.no_direct_reason())?;
-    d.set_item("backend", s.device_path.unwrap_or("posix"))?;
-    let dev = device.filter(|_| s.device_path.is_some());
-    d.set_item("gds_mode", dev.and_then(DevicePath::gds_mode))?;
-    d.set_item("fallback_reason", dev.and_then(DevicePath::fallback_reason))?;
-    Ok(d)
+    Report::new(s.clone(), io, device).into_dict(py)
 }
 
 /// The device path for a file, opened on first need (only when device memory moves).
@@ -280,11 +304,13 @@ impl AtomicWriter {
     ) -> PyResult<Bound<'py, PyDict>> {
         let engine = engine.inner.clone();
         let backend = self.backend;
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(st) = g.as_mut() else {
-            return Err(writer_done());
-        };
-        let stats = py.detach(|| {
+        // The writer's lock is taken and released while detached: a thread
+        // waiting for it never holds the interpreter that this one needs back.
+        let (rep, crc32) = py.detach(|| -> PyResult<_> {
+            let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(st) = g.as_mut() else {
+                return Err(writer_done());
+            };
             let path = st.atomic.tmp_path().to_path_buf();
             let (raw, file_len, records, checksum) = plan(&st.io, &path)?;
             if let Some(len) = file_len.filter(|_| engine.config().preallocate) {
@@ -303,13 +329,13 @@ impl AtomicWriter {
                     index.into_iter().zip(stats.crc32.iter().copied()).collect();
                 integrity::fill_crcs(&st.io, &a, &crcs)?;
             }
-            Ok::<_, Error>((stats, checksum))
+            let crc32 = checksum.then(|| stats.crc32.clone());
+            Ok((Report::new(stats, &st.io, st.device.as_ref()), crc32))
         })?;
-        let (stats, checksum) = stats;
-        let d = report(py, &stats, &st.io, st.device.as_ref())?;
-        if checksum {
+        let d = rep.into_dict(py)?;
+        if let Some(crc32) = crc32 {
             // Per segment: the CRC-32 of its bytes, None where cuFile moved them.
-            d.set_item("crc32", stats.crc32.clone())?;
+            d.set_item("crc32", crc32)?;
         }
         Ok(d)
     }
@@ -430,12 +456,13 @@ impl AtomicWriter {
 
     /// Write a small byte string (a header) at `offset`.
     fn write_bytes(&self, py: Python<'_>, offset: u64, data: &[u8]) -> PyResult<()> {
-        let g = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(st) = g.as_ref() else {
-            return Err(writer_done());
-        };
-        py.detach(|| st.io.write_at(data, offset))?;
-        Ok(())
+        py.detach(|| {
+            let g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(st) = g.as_ref() else {
+                return Err(writer_done());
+            };
+            Ok(st.io.write_at(data, offset)?)
+        })
     }
 
     /// fsync, rename over the target, fsync the folder.

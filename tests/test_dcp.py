@@ -464,3 +464,32 @@ def test_items_carry_real_crc32s(tmp_path):
     bad[len(bad) // 2] ^= 1  # inside the data (small records are padded to 4 KiB)
     with zipfile.ZipFile(io.BytesIO(bytes(bad))) as z:
         assert z.testzip() == "archive/data/0"
+
+
+def test_one_writer_used_from_two_threads_does_not_deadlock(tmp_path):
+    """The writer's lock is only held detached from the interpreter: a second
+    thread calling into the same writer cannot block the first one's return."""
+    import threading
+
+    from ckptio import _native
+    from ckptio.serialization import _engine
+
+    w = _native.AtomicWriter(tmp_path / "f.bin", "off")
+    data = torch.arange(1 << 22, dtype=torch.uint8)
+    errors = []
+
+    def small_writes():
+        try:
+            for i in range(300):
+                w.write_bytes((1 << 22) + i, b"x")
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=small_writes)
+    t.start()
+    for _ in range(20):
+        w.write_segments(_engine(2, 1 << 16, "off"), [(0, data.data_ptr(), data.numel(), -1)])
+    t.join(timeout=60)
+    assert not t.is_alive() and not errors
+    w.commit()
+    assert (tmp_path / "f.bin").read_bytes()[:16] == bytes(range(16))
