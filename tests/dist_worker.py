@@ -44,9 +44,9 @@ def check(out: dict, full: dict, what: str = "") -> None:
             r, c = bad[0].tolist()
             raise AssertionError(
                 f"{what}: {k} differs at {bad.shape[0]} places, first {bad[:4].tolist()}; "
-                f"local shape {tuple(out[k].to_local().shape)}; got {got[r, c:c + 4].tolist()} "
-                f"want {full[k][r, c:c + 4].tolist()} "
-                f"steps 0..2: {[full_state(i)[k][r, c:c + 2].tolist() for i in range(3)]}"
+                f"local shape {tuple(out[k].to_local().shape)}; got {got[r, c : c + 4].tolist()} "
+                f"want {full[k][r, c : c + 4].tolist()} "
+                f"steps 0..2: {[full_state(i)[k][r, c : c + 2].tolist() for i in range(3)]}"
             )
     assert out["step"] == full["step"], out["step"]
 
@@ -102,6 +102,28 @@ def main() -> None:
         back = load_replica(f"{ckpt}/replicas", rank, weights_only=False)
         assert back["rank"] == partner and torch.equal(back["x"], got["x"])
         stager.close()
+    elif scenario == "sharded_tensor":
+        # The legacy ShardedTensor: its local shards are staged and saved like DTensors'.
+        from torch.distributed._shard import sharded_tensor
+        from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+        spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
+        torch.manual_seed(100 + rank)
+        st = sharded_tensor.rand(spec, 64, 48)
+        stager = DefaultStager(StagingOptions(use_shared_memory=False))
+        staged = stager.stage({"st": st}).result()["st"]
+        assert type(staged) is type(st)
+        for a, b in zip(st.local_shards(), staged.local_shards(), strict=True):
+            assert torch.equal(a.tensor, b.tensor) and a.metadata == b.metadata
+        assert staged.local_shards()[0].tensor.data_ptr() != st.local_shards()[0].tensor.data_ptr()
+        r = dcp.async_save(
+            {"st": st}, storage_writer=FileSystemWriter(f"{ckpt}/st"), async_stager=stager
+        )
+        r.upload_completion.result()
+        stager.close()
+        out = {"st": sharded_tensor.zeros(spec, 64, 48)}
+        dcp.load(out, storage_reader=FileSystemReader(f"{ckpt}/st"))
+        assert torch.equal(out["st"].local_shards()[0].tensor, st.local_shards()[0].tensor)
     elif scenario == "process":
         # DCP's checkpoint process: the staged dict travels in shared memory.
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType

@@ -352,6 +352,11 @@ def test_two_and_four_ranks_then_reshard(tmp_path):
 
 
 @pytest.mark.slow
+def test_sharded_tensor_local_shards(tmp_path):
+    _run_ranks(2, "sharded_tensor", tmp_path)
+
+
+@pytest.mark.slow
 def test_replication_stager_exchange_and_recovery(tmp_path):
     _run_ranks(2, "replicate", tmp_path)
     assert sorted(os.listdir(tmp_path / "replicas")) == [
