@@ -244,11 +244,11 @@ impl Report {
 
 fn report<'py>(
     py: Python<'py>,
-    s: &Stats,
+    s: Stats,
     io: &IoFile,
     device: Option<&DevicePath>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    Report::new(s.clone(), io, device).into_dict(py)
+    Report::new(s, io, device).into_dict(py)
 }
 
 /// The device path for a file, opened on first need (only when device memory moves).
@@ -633,7 +633,7 @@ impl Reader {
             }
             Ok::<_, Error>((st, device))
         })?;
-        let d = report(py, &stats, &self.io, device.as_ref())?;
+        let d = report(py, stats, &self.io, device.as_ref())?;
         if verify {
             d.set_item("verified", verified)?;
             d.set_item("unchecked", unchecked)?;
@@ -887,7 +887,7 @@ impl DeviceFile {
             unsafe { engine.read_via(&self.io, &segs, path, false) }
         })?;
         let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-        report(py, &stats, &self.io, g.as_ref())
+        report(py, stats, &self.io, g.as_ref())
     }
 }
 

@@ -697,18 +697,8 @@ impl Lane {
         let end = align::align_up(off + len as u64, ao);
         let span = (end - start) as usize;
         let stage = &mut self.staging.as_mut_slice()[..span];
-        let got = file.read_blocks_upto(stage, start)?;
         let skip = (off - start) as usize;
-        if got < skip + len {
-            return Err(Error::format(
-                Some(file.path()),
-                format!(
-                    "file ends at byte {} but data runs to byte {}",
-                    start + got as u64,
-                    off + len as u64
-                ),
-            ));
-        }
+        file.read_blocks_needed(stage, start, skip + len)?;
         Ok(&stage[skip..skip + len])
     }
 }

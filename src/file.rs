@@ -204,6 +204,23 @@ impl IoFile {
         pread_upto(fd, buf, off).map_err(|e| Error::io_at("pread", &self.path, e))
     }
 
+    /// [`Self::read_blocks_upto`] for a range whose first `need` bytes must be
+    /// in the file: meeting its end sooner is a `Format` error (truncated file).
+    pub fn read_blocks_needed(&self, buf: &mut [u8], off: u64, need: usize) -> Result<()> {
+        let got = self.read_blocks_upto(buf, off)?;
+        if got < need {
+            return Err(Error::format(
+                Some(&self.path),
+                format!(
+                    "file ends at byte {} but data runs to byte {}",
+                    off + got as u64,
+                    off + need as u64
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Write whole aligned blocks through O_DIRECT when possible.
     pub fn write_blocks(&self, buf: &[u8], off: u64) -> Result<()> {
         let fd = self

@@ -236,17 +236,7 @@ impl BounceLane {
                 s.buf.len()
             )));
         }
-        let got = file.read_blocks_upto(&mut s.buf.as_mut_slice()[..span], start)?;
-        if got < skip + len {
-            return Err(Error::format(
-                Some(file.path()),
-                format!(
-                    "file ends at byte {} but data runs to byte {}",
-                    start + got as u64,
-                    file_offset + len as u64
-                ),
-            ));
-        }
+        file.read_blocks_needed(&mut s.buf.as_mut_slice()[..span], start, skip + len)?;
         let sum = crc.then(|| crc32fast::hash(&s.buf.as_slice()[skip..skip + len]));
         let cuda = cuda::driver()?;
         cuda.make_current(self.device)?;

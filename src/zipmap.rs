@@ -659,6 +659,19 @@ fn le64(b: &[u8], at: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a mapped archive promises: every record (header to end of data)
+    /// inside the file, and no two records overlapping.
+    fn assert_records_fit(a: &Archive, file_len: usize) {
+        let mut spans: Vec<_> = a
+            .records
+            .iter()
+            .map(|r| (r.header_offset, r.data_offset + r.size))
+            .collect();
+        spans.sort_unstable();
+        assert!(spans.iter().all(|s| s.1 <= file_len as u64));
+        assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0));
+    }
     use std::path::PathBuf;
 
     const BIG: u64 = 0xFFFF_FFFF;
@@ -1638,14 +1651,7 @@ mod tests {
                     };
                 }
                 if let Ok(a) = map_bytes(&v) {
-                    let mut spans: Vec<_> = a
-                        .records
-                        .iter()
-                        .map(|r| (r.header_offset, r.data_offset + r.size))
-                        .collect();
-                    spans.sort_unstable();
-                    assert!(spans.iter().all(|s| s.1 <= v.len() as u64));
-                    assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0));
+                    assert_records_fit(&a, v.len());
                 }
             }
         }
@@ -1745,14 +1751,7 @@ mod tests {
         fn check(v: &[u8]) {
             match map_bytes(v) {
                 Ok(a) => {
-                    let mut spans: Vec<_> = a
-                        .records
-                        .iter()
-                        .map(|r| (r.header_offset, r.data_offset + r.size))
-                        .collect();
-                    spans.sort_unstable();
-                    assert!(spans.iter().all(|s| s.1 <= v.len() as u64));
-                    assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0));
+                    assert_records_fit(&a, v.len());
                     assert_eq!(crate::integrity::declared(&a).len(), a.records.len());
                 }
                 Err(Error::Format { .. }) => {}

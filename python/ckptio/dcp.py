@@ -29,6 +29,7 @@ import struct
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
@@ -384,7 +385,7 @@ class FileSystemReader(_TorchReader):
                     continue
                 meta, data_off = self._layout(f, path, info)
                 target = planner.resolve_tensor(req).detach()
-                src = _narrow(meta, req.storage_offsets, req.lengths)
+                src = narrow_tensor_by_index(meta, req.storage_offsets, req.lengths)
                 if tuple(target.shape) != tuple(src.shape):
                     raise _native.FormatError(
                         f"{path}: item {req.storage_index} has shape {tuple(src.shape)}, "
@@ -418,12 +419,3 @@ class FileSystemReader(_TorchReader):
                 view = tmp.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
                 target.copy_(view)
             planner.commit_tensor(req, target)
-
-
-def _narrow(meta: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
-    out = meta
-    for dim, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
-        if o != 0 or n != out.shape[dim]:
-            out = out.narrow(dim, o, n)
-    return out
-

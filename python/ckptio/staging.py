@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ckptio import _native
+from ckptio.serialization import _device_code, load, save
 
 __all__ = [
     "StagingOptions",
@@ -414,7 +415,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 plan.d2d.setdefault(dev.index or 0, []).append((st, buf.storage))  # type: ignore[arg-type]
             else:
                 buf = self._cache.host(key, nbytes, self._opts.use_shared_memory, self._pinned)
-                dev_index = -1 if dev.type == "cpu" else (dev.index or 0)
+                dev_index = _device_code(st, "staged storage")
                 if dev_index >= 0:
                     plan.devices.add(dev_index)
                 plan.copies.append((st.data_ptr(), dev_index, buf.pin, 0, nbytes))
@@ -608,8 +609,6 @@ class ReplicationStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         else:
             received = transport.recv_checkpoint(partner)
             transport.send_checkpoint([partner], snapshot)
-        from ckptio.serialization import save
-
         save(received, _replica_path(self._storage_dir, rank, partner))
         return received
 
@@ -637,8 +636,6 @@ def load_replica(
     With ``partner=None`` the single replica held by ``rank`` is loaded.
     ``weights_only=False`` allows non-tensor objects beyond torch's safe set.
     """
-    from ckptio.serialization import load
-
     d = os.fspath(storage_dir)
     if partner is None:
         prefix = f"rank_{rank}_replica_partner_"
