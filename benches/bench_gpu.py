@@ -8,7 +8,11 @@ the PyTorch tutorial's torch.cuda.gds recipe, KvikIO (POSIX and cuFile paths,
 through the bounce pipeline and through cuFile. Prints a table per case and
 writes all rows as JSON.
 
-Usage: python benches/bench_gpu.py [--sizes 2G,8G] [--dir /tmp] [--shm-size 8G] [--json OUT]
+The rows the targets compare run ``--rounds`` times, interleaved, and the table
+shows medians (the VM's disk drifts by 1.5x within a run), then the ratios.
+
+Usage: python benches/bench_gpu.py [--sizes 2G,8G] [--rounds 3] [--dir /tmp]
+                                   [--shm-size 8G] [--json OUT]
 """
 
 from __future__ import annotations
@@ -175,102 +179,152 @@ def kvikio_run(folder: str, size: int, mode: str) -> tuple[float, float, str]:
     return r["write"], r["read"], f"compat={r['compat']} ok={r['ok']}"
 
 
-def case(label: str, folder: str, size: int, full: bool) -> None:
+def case(label: str, folder: str, size: int, full: bool, rounds: int) -> None:
+    """One size in one folder. The disk's speed drifts during a run, so the rows
+    that the targets compare (raw limits, KvikIO, ckptio) are measured ``rounds``
+    times, interleaved, and reported as medians; torch.save, torch.load and the
+    torch.cuda.gds recipe (far from the targets, slow) run in the first round."""
+    import shutil
+    import statistics
+
     tmp = tempfile.mkdtemp(prefix="ckptio-gpu-", dir=folder)
     sd = bench.synthetic_state_dict(size, "cuda", torch.bfloat16)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     print(f"\n## {label}: {nbytes / GiB:.2f} GiB bf16, {len(sd)} tensors, {tmp}", flush=True)
-    raw_ = bench.raw_limits(tmp, nbytes)
-    tag = " (O_DIRECT)" if raw_.direct else ""
-    row(label, "raw write + fsync" + tag, raw_.write, nbytes)
-    row(label, "raw read, cold" + tag, raw_.read, nbytes)
-    raw = os.path.join(tmp, "rawb.bin")
-    with open(raw, "wb") as f:
-        chunk = os.urandom(1 << 20) * 64
-        for _ in range(0, nbytes, len(chunk)):
-            f.write(chunk)
-    row(label, "raw read, cold (buffered)", buffered_cold_read(raw, nbytes), nbytes)
-    os.unlink(raw)
-    row(label, "D2H pinned copy", d2h_pinned(nbytes), nbytes)
+    times: dict[str, list[float]] = {}
+    notes: dict[str, str] = {}
+
+    def rec(name: str, seconds: float | None, note: str = "") -> None:
+        if seconds is None:
+            times.setdefault(name, [])
+        else:
+            times.setdefault(name, []).append(seconds)
+        if note:
+            notes[name] = note
 
     def attempt(name: str, fn) -> None:
         try:
             fn()
         except Exception as e:  # a peer that cannot run here is a row, not a crash
-            row(label, name, None, nbytes, f"unavailable: {type(e).__name__}: {e}"[:160])
+            rec(name, None, f"unavailable: {type(e).__name__}: {e}"[:160])
 
-    if full:
+    def raw_rows() -> None:
+        raw_ = bench.raw_limits(tmp, nbytes)
+        tag = " (O_DIRECT)" if raw_.direct else ""
+        rec("raw write + fsync" + tag, raw_.write)
+        rec("raw read, cold" + tag, raw_.read)
+        raw = os.path.join(tmp, "rawb.bin")
+        with open(raw, "wb") as f:
+            chunk = os.urandom(1 << 20) * 64
+            for _ in range(0, nbytes, len(chunk)):
+                f.write(chunk)
+        rec("raw read, cold (buffered)", buffered_cold_read(raw, nbytes))
+        os.unlink(raw)
 
-        def torch_rows() -> None:
-            p = os.path.join(tmp, "torch.pt")
-            t = timed(lambda: (torch.save(sd, p), bench.fsync_path(p)))
-            row(label, "torch.save + fsync", t, nbytes)
-            bench.drop_cache(p)
-            row(
-                label,
-                "torch.load -> cuda, cold",
-                timed(lambda: torch.load(p, map_location="cuda", weights_only=True)),
-                nbytes,
-            )
-            os.unlink(p)
+    def torch_rows() -> None:
+        p = os.path.join(tmp, "torch.pt")
+        rec("torch.save + fsync", timed(lambda: (torch.save(sd, p), bench.fsync_path(p))))
+        bench.drop_cache(p)
+        rec(
+            "torch.load -> cuda, cold",
+            timed(lambda: torch.load(p, map_location="cuda", weights_only=True)),
+        )
+        os.unlink(p)
 
-        attempt("torch.save/load", torch_rows)
+    def gds_rows() -> None:
+        p = os.path.join(tmp, "gds.pt")
+        w, r = gds_recipe(sd, p)
+        rec("torch.cuda.gds recipe save", w)
+        rec("torch.cuda.gds recipe load", r)
+        os.unlink(p)
 
-        def gds_rows() -> None:
-            p = os.path.join(tmp, "gds.pt")
-            w, r = gds_recipe(sd, p)
-            row(label, "torch.cuda.gds recipe save", w, nbytes)
-            row(label, "torch.cuda.gds recipe load", r, nbytes)
-            os.unlink(p)
+    def kv(mode: str) -> None:
+        w, r, note = kvikio_run(tmp, size, mode)
+        name = "KvikIO posix" if mode == "ON" else "KvikIO cuFile"
+        rec(f"{name} write + fsync", w, note)
+        rec(f"{name} read, cold", r, note)
 
-        attempt("torch.cuda.gds recipe", gds_rows)
+    def ck(backend: str) -> None:
+        # Warm the engine (pinned pool) on another file, then time a save
+        # to a fresh path, as every other row does.
+        warm = os.path.join(tmp, f"warm_{backend}.pt")
+        ckptio.save(sd, warm, backend=backend)
+        os.unlink(warm)
+        os.sync()
+        p = os.path.join(tmp, f"ckptio_{backend}.pt")
+        t = timed(lambda: ckptio.save(sd, p, backend=backend))
+        rep = ckptio.last_report()
+        rec(
+            f"ckptio.save ({backend})",
+            t,
+            f"ran={rep.backend} gds_mode={rep.gds_mode} direct={rep.direct}",
+        )
+        bench.drop_cache(p)
+        out = {}
+        t = timed(lambda: out.update(x=ckptio.load(p, map_location="cuda", backend=backend)))
+        rep = ckptio.last_report()
+        ok = all(torch.equal(out["x"][k], v) for k, v in sd.items())
+        rec(f"ckptio.load ({backend}), cold", t, f"ran={rep.backend} ok={ok}")
+        eng = ckptio.serialization._engine(None, None, None)
+        notes["ckptio pinned pool"] = f"{eng.pinned_bytes() / 2**20:.0f} MiB"
+        out.clear()
+        os.unlink(p)
 
-    for mode in ("ON", "AUTO") if full else ("ON",):
-
-        def kv(mode: str = mode) -> None:
-            w, r, note = kvikio_run(tmp, size, mode)
-            name = "KvikIO posix" if mode == "ON" else "KvikIO cuFile"
-            row(label, f"{name} write + fsync", w, nbytes, note)
-            row(label, f"{name} read, cold", r, nbytes, note)
-
-        attempt(f"KvikIO {mode}", kv)
-
-    for backend in ("posix", "cufile") if full else ("posix",):
-
-        def ck(backend: str = backend) -> None:
-            # Warm the engine (pinned pool) on another file, then time a save
-            # to a fresh path, as every other row does.
-            warm = os.path.join(tmp, f"warm_{backend}.pt")
-            ckptio.save(sd, warm, backend=backend)
-            os.unlink(warm)
-            os.sync()
-            p = os.path.join(tmp, f"ckptio_{backend}.pt")
-            t = timed(lambda: ckptio.save(sd, p, backend=backend))
-            rep = ckptio.last_report()
-            row(
-                label,
-                f"ckptio.save ({rep.backend})",
-                t,
-                nbytes,
-                f"gds_mode={rep.gds_mode} direct={rep.direct}",
-            )
-            bench.drop_cache(p)
-            out = {}
-            t = timed(lambda: out.update(x=ckptio.load(p, map_location="cuda", backend=backend)))
-            rep = ckptio.last_report()
-            ok = all(torch.equal(out["x"][k], v) for k, v in sd.items())
-            row(label, f"ckptio.load ({rep.backend}), cold", t, nbytes, f"ok={ok}")
-            eng = ckptio.serialization._engine(None, None, None)
-            row(label, "ckptio pinned pool", None, nbytes, f"{eng.pinned_bytes() / 2**20:.0f} MiB")
-            out.clear()
-            os.unlink(p)
-
-        attempt(f"ckptio {backend}", ck)
+    rec("D2H pinned copy", d2h_pinned(nbytes))
+    for r in range(rounds):
+        attempt("raw", raw_rows)
+        if full and r == 0:
+            attempt("torch.save/load", torch_rows)
+            attempt("torch.cuda.gds recipe", gds_rows)
+        for mode in ("ON", "AUTO") if full else ("ON",):
+            attempt(f"KvikIO {mode}", lambda mode=mode: kv(mode))
+        for backend in ("posix", "cufile") if full else ("posix",):
+            attempt(f"ckptio {backend}", lambda backend=backend: ck(backend))
+    med: dict[str, float] = {}
+    for name, ts in times.items():
+        if ts:
+            med[name] = statistics.median(ts)
+            spread = f"n={len(ts)} {nbytes / GiB / max(ts):.2f}-{nbytes / GiB / min(ts):.2f} GiB/s"
+            row(label, name, med[name], nbytes, f"{spread} {notes.get(name, '')}".strip())
+        else:
+            row(label, name, None, nbytes, notes.get(name, ""))
+    if "ckptio pinned pool" in notes:
+        row(label, "ckptio pinned pool", None, nbytes, notes["ckptio pinned pool"])
+    ratios(label, med)
     sd.clear()
     torch.cuda.empty_cache()
-    import shutil
-
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ratios(label: str, med: dict[str, float]) -> None:
+    """The targets, from the medians: higher is better for ckptio."""
+
+    def get(prefix: str) -> float | None:
+        return next((v for k, v in med.items() if k.startswith(prefix)), None)
+
+    raw_w = get("raw write")
+    reads = [x for x in (get("raw read, cold (O"), get("raw read, cold (b")) if x]
+    raw_r = min(reads) if reads else None  # the better of O_DIRECT and buffered
+    peers_w = {k: v for k, v in med.items() if k.startswith("KvikIO") and "write" in k}
+    peers_r = {
+        k: v
+        for k, v in med.items()
+        if ("KvikIO" in k and "read" in k) or k.startswith("torch.load")
+    }
+    for b in ("posix", "cufile"):
+        sv, ld = med.get(f"ckptio.save ({b})"), med.get(f"ckptio.load ({b}), cold")
+        parts = []
+        if sv and raw_w:
+            parts.append(f"save {raw_w / sv:.2f}x raw write")
+            parts += [f"{v / sv:.2f}x {k.split(' write')[0]}" for k, v in peers_w.items()]
+        if ld and raw_r:
+            parts.append(f"load {raw_r / ld:.2f}x best raw read")
+            parts += [
+                f"{v / ld:.2f}x {k.split(',')[0].split(' read')[0]}" for k, v in peers_r.items()
+            ]
+        if parts:
+            print(f"{label:<14} ratio ckptio {b:<7} " + " | ".join(parts), flush=True)
+    ROWS.append({"case": label, "name": "medians", "medians": med})
 
 
 def main() -> None:
@@ -279,16 +333,20 @@ def main() -> None:
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--shm-size", default="8G")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="interleaved repeats of the compared rows"
+    )
+    ap.add_argument("--shm-rounds", type=int, default=2)
     a = ap.parse_args()
     print(f"{'case':<14} {'what':<34} {'seconds':>8} {'GiB/s':>7}  note", flush=True)
     for s in a.sizes.split(","):
         try:
-            case(f"disk {s}", a.dir, _size(s), True)
+            case(f"disk {s}", a.dir, _size(s), True, a.rounds)
         except Exception:
             traceback.print_exc()
     if a.shm_size and os.path.isdir("/dev/shm"):
         try:
-            case(f"shm {a.shm_size}", "/dev/shm", _size(a.shm_size), False)
+            case(f"shm {a.shm_size}", "/dev/shm", _size(a.shm_size), False, a.shm_rounds)
         except Exception:
             traceback.print_exc()
     if a.json:

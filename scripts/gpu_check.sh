@@ -12,6 +12,8 @@
 #   scripts/gpu_check.sh final   # all GPU tests on cuFile, then bench_dcp.py for ckptio's stagers
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
+#   scripts/gpu_check.sh staging # benches/bench_staging.py: first host staging, pinned or pageable
+# Several modes run in turn: scripts/gpu_check.sh tests staging
 set -uo pipefail
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/out}
@@ -28,7 +30,9 @@ udev_off() { rm -f "/run/udev/data/b$majmin"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 $PY -c 'import torch, ckptio; print("torch", torch.__version__, "ckptio", ckptio.__version__)'
 rc=0
-case "${1:-tests}" in
+for mode in "${@:-tests}"; do
+echo "##### mode $mode"
+case "$mode" in
 tests)
     udev_off
     echo "=== Rust unit tests (GPU parts run here)"
@@ -84,5 +88,12 @@ stbench)
     udev_on
     $PY benches/bench_safetensors.py --device cuda --size ${ST_SIZE:-8G} --json "$OUT/bench_safetensors.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_safetensors.log" || rc=1
     ;;
+staging)
+    $PY benches/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
+    ;;
+*)
+    echo "unknown mode $mode"; rc=1
+    ;;
 esac
+done
 exit $rc

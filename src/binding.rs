@@ -977,18 +977,36 @@ impl HostPin {
     }
 }
 
+/// Pin every chunk of `pins` not yet pinned, on `threads` threads (the GIL
+/// released); returns the bytes now pinned. A chunk the driver refuses stays pageable.
+#[pyfunction]
+#[pyo3(signature = (pins, threads=8))]
+fn stage_pin(py: Python<'_>, pins: Vec<Bound<'_, HostPin>>, threads: usize) -> PyResult<u64> {
+    let pins = pins
+        .iter()
+        .map(|p| p.get().get())
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(py.detach(move || {
+        let refs: Vec<&crate::staging::HostPin> = pins.iter().map(|p| p.as_ref()).collect();
+        crate::staging::pin_all(&refs, threads)
+    }))
+}
+
 /// One staging copy as Python hands it: (source address, source device (-1 host),
 /// destination pin, destination offset, nbytes).
 type RawCopy<'py> = (u64, i32, Bound<'py, HostPin>, u64, u64);
 
 /// Copy tensor memory into staging buffers on `threads` threads; returns when
 /// every byte has landed. The caller keeps sources unmodified until then.
+/// `pin`: pin destination chunks before the first copy into them; without it
+/// they take pageable copies until `HostPin.pin_all`.
 #[pyfunction]
-#[pyo3(signature = (copies, threads=8))]
+#[pyo3(signature = (copies, threads=8, pin=true))]
 fn stage_copy<'py>(
     py: Python<'py>,
     copies: Vec<RawCopy<'py>>,
     threads: usize,
+    pin: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut pins: Vec<Arc<crate::staging::HostPin>> = Vec::new();
     let mut jobs = Vec::with_capacity(copies.len());
@@ -1017,7 +1035,7 @@ fn stage_copy<'py>(
         let refs: Vec<&crate::staging::HostPin> = pins.iter().map(|p| p.as_ref()).collect();
         // SAFETY: the Python caller keeps sources alive and unmodified and owns
         // the destinations (documented contract); pins are held by `pins`.
-        unsafe { crate::staging::copy_to_host(&refs, &jobs, threads) }
+        unsafe { crate::staging::copy_to_host(&refs, &jobs, threads, pin) }
     })?;
     let d = PyDict::new(py);
     d.set_item("bytes", st.bytes)?;
@@ -1160,7 +1178,8 @@ mod _native {
     #[pymodule_export]
     use super::{
         _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, info, map_archive,
-        stage_copy, AtomicWriter, BufferRegistration, DeviceFile, Engine, HostPin, Reader,
+        stage_copy, stage_pin, AtomicWriter, BufferRegistration, DeviceFile, Engine, HostPin,
+        Reader,
     };
 
     use super::*;

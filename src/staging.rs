@@ -86,6 +86,11 @@ impl HostPin {
             .sum()
     }
 
+    /// Whether chunk `i` is pinned now (without trying to pin it).
+    fn is_pinned(&self, i: usize) -> bool {
+        matches!(self.regs[i].get(), Some(Some(_)))
+    }
+
     /// Registers chunk `i` if not yet tried. Returns whether it is pinned.
     fn ensure_pinned(&self, i: usize) -> bool {
         if !self.pin {
@@ -108,6 +113,29 @@ impl HostPin {
         });
         reg.is_some()
     }
+}
+
+/// Pins every chunk of `pins` not yet tried, on up to `threads` threads. Used
+/// after a first, unpinned copy, off the training thread's path, so that later
+/// copies run at the pinned speed. Returns the bytes now pinned through `pins`.
+pub fn pin_all(pins: &[&HostPin], threads: usize) -> u64 {
+    let work: Vec<(usize, usize)> = pins
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.pin)
+        .flat_map(|(k, p)| (0..p.regs.len()).map(move |i| (k, i)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, work.len().max(1)) {
+            s.spawn(|| {
+                while let Some(&(k, i)) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    pins[k].ensure_pinned(i);
+                }
+            });
+        }
+    });
+    pins.iter().map(|p| p.pinned_bytes()).sum()
 }
 
 /// Copy `len` bytes from `src` (host or device memory) into `pins[dst]` at `dst_offset`.
@@ -182,6 +210,10 @@ fn plan(pins: &[&HostPin], jobs: &[CopyJob]) -> Result<Vec<Piece>> {
 /// per thread and device (into pinned chunks where the driver allows), host
 /// pieces as memcpy. Returns when every byte has landed; the first error wins.
 ///
+/// `pin_now`: pin chunks not yet pinned before copying into them. Without it
+/// such chunks take a pageable copy (the driver's own staging), and the caller
+/// may pin them later with [`HostPin::pin_all`].
+///
 /// # Safety
 /// Each source range must be readable memory of its kind that nobody frees or
 /// writes for the whole call; destination ranges must not overlap each other
@@ -190,6 +222,7 @@ pub unsafe fn copy_to_host(
     pins: &[&HostPin],
     jobs: &[CopyJob],
     threads: usize,
+    pin_now: bool,
 ) -> Result<CopyStats> {
     let pieces = plan(pins, jobs)?;
     let threads = threads.clamp(1, pieces.len().max(1));
@@ -233,7 +266,13 @@ pub unsafe fn copy_to_host(
                                 }
                             }
                             Memory::Cuda(dev) => {
-                                if !pins[p.dst].ensure_pinned(p.chunk) {
+                                let pin = &pins[p.dst];
+                                let pinned = if pin_now {
+                                    pin.ensure_pinned(p.chunk)
+                                } else {
+                                    pin.is_pinned(p.chunk)
+                                };
+                                if !pinned {
                                     unpinned.fetch_add(p.len, Ordering::Relaxed);
                                 }
                                 let k = match streams.iter().position(|s| s.device() == dev) {
@@ -309,7 +348,7 @@ mod tests {
             },
         ];
         // SAFETY: all ranges are live vectors, disjoint.
-        let st = unsafe { copy_to_host(&[&pa, &pb], &jobs, 4) }.unwrap();
+        let st = unsafe { copy_to_host(&[&pa, &pb], &jobs, 4, true) }.unwrap();
         assert_eq!(st.bytes, 100_000);
         assert_eq!(st.pieces, 8 + 1);
         drop((pa, pb));
@@ -336,7 +375,7 @@ mod tests {
             job(0, 0, 8, 0),
         ] {
             // SAFETY: rejected before any copy.
-            let e = unsafe { copy_to_host(&[&pa], &[j], 2) }.unwrap_err();
+            let e = unsafe { copy_to_host(&[&pa], &[j], 2, true) }.unwrap_err();
             assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
         }
         // SAFETY: nothing is registered for a null, empty range.

@@ -1,9 +1,11 @@
 """One rank of a multi-process DCP test (run by tests/test_dcp.py as a subprocess).
 
 usage: python dist_worker.py SCENARIO CKPT_DIR  (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT in the environment). Exits non-zero, with a traceback, on failure.
+MASTER_PORT in the environment; CKPTIO_DIST_BACKEND=nccl for one GPU per rank,
+gloo on the host otherwise). Exits non-zero, with a traceback, on failure.
 """
 
+import os
 import sys
 import warnings
 
@@ -28,17 +30,18 @@ def full_state(step: int) -> dict:
 
 
 def sharded(full: dict, mesh) -> dict:
+    dev = mesh.device_type
     return {
-        "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
-        "b": distribute_tensor(full["b"], mesh, [Shard(0)]),
+        "w": distribute_tensor(full["w"].to(dev), mesh, [Shard(0)]),
+        "b": distribute_tensor(full["b"].to(dev), mesh, [Shard(0)]),
         "step": full["step"],
-        "replicated": torch.arange(5.0),  # a plain tensor: DCP saves rank 0's copy
+        "replicated": torch.arange(5.0, device=dev),  # a plain tensor: DCP saves rank 0's copy
     }
 
 
 def check(out: dict, full: dict, what: str = "") -> None:
     for k in ("w", "b"):
-        got = out[k].full_tensor()
+        got = out[k].full_tensor().cpu()
         if not torch.equal(got, full[k]):
             bad = (got != full[k]).nonzero()
             r, c = bad[0].tolist()
@@ -59,48 +62,62 @@ def empty_like(sd: dict) -> dict:
 
 def main() -> None:
     scenario, ckpt = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+    backend = os.environ.get("CKPTIO_DIST_BACKEND", "gloo")
+    dev = "cuda" if backend == "nccl" else "cpu"
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(dev, (world,))
     if scenario == "save":
-        # A synchronous save, then async saves through a reused stager.
+        # A synchronous save, then async saves through a reused stager (on GPUs,
+        # with host staging and with a device snapshot).
         full = full_state(0)
         dcp.save(sharded(full, mesh), storage_writer=FileSystemWriter(f"{ckpt}/sync"))
-        stager = DefaultStager(StagingOptions(use_shared_memory=False))
-        for step in range(1, 4):
-            full = full_state(step)
-            r = dcp.async_save(
-                sharded(full, mesh),
-                storage_writer=FileSystemWriter(f"{ckpt}/async"),
-                async_stager=stager,
-            )
-            r.upload_completion.result()
-        stager.close()
+        options = [StagingOptions(use_shared_memory=False)]
+        if dev == "cuda":
+            options.append(StagingOptions(device_snapshot=True))
+        step = 0
+        for opts in options:
+            stager = DefaultStager(opts)
+            for _ in range(3):
+                step += 1
+                full = full_state(step)
+                r = dcp.async_save(
+                    sharded(full, mesh),
+                    storage_writer=FileSystemWriter(f"{ckpt}/async"),
+                    async_stager=stager,
+                )
+                r.upload_completion.result()
+            stager.close()
+        assert step == 3 * len(options)
         errors = []
         for reader in (FileSystemReader, dcp.FileSystemReader):
             out = empty_like(sharded(full_state(0), mesh))
             dcp.load(out, storage_reader=reader(f"{ckpt}/async"))
             try:
-                check(out, full_state(3), f"save/{reader.__module__}")
+                check(out, full_state(step), f"save/{reader.__module__}")
             except AssertionError as e:
                 errors.append(str(e))
         assert not errors, errors
     elif scenario == "reshard":
         # Load what a larger world saved (Shard(0) over more ranks).
-        for sub, step in (("sync", 0), ("async", 3)):
+        last = int(os.environ.get("CKPTIO_LAST_STEP", "3"))
+        for sub, step in (("sync", 0), ("async", last)):
             out = empty_like(sharded(full_state(0), mesh))
             out.pop("replicated")
             dcp.load(out, storage_reader=FileSystemReader(f"{ckpt}/{sub}"))
             check(out, full_state(step), f"reshard/{sub}")
     elif scenario == "replicate":
-        mine = {"x": torch.full((1000,), float(rank)), "rank": rank}
+        mine = {"x": torch.full((1000,), float(rank), device=dev), "rank": rank}
         stager = ReplicationStager(storage_dir=f"{ckpt}/replicas")
         got = stager.stage(mine)
         partner = (rank + world // 2) % world
-        assert got["rank"] == partner and torch.equal(got["x"], torch.full((1000,), float(partner)))
+        want = torch.full((1000,), float(partner))
+        assert got["rank"] == partner and torch.equal(got["x"].cpu(), want)
         dist.barrier()
         back = load_replica(f"{ckpt}/replicas", rank, weights_only=False)
-        assert back["rank"] == partner and torch.equal(back["x"], got["x"])
+        assert back["rank"] == partner and torch.equal(back["x"].cpu(), want)
         stager.close()
     elif scenario == "sharded_tensor":
         # The legacy ShardedTensor: its local shards are staged and saved like DTensors'.

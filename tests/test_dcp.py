@@ -308,7 +308,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(world: int, scenario: str, ckpt) -> None:
+def _run_ranks(world: int, scenario: str, ckpt, backend: str = "gloo", **extra: str) -> None:
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -320,6 +320,8 @@ def _run_ranks(world: int, scenario: str, ckpt) -> None:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
+            CKPTIO_DIST_BACKEND=backend,
+            **extra,
         )
         procs.append(
             subprocess.Popen(
@@ -349,6 +351,17 @@ def test_two_and_four_ranks_then_reshard(tmp_path):
     _run_ranks(4, "save", tmp_path)
     _run_ranks(2, "reshard", tmp_path)
     _run_ranks(2, "save", tmp_path / "two")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_over_nccl(tmp_path):
+    # DTensors on 2 GPUs: sync save, async saves with host staging and device
+    # snapshot, loads by both readers; then one GPU loads the 2-rank checkpoint;
+    # then the replication exchange over NCCL.
+    _run_ranks(2, "save", tmp_path, backend="nccl")
+    _run_ranks(1, "reshard", tmp_path, backend="nccl", CKPTIO_LAST_STEP="6")
+    _run_ranks(2, "replicate", tmp_path, backend="nccl")
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ __all__ = [
     "info",
     "map_archive",
     "stage_copy",
+    "stage_pin",
     "AtomicWriter",
     "BufferRegistration",
     "DeviceFile",
@@ -172,9 +173,13 @@ class HostPin:
     def close(self) -> None: ...
 
 def stage_copy(
-    copies: list[tuple[int, int, HostPin, int, int]], threads: int = 8
+    copies: list[tuple[int, int, HostPin, int, int]], threads: int = 8, pin: bool = True
 ) -> dict[str, Any]:
-    """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel."""
+    """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel;
+    ``pin=False``: chunks not yet pinned take pageable copies."""
+
+def stage_pin(pins: list[HostPin], threads: int = 8) -> int:
+    """Pin every chunk of ``pins`` not yet pinned; returns the bytes now pinned."""
 
 def cufile_register_buffer(addr: int, nbytes: int) -> BufferRegistration: ...
 def info(folder: _Path | None = None) -> dict[str, Any]:

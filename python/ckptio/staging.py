@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ckptio import _native
-from ckptio.serialization import _device_code, load, save
+from ckptio.serialization import load, save
 
 __all__ = [
     "StagingOptions",
@@ -134,21 +134,24 @@ class _HostBuffer:
 
 
 class _DeviceBuffer:
-    __slots__ = ("storage", "nbytes", "views")
+    """A device snapshot buffer; ``flat`` is its bytes as a tensor (the copy's target)."""
+
+    __slots__ = ("storage", "flat", "nbytes", "views")
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = nbytes
         self.views: dict[Any, torch.Tensor] = {}
-        self.storage: torch.UntypedStorage | None = torch.empty(
-            nbytes, dtype=torch.uint8, device=device
-        ).untyped_storage()
+        self.flat: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.storage: torch.UntypedStorage | None = self.flat.untyped_storage()
 
     def close(self) -> None:
         self.storage = None
+        self.flat = None
         self.views.clear()
 
 
-_Key = tuple[str, int, int, int, bool]
+# (device ordinal or -1 for host, storage address, storage bytes, device snapshot)
+_Key = tuple[int, int, int, bool]
 
 
 class _Cache:
@@ -196,19 +199,23 @@ class _Plan:
 
     def __init__(self) -> None:
         self.copies: list[tuple[int, int, Any, int, int]] = []
-        self.d2d: dict[int, list[tuple[torch.UntypedStorage, torch.UntypedStorage]]] = {}
+        # Per device: the snapshot buffers and the source storages' bytes, copied
+        # by one torch._foreach_copy_ on a side stream.
+        self.d2d: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.devices: set[int] = set()
         self.used: set[_Key] = set()
         self.memo: dict[_Key, Any] = {}
         # The copies run later, from raw addresses: the plan keeps every source
         # storage alive until they are done (the caller may drop its dict at once).
         self.sources: list[torch.UntypedStorage] = []
+        # Pins of buffers not pinned yet (new ones, mostly).
+        self.fresh: list[Any] = []
         self.nbytes = 0
 
 
-def _storage_key(st: torch.UntypedStorage, snapshot: bool) -> _Key:
-    d = st.device
-    return (d.type, -1 if d.index is None else d.index, st.data_ptr(), st.nbytes(), snapshot)
+def _storage_key(t: torch.Tensor, st: torch.UntypedStorage, snapshot: bool) -> _Key:
+    # get_device() is -1 on the host and never None: cheaper than t.device.index.
+    return (t.get_device(), st.data_ptr(), st.nbytes(), snapshot)
 
 
 class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
@@ -249,6 +256,9 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         self._pinned = self._opts.use_pinned_memory and torch.cuda.is_available()
         #: Seconds the caller was blocked in the last ``stage()`` call.
         self.last_stage_call_s = 0.0
+        # How fresh buffers get their first copy: pinned chunk by chunk by the
+        # copy threads (True), or pageable, then pinned after staging completes.
+        self._pin_first_copy = os.environ.get("CKPTIO_STAGE_PIN_FIRST", "1") != "0"
         self.last_stats: dict[str, Any] = {}
 
     # -- protocol -----------------------------------------------------------------
@@ -285,10 +295,14 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             self._cache.sweep(plan.used)
             events = self._record(plan)
             if self._executor is None:
-                self._run(plan, events)
+                self._run(plan, events, pin=True)
                 return staged
             fut: Future[Any] = Future()
-            inner = self._executor.submit(self._run, plan, events)
+            later = plan.fresh and not self._pin_first_copy
+            inner = self._executor.submit(self._run, plan, events, pin=not later)
+            if later:
+                # After the snapshot is complete (queued behind it, off stage()).
+                self._executor.submit(_native.stage_pin, plan.fresh, self._threads)
 
             def _done(f: Future[Any]) -> None:
                 e = f.exception()
@@ -390,46 +404,49 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         )
 
     def _tensor(self, t: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        t = t.detach()
-        dev = t.device
-        if (
-            t.layout != torch.strided
-            or dev.type not in ("cpu", "cuda")
-            or t.is_conj()
-            or t.is_neg()
-            or t.is_quantized
-        ):
-            return t.to("cpu", copy=True).resolve_conj().resolve_neg()
+        # The hot path of stage(), run once per tensor on every save: only cheap
+        # attribute reads (no detach, no torch.device objects), then cache hits.
+        if not (t.is_cuda or t.is_cpu) or t.layout != torch.strided or t.is_quantized:
+            return _plain_copy(t)
+        if t.is_conj() or t.is_neg():
+            return _plain_copy(t)
         st = t.untyped_storage()
-        nbytes = st.nbytes()
-        snapshot = self._snapshot and dev.type == "cuda"
-        key = _storage_key(st, snapshot)
+        snapshot = self._snapshot and t.is_cuda
+        key = _storage_key(t, st, snapshot)
         buf = plan.memo.get(key)
         if buf is None:
-            if nbytes == 0 or st.data_ptr() == 0:
-                empty = torch.UntypedStorage(0, device="cuda" if snapshot else "cpu")
+            nbytes = key[2]
+            if nbytes == 0 or key[1] == 0:
+                empty = torch.UntypedStorage(0, device=t.device if snapshot else "cpu")
                 out = torch.empty((0,), dtype=t.dtype, device=empty.device)
                 return out.set_(empty, t.storage_offset(), t.size(), t.stride())
             if snapshot:
-                buf = self._cache.device(key, nbytes, dev)
-                plan.d2d.setdefault(dev.index or 0, []).append((st, buf.storage))  # type: ignore[arg-type]
+                dbuf = self._cache.device(key, nbytes, t.device)
+                plan.d2d.setdefault(key[0], ([], []))
+                dsts, srcs = plan.d2d[key[0]]
+                dsts.append(dbuf.flat)
+                srcs.append(_bytes_view(st))
+                buf = dbuf
             else:
-                buf = self._cache.host(key, nbytes, self._opts.use_shared_memory, self._pinned)
-                dev_index = _device_code(st, "staged storage")
-                if dev_index >= 0:
-                    plan.devices.add(dev_index)
-                plan.copies.append((st.data_ptr(), dev_index, buf.pin, 0, nbytes))
+                hbuf = self._cache.host(key, nbytes, self._opts.use_shared_memory, self._pinned)
+                if self._pinned and hbuf.pin.pinned_bytes() == 0:
+                    plan.fresh.append(hbuf.pin)
+                if key[0] >= 0:
+                    plan.devices.add(key[0])
+                plan.copies.append((key[1], key[0], hbuf.pin, 0, nbytes))
                 plan.sources.append(st)
+                buf = hbuf
             plan.used.add(key)
-            plan.memo[key] = buf  # type: ignore[assignment]
+            plan.memo[key] = buf
             plan.nbytes += nbytes
-        vkey = (t.dtype, t.storage_offset(), tuple(t.size()), t.stride())
-        out = buf.views.get(vkey)  # type: ignore[union-attr]
+        vkey = (t.dtype, t.storage_offset(), t.size(), t.stride())
+        out = buf.views.get(vkey)
         if out is None:
-            staged = buf.storage  # type: ignore[union-attr]
+            staged = buf.storage
+            assert staged is not None
             out = torch.empty((0,), dtype=t.dtype, device=staged.device)
             out.set_(staged, t.storage_offset(), t.size(), t.stride())
-            buf.views[vkey] = out  # type: ignore[union-attr]
+            buf.views[vkey] = out
         return out
 
     # -- execution ----------------------------------------------------------------
@@ -439,14 +456,14 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         events = []
         for dev in sorted(plan.devices):
             events.append(torch.cuda.current_stream(dev).record_event())
-        for dev, pairs in plan.d2d.items():
+        for dev, (dsts, srcs) in plan.d2d.items():
             side = self._side_streams.get(dev)
             if side is None:
                 side = self._side_streams[dev] = torch.cuda.Stream(device=dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
-                for src, dst in pairs:
-                    _bytes_view(dst).copy_(_bytes_view(src), non_blocking=True)
+                # One call for all copies (few kernel launches, not one per storage).
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
             events.append(side.record_event())
         return events
 
@@ -454,13 +471,12 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         """Whether every device can hold its snapshot buffers and keep the headroom."""
         need: dict[int, int] = {}
         seen: set[_Key] = set()
-        for st in _cuda_storages(state_dict):
-            key = _storage_key(st, True)
+        for t, st in _cuda_storages(state_dict):
+            key = _storage_key(t, st, True)
             if key in seen or key in self._cache.buffers:
                 continue
             seen.add(key)
-            dev = st.device.index or 0
-            need[dev] = need.get(dev, 0) + st.nbytes()
+            need[key[0]] = need.get(key[0], 0) + key[2]
         for dev, n in need.items():
             free, _total = torch.cuda.mem_get_info(dev)
             cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
@@ -468,16 +484,23 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 return False
         return True
 
-    def _run(self, plan: _Plan, events: list[Any]) -> None:
+    def _run(self, plan: _Plan, events: list[Any], pin: bool) -> None:
         for e in events:
             e.synchronize()
         if plan.copies:
-            self.last_stats = dict(_native.stage_copy(plan.copies, threads=self._threads))
+            stats = _native.stage_copy(plan.copies, threads=self._threads, pin=pin)
+            self.last_stats = dict(stats)
         else:
             self.last_stats = {"bytes": 0}
         self.last_stats["staged_bytes"] = plan.nbytes
         plan.sources.clear()
         plan.d2d.clear()
+
+
+def _plain_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of what the staging buffers do not take (sparse, quantized,
+    conjugate views, other devices)."""
+    return t.detach().to("cpu", copy=True).resolve_conj().resolve_neg()
 
 
 def _bytes_view(st: torch.UntypedStorage) -> torch.Tensor:
@@ -494,7 +517,7 @@ def _cuda_storages(obj: Any) -> Any:
             for s in obj.local_shards():
                 yield from _cuda_storages(s.tensor)
         elif obj.is_cuda and obj.layout == torch.strided:
-            yield obj.untyped_storage()
+            yield obj, obj.untyped_storage()
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from _cuda_storages(v)
