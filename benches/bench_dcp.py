@@ -164,8 +164,8 @@ def main() -> None:
             "ckptio DefaultStager snapshot": _ours(
                 d, StagingOptions(use_shared_memory=False, device_snapshot=dev == "cuda")
             ),
-            "ckptio DefaultStager host, pageable first": _ours(
-                d, StagingOptions(use_shared_memory=False), pin_first_copy=False
+            "ckptio DefaultStager host, prepare()d": _ours(
+                d, StagingOptions(use_shared_memory=False), prepare=state
             ),
             "ckptio DefaultStager shared": _ours(d, StagingOptions()),
         }
@@ -226,11 +226,19 @@ def _torch_default_stager() -> Any:
     return TorchStager()  # torch 2.11's cannot be reused (pytorch#183413)
 
 
-def _ours(d: str, opts: StagingOptions, pin_first_copy: bool | None = None) -> Any:
-    st = DefaultStager(opts)
-    if pin_first_copy is not None:
-        st._pin_first_copy = pin_first_copy  # the first-copy policy, compared
-    return lambda i: (FileSystemWriter(d), st)
+def _ours(d: str, opts: StagingOptions, prepare: Any = None) -> Any:
+    """One stager for all saves of a config, made at its first save; with
+    ``prepare``, its buffers are pinned ahead (untimed, as at a trainer's setup)."""
+    made: list[DefaultStager] = []
+
+    def make(i: int) -> Any:
+        if not made:
+            made.append(DefaultStager(opts))
+            if prepare is not None:
+                made[0].prepare(prepare).result()
+        return FileSystemWriter(d), made[0]
+
+    return make
 
 
 def _summary(res: dict[str, Any]) -> None:

@@ -998,15 +998,12 @@ type RawCopy<'py> = (u64, i32, Bound<'py, HostPin>, u64, u64);
 
 /// Copy tensor memory into staging buffers on `threads` threads; returns when
 /// every byte has landed. The caller keeps sources unmodified until then.
-/// `pin`: pin destination chunks before the first copy into them; without it
-/// they take pageable copies until `HostPin.pin_all`.
 #[pyfunction]
-#[pyo3(signature = (copies, threads=8, pin=true))]
+#[pyo3(signature = (copies, threads=8))]
 fn stage_copy<'py>(
     py: Python<'py>,
     copies: Vec<RawCopy<'py>>,
     threads: usize,
-    pin: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut pins: Vec<Arc<crate::staging::HostPin>> = Vec::new();
     let mut jobs = Vec::with_capacity(copies.len());
@@ -1035,7 +1032,7 @@ fn stage_copy<'py>(
         let refs: Vec<&crate::staging::HostPin> = pins.iter().map(|p| p.as_ref()).collect();
         // SAFETY: the Python caller keeps sources alive and unmodified and owns
         // the destinations (documented contract); pins are held by `pins`.
-        unsafe { crate::staging::copy_to_host(&refs, &jobs, threads, pin) }
+        unsafe { crate::staging::copy_to_host(&refs, &jobs, threads) }
     })?;
     let d = PyDict::new(py);
     d.set_item("bytes", st.bytes)?;

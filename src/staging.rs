@@ -86,11 +86,6 @@ impl HostPin {
             .sum()
     }
 
-    /// Whether chunk `i` is pinned now (without trying to pin it).
-    fn is_pinned(&self, i: usize) -> bool {
-        matches!(self.regs[i].get(), Some(Some(_)))
-    }
-
     /// Registers chunk `i` if not yet tried. Returns whether it is pinned.
     fn ensure_pinned(&self, i: usize) -> bool {
         if !self.pin {
@@ -115,9 +110,9 @@ impl HostPin {
     }
 }
 
-/// Pins every chunk of `pins` not yet tried, on up to `threads` threads. Used
-/// after a first, unpinned copy, off the training thread's path, so that later
-/// copies run at the pinned speed. Returns the bytes now pinned through `pins`.
+/// Pins every chunk of `pins` not yet tried, on up to `threads` threads, ahead
+/// of the copies (a stager's warm-up, off the training thread's path). Returns
+/// the bytes now pinned through `pins`.
 pub fn pin_all(pins: &[&HostPin], threads: usize) -> u64 {
     let work: Vec<(usize, usize)> = pins
         .iter()
@@ -210,10 +205,6 @@ fn plan(pins: &[&HostPin], jobs: &[CopyJob]) -> Result<Vec<Piece>> {
 /// per thread and device (into pinned chunks where the driver allows), host
 /// pieces as memcpy. Returns when every byte has landed; the first error wins.
 ///
-/// `pin_now`: pin chunks not yet pinned before copying into them. Without it
-/// such chunks take a pageable copy (the driver's own staging), and the caller
-/// may pin them later with [`HostPin::pin_all`].
-///
 /// # Safety
 /// Each source range must be readable memory of its kind that nobody frees or
 /// writes for the whole call; destination ranges must not overlap each other
@@ -222,7 +213,6 @@ pub unsafe fn copy_to_host(
     pins: &[&HostPin],
     jobs: &[CopyJob],
     threads: usize,
-    pin_now: bool,
 ) -> Result<CopyStats> {
     let pieces = plan(pins, jobs)?;
     let threads = threads.clamp(1, pieces.len().max(1));
@@ -266,13 +256,7 @@ pub unsafe fn copy_to_host(
                                 }
                             }
                             Memory::Cuda(dev) => {
-                                let pin = &pins[p.dst];
-                                let pinned = if pin_now {
-                                    pin.ensure_pinned(p.chunk)
-                                } else {
-                                    pin.is_pinned(p.chunk)
-                                };
-                                if !pinned {
+                                if !pins[p.dst].ensure_pinned(p.chunk) {
                                     unpinned.fetch_add(p.len, Ordering::Relaxed);
                                 }
                                 let k = match streams.iter().position(|s| s.device() == dev) {
@@ -348,7 +332,7 @@ mod tests {
             },
         ];
         // SAFETY: all ranges are live vectors, disjoint.
-        let st = unsafe { copy_to_host(&[&pa, &pb], &jobs, 4, true) }.unwrap();
+        let st = unsafe { copy_to_host(&[&pa, &pb], &jobs, 4) }.unwrap();
         assert_eq!(st.bytes, 100_000);
         assert_eq!(st.pieces, 8 + 1);
         drop((pa, pb));
@@ -375,7 +359,7 @@ mod tests {
             job(0, 0, 8, 0),
         ] {
             // SAFETY: rejected before any copy.
-            let e = unsafe { copy_to_host(&[&pa], &[j], 2, true) }.unwrap_err();
+            let e = unsafe { copy_to_host(&[&pa], &[j], 2) }.unwrap_err();
             assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
         }
         // SAFETY: nothing is registered for a null, empty range.

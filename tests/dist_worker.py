@@ -66,7 +66,8 @@ def main() -> None:
     dev = "cuda" if backend == "nccl" else "cpu"
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend)
+    # async_save needs a CPU backend beside NCCL (for its own collectives).
+    dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(dev, (world,))
     if scenario == "save":

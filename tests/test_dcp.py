@@ -124,6 +124,23 @@ def test_stager_bad_options():
         DefaultStager(StagingOptions(threads=0))
 
 
+@pytest.mark.parametrize("async_staging", [True, False])
+def test_prepare_then_stage(async_staging):
+    # Without a GPU nothing is pinned (0 bytes), but prepare() allocates the
+    # buffers that the first stage() then reuses; closed stagers refuse it.
+    sd = {"w": torch.randn(300, 20), "v": torch.arange(7), "n": 3}
+    st = DefaultStager(StagingOptions(use_async_staging=async_staging))
+    assert st.prepare(sd).result() == st.pinned_bytes()
+    held = st.staged_bytes()
+    assert held >= sd["w"].untyped_storage().nbytes()
+    out = st.stage(sd)
+    out = out.result() if async_staging else out
+    assert torch.equal(out["w"], sd["w"]) and out["n"] == 3 and st.staged_bytes() == held
+    st.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        st.prepare(sd)
+
+
 def test_stager_accepts_torch_options_and_protocol():
     from torch.distributed.checkpoint.staging import AsyncStager
     from torch.distributed.checkpoint.staging import StagingOptions as TorchOptions

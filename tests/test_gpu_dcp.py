@@ -62,23 +62,20 @@ def test_cuda_snapshot_reflects_queued_work(opts):
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["anon", "shared"])
-def test_pageable_first_copy_then_pinned(shared):
-    # The other first-copy policy: fresh buffers take a pageable copy, are pinned
-    # after staging completes, and later copies run pinned. Exact each time.
+def test_prepare_pins_buffers_ahead(shared):
+    # prepare() pins the buffers in the background; the first save then copies
+    # into pinned memory only, and is exact.
     sd = cuda_state()
     with DefaultStager(StagingOptions(use_shared_memory=shared)) as st:
-        st._pin_first_copy = False
-        for i in range(3):
+        n = st.prepare(sd).result()
+        assert n >= sd["w"].untyped_storage().nbytes() and st.pinned_bytes() == n
+        for i in range(2):
             sd["w"].add_(1.0)
             staged = st.stage(sd).result()
             for k in ("w", "b", "t", "cpu", "v"):
                 assert torch.equal(staged[k].cpu(), sd[k].cpu()), (i, k)
-            if i == 0:
-                assert st.last_stats["unpinned_device_bytes"] > 0
-            else:
-                assert st.last_stats["unpinned_device_bytes"] == 0
-            st._executor.submit(lambda: None).result()  # the pinning queued after staging
-            assert st.pinned_bytes() >= sd["w"].untyped_storage().nbytes()
+            assert st.last_stats["unpinned_device_bytes"] == 0
+            assert st.pinned_bytes() == n
     assert st.pinned_bytes() == 0
 
 

@@ -173,10 +173,9 @@ class HostPin:
     def close(self) -> None: ...
 
 def stage_copy(
-    copies: list[tuple[int, int, HostPin, int, int]], threads: int = 8, pin: bool = True
+    copies: list[tuple[int, int, HostPin, int, int]], threads: int = 8
 ) -> dict[str, Any]:
-    """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel;
-    ``pin=False``: chunks not yet pinned take pageable copies."""
+    """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel."""
 
 def stage_pin(pins: list[HostPin], threads: int = 8) -> int:
     """Pin every chunk of ``pins`` not yet pinned; returns the bytes now pinned."""

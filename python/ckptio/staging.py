@@ -208,8 +208,6 @@ class _Plan:
         # The copies run later, from raw addresses: the plan keeps every source
         # storage alive until they are done (the caller may drop its dict at once).
         self.sources: list[torch.UntypedStorage] = []
-        # Pins of buffers not pinned yet (new ones, mostly).
-        self.fresh: list[Any] = []
         self.nbytes = 0
 
 
@@ -256,9 +254,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         self._pinned = self._opts.use_pinned_memory and torch.cuda.is_available()
         #: Seconds the caller was blocked in the last ``stage()`` call.
         self.last_stage_call_s = 0.0
-        # How fresh buffers get their first copy: pinned chunk by chunk by the
-        # copy threads (True), or pageable, then pinned after staging completes.
-        self._pin_first_copy = os.environ.get("CKPTIO_STAGE_PIN_FIRST", "1") != "0"
+
         self.last_stats: dict[str, Any] = {}
 
     # -- protocol -----------------------------------------------------------------
@@ -295,14 +291,10 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             self._cache.sweep(plan.used)
             events = self._record(plan)
             if self._executor is None:
-                self._run(plan, events, pin=True)
+                self._run(plan, events)
                 return staged
             fut: Future[Any] = Future()
-            later = plan.fresh and not self._pin_first_copy
-            inner = self._executor.submit(self._run, plan, events, pin=not later)
-            if later:
-                # After the snapshot is complete (queued behind it, off stage()).
-                self._executor.submit(_native.stage_pin, plan.fresh, self._threads)
+            inner = self._executor.submit(self._run, plan, events)
 
             def _done(f: Future[Any]) -> None:
                 e = f.exception()
@@ -312,6 +304,37 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                     fut.set_result(staged)
 
             inner.add_done_callback(_done)
+            self._future = fut
+            return fut
+
+    def prepare(self, state_dict: Any) -> Future[int]:
+        """Allocate and pin the staging buffers of ``state_dict`` ahead of the first
+        save, in the background; returns a Future of the bytes pinned.
+
+        The first ``stage()`` otherwise pays for them itself: page-locking host
+        memory runs at ~17 GiB/s on an H200 host, so 8 GiB take ~0.5 s on top of
+        the copy. Call it once the model and optimizer exist (their storages are
+        what the cache is keyed by); a later ``stage()`` waits for it. Copies
+        nothing, and buffers of storages that leave the state dict go as usual.
+        """
+        if self._closed:
+            raise RuntimeError("this stager is closed")
+        with self._lock:
+            if self._future is not None:
+                self._future.result()
+            plan = _Plan()
+            self._snapshot = self._opts.device_snapshot and self._device_has_room(state_dict)
+            self._walk(state_dict, plan, {})
+            pins = [c[2] for c in plan.copies]
+            if not self._pinned or not pins:
+                fut: Future[int] = Future()
+                fut.set_result(0)
+                return fut
+            if self._executor is None:
+                fut = Future()
+                fut.set_result(_native.stage_pin(pins, self._threads))
+                return fut
+            fut = self._executor.submit(_native.stage_pin, pins, self._threads)
             self._future = fut
             return fut
 
@@ -429,8 +452,6 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 buf = dbuf
             else:
                 hbuf = self._cache.host(key, nbytes, self._opts.use_shared_memory, self._pinned)
-                if self._pinned and hbuf.pin.pinned_bytes() == 0:
-                    plan.fresh.append(hbuf.pin)
                 if key[0] >= 0:
                     plan.devices.add(key[0])
                 plan.copies.append((key[1], key[0], hbuf.pin, 0, nbytes))
@@ -484,12 +505,11 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 return False
         return True
 
-    def _run(self, plan: _Plan, events: list[Any], pin: bool) -> None:
+    def _run(self, plan: _Plan, events: list[Any]) -> None:
         for e in events:
             e.synchronize()
         if plan.copies:
-            stats = _native.stage_copy(plan.copies, threads=self._threads, pin=pin)
-            self.last_stats = dict(stats)
+            self.last_stats = dict(_native.stage_copy(plan.copies, threads=self._threads))
         else:
             self.last_stats = {"bytes": 0}
         self.last_stats["staged_bytes"] = plan.nbytes
