@@ -250,18 +250,21 @@ def _summary(res: dict[str, Any]) -> None:
         s = c["saves"]
         later = s[1:] or s
         ret = max(x["return_s"] for x in s) * 1e3
+        ret_later = max(x["return_s"] for x in later) * 1e3
         staged_bw = n / GiB / statistics.median(x["staged_s"] for x in later)
         first_ratio = s[0]["staged_s"] / statistics.median(x["staged_s"] for x in later)
         up = statistics.median(x["upload_s"] for x in later) / sync_s
         c["summary"] = {
             "max_return_ms": ret,
+            "max_return_later_ms": ret_later,
             "staging_gib_s": staged_bw,
             "staging_vs_pinned": staged_bw / pin if pin == pin else None,
             "first_vs_later": first_ratio,
             "upload_vs_sync_ckptio_save": up,
         }
         print(
-            f"  {c['name']:<34} return max {ret:8.1f} ms | staging {staged_bw:6.1f} GiB/s "
+            f"  {c['name']:<34} return max {ret:6.1f} ms (later {ret_later:5.1f}) | "
+            f"staging {staged_bw:6.1f} GiB/s "
             f"({staged_bw / pin:4.2f}x pinned) | 1st/later {first_ratio:4.2f} | "
             f"upload {up:4.2f}x sync ckptio.save"
         )
