@@ -26,7 +26,6 @@ import io
 import os
 import pickle
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -308,8 +307,6 @@ class FileSystemReader(_TorchReader):
     written by either writer, tensor bytes straight into the destination tensors.
 
     ``threads``, ``chunk_size``, ``direct``, ``backend``: as for ``ckptio.load``.
-    ``header_threads``: threads that parse the items' headers (each item is a
-    small torch.save archive) before the data is read; 1 parses them in turn.
     """
 
     def __init__(
@@ -320,12 +317,8 @@ class FileSystemReader(_TorchReader):
         chunk_size: int | None = None,
         direct: bool | str | None = None,
         backend: str | None = None,
-        header_threads: int = 8,
     ) -> None:
         super().__init__(path)
-        if header_threads < 1:
-            raise ValueError(f"header_threads must be at least 1, not {header_threads}")
-        self._header_threads = header_threads
         self._io = (threads, chunk_size, _direct_arg(direct), backend)
         self._layouts: dict[Any, tuple[torch.Tensor, int]] = {}
         self.last_stats: list[dict[str, Any]] = []
@@ -350,25 +343,6 @@ class FileSystemReader(_TorchReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-    def _prefetch_layouts(self, path: str, infos: list[_StorageInfo]) -> None:
-        """Parse the items' headers on several threads: on a cold file each
-        item's header costs a few small reads, whose latency then overlaps."""
-        unique = {i.offset: i for i in infos}.values()
-        todo = [i for i in unique if (path, i.offset) not in self._layouts]
-        n = self._header_threads
-        if n < 2 or len(todo) < 2 * n:
-            return
-        parts = [todo[k::n] for k in range(n)]
-
-        def parse(part: list[_StorageInfo]) -> None:
-            with open(path, "rb") as f:
-                for info in part:
-                    self._layout(f, path, info)
-
-        with ThreadPoolExecutor(n) as ex:
-            for fut in [ex.submit(parse, p) for p in parts]:
-                fut.result()
 
     def _layout(self, f: io.BufferedReader, path: str, info: _StorageInfo) -> tuple[Any, int]:
         """(meta tensor as saved, absolute file offset of its storage) of an item."""
@@ -402,10 +376,6 @@ class FileSystemReader(_TorchReader):
         dev_file = _native.DeviceFile(path, False, direct, backend)
         segments: list[tuple[int, int, int, int]] = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
-        self._prefetch_layouts(
-            path,
-            [self.storage_data[r.storage_index] for r in reqs if r.type != LoadItemType.BYTE_IO],
-        )
         with open(path, "rb") as f:
             for req in reqs:
                 info: _StorageInfo = self.storage_data[req.storage_index]
