@@ -221,6 +221,10 @@ class _Plan:
         self.nbytes = 0
 
 
+# Tensor types staged as they are (subclasses such as DTensor take their own path).
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
 def _storage_key(t: torch.Tensor, st: torch.UntypedStorage, snapshot: bool) -> _Key:
     # get_device() is -1 on the host and never None: cheaper than t.device.index.
     return (t.get_device(), st.data_ptr(), st.nbytes(), snapshot)
@@ -397,7 +401,12 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         if isinstance(obj, (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)):
             return obj
         if isinstance(obj, dict):
-            items = [(k, self._walk(v, plan, memo)) for k, v in obj.items()]
+            # Plain tensors straight to _tensor: this loop runs once per parameter.
+            tensor = self._tensor
+            items = [
+                (k, tensor(v, plan) if type(v) in _PLAIN else self._walk(v, plan, memo))
+                for k, v in obj.items()
+            ]
             try:
                 out = type(obj)()
             except TypeError:
@@ -415,7 +424,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         return copy.deepcopy(obj, memo)
 
     def _tensor_like(self, t: torch.Tensor, plan: _Plan) -> Any:
-        if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        if type(t) in _PLAIN:
             return self._tensor(t, plan)
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(t, dtensor):
