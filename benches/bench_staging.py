@@ -87,7 +87,8 @@ def main() -> None:
         for _, p in b:
             p.close()
         del b
-    # Does the number of registrations matter? One slab, pinned in big chunks.
+    # Does the number of registrations matter? One slab (anonymous memory with
+    # THP, as the anon+thp rows), pinned in big chunks.
     for chunk in (64 << 20, 1 << 30):
         mm = mmap.mmap(-1, size)
         mm.madvise(mmap.MADV_HUGEPAGE)
@@ -97,7 +98,7 @@ def main() -> None:
         _native.stage_pin([pin], a.threads)
         tp = time.perf_counter() - t0
         pin.close()
-        print(f"slab of {size / GiB:.0f} GiB, fresh, pinned in {chunk >> 20} MiB chunks {rate(tp)}")
+        print(f"slab of {size / GiB:.0f} GiB anon+thp, pinned by {chunk >> 20} MiB {rate(tp)}")
         del slab
         mm.close()
     dst = torch.empty(size, dtype=torch.uint8, pin_memory=True)

@@ -129,9 +129,12 @@ def _private_shmem(nbytes: int) -> mmap.mmap:
     """Page-aligned memory, untouched until the copy (allocation is instant and
     page faults spread over the copy threads), backed by an unnamed memfd.
 
-    Why not anonymous memory: on the H200 host, fresh anonymous memory (with or
-    without MADV_HUGEPAGE) took 1.33 s to fault in and pin for 8 GiB, shmem
-    0.46 s (benches/bench_staging.py), and pinning is what a first save waits for.
+    Why not anonymous memory: there it may come as transparent huge pages
+    (MADV_HUGEPAGE, or THP "always"), and on the H200 host those took 1.16-1.33 s
+    to fault in and pin for 8 GiB, against 0.55 s for 4 KiB anonymous pages and
+    for a memfd (shared memory: 0.44 s; benches/bench_staging.py). A memfd follows
+    the shmem THP setting, which is off by default. Pinning is what a first
+    save waits for.
     """
     if not hasattr(os, "memfd_create"):  # pragma: no cover - not Linux
         return mmap.mmap(-1, nbytes)
@@ -268,7 +271,6 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         self._pinned = self._opts.use_pinned_memory and torch.cuda.is_available()
         #: Seconds the caller was blocked in the last ``stage()`` call.
         self.last_stage_call_s = 0.0
-
         self.last_stats: dict[str, Any] = {}
 
     # -- protocol -----------------------------------------------------------------
@@ -464,8 +466,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 return out.set_(empty, t.storage_offset(), t.size(), t.stride())
             if snapshot:
                 dbuf = self._cache.device(key, nbytes, t.device)
-                plan.d2d.setdefault(key[0], ([], []))
-                dsts, srcs = plan.d2d[key[0]]
+                dsts, srcs = plan.d2d.setdefault(key[0], ([], []))
                 dsts.append(dbuf.flat)
                 srcs.append(_bytes_view(st))
                 buf = dbuf
