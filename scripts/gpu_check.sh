@@ -13,7 +13,7 @@
 #   scripts/gpu_check.sh final   # all GPU tests on cuFile, then bench_dcp.py for ckptio's stagers
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
-#   scripts/gpu_check.sh staging # benches/bench_staging.py: first host staging, pinned or pageable
+#   scripts/gpu_check.sh staging # benches/bench_staging.py: first host staging by kind of memory
 # Several modes run in turn: scripts/gpu_check.sh tests staging
 set -uo pipefail
 PY=${PY:-python3}

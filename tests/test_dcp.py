@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from ckptio.dcp import FileSystemReader, FileSystemWriter
 from ckptio.staging import BlockingAsyncStager, DefaultStager, StagingOptions
+from test_soak import rss
 
 HERE = os.path.dirname(__file__)
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -287,14 +288,6 @@ def test_async_save_five_times(tmp_path, make):
         stager.close()
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.slow
 def test_fifty_async_saves_keep_memory_flat(tmp_path):
     sd = {f"p{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
@@ -307,7 +300,7 @@ def test_fifty_async_saves_keep_memory_flat(tmp_path):
         r.upload_completion.result()
         del r
         gc.collect()
-        samples.append((_rss(), stager.staged_bytes(), len(os.listdir("/proc/self/fd"))))
+        samples.append((rss(), stager.staged_bytes(), len(os.listdir("/proc/self/fd"))))
     stager.close()
     warm = samples[9]
     last = samples[-1]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import mmap
 import os
 import threading
@@ -149,16 +150,18 @@ def _private_shmem(nbytes: int) -> mmap.mmap:
 class _DeviceBuffer:
     """A device snapshot buffer; ``flat`` is its bytes as a tensor (the copy's target)."""
 
-    __slots__ = ("storage", "flat", "nbytes", "views")
+    __slots__ = ("flat", "nbytes", "views")
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = nbytes
         self.views: dict[Any, torch.Tensor] = {}
         self.flat: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.storage: torch.UntypedStorage | None = self.flat.untyped_storage()
+
+    @property
+    def storage(self) -> torch.UntypedStorage | None:
+        return None if self.flat is None else self.flat.untyped_storage()
 
     def close(self) -> None:
-        self.storage = None
         self.flat = None
         self.views.clear()
 
@@ -294,8 +297,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             # Buffers are reused: a new snapshot waits for the previous one.
             if self._future is not None:
                 self._future.result()
-            plan = _Plan()
-            self._snapshot = self._opts.device_snapshot and self._device_has_room(state_dict)
+            plan, staged = self._plan(state_dict)
             if self._opts.device_snapshot and not self._snapshot:
                 warnings.warn(
                     "ckptio: not enough free device memory for a device snapshot; "
@@ -303,7 +305,6 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            staged = self._walk(state_dict, plan, {})
             self._cache.sweep(plan.used)
             events = self._record(plan)
             if self._executor is None:
@@ -336,23 +337,23 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         if self._closed:
             raise RuntimeError("this stager is closed")
         with self._lock:
-            if self._future is not None:
-                self._future.result()
-            plan = _Plan()
-            self._snapshot = self._opts.device_snapshot and self._device_has_room(state_dict)
-            self._walk(state_dict, plan, {})
+            plan, _ = self._plan(state_dict)
             pins = [c[2] for c in plan.copies]
-            if not self._pinned or not pins:
-                fut: Future[int] = Future()
-                fut.set_result(0)
-                return fut
-            if self._executor is None:
-                fut = Future()
-                fut.set_result(_native.stage_pin(pins, self._threads))
-                return fut
-            fut = self._executor.submit(_native.stage_pin, pins, self._threads)
-            self._future = fut
-            return fut
+            if self._executor is not None and self._pinned and pins:
+                self._future = self._executor.submit(_native.stage_pin, pins, self._threads)
+                return self._future
+            done: Future[int] = Future()
+            done.set_result(_native.stage_pin(pins, self._threads) if self._pinned else 0)
+            return done
+
+    def _plan(self, state_dict: Any) -> tuple[_Plan, Any]:
+        """(plan, staged structure) of ``state_dict``, buffers allocated; under the lock,
+        after the previous snapshot (its buffers are reused)."""
+        if self._future is not None:
+            self._future.result()
+        plan = _Plan()
+        self._snapshot = self._opts.device_snapshot and self._device_has_room(state_dict)
+        return plan, self._walk(state_dict, plan, {})
 
     def synchronize_staging(self) -> None:
         """Wait until the last snapshot is complete (a no-op for blocking staging)."""
@@ -428,16 +429,14 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
     def _tensor_like(self, t: torch.Tensor, plan: _Plan) -> Any:
         if type(t) in _PLAIN:
             return self._tensor(t, plan)
-        dtensor = _dtensor_type()
+        dtensor = _optional_type("torch.distributed.tensor", "DTensor")
         if dtensor is not None and isinstance(t, dtensor):
             local = self._tensor(t._local_tensor, plan)  # type: ignore[attr-defined]
             return dtensor(local, t._spec, requires_grad=t.requires_grad)  # type: ignore[attr-defined,call-arg]
-        sharded = _sharded_tensor_type()
+        sharded = _optional_type("torch.distributed._shard.sharded_tensor", "ShardedTensor")
         if sharded is not None and isinstance(t, sharded):
             return self._sharded(t, plan)
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return t.detach().to("cpu", copy=True)
-        return self._tensor(t, plan)
+        return t.detach().to("cpu", copy=True)  # another tensor subclass
 
     def _sharded(self, t: Any, plan: _Plan) -> Any:
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -450,9 +449,13 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
     def _tensor(self, t: torch.Tensor, plan: _Plan) -> torch.Tensor:
         # The hot path of stage(), run once per tensor on every save: only cheap
         # attribute reads (no detach, no torch.device objects), then cache hits.
-        if not (t.is_cuda or t.is_cpu) or t.layout != torch.strided or t.is_quantized:
-            return _plain_copy(t)
-        if t.is_conj() or t.is_neg():
+        if (
+            not (t.is_cuda or t.is_cpu)
+            or t.layout != torch.strided
+            or t.is_quantized
+            or t.is_conj()
+            or t.is_neg()
+        ):
             return _plain_copy(t)
         st = t.untyped_storage()
         snapshot = self._snapshot and t.is_cuda
@@ -567,21 +570,12 @@ def _cuda_storages(obj: Any) -> Any:
 
 
 @functools.cache
-def _dtensor_type() -> Any:
+def _optional_type(module: str, name: str) -> Any:
+    """A class of torch.distributed, or None where this torch build lacks it."""
     try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):  # pragma: no cover
         return None
-    return DTensor
-
-
-@functools.cache
-def _sharded_tensor_type() -> Any:
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover
-        return None
-    return ShardedTensor
 
 
 class BlockingAsyncStager(DefaultStager):
