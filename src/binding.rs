@@ -103,7 +103,7 @@ impl Engine {
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::from_env()?;
         if let Some(t) = threads {
-            cfg.threads = t;
+            cfg.set_threads(t);
         }
         if let Some(c) = chunk_size {
             cfg.chunk_size = c;
@@ -119,6 +119,12 @@ impl Engine {
     #[getter]
     fn threads(&self) -> usize {
         self.inner.config().threads
+    }
+
+    /// Threads for files in memory (tmpfs).
+    #[getter]
+    fn memory_threads(&self) -> usize {
+        self.inner.config().memory_threads
     }
 
     #[getter]
@@ -148,8 +154,9 @@ impl Engine {
     fn __repr__(&self) -> String {
         let c = self.inner.config();
         format!(
-            "Engine(threads={}, chunk_size={}, direct={:?})",
+            "Engine(threads={}, memory_threads={}, chunk_size={}, direct={:?})",
             c.threads,
+            c.memory_threads,
             c.chunk_size,
             self.direct()
         )
@@ -992,6 +999,44 @@ fn stage_pin(py: Python<'_>, pins: Vec<Bound<'_, HostPin>>, threads: usize) -> P
     }))
 }
 
+/// Queue device-to-device copies `(dst, src, nbytes)` on the CUDA stream
+/// `stream` (a raw CUstream of `device`, e.g. ``torch.cuda.Stream.cuda_stream``)
+/// and return at once: the device snapshot of a stager, without a kernel launch
+/// or a tensor object per storage. The caller keeps both ranges alive until the
+/// stream has run the copies.
+#[pyfunction]
+fn stage_device_copy(
+    py: Python<'_>,
+    device: i32,
+    stream: u64,
+    copies: Vec<(u64, u64, u64)>,
+) -> PyResult<()> {
+    if device < 0 {
+        return Err(Error::invalid(format!("device must be >= 0, not {device}")).into());
+    }
+    let mut jobs = Vec::with_capacity(copies.len());
+    for (i, (dst, src, len)) in copies.into_iter().enumerate() {
+        if len == 0 {
+            continue;
+        }
+        if dst == 0 || src == 0 || dst.checked_add(len).is_none() || src.checked_add(len).is_none()
+        {
+            return Err(Error::invalid(format!(
+                "device copy {i}: null or overflowing range (dst {dst:#x}, src {src:#x}, {len} bytes)"
+            ))
+            .into());
+        }
+        jobs.push((dst, src, len as usize));
+    }
+    py.detach(|| {
+        let cuda = crate::cuda::driver()?;
+        // SAFETY: the Python caller passes live storages of `device` and one of
+        // its streams, and keeps them until the stream has run (documented contract).
+        unsafe { cuda.memcpy_dtod_async_on(device, stream as *mut std::ffi::c_void, &jobs) }
+    })?;
+    Ok(())
+}
+
 /// One staging copy as Python hands it: (source address, source device (-1 host),
 /// destination pin, destination offset, nbytes).
 type RawCopy<'py> = (u64, i32, Bound<'py, HostPin>, u64, u64);
@@ -1175,8 +1220,8 @@ mod _native {
     #[pymodule_export]
     use super::{
         _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, info, map_archive,
-        stage_copy, stage_pin, AtomicWriter, BufferRegistration, DeviceFile, Engine, HostPin,
-        Reader,
+        stage_copy, stage_device_copy, stage_pin, AtomicWriter, BufferRegistration, DeviceFile,
+        Engine, HostPin, Reader,
     };
 
     use super::*;

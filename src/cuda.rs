@@ -76,6 +76,7 @@ struct Api {
     memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, CUstream) -> CUresult,
     memcpy_htod_async:
         unsafe extern "C" fn(CUdeviceptr, *const c_void, usize, CUstream) -> CUresult,
+    memcpy_dtod_async: unsafe extern "C" fn(CUdeviceptr, CUdeviceptr, usize, CUstream) -> CUresult,
     mem_host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CUresult,
     mem_free_host: unsafe extern "C" fn(*mut c_void) -> CUresult,
     mem_host_register: unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CUresult,
@@ -117,6 +118,7 @@ impl Api {
                 stream_synchronize: symbol(lib, "cuStreamSynchronize")?,
                 memcpy_dtoh_async: symbol(lib, "cuMemcpyDtoHAsync_v2")?,
                 memcpy_htod_async: symbol(lib, "cuMemcpyHtoDAsync_v2")?,
+                memcpy_dtod_async: symbol(lib, "cuMemcpyDtoDAsync_v2")?,
                 mem_host_alloc: symbol(lib, "cuMemHostAlloc")?,
                 mem_free_host: symbol(lib, "cuMemFreeHost")?,
                 mem_host_register: symbol(lib, "cuMemHostRegister_v2")?,
@@ -407,6 +409,33 @@ impl Cuda {
         self.check("cuMemcpyHtoDAsync", unsafe {
             (self.api.memcpy_htod_async)(dst, src.cast(), len, stream.raw.0)
         })
+    }
+}
+
+impl Cuda {
+    /// Queues device-to-device copies `(dst, src, len)` on a stream the caller
+    /// owns (e.g. one of PyTorch's), in order, after making `device`'s primary
+    /// context current. One driver call per copy, no kernel launch.
+    ///
+    /// # Safety
+    /// - `stream` must be a live CUstream of `device`'s primary context.
+    /// - Each `src..src+len` must be device memory that stays allocated and
+    ///   unmodified, and each `dst..dst+len` device memory that stays allocated
+    ///   and unused by others, until the stream has run the copies.
+    pub unsafe fn memcpy_dtod_async_on(
+        &self,
+        device: i32,
+        stream: *mut c_void,
+        copies: &[(u64, u64, usize)],
+    ) -> Result<()> {
+        self.make_current(device)?;
+        for &(dst, src, len) in copies {
+            // SAFETY: the caller guarantees the ranges and the stream.
+            self.check("cuMemcpyDtoDAsync", unsafe {
+                (self.api.memcpy_dtod_async)(dst, src, len, stream)
+            })?;
+        }
+        Ok(())
     }
 }
 

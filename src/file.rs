@@ -53,6 +53,8 @@ pub struct IoFile {
     align: DioAlign,
     /// Why O_DIRECT is not used, when it is not.
     no_direct_reason: Option<String>,
+    /// The file lives in memory (tmpfs): its I/O is CPU copies, not device requests.
+    in_memory: bool,
 }
 
 impl IoFile {
@@ -80,11 +82,12 @@ impl IoFile {
 
     fn with_direct(buffered: File, path: &Path, write: bool, mode: DirectMode) -> Result<Self> {
         let align = align::dio_align(buffered.as_raw_fd());
+        let in_memory = align::is_tmpfs_fd(buffered.as_raw_fd());
         let (direct, reason) = match mode {
             DirectMode::Off => (None, Some("O_DIRECT disabled by configuration".to_string())),
             // Linux >= 6.6 accepts O_DIRECT on tmpfs but it buys nothing there
             // (memory is the storage) and would force aligned staging copies.
-            DirectMode::Auto if align::is_tmpfs_fd(buffered.as_raw_fd()) => (
+            DirectMode::Auto if in_memory => (
                 None,
                 Some("tmpfs: the page cache is the storage".to_string()),
             ),
@@ -102,6 +105,7 @@ impl IoFile {
             direct,
             align,
             no_direct_reason: reason,
+            in_memory,
         })
     }
 
@@ -129,6 +133,12 @@ impl IoFile {
 
     pub fn no_direct_reason(&self) -> Option<&str> {
         self.no_direct_reason.as_deref()
+    }
+
+    /// Whether the file lives in memory (tmpfs), where reads and writes are
+    /// memory copies that scale with CPU threads rather than a device queue.
+    pub fn is_in_memory(&self) -> bool {
+        self.in_memory
     }
 
     pub fn len(&self) -> Result<u64> {

@@ -119,3 +119,36 @@ def test_reader_bad_record_names_and_fault_points(tmp_path):
         r.read_record("nope")
     with pytest.raises(ValueError, match="fault point must be one of"):
         _native._set_fault("nowhere", 5)
+
+
+@pytest.mark.parametrize(
+    ("device", "copies", "match"),
+    [
+        (-1, [], "device must be >= 0"),
+        (0, [(0, 4096, 16)], "device copy 0: null or overflowing"),
+        (0, [(4096, 4096, 1), (4096, 0, 16)], "device copy 1: null or overflowing"),
+        (0, [(2**64 - 8, 4096, 16)], "device copy 0: null or overflowing"),
+    ],
+)
+def test_stage_device_copy_checks_ranges_before_the_driver(device, copies, match):
+    """Bad device-copy jobs are a ValueError naming the job, checked before CUDA is touched."""
+    with pytest.raises(ValueError, match=match):
+        _native.stage_device_copy(device, 0, copies)
+
+
+def test_engine_threads_for_files_in_memory(monkeypatch):
+    """tmpfs files get memory_threads (default >= threads); an explicit thread count
+    holds for every file; CKPTIO_MEMORY_THREADS sets it, and must be a number."""
+    e = _native.Engine()
+    assert e.memory_threads >= e.threads >= 1
+    assert "memory_threads" in repr(e)
+    e = _native.Engine(threads=3)
+    assert (e.threads, e.memory_threads) == (3, 3)
+    monkeypatch.setenv("CKPTIO_MEMORY_THREADS", "5")
+    assert _native.Engine().memory_threads == 5
+    monkeypatch.setenv("CKPTIO_MEMORY_THREADS", "many")
+    with pytest.raises(ValueError, match="CKPTIO_MEMORY_THREADS"):
+        _native.Engine()
+    monkeypatch.setenv("CKPTIO_MEMORY_THREADS", "0")
+    with pytest.raises(ValueError, match="memory_threads must be between 1 and 256"):
+        _native.Engine()

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 from concurrent.futures import Future
 
@@ -118,6 +119,38 @@ def test_stager_frees_buffers_of_storages_that_left():
     st.close()
     with pytest.raises(RuntimeError, match="closed"):
         st.stage({"a": a})
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "memfd"])
+def test_first_stage_allocates_on_the_staging_thread(monkeypatch, shared):
+    # Allocation (torch zero-fills shared memory) must not block stage(): the
+    # staged views exist at once, with their final shapes, and point at the
+    # buffers once the future is done.
+    from ckptio import staging
+
+    threads = []
+    real = staging._HostBuffer._allocate
+
+    def spy(self):
+        threads.append(threading.current_thread())
+        return real(self)
+
+    monkeypatch.setattr(staging._HostBuffer, "_allocate", spy)
+    w = torch.randn(64, 48)
+    sd = {"w": w, "t": w.t(), "v": w[3:5], "n": 4}
+    with DefaultStager(StagingOptions(use_shared_memory=shared)) as st:
+        fut = st.stage(sd)
+        out = fut.result()
+        assert threads and all(t is not threading.main_thread() for t in threads)
+        assert len(threads) == 1  # one buffer for the three views of one storage
+        for k in ("w", "t", "v"):
+            assert out[k].shape == sd[k].shape and out[k].stride() == sd[k].stride()
+            assert torch.equal(out[k], sd[k])
+        assert out["v"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
+        assert out["w"].untyped_storage().nbytes() == w.untyped_storage().nbytes()
+        assert out["w"].untyped_storage().is_shared() == shared
+        st.stage(sd).result()
+        assert len(threads) == 1  # reused, not allocated again
 
 
 def test_stager_bad_options():

@@ -79,6 +79,47 @@ def test_prepare_pins_buffers_ahead(shared):
     assert st.pinned_bytes() == 0
 
 
+def test_device_snapshot_without_room_stages_to_host(monkeypatch):
+    # No device can keep a headroom of 1 PiB: the stager warns and stages to
+    # host for this save; its device buffers are never allocated.
+    from ckptio import staging
+
+    allocated = []
+    real = staging._DeviceBuffer._allocate
+    monkeypatch.setattr(
+        staging._DeviceBuffer, "_allocate", lambda self: allocated.append(self) or real(self)
+    )
+    sd = cuda_state()
+    opts = StagingOptions(device_snapshot=True, device_headroom=1 << 50)
+    with DefaultStager(opts) as st:
+        with pytest.warns(RuntimeWarning, match="not enough free device memory"):
+            staged = st.stage(sd).result()
+        assert not staged["w"].is_cuda and torch.equal(staged["w"].cuda(), sd["w"])
+        assert not allocated and st.device_bytes() == 0
+
+
+def test_device_snapshot_allocates_on_the_staging_thread(monkeypatch):
+    import threading
+
+    from ckptio import staging
+
+    threads = []
+    real = staging._DeviceBuffer._allocate
+    monkeypatch.setattr(
+        staging._DeviceBuffer,
+        "_allocate",
+        lambda self: threads.append(threading.current_thread()) or real(self),
+    )
+    sd = cuda_state()
+    with DefaultStager(StagingOptions(device_snapshot=True)) as st:
+        staged = st.stage(sd).result()
+        assert threads and threading.main_thread() not in threads
+        torch.cuda.synchronize()
+        for k in ("w", "b", "t", "v"):
+            assert staged[k].is_cuda and torch.equal(staged[k], sd[k]), k
+        assert st.device_bytes() >= sd["w"].untyped_storage().nbytes()
+
+
 @pytest.mark.parametrize("snapshot", [False, True], ids=["host", "device-snapshot"])
 def test_cuda_async_save_and_load(tmp_path, snapshot):
     sd = cuda_state()

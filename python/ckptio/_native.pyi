@@ -63,6 +63,8 @@ class Engine:
     @property
     def threads(self) -> int: ...
     @property
+    def memory_threads(self) -> int: ...
+    @property
     def chunk_size(self) -> int: ...
     @property
     def direct(self) -> str: ...
@@ -179,6 +181,9 @@ def stage_copy(
 
 def stage_pin(pins: list[HostPin], threads: int = 8) -> int:
     """Pin every chunk of ``pins`` not yet pinned; returns the bytes now pinned."""
+
+def stage_device_copy(device: int, stream: int, copies: list[tuple[int, int, int]]) -> None:
+    """Queue (dst, src, nbytes) device-to-device copies on a raw CUstream; returns at once."""
 
 def cufile_register_buffer(addr: int, nbytes: int) -> BufferRegistration: ...
 def info(folder: _Path | None = None) -> dict[str, Any]:

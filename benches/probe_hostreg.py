@@ -1,0 +1,306 @@
+"""Probes behind three design choices (results: benches/results/probe-h200-2026-11-30.txt).
+
+    python benches/probe_hostreg.py --size 4G   # /dev/shm -> GPU: registered mapping
+                                                # vs pageable vs pread into pinned, by
+                                                # threads; 512 D2D copies, ctypes vs foreach
+    python benches/probe_hostreg.py first 8G    # first host staging: fault-in vs pinning
+    python benches/probe_hostreg.py loads 8G    # ckptio.load from /dev/shm by threads
+
+On the H200 host: registering the page cache (READ_ONLY) costs more than the copy
+it saves, pread into pinned memory scales with threads (so files on tmpfs get
+memory_threads), and faulting in fresh memory, not pinning, is what a first
+save pays for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import threading
+import time
+
+import torch
+
+READ_ONLY = 8
+
+
+def parse_size(s: str) -> int:
+    return int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[s[-1]])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="4G")
+    ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--chunk", default="64M")
+    ap.add_argument("--threads", type=int, default=8)
+    a = ap.parse_args()
+    n, chunk = parse_size(a.size), parse_size(a.chunk)
+    cu = ctypes.CDLL("libcuda.so.1")
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    ctx = ctypes.c_void_p()
+    cu.cuCtxGetCurrent(ctypes.byref(ctx))
+
+    def ck(r: int, what: str) -> None:
+        if r != 0:
+            raise RuntimeError(f"{what}: CUresult {r}")
+
+    path = os.path.join(a.dir, "probe-hostreg.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    t = time.perf_counter()
+    os.posix_fallocate(fd, 0, n)
+    print(f"fallocate {n >> 20} MiB: {time.perf_counter() - t:.3f} s", flush=True)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    p = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    print(f"mapped at {p:#x}", flush=True)
+
+    def whole(flags: int) -> None:
+        t0 = time.perf_counter()
+        r = cu.cuMemHostRegister_v2(ctypes.c_void_p(p), ctypes.c_size_t(n), ctypes.c_uint(flags))
+        t1 = time.perf_counter()
+        if r != 0:
+            print(f"  whole register flags={flags}: CUresult {r} after {t1 - t0:.3f} s", flush=True)
+            return
+        ck(
+            cu.cuMemcpyHtoD_v2(
+                ctypes.c_uint64(dst.data_ptr()), ctypes.c_void_p(p), ctypes.c_size_t(n)
+            ),
+            "htod",
+        )
+        t2 = time.perf_counter()
+        ck(cu.cuMemHostUnregister(ctypes.c_void_p(p)), "unregister")
+        t3 = time.perf_counter()
+        gib = n / 2**30
+        print(
+            f"  whole flags={flags}: register {t1 - t0:.3f} s, "
+            f"copy {t2 - t1:.3f} s ({gib / (t2 - t1):.1f} GiB/s), "
+            f"unregister {t3 - t2:.3f} s, total {gib / (t3 - t0):.1f} GiB/s",
+            flush=True,
+        )
+
+    for flags in (0, READ_ONLY, READ_ONLY):
+        whole(flags)
+
+    def chunked(threads: int, mode: str) -> None:
+        offs = list(range(0, n, chunk))
+        lock = threading.Lock()
+        err: list[str] = []
+        pinned = [torch.empty(chunk, dtype=torch.uint8).pin_memory() for _ in range(threads)]
+
+        def work(i: int) -> None:
+            ck(cu.cuCtxSetCurrent(ctx), "ctx")
+            s = torch.cuda.Stream()
+            sp = ctypes.c_void_p(s.cuda_stream)
+            rfd = os.open(path, os.O_RDONLY)
+            while True:
+                with lock:
+                    if not offs:
+                        break
+                    o = offs.pop()
+                ln = min(chunk, n - o)
+                if mode == "register":
+                    r = cu.cuMemHostRegister_v2(
+                        ctypes.c_void_p(p + o), ctypes.c_size_t(ln), ctypes.c_uint(READ_ONLY)
+                    )
+                    if r != 0:
+                        err.append(f"register {r}")
+                        break
+                    ck(
+                        cu.cuMemcpyHtoDAsync_v2(
+                            ctypes.c_uint64(dst.data_ptr() + o),
+                            ctypes.c_void_p(p + o),
+                            ctypes.c_size_t(ln),
+                            sp,
+                        ),
+                        "h2d",
+                    )
+                    ck(cu.cuStreamSynchronize(sp), "sync")
+                    ck(cu.cuMemHostUnregister(ctypes.c_void_p(p + o)), "unreg")
+                elif mode == "pageable":
+                    ck(
+                        cu.cuMemcpyHtoDAsync_v2(
+                            ctypes.c_uint64(dst.data_ptr() + o),
+                            ctypes.c_void_p(p + o),
+                            ctypes.c_size_t(ln),
+                            sp,
+                        ),
+                        "h2d",
+                    )
+                    ck(cu.cuStreamSynchronize(sp), "sync")
+                else:  # pread into pinned, then copy (the bounce path without overlap)
+                    pb = pinned[i]
+                    mv = memoryview(pb.numpy())[:ln]
+                    os.preadv(rfd, [mv], o)
+                    ck(
+                        cu.cuMemcpyHtoDAsync_v2(
+                            ctypes.c_uint64(dst.data_ptr() + o),
+                            ctypes.c_void_p(pb.data_ptr()),
+                            ctypes.c_size_t(ln),
+                            sp,
+                        ),
+                        "h2d",
+                    )
+                    ck(cu.cuStreamSynchronize(sp), "sync")
+            os.close(rfd)
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        t0 = time.perf_counter()
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        dt = time.perf_counter() - t0
+        print(
+            f"  chunked {mode:9s} threads={threads:2d} chunk={chunk >> 20}M: "
+            f"{n / 2**30 / dt:.1f} GiB/s {err[:1]}",
+            flush=True,
+        )
+
+    for mode in ("register", "pageable", "pread"):
+        for th in (4, a.threads, 16):
+            chunked(th, mode)
+
+    # Device-to-device: 512 copies, one cuMemcpyDtoDAsync each, from Python.
+    srcs = [torch.empty(16 << 20, dtype=torch.uint8, device="cuda") for _ in range(512)]
+    dsts = [torch.empty(16 << 20, dtype=torch.uint8, device="cuda") for _ in range(512)]
+    s = torch.cuda.Stream()
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sp = ctypes.c_void_p(s.cuda_stream)
+        for x, y in zip(dsts, srcs, strict=True):
+            cu.cuMemcpyDtoDAsync_v2(
+                ctypes.c_uint64(x.data_ptr()),
+                ctypes.c_uint64(y.data_ptr()),
+                ctypes.c_size_t(16 << 20),
+                sp,
+            )
+        t1 = time.perf_counter()
+        with torch.cuda.stream(s):
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        t2 = time.perf_counter()
+        s.synchronize()
+        t3 = time.perf_counter()
+        print(
+            f"  d2d 512x16M: ctypes loop {1e3 * (t1 - t0):.2f} ms, "
+            f"foreach_copy_ {1e3 * (t2 - t1):.2f} ms, drain {1e3 * (t3 - t2):.1f} ms",
+            flush=True,
+        )
+    ver = ctypes.c_int()
+    cu.cuDriverGetVersion(ctypes.byref(ver))
+    print(
+        "driver",
+        ver.value,
+        "cuMemcpyBatchAsync:",
+        hasattr(cu, "cuMemcpyBatchAsync"),
+        hasattr(cu, "cuMemcpyBatchAsync_v2"),
+    )
+    os.close(fd)
+    os.unlink(path)
+
+
+def first_touch(n: int) -> None:
+    """Split the first host staging cost: fault-in (MADV_POPULATE_WRITE) vs pinning."""
+    import ckptio._native as nat  # noqa: F401 - loads the same libcuda
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    torch.zeros(1, device="cuda")
+    ctx = ctypes.c_void_p()
+    cu.cuCtxGetCurrent(ctypes.byref(ctx))
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    piece = 64 << 20
+
+    def par(threads: int, fn) -> float:
+        offs = list(range(0, n, piece))
+        lock = threading.Lock()
+
+        def work() -> None:
+            cu.cuCtxSetCurrent(ctx)
+            while True:
+                with lock:
+                    if not offs:
+                        return
+                    o = offs.pop()
+                fn(o)
+
+        ts = [threading.Thread(target=work) for _ in range(threads)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return time.perf_counter() - t0
+
+    for threads in (8, 16):
+        fd = os.memfd_create("probe")
+        os.ftruncate(fd, n)
+        p = libc.mmap(None, n, 3, mmap.MAP_SHARED, fd, 0)
+        pop = par(threads, lambda o, p=p: libc.madvise(p + o, piece, 23))
+        reg = par(
+            threads,
+            lambda o, p=p: cu.cuMemHostRegister_v2(
+                ctypes.c_void_p(p + o), ctypes.c_size_t(piece), ctypes.c_uint(0)
+            ),
+        )
+        unreg = par(threads, lambda o, p=p: cu.cuMemHostUnregister(ctypes.c_void_p(p + o)))
+        gib = n / 2**30
+        print(
+            f"  memfd {gib:.0f} GiB threads={threads}: "
+            f"populate {pop:.3f} s ({gib / pop:.1f} GiB/s), "
+            f"register {reg:.3f} s ({gib / reg:.1f} GiB/s), unregister {unreg:.3f} s",
+            flush=True,
+        )
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.munmap(p, n)
+        os.close(fd)
+
+
+def shm_loads(n: int) -> None:
+    """ckptio.load of an n-byte bf16 state dict from /dev/shm, by threads and chunk."""
+    import ckptio
+    from ckptio import bench
+
+    sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
+    p = "/dev/shm/probe-load.pt"
+    ckptio.save(sd, p)
+    for threads, chunk in ((None, None), (8, 16 << 20), (16, 16 << 20), (32, 16 << 20)):
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = ckptio.load(p, map_location="cuda", threads=threads, chunk_size=chunk)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            del out
+            print(
+                f"  ckptio.load shm threads={threads} chunk={chunk}: {dt:.3f} s "
+                f"{n / 2**30 / dt:.1f} GiB/s ({ckptio.last_report().backend}, "
+                f"{ckptio.last_report().threads} threads)",
+                flush=True,
+            )
+    os.unlink(p)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["first"]:
+        first_touch(parse_size(sys.argv[2]))
+    elif sys.argv[1:2] == ["loads"]:
+        shm_loads(parse_size(sys.argv[2]))
+    else:
+        main()
