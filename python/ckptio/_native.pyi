@@ -15,6 +15,7 @@ __all__ = [
     "info",
     "map_archive",
     "stage_copy",
+    "stage_device_copy",
     "stage_pin",
     "AtomicWriter",
     "BufferRegistration",
