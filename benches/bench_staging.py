@@ -4,7 +4,8 @@ ckptio.staging allocates and pins its buffers; GPU only).
     python benches/bench_staging.py --size 8G --tensors 512
 
 For fresh staging buffers of each kind of memory (anonymous with and without
-MADV_HUGEPAGE, an unnamed memfd, torch's shared memory), one 8 GiB state dict:
+MADV_HUGEPAGE, an unnamed memfd, private and shared by descriptor as
+DefaultStager makes them, torch's zero-filled shared memory), one 8 GiB state dict:
 ``pin-first``: each chunk is prefaulted and pinned by the copy thread, then
 copied at the pinned speed (a first save); then the same buffers again (the
 steady state); ``stage_pin ahead``: fresh buffers pinned first (what
@@ -22,7 +23,7 @@ import time
 
 import torch
 from ckptio import _native
-from ckptio.staging import _private_shmem
+from ckptio.staging import _host_storage
 
 GiB = 1 << 30
 
@@ -30,16 +31,16 @@ GiB = 1 << 30
 def buffers(n: int, each: int, kind: str) -> list[tuple[object, object]]:
     out = []
     for _ in range(n):
-        if kind == "shared":  # torch's shared memory (a /dev/shm file)
+        if kind == "torch-shared":  # torch's shared memory (a zero-filled /dev/shm file)
             st = torch.UntypedStorage._new_shared(each)
             keep: object = st
+        elif kind in ("memfd", "memfd-shared"):  # what DefaultStager uses
+            st = _host_storage(each, shared=kind == "memfd-shared")
+            keep = st
         else:
-            if kind == "memfd":  # what DefaultStager uses without shared memory
-                mm = _private_shmem(each)
-            else:
-                mm = mmap.mmap(-1, each)
-                if kind == "anon+thp":
-                    mm.madvise(mmap.MADV_HUGEPAGE)
+            mm = mmap.mmap(-1, each)
+            if kind == "anon+thp":
+                mm.madvise(mmap.MADV_HUGEPAGE)
             st = torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()
             keep = (mm, st)
         out.append((keep, _native.HostPin(st.data_ptr(), each, pin=True, chunk_size=64 << 20)))
@@ -66,11 +67,11 @@ def main() -> None:
     def rate(t: float) -> str:
         return f"{t:6.3f} s {size / GiB / t:6.1f} GiB/s"
 
-    for kind in ("anon+thp", "anon", "memfd", "shared"):
+    for kind in ("anon+thp", "anon", "memfd", "memfd-shared", "torch-shared"):
         b = buffers(a.tensors, each, kind)
         t1 = copy(b)
         t2 = copy(b)
-        print(f"{kind:8} pin-first       first {rate(t1)} | steady {rate(t2)}", flush=True)
+        print(f"{kind:12} pin-first       first {rate(t1)} | steady {rate(t2)}", flush=True)
         for _, p in b:
             p.close()
         del b
@@ -80,7 +81,7 @@ def main() -> None:
         tp = time.perf_counter() - t0
         t1 = copy(b)
         print(
-            f"{kind:8} stage_pin ahead {tp:6.3f} s ({pinned / GiB:.1f} GiB) "
+            f"{kind:12} stage_pin ahead {tp:6.3f} s ({pinned / GiB:.1f} GiB) "
             f"| first copy {rate(t1)}",
             flush=True,
         )

@@ -149,6 +149,13 @@ def test_first_stage_allocates_on_the_staging_thread(monkeypatch, shared):
         assert out["v"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
         assert out["w"].untyped_storage().nbytes() == w.untyped_storage().nbytes()
         assert out["w"].untyped_storage().is_shared() == shared
+        if shared:  # DCP's PROCESS mode pickles it by descriptor, without moving the bytes
+            import io
+            from multiprocessing.reduction import ForkingPickler
+
+            ptr = out["w"].untyped_storage().data_ptr()
+            ForkingPickler(io.BytesIO()).dump(out["w"])
+            assert out["w"].untyped_storage().data_ptr() == ptr
         st.stage(sd).result()
         assert len(threads) == 1  # reused, not allocated again
 

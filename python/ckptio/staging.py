@@ -165,12 +165,7 @@ class _HostBuffer(_Buffer):
         self.pin: Any = None
 
     def _allocate(self) -> torch.UntypedStorage:
-        if self.shared:
-            storage = torch.UntypedStorage._new_shared(self.nbytes)
-        else:
-            storage = torch.frombuffer(
-                _private_shmem(self.nbytes), dtype=torch.uint8
-            ).untyped_storage()
+        storage = _host_storage(self.nbytes, self.shared)
         self.pin = _native.HostPin(
             storage.data_ptr(), self.nbytes, pin=self.pinned, chunk_size=_PIN_CHUNK
         )
@@ -184,23 +179,33 @@ class _HostBuffer(_Buffer):
         super().close()
 
 
-def _private_shmem(nbytes: int) -> mmap.mmap:
-    """Page-aligned memory, untouched until the copy (allocation is instant and
-    page faults spread over the copy threads), backed by an unnamed memfd.
+def _host_storage(nbytes: int, shared: bool) -> torch.UntypedStorage:
+    """Page-aligned host memory for a staging buffer: an unnamed memfd, untouched
+    until the copy (allocation is instant; page faults spread over the copy threads).
 
-    Why not anonymous memory: there it may come as transparent huge pages
-    (MADV_HUGEPAGE, or THP "always"), and on the H200 host those took 1.16-1.33 s
-    to fault in and pin for 8 GiB, against 0.55 s for 4 KiB anonymous pages and
-    for a memfd (shared memory: 0.44 s; benches/bench_staging.py). A memfd follows
-    the shmem THP setting, which is off by default. Pinning is what a first
-    save waits for.
+    ``shared``: torch shares it between processes by descriptor (what DCP's
+    PROCESS mode pickles), without a copy. Not ``torch.UntypedStorage._new_shared``:
+    that zero-fills the memory while holding the GIL (1.9 s for 8 GiB on the H200
+    host, the training thread starved meanwhile), and lives in /dev/shm, which
+    containers often cap at 64 MiB; a memfd counts as memory, not as /dev/shm.
+
+    Why not anonymous memory for private buffers: it may come as transparent huge
+    pages (MADV_HUGEPAGE, or THP "always"), and on the H200 host those took
+    1.16-1.33 s to fault in and pin for 8 GiB, against 0.55 s for 4 KiB pages and
+    for a memfd (benches/bench_staging.py); a memfd follows the shmem THP setting,
+    off by default.
     """
-    if not hasattr(os, "memfd_create"):  # pragma: no cover - not Linux
-        return mmap.mmap(-1, nbytes)
+    by_fd = torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+    if not hasattr(os, "memfd_create") or (shared and not by_fd):  # pragma: no cover
+        if shared:  # torch's file_system strategy needs its own named segments
+            return torch.UntypedStorage._new_shared(nbytes)
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).untyped_storage()
     fd = os.memfd_create("ckptio-staging", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes)
+        if shared:
+            return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+        return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8).untyped_storage()
     finally:
         os.close(fd)
 
@@ -472,6 +477,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             self._executor.shutdown(wait=True)
         for s in self._side_streams.values():
             s.synchronize()
+        self._future = None  # the last staged dict is the caller's to keep, not ours
         self._cache.clear()
 
     def __enter__(self) -> DefaultStager:
