@@ -110,6 +110,15 @@ def main() -> None:
                         break
                     o = offs.pop()
                 ln = min(chunk, n - o)
+
+                def h2d(src: int, o: int = o, ln: int = ln) -> None:
+                    dst_p = ctypes.c_uint64(dst.data_ptr() + o)
+                    r = cu.cuMemcpyHtoDAsync_v2(
+                        dst_p, ctypes.c_void_p(src), ctypes.c_size_t(ln), sp
+                    )
+                    ck(r, "h2d")
+                    ck(cu.cuStreamSynchronize(sp), "sync")
+
                 if mode == "register":
                     r = cu.cuMemHostRegister_v2(
                         ctypes.c_void_p(p + o), ctypes.c_size_t(ln), ctypes.c_uint(READ_ONLY)
@@ -117,42 +126,14 @@ def main() -> None:
                     if r != 0:
                         err.append(f"register {r}")
                         break
-                    ck(
-                        cu.cuMemcpyHtoDAsync_v2(
-                            ctypes.c_uint64(dst.data_ptr() + o),
-                            ctypes.c_void_p(p + o),
-                            ctypes.c_size_t(ln),
-                            sp,
-                        ),
-                        "h2d",
-                    )
-                    ck(cu.cuStreamSynchronize(sp), "sync")
+                    h2d(p + o)
                     ck(cu.cuMemHostUnregister(ctypes.c_void_p(p + o)), "unreg")
                 elif mode == "pageable":
-                    ck(
-                        cu.cuMemcpyHtoDAsync_v2(
-                            ctypes.c_uint64(dst.data_ptr() + o),
-                            ctypes.c_void_p(p + o),
-                            ctypes.c_size_t(ln),
-                            sp,
-                        ),
-                        "h2d",
-                    )
-                    ck(cu.cuStreamSynchronize(sp), "sync")
+                    h2d(p + o)
                 else:  # pread into pinned, then copy (the bounce path without overlap)
                     pb = pinned[i]
-                    mv = memoryview(pb.numpy())[:ln]
-                    os.preadv(rfd, [mv], o)
-                    ck(
-                        cu.cuMemcpyHtoDAsync_v2(
-                            ctypes.c_uint64(dst.data_ptr() + o),
-                            ctypes.c_void_p(pb.data_ptr()),
-                            ctypes.c_size_t(ln),
-                            sp,
-                        ),
-                        "h2d",
-                    )
-                    ck(cu.cuStreamSynchronize(sp), "sync")
+                    os.preadv(rfd, [memoryview(pb.numpy())[:ln]], o)
+                    h2d(pb.data_ptr())
             os.close(rfd)
 
         ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
