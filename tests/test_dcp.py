@@ -160,6 +160,45 @@ def test_first_stage_allocates_on_the_staging_thread(monkeypatch, shared):
         assert len(threads) == 1  # reused, not allocated again
 
 
+def test_unallocated_views_sit_on_a_placeholder_that_never_grows():
+    # Views of not-yet-allocated buffers point at one storage without memory;
+    # set_ must not resize it (that would allocate and copy on the caller's thread).
+    from ckptio import staging
+
+    sd = {f"t{i}": torch.randn(1 << (10 + i)) for i in range(8)}
+    with DefaultStager(StagingOptions(use_shared_memory=False)) as st:
+        fut = st.stage(sd)
+        ph = staging._placeholder(torch.device("cpu"))
+        assert ph.nbytes() == 1 << 50 and not ph.resizable()
+        out = fut.result()
+        assert all(torch.equal(out[k], v) for k, v in sd.items())
+        assert all(out[k].untyped_storage().data_ptr() != 0 for k in sd)
+    assert ph.nbytes() == 1 << 50
+
+
+def test_stager_recovers_from_a_failed_allocation(monkeypatch):
+    # A buffer that cannot be allocated fails that save (through its future);
+    # the next stage() tries again and succeeds.
+    from ckptio import staging
+
+    real = staging._HostBuffer._allocate
+    fail = [True]
+
+    def flaky(self):
+        if fail and fail.pop():
+            raise MemoryError("no memory for a staging buffer")
+        return real(self)
+
+    monkeypatch.setattr(staging._HostBuffer, "_allocate", flaky)
+    sd = {"a": torch.randn(100), "b": torch.randn(200)}
+    with DefaultStager(StagingOptions(use_shared_memory=False)) as st:
+        with pytest.raises(MemoryError, match="staging buffer"):
+            st.stage(sd).result()
+        out = st.stage(sd).result()
+        assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"], sd["b"])
+        assert st.staged_bytes() == 1200
+
+
 def test_stager_bad_options():
     with pytest.raises(ValueError, match="threads"):
         DefaultStager(StagingOptions(threads=0))

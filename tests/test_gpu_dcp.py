@@ -92,6 +92,8 @@ def test_device_snapshot_without_room_stages_to_host(monkeypatch):
     sd = cuda_state()
     opts = StagingOptions(device_snapshot=True, device_headroom=1 << 50)
     with DefaultStager(opts) as st:
+        st.prepare(sd).result()  # no room there either: host buffers, none on the device
+        assert not any(k[3] for k in st._cache.buffers)
         with pytest.warns(RuntimeWarning, match="not enough free device memory"):
             staged = st.stage(sd).result()
         assert not staged["w"].is_cuda and torch.equal(staged["w"].cuda(), sd["w"])

@@ -254,10 +254,10 @@ def save(
 
     threads / chunk_size: I/O threads and bytes per chunk (defaults from
     CKPTIO_THREADS / CKPTIO_CHUNK_SIZE, else 8 and 16 MiB; files on tmpfs get
-    CKPTIO_MEMORY_THREADS, else 2 x cores within 8-32, unless ``threads`` is
-    given: there I/O is memory copies, which scale with cores). direct: O_DIRECT
-    "auto" (default: where the filesystem takes it), True/"on" (required) or
-    False/"off". backend: how CUDA storages move, "auto" (default, or
+    CKPTIO_MEMORY_THREADS, else 2 x cores within 8-32, unless ``threads`` or
+    CKPTIO_THREADS is given: there I/O is memory copies, which scale with cores).
+    direct: O_DIRECT "auto" (default: where the filesystem takes it), True/"on"
+    (required) or False/"off". backend: how CUDA storages move, "auto" (default, or
     CKPTIO_BACKEND: cuFile where it can register the file, else pinned bounce
     buffers), "cufile" (or an error) or "posix" (bounce buffers).
     Work queued on the current CUDA streams is finished before bytes are copied.

@@ -78,6 +78,9 @@ class StagingOptions:
     - ``device_snapshot``: stage CUDA tensors by a copy into cached device buffers
       (falls back to host staging, with a warning, when the device lacks room).
     - ``device_headroom``: bytes that must stay free on a device after the snapshot.
+      New snapshot buffers are allocated by the staging thread just after
+      ``stage()``; the headroom also covers what training allocates meanwhile (a
+      save whose buffers cannot be allocated fails; the next one checks again).
     - ``threads``: copy threads (default ``CKPTIO_THREADS``, else 8 to 16 by core count).
     """
 
@@ -124,8 +127,14 @@ class _Buffer:
         vkey = (t.dtype, t.storage_offset(), t.size(), t.stride())
         out = self.views.get(vkey)
         if out is None:
+            storage = self.storage
+            if storage is None:
+                storage = _placeholder(self.device)
+                if storage is None:  # this torch cannot make one: allocate now
+                    self.materialize()
+                    storage = self.storage
+            assert storage is not None
             out = torch.empty((0,), dtype=t.dtype, device=self.device)
-            storage = self.storage if self.storage is not None else _placeholder(self.device)
             out.set_(storage, vkey[1], vkey[2], vkey[3])
             self.views[vkey] = out
         return out
@@ -149,9 +158,18 @@ _CPU = torch.device("cpu")
 
 
 @functools.cache
-def _placeholder(device: torch.device) -> torch.UntypedStorage:
-    """The empty storage under a view whose buffer is not allocated yet."""
-    return torch.UntypedStorage(0, device=device)
+def _placeholder(device: torch.device) -> torch.UntypedStorage | None:
+    """The storage under views whose buffer is not allocated yet: no memory, 1 PiB
+    long and not resizable (``set_`` grows a resizable storage to fit the view,
+    which would allocate and copy on the caller's thread). None where this torch
+    lacks the constructor."""
+    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if make is None:  # pragma: no cover - torch < 2.1
+        return None
+    try:
+        return make(0, device, 1 << 50)
+    except Exception:  # noqa: BLE001 - pragma: no cover - then buffers are allocated at once
+        return None
 
 
 class _HostBuffer(_Buffer):
@@ -205,7 +223,7 @@ def _host_storage(nbytes: int, shared: bool) -> torch.UntypedStorage:
     try:
         os.ftruncate(fd, nbytes)
         if shared:
-            return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+            return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
         return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8).untyped_storage()
     finally:
         os.close(fd)
@@ -246,6 +264,12 @@ class _Cache:
 
     def clear(self) -> None:
         self.sweep(())
+
+    def drop_unallocated(self, device: bool) -> None:
+        """Forget the device (or host) buffers not allocated yet: a walk that
+        ran out of room made them, and another kind of staging takes over."""
+        for k in [k for k, b in self.buffers.items() if k[3] == device and b.storage is None]:
+            del self.buffers[k]
 
     def _allocated(self, kind: type) -> list[Any]:
         return [b for b in self.buffers.values() if isinstance(b, kind) and b.storage is not None]
@@ -387,9 +411,6 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
 
     def _stage(self, state_dict: Any) -> Any:
         with self._lock:
-            # Buffers are reused: a new snapshot waits for the previous one.
-            if self._future is not None:
-                self._future.result()
             plan, staged = self._plan(state_dict)
             if self._opts.device_snapshot and not self._snapshot:
                 warnings.warn(
@@ -447,17 +468,28 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
     def _plan(self, state_dict: Any) -> tuple[_Plan, Any]:
         """(plan, staged structure) of ``state_dict``, buffers allocated; under the lock,
         after the previous snapshot (its buffers are reused)."""
-        if self._future is not None:
-            self._future.result()
+        self._wait_previous()
         self._snapshot = self._opts.device_snapshot
         if self._snapshot:
             plan = _Plan(self._opts.device_headroom)
             try:
                 return plan, self._walk(state_dict, plan, {})
-            except _NoRoom:  # buffers it made go at the next sweep
+            except _NoRoom:
                 self._snapshot = False
+                self._cache.drop_unallocated(device=True)
         plan = _Plan()
         return plan, self._walk(state_dict, plan, {})
+
+    def _wait_previous(self) -> None:
+        """Wait for the previous staging (its buffers are reused). Its failure was
+        the caller's through its future; this stager goes on (buffers that could
+        not be allocated are tried again)."""
+        f, self._future = self._future, None
+        if f is not None:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001, S110 - reported through that future
+                pass
 
     def synchronize_staging(self) -> None:
         """Wait until the last snapshot is complete (a no-op for blocking staging)."""
@@ -467,19 +499,17 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
 
     def close(self) -> None:
         """Wait for staging in flight, then free every cached buffer. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.synchronize_staging()
-        except Exception:  # noqa: BLE001 - the error was the caller's to see already
-            pass
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        for s in self._side_streams.values():
-            s.synchronize()
-        self._future = None  # the last staged dict is the caller's to keep, not ours
-        self._cache.clear()
+        with self._lock:  # not in the middle of a stage() or prepare()
+            if self._closed:
+                return
+            self._closed = True
+            # Lets go of the last staged dict too: it is the caller's to keep.
+            self._wait_previous()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            for s in self._side_streams.values():
+                s.synchronize()
+            self._cache.clear()
 
     def __enter__(self) -> DefaultStager:
         return self
@@ -572,23 +602,26 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             if key[1] == 0 or key[2] == 0:
                 return _empty_view(t, key[3])
             buf = self._cache.buffers.get(key)
-            if buf is None:
-                buf = self._new_buffer(t, key, plan)
+            if buf is None or buf.storage is None:
+                buf = self._unallocated(t, key, plan, buf)
             plan.memo[key] = buf
             plan.sources.append(st)
         out = buf.views.get((t.dtype, t.storage_offset(), t.size(), t.stride()))
         return out if out is not None else buf.view(t)
 
-    def _new_buffer(self, t: torch.Tensor, key: _Key, plan: _Plan) -> _HostBuffer | _DeviceBuffer:
-        """The buffer of a source storage met for the first time (allocated later,
-        by the staging thread)."""
-        buf: _HostBuffer | _DeviceBuffer
+    def _unallocated(
+        self, t: torch.Tensor, key: _Key, plan: _Plan, buf: _HostBuffer | _DeviceBuffer | None
+    ) -> _HostBuffer | _DeviceBuffer:
+        """The buffer of a source storage whose buffer is new or not allocated yet
+        (the staging thread allocates it); a device one counts against the room."""
         if key[3]:
             plan.claim_device_bytes(key[0], key[2])
-            buf = _DeviceBuffer(key[2], t.device)
-        else:
-            buf = _HostBuffer(key[2], self._opts.use_shared_memory, self._pinned)
-        self._cache.buffers[key] = buf
+        if buf is None:
+            if key[3]:
+                buf = _DeviceBuffer(key[2], t.device)
+            else:
+                buf = _HostBuffer(key[2], self._opts.use_shared_memory, self._pinned)
+            self._cache.buffers[key] = buf
         return buf
 
     # -- execution ----------------------------------------------------------------
@@ -598,26 +631,31 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         return {dev: torch.cuda.current_stream(dev).record_event() for dev in plan.devices()}
 
     def _run(self, plan: _Plan, events: dict[int, Any]) -> None:
-        """The staging thread: allocate new buffers, then copy."""
-        plan.materialize()
-        done = []
-        for dev, copies in plan.device_copies().items():
-            side = self._side_streams.get(dev)
-            if side is None:
-                side = self._side_streams[dev] = torch.cuda.Stream(device=dev)
-            side.wait_event(events[dev])
-            _native.stage_device_copy(dev, side.cuda_stream, copies)
-            done.append(side.record_event())
-        self.last_stats = {"bytes": 0}
-        jobs = plan.host_copies()
-        if jobs:
-            for e in events.values():
-                e.synchronize()
-            self.last_stats = dict(_native.stage_copy(jobs, threads=self._threads))
-        for e in done:
-            e.synchronize()
-        self.last_stats["staged_bytes"] = plan.nbytes()
-        plan.sources.clear()
+        """The staging thread: allocate new buffers, then copy. A device snapshot
+        that cannot be allocated now (training took the room after stage()) fails
+        this save; the next one checks the room again."""
+        sides = []
+        try:
+            plan.materialize()
+            for dev, copies in plan.device_copies().items():
+                side = self._side_streams.get(dev)
+                if side is None:
+                    side = self._side_streams[dev] = torch.cuda.Stream(device=dev)
+                sides.append(side)
+                side.wait_event(events[dev])
+                _native.stage_device_copy(dev, side.cuda_stream, copies)
+            self.last_stats = {"bytes": 0}
+            jobs = plan.host_copies()
+            if jobs:
+                for e in events.values():
+                    e.synchronize()
+                self.last_stats = dict(_native.stage_copy(jobs, threads=self._threads))
+            self.last_stats["staged_bytes"] = plan.nbytes()
+        finally:
+            # No copy may outlive the sources it reads, error or not.
+            for side in sides:
+                side.synchronize()
+            plan.sources.clear()
 
 
 def _empty_view(t: torch.Tensor, on_device: bool) -> torch.Tensor:
