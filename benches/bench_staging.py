@@ -23,6 +23,7 @@ import time
 
 import torch
 from ckptio import _native
+from ckptio.cli import _size
 from ckptio.staging import _host_storage
 
 GiB = 1 << 30
@@ -53,7 +54,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=512)
     ap.add_argument("--threads", type=int, default=16)
     a = ap.parse_args()
-    size = int(a.size[:-1]) * GiB if a.size[-1] in "gG" else int(a.size)
+    size = _size(a.size)
     each = size // a.tensors
     src = [torch.empty(each, dtype=torch.uint8, device="cuda") for _ in range(a.tensors)]
     torch.cuda.synchronize()

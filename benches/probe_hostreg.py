@@ -22,12 +22,9 @@ import threading
 import time
 
 import torch
+from ckptio.cli import _size
 
 READ_ONLY = 8
-
-
-def parse_size(s: str) -> int:
-    return int(float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[s[-1]])
 
 
 def main() -> None:
@@ -37,7 +34,7 @@ def main() -> None:
     ap.add_argument("--chunk", default="64M")
     ap.add_argument("--threads", type=int, default=8)
     a = ap.parse_args()
-    n, chunk = parse_size(a.size), parse_size(a.chunk)
+    n, chunk = _size(a.size), _size(a.chunk)
     cu = ctypes.CDLL("libcuda.so.1")
     dst = torch.empty(n, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
@@ -280,8 +277,8 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["first"]:
-        first_touch(parse_size(sys.argv[2]))
+        first_touch(_size(sys.argv[2]))
     elif sys.argv[1:2] == ["loads"]:
-        shm_loads(parse_size(sys.argv[2]))
+        shm_loads(_size(sys.argv[2]))
     else:
         main()

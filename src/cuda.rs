@@ -410,9 +410,7 @@ impl Cuda {
             (self.api.memcpy_htod_async)(dst, src.cast(), len, stream.raw.0)
         })
     }
-}
 
-impl Cuda {
     /// Queues device-to-device copies `(dst, src, len)` on a stream the caller
     /// owns (e.g. one of PyTorch's), in order, after making `device`'s primary
     /// context current. One driver call per copy, no kernel launch.

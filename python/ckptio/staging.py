@@ -122,9 +122,8 @@ class _Buffer:
         self.storage: torch.UntypedStorage | None = None
         self.views: dict[Any, torch.Tensor] = {}
 
-    def view(self, t: torch.Tensor) -> torch.Tensor:
-        """The staged tensor standing for ``t`` (same dtype, offset, shape, strides)."""
-        vkey = (t.dtype, t.storage_offset(), t.size(), t.stride())
+    def view(self, vkey: tuple[torch.dtype, int, Any, Any]) -> torch.Tensor:
+        """The staged tensor of this (dtype, storage offset, shape, strides)."""
         out = self.views.get(vkey)
         if out is None:
             storage = self.storage
@@ -134,7 +133,7 @@ class _Buffer:
                     self.materialize()
                     storage = self.storage
             assert storage is not None
-            out = torch.empty((0,), dtype=t.dtype, device=self.device)
+            out = torch.empty((0,), dtype=vkey[0], device=self.device)
             out.set_(storage, vkey[1], vkey[2], vkey[3])
             self.views[vkey] = out
         return out
@@ -332,8 +331,7 @@ class _Plan:
     def materialize(self) -> None:
         """Allocate the buffers not allocated yet (on the staging thread)."""
         for b in self.memo.values():
-            if b.storage is None:
-                b.materialize()
+            b.materialize()
 
     def claim_device_bytes(self, device: int, nbytes: int) -> None:
         """Count a new snapshot buffer against what ``device`` has free (memory
@@ -606,8 +604,9 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 buf = self._unallocated(t, key, plan, buf)
             plan.memo[key] = buf
             plan.sources.append(st)
-        out = buf.views.get((t.dtype, t.storage_offset(), t.size(), t.stride()))
-        return out if out is not None else buf.view(t)
+        vkey = (t.dtype, t.storage_offset(), t.size(), t.stride())
+        out = buf.views.get(vkey)
+        return out if out is not None else buf.view(vkey)
 
     def _unallocated(
         self, t: torch.Tensor, key: _Key, plan: _Plan, buf: _HostBuffer | _DeviceBuffer | None
