@@ -5,11 +5,17 @@
                                                 # threads; 512 D2D copies, ctypes vs foreach
     python benches/probe_hostreg.py first 8G    # first host staging: fault-in vs pinning
     python benches/probe_hostreg.py loads 8G    # ckptio.load from /dev/shm by threads
+    python benches/probe_hostreg.py bounce 8G   # first host staging without pinning:
+                                                # fault-in, memcpy from a pinned lane,
+                                                # D2H through two lanes per thread
 
 On the H200 host: registering the page cache (READ_ONLY) costs more than the copy
 it saves, pread into pinned memory scales with threads (so files on tmpfs get
 memory_threads), and faulting in fresh memory, not pinning, is what a first
-save pays for.
+save pays for: filling fresh pages from the GPU through pinned lanes, without
+pinning them, ran at 15-24 GiB/s, no faster than pinning as the copies go
+(so that was not kept). A new engine's first load pays for its pinned lanes
+(~0.5 s per GiB), hence 4 MiB chunks for tmpfs (lanes of 256 MiB, not 1 GiB).
 """
 
 from __future__ import annotations
@@ -248,15 +254,120 @@ def first_touch(n: int) -> None:
         os.close(fd)
 
 
-def shm_loads(n: int) -> None:
-    """ckptio.load of an n-byte bf16 state dict from /dev/shm, by threads and chunk."""
-    import ckptio
-    from ckptio import bench
+def bounce(n: int, threads: int, kinds: list[str], piece: int = 16 << 20) -> None:
+    """What a first host staging costs if it skips pinning: fresh 16 MiB memfds
+    (as the stager makes them) faulted in, filled by memcpy from a pinned lane,
+    and filled from the GPU through two pinned lanes per thread."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    lanes = [
+        [torch.empty(piece // 2, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        for _ in range(threads)
+    ]
+    streams = [torch.cuda.Stream() for _ in range(threads)]
+    torch.cuda.synchronize()
 
+    def fresh(kind: str) -> list[int]:
+        out = []
+        for _ in range(n // piece):
+            if kind == "memfd":
+                fd = os.memfd_create("probe")
+                os.ftruncate(fd, piece)
+                out.append(libc.mmap(None, piece, 3, mmap.MAP_SHARED, fd, 0))
+                os.close(fd)
+            else:  # private anonymous, 2 MiB aligned so that THP can back it
+                raw = libc.mmap(None, piece + (2 << 20), 3, 0x22, -1, 0)
+                p = (raw + (2 << 20) - 1) & ~((2 << 20) - 1)
+                libc.madvise(p, piece, 14 if kind == "anon+thp" else 15)  # (NO)HUGEPAGE
+                out.append(p)
+        return out
+
+    def par(bufs: list[int], fn) -> float:
+        todo = list(enumerate(bufs))
+        lock = threading.Lock()
+
+        def work(k: int) -> None:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i, p = todo.pop()
+                fn(k, i, p)
+
+        ts = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return time.perf_counter() - t0
+
+    def memcpy(k: int, i: int, p: int) -> None:
+        ctypes.memmove(p, lanes[k][0].data_ptr(), piece // 2)
+        ctypes.memmove(p + piece // 2, lanes[k][0].data_ptr(), piece // 2)
+
+    def d2h(k: int, i: int, p: int) -> None:
+        half = piece // 2
+        with torch.cuda.stream(streams[k]):
+            a, b = lanes[k]
+            a.copy_(src[i * piece : i * piece + half], non_blocking=True)
+            streams[k].synchronize()
+            b.copy_(src[i * piece + half : (i + 1) * piece], non_blocking=True)
+            ctypes.memmove(p, a.data_ptr(), half)
+            streams[k].synchronize()
+            ctypes.memmove(p + half, b.data_ptr(), half)
+
+    def register(k: int, i: int, p: int) -> None:
+        cu.cuMemHostRegister_v2(ctypes.c_void_p(p), ctypes.c_size_t(piece), ctypes.c_uint(0))
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    gib = n / 2**30
+    for kind in kinds:
+        for what, fn in (
+            ("populate", lambda k, i, p: libc.madvise(p, piece, 23)),
+            ("memcpy from pinned lane, fresh", memcpy),
+            ("D2H via 2 lanes/thread, fresh", d2h),
+        ):
+            bufs = fresh(kind)
+            dt = par(bufs, fn)
+            print(f"  {kind:8s} {what:31s} {threads} thr: {dt:.3f} s {gib / dt:6.1f} GiB/s")
+            if what.startswith("D2H"):
+                dt = par(bufs, d2h)
+                print(f"  {kind:8s} {'D2H via 2 lanes, faulted':31s} {threads} thr: {dt:.3f} s")
+                dt = par(bufs, register)
+                print(f"  {kind:8s} {'register after':31s} {threads} thr: {dt:.3f} s", flush=True)
+                for p in bufs:
+                    cu.cuMemHostUnregister(ctypes.c_void_p(p))
+            for p in bufs:  # (an anonymous buffer's alignment slack stays mapped)
+                libc.munmap(p, piece)
+
+
+def shm_loads(n: int) -> None:
+    """ckptio.load of an n-byte bf16 state dict from /dev/shm, by threads and chunk;
+    ``io``: the share of the engine's read (the rest: unpickling, allocation)."""
+    import ckptio
+    from ckptio import _native, bench
+
+    io = [0.0]
+    read_into = _native.Reader.read_into
+
+    def timed(self, *args, **kw):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return read_into(self, *args, **kw)
+        finally:
+            io[0] = time.perf_counter() - t
+
+    _native.Reader.read_into = timed  # type: ignore[method-assign]
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
     p = "/dev/shm/probe-load.pt"
     ckptio.save(sd, p)
-    for threads, chunk in ((None, None), (8, 16 << 20), (16, 16 << 20), (32, 16 << 20)):
+    # Each config is a new engine: its first load pays for the pinned lanes.
+    for threads, chunk in ((None, None), (16, 16 << 20), (32, 8 << 20), (32, 4 << 20)):
         for _ in range(2):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -266,10 +377,11 @@ def shm_loads(n: int) -> None:
             del out
             print(
                 f"  ckptio.load shm threads={threads} chunk={chunk}: {dt:.3f} s "
-                f"{n / 2**30 / dt:.1f} GiB/s ({ckptio.last_report().backend}, "
+                f"{n / 2**30 / dt:.1f} GiB/s, io {io[0]:.3f} s ({ckptio.last_report().backend}, "
                 f"{ckptio.last_report().threads} threads)",
                 flush=True,
             )
+        torch.cuda.empty_cache()  # the next config allocates afresh, as a new process would
     os.unlink(p)
 
 
@@ -278,6 +390,10 @@ if __name__ == "__main__":
 
     if sys.argv[1:2] == ["first"]:
         first_touch(_size(sys.argv[2]))
+    elif sys.argv[1:2] == ["bounce"]:
+        for line in open("/sys/kernel/mm/transparent_hugepage/enabled"):
+            print("  THP enabled:", line.strip())
+        bounce(_size(sys.argv[2]), 16, ["anon+thp", "anon", "memfd"])
     elif sys.argv[1:2] == ["loads"]:
         shm_loads(_size(sys.argv[2]))
     else:

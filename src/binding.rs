@@ -106,7 +106,7 @@ impl Engine {
             cfg.set_threads(t);
         }
         if let Some(c) = chunk_size {
-            cfg.chunk_size = c;
+            cfg.set_chunk_size(c);
         }
         if let Some(d) = direct_mode(direct)? {
             cfg.direct = d;
@@ -132,6 +132,12 @@ impl Engine {
         self.inner.config().chunk_size
     }
 
+    /// Chunk size for files in memory (tmpfs).
+    #[getter]
+    fn memory_chunk_size(&self) -> usize {
+        self.inner.config().memory_chunk_size
+    }
+
     #[getter]
     fn direct(&self) -> &'static str {
         match self.inner.config().direct {
@@ -154,10 +160,11 @@ impl Engine {
     fn __repr__(&self) -> String {
         let c = self.inner.config();
         format!(
-            "Engine(threads={}, memory_threads={}, chunk_size={}, direct={:?})",
+            "Engine(threads={}, memory_threads={}, chunk_size={}, memory_chunk_size={}, direct={:?})",
             c.threads,
             c.memory_threads,
             c.chunk_size,
+            c.memory_chunk_size,
             self.direct()
         )
     }
@@ -929,9 +936,9 @@ fn cufile_register_buffer(
     })
 }
 
-/// Pinning state of host memory the caller owns (a staging buffer): chunks are
-/// page-locked by the first copies that reach them, and unlocked on `close()`
-/// or when this object goes.
+/// Pinning state of host memory the caller owns (a staging buffer): page-locked
+/// whole by the first copy that reaches it (copies into it go in `chunk_size`
+/// pieces), and unlocked on `close()` or when this object goes.
 #[pyclass(frozen, module = "ckptio._native")]
 pub struct HostPin {
     inner: Mutex<Option<Arc<crate::staging::HostPin>>>,
@@ -977,15 +984,15 @@ impl HostPin {
             .map_or(0, |p| p.pinned_bytes())
     }
 
-    /// Unlock every pinned chunk (after copies in flight finish). Idempotent.
+    /// Unlock the memory (after copies in flight finish). Idempotent.
     fn close(&self, py: Python<'_>) {
         let p = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
         py.detach(move || drop(p));
     }
 }
 
-/// Pin every chunk of `pins` not yet pinned, on `threads` threads (the GIL
-/// released); returns the bytes now pinned. A chunk the driver refuses stays pageable.
+/// Pin every one of `pins` not yet pinned, on `threads` threads (the GIL
+/// released); returns the bytes now pinned. Memory the driver refuses stays pageable.
 #[pyfunction]
 #[pyo3(signature = (pins, threads=8))]
 fn stage_pin(py: Python<'_>, pins: Vec<Bound<'_, HostPin>>, threads: usize) -> PyResult<u64> {

@@ -1,17 +1,23 @@
 //! Staging: parallel copies of tensor memory (host or device) into host
-//! buffers, pinned chunk by chunk on first use.
+//! buffers, each pinned on first use.
 //!
 //! This is what an async checkpoint needs to take a training-safe snapshot:
 //! the copy must run near PCIe speed (so device-to-host copies go to pinned
 //! memory, from several streams at once), and the first snapshot must not
-//! stall on pinning a multi-GiB buffer up front. So a [`HostPin`] registers its
-//! memory lazily, one chunk per registration, inside the copy threads: the
-//! page faults and the pinning of a fresh buffer spread over all threads and
-//! overlap with the copies of other chunks.
+//! stall on pinning every buffer up front. So a [`HostPin`] registers its
+//! memory lazily, inside the copy threads, when the first copy reaches it:
+//! the page faults and the pinning of fresh buffers spread over all threads
+//! and overlap with the copies into other buffers.
+//!
+//! A buffer is registered whole, never in pieces: the driver refuses a copy
+//! whose host range spans two registrations ("invalid argument"), and the
+//! caller's own copies out of a staged tensor (`staged.cuda()`) must work.
+//! The page faults of a large buffer are still taken in parallel, before the
+//! registration.
 //!
 //! The memory itself belongs to the caller (in ckptio, a torch storage in
-//! anonymous or shared memory); a [`HostPin`] only holds the registrations and
-//! drops them when it goes.
+//! anonymous or shared memory); a [`HostPin`] only holds the registration and
+//! drops it when it goes.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -24,22 +30,25 @@ use crate::{Error, Result};
 const PAGE: u64 = 4096;
 /// madvise(2) advice that prefaults pages writable (Linux 5.14).
 const MADV_POPULATE_WRITE: libc::c_int = 23;
+/// Most threads that fault in one large buffer before it is registered.
+const POPULATE_THREADS: usize = 16;
 
-/// Pinning state of a host range the caller owns. Dropping it unregisters
-/// every chunk it registered.
+/// Pinning state of a host range the caller owns. Dropping it unregisters it.
 pub struct HostPin {
     base: u64,
     len: u64,
+    /// Copies into the range are cut on this grid, so that several threads
+    /// share a large buffer; its faults are taken in pieces of this size too.
     chunk: u64,
     pin: bool,
-    /// One slot per chunk: `Some` once registered, `None` if registration failed
-    /// (the copy then runs unpinned, just slower).
-    regs: Vec<OnceLock<Option<HostRegistration>>>,
+    /// `Some` once registered, `None` if registration failed (copies then run
+    /// unpinned, just slower).
+    reg: OnceLock<Option<HostRegistration>>,
 }
 
 impl HostPin {
-    /// Describes `[base, base+len)`, to be pinned in `chunk`-byte pieces as copies
-    /// reach them (`pin == false`: never pinned).
+    /// Describes `[base, base+len)`, pinned whole when a copy first reaches it
+    /// (`pin == false`: never pinned); copies into it go in `chunk`-byte pieces.
     ///
     /// # Safety
     /// The range must be host memory, writable by us, that stays mapped until
@@ -56,16 +65,12 @@ impl HostPin {
                 "HostPin: chunk size {chunk} is not a positive multiple of {PAGE}"
             )));
         }
-        // Chunks of a range that does not start on a page would share pages
-        // with their neighbours, which the driver refuses: register it whole.
-        let chunk = if base % PAGE == 0 { chunk } else { len.max(1) };
-        let n = len.div_ceil(chunk) as usize;
         Ok(HostPin {
             base,
             len,
             chunk,
             pin,
-            regs: (0..n).map(|_| OnceLock::new()).collect(),
+            reg: OnceLock::new(),
         })
     }
 
@@ -79,53 +84,69 @@ impl HostPin {
 
     /// Bytes currently page-locked through this pin.
     pub fn pinned_bytes(&self) -> u64 {
-        self.regs
-            .iter()
-            .filter_map(|r| r.get().and_then(Option::as_ref))
-            .map(|r| r.len() as u64)
-            .sum()
+        self.reg
+            .get()
+            .and_then(Option::as_ref)
+            .map_or(0, |r| r.len() as u64)
     }
 
-    /// Registers chunk `i` if not yet tried. Returns whether it is pinned.
-    fn ensure_pinned(&self, i: usize) -> bool {
-        if !self.pin {
+    /// Registers the range if not yet tried (other threads wanting it wait
+    /// meanwhile). Returns whether it is pinned.
+    fn ensure_pinned(&self) -> bool {
+        if !self.pin || self.len == 0 {
             return false;
         }
-        let reg = self.regs[i].get_or_init(|| {
-            let start = i as u64 * self.chunk;
-            let len = self.chunk.min(self.len - start) as usize;
-            let ptr = (self.base + start) as *mut libc::c_void;
-            // Fault the pages in here, in this copy thread, before the driver pins
-            // them: page faults of a fresh buffer then spread over all threads
-            // instead of running inside cuMemHostRegister. Best effort: older
-            // kernels lack MADV_POPULATE_WRITE and registration faults them anyway.
-            // SAFETY: the range is the caller's live, writable host memory.
-            let _ = unsafe { libc::madvise(ptr, len, MADV_POPULATE_WRITE) };
-            // SAFETY: the range is part of the caller's live host range
-            // (contract of `new`), registered once (OnceLock), and the
-            // registration is dropped with `self`, before the memory goes.
-            unsafe { cuda::host_register((self.base + start) as *mut u8, len) }.ok()
+        let reg = self.reg.get_or_init(|| {
+            // Fault the pages in first, in pieces on several threads for a large
+            // buffer, instead of inside cuMemHostRegister, which takes them one
+            // by one. Best effort: older kernels lack MADV_POPULATE_WRITE, and
+            // registration faults the pages in anyway.
+            self.populate();
+            // SAFETY: the range is the caller's live host memory (contract of
+            // `new`), registered once (OnceLock), and the registration is
+            // dropped with `self`, before the memory goes.
+            unsafe { cuda::host_register(self.base as *mut u8, self.len as usize) }.ok()
         });
         reg.is_some()
     }
+
+    /// MADV_POPULATE_WRITE over the range, a `chunk` per call, on up to
+    /// [`POPULATE_THREADS`] threads.
+    fn populate(&self) {
+        let (first, end) = (align::align_down(self.base, PAGE), self.base + self.len);
+        let pieces = (end - first).div_ceil(self.chunk);
+        let next = AtomicUsize::new(0);
+        let work = || loop {
+            let i = next.fetch_add(1, Ordering::Relaxed) as u64;
+            if i >= pieces {
+                break;
+            }
+            let start = first + i * self.chunk;
+            let len = self.chunk.min(end - start) as usize;
+            // SAFETY: the range is the caller's live, writable host memory
+            // (contract of `new`); the advice does not change its contents.
+            let _ = unsafe { libc::madvise(start as *mut libc::c_void, len, MADV_POPULATE_WRITE) };
+        };
+        let helpers = (pieces as usize).min(POPULATE_THREADS) - 1;
+        std::thread::scope(|s| {
+            for _ in 0..helpers {
+                s.spawn(work);
+            }
+            work();
+        });
+    }
 }
 
-/// Pins every chunk of `pins` not yet tried, on up to `threads` threads, ahead
+/// Pins every range of `pins` not yet tried, on up to `threads` threads, ahead
 /// of the copies (a stager's warm-up, off the training thread's path). Returns
 /// the bytes now pinned through `pins`.
 pub fn pin_all(pins: &[&HostPin], threads: usize) -> u64 {
-    let work: Vec<(usize, usize)> = pins
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.pin)
-        .flat_map(|(k, p)| (0..p.regs.len()).map(move |i| (k, i)))
-        .collect();
     let next = AtomicUsize::new(0);
     std::thread::scope(|s| {
-        for _ in 0..threads.clamp(1, work.len().max(1)) {
+        for _ in 0..threads.clamp(1, pins.len().max(1)) {
             s.spawn(|| {
-                while let Some(&(k, i)) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    pins[k].ensure_pinned(i);
+                while let Some(p) = pins.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    p.ensure_pinned();
                 }
             });
         }
@@ -159,11 +180,15 @@ struct Piece {
     src: u64,
     memory: Memory,
     dst: usize,
-    chunk: usize,
     dst_addr: u64,
     len: usize,
 }
 
+/// The pieces of `jobs`, each job cut on its destination's chunk grid, in the
+/// order the threads take them: every job's first piece, then every job's
+/// second, and so on. The first copy into a buffer pins it while the threads
+/// wanting its other pieces wait, so this order has the threads pin different
+/// buffers at once instead of queueing behind one.
 fn plan(pins: &[&HostPin], jobs: &[CopyJob]) -> Result<Vec<Piece>> {
     let mut out = Vec::new();
     for (i, j) in jobs.iter().enumerate() {
@@ -185,24 +210,27 @@ fn plan(pins: &[&HostPin], jobs: &[CopyJob]) -> Result<Vec<Piece>> {
         }
         let mut off = j.dst_offset;
         let end = j.dst_offset + j.len;
+        let mut rank = 0;
         while off < end {
             let stop = (align::align_down(off, pin.chunk) + pin.chunk).min(end);
-            out.push(Piece {
+            let piece = Piece {
                 src: j.src + (off - j.dst_offset),
                 memory: j.memory,
                 dst: j.dst,
-                chunk: (off / pin.chunk) as usize,
                 dst_addr: pin.base + off,
                 len: (stop - off) as usize,
-            });
+            };
+            out.push((rank, piece));
+            rank += 1;
             off = stop;
         }
     }
-    Ok(out)
+    out.sort_by_key(|&(rank, _)| rank); // stable: jobs keep their order within a rank
+    Ok(out.into_iter().map(|(_, p)| p).collect())
 }
 
 /// Runs `jobs` on `threads` threads: device pieces as async copies on a stream
-/// per thread and device (into pinned chunks where the driver allows), host
+/// per thread and device (into pinned buffers where the driver allows), host
 /// pieces as memcpy. Returns when every byte has landed; the first error wins.
 ///
 /// # Safety
@@ -256,7 +284,7 @@ pub unsafe fn copy_to_host(
                                 }
                             }
                             Memory::Cuda(dev) => {
-                                if !pins[p.dst].ensure_pinned(p.chunk) {
+                                if !pins[p.dst].ensure_pinned() {
                                     unpinned.fetch_add(p.len, Ordering::Relaxed);
                                 }
                                 let k = match streams.iter().position(|s| s.device() == dev) {
@@ -311,7 +339,7 @@ mod tests {
     #[test]
     fn host_copies_land_at_their_offsets() {
         let src: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-        // Page-aligned destinations are cut on the chunk grid; a plain Vec is one chunk.
+        // Copies are cut on each destination's chunk grid.
         let mut a = crate::align::AlignedBuf::new(70_000, 4096).unwrap();
         let mut b = vec![0u8; 40_000];
         let (pa, pb) = (pin_of(a.as_mut_slice(), 8192), pin_of(&mut b, 4096));
@@ -334,10 +362,40 @@ mod tests {
         // SAFETY: all ranges are live vectors, disjoint.
         let st = unsafe { copy_to_host(&[&pa, &pb], &jobs, 4) }.unwrap();
         assert_eq!(st.bytes, 100_000);
-        assert_eq!(st.pieces, 8 + 1);
+        assert_eq!(st.pieces, 8 + 10);
+        // Each destination's first piece comes before any second one.
+        let order: Vec<usize> = plan(&[&pa, &pb], &jobs)
+            .unwrap()
+            .iter()
+            .map(|p| p.dst)
+            .collect();
+        assert_eq!(&order[..4], &[0, 1, 0, 1]);
         drop((pa, pb));
         assert_eq!(&a.as_slice()[5..60_005], &src[..60_000]);
         assert_eq!(&b[..], &src[60_000..]);
+    }
+
+    #[test]
+    fn pinning_registers_the_whole_range_and_keeps_its_bytes() {
+        // Five chunks, faulted in on several threads, then one registration
+        // (none without a CUDA driver); the contents stay as they were.
+        let mut a = crate::align::AlignedBuf::new(5 * 8192 + 100, 4096).unwrap();
+        for (i, b) in a.as_mut_slice().iter_mut().enumerate() {
+            *b = (i % 253) as u8;
+        }
+        let len = a.as_slice().len() as u64;
+        // SAFETY: `a` outlives the pin.
+        let p =
+            unsafe { HostPin::new(a.as_mut_slice().as_mut_ptr() as u64, len, 8192, true) }.unwrap();
+        let n = pin_all(&[&p], 4);
+        assert!(n == 0 || n == len, "{n}");
+        assert_eq!(p.pinned_bytes(), n);
+        drop(p);
+        assert!(a
+            .as_slice()
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == (i % 253) as u8));
     }
 
     #[test]

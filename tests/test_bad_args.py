@@ -152,3 +152,19 @@ def test_engine_threads_for_files_in_memory(monkeypatch):
     monkeypatch.setenv("CKPTIO_MEMORY_THREADS", "0")
     with pytest.raises(ValueError, match="memory_threads must be between 1 and 256"):
         _native.Engine()
+
+
+def test_engine_chunk_size_for_files_in_memory(monkeypatch):
+    """tmpfs files get memory_chunk_size (4 MiB by default); an explicit chunk size
+    holds for every file; CKPTIO_MEMORY_CHUNK_SIZE sets it, and must be valid."""
+    e = _native.Engine()
+    assert (e.chunk_size, e.memory_chunk_size) == (16 << 20, 4 << 20)
+    assert "memory_chunk_size" in repr(e)
+    assert _native.Engine(chunk_size=1 << 20).memory_chunk_size == 1 << 20
+    monkeypatch.setenv("CKPTIO_CHUNK_SIZE", "2M")
+    assert _native.Engine().memory_chunk_size == 2 << 20
+    monkeypatch.setenv("CKPTIO_MEMORY_CHUNK_SIZE", "8M")
+    assert (_native.Engine().chunk_size, _native.Engine().memory_chunk_size) == (2 << 20, 8 << 20)
+    monkeypatch.setenv("CKPTIO_MEMORY_CHUNK_SIZE", "5000")
+    with pytest.raises(ValueError, match="memory_chunk_size must be a multiple of 4096"):
+        _native.Engine()

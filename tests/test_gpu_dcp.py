@@ -79,6 +79,27 @@ def test_prepare_pins_buffers_ahead(shared):
     assert st.pinned_bytes() == 0
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+def test_staged_host_tensors_copy_back_to_the_gpu(shared):
+    # Staging buffers are pinned in 64 MiB registrations; torch's copies out of
+    # them (a replica moved back to the GPU) may span several, and sizes need
+    # not be page multiples.
+    g = torch.Generator(device="cuda").manual_seed(2)
+    sizes = {"odd": 9 * 2**20 + 7, "one": 1, "big": 150 * 2**20 + 5}
+    sd = {
+        k: torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)
+        for k, n in sizes.items()
+    }
+    with DefaultStager(StagingOptions(use_shared_memory=shared)) as st:
+        for _ in range(2):
+            staged = st.stage(sd).result()
+            assert st.pinned_bytes() == sum(sizes.values())
+            for k in sd:
+                assert torch.equal(staged[k].cuda(), sd[k]), k
+                back = staged[k][3:].to("cuda", non_blocking=True)
+                assert torch.equal(back, sd[k][3:]), k
+
+
 def test_device_snapshot_without_room_stages_to_host(monkeypatch):
     # No device can keep a headroom of 1 PiB: the stager warns and stages to
     # host for this save; its device buffers are never allocated.

@@ -68,6 +68,8 @@ class Engine:
     @property
     def chunk_size(self) -> int: ...
     @property
+    def memory_chunk_size(self) -> int: ...
+    @property
     def direct(self) -> str: ...
     def pooled_bytes(self) -> int:
         """Host memory held by the reusable staging buffers."""
@@ -165,7 +167,7 @@ class BufferRegistration:
 
 @final
 class HostPin:
-    """Pinning state of caller-owned host memory, page-locked chunk by chunk by copies."""
+    """Pinning state of caller-owned host memory, page-locked whole by the first copy."""
 
     def __new__(
         cls, addr: int, nbytes: int, pin: bool = True, chunk_size: int = 67108864
@@ -181,7 +183,7 @@ def stage_copy(
     """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel."""
 
 def stage_pin(pins: list[HostPin], threads: int = 8) -> int:
-    """Pin every chunk of ``pins`` not yet pinned; returns the bytes now pinned."""
+    """Pin every one of ``pins`` not yet pinned; returns the bytes now pinned."""
 
 def stage_device_copy(device: int, stream: int, copies: list[tuple[int, int, int]]) -> None:
     """Queue (dst, src, nbytes) device-to-device copies on a raw CUstream; returns at once."""

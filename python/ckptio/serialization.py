@@ -254,8 +254,9 @@ def save(
 
     threads / chunk_size: I/O threads and bytes per chunk (defaults from
     CKPTIO_THREADS / CKPTIO_CHUNK_SIZE, else 8 and 16 MiB; files on tmpfs get
-    CKPTIO_MEMORY_THREADS, else 2 x cores within 8-32, unless ``threads`` or
-    CKPTIO_THREADS is given: there I/O is memory copies, which scale with cores).
+    CKPTIO_MEMORY_THREADS / CKPTIO_MEMORY_CHUNK_SIZE, else 2 x cores within 8-32
+    and 4 MiB, unless given here or by CKPTIO_THREADS / CKPTIO_CHUNK_SIZE: there
+    I/O is memory copies, which scale with cores).
     direct: O_DIRECT "auto" (default: where the filesystem takes it), True/"on"
     (required) or False/"off". backend: how CUDA storages move, "auto" (default, or
     CKPTIO_BACKEND: cuFile where it can register the file, else pinned bounce

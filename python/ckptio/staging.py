@@ -12,8 +12,10 @@ differ from torch 2.11's in what matters for a long training run:
   flat however many saves run. (torch 2.11's DefaultStager raises KeyError on
   its second use and never reuses its pinned cache: pytorch#183413.)
 - **Copies in the Rust pool.** Bytes move in chunks on several threads and CUDA
-  streams into host buffers that are pinned chunk by chunk by the copies
-  themselves, so the first save does not stall on pinning GiBs up front.
+  streams into host buffers that the copy threads pin as they reach them, so
+  the first save does not stall on pinning GiBs up front. Each buffer is one
+  registration: torch's own copies out of a staged tensor (``staged.cuda()``,
+  ``load_state_dict(staged)``) fail on a range spanning two.
 - **Consistent snapshot.** ``stage()`` records an event on the current stream
   of every device involved; copies start after the work queued before
   ``stage()``. The caller may modify parameters again once the staging future
@@ -60,6 +62,8 @@ try:  # the protocol class when torch has it (>= 2.7), so isinstance() checks pa
 except ImportError:  # pragma: no cover - torch without distributed
     _AsyncStagerBase = object  # type: ignore[assignment,misc]
 
+# Copies into a staging buffer go in pieces of this size, so that several
+# threads share a large one (it is pinned whole, once).
 _PIN_CHUNK = 64 << 20
 
 
