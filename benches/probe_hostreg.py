@@ -33,6 +33,17 @@ from ckptio.cli import _size
 READ_ONLY = 8
 
 
+def _on_threads(threads: int, work) -> float:
+    """Seconds for ``work(k)`` to run on threads k = 0..threads-1 at once."""
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="4G")
@@ -139,13 +150,7 @@ def main() -> None:
                     h2d(pb.data_ptr())
             os.close(rfd)
 
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        t0 = time.perf_counter()
-        for th in ts:
-            th.start()
-        for th in ts:
-            th.join()
-        dt = time.perf_counter() - t0
+        dt = _on_threads(threads, work)
         print(
             f"  chunked {mode:9s} threads={threads:2d} chunk={chunk >> 20}M: "
             f"{n / 2**30 / dt:.1f} GiB/s {err[:1]}",
@@ -213,7 +218,7 @@ def first_touch(n: int) -> None:
         offs = list(range(0, n, piece))
         lock = threading.Lock()
 
-        def work() -> None:
+        def work(_: int) -> None:
             cu.cuCtxSetCurrent(ctx)
             while True:
                 with lock:
@@ -222,13 +227,7 @@ def first_touch(n: int) -> None:
                     o = offs.pop()
                 fn(o)
 
-        ts = [threading.Thread(target=work) for _ in range(threads)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        return time.perf_counter() - t0
+        return _on_threads(threads, work)
 
     for threads in (8, 16):
         fd = os.memfd_create("probe")
@@ -298,13 +297,7 @@ def bounce(n: int, threads: int, kinds: list[str], piece: int = 16 << 20) -> Non
                     i, p = todo.pop()
                 fn(k, i, p)
 
-        ts = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        return time.perf_counter() - t0
+        return _on_threads(threads, work)
 
     def memcpy(k: int, i: int, p: int) -> None:
         ctypes.memmove(p, lanes[k][0].data_ptr(), piece // 2)
