@@ -464,15 +464,14 @@ impl Engine {
         let want = self.lane_capacity(file);
         let mut pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         let mut lanes = Vec::with_capacity(n);
-        while lanes.len() < n {
-            match pool.pop() {
-                Some(l)
-                    if l.staging.len() >= want && l.staging.align() >= file.alignment().memory =>
-                {
-                    lanes.push(l)
-                }
-                Some(_) => {} // too small for this file: drop it
-                None => break,
+        // Lanes too small for this file stay pooled (a file of the other kind,
+        // disk or memory, may come next); return_lanes bounds the pool.
+        let mut i = pool.len();
+        while lanes.len() < n && i > 0 {
+            i -= 1;
+            let l = &pool[i];
+            if l.staging.len() >= want && l.staging.align() >= file.alignment().memory {
+                lanes.push(pool.swap_remove(i));
             }
         }
         drop(pool);
@@ -489,7 +488,12 @@ impl Engine {
     fn return_lanes(&self, lanes: Vec<Lane>) {
         let mut pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         pool.extend(lanes);
-        pool.truncate(self.cfg.threads.max(self.cfg.memory_threads));
+        let keep = self.cfg.threads.max(self.cfg.memory_threads);
+        if pool.len() > keep {
+            // Keep the largest: they serve files of either kind.
+            pool.sort_by_key(|l| std::cmp::Reverse(l.staging.len()));
+            pool.truncate(keep);
+        }
     }
 
     /// Host memory held by the lane pool (staging buffers), in bytes.
@@ -680,7 +684,11 @@ impl Lane {
     }
 
     /// Index of this thread's bounce lane for `device`, made on first use.
+    /// Its capacity is at least this lane's staging buffer, so that a lane first
+    /// used for a file in memory (small chunks) does not reallocate its pinned
+    /// buffers when a disk file with larger chunks comes next.
     fn bounce_lane(&mut self, device: i32, capacity: usize) -> Result<usize> {
+        let capacity = capacity.max(self.staging.len());
         if let Some(i) = self
             .bounce
             .iter()
@@ -930,6 +938,40 @@ mod tests {
             unsafe { e.write(&f, &[host(1, &data)]) }.unwrap();
         }
         assert!(e.pooled_bytes() <= 3 * ((64 << 10) + 2 * 4096 + 4096));
+    }
+
+    #[test]
+    fn lanes_too_small_for_a_file_stay_pooled() {
+        // Memory files take small lanes, disk files large ones: a disk transfer
+        // after a memory one keeps the small lanes (within the pool's bound,
+        // largest first) instead of freeing them, for the next memory transfer.
+        let shm = std::path::Path::new("/dev/shm");
+        if !shm.is_dir() {
+            return;
+        }
+        let e = Engine::new(EngineConfig {
+            threads: 2,
+            memory_threads: 5,
+            chunk_size: 16384,
+            memory_chunk_size: 4096,
+            ..Default::default()
+        })
+        .unwrap();
+        let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let data = vec![5u8; 64 * 4096];
+        let (small, large) = (4096 + 2 * 4096, 16384 + 2 * 4096);
+        for (dir, pooled) in [
+            (shm, 5 * small),
+            (disk.path(), 2 * large + 3 * small),
+            (shm, 2 * large + 3 * small),
+        ] {
+            let path = dir.join(format!("ckptio-lanes-{}", std::process::id()));
+            let f = open(&path, DirectMode::Auto);
+            unsafe { e.write(&f, &[host(0, &data)]) }.unwrap();
+            drop(f);
+            std::fs::remove_file(&path).unwrap();
+            assert_eq!(e.pooled_bytes(), pooled, "{}", dir.display());
+        }
     }
 
     #[test]

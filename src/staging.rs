@@ -97,10 +97,11 @@ impl HostPin {
             return false;
         }
         let reg = self.reg.get_or_init(|| {
-            // Fault the pages in first, in pieces on several threads for a large
-            // buffer, instead of inside cuMemHostRegister, which takes them one
-            // by one. Best effort: older kernels lack MADV_POPULATE_WRITE, and
-            // registration faults the pages in anyway.
+            cuda::driver().ok()?; // nothing to register with: leave the pages alone
+                                  // Fault the pages in first, in pieces on several threads for a large
+                                  // buffer, instead of inside cuMemHostRegister, which takes them one
+                                  // by one. Best effort: older kernels lack MADV_POPULATE_WRITE, and
+                                  // registration faults the pages in anyway.
             self.populate();
             // SAFETY: the range is the caller's live host memory (contract of
             // `new`), registered once (OnceLock), and the registration is
@@ -111,7 +112,8 @@ impl HostPin {
     }
 
     /// MADV_POPULATE_WRITE over the range, a `chunk` per call, on up to
-    /// [`POPULATE_THREADS`] threads.
+    /// [`POPULATE_THREADS`] threads (fewer on a small host, or where no more
+    /// threads can start: this thread covers what helpers do not).
     fn populate(&self) {
         let (first, end) = (align::align_down(self.base, PAGE), self.base + self.len);
         let pieces = (end - first).div_ceil(self.chunk);
@@ -127,10 +129,15 @@ impl HostPin {
             // (contract of `new`); the advice does not change its contents.
             let _ = unsafe { libc::madvise(start as *mut libc::c_void, len, MADV_POPULATE_WRITE) };
         };
-        let helpers = (pieces as usize).min(POPULATE_THREADS) - 1;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let helpers = (pieces as usize)
+            .min(POPULATE_THREADS)
+            .min(cores)
+            .saturating_sub(1);
         std::thread::scope(|s| {
             for _ in 0..helpers {
-                s.spawn(work);
+                // A thread that cannot start (a pid limit) is not an error here.
+                let _ = std::thread::Builder::new().spawn_scoped(s, work);
             }
             work();
         });
@@ -378,24 +385,23 @@ mod tests {
     #[test]
     fn pinning_registers_the_whole_range_and_keeps_its_bytes() {
         // Five chunks, faulted in on several threads, then one registration
-        // (none without a CUDA driver); the contents stay as they were.
-        let mut a = crate::align::AlignedBuf::new(5 * 8192 + 100, 4096).unwrap();
+        // (none without a CUDA driver), for a page-aligned range and one that
+        // starts and ends inside pages; the contents stay as they were.
+        let mut a = crate::align::AlignedBuf::new(6 * 8192, 4096).unwrap();
         for (i, b) in a.as_mut_slice().iter_mut().enumerate() {
             *b = (i % 253) as u8;
         }
-        let len = a.as_slice().len() as u64;
-        // SAFETY: `a` outlives the pin.
-        let p =
-            unsafe { HostPin::new(a.as_mut_slice().as_mut_ptr() as u64, len, 8192, true) }.unwrap();
-        let n = pin_all(&[&p], 4);
-        assert!(n == 0 || n == len, "{n}");
-        assert_eq!(p.pinned_bytes(), n);
-        drop(p);
-        assert!(a
-            .as_slice()
-            .iter()
-            .enumerate()
-            .all(|(i, &b)| b == (i % 253) as u8));
+        for (skip, len) in [(0, 5 * 8192 + 100), (100, 5 * 8192)] {
+            let base = a.as_mut_slice().as_mut_ptr() as u64 + skip;
+            // SAFETY: `a` outlives the pin, and no other registration covers it.
+            let p = unsafe { HostPin::new(base, len, 8192, true) }.unwrap();
+            let n = pin_all(&[&p], 4);
+            assert!(n == 0 || n == len, "{n}");
+            assert_eq!(p.pinned_bytes(), n);
+            assert_eq!(n > 0, cuda::driver().is_ok());
+        }
+        let kept = a.as_slice().iter().enumerate();
+        assert!(kept.into_iter().all(|(i, &b)| b == (i % 253) as u8));
     }
 
     #[test]

@@ -157,6 +157,8 @@ def test_engine_threads_for_files_in_memory(monkeypatch):
 def test_engine_chunk_size_for_files_in_memory(monkeypatch):
     """tmpfs files get memory_chunk_size (4 MiB by default); an explicit chunk size
     holds for every file; CKPTIO_MEMORY_CHUNK_SIZE sets it, and must be valid."""
+    monkeypatch.delenv("CKPTIO_CHUNK_SIZE", raising=False)
+    monkeypatch.delenv("CKPTIO_MEMORY_CHUNK_SIZE", raising=False)
     e = _native.Engine()
     assert (e.chunk_size, e.memory_chunk_size) == (16 << 20, 4 << 20)
     assert "memory_chunk_size" in repr(e)

@@ -81,9 +81,9 @@ def test_prepare_pins_buffers_ahead(shared):
 
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
 def test_staged_host_tensors_copy_back_to_the_gpu(shared):
-    # Staging buffers are pinned in 64 MiB registrations; torch's copies out of
-    # them (a replica moved back to the GPU) may span several, and sizes need
-    # not be page multiples.
+    # torch's copies out of staged tensors (a replica moved back to the GPU)
+    # fail on a host range that spans two CUDA registrations: each buffer is
+    # registered whole (it was in 64 MiB pieces); sizes need not be page multiples.
     g = torch.Generator(device="cuda").manual_seed(2)
     sizes = {"odd": 9 * 2**20 + 7, "one": 1, "big": 150 * 2**20 + 5}
     sd = {

@@ -13,7 +13,9 @@ differ from torch 2.11's in what matters for a long training run:
   its second use and never reuses its pinned cache: pytorch#183413.)
 - **Copies in the Rust pool.** Bytes move in chunks on several threads and CUDA
   streams into host buffers that the copy threads pin as they reach them, so
-  the first save does not stall on pinning GiBs up front. Each buffer is one
+  pinning overlaps the copies into other buffers instead of stalling the first
+  save up front (a state dict of a few huge storages still waits for them:
+  ``prepare()`` takes that off the first save). Each buffer is one
   registration: torch's own copies out of a staged tensor (``staged.cuda()``,
   ``load_state_dict(staged)``) fail on a range spanning two.
 - **Consistent snapshot.** ``stage()`` records an event on the current stream
