@@ -940,6 +940,18 @@ mod tests {
         assert!(e.pooled_bytes() <= 3 * ((64 << 10) + 2 * 4096 + 4096));
     }
 
+    /// 2 threads and `chunk` for disk files, 5 threads and `memory_chunk` for tmpfs.
+    fn disk_and_memory_engine(chunk: usize, memory_chunk: usize) -> Engine {
+        Engine::new(EngineConfig {
+            threads: 2,
+            memory_threads: 5,
+            chunk_size: chunk,
+            memory_chunk_size: memory_chunk,
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
     #[test]
     fn lanes_too_small_for_a_file_stay_pooled() {
         // Memory files take small lanes, disk files large ones: a disk transfer
@@ -949,14 +961,7 @@ mod tests {
         if !shm.is_dir() {
             return;
         }
-        let e = Engine::new(EngineConfig {
-            threads: 2,
-            memory_threads: 5,
-            chunk_size: 16384,
-            memory_chunk_size: 4096,
-            ..Default::default()
-        })
-        .unwrap();
+        let e = disk_and_memory_engine(16384, 4096);
         let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
         let data = vec![5u8; 64 * 4096];
         let (small, large) = (4096 + 2 * 4096, 16384 + 2 * 4096);
@@ -1004,14 +1009,7 @@ mod tests {
 
     #[test]
     fn files_in_memory_take_memory_threads_and_chunks() {
-        let e = Engine::new(EngineConfig {
-            threads: 2,
-            memory_threads: 5,
-            chunk_size: 4096,
-            memory_chunk_size: 8192,
-            ..Default::default()
-        })
-        .unwrap();
+        let e = disk_and_memory_engine(4096, 8192);
         let data = vec![7u8; 64 * 4096];
         let shm = std::path::Path::new("/dev/shm");
         let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
