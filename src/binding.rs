@@ -95,15 +95,19 @@ pub struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (threads=None, chunk_size=None, direct=None))]
+    #[pyo3(signature = (threads=None, chunk_size=None, direct=None, memory_threads=None))]
     fn new(
         threads: Option<usize>,
         chunk_size: Option<usize>,
         direct: Option<&str>,
+        memory_threads: Option<usize>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::from_env()?;
         if let Some(t) = threads {
             cfg.set_threads(t);
+        }
+        if let Some(t) = memory_threads {
+            cfg.memory_threads = t;
         }
         if let Some(c) = chunk_size {
             cfg.set_chunk_size(c);

@@ -152,6 +152,11 @@ def test_engine_threads_for_files_in_memory(monkeypatch):
     monkeypatch.setenv("CKPTIO_MEMORY_THREADS", "0")
     with pytest.raises(ValueError, match="memory_threads must be between 1 and 256"):
         _native.Engine()
+    monkeypatch.delenv("CKPTIO_MEMORY_THREADS")
+    e = _native.Engine(threads=4, memory_threads=2)  # memory_threads after threads
+    assert (e.threads, e.memory_threads) == (4, 2)
+    with pytest.raises(ValueError, match="memory_threads must be between 1 and 256"):
+        _native.Engine(memory_threads=0)
 
 
 def test_engine_chunk_size_for_files_in_memory(monkeypatch):

@@ -344,6 +344,21 @@ def test_sharded_roundtrip_names_and_index(tmp_path):
     assert_same(cst.load_sharded(tmp_path / "ck"), {"only": torch.ones(3)})
 
 
+def test_sharded_load_splits_the_threads_among_workers(tmp_path, monkeypatch):
+    # Shards read in parallel share the engine's threads: disk and tmpfs ones.
+    from ckptio import safetensors as mod
+
+    calls = []
+    real = mod._engine
+    monkeypatch.setattr(mod, "_engine", lambda *a: calls.append(a) or real(*a))
+    sd = {f"w{i}": rand((1000,), torch.float32, seed=i) for i in range(4)}
+    cst.save_sharded(sd, tmp_path / "ck", max_shard_size="4KB")
+    calls.clear()
+    assert_same(cst.load_sharded(tmp_path / "ck", threads=8), sd)
+    base = real(8, None, None)
+    assert calls[-1][0] == 2 and calls[-1][3] == max(1, base.memory_threads // 4)
+
+
 def test_sharded_index_inconsistent_with_shards_is_formaterror(tmp_path):
     d = tmp_path / "ck"
     cst.save_sharded({"a": torch.zeros(100), "b": torch.ones(100)}, d, max_shard_size=400)

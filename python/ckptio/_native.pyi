@@ -55,11 +55,17 @@ class Engine:
     """A pool of I/O threads and its reusable staging and pinned buffers.
 
     Defaults: CKPTIO_THREADS, CKPTIO_CHUNK_SIZE ("16M"), CKPTIO_DIRECT (auto|on|off),
-    CKPTIO_PREALLOCATE (1|0).
+    CKPTIO_PREALLOCATE (1|0); for files on tmpfs CKPTIO_MEMORY_THREADS and
+    CKPTIO_MEMORY_CHUNK_SIZE ("4M"). ``threads`` and ``chunk_size`` set both kinds;
+    ``memory_threads`` then sets the tmpfs one.
     """
 
     def __new__(
-        cls, threads: int | None = None, chunk_size: int | None = None, direct: str | None = None
+        cls,
+        threads: int | None = None,
+        chunk_size: int | None = None,
+        direct: str | None = None,
+        memory_threads: int | None = None,
     ) -> Self: ...
     @property
     def threads(self) -> int: ...

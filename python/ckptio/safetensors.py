@@ -724,7 +724,10 @@ def load_sharded(
             )
     base = _engine(threads, chunk_size, d)
     workers = max(1, min(len(plans), base.threads, 4))
-    engine = base if workers == 1 else _engine(max(1, base.threads // workers), chunk_size, d)
+    engine = base
+    if workers > 1:  # the workers share the threads, for disk and tmpfs files alike
+        per_worker = (max(1, base.threads // workers), max(1, base.memory_threads // workers))
+        engine = _engine(per_worker[0], chunk_size, d, per_worker[1])
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         stats = list(pool.map(lambda p: _read(p, engine), plans))
     reps = [_report(p.path, t0, s, len(p.tensors)) for p, s in zip(plans, stats, strict=True)]

@@ -130,14 +130,23 @@ def _report(
 
 
 @functools.lru_cache(maxsize=8, typed=True)
-def _engine(threads: int | None, chunk_size: int | None, direct: str | None) -> _native.Engine:
+def _engine(
+    threads: int | None,
+    chunk_size: int | None,
+    direct: str | None,
+    memory_threads: int | None = None,
+) -> _native.Engine:
     # One engine per configuration: its threads' buffers are reused save after save.
-    for name, v in (("threads", threads), ("chunk_size", chunk_size)):
+    for name, v in (
+        ("threads", threads),
+        ("chunk_size", chunk_size),
+        ("memory_threads", memory_threads),
+    ):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
             raise TypeError(f"{name} must be an int, not {type(v).__name__}")
         if v is not None and v < 1:
             raise ValueError(f"{name} must be a positive int, not {v!r}")
-    return _native.Engine(threads, chunk_size, direct)
+    return _native.Engine(threads, chunk_size, direct, memory_threads)
 
 
 def _direct_arg(direct: bool | str | None) -> str | None:
