@@ -34,9 +34,9 @@ pub const DEFAULT_THREADS: usize = 8;
 pub const DEFAULT_CHUNK_SIZE: usize = 16 << 20;
 /// Default chunk for a file in memory (tmpfs): its chunks are memory copies,
 /// cheap to cut small, and every thread's pinned lane holds two of them (on the
-/// H200 host, /dev/shm to GPU on 32 threads: 26.7 GiB/s with 4 MiB chunks, 25.4
-/// with 16 MiB; lanes of 256 MiB instead of 1 GiB, pinned at ~0.5 s per GiB on
-/// a process's first transfer).
+/// H200 host, /dev/shm to GPU with 4 to 16 MiB chunks: 25-33 GiB/s warm, no
+/// trend; with 4 MiB, 32 threads' lanes take 256 MiB instead of 1 GiB, pinned
+/// at ~0.5 s per GiB on an engine's first transfer).
 pub const DEFAULT_MEMORY_CHUNK_SIZE: usize = 4 << 20;
 
 /// Threads for a file in memory (tmpfs): its reads and writes are CPU copies

@@ -97,11 +97,12 @@ impl HostPin {
             return false;
         }
         let reg = self.reg.get_or_init(|| {
-            cuda::driver().ok()?; // nothing to register with: leave the pages alone
-                                  // Fault the pages in first, in pieces on several threads for a large
-                                  // buffer, instead of inside cuMemHostRegister, which takes them one
-                                  // by one. Best effort: older kernels lack MADV_POPULATE_WRITE, and
-                                  // registration faults the pages in anyway.
+            // Nothing to register with: leave the pages alone.
+            cuda::driver().ok()?;
+            // Fault the pages in first, in pieces on several threads for a large
+            // buffer, instead of inside cuMemHostRegister, which takes them one
+            // by one. Best effort: older kernels lack MADV_POPULATE_WRITE, and
+            // registration faults the pages in anyway.
             self.populate();
             // SAFETY: the range is the caller's live host memory (contract of
             // `new`), registered once (OnceLock), and the registration is
