@@ -113,51 +113,47 @@ impl HostPin {
     }
 
     /// MADV_POPULATE_WRITE over the range, a `chunk` per call, on up to
-    /// [`POPULATE_THREADS`] threads (fewer on a small host, or where no more
-    /// threads can start: this thread covers what helpers do not).
+    /// [`POPULATE_THREADS`] threads (fewer on a small host).
     fn populate(&self) {
         let (first, end) = (align::align_down(self.base, PAGE), self.base + self.len);
-        let pieces = (end - first).div_ceil(self.chunk);
-        let next = AtomicUsize::new(0);
-        let work = || loop {
-            let i = next.fetch_add(1, Ordering::Relaxed) as u64;
-            if i >= pieces {
-                break;
-            }
-            let start = first + i * self.chunk;
+        let pieces = (end - first).div_ceil(self.chunk) as usize;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for_each_on_threads(pieces, POPULATE_THREADS.min(cores), |i| {
+            let start = first + i as u64 * self.chunk;
             let len = self.chunk.min(end - start) as usize;
             // SAFETY: the range is the caller's live, writable host memory
             // (contract of `new`); the advice does not change its contents.
             let _ = unsafe { libc::madvise(start as *mut libc::c_void, len, MADV_POPULATE_WRITE) };
-        };
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let helpers = (pieces as usize)
-            .min(POPULATE_THREADS)
-            .min(cores)
-            .saturating_sub(1);
-        std::thread::scope(|s| {
-            for _ in 0..helpers {
-                // A thread that cannot start (a pid limit) is not an error here.
-                let _ = std::thread::Builder::new().spawn_scoped(s, work);
-            }
-            work();
         });
     }
+}
+
+/// Runs `f(0..n)` on up to `threads` threads, this one included, each taking
+/// the next index until none is left. A helper thread that cannot start (a pid
+/// limit) is not an error: the others, this one at least, cover its share.
+fn for_each_on_threads(n: usize, threads: usize, f: impl Fn(usize) + Sync) {
+    let next = AtomicUsize::new(0);
+    let work = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= n {
+            break;
+        }
+        f(i);
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads.min(n) {
+            let _ = std::thread::Builder::new().spawn_scoped(s, work);
+        }
+        work();
+    });
 }
 
 /// Pins every range of `pins` not yet tried, on up to `threads` threads, ahead
 /// of the copies (a stager's warm-up, off the training thread's path). Returns
 /// the bytes now pinned through `pins`.
 pub fn pin_all(pins: &[&HostPin], threads: usize) -> u64 {
-    let next = AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..threads.clamp(1, pins.len().max(1)) {
-            s.spawn(|| {
-                while let Some(p) = pins.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    p.ensure_pinned();
-                }
-            });
-        }
+    for_each_on_threads(pins.len(), threads, |i| {
+        pins[i].ensure_pinned();
     });
     pins.iter().map(|p| p.pinned_bytes()).sum()
 }
@@ -401,8 +397,8 @@ mod tests {
             assert_eq!(p.pinned_bytes(), n);
             assert_eq!(n > 0, cuda::driver().is_ok());
         }
-        let kept = a.as_slice().iter().enumerate();
-        assert!(kept.into_iter().all(|(i, &b)| b == (i % 253) as u8));
+        let kept = |(i, &b): (usize, &u8)| b == (i % 253) as u8;
+        assert!(a.as_slice().iter().enumerate().all(kept));
     }
 
     #[test]

@@ -213,11 +213,11 @@ def _host_storage(nbytes: int, shared: bool) -> torch.UntypedStorage:
     host, the training thread starved meanwhile), and lives in /dev/shm, which
     containers often cap at 64 MiB; a memfd counts as memory, not as /dev/shm.
 
-    Why not anonymous memory for private buffers: it may come as transparent huge
-    pages (MADV_HUGEPAGE, or THP "always"), and on the H200 host those took
-    1.16-1.33 s to fault in and pin for 8 GiB, against 0.55 s for 4 KiB pages and
-    for a memfd (benches/bench_staging.py); a memfd follows the shmem THP setting,
-    off by default.
+    Private buffers are memfds too, mapped without sharing. On the H200 host a
+    first staging of 8 GiB into them and into anonymous memory took the same
+    time, 0.55-0.64 s (benches/bench_staging.py; the 1.16-1.33 s once seen for
+    anonymous memory with MADV_HUGEPAGE was whichever kind ran first in a
+    process, and that VM never handed out a huge page).
     """
     by_fd = torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
     if not hasattr(os, "memfd_create") or (shared and not by_fd):  # pragma: no cover
