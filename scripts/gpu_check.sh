@@ -9,7 +9,8 @@
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
 #   scripts/gpu_check.sh dcp     # staging/DCP tests (CPU and GPU), then benches/bench_dcp.py
 #                                # (DCP_SIZES, default 2G; DCP_SKIP_TESTS=1 for the bench only;
-#                                # DCP_ONLY=ckptio for ckptio's configs only)
+#                                # DCP_ONLY=ckptio for ckptio's configs only; DCP_DIR, default
+#                                # /tmp: /dev/shm shows where the readers top out)
 #   scripts/gpu_check.sh final   # all GPU tests on cuFile, then bench_dcp.py for ckptio's stagers
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
@@ -74,8 +75,9 @@ dcp)
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     fi
     udev_on
-    $PY benches/bench_dcp.py --sizes "${DCP_SIZES:-2G}" --saves "${DCP_SAVES:-5}" --dir /tmp --only "${DCP_ONLY:-}" \
-        --json "$OUT/bench_dcp_${DCP_SIZES:-2G}.json" 2>&1 | tee "$OUT/bench_dcp_${DCP_SIZES:-2G}.log" || rc=1
+    $PY benches/bench_dcp.py --sizes "${DCP_SIZES:-2G}" --saves "${DCP_SAVES:-5}" --dir "${DCP_DIR:-/tmp}" --only "${DCP_ONLY:-}" \
+        --json "$OUT/bench_dcp_${DCP_SIZES:-2G}_$(basename "${DCP_DIR:-/tmp}").json" 2>&1 |
+        tee "$OUT/bench_dcp_${DCP_SIZES:-2G}_$(basename "${DCP_DIR:-/tmp}").log" || rc=1
     ;;
 final)
     # Every GPU-marked test with the udev entry (cuFile), then the DCP bench of ckptio's stagers.

@@ -160,6 +160,30 @@ def test_first_stage_allocates_on_the_staging_thread(monkeypatch, shared):
         assert len(threads) == 1  # reused, not allocated again
 
 
+def test_async_stage_walks_on_the_staging_thread(monkeypatch):
+    # stage() only marks the CUDA streams: the walk runs on the staging thread,
+    # stagings queue there in call order, and a failed one fails its own future.
+    walkers = []
+    real = DefaultStager._plan
+
+    def spy(self, sd):
+        walkers.append(threading.current_thread())
+        return real(self, sd)
+
+    monkeypatch.setattr(DefaultStager, "_plan", spy)
+    a, b = torch.randn(1000), torch.randn(50)
+    with DefaultStager(StagingOptions(use_shared_memory=False)) as st:
+        f1 = st.stage({"a": a, "n": [1, 2]})
+        f2 = st.stage({"a": a, "b": b, "bad": threading.Lock()})  # not deep-copyable
+        f3 = st.stage({"b": b})
+        assert torch.equal(f1.result()["a"], a) and f1.result()["n"] == [1, 2]
+        with pytest.raises(TypeError, match="lock"):
+            f2.result()
+        assert torch.equal(f3.result()["b"], b)
+        assert st.staged_bytes() == 200  # a's buffer went with the third staging
+        assert len(walkers) == 3 and threading.main_thread() not in walkers
+
+
 def test_unallocated_views_sit_on_a_placeholder_that_never_grows():
     # Views of not-yet-allocated buffers point at one storage without memory;
     # set_ must not resize it (that would allocate and copy on the caller's thread).

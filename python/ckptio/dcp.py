@@ -198,7 +198,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     # The writer travels to DCP's checkpoint process (PROCESS mode): the stager's
     # buffers and threads stay behind.
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("_cache", "_executor", "_future", "_side_streams", "_lock")
+        keep = ("_cache", "_executor", "_future", "_side_streams", "_lock", "_work_lock")
         return {k: v for k, v in self.__dict__.items() if k not in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -18,10 +18,11 @@ differ from torch 2.11's in what matters for a long training run:
   ``prepare()`` takes that off the first save). Each buffer is one
   registration: torch's own copies out of a staged tensor (``staged.cuda()``,
   ``load_state_dict(staged)``) fail on a range spanning two.
-- **Consistent snapshot.** ``stage()`` records an event on the current stream
-  of every device involved; copies start after the work queued before
-  ``stage()``. The caller may modify parameters again once the staging future
-  is done (``AsyncSaveResponse.staging_completion``).
+- **Training blocked for microseconds.** ``stage()`` only records an event on
+  the current stream of each device with a CUDA context and returns a Future;
+  the walk of the state dict, allocation and copies run on the staging thread,
+  after the work queued before ``stage()``. The caller may modify parameters
+  again once the staging future is done (``AsyncSaveResponse.staging_completion``).
 - **Aliasing kept.** Views of one storage are views of one staged storage.
 - **Device snapshot** (``StagingOptions(device_snapshot=True)``): where the GPU
   has room, stage by a device-to-device copy on a side stream (milliseconds for
@@ -109,15 +110,15 @@ def _default_threads() -> int:
 
 
 class _Buffer:
-    """A staging buffer, allocated on the staging thread by ``materialize()``.
+    """A staging buffer, allocated by ``materialize()`` once the walk is over.
 
-    Allocation is what a first save pays for and must not block ``stage()``
-    (512 memfds took 45 ms; device memory means a cudaMalloc per buffer). Views
-    made before it exists have their final dtype, shape and strides over an
-    empty placeholder storage (so DTensor and ShardedTensor accept them), and
-    ``materialize()`` points them at the buffer; the caller sees them only once
-    the staging future is done. ``views`` caches them, so a repeated save makes
-    no new tensor objects.
+    The walk makes the views before any buffer exists, so that a device
+    snapshot that runs out of room part way allocates nothing (the save goes to
+    host buffers instead). Those views have their final dtype, shape and
+    strides over an empty placeholder storage (so DTensor and ShardedTensor
+    accept them), and ``materialize()`` points them at the buffer; the caller
+    sees them only once the staging future is done. ``views`` caches them, so a
+    repeated save makes no new tensor objects.
     """
 
     __slots__ = ("device", "nbytes", "storage", "views")
@@ -389,7 +390,10 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         )
         self._future: Future[Any] | None = None
         self._side_streams: dict[int, Any] = {}
+        # _lock: the closed flag and submissions; _work_lock: the cache, held
+        # by the staging work (on the staging thread, or a blocking caller's).
         self._lock = threading.Lock()
+        self._work_lock = threading.Lock()
         self._closed = False
         self._snapshot = False
         self._pinned = self._opts.use_pinned_memory and torch.cuda.is_available()
@@ -404,17 +408,31 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         return self._synchronize_after_execute
 
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        """The staged copy of ``state_dict``: a Future of it (async staging) or the dict."""
-        if self._closed:
-            raise RuntimeError("this stager is closed")
+        """The staged copy of ``state_dict``: a Future of it (async staging) or the dict.
+
+        With async staging the caller is blocked only while the current CUDA
+        streams are marked (tens of microseconds, first save included): the walk
+        of the state dict, the buffers' allocation and the copies run on the
+        staging thread, one stage() after the other, as torch's DefaultStager
+        walks it there too. Until the future is done the caller must leave the
+        state dict and its tensors as they were (DCP's rule for any stager).
+        """
         t0 = time.perf_counter()
         try:
-            return self._stage(state_dict)
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("this stager is closed")
+                events = _mark_streams()
+                if self._executor is None:
+                    return self._stage_now(state_dict, events)
+                self._future = self._executor.submit(self._stage_now, state_dict, events)
+                return self._future
         finally:
             self.last_stage_call_s = time.perf_counter() - t0
 
-    def _stage(self, state_dict: Any) -> Any:
-        with self._lock:
+    def _stage_now(self, state_dict: Any, events: dict[int, Any]) -> Any:
+        """Walk, allocate, copy: the staging thread's job (the caller's when blocking)."""
+        with self._work_lock:
             plan, staged = self._plan(state_dict)
             if self._opts.device_snapshot and not self._snapshot:
                 warnings.warn(
@@ -424,23 +442,8 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                     stacklevel=2,
                 )
             self._cache.sweep(plan.memo)
-            events = self._record(plan)
-            if self._executor is None:
-                self._run(plan, events)
-                return staged
-            fut: Future[Any] = Future()
-            inner = self._executor.submit(self._run, plan, events)
-
-            def _done(f: Future[Any]) -> None:
-                e = f.exception()
-                if e is not None:
-                    fut.set_exception(e)
-                else:
-                    fut.set_result(staged)
-
-            inner.add_done_callback(_done)
-            self._future = fut
-            return fut
+            self._run(plan, events)
+            return staged
 
     def prepare(self, state_dict: Any) -> Future[int]:
         """Allocate and pin the staging buffers of ``state_dict`` ahead of the first
@@ -452,16 +455,17 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         what the cache is keyed by); a later ``stage()`` waits for it. Copies
         nothing, and buffers of storages that leave the state dict go as usual.
         """
-        if self._closed:
-            raise RuntimeError("this stager is closed")
-        with self._lock:
-            plan, _ = self._plan(state_dict)
 
-            def job() -> int:
+        def job() -> int:
+            with self._work_lock:
+                plan, _ = self._plan(state_dict)
                 plan.materialize()
                 pins = [c[2] for c in plan.host_copies()]
                 return _native.stage_pin(pins, self._threads) if self._pinned and pins else 0
 
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this stager is closed")
             if self._executor is not None:
                 self._future = self._executor.submit(job)
                 return self._future
@@ -470,9 +474,8 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             return done
 
     def _plan(self, state_dict: Any) -> tuple[_Plan, Any]:
-        """(plan, staged structure) of ``state_dict``, buffers allocated; under the lock,
-        after the previous snapshot (its buffers are reused)."""
-        self._wait_previous()
+        """(plan, staged structure) of ``state_dict``; under the work lock, after
+        the previous staging (its buffers are reused)."""
         self._snapshot = self._opts.device_snapshot
         if self._snapshot:
             plan = _Plan(self._opts.device_headroom)
@@ -484,17 +487,6 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         plan = _Plan()
         return plan, self._walk(state_dict, plan, {})
 
-    def _wait_previous(self) -> None:
-        """Wait for the previous staging (its buffers are reused). Its failure was
-        the caller's through its future; this stager goes on (buffers that could
-        not be allocated are tried again)."""
-        f, self._future = self._future, None
-        if f is not None:
-            try:
-                f.result()
-            except Exception:  # noqa: BLE001, S110 - reported through that future
-                pass
-
     def synchronize_staging(self) -> None:
         """Wait until the last snapshot is complete (a no-op for blocking staging)."""
         f = self._future
@@ -502,15 +494,17 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             f.result()
 
     def close(self) -> None:
-        """Wait for staging in flight, then free every cached buffer. Idempotent."""
-        with self._lock:  # not in the middle of a stage() or prepare()
+        """Wait for staging in flight, then free every cached buffer. Idempotent.
+        A failed staging was reported through its future; close() does not raise it."""
+        with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = True  # no stage() or prepare() gets in after this
             # Lets go of the last staged dict too: it is the caller's to keep.
-            self._wait_previous()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
+            self._future = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)  # what was submitted runs to its end
+        with self._work_lock:  # a blocking stage() on another thread
             for s in self._side_streams.values():
                 s.synchronize()
             self._cache.clear()
@@ -631,10 +625,6 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
 
     # -- execution ----------------------------------------------------------------
 
-    def _record(self, plan: _Plan) -> dict[int, Any]:
-        """Events on the current streams: the snapshot starts after work queued so far."""
-        return {dev: torch.cuda.current_stream(dev).record_event() for dev in plan.devices()}
-
     def _run(self, plan: _Plan, events: dict[int, Any]) -> None:
         """The staging thread: allocate new buffers, then copy. A device snapshot
         that cannot be allocated now (training took the room after stage()) fails
@@ -647,13 +637,13 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 if side is None:
                     side = self._side_streams[dev] = torch.cuda.Stream(device=dev)
                 sides.append(side)
-                side.wait_event(events[dev])
+                side.wait_event(events[dev])  # a tensor on dev: dev has a context
                 _native.stage_device_copy(dev, side.cuda_stream, copies)
             self.last_stats = {"bytes": 0}
             jobs = plan.host_copies()
             if jobs:
-                for e in events.values():
-                    e.synchronize()
+                for dev in plan.devices():
+                    events[dev].synchronize()
                 self.last_stats = dict(_native.stage_copy(jobs, threads=self._threads))
             self.last_stats["staged_bytes"] = plan.nbytes()
         finally:
@@ -661,6 +651,21 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             for side in sides:
                 side.synchronize()
             plan.sources.clear()
+
+
+def _mark_streams() -> dict[int, Any]:
+    """An event on the current stream of every device this process has a CUDA
+    context on: copies start after the work queued before stage(). (stage() does
+    not walk the state dict, so it cannot tell which devices it uses; a device
+    holding a tensor has a context.)"""
+    if not torch.cuda.is_initialized():
+        return {}
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is None:  # pragma: no cover - every torch this supports has it
+        devices = [torch.cuda.current_device()]
+    else:
+        devices = [d for d in range(torch.cuda.device_count()) if has_context(d)]
+    return {d: torch.cuda.current_stream(d).record_event() for d in devices}
 
 
 def _empty_view(t: torch.Tensor, on_device: bool) -> torch.Tensor:
