@@ -378,6 +378,75 @@ def shm_loads(n: int) -> None:
     os.unlink(p)
 
 
+def alloc(n: int, rounds: int = 3) -> None:
+    """What a load's destinations cost: 512 cudaMallocs against one segment of the
+    same total, and ckptio.load from /dev/shm after empty_cache() with and
+    without such a segment reserved (freed back to torch's cache) first."""
+    import ckptio
+    from ckptio import _native, bench
+
+    io = [0.0]
+    read_into = _native.Reader.read_into
+
+    def timed_read(self, *args, **kw):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return read_into(self, *args, **kw)
+        finally:
+            io[0] = time.perf_counter() - t
+
+    _native.Reader.read_into = timed_read  # type: ignore[method-assign]
+    sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
+    sizes = [v.untyped_storage().nbytes() for v in sd.values()]
+    total = sum(sizes)
+    p = "/dev/shm/probe-load.pt"
+    ckptio.save(sd, p)
+
+    def timed(fn) -> float:  # type: ignore[no-untyped-def]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def reserve() -> None:
+        del_me = torch.empty(total, dtype=torch.uint8, device="cuda")
+        del del_me
+
+    keep: list[torch.UntypedStorage] = []
+    out: dict = {}
+    for r in range(rounds):
+        torch.cuda.empty_cache()
+        t_many = timed(lambda: keep.extend(torch.UntypedStorage(s, device="cuda") for s in sizes))
+        keep.clear()
+        torch.cuda.empty_cache()
+        t_one = timed(reserve)
+        t_carve = timed(lambda: keep.extend(torch.UntypedStorage(s, device="cuda") for s in sizes))
+        keep.clear()
+        print(
+            f"  round {r}: {len(sizes)} cudaMallocs {t_many * 1e3:.1f} ms; "
+            f"one of {total >> 20} MiB {t_one * 1e3:.1f} ms, "
+            f"then {len(sizes)} from it {t_carve * 1e3:.1f} ms",
+            flush=True,
+        )
+        for mode in ("plain", "reserved") if r % 2 == 0 else ("reserved", "plain"):
+            torch.cuda.empty_cache()
+            if mode == "reserved":
+                t = timed(lambda: (reserve(), out.update(x=ckptio.load(p, map_location="cuda"))))
+            else:
+                t = timed(lambda: out.update(x=ckptio.load(p, map_location="cuda")))
+            out.clear()
+            print(
+                f"  round {r}: ckptio.load {mode:8s} {t:.3f} s {n / 2**30 / t:.1f} GiB/s "
+                f"(engine read {io[0]:.3f} s)"
+            )
+        torch.cuda.empty_cache()
+        t = timed(lambda: out.update(x=torch.load(p, map_location="cuda")))
+        out.clear()
+        print(f"  round {r}: torch.load           {t:.3f} s {n / 2**30 / t:.1f} GiB/s", flush=True)
+    os.unlink(p)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -387,6 +456,8 @@ if __name__ == "__main__":
         for line in open("/sys/kernel/mm/transparent_hugepage/enabled"):
             print("  THP enabled:", line.strip())
         bounce(_size(sys.argv[2]), 16, ["anon+thp", "anon", "memfd"])
+    elif sys.argv[1:2] == ["alloc"]:
+        alloc(_size(sys.argv[2]))
     elif sys.argv[1:2] == ["loads"]:
         shm_loads(_size(sys.argv[2]))
     else:

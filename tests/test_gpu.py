@@ -119,6 +119,84 @@ def test_non_default_stream(tmp_path):
     assert torch.equal(y, expect * 2)
 
 
+_CARVE_SCRIPT = """
+import json, os, sys, torch, ckptio
+from ckptio import safetensors
+
+d = sys.argv[1]
+sd = {f"t{i}": torch.full(((3 << 20) + i,), float(i), device="cuda") for i in range(16)}
+ckptio.save(sd, f"{d}/c.pt")
+safetensors.save_file(sd, f"{d}/c.safetensors")
+
+
+def made(load):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
+    out = load()
+    n = torch.cuda.memory_stats()["segment.large_pool.allocated"] - before
+    for k, v in sd.items():
+        assert torch.equal(out[k], v) and out[k].untyped_storage().resizable(), k
+    return n, out
+
+
+res = {}
+for name, load in (
+    ("pt", lambda: ckptio.load(f"{d}/c.pt", map_location="cuda")),
+    ("st", lambda: safetensors.load_file(f"{d}/c.safetensors", device="cuda")),
+):
+    n, out = made(load)
+    torch.cuda.empty_cache()  # the checks' temporaries
+    reserved = torch.cuda.memory_reserved()
+    out.pop("t3")
+    torch.cuda.empty_cache()
+    res[name] = [n, torch.cuda.memory_reserved() == reserved]
+    del out
+# ckptio reads the allocator's settings at each load (torch's allocator did at start)
+os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:4096"
+res["unsplit"] = made(lambda: ckptio.load(f"{d}/c.pt", map_location="cuda"))[0]
+print(json.dumps(res))
+"""
+
+
+def test_load_carves_destinations_out_of_one_segment(tmp_path):
+    # Into an empty cache (a new process: the only way to be sure of one), a
+    # load reserves one segment for its 16 storages of 12 MiB instead of a
+    # cudaMalloc each (safetensors too); each is still a block of its own.
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _CARVE_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(run.stdout.strip().splitlines()[-1])
+    # one new segment each, still in use after one tensor is dropped
+    assert res["pt"] == [1, True] and res["st"] == [1, True], res
+    assert res["unsplit"] == 16, res  # max_split_size_mb: no reservation
+
+
+def test_load_waits_for_work_queued_on_memory_it_reuses(tmp_path):
+    # Blocks freed with kernels still queued on them go back to torch's cache at
+    # once; the load's destinations reuse them, and the engine must not write
+    # them before those kernels are done.
+    sd = {"w": torch.full((4096, 4096), 3.0, device="cuda")}
+    ckptio.save(sd, tmp_path / "w.pt")
+    for _ in range(3):
+        x = torch.full((4096, 4096), 1.0 / 4096, device="cuda")
+        y = torch.empty_like(x)
+        for _ in range(30):  # tens of ms of queued writes into both blocks
+            torch.matmul(x, x, out=y)
+            x, y = y, x
+        del x, y
+        out = ckptio.load(tmp_path / "w.pt", map_location="cuda")
+        assert torch.equal(out["w"], sd["w"])
+
+
 def test_gpu_written_read_on_cpu_and_back(tmp_path):
     sd = {"w": rand((500, 300), torch.bfloat16), "i": rand((7,), torch.int64)}
     p = tmp_path / "g.pt"

@@ -48,6 +48,7 @@ from ckptio.serialization import (
     _last,
     _path,
     _report,
+    _reserve_cuda,
     _sync_cuda,
 )
 
@@ -439,6 +440,8 @@ def _plan(path: str, fill: torch.device, direct: str | None, backend: str | None
     meta, entries, base = _header(f.fileno(), path)
     tensors, segments = {}, []
     dev = -1 if fill.type == "cpu" else fill.index if fill.index is not None else 0
+    if fill.type == "cuda":
+        _reserve_cuda(fill, [e.end - e.begin for e in entries])
     for e in entries:
         nbytes = e.end - e.begin
         off = base + e.begin
