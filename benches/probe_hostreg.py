@@ -447,6 +447,36 @@ def alloc(n: int, rounds: int = 3) -> None:
     os.unlink(p)
 
 
+def backends(n: int, reps: int = 2) -> None:
+    """ckptio.load from /dev/shm by backend (auto may take cuFile's compat mode
+    there) and by the state of torch's cache (empty, or holding the last load)."""
+    import ckptio
+    from ckptio import bench
+
+    sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
+    p = "/dev/shm/probe-load.pt"
+    ckptio.save(sd, p)
+    out: dict = {}
+    for backend in ("posix", None, "posix", None):
+        for cache in ("empty", "held"):
+            for _ in range(reps):
+                out.clear()
+                if cache == "empty":
+                    torch.cuda.empty_cache()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out.update(x=ckptio.load(p, map_location="cuda", backend=backend))
+                torch.cuda.synchronize()
+                t = time.perf_counter() - t0
+                rep = ckptio.last_report()
+                print(
+                    f"  backend={backend or 'auto'} ran={rep.backend} ({rep.gds_mode}) "
+                    f"cache={cache}: {t:.3f} s {n / 2**30 / t:.1f} GiB/s",
+                    flush=True,
+                )
+    os.unlink(p)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -456,6 +486,8 @@ if __name__ == "__main__":
         for line in open("/sys/kernel/mm/transparent_hugepage/enabled"):
             print("  THP enabled:", line.strip())
         bounce(_size(sys.argv[2]), 16, ["anon+thp", "anon", "memfd"])
+    elif sys.argv[1:2] == ["backends"]:
+        backends(_size(sys.argv[2]))
     elif sys.argv[1:2] == ["alloc"]:
         alloc(_size(sys.argv[2]))
     elif sys.argv[1:2] == ["loads"]:
