@@ -8,6 +8,10 @@
     python benches/probe_hostreg.py bounce 8G   # first host staging without pinning:
                                                 # fault-in, memcpy from a pinned lane,
                                                 # D2H through two lanes per thread
+    python benches/probe_hostreg.py alloc 8G    # a load's destinations: 512 cudaMallocs
+                                                # or one segment; loads into a fresh cache
+    python benches/probe_hostreg.py backends 8G # ckptio.load from /dev/shm by backend
+                                                # and by the state of torch's cache
 
 On the H200 host: registering the page cache (READ_ONLY) costs more than the copy
 it saves, pread into pinned memory scales with threads (so files on tmpfs get
@@ -16,6 +20,9 @@ save pays for: filling fresh pages from the GPU through pinned lanes, without
 pinning them, ran at 15-24 GiB/s, no faster than pinning as the copies go
 (so that was not kept). A new engine's first load pays for its pinned lanes
 (~0.5 s per GiB), hence 4 MiB chunks for tmpfs (lanes of 256 MiB, not 1 GiB).
+Filling 512 fresh cudaMalloc segments costs more than allocating them, hence one
+reserved segment for a load into a fresh cache (0.21-0.24 s for 8 GiB, 33-37 GiB/s);
+a load right after the file was written ran slower (0.35 s) than the next ones.
 """
 
 from __future__ import annotations
@@ -339,11 +346,9 @@ def bounce(n: int, threads: int, kinds: list[str], piece: int = 16 << 20) -> Non
                 libc.munmap(p, piece)
 
 
-def shm_loads(n: int) -> None:
-    """ckptio.load of an n-byte bf16 state dict from /dev/shm, by threads and chunk;
-    ``io``: the share of the engine's read (the rest: unpickling, allocation)."""
-    import ckptio
-    from ckptio import _native, bench
+def _time_engine_reads() -> list[float]:
+    """Time every engine read from now on: [seconds of the last one]."""
+    from ckptio import _native
 
     io = [0.0]
     read_into = _native.Reader.read_into
@@ -356,6 +361,16 @@ def shm_loads(n: int) -> None:
             io[0] = time.perf_counter() - t
 
     _native.Reader.read_into = timed  # type: ignore[method-assign]
+    return io
+
+
+def shm_loads(n: int) -> None:
+    """ckptio.load of an n-byte bf16 state dict from /dev/shm, by threads and chunk;
+    ``io``: the share of the engine's read (the rest: unpickling, allocation)."""
+    import ckptio
+    from ckptio import bench
+
+    io = _time_engine_reads()
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
     p = "/dev/shm/probe-load.pt"
     ckptio.save(sd, p)
@@ -383,19 +398,9 @@ def alloc(n: int, rounds: int = 3) -> None:
     same total, and ckptio.load from /dev/shm after empty_cache() with and
     without such a segment reserved (freed back to torch's cache) first."""
     import ckptio
-    from ckptio import _native, bench
+    from ckptio import bench
 
-    io = [0.0]
-    read_into = _native.Reader.read_into
-
-    def timed_read(self, *args, **kw):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        try:
-            return read_into(self, *args, **kw)
-        finally:
-            io[0] = time.perf_counter() - t
-
-    _native.Reader.read_into = timed_read  # type: ignore[method-assign]
+    io = _time_engine_reads()
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
     sizes = [v.untyped_storage().nbytes() for v in sd.values()]
     total = sum(sizes)
