@@ -278,7 +278,10 @@ class _Cache:
             del self.buffers[k]
 
     def _allocated(self, kind: type) -> list[Any]:
-        return [b for b in self.buffers.values() if isinstance(b, kind) and b.storage is not None]
+        # list() copies the values in one step: the staging thread may be adding
+        # buffers while the caller asks for the byte counts.
+        held = list(self.buffers.values())
+        return [b for b in held if isinstance(b, kind) and b.storage is not None]
 
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self._allocated(_HostBuffer))
