@@ -120,49 +120,38 @@ def test_non_default_stream(tmp_path):
 
 
 _CARVE_SCRIPT = """
-import json, os, sys, torch, ckptio
+import json, sys, torch, ckptio
 from ckptio import safetensors
 
 d = sys.argv[1]
-sd = {f"t{i}": torch.full(((3 << 20) + i,), float(i), device="cuda") for i in range(16)}
+# exactly 12 MiB each: their own segments leave no free pieces in the cache
+sd = {f"t{i}": torch.full((3 << 20,), float(i), device="cuda") for i in range(16)}
 ckptio.save(sd, f"{d}/c.pt")
 safetensors.save_file(sd, f"{d}/c.safetensors")
-
-
-def made(load):
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
-    out = load()
-    n = torch.cuda.memory_stats()["segment.large_pool.allocated"] - before
-    for k, v in sd.items():
-        assert torch.equal(out[k], v) and out[k].untyped_storage().resizable(), k
-    return n, out
-
-
 res = {}
 for name, load in (
     ("pt", lambda: ckptio.load(f"{d}/c.pt", map_location="cuda")),
     ("st", lambda: safetensors.load_file(f"{d}/c.safetensors", device="cuda")),
+    ("dict", lambda: ckptio.load(f"{d}/c.pt", map_location={"cuda:0": "cuda:0"})),
 ):
-    n, out = made(load)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
+    out = load()
+    made = torch.cuda.memory_stats()["segment.large_pool.allocated"] - before
+    for k, v in sd.items():
+        assert torch.equal(out[k], v) and out[k].untyped_storage().resizable(), k
     torch.cuda.empty_cache()  # the checks' temporaries
     reserved = torch.cuda.memory_reserved()
     out.pop("t3")
     torch.cuda.empty_cache()
-    res[name] = [n, torch.cuda.memory_reserved() == reserved]
+    res[name] = [made, torch.cuda.memory_reserved() == reserved]
     del out
-# ckptio reads the allocator's settings at each load (torch's allocator did at start)
-os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:4096"
-res["unsplit"] = made(lambda: ckptio.load(f"{d}/c.pt", map_location="cuda"))[0]
 print(json.dumps(res))
 """
 
 
-def test_load_carves_destinations_out_of_one_segment(tmp_path):
-    # Into an empty cache (a new process: the only way to be sure of one), a
-    # load reserves one segment for its 16 storages of 12 MiB instead of a
-    # cudaMalloc each (safetensors too); each is still a block of its own.
+def _carve(tmp_path, **env):
     import json
     import subprocess
     import sys
@@ -172,12 +161,24 @@ def test_load_carves_destinations_out_of_one_segment(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, **env},
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    res = json.loads(run.stdout.strip().splitlines()[-1])
-    # one new segment each, still in use after one tensor is dropped
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_load_carves_destinations_out_of_one_segment(tmp_path):
+    # Into an empty cache (a new process: the only way to be sure of one), a
+    # load to one device reserves one segment for its 16 storages of 12 MiB
+    # instead of a cudaMalloc each (safetensors too); each is still a block of
+    # its own, the segment still in use after one is dropped. A dict
+    # map_location may spread storages over devices: no reservation.
+    res = _carve(tmp_path)
     assert res["pt"] == [1, True] and res["st"] == [1, True], res
-    assert res["unsplit"] == 16, res  # max_split_size_mb: no reservation
+    assert res["dict"][0] == 16, res
+    # An allocator that would not split the segment: no reservation either.
+    res = _carve(tmp_path, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64")
+    assert res["pt"][0] == 16 and res["st"][0] == 16, res
 
 
 def test_load_waits_for_work_queued_on_memory_it_reuses(tmp_path):

@@ -61,6 +61,23 @@ def test_cuda_snapshot_reflects_queued_work(opts):
     assert st.pinned_bytes() == 0
 
 
+def test_copies_made_by_the_walk_wait_for_the_callers_stream():
+    # Tensors the staging buffers do not take (here a conjugate view) are copied
+    # by the walk itself, on the staging thread: after the work queued before
+    # stage() on the caller's (non-default) stream.
+    side = torch.cuda.Stream()
+    with DefaultStager(StagingOptions(use_shared_memory=False)) as st, torch.cuda.stream(side):
+        for i in range(3):
+            z = torch.zeros(4096, 4096, dtype=torch.complex64, device="cuda")
+            x = torch.full((4096, 4096), 1.0 / 4096, device="cuda")
+            for _ in range(20):
+                x = x @ x  # stays 1/4096 everywhere
+            z.real.copy_(x * 4096 * (i + 1))
+            staged = st.stage({"c": z.conj()}).result()
+            side.synchronize()
+            assert torch.equal(staged["c"], z.conj().resolve_conj().cpu()), i
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["anon", "shared"])
 def test_prepare_pins_buffers_ahead(shared):
     # prepare() pins the buffers in the background; the first save then copies

@@ -244,16 +244,17 @@ def test_random_state_dicts(tmp_path, obj):
     same(obj, torch.load(p, weights_only=True))
 
 
-def test_cuda_reservation_only_where_the_cache_cannot_hold_the_load():
+def test_cuda_reservation_covers_what_the_cache_lacks():
     from ckptio.serialization import _reservation
 
     mib = 1 << 20
     sizes = [12 * mib + 1] * 8 + [4096] * 100  # small ones live in torch's small pool
     big = 8 * (12 * mib + 512)
-    assert _reservation(sizes, 0, 80 << 30, "") == big
-    assert _reservation(sizes, 20 * mib, 80 << 30, "") == big  # free pieces may be too small
-    assert _reservation(sizes, big, 80 << 30, "") == 0  # the cache could hold it all
-    assert _reservation([mib] * 500, 0, 80 << 30, "") == 0  # all in the small pool
-    assert _reservation(sizes, 0, big, "") == 0  # no room for it and a margin
-    for conf in ("max_split_size_mb:512", "backend:cudaMallocAsync"):
-        assert _reservation(sizes, 0, 80 << 30, conf) == 0
+    room = 80 << 30
+    assert _reservation(sizes, 0, room, -1) == big
+    assert _reservation(sizes, 20 * mib, room, -1) == big - 20 * mib
+    assert _reservation(sizes, big, room, -1) == 0  # the cache holds it free
+    assert _reservation([mib] * 500, 0, room, -1) == 0  # all in the small pool
+    assert _reservation(sizes, 0, big, -1) == 0  # no room for it and a margin
+    assert _reservation(sizes, 0, room, 64 * mib) == 0  # would not be split
+    assert _reservation(sizes, 0, room, 2 * big) == big

@@ -318,7 +318,10 @@ class _Restorer:
         self.map_location = map_location
         # (address in the file mapping, nbytes, destination storage)
         self.pending: list[tuple[int, int, torch.UntypedStorage]] = []
-        self.sizes = sizes  # of every data record: what a device may receive
+        # Every data record's size, where they all go to one device (a str or
+        # torch.device map_location); else no reservation (see _reserve_cuda).
+        one_device = isinstance(map_location, (str, torch.device))
+        self.sizes = sizes if one_device else None
         self.reserved: set[torch.device] = set()
 
     def _mapped(self, location: str) -> str:
@@ -342,7 +345,7 @@ class _Restorer:
         dev = _engine_device(loc)
         if dev is None:  # not ours to fill: torch copies from the mapping (or raises)
             return torch.serialization.default_restore_location(storage, loc)
-        if dev.type == "cuda" and dev not in self.reserved:
+        if dev.type == "cuda" and self.sizes is not None and dev not in self.reserved:
             self.reserved.add(dev)
             _reserve_cuda(dev, self.sizes)
         dest = _empty_storage(storage.nbytes(), dev)
@@ -379,18 +382,28 @@ _ALIGNED_ALLOC_MIN = 1 << 20
 
 def _reserve_cuda(device: torch.device, sizes: list[int]) -> None:
     """Leave one free segment in torch's CUDA cache that storages of ``sizes``
-    are then carved from, instead of a cudaMalloc each.
+    (all bound for ``device``) are then carved from, instead of a cudaMalloc each.
 
     A load into a fresh process (resuming a run) otherwise makes hundreds of
     segments, and filling them costs more than the cudaMallocs: 8 GiB in 512
     storages from /dev/shm loaded in 0.21-0.24 s against 0.24-0.36 s
     (``benches/probe_hostreg.py alloc``). Each storage is still its own block:
-    freeing one frees it, as after torch.load.
+    freeing one frees it, as after torch.load. Only with torch's own caching
+    allocator (not cudaMallocAsync, not a pluggable one, whose statistics raise).
     """
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    free, _total = torch.cuda.mem_get_info(device)
-    n = _reservation(sizes, cached, free, conf)
+    try:
+        if torch.cuda.get_allocator_backend() != "native":
+            return
+        stats = torch.cuda.memory_stats(device)
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+    except (RuntimeError, AttributeError):  # a pluggable allocator, an older torch
+        return
+    held = stats.get("reserved_bytes.all.current", 0)
+    cached_free = held - stats.get("allocated_bytes.all.current", 0)
+    # set_per_process_memory_fraction caps this process below what the device has.
+    room = min(free, int(total * fraction) - held)
+    n = _reservation(sizes, cached_free, room, stats.get("max_split_size", -1))
     if n:
         try:
             torch.empty(n, dtype=torch.uint8, device=device)  # freed at once, kept cached
@@ -398,20 +411,16 @@ def _reserve_cuda(device: torch.device, sizes: list[int]) -> None:
             pass
 
 
-def _reservation(sizes: list[int], cached_free: int, device_free: int, alloc_conf: str) -> int:
+def _reservation(sizes: list[int], cached_free: int, room: int, max_split: int) -> int:
     """Bytes ``_reserve_cuda`` asks for (0: none). Only storages over 1 MiB count
     (torch's large pool; smaller ones share 2 MiB segments anyway), rounded as
-    torch rounds them. None where the cache's free memory could hold them all
-    (a load after a load), where the allocator would not split the segment
-    (max_split_size_mb) or is not torch's own (cudaMallocAsync), or where the
-    device lacks the room plus a margin. Otherwise all of it, not the shortfall:
-    free memory in the cache is often in pieces too small for these storages
-    (torch picks the smallest free block that fits, so pieces that fit are
-    still used first)."""
-    if "max_split_size_mb" in alloc_conf or "cudaMallocAsync" in alloc_conf:
-        return 0
-    need = sum(-(-n // 512) * 512 for n in sizes if n > _SMALL_POOL_MAX)
-    if need < _RESERVE_MIN or need <= cached_free or need > device_free - _RESERVE_MARGIN:
+    torch rounds them, less what the cache holds free (a load after a load
+    needs nothing; free pieces that fit are used first, torch picking the
+    smallest free block that fits). None where the allocator would not split
+    the segment (``max_split`` below it; -1: no limit), or where this process
+    lacks the room plus a margin."""
+    need = sum(-(-n // 512) * 512 for n in sizes if n > _SMALL_POOL_MAX) - cached_free
+    if need < _RESERVE_MIN or need > room - _RESERVE_MARGIN or 0 <= max_split < need:
         return 0
     return need
 

@@ -435,6 +435,10 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
 
     def _stage_now(self, state_dict: Any, events: dict[int, Any]) -> Any:
         """Walk, allocate, copy: the staging thread's job (the caller's when blocking)."""
+        # What the walk copies itself (tensors the buffers do not take, deep
+        # copies) runs on this thread's streams: after the caller's work too.
+        for dev, event in events.items():
+            torch.cuda.current_stream(dev).wait_event(event)
         with self._work_lock:
             plan, staged = self._plan(state_dict)
             if self._opts.device_snapshot and not self._snapshot:
