@@ -76,27 +76,30 @@ impl Default for EngineConfig {
     }
 }
 
+/// A size or count from the environment variable `name` (None where unset);
+/// a malformed value is an error naming the variable.
+fn env_size(name: &str) -> Result<Option<usize>> {
+    std::env::var(name)
+        .ok()
+        .map(|v| parse_size(&v).map_err(|e| Error::invalid(format!("{name}: {e}"))))
+        .transpose()
+}
+
 impl EngineConfig {
     /// Defaults overridden by the environment; a malformed variable is an error, not ignored.
     pub fn from_env() -> Result<Self> {
         let mut c = EngineConfig::default();
-        if let Ok(v) = std::env::var("CKPTIO_THREADS") {
-            c.set_threads(
-                parse_size(&v).map_err(|e| Error::invalid(format!("CKPTIO_THREADS: {e}")))?,
-            );
+        if let Some(n) = env_size("CKPTIO_THREADS")? {
+            c.set_threads(n);
         }
-        if let Ok(v) = std::env::var("CKPTIO_MEMORY_THREADS") {
-            c.memory_threads = parse_size(&v)
-                .map_err(|e| Error::invalid(format!("CKPTIO_MEMORY_THREADS: {e}")))?;
+        if let Some(n) = env_size("CKPTIO_MEMORY_THREADS")? {
+            c.memory_threads = n;
         }
-        if let Ok(v) = std::env::var("CKPTIO_CHUNK_SIZE") {
-            c.set_chunk_size(
-                parse_size(&v).map_err(|e| Error::invalid(format!("CKPTIO_CHUNK_SIZE: {e}")))?,
-            );
+        if let Some(n) = env_size("CKPTIO_CHUNK_SIZE")? {
+            c.set_chunk_size(n);
         }
-        if let Ok(v) = std::env::var("CKPTIO_MEMORY_CHUNK_SIZE") {
-            c.memory_chunk_size = parse_size(&v)
-                .map_err(|e| Error::invalid(format!("CKPTIO_MEMORY_CHUNK_SIZE: {e}")))?;
+        if let Some(n) = env_size("CKPTIO_MEMORY_CHUNK_SIZE")? {
+            c.memory_chunk_size = n;
         }
         if let Ok(v) = std::env::var("CKPTIO_DIRECT") {
             c.direct = v.parse()?;
