@@ -27,17 +27,13 @@ import ckptio
 import torch
 import torch.distributed.checkpoint as dcp
 from ckptio.bench import drop_cache, synthetic_state_dict
+from ckptio.cli import _size
 from ckptio.dcp import FileSystemReader, FileSystemWriter
 from ckptio.serialization import _engine  # noqa: F401  (warms the engine cache)
 from ckptio.staging import DefaultStager, StagingOptions
 
 warnings.simplefilter("ignore")
 GiB = 1 << 30
-
-
-def parse_size(s: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(s[:-1]) * units[s[-1].upper()]) if s[-1].upper() in units else int(s)
 
 
 def sync() -> None:
@@ -128,7 +124,7 @@ def main() -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     out: dict[str, Any] = {"device": dev, "torch": torch.__version__, "sizes": []}
     for size_s in args.sizes.split(","):
-        size = parse_size(size_s)
+        size = _size(size_s)
         sd = synthetic_state_dict(size, device=dev, dtype=torch.bfloat16)
         n = nbytes(sd)
         d = os.path.join(args.dir, "ckptio_bench_dcp")
