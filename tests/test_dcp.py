@@ -186,14 +186,21 @@ def test_async_stage_walks_on_the_staging_thread(monkeypatch):
 
 def test_byte_counts_while_the_staging_thread_walks():
     # The caller may ask for the counts while the staging thread adds buffers.
-    sd = {f"t{i}": torch.full((8,), float(i)) for i in range(3000)}
-    with DefaultStager(StagingOptions(use_shared_memory=False)) as st:
-        for _ in range(3):
-            fut = st.stage(sd)
-            while not fut.done():
-                st.staged_bytes(), st.pinned_bytes(), st.device_bytes()
-            assert torch.equal(fut.result()["t2999"], sd["t2999"])
-        assert st.staged_bytes() == 3000 * 32
+    # A short switch interval makes the threads interleave often: the race
+    # shows, and the walk is not starved by a caller that spins.
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        sd = {f"t{i}": torch.full((8,), float(i)) for i in range(3000)}
+        with DefaultStager(StagingOptions(use_shared_memory=False)) as st:
+            for _ in range(3):
+                fut = st.stage(sd)
+                while not fut.done():
+                    st.staged_bytes(), st.pinned_bytes(), st.device_bytes()
+                assert torch.equal(fut.result()["t2999"], sd["t2999"])
+            assert st.staged_bytes() == 3000 * 32
+    finally:
+        sys.setswitchinterval(old)
 
 
 def test_unallocated_views_sit_on_a_placeholder_that_never_grows():
