@@ -258,3 +258,16 @@ def test_cuda_reservation_covers_what_the_cache_lacks():
     assert _reservation(sizes, 0, big, -1) == 0  # no room for it and a margin
     assert _reservation(sizes, 0, room, 64 * mib) == 0  # would not be split
     assert _reservation(sizes, 0, room, 2 * big) == big
+
+
+def test_bench_floor_helpers(tmp_path):
+    # The benches' same-run limits: a cold buffered read of a file, and the
+    # fault-in of fresh memory that bounds a first staging from below.
+    from ckptio import bench
+
+    p = tmp_path / "raw.bin"
+    p.write_bytes(os.urandom(3 << 20))
+    assert bench.buffered_cold_read(str(p), 3 << 20, threads=2, chunk=1 << 20) > 0
+    with pytest.raises(EOFError):
+        bench.buffered_cold_read(str(p), 4 << 20, threads=2, chunk=1 << 20)
+    assert bench.fresh_memory_fault_s(8 << 20, threads=2, piece=1 << 20) > 0
