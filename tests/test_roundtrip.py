@@ -1,6 +1,7 @@
 """Round trips through ckptio.save / ckptio.load, and interop with torch.save / torch.load."""
 
 import collections
+import mmap
 import os
 
 import ckptio
@@ -270,4 +271,9 @@ def test_bench_floor_helpers(tmp_path):
     assert bench.buffered_cold_read(str(p), 3 << 20, threads=2, chunk=1 << 20) > 0
     with pytest.raises(EOFError):
         bench.buffered_cold_read(str(p), 4 << 20, threads=2, chunk=1 << 20)
-    assert bench.fresh_memory_fault_s(8 << 20, threads=2, piece=1 << 20) > 0
+    assert bench.fresh_memory_fault_s([8 << 20, 4096, 3 << 20], threads=2, piece=1 << 20) > 0
+    with open(p, "rb") as f:
+        first = f.read(1 << 20)
+    with mmap.mmap(-1, 1 << 20) as m:
+        assert bench.cold_read(str(p), memoryview(m), 0, 2, 4096) > 0
+        assert m[:] == first

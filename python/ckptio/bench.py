@@ -147,26 +147,31 @@ def raw_limits(folder: str, nbytes: int, threads: int = 8, chunk: int = 64 << 20
     finally:
         os.close(fd)
 
-    def cold_read(into: memoryview) -> float:
-        drop_cache(path)
-        fd = os.open(path, os.O_RDONLY | direct)
-        try:
-            t0 = time.perf_counter()
-            _parallel(threads, nbytes, chunk, lambda o, n: _pread_all(fd, into[o : o + n], o))
-            return time.perf_counter() - t0
-        finally:
-            os.close(fd)
-
-    read_s = cold_read(view)
+    read_s = cold_read(path, view, direct, threads, chunk)
     view.release()
     buf.close()
     fresh = mmap.mmap(-1, nbytes)
     fview = memoryview(fresh)
-    read_fresh_s = cold_read(fview)
+    read_fresh_s = cold_read(path, fview, direct, threads, chunk)
     fview.release()
     fresh.close()
     os.unlink(path)
     return RawLimits(write_s, read_s, read_fresh_s, bool(direct))
+
+
+def cold_read(
+    path: str, into: memoryview, flags: int = 0, threads: int = 8, chunk: int = 64 << 20
+) -> float:
+    """Seconds to read ``len(into)`` bytes of ``path`` cold into ``into`` (page
+    aligned for ``flags=os.O_DIRECT``), ``chunk`` per call on ``threads`` threads."""
+    drop_cache(path)
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        t0 = time.perf_counter()
+        _parallel(threads, len(into), chunk, lambda o, n: _pread_all(fd, into[o : o + n], o))
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
 
 
 def buffered_cold_read(path: str, nbytes: int, threads: int = 8, chunk: int = 64 << 20) -> float:
@@ -188,30 +193,36 @@ def buffered_cold_read(path: str, nbytes: int, threads: int = 8, chunk: int = 64
         os.close(fd)
 
 
-def fresh_memory_fault_s(nbytes: int, threads: int = 16, piece: int = 64 << 20) -> float:
-    """Seconds to fault in ``nbytes`` of fresh shared memory (MADV_POPULATE_WRITE,
-    ``piece`` per call, on ``threads`` threads): what any first staging into new
-    host buffers costs at least, before pinning and before the copies."""
+def fresh_memory_fault_s(sizes: list[int], threads: int = 16, piece: int = 64 << 20) -> float:
+    """Seconds to fault in fresh memory laid out as a first staging lays it out,
+    one memfd per buffer of ``sizes`` (MADV_POPULATE_WRITE, ``piece`` per call, on
+    ``threads`` threads): what any first staging into new buffers costs at least,
+    before pinning and before the copies."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     populate_write = 23  # MADV_POPULATE_WRITE, Linux 5.14
-    fd = os.memfd_create("ckptio-bench")
-    try:
-        os.ftruncate(fd, nbytes)
-        buf = mmap.mmap(fd, nbytes)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    maps, bases = [], []
+    for n in sizes:
+        fd = os.memfd_create("ckptio-bench")
+        try:
+            os.ftruncate(fd, n)
+            maps.append(mmap.mmap(fd, n))
+        finally:
+            os.close(fd)
+        bases.append(ctypes.addressof(ctypes.c_char.from_buffer(maps[-1])))
+    pairs = zip(bases, sizes, strict=True)
+    jobs = [(b + o, min(piece, n - o)) for b, n in pairs for o in range(0, n, piece)]
 
-        def populate(off: int, n: int) -> None:
-            if libc.madvise(base + off, n, populate_write) != 0:
-                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+    def populate(i: int, _: int) -> None:
+        addr, n = jobs[i]
+        if libc.madvise(addr, n, populate_write) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
 
-        t0 = time.perf_counter()
-        _parallel(threads, nbytes, piece, populate)
-        return time.perf_counter() - t0
-    finally:
-        os.close(fd)
+    t0 = time.perf_counter()
+    _parallel(threads, len(jobs), 1, populate)
+    return time.perf_counter() - t0
 
 
 def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:
