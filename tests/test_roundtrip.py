@@ -261,6 +261,35 @@ def test_cuda_reservation_covers_what_the_cache_lacks():
     assert _reservation(sizes, 0, room, 2 * big) == big
 
 
+def test_cuda_room_counts_the_cache_and_the_memory_fraction(monkeypatch):
+    # One reading of a device's room serves the load's reservation and the
+    # stager's device snapshot; no GPU needed, torch.cuda's answers are faked.
+    from ckptio import serialization, staging
+
+    gib = 1 << 30
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "mem_get_info", lambda d: (60 * gib, 140 * gib))
+    monkeypatch.setattr(cuda, "memory_reserved", lambda d: 50 * gib)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda d: 45 * gib)
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda d: 1.0)
+    assert serialization._cuda_room(0) == (60 * gib, 5 * gib)
+    # A fraction of 0.5 caps the process at 70 GiB, 50 of them held already.
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda d: 0.5)
+    assert serialization._cuda_room(0) == (20 * gib, 5 * gib)
+
+    def no_fraction(d):
+        raise RuntimeError("not supported by this allocator")
+
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", no_fraction)
+    assert serialization._cuda_room(0) == (60 * gib, 5 * gib)
+
+    plan = staging._Plan(headroom=gib)
+    plan.claim_device_bytes(0, 60 * gib)  # 60 new + 5 cached - 1 headroom = 64
+    plan.claim_device_bytes(0, 4 * gib)
+    with pytest.raises(staging._NoRoom):
+        plan.claim_device_bytes(0, 1)
+
+
 def test_bench_floor_helpers(tmp_path):
     # The benches' same-run limits: a cold buffered read of a file, and the
     # fault-in of fresh memory that bounds a first staging from below.

@@ -394,21 +394,31 @@ def _reserve_cuda(device: torch.device, sizes: list[int]) -> None:
     try:
         if torch.cuda.get_allocator_backend() != "native":
             return
-        stats = torch.cuda.memory_stats(device)
-        free, total = torch.cuda.mem_get_info(device)
-        fraction = torch.cuda.get_per_process_memory_fraction(device)
+        room, cached_free = _cuda_room(device)
+        max_split = torch.cuda.memory_stats(device).get("max_split_size", -1)
     except (RuntimeError, AttributeError):  # a pluggable allocator, an older torch
         return
-    held = stats.get("reserved_bytes.all.current", 0)
-    cached_free = held - stats.get("allocated_bytes.all.current", 0)
-    # set_per_process_memory_fraction caps this process below what the device has.
-    room = min(free, int(total * fraction) - held)
-    n = _reservation(sizes, cached_free, room, stats.get("max_split_size", -1))
+    n = _reservation(sizes, cached_free, room, max_split)
     if n:
         try:
             torch.empty(n, dtype=torch.uint8, device=device)  # freed at once, kept cached
         except torch.OutOfMemoryError:  # the room went meanwhile: allocate one by one
             pass
+
+
+def _cuda_room(device: torch.device | int) -> tuple[int, int]:
+    """(bytes this process may still take from ``device`` as new segments, bytes
+    torch's cache holds free there). set_per_process_memory_fraction caps the
+    first below what the device has free. Raises RuntimeError where torch's
+    allocator keeps no statistics (a pluggable one)."""
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    cached_free = held - torch.cuda.memory_allocated(device)
+    try:
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+    except (RuntimeError, AttributeError):  # an allocator or a torch without one
+        fraction = 1.0
+    return min(free, int(total * fraction) - held), cached_free
 
 
 def _reservation(sizes: list[int], cached_free: int, room: int, max_split: int) -> int:

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from ckptio import _native
-from ckptio.serialization import load, save
+from ckptio.serialization import _cuda_room, load, save
 
 __all__ = [
     "StagingOptions",
@@ -345,12 +345,12 @@ class _Plan:
 
     def claim_device_bytes(self, device: int, nbytes: int) -> None:
         """Count a new snapshot buffer against what ``device`` has free (memory
-        torch caches included) less the headroom; raise _NoRoom past it."""
+        torch caches included, the per-process fraction counted) less the
+        headroom; raise _NoRoom past it."""
         room = self.room.get(device)
         if room is None:
-            free, _total = torch.cuda.mem_get_info(device)
-            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            room = free + cached - self.headroom
+            new, cached = _cuda_room(device)
+            room = new + cached - self.headroom
         if nbytes > room:
             raise _NoRoom
         self.room[device] = room - nbytes
