@@ -9,7 +9,10 @@ training blocked), ``staged`` (staging complete: parameters may change again),
 ``upload`` (checkpoint durable). Baselines measured in the same run: the pinned
 device-to-host bandwidth (a plain copy into a pinned buffer) and a synchronous
 ``ckptio.save`` of the same data. Then ``dcp.load`` with torch's reader and ours
-(page cache dropped first). Prints a table and the targets' ratios.
+(page cache dropped first), beside the disk's raw read of the same data file, and
+the fault-in of fresh buffers laid out as a first staging lays them out: the two
+floors that bound the first-save and dcp.load targets on a given machine. Prints
+a table and the targets' ratios.
 """
 
 from __future__ import annotations

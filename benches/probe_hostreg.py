@@ -12,6 +12,8 @@
                                                 # or one segment; loads into a fresh cache
     python benches/probe_hostreg.py backends 8G # ckptio.load from /dev/shm by backend
                                                 # and by the state of torch's cache
+    python benches/probe_hostreg.py tmpfs 2G    # preads of a tmpfs file by the state of
+                                                # its pages (no GPU needed)
 
 On the H200 host: registering the page cache (READ_ONLY) costs more than the copy
 it saves, pread into pinned memory scales with threads (so files on tmpfs get
@@ -22,7 +24,10 @@ pinning them, ran at 15-24 GiB/s, no faster than pinning as the copies go
 (~0.5 s per GiB), hence 4 MiB chunks for tmpfs (lanes of 256 MiB, not 1 GiB).
 Filling 512 fresh cudaMalloc segments costs more than allocating them, hence one
 reserved segment for a load into a fresh cache (0.21-0.24 s for 8 GiB, 33-37 GiB/s);
-a load right after the file was written ran slower (0.35 s) than the next ones.
+a load right after the file was written ran slower (0.35 s) than the next ones:
+the first read of freshly allocated tmpfs pages is slower for any reader (the
+``tmpfs`` mode: not so for pages rewritten in place), and every crash-safe save
+writes a new file.
 """
 
 from __future__ import annotations
@@ -482,6 +487,39 @@ def backends(n: int, reps: int = 2) -> None:
     os.unlink(p)
 
 
+def tmpfs_pages(n: int, threads: int = 8) -> None:
+    """Reads of a /dev/shm file (``threads`` preads of 4 MiB) by the state of its
+    pages: freshly allocated by the write, read before, rewritten in place."""
+    from ckptio import bench
+
+    path = "/dev/shm/probe-pages.bin"
+    block = os.urandom(64 << 20)
+    into = memoryview(mmap.mmap(-1, n))
+    for off in range(0, n, len(block)):  # fault the destination in beforehand
+        into[off : off + len(block)] = block[: n - off]
+
+    def write(flags: int) -> None:
+        fd = os.open(path, os.O_WRONLY | flags, 0o600)
+        try:
+            for off in range(0, n, len(block)):
+                os.pwrite(fd, block[: n - off], off)
+        finally:
+            os.close(fd)
+
+    def reads(what: str, k: int) -> None:
+        gib = [n / 2**30 / bench.cold_read(path, into, 0, threads, 4 << 20) for _ in range(k)]
+        print(f"  {what:<28} reads: " + " ".join(f"{g:5.1f}" for g in gib) + " GiB/s")
+
+    try:
+        for _ in range(2):
+            write(os.O_CREAT | os.O_TRUNC)
+            reads("new file (fresh pages)", 3)
+            write(0)
+            reads("rewritten in place", 2)
+    finally:
+        os.unlink(path)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -495,6 +533,8 @@ if __name__ == "__main__":
         backends(_size(sys.argv[2]))
     elif sys.argv[1:2] == ["alloc"]:
         alloc(_size(sys.argv[2]))
+    elif sys.argv[1:2] == ["tmpfs"]:
+        tmpfs_pages(_size(sys.argv[2]))
     elif sys.argv[1:2] == ["loads"]:
         shm_loads(_size(sys.argv[2]))
     else:
