@@ -313,9 +313,8 @@ def ratios(label: str, med: dict[str, float]) -> None:
             ]
         pinned = med.get("D2H pinned copy")
         again = med.get(f"ckptio.load ({b}), pages read before")
-        if ld and pinned:
+        if ld and again and pinned:  # tmpfs: the pipeline's own limit is the target
             parts.append(f"load {pinned / ld:.2f}x pinned D2H")
-        if again and pinned:
             parts.append(f"pages read before {pinned / again:.2f}x pinned D2H")
         if parts:
             print(f"{label:<14} ratio ckptio {b:<7} " + " | ".join(parts), flush=True)
