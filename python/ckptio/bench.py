@@ -160,15 +160,23 @@ def raw_limits(folder: str, nbytes: int, threads: int = 8, chunk: int = 64 << 20
 
 
 def cold_read(
-    path: str, into: memoryview, flags: int = 0, threads: int = 8, chunk: int = 64 << 20
+    path: str,
+    into: memoryview,
+    flags: int = 0,
+    threads: int = 8,
+    chunk: int = 64 << 20,
+    nbytes: int | None = None,
 ) -> float:
-    """Seconds to read ``len(into)`` bytes of ``path`` cold into ``into`` (page
-    aligned for ``flags=os.O_DIRECT``), ``chunk`` per call on ``threads`` threads."""
+    """Seconds to read ``nbytes`` (default ``len(into)``) of ``path`` cold,
+    ``chunk`` per call on ``threads`` threads. Offset ``o`` lands at
+    ``o % len(into)``: a smaller ``into``, a multiple of ``chunk``, is reused round
+    and round. Page aligned for ``flags=os.O_DIRECT``."""
+    nbytes = len(into) if nbytes is None else nbytes
     drop_cache(path)
     fd = os.open(path, os.O_RDONLY | flags)
     try:
         t0 = time.perf_counter()
-        _parallel(threads, len(into), chunk, lambda o, n: _pread_all(fd, into[o : o + n], o))
+        _parallel(threads, nbytes, chunk, lambda o, n: _pread_all(fd, into[o % len(into) :][:n], o))
         return time.perf_counter() - t0
     finally:
         os.close(fd)
@@ -176,21 +184,10 @@ def cold_read(
 
 def buffered_cold_read(path: str, nbytes: int, threads: int = 8, chunk: int = 64 << 20) -> float:
     """Seconds to read ``path``'s first ``nbytes`` cold through the page cache
-    (kernel readahead), several threads: on some disks this beats O_DIRECT."""
-    drop_cache(path)
-    view = memoryview(bytearray(chunk * threads))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        t0 = time.perf_counter()
-        _parallel(
-            threads,
-            nbytes,
-            chunk,
-            lambda o, n: _pread_all(fd, view[(o // chunk % threads) * chunk :][:n], o),
-        )
-        return time.perf_counter() - t0
-    finally:
-        os.close(fd)
+    (kernel readahead), several threads, into a buffer a chunk per thread: on
+    some disks this beats O_DIRECT."""
+    ring = memoryview(bytearray(chunk * threads))
+    return cold_read(path, ring, 0, threads, chunk, nbytes)
 
 
 def fresh_memory_fault_s(sizes: list[int], threads: int = 16, piece: int = 64 << 20) -> float:
