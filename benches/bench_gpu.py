@@ -9,7 +9,9 @@ through the bounce pipeline and through cuFile. Prints a table per case and
 writes all rows as JSON.
 
 The rows the targets compare run ``--rounds`` times, interleaved, and the table
-shows medians (the VM's disk drifts by 1.5x within a run), then the ratios.
+shows medians (the VM's disk drifts by 1.5x within a run), then the ratios: of
+the medians, and paired (the median over rounds of each round's own ratio, rows
+that ran a minute apart at most: the drift between rounds cancels).
 
 Usage: python benches/bench_gpu.py [--sizes 2G,8G] [--rounds 3] [--dir /tmp]
                                    [--shm-size 8G] [--json OUT]
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -169,20 +172,19 @@ def case(label: str, folder: str, size: int, full: bool, rounds: int, tmpfs: boo
     On tmpfs, where a "cold" read is the first read of freshly written pages
     (slower, for any reader), ckptio.load is timed a second time as well."""
     import shutil
-    import statistics
 
     tmp = tempfile.mkdtemp(prefix="ckptio-gpu-", dir=folder)
     sd = bench.synthetic_state_dict(size, "cuda", torch.bfloat16)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     print(f"\n## {label}: {nbytes / GiB:.2f} GiB bf16, {len(sd)} tensors, {tmp}", flush=True)
-    times: dict[str, list[float]] = {}
+    times: dict[str, dict[int, float]] = {}  # row -> {round: seconds}
     notes: dict[str, str] = {}
+    r = 0  # the round, for rec
 
     def rec(name: str, seconds: float | None, note: str = "") -> None:
-        if seconds is None:
-            times.setdefault(name, [])
-        else:
-            times.setdefault(name, []).append(seconds)
+        times.setdefault(name, {})
+        if seconds is not None:
+            times[name][r] = seconds
         if note:
             notes[name] = note
 
@@ -269,56 +271,69 @@ def case(label: str, folder: str, size: int, full: bool, rounds: int, tmpfs: boo
             attempt(f"KvikIO {mode}", lambda mode=mode: kv(mode))
         for backend in ("posix", "cufile") if full else ("posix",):
             attempt(f"ckptio {backend}", lambda backend=backend, r=r: ck(backend, r == 0))
-    med: dict[str, float] = {}
-    for name, ts in times.items():
+    for name, by_round in times.items():
+        ts = list(by_round.values())
         if ts:
-            med[name] = statistics.median(ts)
             spread = f"n={len(ts)} {nbytes / GiB / max(ts):.2f}-{nbytes / GiB / min(ts):.2f} GiB/s"
-            row(label, name, med[name], nbytes, f"{spread} {notes.get(name, '')}".strip())
+            note = f"{spread} {notes.get(name, '')}".strip()
+            row(label, name, statistics.median(ts), nbytes, note)
         else:
             row(label, name, None, nbytes, notes.get(name, ""))
     if "ckptio pinned pool" in notes:
         row(label, "ckptio pinned pool", None, nbytes, notes["ckptio pinned pool"])
-    ratios(label, med)
+    ratios(label, times)
     sd.clear()
     torch.cuda.empty_cache()
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ratios(label: str, med: dict[str, float]) -> None:
-    """The targets, from the medians: higher is better for ckptio."""
+def ratios(label: str, times: dict[str, dict[int, float]]) -> None:
+    """The targets, higher is better for ckptio: the ratio of the medians, then
+    (in brackets) the median of the rounds' own ratios."""
+    found = {k: v for k, v in times.items() if v}
 
-    def get(prefix: str) -> float | None:
-        return next((v for k, v in med.items() if k.startswith(prefix)), None)
+    def get(prefix: str) -> dict[int, float] | None:
+        return next((v for k, v in found.items() if k.startswith(prefix)), None)
+
+    def rel(base: dict[int, float], ours: dict[int, float]) -> str:
+        m = statistics.median(base.values()) / statistics.median(ours.values())
+        both = sorted(base.keys() & ours.keys())
+        if not both:
+            return f"{m:.2f}x"
+        return f"{m:.2f}x ({statistics.median(base[i] / ours[i] for i in both):.2f}x)"
 
     raw_w = get("raw write")
     reads = [x for x in (get("raw read, cold (O"), get("raw read, cold (b")) if x]
-    raw_r = min(reads) if reads else None  # the better of O_DIRECT and buffered
-    peers_w = {k: v for k, v in med.items() if k.startswith("KvikIO") and "write" in k}
+    # The better of O_DIRECT and buffered, round by round.
+    raw_r = {i: min(x[i] for x in reads if i in x) for i in set().union(*reads)}
+    peers_w = {k: v for k, v in found.items() if k.startswith("KvikIO") and "write" in k}
     peers_r = {
         k: v
-        for k, v in med.items()
+        for k, v in found.items()
         if ("KvikIO" in k and "read" in k) or k.startswith("torch.load")
     }
+    pinned = get("D2H pinned copy")
     for b in ("posix", "cufile"):
-        sv, ld = med.get(f"ckptio.save ({b})"), med.get(f"ckptio.load ({b}), cold")
+        sv, ld = found.get(f"ckptio.save ({b})"), found.get(f"ckptio.load ({b}), cold")
         parts = []
         if sv and raw_w:
-            parts.append(f"save {raw_w / sv:.2f}x raw write")
-            parts += [f"{v / sv:.2f}x {k.split(' write')[0]}" for k, v in peers_w.items()]
+            parts.append(f"save {rel(raw_w, sv)} raw write")
+            parts += [f"{rel(v, sv)} {k.split(' write')[0]}" for k, v in peers_w.items()]
         if ld and raw_r:
-            parts.append(f"load {raw_r / ld:.2f}x best raw read")
+            parts.append(f"load {rel(raw_r, ld)} best raw read")
             parts += [
-                f"{v / ld:.2f}x {k.split(',')[0].split(' read')[0]}" for k, v in peers_r.items()
+                f"{rel(v, ld)} {k.split(',')[0].split(' read')[0]}" for k, v in peers_r.items()
             ]
-        pinned = med.get("D2H pinned copy")
-        again = med.get(f"ckptio.load ({b}), pages read before")
+        again = found.get(f"ckptio.load ({b}), pages read before")
         if ld and again and pinned:  # tmpfs: the pipeline's own limit is the target
-            parts.append(f"load {pinned / ld:.2f}x pinned D2H")
-            parts.append(f"pages read before {pinned / again:.2f}x pinned D2H")
+            p = statistics.median(pinned.values())
+            parts.append(f"load {p / statistics.median(ld.values()):.2f}x pinned D2H")
+            again_x = p / statistics.median(again.values())
+            parts.append(f"pages read before {again_x:.2f}x pinned D2H")
         if parts:
             print(f"{label:<14} ratio ckptio {b:<7} " + " | ".join(parts), flush=True)
-    ROWS.append({"case": label, "name": "medians", "medians": med})
+    medians = {k: statistics.median(v.values()) for k, v in found.items()}
+    ROWS.append({"case": label, "name": "medians", "medians": medians, "rounds": times})
 
 
 def main() -> None:

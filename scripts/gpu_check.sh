@@ -15,6 +15,8 @@
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
 #   scripts/gpu_check.sh staging # benches/bench_staging.py: first host staging by kind of memory
+#   scripts/gpu_check.sh profile # benches/profile_disk.py: a cold load's phases and knobs next to
+#                                # the raw writes and reads, paired by round (PROFILE_ARGS)
 # Several modes run in turn: scripts/gpu_check.sh tests staging
 set -uo pipefail
 PY=${PY:-python3}
@@ -93,6 +95,10 @@ stbench)
     ;;
 staging)
     $PY benches/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
+    ;;
+profile)
+    udev_off
+    $PY benches/profile_disk.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_disk.log" || rc=1
     ;;
 *)
     echo "unknown mode $mode"; rc=1

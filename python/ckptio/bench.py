@@ -133,20 +133,7 @@ def raw_limits(folder: str, nbytes: int, threads: int = 8, chunk: int = 64 << 20
     buf = mmap.mmap(-1, nbytes)
     buf.write(os.urandom(1 << 20) * (nbytes // (1 << 20)))
     view = memoryview(buf)
-    direct = getattr(os, "O_DIRECT", 0)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | direct, 0o644)
-    except OSError:
-        direct = 0
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        t0 = time.perf_counter()
-        _parallel(threads, nbytes, chunk, lambda o, n: _pwrite_all(fd, view[o : o + n], o))
-        os.fsync(fd)
-        write_s = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-
+    write_s, direct = raw_write(path, view, threads, chunk)
     read_s = cold_read(path, view, direct, threads, chunk)
     view.release()
     buf.close()
@@ -157,6 +144,29 @@ def raw_limits(folder: str, nbytes: int, threads: int = 8, chunk: int = 64 << 20
     fresh.close()
     os.unlink(path)
     return RawLimits(write_s, read_s, read_fresh_s, bool(direct))
+
+
+def raw_write(
+    path: str, src: memoryview, threads: int = 8, chunk: int = 64 << 20, nbytes: int | None = None
+) -> tuple[float, int]:
+    """(seconds, the O_DIRECT flag used or 0) to write ``nbytes`` (default
+    ``len(src)``) to a new file at ``path`` and fsync it, ``chunk`` per call on
+    ``threads`` threads, O_DIRECT where the filesystem takes it. Offset ``o``
+    comes from ``o % len(src)``, as in :func:`cold_read`."""
+    nbytes = len(src) if nbytes is None else nbytes
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | direct, 0o644)
+    except OSError:
+        direct = 0
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        t0 = time.perf_counter()
+        _parallel(threads, nbytes, chunk, lambda o, n: _pwrite_all(fd, src[o % len(src) :][:n], o))
+        os.fsync(fd)
+        return time.perf_counter() - t0, direct
+    finally:
+        os.close(fd)
 
 
 def cold_read(

@@ -1,0 +1,158 @@
+"""ckptio.save and cold ckptio.load of a GPU checkpoint by knob, next to the
+raw writes and reads of the disk, in interleaved rounds.
+
+    python benches/profile_disk.py [--sizes 2G,8G] [--rounds 5] [--dir /tmp] [--device cuda]
+
+The disk of the GPU machine drifts by 10-20% within minutes, more than the
+knobs change, so besides each row's median this prints the median of the
+per-round ratios: each save against the raw write of its round, each load
+against the better raw read of its round (paired, the drift cancels). Loads
+are split into phases: open (the archive's map: central directory and local
+headers), unpickle (torch.load over the mapping, with the destination
+allocations), sync, and read (the engine moving the bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import mmap
+import os
+import statistics
+import tempfile
+import time
+
+import ckptio
+import torch
+from ckptio import bench
+from ckptio import serialization as S
+from ckptio.cli import _size
+
+GiB = 2**30
+RAW_W = "raw write+fsync 8x64M"
+RAW_R = ("raw read O_DIRECT 8x64M", "raw read buffered 8x64M")
+KNOBS = {
+    "default": {},
+    "chunk=32M": {"chunk_size": 32 << 20},
+    "chunk=64M": {"chunk_size": 64 << 20},
+}
+
+
+class _Timed:
+    """The reader, its read_into timed."""
+
+    def __init__(self, reader, phases: dict[str, float]) -> None:
+        self._r, self._phases = reader, phases
+
+    def read_into(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return self._r.read_into(*a, **k)
+        finally:
+            self._phases["read"] += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._r, name)
+
+
+def timed_load(path: str, device: str, **kw) -> dict[str, float]:
+    """One cold load: seconds by phase and in all."""
+    phases: dict[str, float] = collections.defaultdict(float)
+    real_open, real_load, real_sync = S._open, torch.load, S._sync_cuda
+
+    def timing(name, fn, wrap=lambda r: r):
+        def inner(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return wrap(fn(*a, **k))
+            finally:
+                phases[name] += time.perf_counter() - t0
+
+        return inner
+
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    bench.drop_cache(path)
+    S._open = timing("open", real_open, lambda r: _Timed(r, phases))
+    torch.load = timing("unpickle", real_load)
+    S._sync_cuda = timing("sync", real_sync)
+    try:
+        sync()
+        t0 = time.perf_counter()
+        out = ckptio.load(path, map_location=device, **kw)
+        sync()
+        phases["total"] = time.perf_counter() - t0
+    finally:
+        S._open, torch.load, S._sync_cuda = real_open, real_load, real_sync
+    del out
+    return dict(phases)
+
+
+def paired(base: list[float], ours: list[float]) -> float:
+    """Median over rounds of base/ours seconds (ours' speed relative to base's)."""
+    return statistics.median(b / t for b, t in zip(base, ours, strict=True))
+
+
+def case(size: int, folder: str, rounds: int, device: str) -> None:
+    tmp = tempfile.mkdtemp(prefix="ckptio-prof-", dir=folder)
+    sd = bench.synthetic_state_dict(size, device, torch.bfloat16)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    path = os.path.join(tmp, "ck.pt")
+    ckptio.save(sd, path)  # warms the engine's pinned lanes
+    flen = os.path.getsize(path)
+    print(f"\n## {nbytes / GiB:.2f} GiB, {len(sd)} tensors, file {flen} bytes, {tmp}", flush=True)
+    ring = mmap.mmap(-1, 8 * (64 << 20))
+    ring.write(os.urandom(1 << 20) * 512)
+    view = memoryview(ring)
+    res: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    notes: dict[str, str] = {}
+    aligned = flen // 4096 * 4096  # O_DIRECT moves whole blocks
+    for _ in range(rounds):
+        raw = os.path.join(tmp, "raw.bin")
+        res[RAW_W].append({"total": bench.raw_write(raw, view, 8, 64 << 20, aligned + 4096)[0]})
+        os.unlink(raw)
+        for knob, kw in KNOBS.items():
+            os.sync()
+            t0 = time.perf_counter()
+            ckptio.save(sd, path, **kw)
+            res[f"ckptio.save {knob}"].append({"total": time.perf_counter() - t0})
+        for name, flags, n in ((RAW_R[0], os.O_DIRECT, aligned), (RAW_R[1], 0, flen)):
+            res[name].append({"total": bench.cold_read(path, view, flags, 8, 64 << 20, n)})
+        for knob, kw in {**KNOBS, "buffered": {"direct": False}}.items():
+            res[f"ckptio.load {knob}"].append(timed_load(path, device, **kw))
+            rep = ckptio.last_report()
+            notes[f"ckptio.load {knob}"] = f"ran={rep.backend} direct={rep.direct}"
+    for name, runs in res.items():
+        tot = [r["total"] for r in runs]
+        med = statistics.median(tot)
+        line = f"{name:28s} {med:6.3f} s {nbytes / GiB / med:5.2f} GiB/s"
+        line += f" ({nbytes / GiB / max(tot):.2f}-{nbytes / GiB / min(tot):.2f})"
+        if name.startswith("ckptio.save"):
+            base = [r["total"] for r in res[RAW_W]]
+            line += f"  paired {paired(base, tot):.2f}x raw write"
+        elif name.startswith("ckptio.load"):
+            raws = zip(*(res[k] for k in RAW_R), strict=True)
+            best = [min(r["total"] for r in rs) for rs in raws]
+            line += f"  paired {paired(best, tot):.2f}x best raw read"
+            for ph in ("open", "unpickle", "sync", "read"):
+                line += f"  {ph} {statistics.median(r.get(ph, 0.0) for r in runs):.3f}"
+            line += "  " + notes[name]
+        print(line, flush=True)
+    view.release()
+    ring.close()
+    os.unlink(path)
+    os.rmdir(tmp)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="2G")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run without a GPU")
+    a = ap.parse_args()
+    for s in a.sizes.split(","):
+        case(_size(s), a.dir, a.rounds, a.device)
+
+
+if __name__ == "__main__":
+    main()
