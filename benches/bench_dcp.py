@@ -35,6 +35,7 @@ from ckptio.bench import (
     cold_read,
     drop_cache,
     fresh_memory_fault_s,
+    settle_disk,
     synthetic_state_dict,
 )
 from ckptio.cli import _size
@@ -85,7 +86,7 @@ def run_saves(name: str, sd: dict, d: str, saves: int, make: Any) -> dict[str, A
     for i in range(saves):
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
-        os.sync()
+        settle_disk(d)
         writer, stager = make(i)
         if stager is not None and stager not in closers:
             closers.append(stager)
@@ -147,7 +148,7 @@ def main() -> None:
         for _ in range(3):
             shutil.rmtree(d, ignore_errors=True)
             os.makedirs(d)
-            os.sync()
+            settle_disk(d)
             t0 = time.perf_counter()
             ckptio.save(sd, os.path.join(d, "sync.pt"))
             sync_times.append(time.perf_counter() - t0)

@@ -53,7 +53,10 @@ def row(case: str, name: str, seconds: float | None, nbytes: int, note: str = ""
     print(f"{case:<14} {name:<34} {s} {g}  {note}", flush=True)
 
 
-def timed(fn) -> float:
+def timed(fn, where: str | None = None) -> float:
+    """Seconds for ``fn``, GPU work included; first, the disk under ``where`` settles."""
+    if where:
+        bench.settle_disk(where)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
@@ -89,7 +92,7 @@ def gds_recipe(sd: dict, path: str) -> tuple[float, float]:
             del f
             bench.fsync_path(path)
 
-        ws = timed(save)
+        ws = timed(save, os.path.dirname(path))
         bench.drop_cache(path)
 
         def load() -> None:
@@ -118,6 +121,7 @@ offs, off = [], 0
 for t in sd.values():
     offs.append(off); off += (t.numel() * 2 + 4095) // 4096 * 4096
 torch.cuda.synchronize()
+bench.settle_disk(os.path.dirname(path))
 t0 = time.perf_counter()
 f = kvikio.CuFile(path, "w")
 futs = [f.pwrite(t.view(torch.int16), file_offset=o) for t, o in zip(sd.values(), offs)]
@@ -209,7 +213,7 @@ def case(label: str, folder: str, size: int, full: bool, rounds: int, tmpfs: boo
 
     def torch_rows() -> None:
         p = os.path.join(tmp, "torch.pt")
-        rec("torch.save + fsync", timed(lambda: (torch.save(sd, p), bench.fsync_path(p))))
+        rec("torch.save + fsync", timed(lambda: (torch.save(sd, p), bench.fsync_path(p)), tmp))
         bench.drop_cache(p)
         rec(
             "torch.load -> cuda, cold",
@@ -237,9 +241,8 @@ def case(label: str, folder: str, size: int, full: bool, rounds: int, tmpfs: boo
             warm = os.path.join(tmp, f"warm_{backend}.pt")
             ckptio.save(sd, warm, backend=backend)
             os.unlink(warm)
-        os.sync()
         p = os.path.join(tmp, f"ckptio_{backend}.pt")
-        t = timed(lambda: ckptio.save(sd, p, backend=backend))
+        t = timed(lambda: ckptio.save(sd, p, backend=backend), tmp)
         rep = ckptio.last_report()
         rec(
             f"ckptio.save ({backend})",

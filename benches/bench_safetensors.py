@@ -186,7 +186,6 @@ def main() -> None:
             times.setdefault("raw O_DIRECT read (fresh memory)", []).append(raw.read_fresh)
             for name, (path, fn) in loaders.items():
                 bench.drop_cache(path)
-                os.sync()
                 t0 = time.perf_counter()
                 out = fn()
                 if dev.startswith("cuda"):

@@ -2,6 +2,7 @@
 raw writes and reads of the disk, in interleaved rounds.
 
     python benches/profile_disk.py [--sizes 2G,8G] [--rounds 5] [--dir /tmp] [--device cuda]
+    python benches/profile_disk.py --pause 10 ...   # reads right after writes and frees
 
 The disk of the GPU machine drifts by 10-20% within minutes, more than the
 knobs change, so besides each row's median this prints the median of the
@@ -111,7 +112,7 @@ def case(size: int, folder: str, rounds: int, device: str) -> None:
         res[RAW_W].append({"total": bench.raw_write(raw, view, 8, 64 << 20, aligned + 4096)[0]})
         os.unlink(raw)
         for knob, kw in KNOBS.items():
-            os.sync()
+            bench.settle_disk(tmp)
             t0 = time.perf_counter()
             ckptio.save(sd, path, **kw)
             res[f"ckptio.save {knob}"].append({"total": time.perf_counter() - t0})
@@ -143,15 +144,71 @@ def case(size: int, folder: str, rounds: int, device: str) -> None:
     os.rmdir(tmp)
 
 
+def right_after_write(size: int, folder: str, rounds: int, device: str, pause: float) -> None:
+    """Reads right after a write, with and without a file of the same size
+    freed just before (a save that replaces a checkpoint frees the old one),
+    and ``pause`` seconds later; rounds interleaved."""
+    tmp = tempfile.mkdtemp(prefix="ckptio-prof-", dir=folder)
+    sd = bench.synthetic_state_dict(size, device, torch.bfloat16)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    ck, raw, other = (os.path.join(tmp, n) for n in ("ck.pt", "raw.bin", "other.bin"))
+    ckptio.save(sd, ck)
+    ring = mmap.mmap(-1, 8 * (64 << 20))
+    ring.write(os.urandom(1 << 20) * 512)
+    view = memoryview(ring)
+    print(f"\n## {nbytes / GiB:.2f} GiB: reads after writes and frees", flush=True)
+    res: dict[str, list[float]] = collections.defaultdict(list)
+
+    def raw_read(name: str) -> None:
+        res[name].append(bench.cold_read(raw, view, os.O_DIRECT, 8, 64 << 20, nbytes))
+
+    for _ in range(rounds):
+        bench.raw_write(raw, view, 8, 64 << 20, nbytes)
+        raw_read("raw read, right after its write")
+        bench.raw_write(other, view, 8, 64 << 20, nbytes)
+        bench.settle_disk(tmp)
+        os.unlink(other)
+        raw_read("raw read, right after freeing a file")
+        os.unlink(raw)
+        os.unlink(ck)
+        ckptio.save(sd, ck)  # a new file: nothing freed
+        res["ckptio.load, after a save to a new file"].append(timed_load(ck, device)["total"])
+        ckptio.save(sd, ck)  # replaces (frees) the previous one
+        res["ckptio.load, after a save that replaced"].append(timed_load(ck, device)["total"])
+        ckptio.save(sd, ck)
+        time.sleep(pause)
+        res[f"ckptio.load, {pause:g} s after that"].append(timed_load(ck, device)["total"])
+    for name, tot in res.items():
+        med = statistics.median(tot)
+        print(
+            f"{name:42s} {med:6.3f} s {nbytes / GiB / med:5.2f} GiB/s"
+            f" ({nbytes / GiB / max(tot):.2f}-{nbytes / GiB / min(tot):.2f})",
+            flush=True,
+        )
+    view.release()
+    ring.close()
+    os.unlink(ck)
+    os.rmdir(tmp)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="2G")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run without a GPU")
+    ap.add_argument(
+        "--pause",
+        type=float,
+        default=0,
+        help="reads right after writes and frees, and this many seconds later",
+    )
     a = ap.parse_args()
     for s in a.sizes.split(","):
-        case(_size(s), a.dir, a.rounds, a.device)
+        if a.pause:
+            right_after_write(_size(s), a.dir, a.rounds, a.device, a.pause)
+        else:
+            case(_size(s), a.dir, a.rounds, a.device)
 
 
 if __name__ == "__main__":
