@@ -526,18 +526,19 @@ def tmpfs_pages(n: int, threads: int = 8) -> None:
         finally:
             os.close(fd)
 
-    def reads(what: str, k: int) -> None:
+    def then_reads(what: str, write_fn, k: int) -> None:
+        t0 = time.perf_counter()
+        write_fn()  # one thread, 64 MiB per call
+        w = n / 2**30 / (time.perf_counter() - t0)
         gib = [n / 2**30 / bench.cold_read(path, into, 0, threads, 4 << 20) for _ in range(k)]
-        print(f"  {what:<28} reads: " + " ".join(f"{g:5.1f}" for g in gib) + " GiB/s")
+        reads = " ".join(f"{g:5.1f}" for g in gib)
+        print(f"  {what:<28} write {w:5.1f}, then reads: {reads} GiB/s")
 
     try:
         for _ in range(2):
-            write(os.O_CREAT | os.O_TRUNC)
-            reads("new file (fresh pages)", 3)
-            write(0)
-            reads("rewritten in place", 2)
-            write_mapped()
-            reads("new file written by mmap", 3)
+            then_reads("new file (fresh pages)", lambda: write(os.O_CREAT | os.O_TRUNC), 3)
+            then_reads("rewritten in place", lambda: write(0), 2)
+            then_reads("new file written by mmap", write_mapped, 3)
     finally:
         os.unlink(path)
 

@@ -36,6 +36,9 @@ KNOBS = {
     "default": {},
     "chunk=32M": {"chunk_size": 32 << 20},
     "chunk=64M": {"chunk_size": 64 << 20},
+    "posix": {"backend": "posix"},
+    "cufile": {"backend": "cufile"},
+    "buffered": {"direct": False},  # loads only
 }
 
 
@@ -93,7 +96,7 @@ def paired(base: list[float], ours: list[float]) -> float:
     return statistics.median(b / t for b, t in zip(base, ours, strict=True))
 
 
-def case(size: int, folder: str, rounds: int, device: str) -> None:
+def case(size: int, folder: str, rounds: int, device: str, knobs: list[str]) -> None:
     tmp = tempfile.mkdtemp(prefix="ckptio-prof-", dir=folder)
     sd = bench.synthetic_state_dict(size, device, torch.bfloat16)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -111,15 +114,18 @@ def case(size: int, folder: str, rounds: int, device: str) -> None:
         raw = os.path.join(tmp, "raw.bin")
         res[RAW_W].append({"total": bench.raw_write(raw, view, 8, 64 << 20, aligned + 4096)[0]})
         os.unlink(raw)
-        for knob, kw in KNOBS.items():
+        for knob in knobs:
+            if knob == "buffered":
+                continue
+            kw = KNOBS[knob]
             bench.settle_disk(tmp)
             t0 = time.perf_counter()
             ckptio.save(sd, path, **kw)
             res[f"ckptio.save {knob}"].append({"total": time.perf_counter() - t0})
         for name, flags, n in ((RAW_R[0], os.O_DIRECT, aligned), (RAW_R[1], 0, flen)):
             res[name].append({"total": bench.cold_read(path, view, flags, 8, 64 << 20, n)})
-        for knob, kw in {**KNOBS, "buffered": {"direct": False}}.items():
-            res[f"ckptio.load {knob}"].append(timed_load(path, device, **kw))
+        for knob in knobs:
+            res[f"ckptio.load {knob}"].append(timed_load(path, device, **KNOBS[knob]))
             rep = ckptio.last_report()
             notes[f"ckptio.load {knob}"] = f"ran={rep.backend} direct={rep.direct}"
     for name, runs in res.items():
@@ -203,12 +209,20 @@ def main() -> None:
         default=0,
         help="reads right after writes and frees, and this many seconds later",
     )
+    ap.add_argument(
+        "--knobs",
+        default="default,chunk=32M,chunk=64M,buffered",
+        help=f"comma-separated, of {', '.join(KNOBS)}",
+    )
     a = ap.parse_args()
+    knobs = a.knobs.split(",")
+    if unknown := set(knobs) - KNOBS.keys():
+        ap.error(f"unknown knobs: {sorted(unknown)}")
     for s in a.sizes.split(","):
         if a.pause:
             right_after_write(_size(s), a.dir, a.rounds, a.device, a.pause)
         else:
-            case(_size(s), a.dir, a.rounds, a.device)
+            case(_size(s), a.dir, a.rounds, a.device, knobs)
 
 
 if __name__ == "__main__":

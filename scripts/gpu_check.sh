@@ -97,7 +97,7 @@ staging)
     $PY benches/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
     ;;
 profile)
-    udev_off
+    udev_on  # --knobs cufile needs it; "posix" forces the bounce pipeline
     $PY benches/profile_disk.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_disk.log" || rc=1
     ;;
 *)

@@ -306,3 +306,12 @@ def test_bench_floor_helpers(tmp_path):
     with mmap.mmap(-1, 1 << 20) as m:
         assert bench.cold_read(str(p), memoryview(m), 0, 2, 4096) > 0
         assert m[:] == first
+        # raw_write wraps round a smaller source, as cold_read wraps round its buffer.
+        m[:] = os.urandom(1 << 20)
+        w = tmp_path / "w.bin"
+        seconds, _ = bench.raw_write(str(w), memoryview(m), 2, 1 << 20, 3 << 20)
+        assert seconds > 0 and w.read_bytes() == m[:] * 3
+    # A disk settles within the timeout; a folder without block-device statistics at once.
+    assert 0 <= bench.settle_disk(str(tmp_path), quiet=0.05, timeout=2.0) < 5
+    if os.path.isdir("/dev/shm"):
+        assert bench.settle_disk("/dev/shm") == 0.0
