@@ -74,7 +74,6 @@ def nbytes(sd: dict[str, torch.Tensor]) -> int:
 
 
 def drop_dir(d: str) -> None:
-    os.sync()
     for n in os.listdir(d):
         drop_cache(os.path.join(d, n))
 

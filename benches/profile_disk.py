@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import mmap
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -96,105 +98,112 @@ def paired(base: list[float], ours: list[float]) -> float:
     return statistics.median(b / t for b, t in zip(base, ours, strict=True))
 
 
-def case(size: int, folder: str, rounds: int, device: str, knobs: list[str]) -> None:
+@contextlib.contextmanager
+def workspace(size: int, folder: str, device: str):
+    """(folder, state dict of ``size``, its checkpoint ck.pt there, a ring of
+    random bytes for the raw writes and reads, 64 MiB per thread); the folder
+    goes afterwards. The save warms the engine's pinned lanes."""
     tmp = tempfile.mkdtemp(prefix="ckptio-prof-", dir=folder)
-    sd = bench.synthetic_state_dict(size, device, torch.bfloat16)
-    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    path = os.path.join(tmp, "ck.pt")
-    ckptio.save(sd, path)  # warms the engine's pinned lanes
-    flen = os.path.getsize(path)
-    print(f"\n## {nbytes / GiB:.2f} GiB, {len(sd)} tensors, file {flen} bytes, {tmp}", flush=True)
-    ring = mmap.mmap(-1, 8 * (64 << 20))
-    ring.write(os.urandom(1 << 20) * 512)
-    view = memoryview(ring)
-    res: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
-    notes: dict[str, str] = {}
-    aligned = flen // 4096 * 4096  # O_DIRECT moves whole blocks
-    for _ in range(rounds):
-        raw = os.path.join(tmp, "raw.bin")
-        res[RAW_W].append({"total": bench.raw_write(raw, view, 8, 64 << 20, aligned + 4096)[0]})
-        os.unlink(raw)
-        for knob in knobs:
-            if knob == "buffered":
-                continue
-            kw = KNOBS[knob]
-            bench.settle_disk(tmp)
-            t0 = time.perf_counter()
-            ckptio.save(sd, path, **kw)
-            res[f"ckptio.save {knob}"].append({"total": time.perf_counter() - t0})
-        for name, flags, n in ((RAW_R[0], os.O_DIRECT, aligned), (RAW_R[1], 0, flen)):
-            res[name].append({"total": bench.cold_read(path, view, flags, 8, 64 << 20, n)})
-        for knob in knobs:
-            res[f"ckptio.load {knob}"].append(timed_load(path, device, **KNOBS[knob]))
-            rep = ckptio.last_report()
-            notes[f"ckptio.load {knob}"] = f"ran={rep.backend} direct={rep.direct}"
-    for name, runs in res.items():
-        tot = [r["total"] for r in runs]
-        med = statistics.median(tot)
-        line = f"{name:28s} {med:6.3f} s {nbytes / GiB / med:5.2f} GiB/s"
-        line += f" ({nbytes / GiB / max(tot):.2f}-{nbytes / GiB / min(tot):.2f})"
-        if name.startswith("ckptio.save"):
-            base = [r["total"] for r in res[RAW_W]]
-            line += f"  paired {paired(base, tot):.2f}x raw write"
-        elif name.startswith("ckptio.load"):
-            raws = zip(*(res[k] for k in RAW_R), strict=True)
-            best = [min(r["total"] for r in rs) for rs in raws]
-            line += f"  paired {paired(best, tot):.2f}x best raw read"
-            for ph in ("open", "unpickle", "sync", "read"):
-                line += f"  {ph} {statistics.median(r.get(ph, 0.0) for r in runs):.3f}"
-            line += "  " + notes[name]
-        print(line, flush=True)
-    view.release()
-    ring.close()
-    os.unlink(path)
-    os.rmdir(tmp)
+    try:
+        sd = bench.synthetic_state_dict(size, device, torch.bfloat16)
+        path = os.path.join(tmp, "ck.pt")
+        ckptio.save(sd, path)
+        with mmap.mmap(-1, 8 * (64 << 20)) as ring:
+            ring.write(os.urandom(1 << 20) * 512)
+            view = memoryview(ring)
+            try:
+                yield tmp, sd, path, view
+            finally:
+                view.release()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def speed(name: str, seconds: list[float], nbytes: int, width: int) -> str:
+    """A row's name, median seconds and GiB/s, and its range over rounds."""
+    med = statistics.median(seconds)
+    return (
+        f"{name:{width}s} {med:6.3f} s {nbytes / GiB / med:5.2f} GiB/s"
+        f" ({nbytes / GiB / max(seconds):.2f}-{nbytes / GiB / min(seconds):.2f})"
+    )
+
+
+def case(size: int, folder: str, rounds: int, device: str, knobs: list[str]) -> None:
+    with workspace(size, folder, device) as (tmp, sd, path, view):
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        flen = os.path.getsize(path)
+        head = f"{nbytes / GiB:.2f} GiB, {len(sd)} tensors, file {flen} bytes, {tmp}"
+        print(f"\n## {head}", flush=True)
+        res: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+        notes: dict[str, str] = {}
+        aligned = flen // 4096 * 4096  # O_DIRECT moves whole blocks
+        for _ in range(rounds):
+            raw = os.path.join(tmp, "raw.bin")
+            res[RAW_W].append({"total": bench.raw_write(raw, view, 8, 64 << 20, aligned + 4096)[0]})
+            os.unlink(raw)
+            for knob in knobs:
+                if knob == "buffered":
+                    continue
+                kw = KNOBS[knob]
+                bench.settle_disk(tmp)
+                t0 = time.perf_counter()
+                ckptio.save(sd, path, **kw)
+                res[f"ckptio.save {knob}"].append({"total": time.perf_counter() - t0})
+            for name, flags, n in ((RAW_R[0], os.O_DIRECT, aligned), (RAW_R[1], 0, flen)):
+                res[name].append({"total": bench.cold_read(path, view, flags, 8, 64 << 20, n)})
+            for knob in knobs:
+                res[f"ckptio.load {knob}"].append(timed_load(path, device, **KNOBS[knob]))
+                rep = ckptio.last_report()
+                notes[f"ckptio.load {knob}"] = f"ran={rep.backend} direct={rep.direct}"
+        for name, runs in res.items():
+            tot = [r["total"] for r in runs]
+            line = speed(name, tot, nbytes, 28)
+            if name.startswith("ckptio.save"):
+                base = [r["total"] for r in res[RAW_W]]
+                line += f"  paired {paired(base, tot):.2f}x raw write"
+            elif name.startswith("ckptio.load"):
+                raws = zip(*(res[k] for k in RAW_R), strict=True)
+                best = [min(r["total"] for r in rs) for rs in raws]
+                line += f"  paired {paired(best, tot):.2f}x best raw read"
+                for ph in ("open", "unpickle", "sync", "read"):
+                    line += f"  {ph} {statistics.median(r.get(ph, 0.0) for r in runs):.3f}"
+                line += "  " + notes[name]
+            print(line, flush=True)
 
 
 def right_after_write(size: int, folder: str, rounds: int, device: str, pause: float) -> None:
     """Reads right after a write, with and without a file of the same size
     freed just before (a save that replaces a checkpoint frees the old one),
-    and ``pause`` seconds later; rounds interleaved."""
-    tmp = tempfile.mkdtemp(prefix="ckptio-prof-", dir=folder)
-    sd = bench.synthetic_state_dict(size, device, torch.bfloat16)
-    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    ck, raw, other = (os.path.join(tmp, n) for n in ("ck.pt", "raw.bin", "other.bin"))
-    ckptio.save(sd, ck)
-    ring = mmap.mmap(-1, 8 * (64 << 20))
-    ring.write(os.urandom(1 << 20) * 512)
-    view = memoryview(ring)
-    print(f"\n## {nbytes / GiB:.2f} GiB: reads after writes and frees", flush=True)
-    res: dict[str, list[float]] = collections.defaultdict(list)
+    and ``pause`` seconds later; rounds interleaved. Every read starts with
+    bench.drop_cache, which lets the disk settle: what shows is what settling
+    misses."""
+    with workspace(size, folder, device) as (tmp, sd, ck, view):
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        raw, other = os.path.join(tmp, "raw.bin"), os.path.join(tmp, "other.bin")
+        print(f"\n## {nbytes / GiB:.2f} GiB: reads after writes and frees", flush=True)
+        res: dict[str, list[float]] = collections.defaultdict(list)
 
-    def raw_read(name: str) -> None:
-        res[name].append(bench.cold_read(raw, view, os.O_DIRECT, 8, 64 << 20, nbytes))
+        def raw_read(name: str) -> None:
+            res[name].append(bench.cold_read(raw, view, os.O_DIRECT, 8, 64 << 20, nbytes))
 
-    for _ in range(rounds):
-        bench.raw_write(raw, view, 8, 64 << 20, nbytes)
-        raw_read("raw read, right after its write")
-        bench.raw_write(other, view, 8, 64 << 20, nbytes)
-        bench.settle_disk(tmp)
-        os.unlink(other)
-        raw_read("raw read, right after freeing a file")
-        os.unlink(raw)
-        os.unlink(ck)
-        ckptio.save(sd, ck)  # a new file: nothing freed
-        res["ckptio.load, after a save to a new file"].append(timed_load(ck, device)["total"])
-        ckptio.save(sd, ck)  # replaces (frees) the previous one
-        res["ckptio.load, after a save that replaced"].append(timed_load(ck, device)["total"])
-        ckptio.save(sd, ck)
-        time.sleep(pause)
-        res[f"ckptio.load, {pause:g} s after that"].append(timed_load(ck, device)["total"])
-    for name, tot in res.items():
-        med = statistics.median(tot)
-        print(
-            f"{name:42s} {med:6.3f} s {nbytes / GiB / med:5.2f} GiB/s"
-            f" ({nbytes / GiB / max(tot):.2f}-{nbytes / GiB / min(tot):.2f})",
-            flush=True,
-        )
-    view.release()
-    ring.close()
-    os.unlink(ck)
-    os.rmdir(tmp)
+        for _ in range(rounds):
+            bench.raw_write(raw, view, 8, 64 << 20, nbytes)
+            raw_read("raw read, right after its write")
+            bench.raw_write(other, view, 8, 64 << 20, nbytes)
+            bench.settle_disk(tmp)
+            os.unlink(other)
+            raw_read("raw read, right after freeing a file")
+            os.unlink(raw)
+            os.unlink(ck)
+            ckptio.save(sd, ck)  # a new file: nothing freed
+            res["ckptio.load, after a save to a new file"].append(timed_load(ck, device)["total"])
+            ckptio.save(sd, ck)  # replaces (frees) the previous one
+            res["ckptio.load, after a save that replaced"].append(timed_load(ck, device)["total"])
+            ckptio.save(sd, ck)
+            time.sleep(pause)
+            res[f"ckptio.load, {pause:g} s after that"].append(timed_load(ck, device)["total"])
+        for name, tot in res.items():
+            print(speed(name, tot, nbytes, 42), flush=True)
 
 
 def main() -> None:

@@ -15,8 +15,8 @@
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
 #   scripts/gpu_check.sh staging # benches/bench_staging.py: first host staging by kind of memory
-#   scripts/gpu_check.sh profile # benches/profile_disk.py: a cold load's phases and knobs next to
-#                                # the raw writes and reads, paired by round (PROFILE_ARGS)
+#   scripts/gpu_check.sh profile # benches/profile_disk.py: saves and cold loads (by phase) by knob,
+#                                # paired by round with the raw writes and reads (PROFILE_ARGS)
 # Several modes run in turn: scripts/gpu_check.sh tests staging
 set -uo pipefail
 PY=${PY:-python3}

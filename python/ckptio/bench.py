@@ -93,15 +93,13 @@ def settle_disk(path: str, quiet: float = 0.3, timeout: float = 30.0) -> float:
     st = os.stat(path)
     stat = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat"
     t0 = time.monotonic()
-    try:
-        with open(stat) as f:
-            f.read()
-    except OSError:
-        return 0.0
     last, since = None, t0
     while (now := time.monotonic()) - t0 < timeout:
-        with open(stat) as f:
-            fields = f.read().split()
+        try:
+            with open(stat) as f:
+                fields = f.read().split()
+        except OSError:  # no block device under path
+            return 0.0
         in_flight, busy_ms = int(fields[8]), int(fields[9])
         if in_flight or busy_ms != last:
             last, since = busy_ms, now
