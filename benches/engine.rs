@@ -5,9 +5,9 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::fs::OpenOptions;
 
-use ckptio::align::AlignedBuf;
 use ckptio::engine::{Engine, EngineConfig, Memory, Segment};
-use ckptio::file::{DirectMode, IoFile};
+use ckptio::io::align::AlignedBuf;
+use ckptio::io::file::{DirectMode, IoFile};
 
 const SIZE: usize = 256 << 20;
 

@@ -1,112 +1,12 @@
-//! How device memory reaches a file: cuFile (GPUDirect Storage) or the
-//! pinned bounce-buffer pipeline, chosen per file.
+//! The pinned bounce-buffer pipeline for device memory.
 //!
-//! [`open_device_path`] tries cuFile when asked (or in `auto`), and falls back
-//! to the bounce pipeline when the library, the driver or the file's handle
-//! registration fails, keeping the reason. [`BounceLane`] is one I/O thread's
-//! share of the pipeline: two pinned buffers and two streams, so the copy of
-//! chunk i+1 (D2H on save, H2D on load) overlaps the file I/O of chunk i.
+//! [`BounceLane`] is one I/O thread's share of the pipeline: two pinned
+//! buffers and two streams, so the copy of chunk i+1 (D2H on save, H2D on
+//! load) overlaps the file I/O of chunk i.
 
-use crate::cuda::{self, PinnedBuffer, Stream};
-use crate::cufile::{self, FileHandle};
-use crate::file::IoFile;
+use crate::gpu::cuda::{self, PinnedBuffer, Stream};
+use crate::io::file::IoFile;
 use crate::{Error, Result};
-
-/// Which path moves device memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Backend {
-    /// cuFile where it works on the file, the bounce pipeline otherwise.
-    #[default]
-    Auto,
-    /// cuFile or an error.
-    CuFile,
-    /// The pinned bounce pipeline, never cuFile.
-    Posix,
-}
-
-impl std::str::FromStr for Backend {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
-            "auto" | "" => Ok(Backend::Auto),
-            "cufile" | "gds" => Ok(Backend::CuFile),
-            "posix" | "bounce" => Ok(Backend::Posix),
-            other => Err(Error::invalid(format!(
-                "backend must be auto, cufile or posix, not {other:?}"
-            ))),
-        }
-    }
-}
-
-impl Backend {
-    /// `CKPTIO_BACKEND`, else auto.
-    pub fn from_env() -> Result<Self> {
-        std::env::var("CKPTIO_BACKEND").map_or(Ok(Backend::Auto), |v| v.parse())
-    }
-}
-
-/// The path chosen for one file's device memory.
-pub enum DevicePath {
-    /// Pinned bounce buffers; `reason` says why cuFile is not used.
-    Bounce { reason: String },
-    /// cuFile on a registered handle; `compat` when cuFile runs in its
-    /// compatibility mode (no nvidia-fs: it bounces through host memory itself).
-    CuFile { handle: FileHandle, compat: bool },
-}
-
-impl DevicePath {
-    pub fn name(&self) -> &'static str {
-        match self {
-            DevicePath::Bounce { .. } => "bounce",
-            DevicePath::CuFile { .. } => "cufile",
-        }
-    }
-
-    /// For cuFile: "p2p" (true GPUDirect) or "compat".
-    pub fn gds_mode(&self) -> Option<&'static str> {
-        match self {
-            DevicePath::CuFile { compat: true, .. } => Some("compat"),
-            DevicePath::CuFile { compat: false, .. } => Some("p2p"),
-            DevicePath::Bounce { .. } => None,
-        }
-    }
-
-    pub fn fallback_reason(&self) -> Option<&str> {
-        match self {
-            DevicePath::Bounce { reason } => Some(reason),
-            DevicePath::CuFile { .. } => None,
-        }
-    }
-}
-
-/// Decide how device memory moves to and from `file`.
-///
-/// # Safety
-/// With cuFile, the handle keeps using `file`'s descriptor: the returned value
-/// must be dropped before `file`.
-pub unsafe fn open_device_path(file: &IoFile, backend: Backend) -> Result<DevicePath> {
-    if backend == Backend::Posix {
-        return Ok(DevicePath::Bounce {
-            reason: "posix backend requested".into(),
-        });
-    }
-    let attempt = || -> Result<DevicePath> {
-        let driver = cufile::driver()?;
-        // SAFETY: the caller drops the handle before `file`, which owns the fd.
-        let handle = unsafe { driver.register(file.fd_for_device_io())? };
-        Ok(DevicePath::CuFile {
-            handle,
-            compat: driver.is_compat_mode(),
-        })
-    };
-    match attempt() {
-        Ok(p) => Ok(p),
-        Err(e) if backend == Backend::Auto => Ok(DevicePath::Bounce {
-            reason: format!("cuFile unavailable for {}: {e}", file.path().display()),
-        }),
-        Err(e) => Err(e),
-    }
-}
 
 /// One slot of a lane: a pinned buffer and the stream that fills or drains it.
 struct Slot {
@@ -220,13 +120,13 @@ impl BounceLane {
         let s = &mut self.slots[slot];
         let a = file.alignment().offset as u64;
         let start = if file.is_direct() {
-            crate::align::align_down(file_offset, a)
+            crate::io::align::align_down(file_offset, a)
         } else {
             file_offset
         };
         let skip = (file_offset - start) as usize;
         let span = if file.is_direct() {
-            (crate::align::align_up(file_offset + len as u64, a) - start) as usize
+            (crate::io::align::align_up(file_offset + len as u64, a) - start) as usize
         } else {
             len
         };

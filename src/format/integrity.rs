@@ -24,9 +24,9 @@ use std::io;
 use std::os::unix::fs::FileExt;
 
 use crate::engine::Engine;
-use crate::fault::{self, Point};
-use crate::file::IoFile;
-use crate::zipmap::{Archive, Record};
+use crate::format::zipmap::{Archive, Record};
+use crate::io::fault::{self, Point};
+use crate::io::file::IoFile;
 use crate::{Error, Result};
 
 /// The comment ckptio puts on archives whose CRC-32 fields it filled.

@@ -22,9 +22,9 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use crate::align;
-use crate::cuda::{self, HostRegistration, Stream};
-use crate::engine::Memory;
+use crate::gpu::cuda::{self, HostRegistration, Stream};
+use crate::gpu::Memory;
+use crate::io::align;
 use crate::{Error, Result};
 
 const PAGE: u64 = 4096;
@@ -344,7 +344,7 @@ mod tests {
     fn host_copies_land_at_their_offsets() {
         let src: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         // Copies are cut on each destination's chunk grid.
-        let mut a = crate::align::AlignedBuf::new(70_000, 4096).unwrap();
+        let mut a = crate::io::align::AlignedBuf::new(70_000, 4096).unwrap();
         let mut b = vec![0u8; 40_000];
         let (pa, pb) = (pin_of(a.as_mut_slice(), 8192), pin_of(&mut b, 4096));
         let jobs = [
@@ -384,7 +384,7 @@ mod tests {
         // Five chunks, faulted in on several threads, then one registration
         // (none without a CUDA driver), for a page-aligned range and one that
         // starts and ends inside pages; the contents stay as they were.
-        let mut a = crate::align::AlignedBuf::new(6 * 8192, 4096).unwrap();
+        let mut a = crate::io::align::AlignedBuf::new(6 * 8192, 4096).unwrap();
         for (i, b) in a.as_mut_slice().iter_mut().enumerate() {
             *b = (i % 253) as u8;
         }

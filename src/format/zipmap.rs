@@ -1752,7 +1752,10 @@ mod tests {
             match map_bytes(v) {
                 Ok(a) => {
                     assert_records_fit(&a, v.len());
-                    assert_eq!(crate::integrity::declared(&a).len(), a.records.len());
+                    assert_eq!(
+                        crate::format::integrity::declared(&a).len(),
+                        a.records.len()
+                    );
                 }
                 Err(Error::Format { .. }) => {}
                 Err(e) => panic!("untyped refusal: {e:?}"),

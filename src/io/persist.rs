@@ -28,7 +28,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::fault::{self, Point};
+use crate::io::fault::{self, Point};
 use crate::{Error, Result};
 
 const TMP_TAG: &str = ".ckptio-";

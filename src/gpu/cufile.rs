@@ -374,7 +374,7 @@ fn load_from(candidates: &[PathBuf]) -> std::result::Result<CuFileLib, String> {
         match unsafe { Library::new(name.as_os_str()) } {
             Ok(lib) => {
                 let api = Api::load(&lib).map_err(|e| format!("{}: {e}", name.display()))?;
-                let path = crate::cuda::loaded_path(api.driver_open as *const c_void)
+                let path = crate::gpu::cuda::loaded_path(api.driver_open as *const c_void)
                     .unwrap_or_else(|| name.display().to_string());
                 return Ok(CuFileLib {
                     api,
@@ -499,7 +499,7 @@ fn open_driver() -> Result<Driver> {
     // cuFile needs a CUDA device; without one, libcufile 1.17's cuFileDriverOpen
     // was seen spinning forever (a CPU-only machine with the pip wheel). Never
     // call it unless the CUDA driver is up and sees a device.
-    let cuda = crate::cuda::driver()?;
+    let cuda = crate::gpu::cuda::driver()?;
     if cuda.device_count()? < 1 {
         return Err(Error::Library {
             name: "libcufile".into(),
@@ -1148,7 +1148,7 @@ mod tests {
     /// other GPU memory, and compares on the host.
     #[test]
     fn gpu_roundtrip_through_cufile() {
-        let Ok(cuda) = crate::cuda::driver() else {
+        let Ok(cuda) = crate::gpu::cuda::driver() else {
             eprintln!("no CUDA: skipped");
             return;
         };
@@ -1187,8 +1187,8 @@ mod tests {
             }
         };
         let len = 4 << 20;
-        let stream = crate::cuda::Stream::new(0).unwrap();
-        let mut host = crate::cuda::PinnedBuffer::new(len).unwrap();
+        let stream = crate::gpu::cuda::Stream::new(0).unwrap();
+        let mut host = crate::gpu::cuda::PinnedBuffer::new(len).unwrap();
         for (i, b) in host.as_mut_slice().iter_mut().enumerate() {
             *b = (i % 253) as u8;
         }
@@ -1208,7 +1208,7 @@ mod tests {
                     let fh = &fh;
                     let a = a.0;
                     s.spawn(move || {
-                        crate::cuda::driver().unwrap().make_current(0).unwrap();
+                        crate::gpu::cuda::driver().unwrap().make_current(0).unwrap();
                         let h = len as u64 / 2;
                         let n = fh.write(a, len / 2, half * h, half * h).unwrap();
                         assert_eq!(n, len / 2);
@@ -1219,7 +1219,7 @@ mod tests {
             // Reading past the end returns 0 bytes, not an error.
             assert_eq!(fh.read(b.0, 4096, len as u64, 0).unwrap(), 0);
         }
-        let mut back = crate::cuda::PinnedBuffer::new(len).unwrap();
+        let mut back = crate::gpu::cuda::PinnedBuffer::new(len).unwrap();
         // SAFETY: as above.
         unsafe {
             cuda.memcpy_dtoh_async(back.as_mut_ptr(), b.0, len, &stream)

@@ -15,7 +15,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::align::{self, DioAlign};
+use crate::io::align::{self, DioAlign};
 use crate::{Error, Result};
 
 /// Whether to use O_DIRECT.
@@ -75,7 +75,7 @@ impl IoFile {
     }
 
     /// Wrap a file already open for writing (e.g. a temp file made by
-    /// [`crate::persist`]) and add an O_DIRECT descriptor to it.
+    /// [`crate::io::persist`]) and add an O_DIRECT descriptor to it.
     pub fn from_writable(file: File, path: &Path, mode: DirectMode) -> Result<Self> {
         Self::with_direct(file, path, true, mode)
     }
@@ -279,7 +279,7 @@ impl IoFile {
         if len == 0 {
             return Ok(());
         }
-        crate::fault::hit(crate::fault::Point::Fallocate, &self.path)?;
+        crate::io::fault::hit(crate::io::fault::Point::Fallocate, &self.path)?;
         // SAFETY: fallocate on a valid fd with in-range arguments.
         let rc = unsafe { libc::fallocate(self.buffered.as_raw_fd(), 0, 0, len as libc::off_t) };
         if rc == 0 {
@@ -378,7 +378,7 @@ pub fn pwrite_all(fd: RawFd, buf: &[u8], off: u64) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::align::AlignedBuf;
+    use crate::io::align::AlignedBuf;
 
     fn pattern(n: usize, seed: u8) -> Vec<u8> {
         (0..n)

@@ -1,0 +1,66 @@
+//! ckptio's Python exception classes and the one conversion from the core's
+//! error: I/O errors become the matching `OSError` subclass (from errno), the
+//! rest a specific ckptio class.
+
+use pyo3::exceptions::{PyMemoryError, PyOSError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::Error;
+
+pyo3::create_exception!(
+    ckptio,
+    CkptioError,
+    pyo3::exceptions::PyException,
+    "Base class of ckptio's own errors."
+);
+pyo3::create_exception!(
+    ckptio,
+    FormatError,
+    CkptioError,
+    "The file is not a usable checkpoint (torch.save archive or safetensors file)."
+);
+pyo3::create_exception!(
+    ckptio,
+    BackendUnavailableError,
+    CkptioError,
+    "A library or backend (libcuda, libcufile) is not available."
+);
+pyo3::create_exception!(ckptio, CudaError, CkptioError, "A CUDA driver call failed.");
+pyo3::create_exception!(
+    ckptio,
+    CuFileError,
+    CkptioError,
+    "A cuFile (GPUDirect Storage) call failed."
+);
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        let msg = e.to_string();
+        match e {
+            Error::Io { op, path, source } => match source.raw_os_error() {
+                // OSError(errno, strerror, filename) picks the subclass
+                // (FileNotFoundError, PermissionError, ...) from errno.
+                Some(errno) => {
+                    let text = format!("{op} failed: {}", strip_os_suffix(&source.to_string()));
+                    match path {
+                        Some(p) => PyOSError::new_err((errno, text, p.into_os_string())),
+                        None => PyOSError::new_err((errno, text)),
+                    }
+                }
+                None if source.kind() == std::io::ErrorKind::OutOfMemory => {
+                    PyMemoryError::new_err(msg)
+                }
+                None => PyOSError::new_err(msg),
+            },
+            Error::Format { .. } => FormatError::new_err(msg),
+            Error::InvalidArgument(_) => PyValueError::new_err(msg),
+            Error::Library { .. } => BackendUnavailableError::new_err(msg),
+            Error::Cuda { .. } => CudaError::new_err(msg),
+            Error::CuFile { .. } => CuFileError::new_err(msg),
+        }
+    }
+}
+
+fn strip_os_suffix(s: &str) -> &str {
+    s.find(" (os error").map_or(s, |i| &s[..i])
+}

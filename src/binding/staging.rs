@@ -1,0 +1,174 @@
+//! Staging for async checkpoints: `HostPin` (pinning state of a host buffer),
+//! parallel copies into pinned buffers, and device snapshot copies.
+
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::gpu::Memory;
+use crate::Error;
+
+/// Pinning state of host memory the caller owns (a staging buffer): page-locked
+/// whole by the first copy that reaches it (copies into it go in `chunk_size`
+/// pieces), and unlocked on `close()` or when this object goes.
+#[pyclass(frozen, module = "ckptio._native")]
+pub struct HostPin {
+    inner: Mutex<Option<Arc<crate::gpu::staging::HostPin>>>,
+    nbytes: u64,
+}
+
+impl HostPin {
+    fn get(&self) -> PyResult<Arc<crate::gpu::staging::HostPin>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| PyValueError::new_err("the HostPin is closed"))
+    }
+}
+
+#[pymethods]
+impl HostPin {
+    /// `addr..addr+nbytes`: host memory the caller keeps mapped until `close()`.
+    #[new]
+    #[pyo3(signature = (addr, nbytes, pin=true, chunk_size=67108864))]
+    fn new(addr: u64, nbytes: u64, pin: bool, chunk_size: u64) -> PyResult<Self> {
+        // SAFETY: the Python caller keeps the memory mapped until close()
+        // (documented contract; ckptio.staging closes pins before freeing).
+        let p = unsafe { crate::gpu::staging::HostPin::new(addr, nbytes, chunk_size, pin) }?;
+        Ok(HostPin {
+            inner: Mutex::new(Some(Arc::new(p))),
+            nbytes,
+        })
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.nbytes
+    }
+
+    /// Bytes page-locked so far (0 once closed).
+    fn pinned_bytes(&self) -> u64 {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or(0, |p| p.pinned_bytes())
+    }
+
+    /// Unlock the memory (after copies in flight finish). Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let p = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(move || drop(p));
+    }
+}
+
+/// Pin every one of `pins` not yet pinned, on `threads` threads (the GIL
+/// released); returns the bytes now pinned. Memory the driver refuses stays pageable.
+#[pyfunction]
+#[pyo3(signature = (pins, threads=8))]
+pub(super) fn stage_pin(
+    py: Python<'_>,
+    pins: Vec<Bound<'_, HostPin>>,
+    threads: usize,
+) -> PyResult<u64> {
+    let pins = pins
+        .iter()
+        .map(|p| p.get().get())
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(py.detach(move || {
+        let refs: Vec<&crate::gpu::staging::HostPin> = pins.iter().map(|p| p.as_ref()).collect();
+        crate::gpu::staging::pin_all(&refs, threads)
+    }))
+}
+
+/// Queue device-to-device copies `(dst, src, nbytes)` on the CUDA stream
+/// `stream` (a raw CUstream of `device`, e.g. ``torch.cuda.Stream.cuda_stream``)
+/// and return at once: the device snapshot of a stager, without a kernel launch
+/// or a tensor object per storage. The caller keeps both ranges alive until the
+/// stream has run the copies.
+#[pyfunction]
+pub(super) fn stage_device_copy(
+    py: Python<'_>,
+    device: i32,
+    stream: u64,
+    copies: Vec<(u64, u64, u64)>,
+) -> PyResult<()> {
+    if device < 0 {
+        return Err(Error::invalid(format!("device must be >= 0, not {device}")).into());
+    }
+    let mut jobs = Vec::with_capacity(copies.len());
+    for (i, (dst, src, len)) in copies.into_iter().enumerate() {
+        if len == 0 {
+            continue;
+        }
+        if dst == 0 || src == 0 || dst.checked_add(len).is_none() || src.checked_add(len).is_none()
+        {
+            return Err(Error::invalid(format!(
+                "device copy {i}: null or overflowing range (dst {dst:#x}, src {src:#x}, {len} bytes)"
+            ))
+            .into());
+        }
+        jobs.push((dst, src, len as usize));
+    }
+    py.detach(|| {
+        let cuda = crate::gpu::cuda::driver()?;
+        // SAFETY: the Python caller passes live storages of `device` and one of
+        // its streams, and keeps them until the stream has run (documented contract).
+        unsafe { cuda.memcpy_dtod_async_on(device, stream as *mut std::ffi::c_void, &jobs) }
+    })?;
+    Ok(())
+}
+
+/// One staging copy as Python hands it: (source address, source device (-1 host),
+/// destination pin, destination offset, nbytes).
+type RawCopy<'py> = (u64, i32, Bound<'py, HostPin>, u64, u64);
+
+/// Copy tensor memory into staging buffers on `threads` threads; returns when
+/// every byte has landed. The caller keeps sources unmodified until then.
+#[pyfunction]
+#[pyo3(signature = (copies, threads=8))]
+pub(super) fn stage_copy<'py>(
+    py: Python<'py>,
+    copies: Vec<RawCopy<'py>>,
+    threads: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let mut pins: Vec<Arc<crate::gpu::staging::HostPin>> = Vec::new();
+    let mut jobs = Vec::with_capacity(copies.len());
+    for (src, dev, pin, dst_offset, len) in copies {
+        let p = pin.get().get()?;
+        let dst = match pins.iter().position(|q| Arc::ptr_eq(q, &p)) {
+            Some(i) => i,
+            None => {
+                pins.push(p);
+                pins.len() - 1
+            }
+        };
+        jobs.push(crate::gpu::staging::CopyJob {
+            src,
+            memory: if dev < 0 {
+                Memory::Host
+            } else {
+                Memory::Cuda(dev)
+            },
+            dst,
+            dst_offset,
+            len,
+        });
+    }
+    let st = py.detach(|| {
+        let refs: Vec<&crate::gpu::staging::HostPin> = pins.iter().map(|p| p.as_ref()).collect();
+        // SAFETY: the Python caller keeps sources alive and unmodified and owns
+        // the destinations (documented contract); pins are held by `pins`.
+        unsafe { crate::gpu::staging::copy_to_host(&refs, &jobs, threads) }
+    })?;
+    let d = PyDict::new(py);
+    d.set_item("bytes", st.bytes)?;
+    d.set_item("device_bytes", st.device_bytes)?;
+    d.set_item("unpinned_device_bytes", st.unpinned_device_bytes)?;
+    d.set_item("pieces", st.pieces)?;
+    d.set_item("threads", st.threads)?;
+    Ok(d)
+}

@@ -1,0 +1,7 @@
+//! The format layer: what is inside a checkpoint file.
+//!
+//! - [`zipmap`]: maps a torch.save (zip) archive to record name -> data offset.
+//! - [`integrity`]: the zip CRC-32 fields of files ckptio writes, and checking them.
+
+pub mod integrity;
+pub mod zipmap;

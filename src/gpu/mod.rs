@@ -1,0 +1,26 @@
+//! The GPU layer: libcuda and libcufile loaded at run time, and the two ways
+//! device memory reaches a file.
+//!
+//! - [`cuda`]: the CUDA driver API (dlopen), streams, pinned and registered host memory.
+//! - [`cufile`]: cuFile (GPUDirect Storage) (dlopen), file handles, buffer registrations.
+//! - [`path`]: the per-file choice between cuFile and the bounce pipeline.
+//! - [`bounce`]: one I/O thread's pinned double buffers and streams.
+//! - [`staging`]: parallel copies of tensor memory into host buffers pinned on
+//!   first use (snapshots for async checkpoints).
+
+pub mod bounce;
+pub mod cuda;
+pub mod cufile;
+pub mod path;
+pub mod staging;
+
+pub use bounce::{BounceLane, InFlight};
+pub use path::{open_device_path, Backend, DevicePath};
+
+/// Where a segment's memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    Host,
+    /// Device memory of CUDA device `n`.
+    Cuda(i32),
+}

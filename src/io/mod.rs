@@ -1,0 +1,13 @@
+//! The I/O layer: files and their alignment, crash-safe replacement, fault points.
+//!
+//! - [`align`]: alignment as a property of a file, aligned host buffers.
+//! - [`file`]: a file opened for O_DIRECT where its filesystem takes it, with
+//!   positional read/write loops that survive short transfers and EINTR.
+//! - [`persist`]: crash-safe replacement of a file (temp file, fsync, rename,
+//!   fsync of the folder).
+//! - [`fault`]: test-only fault injection and a log of durable operations.
+
+pub mod align;
+pub mod fault;
+pub mod file;
+pub mod persist;
