@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Development build: the extension built by cargo (debug unless --release is
+# given) and placed beside the Python sources, so that
+#   PYTHONPATH=python .venv/bin/python -m pytest
+# runs this checkout without a reinstall (any venv with the test extras will do).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --features python "$@"
+profile=debug
+for a in "$@"; do [ "$a" = "--release" ] && profile=release; done
+cp "target/$profile/libckptio.so" python/ckptio/_native.abi3.so
