@@ -11,6 +11,9 @@ __all__ = [
     "_op_log",
     "_record_ops",
     "_set_fault",
+    "_set_truncation",
+    "advise_huge",
+    "host_memory",
     "cufile_register_buffer",
     "info",
     "map_archive",
@@ -21,6 +24,7 @@ __all__ = [
     "BufferRegistration",
     "DeviceFile",
     "Engine",
+    "HostMemory",
     "HostPin",
     "Reader",
     "CkptioError",
@@ -55,9 +59,11 @@ class Engine:
     """A pool of I/O threads and its reusable staging and pinned buffers.
 
     Defaults: CKPTIO_THREADS, CKPTIO_CHUNK_SIZE ("16M"), CKPTIO_DIRECT (auto|on|off),
-    CKPTIO_PREALLOCATE (1|0); for files on tmpfs CKPTIO_MEMORY_THREADS and
-    CKPTIO_MEMORY_CHUNK_SIZE ("4M"). ``threads`` and ``chunk_size`` set both kinds;
-    ``memory_threads`` then sets the tmpfs one.
+    CKPTIO_PREALLOCATE (1|0); for files in memory (tmpfs, cached pages)
+    CKPTIO_MEMORY_THREADS and CKPTIO_MEMORY_CHUNK_SIZE ("4M"). ``threads`` and
+    ``chunk_size`` set both kinds; ``memory_threads`` then sets the memory one.
+    ``memory_path`` (CKPTIO_MEMORY_PATH): how files in memory are read, "map"
+    (default, "auto"), "pread", or "off" (no page-cache check).
     """
 
     def __new__(
@@ -66,6 +72,7 @@ class Engine:
         chunk_size: int | None = None,
         direct: str | None = None,
         memory_threads: int | None = None,
+        memory_path: str | None = None,
     ) -> Self: ...
     @property
     def threads(self) -> int: ...
@@ -77,6 +84,8 @@ class Engine:
     def memory_chunk_size(self) -> int: ...
     @property
     def direct(self) -> str: ...
+    @property
+    def memory_path(self) -> str: ...
     def pooled_bytes(self) -> int:
         """Host memory held by the reusable staging buffers."""
     def pinned_bytes(self) -> int:
@@ -172,6 +181,28 @@ class BufferRegistration:
     def close(self) -> None: ...
 
 @final
+class HostMemory:
+    """Fresh private anonymous memory, advised MADV_HUGEPAGE before its first touch
+    (unless CKPTIO_HUGE_PAGES=0); unmapped when the object goes."""
+
+    def __new__(cls, nbytes: int, huge: bool = True) -> Self: ...
+    @property
+    def addr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def huge(self) -> bool: ...
+    def huge_bytes(self) -> int | None:
+        """Bytes of it now in huge pages (/proc/self/smaps)."""
+
+def advise_huge(addr: int, nbytes: int, shared: bool) -> bool:
+    """MADV_HUGEPAGE on untouched memory where the host allows it; whether it asked."""
+
+def host_memory() -> dict[str, int]:
+    """{"file_mappings": file mappings alive, "anon_bytes": bytes of ckptio's anonymous
+    mappings}, once mappings waiting to be unmapped are gone."""
+
+@final
 class HostPin:
     """Pinning state of caller-owned host memory, page-locked whole by the first copy."""
 
@@ -196,10 +227,13 @@ def stage_device_copy(device: int, stream: int, copies: list[tuple[int, int, int
 
 def cufile_register_buffer(addr: int, nbytes: int) -> BufferRegistration: ...
 def info(folder: _Path | None = None) -> dict[str, Any]:
-    """libcuda, libcufile and (for ``folder``) O_DIRECT / cuFile handle support."""
+    """libcuda, libcufile, huge pages and (for ``folder``) O_DIRECT / cuFile handle support."""
 
 def _set_fault(point: str, errno: int, nth: int = 1) -> None:
     """Test only (CKPTIO_TEST_FAULTS=1 at start): fail the nth next hit of a fault point."""
+
+def _set_truncation(point: str, length: int, nth: int = 1) -> None:
+    """Test only: at the nth next hit of a fault point, truncate the file to ``length``."""
 
 def _clear_faults() -> list[str]:
     """Test only: drop pending faults, stop recording; the points whose fault never fired."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ckptio import _native
+from ckptio import _hostmem, _native
 
 #: Storage alignment of files ckptio writes (what O_DIRECT and GPUDirect Storage want).
 STORAGE_ALIGNMENT = 4096
@@ -57,6 +57,13 @@ class IOReport:
     verified: bool = False
     #: Records whose bytes could not be checked: no CRC-32 stored, or read by cuFile.
     unchecked: tuple[str, ...] = ()
+    #: Loads: "memory" (the file's bytes were in memory: tmpfs, or cached pages)
+    #: or "disk"; ``read_reason`` says why ("tmpfs", "page cache: 100% of ...
+    #: sampled pages", "cold: ..."), ``read_source`` how ("map": copied from a
+    #: mapping of the page cache, "pread", "direct": O_DIRECT, "buffered").
+    read_path: str | None = None
+    read_source: str | None = None
+    read_reason: str | None = None
 
     @property
     def gib_per_s(self) -> float:
@@ -124,6 +131,9 @@ def _report(
         fallback_reason=stats.get("fallback_reason"),
         verified=verified,
         unchecked=unchecked,
+        read_path=stats.get("read_path"),
+        read_source=stats.get("read_source"),
+        read_reason=stats.get("read_reason"),
     )
     _last.report = rep
     return rep
@@ -366,15 +376,14 @@ def _engine_device(location: str) -> torch.device | None:
 
 
 def _empty_storage(nbytes: int, device: torch.device, phase: int = 0) -> torch.UntypedStorage:
-    """An uninitialised storage; large host ones start ``phase`` bytes past a 4 KiB
-    boundary (a file offset's distance from one) so that O_DIRECT reads land in
-    them without a staging copy. (The aligned slice keeps its allocation alive,
-    as torch.load's mmap slices do; like those, it cannot be resized.)"""
+    """An uninitialised storage; large host ones are fresh anonymous memory with
+    huge pages asked for (``_hostmem``: faulted in 2.4-3.6x faster than 4 KiB
+    pages), starting ``phase`` bytes past a 4 KiB boundary (a file offset's
+    distance from one) so that O_DIRECT reads land in them without a staging
+    copy. (Like torch.load's mmap storages, they cannot be resized.)"""
     if device.type != "cpu" or nbytes < _ALIGNED_ALLOC_MIN:
         return torch.UntypedStorage(nbytes, device=device)
-    raw = torch.UntypedStorage(nbytes + STORAGE_ALIGNMENT)
-    skip = (phase - raw.data_ptr()) % STORAGE_ALIGNMENT
-    return raw[skip : skip + nbytes]
+    return _hostmem.empty_storage(nbytes, phase % STORAGE_ALIGNMENT)
 
 
 _ALIGNED_ALLOC_MIN = 1 << 20

@@ -10,6 +10,7 @@ mod device_file;
 mod engine;
 mod errors;
 mod faults;
+mod hostmem;
 mod probe;
 mod reader;
 mod staging;
@@ -26,7 +27,8 @@ use crate::Error;
 use device_file::{cufile_register_buffer, BufferRegistration, DeviceFile};
 use engine::Engine;
 use errors::{BackendUnavailableError, CkptioError, CuFileError, CudaError, FormatError};
-use faults::{_clear_faults, _op_log, _record_ops, _set_fault};
+use faults::{_clear_faults, _op_log, _record_ops, _set_fault, _set_truncation};
+use hostmem::{advise_huge, host_memory, HostMemory};
 use probe::info;
 use reader::{map_archive, Reader};
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
@@ -79,10 +81,27 @@ struct Report {
 impl Report {
     fn new(stats: Stats, io: &IoFile, device: Option<&DevicePath>) -> Self {
         let dev = device.filter(|_| stats.device_path.is_some());
+        let cufile = stats.device_path == Some("cufile");
+        // A file read from memory fills device memory through the bounce lanes
+        // even where cuFile could take it: say so.
+        let from_memory = stats.read_path.as_ref().filter(|r| r.memory);
+        let fallback_reason = match dev {
+            Some(_) if cufile => None,
+            Some(DevicePath::CuFile { .. }) => {
+                from_memory.map(|r| format!("the file is read from memory ({})", r.reason))
+            }
+            Some(p) => p.fallback_reason().map(str::to_owned),
+            None => None,
+        };
+        let direct_reason = io.no_direct_reason().map(str::to_owned).or_else(|| {
+            from_memory
+                .filter(|_| !stats.direct)
+                .map(|r| format!("read from memory ({})", r.reason))
+        });
         Report {
-            direct_reason: io.no_direct_reason().map(str::to_owned),
-            gds_mode: dev.and_then(DevicePath::gds_mode),
-            fallback_reason: dev.and_then(DevicePath::fallback_reason).map(str::to_owned),
+            direct_reason,
+            gds_mode: dev.filter(|_| cufile).and_then(DevicePath::gds_mode),
+            fallback_reason,
             stats,
         }
     }
@@ -97,6 +116,11 @@ impl Report {
         d.set_item("backend", s.device_path.unwrap_or("posix"))?;
         d.set_item("gds_mode", self.gds_mode)?;
         d.set_item("fallback_reason", self.fallback_reason)?;
+        if let Some(r) = &s.read_path {
+            d.set_item("read_path", if r.memory { "memory" } else { "disk" })?;
+            d.set_item("read_source", r.source)?;
+            d.set_item("read_reason", &r.reason)?;
+        }
         Ok(d)
     }
 }
@@ -134,9 +158,10 @@ unsafe fn ensure_device_path<'a>(
 mod _native {
     #[pymodule_export]
     use super::{
-        _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, info, map_archive,
-        stage_copy, stage_device_copy, stage_pin, AtomicWriter, BufferRegistration, DeviceFile,
-        Engine, HostPin, Reader,
+        _clear_faults, _op_log, _record_ops, _set_fault, _set_truncation, advise_huge,
+        cufile_register_buffer, host_memory, info, map_archive, stage_copy, stage_device_copy,
+        stage_pin, AtomicWriter, BufferRegistration, DeviceFile, Engine, HostMemory, HostPin,
+        Reader,
     };
 
     use super::*;

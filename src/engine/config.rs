@@ -6,6 +6,8 @@ use crate::io::align;
 use crate::io::file::{DirectMode, IoFile};
 use crate::{Error, Result};
 
+pub use super::memory::MemoryPath;
+
 /// Default I/O threads: enough to keep an NVMe queue busy, few enough for small hosts.
 pub const DEFAULT_THREADS: usize = 8;
 /// Default chunk: large enough to amortise a syscall, small enough to spread over threads.
@@ -26,8 +28,8 @@ pub fn default_memory_threads() -> usize {
 }
 
 /// Tunables. `from_env` reads `CKPTIO_THREADS`, `CKPTIO_MEMORY_THREADS`,
-/// `CKPTIO_CHUNK_SIZE`, `CKPTIO_MEMORY_CHUNK_SIZE`, `CKPTIO_DIRECT` and
-/// `CKPTIO_PREALLOCATE`.
+/// `CKPTIO_CHUNK_SIZE`, `CKPTIO_MEMORY_CHUNK_SIZE`, `CKPTIO_DIRECT`,
+/// `CKPTIO_PREALLOCATE` and `CKPTIO_MEMORY_PATH`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
     pub threads: usize,
@@ -39,6 +41,8 @@ pub struct EngineConfig {
     pub direct: DirectMode,
     /// fallocate a file's full size before writing it (a full disk fails at once).
     pub preallocate: bool,
+    /// How reads of files whose bytes are in memory run (see [`MemoryPath`]).
+    pub memory_path: MemoryPath,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +54,7 @@ impl Default for EngineConfig {
             memory_chunk_size: DEFAULT_MEMORY_CHUNK_SIZE,
             direct: DirectMode::Auto,
             preallocate: true,
+            memory_path: MemoryPath::default(),
         }
     }
 }
@@ -81,6 +86,9 @@ impl EngineConfig {
         }
         if let Ok(v) = std::env::var("CKPTIO_DIRECT") {
             c.direct = v.parse()?;
+        }
+        if let Ok(v) = std::env::var("CKPTIO_MEMORY_PATH") {
+            c.memory_path = v.parse()?;
         }
         if let Ok(v) = std::env::var("CKPTIO_PREALLOCATE") {
             c.preallocate = match v.trim() {

@@ -16,9 +16,13 @@
 //! Each thread works in a [`Lane`]: its aligned staging buffer (for O_DIRECT
 //! from memory that is not aligned). Lanes are kept between calls, so a
 //! steady stream of saves allocates nothing.
+//!
+//! Reads first choose, per file, between the memory path and the disk path
+//! ([`memory`]): a file whose bytes are in memory is copied from its page cache.
 
 mod config;
 mod lane;
+mod memory;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -34,6 +38,7 @@ use crate::{Error, Result};
 pub use config::{default_memory_threads, parse_size, EngineConfig};
 pub use config::{DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_CHUNK_SIZE, DEFAULT_THREADS};
 pub use lane::Lane;
+pub use memory::{MemoryPath, ReadPath, RESIDENT_MIN};
 
 /// One contiguous memory range and the file range it maps to.
 #[derive(Clone, Copy, Debug)]
@@ -58,6 +63,8 @@ pub struct Stats {
     /// segment order; None for a segment whose bytes did not pass through host
     /// memory (cuFile). Empty otherwise.
     pub crc32: Vec<Option<u32>>,
+    /// Reads: from memory or from the disk, and why.
+    pub read_path: Option<ReadPath>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -177,6 +184,18 @@ impl Engine {
         path: Option<&DevicePath>,
         checksum: bool,
     ) -> Result<Stats> {
+        // Reads: the memory path reads a view of the file (through a mapping of
+        // its page cache), device memory through the bounce lanes.
+        let choice = match dir {
+            Dir::Write => None,
+            Dir::Read | Dir::Checksum => {
+                Some(memory::choose(file, segments, self.cfg.memory_path)?)
+            }
+        };
+        let (file, path) = match choice.as_ref().and_then(|c| c.view.as_ref()) {
+            Some(view) => (view, path.filter(|p| p.is_requested())),
+            None => (file, path),
+        };
         let chunks = self.plan(segments, dir, self.cfg.chunk_for(file))?;
         let bytes = segments.iter().map(|s| s.len).sum();
         let threads = self.cfg.threads_for(file).min(chunks.len()).max(1);
@@ -191,6 +210,7 @@ impl Engine {
             direct: file.is_direct(),
             device_path: has_device.then(|| path.map_or("bounce", DevicePath::name)),
             crc32: Vec::new(),
+            read_path: choice.as_ref().map(|c| c.path.clone()),
         };
         if chunks.is_empty() {
             if checksum {
@@ -379,6 +399,7 @@ mod tests {
             memory_chunk_size: chunk,
             direct: DirectMode::Auto,
             preallocate: true,
+            memory_path: MemoryPath::Map,
         })
         .unwrap()
     }

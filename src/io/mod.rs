@@ -6,8 +6,14 @@
 //! - [`persist`]: crash-safe replacement of a file (temp file, fsync, rename,
 //!   fsync of the folder).
 //! - [`fault`]: test-only fault injection and a log of durable operations.
+//! - [`hugepage`]: private anonymous memory with huge pages, and what the host
+//!   does with them.
+//! - [`mapped`]: a file's bytes copied from a mapping of its page cache (under
+//!   a SIGBUS guard), and which of its pages are cached.
 
 pub mod align;
 pub mod fault;
 pub mod file;
+pub mod hugepage;
+pub mod mapped;
 pub mod persist;
