@@ -157,3 +157,111 @@ pub(super) fn choose(file: &IoFile, segments: &[Segment], mode: MemoryPath) -> R
         },
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Engine, EngineConfig, Memory};
+    use crate::io::file::DirectMode;
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+
+    fn written(dir: &std::path::Path, n: usize) -> (std::path::PathBuf, Vec<u8>) {
+        let p = dir.join(format!("mem-{}", std::process::id()));
+        let data: Vec<u8> = (0..n).map(|i| (i * 7 % 253) as u8).collect();
+        let mut f = std::fs::File::create(&p).unwrap();
+        f.write_all(&data).unwrap();
+        f.sync_all().unwrap();
+        (p, data)
+    }
+
+    fn segs(buf: &mut [u8], parts: usize) -> Vec<Segment> {
+        let step = buf.len() / parts;
+        (0..parts)
+            .map(|i| Segment {
+                file_offset: (i * step) as u64,
+                addr: buf.as_mut_ptr() as u64 + (i * step) as u64,
+                len: if i + 1 == parts {
+                    buf.len() - i * step
+                } else {
+                    step
+                } as u64,
+                memory: Memory::Host,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn cold_cached_and_tmpfs_files_take_their_paths_with_the_same_bytes() {
+        let n = 3 << 20;
+        let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let shm = std::path::Path::new("/dev/shm");
+        for (dir, tmpfs) in [(disk.path(), false), (shm, true)] {
+            if !dir.is_dir() {
+                continue;
+            }
+            let (path, data) = written(dir, n);
+            for mode in [MemoryPath::Map, MemoryPath::Pread, MemoryPath::Off] {
+                let e = Engine::new(EngineConfig {
+                    memory_path: mode,
+                    chunk_size: 1 << 20,
+                    memory_chunk_size: 1 << 20,
+                    ..EngineConfig::default()
+                })
+                .unwrap();
+                let f = IoFile::open_read(&path, DirectMode::Auto).unwrap();
+                for cached in [false, true] {
+                    if !tmpfs {
+                        // SAFETY: advice on our own open file.
+                        unsafe {
+                            libc::posix_fadvise(
+                                f.file().as_raw_fd(),
+                                0,
+                                0,
+                                libc::POSIX_FADV_DONTNEED,
+                            )
+                        };
+                        if cached {
+                            std::fs::read(&path).unwrap();
+                        }
+                    }
+                    let mut back = vec![0u8; n];
+                    let s = segs(&mut back, 5);
+                    // SAFETY: `back` outlives the call and the segments do not overlap.
+                    let st = unsafe { e.read(&f, &s) }.unwrap();
+                    assert_eq!(back, data, "{mode:?} tmpfs={tmpfs} cached={cached}");
+                    let rp = st.read_path.unwrap();
+                    let memory = tmpfs || (cached && mode != MemoryPath::Off);
+                    assert_eq!(rp.memory, memory, "{rp:?}");
+                    let source = match (memory, mode) {
+                        (true, MemoryPath::Map) => "map",
+                        (true, _) => "pread",
+                        (false, _) if f.is_direct() => "direct",
+                        (false, _) => "buffered",
+                    };
+                    assert_eq!(rp.source, source, "{rp:?}");
+                    let threads = if memory {
+                        e.config().memory_threads
+                    } else {
+                        e.config().threads
+                    };
+                    assert_eq!(st.threads, threads.min(st.chunks).max(1));
+                    // Checksums of a verified read come through the same path.
+                    let ck = e.checksum(&f, &[(0, n as u64)]).unwrap();
+                    assert_eq!(ck.crc32, vec![Some(crc32fast::hash(&data))]);
+                }
+            }
+            std::fs::remove_file(&path).unwrap();
+        }
+        crate::io::mapped::flush_unmaps();
+    }
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!("AUTO".parse::<MemoryPath>().unwrap(), MemoryPath::Map);
+        assert_eq!("pread".parse::<MemoryPath>().unwrap(), MemoryPath::Pread);
+        assert_eq!("off".parse::<MemoryPath>().unwrap(), MemoryPath::Off);
+        assert!("sometimes".parse::<MemoryPath>().is_err());
+        assert_eq!(MemoryPath::default().name(), "map");
+    }
+}
