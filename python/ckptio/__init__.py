@@ -18,6 +18,7 @@ from ckptio._native import (
     FormatError,
 )
 from ckptio._native import __version__ as __version__
+from ckptio._transfer import release_buffers
 from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
 from ckptio.integrity import RecordCheck, VerifyReport, verify
 from ckptio.serialization import (
@@ -37,6 +38,7 @@ __all__ = [
     "records",
     "verify",
     "last_report",
+    "release_buffers",
     "info",
     "safetensors",
     "GdsFile",
