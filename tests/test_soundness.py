@@ -1,6 +1,7 @@
 """Soundness (issue 24): the caller's CUDA stream order on every path, no Rust lock
 waited for while holding the interpreter, owners held for as long as their
-addresses are used, pinned memory given back, CKPTIO_THREADS read once.
+addresses are used, pinned memory given back, CKPTIO_THREADS read once; and
+cuFile's log kept out of the current folder.
 
 The page-collision test (a faked 512-byte O_DIRECT alignment, every page
 written by both paths compared) is a Rust test:
@@ -308,6 +309,43 @@ def test_ckptio_threads_is_read_once_with_one_policy(monkeypatch, value):
     s.close()
 
 
+# ------------------------------------------------------------------ cuFile log
+
+
+_PROBE = """
+import json, os
+import ckptio
+ckptio.info(".")
+print(json.dumps({"log": os.environ.get("CUFILE_LOGFILE_PATH"), "files": os.listdir(".")}))
+"""
+
+
+def test_importing_and_probing_leaves_no_cufile_log_here(tmp_path):
+    cache = tmp_path / "cache"
+    work = tmp_path / "work"
+    work.mkdir()
+    run = run_python(_PROBE, work, {"XDG_CACHE_HOME": str(cache)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "cufile.log" not in out["files"]
+    assert out["log"] == str(cache / "ckptio" / "cufile.log")
+    # The user's own choice stands: a log path, or a cufile.json of their own.
+    mine = str(tmp_path / "mine.log")
+    run = run_python(_PROBE, work, {"CUFILE_LOGFILE_PATH": mine})
+    assert json.loads(run.stdout.strip().splitlines()[-1])["log"] == mine
+    run = run_python(_PROBE, work, {"CUFILE_ENV_PATH_JSON": str(tmp_path / "cufile.json")})
+    assert json.loads(run.stdout.strip().splitlines()[-1])["log"] is None
+
+
+def test_no_cufile_log_is_committed():
+    root = ROOT
+    assert not (root / "cufile.log").exists() or "cufile.log" in (root / ".gitignore").read_text()
+    tracked = subprocess.run(
+        ["git", "ls-files", "cufile.log"], cwd=root, capture_output=True, text=True
+    )
+    assert tracked.stdout.strip() == ""
+
+
 # ------------------------------------------------------------------------ GPU
 
 
@@ -474,3 +512,19 @@ def test_idle_bounce_buffers_are_unpinned_after_a_while(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     held, after = map(int, run.stdout.split())
     assert held > 0 and after == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first", ["torch", "ckptio"])
+def test_cufile_driver_open_leaves_no_log_here(tmp_path, first):
+    """With a GPU, ckptio.info opens cuFile's driver, which logs: never into the
+    current folder, whichever of torch and ckptio is imported first."""
+    work = tmp_path / "work"
+    work.mkdir()
+    imports = "import torch, ckptio" if first == "torch" else "import ckptio, torch"
+    run = run_python(
+        _PROBE.replace("import ckptio", imports), work, {"XDG_CACHE_HOME": str(tmp_path / "c")}
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "cufile.log" not in out["files"], out

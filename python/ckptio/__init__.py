@@ -8,6 +8,8 @@ in parallel straight into the destination storages. ``ckptio.safetensors`` does
 the same for safetensors files (``save_file``/``load_file``, sharded checkpoints).
 """
 
+# Before anything loads libcufile: its log goes to ckptio's cache folder.
+from ckptio import _cufile  # noqa: F401  (isort: skip)
 from ckptio import safetensors
 from ckptio._native import (
     BackendUnavailableError,
