@@ -528,3 +528,20 @@ def test_cufile_driver_open_leaves_no_log_here(tmp_path, first):
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert "cufile.log" not in out["files"], out
+
+
+@pytest.mark.gpu
+def test_transfers_leave_the_current_device_alone(tmp_path):
+    """The stream-order event is recorded on the caller's thread: its current CUDA
+    context (torch's current device) is restored afterwards."""
+    n = torch.cuda.device_count()
+    sd = {f"d{i}": torch.full((1 << 20,), float(i), device=f"cuda:{i}") for i in range(n)}
+    for dev in range(n):
+        torch.cuda.set_device(dev)
+        ckptio.save(sd, tmp_path / "m.pt", backend="bounce")
+        got = ckptio.load(
+            tmp_path / "m.pt", map_location={f"cuda:{i}": f"cuda:{i}" for i in range(n)}
+        )
+        assert torch.cuda.current_device() == dev
+        assert all(torch.equal(got[k].cpu(), sd[k].cpu()) for k in sd)
+    torch.cuda.set_device(0)

@@ -402,6 +402,8 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         self._closed = False
         self._snapshot = False
         self._pinned = self._opts.use_pinned_memory and torch.cuda.is_available()
+        if self._pinned:  # a malformed CKPTIO_PINNED_LIMIT is an error here too
+            _native.pinned_memory()
         #: Seconds the caller was blocked in the last ``stage()`` call.
         self.last_stage_call_s = 0.0
         self.last_stats: dict[str, Any] = {}

@@ -375,6 +375,23 @@ impl Cuda {
         })
     }
 
+    /// Runs `f`, then makes the calling thread's current context what it was
+    /// before (none included): for work done on a thread the caller owns (one
+    /// of Python's), whose current context the CUDA runtime reads as torch's
+    /// current device.
+    pub fn keeping_current<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let mut prev: CUcontext = ptr::null_mut();
+        // SAFETY: writes one CUcontext (null if none is current).
+        let rc = unsafe { (self.api.ctx_get_current)(&mut prev) };
+        let out = f();
+        if rc == CUDA_SUCCESS {
+            // SAFETY: `prev` was current on this thread just before `f`; torch
+            // keeps its contexts (primary ones) alive, and null unbinds.
+            unsafe { (self.api.ctx_set_current)(prev) };
+        }
+        out
+    }
+
     /// Makes sure the calling thread has a current context. Portable host
     /// allocations need one, whichever it is. If the thread has none, uses
     /// device 0's primary context.

@@ -13,7 +13,7 @@
 
 use std::ffi::c_void;
 
-use crate::gpu::cuda::Event;
+use crate::gpu::cuda::{self, Event};
 use crate::Result;
 
 /// Events recorded on the caller's streams, one per device a transfer touches.
@@ -32,17 +32,21 @@ impl After {
     /// `streams` ((device, raw CUstream) pairs); a device not listed gets the
     /// legacy default stream (0), what CUDA programs without streams use.
     ///
+    /// Runs on the caller's thread, whose current CUDA context is left as it was.
+    ///
     /// # Safety
     /// Each stream must be a live CUstream of its device's primary context
     /// (or 0), alive for the duration of this call.
     pub unsafe fn record(devices: &[i32], streams: &[(i32, u64)]) -> Result<After> {
-        let mut events = Vec::with_capacity(devices.len());
-        for &d in devices {
-            let stream = streams.iter().find(|s| s.0 == d).map_or(0, |s| s.1);
-            // SAFETY: the caller vouches for the stream.
-            events.push(unsafe { Event::record(d, stream as *mut c_void)? });
-        }
-        Ok(After { events })
+        cuda::driver()?.keeping_current(|| {
+            let mut events = Vec::with_capacity(devices.len());
+            for &d in devices {
+                let stream = streams.iter().find(|s| s.0 == d).map_or(0, |s| s.1);
+                // SAFETY: the caller vouches for the stream.
+                events.push(unsafe { Event::record(d, stream as *mut c_void)? });
+            }
+            Ok(After { events })
+        })
     }
 
     /// The event of `device`, if the transfer touches it.
