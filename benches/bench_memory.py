@@ -186,7 +186,7 @@ def shm_round(sd: dict, host: torch.Tensor, shm: str, check: bool) -> None:
             out.clear()
             t = timed(lambda out=out: out.update(x=ckptio.load(p, map_location=DEV)))
             rep = ckptio.last_report()
-            rec(f"ckptio.load /dev/shm {which} ({mode})", t, f"{rep.read_reason} {rep.backend}")
+            rec(f"ckptio.load /dev/shm {which} ({mode})", t, f"{rep.read_reason} {rep.device_path}")
             if check and not same(out["x"], sd):
                 raise SystemExit(f"ckptio.load ({mode}) returned other bytes")
         out.clear()
@@ -238,14 +238,14 @@ def cache_round(sd: dict, disk: str, nbytes: int, check: bool) -> None:
     out: dict[str, Any] = {}
     t = timed(lambda: out.update(x=ckptio.load(p, map_location=DEV)))
     rep = ckptio.last_report()
-    rec("ckptio.load page-cached disk file", t, f"{rep.read_reason} {rep.backend}")
+    rec("ckptio.load page-cached disk file", t, f"{rep.read_reason} {rep.device_path}")
     if check and not same(out["x"], sd):
         raise SystemExit("ckptio.load of the cached file returned other bytes")
     out.clear()
     bench.drop_cache(p)
     t = timed(lambda: out.update(x=ckptio.load(p, map_location=DEV)))
     rep = ckptio.last_report()
-    rec("ckptio.load cold disk file", t, f"{rep.read_reason} {rep.backend} {rep.gds_mode}")
+    rec("ckptio.load cold disk file", t, f"{rep.read_reason} {rep.device_path} {rep.gds_mode}")
     out.clear()
     ring = mmap.mmap(-1, 8 * (64 << 20), flags=mmap.MAP_PRIVATE)  # page aligned
     ring.write(b"\0" * len(ring))  # faulted in: the disk alone

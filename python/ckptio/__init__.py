@@ -8,6 +8,8 @@ in parallel straight into the destination storages. ``ckptio.safetensors`` does
 the same for safetensors files (``save_file``/``load_file``, sharded checkpoints).
 """
 
+# Before anything loads libcufile: its log goes to ckptio's cache folder.
+from ckptio import _cufile  # noqa: F401  (isort: skip)
 from ckptio import safetensors
 from ckptio._native import (
     BackendUnavailableError,
@@ -18,6 +20,7 @@ from ckptio._native import (
     FormatError,
 )
 from ckptio._native import __version__ as __version__
+from ckptio._transfer import release_buffers
 from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
 from ckptio.integrity import RecordCheck, VerifyReport, verify
 from ckptio.serialization import (
@@ -37,6 +40,7 @@ __all__ = [
     "records",
     "verify",
     "last_report",
+    "release_buffers",
     "info",
     "safetensors",
     "GdsFile",

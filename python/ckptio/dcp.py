@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptio import _native
+from ckptio import _native, _transfer
 from ckptio.serialization import (
     _CONFIG_LOCK,
     STORAGE_ALIGNMENT,
@@ -61,7 +61,6 @@ from ckptio.serialization import (
     _direct_arg,
     _engine,
     _storage_alignment,
-    _sync_cuda,
 )
 from ckptio.staging import BlockingAsyncStager
 
@@ -262,8 +261,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                     )
                 )
                 offset = _align(offset + length)
-            _sync_cuda({s[3] for s in segments})
-            stats = writer.write_segments(engine, segments, offset, checksum=True)
+            stats = _transfer.write(writer, engine, segments, keep, file_len=offset, checksum=True)
             # Each item's tail follows its data in the same page: write it once the
             # data is down (never a buffered and a direct write of one page at once),
             # with the CRC-32 computed as the bytes went (0, "unchecked", where
@@ -375,6 +373,7 @@ class FileSystemReader(_TorchReader):
         engine = _engine(threads, chunk_size, direct)
         dev_file = _native.DeviceFile(path, False, direct, backend)
         segments: list[tuple[int, int, int, int]] = []
+        owners: list[torch.Tensor] = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
         with open(path, "rb") as f:
             for req in reqs:
@@ -402,6 +401,7 @@ class FileSystemReader(_TorchReader):
                     # Straight into the destination.
                     start = data_off + src.storage_offset() * isz
                     segments.append((start, target.data_ptr(), target.numel() * isz, dev))
+                    owners.append(target)
                     commits.append((req, target, None, None))
                 elif target.numel() == 0:
                     commits.append((req, target, None, None))
@@ -411,8 +411,11 @@ class FileSystemReader(_TorchReader):
                     nbytes = meta.untyped_storage().nbytes()
                     tmp = torch.empty(nbytes, dtype=torch.uint8, device=target.device)
                     segments.append((data_off, tmp.data_ptr(), nbytes, dev))
+                    owners.append(tmp)
                     commits.append((req, target, tmp, src))
-            stats = dev_file.read_segments(engine, segments) if segments else {}
+            # The destinations may still be in use by work queued on the current
+            # streams: the engine's copies are ordered after it.
+            stats = _transfer.read(dev_file, engine, segments, owners) if segments else {}
         self.last_stats.append(dict(stats, path=path))
         for req, target, tmp, src in commits:
             if tmp is not None:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ckptio import _native
+from ckptio import _native, _transfer
 from ckptio.serialization import (
     STORAGE_ALIGNMENT,
     IOReport,
@@ -49,7 +49,6 @@ from ckptio.serialization import (
     _path,
     _report,
     _reserve_cuda,
-    _sync_cuda,
 )
 
 __all__ = [
@@ -336,8 +335,8 @@ def save_file(
     ``safetensors.torch.save_file``, crash-safe (temp file, fsync, rename, fsync
     of the folder) and with the bytes written straight from each tensor's memory
     (host or CUDA) by the engine. Tensors must be contiguous and must not share
-    memory (RuntimeError / ValueError as safetensors raises). Work queued on the
-    current CUDA streams is finished before bytes are copied. The keyword
+    memory (RuntimeError / ValueError as safetensors raises). Bytes are copied
+    after the work queued on the current CUDA streams. The keyword
     options are ``ckptio.save``'s. Returns the IOReport (safetensors returns None).
     """
     t0 = time.perf_counter()
@@ -350,15 +349,14 @@ def save_file(
             continue
         if t.device.type not in ("cpu", "cuda"):
             t = t.to("cpu")  # as safetensors does for other devices
-            keep.append(t)
+        keep.append(t)
         segments.append((base + begin, t.data_ptr(), end - begin, _device_code(t, name)))
-    _sync_cuda({s[3] for s in segments})
     d = _direct_arg(direct)
     engine = _engine(threads, chunk_size, d)
     writer = _native.AtomicWriter(path, d, backend)
     try:
         writer.write_bytes(0, lay.header)
-        stats = writer.write_segments(engine, segments, lay.file_len)
+        stats = _transfer.write(writer, engine, segments, keep, file_len=lay.file_len)
         writer.commit()
     except BaseException:
         writer.abort()
@@ -402,6 +400,8 @@ class _Plan:
     metadata: dict[str, str] | None
     tensors: dict[str, torch.Tensor]
     segments: list[tuple[int, int, int, int]]
+    #: What owns the memory of each segment.
+    owners: list[torch.Tensor]
 
 
 def _pread_exact(fd: int, n: int, off: int, where: str) -> bytes:
@@ -438,7 +438,7 @@ def metadata(filename: str | os.PathLike[str]) -> dict[str, str] | None:
 def _plan(path: str, fill: torch.device, direct: str | None, backend: str | None) -> _Plan:
     f = _native.DeviceFile(path, False, direct, backend)
     meta, entries, base = _header(f.fileno(), path)
-    tensors, segments = {}, []
+    tensors, segments, owners = {}, [], []
     dev = -1 if fill.type == "cpu" else fill.index if fill.index is not None else 0
     if fill.type == "cuda":
         _reserve_cuda(fill, [e.end - e.begin for e in entries])
@@ -453,14 +453,14 @@ def _plan(path: str, fill: torch.device, direct: str | None, backend: str | None
         tensors[e.name] = t
         if nbytes:
             segments.append((off, t.data_ptr(), nbytes, dev))
-    return _Plan(path, f, meta, tensors, segments)
+            owners.append(t)
+    return _Plan(path, f, meta, tensors, segments, owners)
 
 
 def _read(plan: _Plan, engine: _native.Engine) -> dict[str, Any]:
     # Memory handed out by the caching allocator may still be in use by work
-    # queued on the current stream; the engine writes it from its own streams.
-    _sync_cuda({s[3] for s in plan.segments})
-    return plan.file.read_segments(engine, plan.segments)
+    # queued on the current stream: the engine's copies are ordered after it.
+    return _transfer.read(plan.file, engine, plan.segments, plan.owners)
 
 
 def _finish(
@@ -639,7 +639,7 @@ def _write_text(path: str, text: str) -> None:
 
 
 def _merge(path: str, t0: float, reps: list[IOReport]) -> IOReport:
-    dev = [r for r in reps if r.backend != "posix"]
+    dev = [r for r in reps if r.device_path is not None]
     first = (dev or reps)[0]
     return dataclasses.replace(
         first,
@@ -650,6 +650,7 @@ def _merge(path: str, t0: float, reps: list[IOReport]) -> IOReport:
         direct_reason=next((r.direct_reason for r in reps if r.direct_reason), None),
         threads=max(r.threads for r in reps),
         storages=sum(r.storages for r in reps),
+        pinned_bytes=reps[-1].pinned_bytes,
     )
 
 

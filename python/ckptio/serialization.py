@@ -26,7 +26,12 @@ from typing import Any
 
 import torch
 
-from ckptio import _hostmem, _native
+from ckptio import _hostmem, _native, _transfer
+from ckptio._transfer import IOReport as IOReport
+from ckptio._transfer import _last as _last
+from ckptio._transfer import device_code as _device_code
+from ckptio._transfer import last_report as last_report
+from ckptio._transfer import report as _report
 
 #: Storage alignment of files ckptio writes (what O_DIRECT and GPUDirect Storage want).
 STORAGE_ALIGNMENT = 4096
@@ -34,40 +39,6 @@ STORAGE_ALIGNMENT = 4096
 MapLocation = (
     None | str | torch.device | dict[str, str] | Callable[[torch.UntypedStorage, str], Any]
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class IOReport:
-    """What one save or load did: how many bytes, how fast, through which path."""
-
-    path: str
-    nbytes: int
-    seconds: float
-    #: "posix" (host memory only), "bounce" (device memory via pinned buffers) or "cufile".
-    backend: str
-    direct: bool
-    direct_reason: str | None
-    threads: int
-    storages: int
-    #: With cuFile: "p2p" (true GPUDirect) or "compat" (cuFile bounces through host memory).
-    gds_mode: str | None = None
-    #: Why device memory did not go through cuFile, when it did not.
-    fallback_reason: str | None = None
-    #: load(verify=True): every record's CRC-32 was checked (but those in ``unchecked``).
-    verified: bool = False
-    #: Records whose bytes could not be checked: no CRC-32 stored, or read by cuFile.
-    unchecked: tuple[str, ...] = ()
-    #: Loads: "memory" (the file's bytes were in memory: tmpfs, or cached pages)
-    #: or "disk"; ``read_reason`` says why ("tmpfs", "page cache: 100% of ...
-    #: sampled pages", "cold: ..."), ``read_source`` how ("map": copied from a
-    #: mapping of the page cache, "pread", "direct": O_DIRECT, "buffered").
-    read_path: str | None = None
-    read_source: str | None = None
-    read_reason: str | None = None
-
-    @property
-    def gib_per_s(self) -> float:
-        return self.nbytes / 2**30 / self.seconds if self.seconds > 0 else float("inf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,43 +71,6 @@ class RecordInfo:
         while a < STORAGE_ALIGNMENT and self.offset % (a * 2) == 0:
             a *= 2
         return a
-
-
-_last = threading.local()
-
-
-def last_report() -> IOReport | None:
-    """The report of this thread's last ckptio.save or ckptio.load."""
-    return getattr(_last, "report", None)
-
-
-def _report(
-    path: str,
-    t0: float,
-    stats: dict[str, Any],
-    storages: int,
-    verified: bool = False,
-    unchecked: tuple[str, ...] = (),
-) -> IOReport:
-    rep = IOReport(
-        path=path,
-        nbytes=stats["bytes"],
-        seconds=time.perf_counter() - t0,
-        backend=stats["backend"],
-        direct=stats["direct"],
-        direct_reason=stats["direct_reason"],
-        threads=stats["threads"],
-        storages=storages,
-        gds_mode=stats.get("gds_mode"),
-        fallback_reason=stats.get("fallback_reason"),
-        verified=verified,
-        unchecked=unchecked,
-        read_path=stats.get("read_path"),
-        read_source=stats.get("read_source"),
-        read_reason=stats.get("read_reason"),
-    )
-    _last.report = rep
-    return rep
 
 
 @functools.lru_cache(maxsize=8, typed=True)
@@ -238,23 +172,6 @@ def _capturing_pickle_module(found: dict[str, torch.UntypedStorage]) -> types.Mo
     return mod
 
 
-def _device_code(storage: torch.UntypedStorage, what: str) -> int:
-    """-1 for host memory, the CUDA ordinal for device memory."""
-    dev = storage.device
-    if dev.type == "cpu":
-        return -1
-    if dev.type == "cuda":
-        return dev.index if dev.index is not None else torch.cuda.current_device()
-    raise ValueError(f"{what} is on device {dev}; ckptio moves cpu and cuda storages only")
-
-
-def _sync_cuda(devices: set[int]) -> None:
-    """Work queued on the current streams is finished before bytes are copied."""
-    for d in sorted(devices):
-        if d >= 0:
-            torch.cuda.current_stream(d).synchronize()
-
-
 def save(
     obj: object,
     f: str | os.PathLike[str],
@@ -279,8 +196,10 @@ def save(
     direct: O_DIRECT "auto" (default: where the filesystem takes it), True/"on"
     (required) or False/"off". backend: how CUDA storages move, "auto" (default, or
     CKPTIO_BACKEND: cuFile where it can register the file, else pinned bounce
-    buffers), "cufile" (or an error) or "posix" (bounce buffers).
-    Work queued on the current CUDA streams is finished before bytes are copied.
+    buffers), "cufile" (or an error) or "bounce" (pinned bounce buffers; "posix"
+    is an older name for it). The report says which ran (``device_path``).
+    Bytes are copied after the work queued on the current CUDA streams (the
+    copies wait for it on the GPU; the host is not blocked for it).
     """
     path = _path(f, "save")
     d = _direct_arg(direct)
@@ -307,8 +226,7 @@ def save(
         for key, st in found.items():
             dev = _device_code(st, f"storage {key}")
             storages.append((key, st.data_ptr(), st.nbytes(), dev))
-        _sync_cuda({s[3] for s in storages})
-        stats = writer.write_storages(engine, storages)
+        stats = _transfer.write_storages(writer, engine, storages, list(found.values()))
         writer.commit()
     except BaseException:
         writer.abort()
@@ -555,7 +473,7 @@ def load(
         **pickle_load_args,
     )
     offsets = _file_offsets(restorer.pending, data, path)
-    segments = []
+    segments, owners = [], []
     for off, (_, n, dest) in zip(offsets, restorer.pending, strict=True):
         if dest.nbytes() != n:
             # The pickle grew a storage past its record (torch's own mmap load refuses).
@@ -564,10 +482,10 @@ def load(
             )
         if n:
             segments.append((off, dest.data_ptr(), n, _device_code(dest, "destination")))
+            owners.append(dest)
     # Memory handed out by the caching allocator may still be in use by work
-    # queued on the current stream; the engine writes it from its own streams.
-    _sync_cuda({s[3] for s in segments})
-    stats = reader.read_into(engine, segments, verify)
+    # queued on the current stream: the engine's copies are ordered after it.
+    stats = _transfer.read(reader, engine, segments, owners, verify=verify)
     if verify:
         done = set(stats["verified"]) | set(stats["unchecked"])
         unchecked += stats["unchecked"]

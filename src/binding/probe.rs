@@ -10,9 +10,10 @@ use crate::gpu::{self, Backend};
 use crate::io::file::{DirectMode, IoFile};
 use crate::io::persist::AtomicFile;
 
-/// What this machine offers: libcuda, libcufile, huge pages (and what fresh
-/// memory costs with and without them), and (for `folder`) whether O_DIRECT
-/// and cuFile handles work on files there, and why not.
+/// What this machine offers: libcuda, libcufile, the pinned memory ckptio
+/// holds and may hold, huge pages (and what fresh memory costs with and
+/// without them), and (for `folder`) whether O_DIRECT and cuFile handles work
+/// on files there, and why not.
 #[pyfunction]
 #[pyo3(signature = (folder=None))]
 pub(super) fn info<'py>(py: Python<'py>, folder: Option<PathBuf>) -> PyResult<Bound<'py, PyDict>> {
@@ -51,6 +52,10 @@ pub(super) fn info<'py>(py: Python<'py>, folder: Option<PathBuf>) -> PyResult<Bo
     hd.set_item("private_huge_gib_s", h.private_huge_gib_s)?;
     hd.set_item("shared_gib_s", h.shared_gib_s)?;
     d.set_item("huge_pages", hd)?;
+    let pd = PyDict::new(py);
+    pd.set_item("held", crate::gpu::budget::held())?;
+    pd.set_item("limit", crate::gpu::budget::limit().ok())?;
+    d.set_item("pinned", pd)?;
     if let Some((path, direct, direct_reason, align, cufile, cufile_reason)) = folder_info {
         let x = PyDict::new(py);
         x.set_item("path", path)?;

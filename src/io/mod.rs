@@ -5,6 +5,7 @@
 //!   positional read/write loops that survive short transfers and EINTR.
 //! - [`persist`]: crash-safe replacement of a file (temp file, fsync, rename,
 //!   fsync of the folder).
+//! - [`env`]: `CKPTIO_*` sizes and counts from the environment, parsed once.
 //! - [`fault`]: test-only fault injection and a log of durable operations.
 //! - [`hugepage`]: private anonymous memory with huge pages, and what the host
 //!   does with them.
@@ -12,6 +13,7 @@
 //!   a SIGBUS guard), and which of its pages are cached.
 
 pub mod align;
+pub mod env;
 pub mod fault;
 pub mod file;
 pub mod hugepage;
