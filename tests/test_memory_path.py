@@ -181,7 +181,8 @@ def test_tmpfs_files_are_read_from_memory_by_every_loader(shm_dir, engine_env):
 TRUNCATE_SCRIPT = """
 from ckptio import _native, serialization
 out = []
-for folder in sys.argv[1:]:
+device = sys.argv[1]
+for folder in sys.argv[2:]:
     for mode in ("map", "pread", "off"):
         os.environ["CKPTIO_MEMORY_PATH"] = mode
         serialization._engine.cache_clear()
@@ -192,7 +193,7 @@ for folder in sys.argv[1:]:
             if mode != "off":
                 open(p, "rb").read()  # in the page cache: the memory path
             _native._set_truncation("read", truncate_to, 2)
-            res = attempt(lambda: ckptio.load(p, chunk_size=1 << 20))
+            res = attempt(lambda: ckptio.load(p, map_location=device, chunk_size=1 << 20))
             res["unfired"] = _native._clear_faults()
             res["mem"] = _native.host_memory()
             res["case"] = [folder, mode, truncate_to]
@@ -201,16 +202,17 @@ print(json.dumps(out))
 """
 
 
-def test_a_file_truncated_while_it_is_read_is_a_typed_error(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_file_truncated_while_it_is_read_is_a_typed_error(tmp_path, device):
     """A file that shrinks under a load (truncated by someone else after the first
     chunk) fails it with FormatError naming the file: no SIGBUS from a mapping, no
     mapping left behind, whichever path reads it (mapping, pread, O_DIRECT), on
-    the disk and on tmpfs."""
+    the disk and on tmpfs, into host or device memory."""
     folders = [tmp_path]
     if SHM.is_dir():
         folders.append(Path(tempfile.mkdtemp(dir=SHM)))
     try:
-        res = run_faulty(TRUNCATE_SCRIPT, *folders)
+        res = run_faulty(TRUNCATE_SCRIPT, device, *folders)
     finally:
         for f in folders[1:]:
             shutil.rmtree(f, ignore_errors=True)

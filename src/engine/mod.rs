@@ -339,7 +339,8 @@ impl Engine {
         });
         self.pool.give_back(lanes);
         if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            return Err(e);
+            // Errors of layers that do not know the file (cuFile's) name it here.
+            return Err(e.with_path(file.path()));
         }
         if opts.checksum {
             let per_chunk = crcs.into_inner().unwrap_or_else(|p| p.into_inner());
