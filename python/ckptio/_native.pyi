@@ -31,8 +31,8 @@ __all__ = [
     "__version__",
 ]
 
-class CkptioError(Exception):
-    """Base class of ckptio's own errors."""
+class CkptioError(RuntimeError):
+    """Base class of ckptio's own errors (a RuntimeError, as torch.load's are)."""
 
 class FormatError(CkptioError):
     """The file is not a usable checkpoint (torch.save archive or safetensors file)."""
@@ -164,6 +164,8 @@ class DeviceFile:
     def fileno(self) -> int: ...
     def read_segments(self, engine: Engine, segments: list[_Segment]) -> dict[str, Any]:
         """Read (file offset, address, nbytes, device) ranges in one engine pass."""
+    def write_segments(self, engine: Engine, segments: list[_Segment]) -> dict[str, Any]:
+        """Write (file offset, address, nbytes, device) ranges in one engine pass."""
 
 @final
 class BufferRegistration:

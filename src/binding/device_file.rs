@@ -190,6 +190,31 @@ impl DeviceFile {
         let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
         report(py, stats, &self.io, g.as_ref())
     }
+
+    /// Write memory ranges into the file in one engine pass (the file opened
+    /// writable): `segments` = [(file offset, address, nbytes, device)]. For a
+    /// file that is not ckptio's to replace (a caller's open file object).
+    ///
+    /// The caller keeps every range alive and unmodified until this returns.
+    fn write_segments<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        segments: Vec<RawSegment>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let engine = engine.inner.clone();
+        let stats = py.detach(|| {
+            let segs = to_segments(segments);
+            let mut g = self.device.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: `self.device` is declared before `self.io`, so it drops first.
+            let path = unsafe { ensure_device_path(&mut g, &self.io, self.backend, &segs)? };
+            // SAFETY: the Python caller keeps each range alive and unmodified
+            // for the duration of this call (documented contract).
+            unsafe { engine.write_via(&self.io, &segs, path, false) }
+        })?;
+        let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
+        report(py, stats, &self.io, g.as_ref())
+    }
 }
 
 /// A cuFileBufRegister registration; deregistered when dropped or on `close()`.
