@@ -10,6 +10,7 @@ use pyo3::types::PyDict;
 
 use crate::format::integrity;
 use crate::format::zipmap::{self, Archive};
+use crate::format::zstd;
 use crate::gpu::{Backend, DevicePath};
 use crate::io::file::IoFile;
 use crate::io::persist::AtomicFile;
@@ -94,6 +95,9 @@ impl AtomicWriter {
         Ok(d)
     }
 }
+
+/// (zip head, data address, data length, zip tail, CRC-32 offsets in the tail).
+type ZstdItem = (Vec<u8>, u64, u64, Vec<u8>, Vec<usize>);
 
 fn writer_done() -> PyErr {
     PyValueError::new_err("the checkpoint writer is already committed or aborted")
@@ -206,6 +210,51 @@ impl AtomicWriter {
         checksum: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         self.write_planned(py, engine, |_, _| Ok((segments, file_len, None, checksum)))
+    }
+
+    /// Compress each item (`items` = [(zip head, address, nbytes, zip tail,
+    /// offsets of the data's CRC-32 in the tail)], data in host memory) into one
+    /// zstd frame, on the engine's thread count, and write the frames back to
+    /// back from `start`: [(offset, length)] per item. The frames are what
+    /// torch's ZStandard stream transform decodes.
+    ///
+    /// The caller keeps every data range alive and unmodified until this returns.
+    #[pyo3(signature = (engine, start, items, level=crate::format::zstd::DEFAULT_LEVEL))]
+    fn write_zstd(
+        &self,
+        py: Python<'_>,
+        engine: &Engine,
+        start: u64,
+        items: Vec<ZstdItem>,
+        level: i32,
+    ) -> PyResult<Vec<(u64, u64)>> {
+        let threads = engine.inner.config().threads;
+        py.detach(|| {
+            let g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(st) = g.as_ref() else {
+                return Err(writer_done());
+            };
+            let parts: Vec<zstd::Item<'_>> = items
+                .iter()
+                .map(|(head, addr, len, tail, crc_at)| {
+                    let data = if *len == 0 {
+                        &[][..]
+                    } else {
+                        // SAFETY: the Python caller keeps `[addr, addr+len)`
+                        // readable host memory, unmodified, for this call
+                        // (documented contract).
+                        unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) }
+                    };
+                    zstd::Item {
+                        head,
+                        data,
+                        tail,
+                        crc_at,
+                    }
+                })
+                .collect();
+            Ok(zstd::write_items(&st.io, start, &parts, level, threads)?)
+        })
     }
 
     /// Write a small byte string (a header) at `offset`.
