@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import types
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -710,7 +711,12 @@ def load(
         )
     d = _direct_arg(direct)
     engine = _engine(threads, chunk_size, d)
-    reader = _open(path, d, backend)
+    try:
+        reader = _open(path, d, backend)
+    except _native.FormatError:
+        if not _is_torchscript(path):
+            raise
+        return _by_torch(t0, path, "a TorchScript archive", map_location, **torch_kw)
     records_ = reader.records()
     prefix = reader.prefix
     names = {name for name, _, _ in records_}
@@ -778,6 +784,15 @@ def _by_torch(t0: float, src: Any, why: str, *args: Any, **kwargs: Any) -> Any:
     name = os.fsdecode(src) if _is_path(src) else _object_name(src)
     _report(name, t0, _torch_stats(n, f"torch.load read it: {why}"), 0)
     return obj
+
+
+def _is_torchscript(path: str) -> bool:
+    """A TorchScript zip (compressed code records, which torch.load hands to torch.jit)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/constants.pkl") for n in z.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
 
 
 def _torch_only(path: str, map_location: MapLocation) -> bool:
