@@ -327,3 +327,17 @@ def test_torchscript_archive_goes_to_torch(tmp_path):
         warnings.simplefilter("ignore")
         ckptio.load(p)
     assert os.path.exists(p)
+
+
+def test_verify_reports_a_bad_file_and_raises_on_request(tmp_path):
+    p = tmp_path / "c.pt"
+    ckptio.save(sample(), p)
+    ckptio.verify(p).raise_if_bad()
+    data = bytearray(p.read_bytes())
+    p.write_bytes(data[: len(data) // 2])
+    rep = ckptio.verify(p)
+    assert not rep.ok and rep.error
+    with pytest.raises(ckptio.FormatError, match="BAD"):
+        rep.raise_if_bad()
+    with pytest.raises(FileNotFoundError):
+        ckptio.verify(tmp_path / "missing.pt")
