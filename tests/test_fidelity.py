@@ -341,3 +341,50 @@ def test_verify_reports_a_bad_file_and_raises_on_request(tmp_path):
         rep.raise_if_bad()
     with pytest.raises(FileNotFoundError):
         ckptio.verify(tmp_path / "missing.pt")
+
+
+@pytest.mark.gpu
+def test_gpu_file_objects_fake_mode_and_safetensors_backend(tmp_path):
+    sd = {"w": torch.randn(1000, 777, device="cuda"), "i": torch.arange(5, device="cuda")}
+    p = tmp_path / "f.pt"
+    with open(p, "wb") as f:
+        ckptio.save(sd, f)
+    assert ckptio.last_report().backend in ("bounce", "cufile")
+    with open(p, "rb") as f:
+        out = ckptio.load(f, map_location="cuda")
+    assert ckptio.last_report().backend in ("bounce", "cufile")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    b = io.BytesIO()
+    ckptio.save(sd, b)
+    b.seek(0)
+    assert torch.equal(ckptio.load(b)["w"], sd["w"])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = ckptio.load(p)
+    assert fake["w"].device.type == "cuda"
+    s = tmp_path / "m.safetensors"
+    cst.save_file(sd, s, device_backend="posix")
+    got = cst.load_file(s, device="cuda", backend="pread", device_backend="posix")
+    assert ckptio.last_report().backend == "bounce"
+    assert all(torch.equal(got[k], sd[k]) for k in sd)
+    assert cst.save(sd) == st.save({k: v.cpu() for k, v in sd.items()})
+
+
+@pytest.mark.gpu
+def test_gpu_dcp_zstd_from_cuda_tensors(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
+
+    ext = pytest.importorskip("torch.distributed.checkpoint._extension")
+    if not ext.ZStandard.is_available():
+        pytest.skip("torch's ZStandard needs zstandard or pyzstd")
+    sd = {"w": torch.randn(512, 1024, device="cuda"), "z": torch.zeros(1 << 20, device="cuda")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=FileSystemWriter(tmp_path, _extensions=[ext.ZStandard()]),
+                 no_dist=True)  # fmt: skip
+        for reader in (dcp.FileSystemReader(tmp_path), FileSystemReader(tmp_path)):
+            out = {k: torch.empty_like(v) for k, v in sd.items()}
+            dcp.load(out, storage_reader=reader, no_dist=True)
+            assert all(torch.equal(out[k], sd[k]) for k in sd)

@@ -379,6 +379,7 @@ def save(
     buffers), "cufile" (or an error) or "posix" (bounce buffers).
     Work queued on the current CUDA streams is finished before bytes are copied.
     """
+    _file_like(f, "save", "write")
     torch_args = (pickle_module, pickle_protocol, _disable_byteorder_record)
     d = _direct_arg(direct)
     t0 = time.perf_counter()
@@ -669,6 +670,7 @@ def load(
     t0 = time.perf_counter()
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, not {type(verify).__name__}")
+    _file_like(f, "load", "read")
     torch_kw: dict[str, Any] = dict(
         pickle_module=pickle_module, weights_only=weights_only, **pickle_load_args
     )
@@ -791,19 +793,36 @@ def _is_torchscript(path: str) -> bool:
     try:
         with zipfile.ZipFile(path) as z:
             return any(n.endswith("/constants.pkl") for n in z.namelist())
-    except (OSError, zipfile.BadZipFile, ValueError):
+    except Exception:  # noqa: BLE001 - a zip Python cannot read is no TorchScript to hand on
         return False
 
 
 def _torch_only(path: str, map_location: MapLocation) -> bool:
     """Whether torch.load must run as is: nothing to read (meta, FakeTensorMode)
-    or not a zip archive (torch's legacy format; garbage gets torch's errors)."""
+    or torch's legacy (non-zip) format. Other files that are no zip archive stay
+    ckptio's to refuse (FormatError)."""
     if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "meta":
         return True
     if torch._guards.detect_fake_mode(None) is not None:
         return True
     with open(path, "rb") as fh:
-        return fh.read(4) != b"PK\x03\x04"
+        return _is_legacy(fh.read(14))
+
+
+def _is_legacy(head: bytes) -> bool:
+    """torch's legacy format starts with its magic number, pickled (protocol >= 2:
+    PROTO n, LONG1 of 10 bytes)."""
+    magic = int(torch.serialization.MAGIC_NUMBER).to_bytes(10, "little")
+    return len(head) == 14 and head[0] == 0x80 and head[2:4] == b"\x8a\x0a" and head[4:] == magic
+
+
+def _file_like(f: Any, what: str, method: str) -> None:
+    """A save or load target that is neither a path nor a file object is a TypeError."""
+    if not _is_path(f) and not callable(getattr(f, method, None)):
+        raise TypeError(
+            f"ckptio.{what} needs a file path (str or os.PathLike) or a file object, "
+            f"not {type(f).__name__}"
+        )
 
 
 def _load_safetensors(

@@ -163,11 +163,38 @@ impl DeviceFile {
         engine: &Engine,
         segments: Vec<RawSegment>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        self.pass(py, engine, segments, false)
+    }
+
+    /// Write memory ranges into the file in one engine pass (the file opened
+    /// writable): `segments` = [(file offset, address, nbytes, device)]. For a
+    /// file that is not ckptio's to replace (a caller's open file object).
+    ///
+    /// The caller keeps every range alive and unmodified until this returns.
+    fn write_segments<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        segments: Vec<RawSegment>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        self.pass(py, engine, segments, true)
+    }
+}
+
+impl DeviceFile {
+    /// One engine pass over `segments` (reads are checked against the file's end).
+    fn pass<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        segments: Vec<RawSegment>,
+        write: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let engine = engine.inner.clone();
         // The lock is taken and released while detached: a thread waiting for
         // it never holds the interpreter.
         let stats = py.detach(|| {
-            let len = self.io.len()?;
+            let len = if write { u64::MAX } else { self.io.len()? };
             for (i, &(off, _, n, _)) in segments.iter().enumerate() {
                 if off.checked_add(n).is_none_or(|end| end > len) {
                     return Err(Error::format(
@@ -183,34 +210,16 @@ impl DeviceFile {
             let mut g = self.device.lock().unwrap_or_else(|p| p.into_inner());
             // SAFETY: `self.device` is declared before `self.io`, so it drops first.
             let path = unsafe { ensure_device_path(&mut g, &self.io, self.backend, &segs)? };
-            // SAFETY: the Python caller keeps each destination alive and
-            // untouched for the duration of this call (documented contract).
-            unsafe { engine.read_via(&self.io, &segs, path, false) }
-        })?;
-        let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-        report(py, stats, &self.io, g.as_ref())
-    }
-
-    /// Write memory ranges into the file in one engine pass (the file opened
-    /// writable): `segments` = [(file offset, address, nbytes, device)]. For a
-    /// file that is not ckptio's to replace (a caller's open file object).
-    ///
-    /// The caller keeps every range alive and unmodified until this returns.
-    fn write_segments<'py>(
-        &self,
-        py: Python<'py>,
-        engine: &Engine,
-        segments: Vec<RawSegment>,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let engine = engine.inner.clone();
-        let stats = py.detach(|| {
-            let segs = to_segments(segments);
-            let mut g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-            // SAFETY: `self.device` is declared before `self.io`, so it drops first.
-            let path = unsafe { ensure_device_path(&mut g, &self.io, self.backend, &segs)? };
-            // SAFETY: the Python caller keeps each range alive and unmodified
-            // for the duration of this call (documented contract).
-            unsafe { engine.write_via(&self.io, &segs, path, false) }
+            // SAFETY: the Python caller keeps each range alive and untouched
+            // (and, for a write, unmodified) for the duration of this call
+            // (documented contract of read_segments / write_segments).
+            unsafe {
+                if write {
+                    engine.write_via(&self.io, &segs, path, false)
+                } else {
+                    engine.read_via(&self.io, &segs, path, false)
+                }
+            }
         })?;
         let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
         report(py, stats, &self.io, g.as_ref())

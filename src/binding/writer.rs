@@ -216,10 +216,11 @@ impl AtomicWriter {
     /// offsets of the data's CRC-32 in the tail)], data in host memory) into one
     /// zstd frame, on the engine's thread count, and write the frames back to
     /// back from `start`: [(offset, length)] per item. The frames are what
-    /// torch's ZStandard stream transform decodes.
+    /// torch's ZStandard stream transform decodes. `level` 3 is zstd's default
+    /// (`format::zstd::DEFAULT_LEVEL`), the one torch's extension uses.
     ///
     /// The caller keeps every data range alive and unmodified until this returns.
-    #[pyo3(signature = (engine, start, items, level=crate::format::zstd::DEFAULT_LEVEL))]
+    #[pyo3(signature = (engine, start, items, level=3))]
     fn write_zstd(
         &self,
         py: Python<'_>,

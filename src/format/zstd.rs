@@ -177,14 +177,9 @@ mod tests {
     fn items_are_written_back_to_back_in_order() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        let io = IoFile::from_writable(file, &path, DirectMode::Off).unwrap();
+        std::fs::write(&path, b"").unwrap();
+        let file = std::fs::File::options().read(true).write(true).open(&path);
+        let io = IoFile::from_writable(file.unwrap(), &path, DirectMode::Off).unwrap();
         let big: Vec<u8> = (0..BIG + 10).map(|i| (i % 13) as u8).collect();
         let datas = [vec![1u8; 1000], big, vec![], vec![9u8; 5000]];
         let items: Vec<Item<'_>> = datas.iter().map(|d| item(d, b"TAIL", &[])).collect();
