@@ -4,9 +4,9 @@
 //! zstd frame (torch's reader decodes one frame per item), the frames back to
 //! back in the file.
 //!
-//! Compression runs on the engine's thread count: items in parallel, one per
-//! thread, and an item larger than [`BIG`] on zstd's own workers (still one
-//! frame). The CRC-32 of each item's data is computed in the same pass and
+//! Compression runs on the engine's thread count (at most one per core): items
+//! in parallel, one per thread, and an item larger than [`BIG`] on zstd's own
+//! workers (still one frame). The CRC-32 of each item's data is computed in the same pass and
 //! written into the zip tail before the tail is compressed, so the archive
 //! inside the frame checks as any torch.save file does. Frames carry their
 //! content size and zstd's own checksum.
@@ -86,7 +86,9 @@ pub fn write_items(
     level: i32,
     threads: usize,
 ) -> Result<Vec<(u64, u64)>> {
-    let threads = threads.max(1);
+    // More compressing threads than cores only add switching.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = threads.clamp(1, cores);
     let mut out = Vec::with_capacity(items.len());
     let mut at = start;
     let mut put = |frame: &[u8]| -> Result<()> {
