@@ -196,6 +196,7 @@ def test_file_objects_with_a_descriptor_go_through_the_engine(tmp_path):
     with open(p, "rb") as f:
         out = ckptio.load(f)
     same(out, sd)
+    assert ckptio.last_report().path == str(p)
     assert out["view"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
     assert ckptio.last_report().storages == 3 and ckptio.last_report().nbytes > 0
     with open(p, "rb") as f:

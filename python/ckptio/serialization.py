@@ -691,8 +691,9 @@ def load(
                 **torch_kw,
             )
         path = f"/proc/self/fd/{fd}"
+        shown = _object_name(f, fd)
     else:
-        path = _path(f, "load")
+        path = shown = _path(f, "load")
         if path.endswith(".safetensors"):
             return _load_safetensors(path, map_location, threads, chunk_size, direct, backend)
     torch_only = bool(mmap) or _torch_only(path, map_location)
@@ -770,9 +771,9 @@ def load(
         if rest:  # records torch filled itself (other devices, callables)
             rows = reader.verify(engine, rest, strict=True)
             unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
-        _report(path, t0, stats, len(segments), True, tuple(unchecked))
+        _report(shown, t0, stats, len(segments), True, tuple(unchecked))
     else:
-        _report(path, t0, stats, len(segments))
+        _report(shown, t0, stats, len(segments))
     return obj
 
 
