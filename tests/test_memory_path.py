@@ -145,9 +145,9 @@ def test_the_per_file_decision_and_its_report(tmp_path, engine_env):
     assert same(ckptio.load(p), sd)
     rep = ckptio.last_report()
     assert rep.read_path == "disk" and "off" in rep.read_reason
-    assert ckptio.Engine(memory_path="pread").memory_path == "pread"
+    assert _native.Engine(memory_path="pread").memory_path == "pread"
     with pytest.raises(ValueError, match="memory path"):
-        ckptio.Engine(memory_path="sometimes")
+        _native.Engine(memory_path="sometimes")
     engine_env(CKPTIO_MEMORY_PATH="bogus")
     with pytest.raises(ValueError, match="memory path"):
         ckptio.load(p)
@@ -219,9 +219,11 @@ def test_a_file_truncated_while_it_is_read_is_a_typed_error(tmp_path, device):
     assert len(res) == 9 * len(folders)
     for r in res:
         assert r["unfired"] == [], r
+        assert r["mem"]["file_mappings"] == 0, r
+        if r["type"] == "CuFileError" and device == "cuda":
+            continue  # cuFile's own read of the cold file (its error, typed)
         assert r["type"] == "FormatError", r
         assert "t.pt" in r["message"], r
-        assert r["mem"]["file_mappings"] == 0, r
 
 
 def test_huge_page_advice_is_applied_to_host_storages(tmp_path, engine_env):
