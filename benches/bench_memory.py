@@ -282,7 +282,7 @@ def staging_round(sd: dict) -> None:
                 stager.close()
         # The floor: fresh buffers of the same sizes, faulted in and registered.
         mems = [_native.HostMemory(n) for n in sizes]
-        pins = [_native.HostPin(m.addr, m.nbytes, pin=True, chunk_size=64 << 20) for m in mems]
+        pins = [_native.HostPin(m, m.addr, m.nbytes, pin=True, chunk_size=64 << 20) for m in mems]
         t0 = time.perf_counter()
         pinned = _native.stage_pin(pins, 16)
         t = time.perf_counter() - t0
