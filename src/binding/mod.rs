@@ -30,7 +30,7 @@ use faults::{_clear_faults, _op_log, _record_ops, _set_fault};
 use probe::info;
 use reader::{map_archive, Reader};
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
-use writer::AtomicWriter;
+use writer::{clean_temps, AtomicWriter};
 
 fn direct_mode(s: Option<&str>) -> PyResult<Option<DirectMode>> {
     Ok(match s {
@@ -134,9 +134,9 @@ unsafe fn ensure_device_path<'a>(
 mod _native {
     #[pymodule_export]
     use super::{
-        _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, info, map_archive,
-        stage_copy, stage_device_copy, stage_pin, AtomicWriter, BufferRegistration, DeviceFile,
-        Engine, HostPin, Reader,
+        _clear_faults, _op_log, _record_ops, _set_fault, clean_temps, cufile_register_buffer, info,
+        map_archive, stage_copy, stage_device_copy, stage_pin, AtomicWriter, BufferRegistration,
+        DeviceFile, Engine, HostPin, Reader,
     };
 
     use super::*;
