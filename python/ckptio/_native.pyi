@@ -11,6 +11,7 @@ __all__ = [
     "_op_log",
     "_record_ops",
     "_set_fault",
+    "clean_temps",
     "cufile_register_buffer",
     "info",
     "map_archive",
@@ -90,7 +91,11 @@ class AtomicWriter:
     """A temp file beside ``path``; ``commit`` replaces ``path`` with it, durably."""
 
     def __new__(
-        cls, path: _Path, direct: str | None = None, backend: str | None = None
+        cls,
+        path: _Path,
+        direct: str | None = None,
+        backend: str | None = None,
+        sweep: bool = True,
     ) -> Self: ...
     def fileno(self) -> int: ...
     @property
@@ -117,10 +122,16 @@ class AtomicWriter:
 
 @final
 class Reader:
-    """An existing checkpoint, mapped and opened for (O_DIRECT where possible) reading."""
+    """An existing checkpoint, mapped and opened for (O_DIRECT where possible) reading;
+    with ``length``, the archive in bytes [offset, offset + length) of the file."""
 
     def __new__(
-        cls, path: _Path, direct: str | None = None, backend: str | None = None
+        cls,
+        path: _Path,
+        direct: str | None = None,
+        backend: str | None = None,
+        offset: int = 0,
+        length: int | None = None,
     ) -> Self: ...
     def records(self) -> list[tuple[str, int, int]]: ...
     @property
@@ -162,8 +173,11 @@ class DeviceFile:
     def write(self, engine: Engine, offset: int, addr: int, nbytes: int, device: int) -> None: ...
     def read(self, engine: Engine, offset: int, addr: int, nbytes: int, device: int) -> None: ...
     def fileno(self) -> int: ...
-    def read_segments(self, engine: Engine, segments: list[_Segment]) -> dict[str, Any]:
-        """Read (file offset, address, nbytes, device) ranges in one engine pass."""
+    def read_segments(
+        self, engine: Engine, segments: list[_Segment], checksum: bool = False
+    ) -> dict[str, Any]:
+        """Read (file offset, address, nbytes, device) ranges in one engine pass; with
+        ``checksum``, "crc32" lists each segment's CRC-32 (None: not via host)."""
 
 @final
 class BufferRegistration:
@@ -193,6 +207,9 @@ def stage_pin(pins: list[HostPin], threads: int = 8) -> int:
 
 def stage_device_copy(device: int, stream: int, copies: list[tuple[int, int, int]]) -> None:
     """Queue (dst, src, nbytes) device-to-device copies on a raw CUstream; returns at once."""
+
+def clean_temps(folder: _Path) -> list[str]:
+    """Remove the temp files of dead saves in ``folder``; the names removed."""
 
 def cufile_register_buffer(addr: int, nbytes: int) -> BufferRegistration: ...
 def info(folder: _Path | None = None) -> dict[str, Any]:

@@ -156,12 +156,17 @@ impl DeviceFile {
     /// A range past the end of the file is a `FormatError`; the device path
     /// (cuFile or bounce) is chosen on first need, as `register_handle` does.
     ///
+    /// `checksum`: also return each segment's CRC-32 (`"crc32"`, None where
+    /// cuFile moved the bytes), computed in the I/O threads.
+    ///
     /// The caller keeps every destination alive and untouched until this returns.
+    #[pyo3(signature = (engine, segments, checksum=false))]
     fn read_segments<'py>(
         &self,
         py: Python<'py>,
         engine: &Engine,
         segments: Vec<RawSegment>,
+        checksum: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let engine = engine.inner.clone();
         // The lock is taken and released while detached: a thread waiting for
@@ -185,10 +190,15 @@ impl DeviceFile {
             let path = unsafe { ensure_device_path(&mut g, &self.io, self.backend, &segs)? };
             // SAFETY: the Python caller keeps each destination alive and
             // untouched for the duration of this call (documented contract).
-            unsafe { engine.read_via(&self.io, &segs, path, false) }
+            unsafe { engine.read_via(&self.io, &segs, path, checksum) }
         })?;
+        let crc32 = checksum.then(|| stats.crc32.clone());
         let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-        report(py, stats, &self.io, g.as_ref())
+        let d = report(py, stats, &self.io, g.as_ref())?;
+        if let Some(crc32) = crc32 {
+            d.set_item("crc32", crc32)?;
+        }
+        Ok(d)
     }
 }
 
