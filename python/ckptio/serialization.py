@@ -314,14 +314,16 @@ class _Restorer:
     record it came from. The bytes are read later by the engine.
     """
 
-    def __init__(self, map_location: MapLocation, sizes: list[int]) -> None:
+    def __init__(self, map_location: MapLocation, sizes: list[int], path: str) -> None:
         self.map_location = map_location
+        self.path = path
         # (address in the file mapping, nbytes, destination storage)
         self.pending: list[tuple[int, int, torch.UntypedStorage]] = []
         # Every data record's size, where they all go to one device (a str or
         # torch.device map_location); else no reservation (see _reserve_cuda).
         one_device = isinstance(map_location, (str, torch.device))
         self.sizes = sizes if one_device else None
+        self.record_sizes = set(sizes)
         self.reserved: set[torch.device] = set()
 
     def _mapped(self, location: str) -> str:
@@ -345,6 +347,13 @@ class _Restorer:
         dev = _engine_device(loc)
         if dev is None:  # not ours to fill: torch copies from the mapping (or raises)
             return torch.serialization.default_restore_location(storage, loc)
+        if storage.nbytes() and storage.nbytes() not in self.record_sizes:
+            # The pickle declares a storage no record holds (torch cuts the
+            # mapped slice at the end of the file): refuse before allocating it.
+            raise _native.FormatError(
+                f"{self.path}: the pickle declares a storage of {storage.nbytes()} bytes, "
+                "which no data record of the archive holds"
+            )
         if dev.type == "cuda" and self.sizes is not None and dev not in self.reserved:
             self.reserved.add(dev)
             _reserve_cuda(dev, self.sizes)
@@ -496,17 +505,18 @@ def load(
     path = _path(f, "load")
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, not {type(verify).__name__}")
-    if verify and (mmap or not _reads_natively(path)):
+    if verify and mmap:
         # torch reads the bytes itself here: check the whole file first.
         _verify_all(path, threads, chunk_size, direct)
     if mmap:
-        return torch.load(
-            path,
-            map_location=map_location,
-            weights_only=weights_only,
-            mmap=True,
-            **pickle_load_args,
-        )
+        with _unpickling(path):
+            return torch.load(
+                path,
+                map_location=map_location,
+                weights_only=weights_only,
+                mmap=True,
+                **pickle_load_args,
+            )
     if not (
         map_location is None
         or isinstance(map_location, (str, torch.device, dict))
@@ -520,31 +530,33 @@ def load(
     engine = _engine(threads, chunk_size, d)
     reader = _open(path, d, backend)
     records_ = reader.records()
-    prefix = reader.prefix
-    names = {name for name, _, _ in records_}
-    byteorder = f"{prefix}/byteorder"
-    if byteorder in names and reader.read_record(byteorder).decode() != sys.byteorder:
-        # Byte-swapped storages are rare: let torch swap them.
-        return torch.load(
-            path, map_location=map_location, weights_only=weights_only, **pickle_load_args
-        )
-    data_prefix = f"{prefix}/data/"
+    data_prefix = f"{reader.prefix}/data/"
     data = {off: size for name, off, size in records_ if name.startswith(data_prefix)}
     unchecked: list[str] = []
-    if verify:  # the pickle and the small records, before torch unpickles anything
+    if verify:  # the pickle and the small records, before anything is decoded
         small = [name for name, _, _ in records_ if not name.startswith(data_prefix)]
         rows = reader.verify(engine, small, strict=True)
         unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
-    restorer = _Restorer(map_location, list(data.values()))
+    if not _native_byteorder(reader, path):
+        # Byte-swapped storages are rare: let torch swap them (it reads the
+        # data records itself, so those are checked first).
+        if verify:
+            _verify_all(path, threads, chunk_size, direct)
+        with _unpickling(path):
+            return torch.load(
+                path, map_location=map_location, weights_only=weights_only, **pickle_load_args
+            )
+    restorer = _Restorer(map_location, list(data.values()), path)
     # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
     # replaced meanwhile by a concurrent save.
-    obj = torch.load(
-        f"/proc/self/fd/{reader.fileno()}",
-        map_location=restorer,
-        weights_only=weights_only,
-        mmap=True,
-        **pickle_load_args,
-    )
+    with _unpickling(path):
+        obj = torch.load(
+            f"/proc/self/fd/{reader.fileno()}",
+            map_location=restorer,
+            weights_only=weights_only,
+            mmap=True,
+            **pickle_load_args,
+        )
     offsets = _file_offsets(restorer.pending, data, path)
     segments = []
     for off, (_, n, dest) in zip(offsets, restorer.pending, strict=True):
@@ -572,13 +584,33 @@ def load(
     return obj
 
 
-def _reads_natively(path: str) -> bool:
-    """Whether load moves the storages itself (not the byte-swapped torch.load path)."""
-    reader = _open(path, "off", None)
+@contextlib.contextmanager
+def _unpickling(path: str) -> Iterator[None]:
+    """torch's refusal of a pickle (weights_only) names the file and what was refused."""
+    try:
+        yield
+    except pickle.UnpicklingError as e:
+        lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+        if len(lines) > 1 and lines[0].startswith("Weights only load failed"):
+            lines = lines[1:]  # torch's preamble; the reason follows
+        reason = lines[0] if lines else type(e).__name__
+        raise pickle.UnpicklingError(
+            f"{path}: record data.pkl refused by torch's weights_only unpickler: {reason}"
+        ) from e
+
+
+def _native_byteorder(reader: _native.Reader, path: str) -> bool:
+    """Whether the storages are in this machine's byte order (no byteorder record:
+    little-endian, as torch assumes)."""
     byteorder = f"{reader.prefix}/byteorder"
-    if any(name == byteorder for name, _, _ in reader.records()):
-        return bool(reader.read_record(byteorder).decode() == sys.byteorder)
-    return True
+    if not any(name == byteorder for name, _, _ in reader.records()):
+        return sys.byteorder == "little"
+    raw = reader.read_record(byteorder)
+    if raw not in (b"little", b"big"):
+        raise _native.FormatError(
+            f"{path}: record {byteorder} is {raw[:16]!r}, not b'little' or b'big'"
+        )
+    return raw.decode() == sys.byteorder
 
 
 def _verify_all(
@@ -589,11 +621,23 @@ def _verify_all(
 
 
 def _open(path: str, direct: str | None, backend: str | None) -> _native.Reader:
-    """Open and map a checkpoint; a zip without a pickle is no checkpoint."""
+    """Open and map a checkpoint; a zip without a pickle is no checkpoint, nor
+    one that torch's own reader refuses (unsupported version, flags...)."""
     reader = _native.Reader(path, direct, backend)
     if not any(name == f"{reader.prefix}/data.pkl" for name, _, _ in reader.records()):
         raise _native.FormatError(f"{path}: no data.pkl record: not a torch.save checkpoint")
+    _torch_reads(path, reader.fileno())
     return reader
+
+
+def _torch_reads(path: str, fd: int | None = None) -> None:
+    """FormatError naming ``path`` if torch's archive reader (which torch.load runs
+    on it) refuses the file; it reads only the end records and the directory."""
+    try:
+        torch._C.PyTorchFileReader(path if fd is None else f"/proc/self/fd/{fd}")
+    except RuntimeError as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _native.FormatError(f"{path}: torch's reader refuses the archive: {msg}") from e
 
 
 def _tensors(obj: Any, name: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -623,14 +667,23 @@ def records(f: str | os.PathLike[str], *, weights_only: bool = True) -> list[Rec
     """
     path = _path(f, "records")
     reader = _open(path, "off", None)
-    meta = torch.load(
-        f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
-    )
+    _native_byteorder(reader, path)  # torch.load would fail on a bad one, untyped
+    with _unpickling(path):
+        meta = torch.load(
+            f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
+        )
     by_offset: dict[int, list[TensorInfo]] = {}
+    sizes = {off: size for _, off, size in reader.records()}
     for name, t in _tensors(meta, "", set()):
         off = getattr(t.untyped_storage(), "_checkpoint_offset", None)
         if off is None:
             continue
+        if sizes.get(off) != t.untyped_storage().nbytes():
+            raise _native.FormatError(
+                f"{path}: tensor {name or '<root>'!r} declares a storage of "
+                f"{t.untyped_storage().nbytes()} bytes at offset {off}, where the archive "
+                f"has {'no record' if off not in sizes else f'a record of {sizes[off]}'}"
+            )
         by_offset.setdefault(off, []).append(
             TensorInfo(
                 name or "<root>", t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
