@@ -26,7 +26,7 @@ import safetensors.torch as st
 import torch
 import torch.distributed.checkpoint as dcp
 from ckptio.dcp import DATA_FILE, FileSystemReader, FileSystemWriter
-from test_faults import CHILD_PRELUDE, IS_ROOT, TEMP_RE, temps
+from test_faults import CHILD_PRELUDE, IS_ROOT, TEMP_RE, fork_trial, temps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 MIB = 2**20
@@ -94,7 +94,7 @@ def checkpoint_files(kind: str, folder: Path) -> set[str]:
 # --------------------------------------------------------------------------- SIGKILL
 
 SERVER = """
-import signal, time, warnings
+import warnings
 warnings.simplefilter("ignore")
 import torch.distributed.checkpoint as dcp
 import ckptio.safetensors as cst
@@ -115,20 +115,8 @@ for line in sys.stdin:
     cmd, delay, gen, variant = line.split()
     if cmd != "go":
         break
-    t0 = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            save(int(gen), variant)
-            os._exit(0)
-        except BaseException:
-            os._exit(3)
-    if delay != "none":
-        time.sleep(float(delay))
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"pid": pid, "status": status, "seconds": time.perf_counter() - t0,
-                      "killed": os.WIFSIGNALED(status)}), flush=True)
+    r = fork_kill(None if delay == "none" else float(delay), lambda: save(int(gen), variant))
+    print(json.dumps(r), flush=True)
 """
 
 # (kind, variants cycled through the saves): DCP with 2 data files every time; DCP
@@ -173,12 +161,9 @@ def test_sigkill_at_random_moments_leaves_old_or_new_never_a_mix(tmp_path, scena
         def trial(gen: int, delay: float | None) -> dict:
             variant = variants[gen % len(variants)]
             hashes[gen] = digest(state(gen, KILL_NUMEL))
-            server.stdin.write(f"go {'none' if delay is None else delay} {gen} {variant}\n")
-            server.stdin.flush()
-            r = json.loads(server.stdout.readline())
-            if r["killed"]:
-                killed.add(r["pid"])
-            return r
+            return fork_trial(
+                server, f"{'none' if delay is None else delay} {gen} {variant}", killed
+            )
 
         durations = []
         for gen in (1, 2):  # whole saves: the time scale (one of each variant)

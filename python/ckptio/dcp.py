@@ -587,19 +587,27 @@ def _check_item(path: str, info: _StorageInfo, engine: _native.Engine) -> int | 
 # --------------------------------------------------------------------------- .metadata
 
 
+# DCP's metadata classes: what a .metadata pickle may build, and set the state of.
+_METADATA_CLASSES = (
+    _md.Metadata,
+    _md.MetadataIndex,
+    _md.StorageMeta,
+    _md.TensorProperties,
+    _md.TensorStorageMetadata,
+    _md.BytesStorageMetadata,
+    _md.ChunkStorageMetadata,
+    _StorageInfo,
+)
+# Objects BUILD may set the state of: instances of those, never a class.
+_BUILDABLE = (*_METADATA_CLASSES, OrderedDict)
+
+
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     """What a ``.metadata`` pickle may name: DCP's metadata classes, torch sizes,
     dtypes, layouts and devices, paths, plain containers and values."""
     objs: list[Any] = [
-        _md.Metadata,
-        _md.MetadataIndex,
-        _md.StorageMeta,
-        _md.TensorProperties,
-        _md.TensorStorageMetadata,
-        _md.BytesStorageMetadata,
-        _md.ChunkStorageMetadata,
+        *_BUILDABLE,
         _md._MEM_FORMAT_ENCODING,
-        _StorageInfo,
         torch.Size,
         torch.device,
         torch.serialization._get_layout,
@@ -607,7 +615,6 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
         pathlib.PosixPath,
         pathlib.PureWindowsPath,
         pathlib.WindowsPath,
-        OrderedDict,
     ]
     out = {(o.__module__, o.__qualname__): o for o in objs}
     for o in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath):
@@ -621,18 +628,6 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
 
 
 _ALLOWED: dict[tuple[str, str], Any] | None = None
-# Objects BUILD may set the state of: instances of the allowed classes, never a class.
-_BUILDABLE = (
-    _md.Metadata,
-    _md.MetadataIndex,
-    _md.StorageMeta,
-    _md.TensorProperties,
-    _md.TensorStorageMetadata,
-    _md.BytesStorageMetadata,
-    _md.ChunkStorageMetadata,
-    _StorageInfo,
-    OrderedDict,
-)
 
 
 class _MetadataUnpickler(pickle._Unpickler):
