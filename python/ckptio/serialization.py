@@ -591,12 +591,12 @@ def _unpickling(path: str) -> Iterator[None]:
         yield
     except pickle.UnpicklingError as e:
         lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+        what = "could not be unpickled"
         if len(lines) > 1 and lines[0].startswith("Weights only load failed"):
             lines = lines[1:]  # torch's preamble; the reason follows
+            what = "refused by torch's weights_only unpickler"
         reason = lines[0] if lines else type(e).__name__
-        raise pickle.UnpicklingError(
-            f"{path}: record data.pkl refused by torch's weights_only unpickler: {reason}"
-        ) from e
+        raise pickle.UnpicklingError(f"{path}: record data.pkl {what}: {reason}") from e
 
 
 def _native_byteorder(reader: _native.Reader, path: str) -> bool:
