@@ -316,7 +316,7 @@ def save(folder, gen):
     else:
         cst.save_sharded(state(gen), folder, max_shard_size=600_000)
 out = []
-for point in ("fallocate", "write", "fsync", "rename"):
+for point in ("fallocate", "write", "rename"):
     for nth in range(1, 6):  # the 4 data files, then .metadata / the index
         folder = os.path.join(base, f"{point}{nth}")
         save(folder, 0)
@@ -329,9 +329,10 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dcp", "sharded"])
 def test_injected_enospc_at_every_file_keeps_the_previous_checkpoint(tmp_path, kind):
-    """ENOSPC injected at one stage (space reservation, a data write, the fsync, the rename)
+    """ENOSPC injected at one stage (space reservation, a data write, the rename)
     of each file of a 4-file save in turn, and of the metadata / index written last: the
     save fails and the previous checkpoint loads bit-exact by every reader."""
     from test_fault_injection import run_faulty
@@ -349,7 +350,7 @@ def test_injected_enospc_at_every_file_keeps_the_previous_checkpoint(tmp_path, k
         got = dcp_loads(Path(folder), 1 << 16) if kind == "dcp" else sharded_loads(Path(folder))
         assert got == want, r
         assert temps(Path(folder)) == [], r
-    assert fired >= 16, results
+    assert fired >= 12, results
 
 
 # --------------------------------------------------------------------------- layouts
@@ -503,21 +504,22 @@ def _dist_loads(folder: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("who", ["rank1_in_write", "rank0_before_commit"])
-def test_a_rank_that_dies_mid_save_leaves_the_previous_checkpoint(tmp_path, who):
-    """Two ranks over gloo save step 0, then step 1 during which one rank is SIGKILLed (rank 1
-    after its first data file is durable; or the coordinator, rank 0, right before it writes
-    .metadata, every rank's files being durable): the folder still loads step 0 exactly
-    (.metadata is the single commit point); a later two-rank save removes the leftovers."""
-    codes = _run_dying_ranks(tmp_path, f"die_{who}")
-    assert codes[0 if who.startswith("rank0") else 1] == -signal.SIGKILL, codes
+def test_a_rank_that_dies_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    """Two ranks over gloo save step 0, then step 1 during which one rank is SIGKILLed: rank 1
+    after its first data file is durable, then (another round) the coordinator, rank 0, right
+    before it writes .metadata, every rank's files being durable. Each time the folder still
+    loads step 0 exactly (.metadata is the single commit point); a later two-rank save
+    removes the leftovers."""
     folder = tmp_path / "die"
-    for sd in _dist_loads(folder):
-        want = _dist_state(0)
-        assert torch.equal(sd["w"], want["w"]) and torch.equal(sd["b"], want["b"])
-        assert sd["step"] == 0
-    leftovers = set(os.listdir(folder)) - checkpoint_files("dcp", folder)
-    assert leftovers, "the killed save left nothing: it did not get as far as the test wants"
+    for who, dead in (("rank1_in_write", 1), ("rank0_before_commit", 0)):
+        codes = _run_dying_ranks(tmp_path, f"die_{who}")
+        assert codes[dead] == -signal.SIGKILL, (who, codes)
+        for sd in _dist_loads(folder):
+            want = _dist_state(0)
+            assert torch.equal(sd["w"], want["w"]) and torch.equal(sd["b"], want["b"]), who
+            assert sd["step"] == 0
+        leftovers = set(os.listdir(folder)) - checkpoint_files("dcp", folder)
+        assert leftovers, f"{who}: the killed save left nothing: it did not get far enough"
     codes = _run_dying_ranks(tmp_path, "die_none")
     assert codes == [0, 0], codes
     for sd in _dist_loads(folder):
