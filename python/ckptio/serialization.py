@@ -635,8 +635,12 @@ def _torch_reads(path: str, fd: int | None = None) -> None:
     on it) refuses the file; it reads only the end records and the directory."""
     try:
         torch._C.PyTorchFileReader(path if fd is None else f"/proc/self/fd/{fd}")
-    except RuntimeError as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    except Exception as e:  # RuntimeError; a message with raw bytes is a UnicodeDecodeError
+        if isinstance(e, UnicodeDecodeError) and isinstance(e.object, bytes):
+            msg = e.object.decode(errors="replace")
+        else:
+            msg = str(e)
+        msg = msg.splitlines()[0] if msg else type(e).__name__
         raise _native.FormatError(f"{path}: torch's reader refuses the archive: {msg}") from e
 
 

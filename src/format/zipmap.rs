@@ -38,6 +38,9 @@ const SAT32: u32 = u32::MAX;
 /// General-purpose flag bits torch's reader (miniz) refuses: 0 (encrypted),
 /// 5 (compressed patch data), 6 (strong encryption), 13 (masked local headers).
 const REFUSED_FLAGS: u16 = 0x2061;
+/// The DOS directory bit of an entry's external attributes: miniz then takes
+/// the record for a folder and torch reads no bytes of it.
+const DOS_DIR_ATTRIBUTE: u32 = 0x10;
 /// The smallest "size of the ZIP64 end record" field miniz accepts (56 - 12).
 const ZIP64_EOCD_MIN_SIZE: u64 = 44;
 const METHOD_STORED: u16 = 0;
@@ -517,6 +520,13 @@ fn parse_central_directory(
                 "record {name:?} has flags {flags:#06x}: encrypted, patch data or masked \
                  headers (bits {:#06x}), which torch's reader refuses",
                 flags & REFUSED_FLAGS
+            )));
+        }
+        let external = le32(h, 38);
+        if external & DOS_DIR_ATTRIBUTE != 0 || name.ends_with('/') {
+            return Err(bad(format!(
+                "record {name:?} is marked as a folder (external attributes {external:#010x}), \
+                 whose bytes torch's reader does not read"
             )));
         }
         if method != METHOD_STORED {
@@ -1676,6 +1686,13 @@ mod tests {
         }
         let loc = img.eocd - LOCATOR_LEN as u64;
         rejects_patched(&v, "spans several disks", |v| set32(v, loc + 16, 0));
+        // An entry miniz takes for a folder (DOS directory bit): torch reads none of it.
+        rejects_patched(&v, "marked as a folder", |v| {
+            set32(v, img.cd_entries[2] + 38, 0xD6)
+        });
+        let mut w = v.clone();
+        set32(&mut w, img.cd_entries[2] + 38, 0o644 << 16); // Unix mode bits: a file
+        img.check(&map_bytes(&w).unwrap());
     }
 
     #[test]
