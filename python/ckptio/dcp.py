@@ -41,12 +41,20 @@ file and the item) is ``exc.failures[rank][0]``. ``.metadata`` that cannot be
 read or is refused makes torch's loader raise an ``AssertionError`` whose text
 carries ckptio's message; ``FileSystemReader(path).read_metadata()`` raises the
 typed error itself.
+
+torch's ``_extensions`` and ``serialization_format`` are taken too. With
+torch's ``ZStandard`` extension alone, each item becomes one zstd frame made in
+Rust on the engine's thread count (tensors copied to host memory first), the
+frames torch's reader decodes; other stream transforms and
+``SerializationFormat.SAFETENSORS`` are written by torch's own code (bytes
+through Python), and items with transforms are read by torch's code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import io
 import os
 import pathlib
@@ -83,7 +91,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptio import _native
+from ckptio import _native, _transfer
 from ckptio._paths import inside
 from ckptio.serialization import (
     _CONFIG_LOCK,
@@ -92,11 +100,23 @@ from ckptio.serialization import (
     _direct_arg,
     _engine,
     _storage_alignment,
-    _sync_cuda,
 )
 from ckptio.staging import BlockingAsyncStager
 
+try:  # torch >= 2.7: stream transforms of DCP items
+    from torch.distributed.checkpoint._extension import ZStandard as _ZStandard
+except ImportError:  # pragma: no cover - older torch
+    _ZStandard = None
+try:  # torch >= 2.8: the items' serialization format
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+except ImportError:  # pragma: no cover - older torch
+    SerializationFormat = None  # type: ignore[assignment,misc]
+
 __all__ = ["FileSystemWriter", "FileSystemReader"]
+
+# What this torch's writer and reader take (the GPU machine runs an older torch).
+_WRITER_ARGS = inspect.signature(_FileSystemWriter.__init__).parameters
+_READER_ARGS = inspect.signature(_TorchReader.__init__).parameters
 
 _ALIGN = STORAGE_ALIGNMENT
 _DCP_VERSION: str | None = getattr(_fs, "CURRENT_DCP_VERSION", None)
@@ -108,6 +128,19 @@ DATA_FILE = re.compile(r"__(?P<rank>\d+)_(?:[0-9a-f]{8}_)?\d+" + re.escape(DEFAU
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def _torch_args(accepted: Any, **given: Any) -> dict[str, Any]:
+    """The given (torch) arguments this torch's class takes; a value set for one
+    it lacks is an error rather than silently dropped."""
+    out = {}
+    for k, v in given.items():
+        if k in accepted:
+            if v is not None:
+                out[k] = v
+        elif v is not None:
+            raise TypeError(f"{k} needs a newer torch (torch {torch.__version__} lacks it)")
+    return out
 
 
 class _SparseSink(io.RawIOBase):
@@ -195,10 +228,14 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
 
     Takes torch's arguments (``path, single_file_per_rank=True, sync_files=True,
     thread_count=1, per_thread_copy_ahead, cache_staged_state_dict=False,
-    overwrite=True``) plus ckptio's ``threads``, ``chunk_size``, ``direct`` and
-    ``backend`` (see ``ckptio.save``). ``thread_count`` still sets files per rank;
-    the engine's threads move the bytes of each file in parallel. Data files are
-    always fsynced (``sync_files`` is kept for compatibility).
+    overwrite=True, _extensions=None, serialization_format=TORCH_SAVE``, the last
+    two where this torch has them) plus ckptio's ``threads``, ``chunk_size``,
+    ``direct`` and ``backend`` (see ``ckptio.save``). ``thread_count`` still sets
+    files per rank; the engine's threads move the bytes of each file in
+    parallel. Data files are always fsynced (``sync_files`` is kept for
+    compatibility). ``_extensions=[ZStandard()]``: each item one zstd frame,
+    compressed in Rust; other transforms and ``SerializationFormat.SAFETENSORS``
+    are written by torch's own writer code (see the module doc).
     """
 
     def __init__(
@@ -210,12 +247,17 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         per_thread_copy_ahead: int = 10_000_000,
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
+        _extensions: Any = None,
+        serialization_format: Any = None,
         *,
         threads: int | None = None,
         chunk_size: int | None = None,
         direct: bool | str | None = None,
         backend: str | None = None,
     ) -> None:
+        extra = _torch_args(
+            _WRITER_ARGS, _extensions=_extensions, serialization_format=serialization_format
+        )
         _FileSystemWriter.__init__(
             self,
             path,
@@ -224,6 +266,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             thread_count=thread_count,
             per_thread_copy_ahead=per_thread_copy_ahead,
             overwrite=overwrite,
+            **extra,
         )
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self._io = (threads, chunk_size, _direct_arg(direct), backend)
@@ -272,7 +315,25 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             for i, plan in enumerate(plans)
         ]
 
+    def _extensions(self) -> tuple[Any, ...]:
+        transforms = getattr(self, "transforms", None)
+        return tuple(getattr(transforms, "extensions", None) or ())
+
+    def _torch_writes(self) -> bool:
+        """Whether torch's own writer code writes the data files: a serialization
+        format other than torch.save, or stream transforms other than ZStandard alone."""
+        fmt = getattr(self, "serialization_format", None)
+        if SerializationFormat is not None and fmt not in (None, SerializationFormat.TORCH_SAVE):
+            return True
+        exts = self._extensions()
+        return bool(exts) and not (len(exts) == 1 and type(exts[0]) is _ZStandard)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._torch_writes():
+            self.last_stats = []
+            fut_torch: Future[list[WriteResult]] = _FileSystemWriter.write_data(self, plan, planner)
+            return fut_torch
+        write_file = self._write_file_zstd if self._extensions() else self._write_file
         prefix: _StoragePrefix = plan.storage_data
         if self.single_file_per_rank:
             buckets = _split_by_size_and_type(self.thread_count, plan.items)
@@ -284,7 +345,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             name = f"{prefix.prefix}{n}{DEFAULT_SUFFIX}"
             path = os.path.join(self.path, name)
             # Temp files of dead saves go before this rank's first file, once.
-            results += self._write_file(path, name, items, planner, sweep=n == 0)
+            results += write_file(path, name, items, planner, sweep=n == 0)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -328,8 +389,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                     )
                 )
                 offset = _align(offset + length)
-            _sync_cuda({s[3] for s in segments})
-            stats = writer.write_segments(engine, segments, offset, checksum=True)
+            stats = _transfer.write(writer, engine, segments, keep, file_len=offset, checksum=True)
             # Each item's tail follows its data in the same page: write it once the
             # data is down (never a buffered and a direct write of one page at once),
             # with the CRC-32 computed as the bytes went (0, "unchecked", where
@@ -346,6 +406,52 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         except BaseException:
             writer.abort()
             raise
+
+    def _write_file_zstd(
+        self, path: str, name: str, items: list[Any], planner: SavePlanner, sweep: bool
+    ) -> list[WriteResult]:
+        """A data file of zstd frames, one per item (torch's ZStandard transform),
+        compressed and written in Rust; tensors are copied to host memory first."""
+        threads, chunk_size, direct, backend = self._io
+        engine = _engine(threads, chunk_size, direct)
+        descriptors = [ext.get_descriptor() for ext in reversed(self._extensions())]
+        writer = _native.AtomicWriter(path, direct, backend, sweep)
+        try:
+            keep = []  # host copies live until the frames are written
+            parts: list[tuple[bytes, int, int, bytes, list[int]]] = []
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                    parts.append((blob, 0, 0, b"", []))
+                    continue
+                t = data.detach().to("cpu")
+                if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                    t = t.contiguous().resolve_conj().resolve_neg()
+                keep.append(t)
+                z = _item_zip(t.dtype, tuple(t.shape))
+                nbytes = t.numel() * t.element_size()
+                if nbytes:
+                    parts.append((z.head, t.data_ptr(), nbytes, z.tail, list(z.crc_at)))
+                else:
+                    parts.append((z.head, 0, 0, b"", []))
+            spans = writer.write_zstd(engine, 0, parts, keep)
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        del keep
+        self.last_stats.append(
+            {"path": path, "bytes": sum(n for _, n in spans), "compressed": "zstd"}
+        )
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=length,
+                storage_data=_StorageInfo(name, off, length, transform_descriptors=descriptors),
+            )
+            for item, (off, length) in zip(items, spans, strict=True)
+        ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Publish the save: replace ``.metadata`` (or ``__{rank}.metadata``)
@@ -398,12 +504,15 @@ class FileSystemReader(_TorchReader):
     written by either writer, tensor bytes straight into the destination tensors.
 
     ``threads``, ``chunk_size``, ``direct``, ``backend``: as for ``ckptio.load``.
+    ``_extension_registry`` is torch's; items written with stream transforms
+    (compressed) are read by torch's reader code, the rest by the engine.
     ``verify=True``: check every item read against its CRC-32s (its pickle and
     small records before they are decoded, its tensor bytes as the I/O threads
     read them; a request for part of a tensor then reads the whole item), and
     raise ``ckptio.FormatError`` naming the file and the item on a mismatch.
     ``last_stats`` lists per file the items ``verified`` and ``unchecked`` (no
-    CRC-32 stored: cuFile-written, or a torch item without one).
+    CRC-32 stored: cuFile-written, or a torch item without one); items with
+    stream transforms, which torch's code reads, are not checked.
     ``trusted_metadata=True``: unpickle ``.metadata`` without the allow-list,
     as torch's reader does (only for folders you trust: a crafted ``.metadata``
     then runs code).
@@ -412,6 +521,7 @@ class FileSystemReader(_TorchReader):
     def __init__(
         self,
         path: str | os.PathLike[str],
+        _extension_registry: Any = None,
         *,
         threads: int | None = None,
         chunk_size: int | None = None,
@@ -420,7 +530,7 @@ class FileSystemReader(_TorchReader):
         verify: bool = False,
         trusted_metadata: bool = False,
     ) -> None:
-        super().__init__(path)
+        super().__init__(path, **_torch_args(_READER_ARGS, _extension_registry=_extension_registry))
         for name, v in (("verify", verify), ("trusted_metadata", trusted_metadata)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, not {type(v).__name__}")
@@ -446,16 +556,17 @@ class FileSystemReader(_TorchReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[Any]] = {}
+        transformed = []
         for req in plan.items:
             info: _StorageInfo = self.storage_data[req.storage_index]
-            if info.transform_descriptors:
-                raise NotImplementedError(
-                    f"item {req.storage_index} uses stream transforms "
-                    f"{info.transform_descriptors}; read it with torch's FileSystemReader"
-                )
+            if getattr(info, "transform_descriptors", None):
+                transformed.append(req)
+                continue
             per_file.setdefault(info.relative_path, []).append(req)
         self.last_stats = []
         folder = os.fspath(self.path)
+        if transformed:  # decoded by torch's reader code (its extension registry)
+            super().read_data(dataclasses.replace(plan, items=transformed), planner).wait()
         for rel, reqs in per_file.items():
             where = os.path.join(folder, _METADATA)
             self._read_file(inside(folder, rel, where), reqs, planner)
@@ -502,6 +613,7 @@ class FileSystemReader(_TorchReader):
         engine = _engine(threads, chunk_size, direct)
         dev_file = _native.DeviceFile(path, False, direct, backend)
         segments: list[tuple[int, int, int, int]] = []
+        owners: list[torch.Tensor] = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
         # (segment index, stored CRC-32 or None, request, item offset) when verifying
         checks: list[tuple[int, int | None, Any, int]] = []
@@ -539,6 +651,7 @@ class FileSystemReader(_TorchReader):
                     # Straight into the destination.
                     start = data_off + src.storage_offset() * isz
                     segments.append((start, target.data_ptr(), target.numel() * isz, dev))
+                    owners.append(target)
                     commits.append((req, target, None, None))
                 else:
                     # A strided (or, verifying, partial) request: read the item's
@@ -546,8 +659,16 @@ class FileSystemReader(_TorchReader):
                     # then copy the slice.
                     tmp = torch.empty(nbytes, dtype=torch.uint8, device=target.device)
                     segments.append((data_off, tmp.data_ptr(), nbytes, dev))
+                    owners.append(tmp)
                     commits.append((req, target, tmp, src))
-            stats = dev_file.read_segments(engine, segments, self.verify) if segments else {}
+            # The destinations may still be in use by work queued on the current
+            # streams: the engine's copies are ordered after it. Verifying, the
+            # I/O threads also return each segment's CRC-32.
+            stats = (
+                _transfer.read(dev_file, engine, segments, owners, verify=self.verify)
+                if segments
+                else {}
+            )
         if self.verify:
             verified, unchecked = [], []
             crcs = stats.pop("crc32", [])

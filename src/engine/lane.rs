@@ -3,13 +3,27 @@
 //! its pinned bounce lanes, with the copy of one chunk in flight while the
 //! previous one's file I/O runs.
 
+use crate::gpu::order::After;
 use crate::gpu::{BounceLane, DevicePath, InFlight, Memory};
 use crate::io::align::{self, AlignedBuf};
 use crate::io::fault::{self, Point};
 use crate::io::file::IoFile;
 use crate::{Error, Result};
 
-use super::{Chunk, Dir};
+use super::{Chunk, Dir, PageLocks};
+
+/// What every thread of one transfer shares.
+pub(super) struct Ctx<'a> {
+    pub(super) file: &'a IoFile,
+    pub(super) dir: Dir,
+    pub(super) path: Option<&'a DevicePath>,
+    /// Events on the caller's streams that device copies wait for.
+    pub(super) after: &'a After,
+    /// Pages shared between segments, written by one chunk at a time.
+    pub(super) locks: &'a PageLocks,
+    /// Bytes of a staging or bounce buffer.
+    pub(super) capacity: usize,
+}
 
 /// Per-thread resources, reused across calls.
 pub struct Lane {
@@ -60,13 +74,18 @@ impl Lane {
     /// Every chunk `take` yields must satisfy the engine's memory contract.
     pub(super) unsafe fn run<'c>(
         &mut self,
-        file: &IoFile,
-        dir: Dir,
-        path: Option<&DevicePath>,
-        capacity: usize,
+        ctx: &Ctx<'_>,
         mut take: impl FnMut() -> Option<(usize, &'c Chunk)>,
         mut crcs: Option<&mut Vec<(usize, Option<u32>)>>,
     ) -> Result<()> {
+        let Ctx {
+            file,
+            dir,
+            path,
+            after,
+            locks,
+            capacity,
+        } = *ctx;
         let want_crc = crcs.is_some();
         let mut note = |i: usize, crc: Option<u32>| {
             if let Some(v) = crcs.as_mut() {
@@ -84,6 +103,8 @@ impl Lane {
                     },
                     file.path(),
                 )?;
+                // Held until this chunk's bytes are written (cuFile transfers only).
+                let _pages = locks.hold(c.shared);
                 match (c.memory, path) {
                     (_, _) if dir == Dir::Checksum => {
                         let bytes = self.read_staged(file, c.file_offset, c.len)?;
@@ -106,14 +127,18 @@ impl Lane {
                     }
                     (Memory::Cuda(dev), _) => {
                         let lane = self.bounce_lane(dev, capacity)?;
+                        let after = after.event(dev);
                         // SAFETY: the caller's contract covers `c`; chunks are at
                         // most chunk_size, within the lane's capacity; the slot
                         // taken was finished before (two slots, one in flight).
                         let started = unsafe {
                             match dir {
-                                Dir::Write => {
-                                    self.bounce[lane].start_save(c.addr, c.len, c.file_offset)?
-                                }
+                                Dir::Write => self.bounce[lane].start_save(
+                                    c.addr,
+                                    c.len,
+                                    c.file_offset,
+                                    after,
+                                )?,
                                 _ => {
                                     let (f, crc) = self.bounce[lane].start_load(
                                         c.addr,
@@ -121,6 +146,7 @@ impl Lane {
                                         c.file_offset,
                                         file,
                                         want_crc,
+                                        after,
                                     )?;
                                     note(i, crc);
                                     f
@@ -179,7 +205,19 @@ impl Lane {
             return Ok(i);
         }
         self.bounce.retain(|b| b.device() != device);
-        self.bounce.push(BounceLane::new(device, capacity)?);
+        let lane = match BounceLane::pinned(device, capacity)? {
+            Some(l) => l,
+            None => {
+                // The pinned-memory cap is full: every engine's idle lanes go
+                // back first; if that is not enough, this lane runs pageable.
+                super::pool::release_buffers();
+                match BounceLane::pinned(device, capacity)? {
+                    Some(l) => l,
+                    None => BounceLane::pageable(device, capacity)?,
+                }
+            }
+        };
+        self.bounce.push(lane);
         Ok(self.bounce.len() - 1)
     }
 
@@ -206,8 +244,8 @@ impl Lane {
             // Buffered, or O_DIRECT straight from the caller's memory.
             return file.write_at(src, c.file_offset);
         }
-        // O_DIRECT from misaligned memory: stage the aligned middle.
-        let ao = a.offset as u64;
+        // O_DIRECT from misaligned memory: stage the middle of whole write units.
+        let ao = file.write_unit();
         let mid_start = align::align_up(c.file_offset, ao).min(c.file_offset + c.len as u64);
         let mid_end = align::align_down(c.file_offset + c.len as u64, ao).max(mid_start);
         let h = (mid_start - c.file_offset) as usize;
