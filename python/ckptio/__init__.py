@@ -4,8 +4,10 @@
 4 KiB-aligned, its bytes moved by a pool of I/O threads straight from tensor
 memory, and the file replaced atomically (temp file, fsync, rename, fsync of
 the folder). ``ckptio.load`` reads any torch.save zip checkpoint, bytes read
-in parallel straight into the destination storages. ``ckptio.safetensors`` does
-the same for safetensors files (``save_file``/``load_file``, sharded checkpoints).
+in parallel straight into the destination storages: new ones, or tensors that
+exist already (``out=``, ``ckptio.load_state_dict``: resuming in place).
+``ckptio.safetensors`` does the same for safetensors files
+(``save_file``/``load_file``, sharded checkpoints).
 """
 
 # Before anything loads libcufile: its log goes to ckptio's cache folder.
@@ -22,6 +24,15 @@ from ckptio._native import (
 from ckptio._native import __version__ as __version__
 from ckptio._transfer import release_buffers
 from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
+from ckptio.inplace import (
+    DestinationError,
+    DtypeMismatchError,
+    InPlaceLoadError,
+    KeyMismatchError,
+    PartialLoadError,
+    ShapeMismatchError,
+    load_state_dict,
+)
 from ckptio.integrity import RecordCheck, VerifyReport, verify
 from ckptio.serialization import (
     IOReport,
@@ -37,6 +48,7 @@ from ckptio.sysinfo import info
 __all__ = [
     "save",
     "load",
+    "load_state_dict",
     "records",
     "verify",
     "last_report",
@@ -57,4 +69,10 @@ __all__ = [
     "BackendUnavailableError",
     "CudaError",
     "CuFileError",
+    "InPlaceLoadError",
+    "KeyMismatchError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "DestinationError",
+    "PartialLoadError",
 ]

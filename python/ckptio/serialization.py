@@ -400,6 +400,9 @@ def load(
     direct: bool | str | None = None,
     backend: str | None = None,
     verify: bool = False,
+    out: Any = None,
+    strict: bool = True,
+    cast: bool = False,
     **pickle_load_args: Any,
 ) -> Any:
     """Load a torch.save zip checkpoint like ``torch.load``, bytes read in parallel.
@@ -419,9 +422,41 @@ def load(
     the I/O threads), and raises ``ckptio.FormatError`` naming the first bad
     record. Records without a stored CRC-32, and those read by cuFile, are
     listed in ``last_report().unchecked``.
+
+    ``out``: load in place. ``out`` is a structure like the checkpoint's
+    (nested dicts, lists, tuples) whose tensors exist already, on the host or
+    any CUDA device: each tensor of the checkpoint is read straight into the
+    tensor of ``out`` at the same key path (contiguous ones directly, others
+    through a temporary of at most 64 MiB at a time), with no allocation for
+    the checkpoint. Returns the checkpoint's structure as torch.load would,
+    its tensors being ``out``'s (filled) and its other values torch.load's.
+    Shapes must match; dtypes too unless ``cast=True``. ``strict`` (default):
+    every tensor of ``out`` must have one in the checkpoint and the other way
+    round; with strict=False the others are left alone (checkpoint tensors
+    without a destination are not read and are left out of the result) and
+    listed in ``last_report().missing_keys`` / ``unexpected_keys``. Every
+    mismatch is found before anything is written (``ckptio.InPlaceLoadError``
+    subclasses, naming the keys); a read that fails midway is a
+    ``PartialLoadError`` (the destinations are partially filled).
+    ``map_location`` and ``mmap`` do not apply (the destinations decide).
     """
     t0 = time.perf_counter()
     path = _path(f, "load")
+    if out is not None:
+        if map_location is not None or mmap:
+            raise TypeError("load(out=...) takes no map_location or mmap: the destinations decide")
+        from ckptio import inplace
+
+        return inplace.load_into(
+            path,
+            out,
+            strict=strict,
+            cast=cast,
+            weights_only=weights_only,
+            verify=verify,
+            io=inplace.IoOptions.of(threads, chunk_size, direct, backend),
+            pickle_load_args=pickle_load_args,
+        )
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, not {type(verify).__name__}")
     if verify and (mmap or not _reads_natively(path)):

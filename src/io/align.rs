@@ -146,9 +146,18 @@ fn sysfs_align(fd: libc::c_int) -> Option<DioAlign> {
 }
 
 /// A zero-initialised host buffer aligned for O_DIRECT, freed on drop.
+///
+/// It is carved out of a larger zeroed allocation of small alignment, which
+/// the allocator serves with calloc: large ones are fresh pages nobody has
+/// touched, so a buffer costs resident memory only where it is used (an
+/// aligned zeroed allocation is memset whole). A lane's staging buffer is a
+/// chunk long but loads in place touch only a piece of it.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
-    layout: Layout,
+    len: usize,
+    align: usize,
+    raw: NonNull<u8>,
+    raw_layout: Layout,
 }
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
@@ -156,35 +165,57 @@ unsafe impl Send for AlignedBuf {}
 // SAFETY: shared references only give out `&[u8]`.
 unsafe impl Sync for AlignedBuf {}
 
+/// Alignment of the underlying allocation: no more than any platform's
+/// malloc guarantees, so that zeroed allocations take calloc.
+const RAW_ALIGN: usize = 8;
+
 impl AlignedBuf {
     /// `len` bytes (rounded up to `align`), aligned to `align` (a power of two).
     pub fn new(len: usize, align: usize) -> crate::Result<Self> {
         let align = align.max(1);
+        if !align.is_power_of_two() {
+            return Err(crate::Error::invalid(format!(
+                "buffer alignment {align} is not a power of two"
+            )));
+        }
         let size = align_up(len.max(1) as u64, align as u64) as usize;
-        let layout = Layout::from_size_align(size, align)
-            .map_err(|e| crate::Error::invalid(format!("bad buffer layout {size}/{align}: {e}")))?;
-        // SAFETY: layout has a non-zero size.
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or_else(|| {
+        let pad = align.saturating_sub(RAW_ALIGN);
+        let raw_layout = size
+            .checked_add(pad)
+            .and_then(|n| Layout::from_size_align(n, RAW_ALIGN).ok())
+            .ok_or_else(|| crate::Error::invalid(format!("bad buffer layout {size}/{align}")))?;
+        // SAFETY: raw_layout has a non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(raw_layout) };
+        let raw = NonNull::new(raw).ok_or_else(|| {
             crate::Error::io(
                 "allocate aligned buffer",
                 None,
                 std::io::Error::from(std::io::ErrorKind::OutOfMemory),
             )
         })?;
-        Ok(AlignedBuf { ptr, layout })
+        let skip = (align_up(raw.as_ptr() as u64, align as u64) - raw.as_ptr() as u64) as usize;
+        // SAFETY: skip <= pad (raw is RAW_ALIGN-aligned), so [skip, skip+size)
+        // lies inside the allocation.
+        let ptr = unsafe { NonNull::new_unchecked(raw.as_ptr().add(skip)) };
+        Ok(AlignedBuf {
+            ptr,
+            len: size,
+            align,
+            raw,
+            raw_layout,
+        })
     }
 
     pub fn len(&self) -> usize {
-        self.layout.size()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.layout.size() == 0
+        self.len == 0
     }
 
     pub fn align(&self) -> usize {
-        self.layout.align()
+        self.align
     }
 
     pub fn as_ptr(&self) -> *const u8 {
@@ -196,20 +227,20 @@ impl AlignedBuf {
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for layout.size() initialised bytes.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+        // SAFETY: ptr is valid for len initialised (zeroed) bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: ptr is valid for layout.size() bytes and we hold &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+        // SAFETY: ptr is valid for len bytes and we hold &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with this exact layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        unsafe { alloc::dealloc(self.raw.as_ptr(), self.raw_layout) }
     }
 }
 
@@ -238,6 +269,13 @@ mod tests {
         assert!(b.as_slice().iter().all(|&x| x == 0));
         b.as_mut_slice()[4095] = 7;
         assert_eq!(b.as_slice()[4095], 7);
+        for align in [1, 512, 4096, 1 << 21] {
+            let b = AlignedBuf::new(3 * align + 1, align).unwrap();
+            assert_eq!(b.as_ptr() as usize % align, 0);
+            assert_eq!((b.len(), b.align()), (4 * align, align));
+            assert!(b.as_slice().iter().all(|&x| x == 0));
+        }
+        assert!(AlignedBuf::new(10, 3000).is_err());
     }
 
     #[test]
