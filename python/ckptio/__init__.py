@@ -31,7 +31,6 @@ from ckptio.inplace import (
     KeyMismatchError,
     PartialLoadError,
     ShapeMismatchError,
-    load_state_dict,
 )
 from ckptio.integrity import RecordCheck, VerifyReport, verify
 from ckptio.serialization import (
@@ -43,6 +42,7 @@ from ckptio.serialization import (
     records,
     save,
 )
+from ckptio.state_dict import load_state_dict
 from ckptio.sysinfo import info
 
 __all__ = [
