@@ -593,3 +593,90 @@ def test_peak_rss_growth_is_a_fraction_of_the_checkpoint(tmp_path):
     # The engine's staging (a 4 MiB piece per I/O thread), not the checkpoint.
     assert ours < 0.15 * n
     assert peak_growth(p, "warm", n) < 0.02 * n  # a second load reuses the engine's buffers
+
+
+# --------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+def test_gpu_module_and_optimizer_in_place(tmp_path):
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(1024, 1024), nn.LayerNorm(1024), nn.Linear(1024, 64)).cuda()
+    opt = torch.optim.AdamW(src.parameters())
+    src(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()
+    ckptio.save({"model": src.state_dict(), "opt": opt.state_dict()}, tmp_path / "c.pt")
+    dst = nn.Sequential(nn.Linear(1024, 1024), nn.LayerNorm(1024), nn.Linear(1024, 64)).cuda()
+    before = ptrs(dst.state_dict())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ckptio.load_state_dict(dst, tmp_path / "c.pt", key="model")
+    # Straight into the parameters: no device memory for a second copy.
+    assert torch.cuda.max_memory_allocated() - base < 1 << 20
+    assert ptrs(dst.state_dict()) == before
+    same_tensors(dst.state_dict(), src.state_dict())
+    rep = ckptio.last_report()
+    assert rep.device_path in ("bounce", "cufile")
+    expect = os.environ.get("CKPTIO_EXPECT_BACKEND")  # scripts/gpu_check.sh sets it
+    assert expect is None or rep.device_path == expect, rep
+    opt2 = torch.optim.AdamW(dst.parameters())  # no state yet: made on the parameters' device
+    ckptio.load_state_dict(opt2, tmp_path / "c.pt", key="opt")
+    for a, b in zip(opt.state.values(), opt2.state.values(), strict=True):
+        for k in a:
+            assert b[k].device == a[k].device and torch.equal(a[k], b[k]), k
+
+
+@gpu
+def test_gpu_cpu_and_cuda_mix_and_strided_destinations(tmp_path):
+    torch.manual_seed(0)
+    sd = {"a": torch.randn(1000, 300), "b": torch.randn(77), "c": torch.randn(300, 1000)}
+    ckptio.save(sd, tmp_path / "m.pt")
+    devices = [f"cuda:{torch.cuda.device_count() - 1}", "cpu"]
+    wide = torch.zeros(300, 2000, device="cuda")
+    out = {
+        "a": torch.zeros(1000, 300, device=devices[0]),
+        "b": torch.zeros(77, device=devices[1]),
+        "c": wide[:, ::2],  # strided on the GPU: through a temporary there
+    }
+    ckptio.load(tmp_path / "m.pt", out=out)
+    for k in sd:
+        assert torch.equal(out[k].cpu(), sd[k]), k
+    assert torch.equal(wide[:, 1::2], torch.zeros(300, 1000, device="cuda"))
+
+
+@gpu
+def test_gpu_destinations_on_a_non_default_stream(tmp_path):
+    p = tmp_path / "x.pt"
+    want = torch.arange(32 << 20, dtype=torch.float32)
+    ckptio.save({"x": want}, p)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        dest = torch.zeros(32 << 20, device="cuda")
+        x = torch.ones(4096, 4096, device="cuda")
+        for _ in range(20):  # queued work, then a write into the destination behind it
+            x = x @ x * (1.0 / 4096)
+        dest.add_(x.sum())
+        ckptio.load(p, out={"x": dest})  # must land after the queued write
+        y = dest * 2  # a kernel on the current stream right after the load
+    torch.cuda.synchronize()
+    assert torch.equal(dest.cpu(), want)
+    assert torch.equal(y.cpu(), want * 2)
+
+
+@gpu
+def test_gpu_lazy_checkpoint_reads_into_cuda_parameters(tmp_path):
+    from ckptio.state_dict import _Lazy, lazy_load
+
+    torch.manual_seed(0)
+    src = nn.Linear(2048, 2048)
+    ckptio.save({"state_dict": src.state_dict()}, tmp_path / "c.ckpt")
+    ckpt = lazy_load(str(tmp_path / "c.ckpt"), map_location="cpu", io=inplace.IoOptions())
+    assert isinstance(ckpt["state_dict"]["weight"], _Lazy)
+    dst = nn.Linear(2048, 2048).cuda()
+    w = dst.weight.data_ptr()
+    dst.load_state_dict(ckpt["state_dict"])
+    assert dst.weight.data_ptr() == w and ckpt["state_dict"]["weight"]._real is None
+    assert torch.equal(dst.weight.cpu(), src.weight)
