@@ -538,6 +538,32 @@ def test_plan_is_reusable_for_a_share_of_the_records(tmp_path):
     same_tensors(out, sd)
 
 
+# --------------------------------------------------------------------------- DCP
+
+
+def test_dcp_reader_reads_straight_into_the_state_dict(tmp_path):
+    """ckptio.dcp.FileSystemReader loads in place the same way: contiguous
+    destinations are read into directly (no more bytes move than they hold, their
+    memory stays theirs), strided ones through a temporary."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
+
+    torch.manual_seed(0)
+    sd = {"w": torch.randn(512, 512), "b": torch.randn(512), "step": 4}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    out = {"w": torch.zeros(512, 512), "b": torch.zeros(512), "step": 0}
+    before = {k: out[k].data_ptr() for k in ("w", "b")}
+    reader = FileSystemReader(tmp_path)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert {k: out[k].data_ptr() for k in ("w", "b")} == before
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
+    assert sum(s.get("bytes", 0) for s in reader.last_stats) == sd["w"].nbytes + sd["b"].nbytes
+    wide = torch.zeros(512, 1024)
+    out = {"w": wide[:, ::2], "b": torch.zeros(512), "step": 0}
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(wide[:, ::2], sd["w"]) and not wide[:, 1::2].any()
+
+
 # --------------------------------------------------------------------------- memory
 
 
