@@ -96,13 +96,19 @@ def test_module_round_trip_in_place(tmp_path):
     assert rep.nbytes == sum(distinct.values())
 
 
-def test_module_matches_torch_for_strict_false(tmp_path):
+def mismatched(tmp_path):
+    """A checkpoint of Net with one key too many and one missing."""
     src, _ = trained()
     sd = src.state_dict()
     sd["extra.weight"] = torch.ones(2)
     del sd["blocks.1.lin.bias"]
     p = tmp_path / "m.pt"
     ckptio.save(sd, p)
+    return p
+
+
+def test_module_matches_torch_for_strict_false(tmp_path):
+    p = mismatched(tmp_path)
     a, b = twins()
     want = a.load_state_dict(torch.load(p), strict=False)
     got = ckptio.load_state_dict(b, p, strict=False)
@@ -116,12 +122,7 @@ def test_module_matches_torch_for_strict_false(tmp_path):
 
 
 def test_strict_key_errors_name_the_keys_as_torch_and_write_nothing(tmp_path):
-    src, _ = trained()
-    sd = src.state_dict()
-    sd["extra.weight"] = torch.ones(2)
-    del sd["blocks.1.lin.bias"]
-    p = tmp_path / "m.pt"
-    ckptio.save(sd, p)
+    p = mismatched(tmp_path)
     a, b = Net(), Net()
     with pytest.raises(RuntimeError) as want:
         a.load_state_dict(torch.load(p))
@@ -363,6 +364,18 @@ def test_optimizer_hooks_and_errors(tmp_path):
     with pytest.raises(ckptio.ShapeMismatchError, match="state.0.exp_avg"):
         ckptio.load_state_dict(opt4, p)
     assert torch.equal(opt4.state[other.weight]["exp_avg"], before)
+
+    # An optimizer whose load_state_dict is overridden gets the checkpoint's tensors.
+    class Mine(torch.optim.Adam):
+        def load_state_dict(self, state_dict):
+            self.loaded = len(state_dict["state"])
+            super().load_state_dict(state_dict)
+
+    opt5 = Mine(nn.Linear(4, 4).parameters())
+    ckptio.load_state_dict(opt5, p)
+    assert opt5.loaded == 2
+    for a, b in zip(opt.state.values(), opt5.state.values(), strict=True):
+        same_tensors(a, b)
 
 
 # --------------------------------------------------------------------------- load(out=)

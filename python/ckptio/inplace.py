@@ -13,9 +13,10 @@ torch.distributed) reuse them:
    address, less the mapping's base (:class:`Mapped`), is the file offset of
    its bytes. Non-tensor values are what torch.load returns.
 2. **Pairs** ``(key, source view, destination)``: by walking the checkpoint
-   and ``out`` together (:func:`pair_structure`), or by running torch's own
+   and ``out`` together (:func:`pair_structure`), or, for ``load_state_dict``
+   (:mod:`ckptio.state_dict`), by running torch's own
    ``Module._load_from_state_dict`` with each ``copy_`` from the mapping
-   recorded instead of run (:class:`_Deferred`), or by the optimizer's rules.
+   recorded instead of run, or by the optimizer's rules.
 3. :func:`plan` checks every pair (shape, dtype, a destination that can be
    written, no two destinations overlapping) and decides per pair: read
    straight into the destination, or into a temporary on its device and then
@@ -142,6 +143,14 @@ def _raise(
     state = "the destinations are partially filled" if partial else "no destination was written"
     msg = head + "\n\t" + "\n\t".join(lines) + f"\n\t({state})"
     raise cls(msg, problems, missing_keys=missing, unexpected_keys=unexpected, partial=partial)
+
+
+def _partial(what: str, e: BaseException) -> PartialLoadError:
+    return PartialLoadError(
+        f"{what}; the destinations are partially filled: {type(e).__name__}: {e}",
+        [("error", "", str(e))],
+        partial=True,
+    )
 
 
 def _keys_line(what: str, keys: Sequence[str]) -> str:
@@ -680,12 +689,7 @@ def execute(
         if not started:
             raise
         where = ", ".join(sorted({f.path for f in p.files})) or "the checkpoint"
-        raise PartialLoadError(
-            f"reading {where} into the destinations failed midway; the destinations are "
-            f"partially filled: {type(e).__name__}: {e}",
-            [("error", "", str(e))],
-            partial=True,
-        ) from e
+        raise _partial(f"reading {where} into the destinations failed midway", e) from e
     direct = [it.dest for it in todo if it.file is not None and it.direct]
     if direct:
         # The engine wrote through the data pointers: tell autograd, as copy_ would.
@@ -753,12 +757,8 @@ def _finish_verify(p: Plan, io: IoOptions, stats: list[dict[str, Any]]) -> tuple
             try:
                 rows = f.file.verify(engine, rest, strict=True)
             except _native.FormatError as e:
-                raise PartialLoadError(
-                    f"{f.path}: a record failed its CRC-32 check after the destinations were "
-                    f"filled from it: {e}",
-                    [("error", "", str(e))],
-                    partial=True,
-                ) from e
+                what = f"{f.path}: a record failed its CRC-32 check after it was read"
+                raise _partial(what, e) from e
             unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
     return tuple(unchecked)
 

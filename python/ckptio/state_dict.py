@@ -39,6 +39,7 @@ from ckptio.inplace import (
     _rebuild,
     _report_plan,
     execute,
+    fill,
     open_safetensors,
     open_torch,
     plan,
@@ -292,12 +293,12 @@ def _load_module(
         flush()
     if error_msgs or run.problems:
         problems: list[Problem] = []
+        keyed = 0  # the key lines inserted above
         if strict:
             problems += [("missing", k, "") for k in missing]
             problems += [("unexpected", k, "") for k in unexpected]
-        keyed = len(problems) and strict
-        skip = (1 if missing else 0) + (1 if unexpected else 0) if keyed else 0
-        problems += [_torch_problem(m) for m in error_msgs[skip:]]
+            keyed = bool(missing) + bool(unexpected)
+        problems += [_torch_problem(m) for m in error_msgs[keyed:]]
         problems += run.problems
         lines = error_msgs + [t for _, _, t in run.problems]
         _raise(
@@ -318,8 +319,12 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     (same shape, and the dtype and device torch's rules give it) is filled;
     others are made as torch makes them, then filled."""
     if type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict:
-        # An override: it gets the checkpoint's tensors, read first.
-        state_dict = _rebuild(state_dict, _fresh_into(run, []))
+        # An override: it gets the checkpoint's tensors, read first (as
+        # torch.load would give them).
+        fresh: list[tuple[str, torch.Tensor, Any]] = []
+        state_dict = _rebuild(state_dict, _fresh_into(run, fresh))
+        if not run.run(fresh, exact_shape=True):
+            _raise_optimizer(opt, run)
         opt.load_state_dict(state_dict)
         run.report(t0)
         return
@@ -641,7 +646,15 @@ class _Lazy(torch.Tensor):
         return self._real
 
     def _fill(self, dest: torch.Tensor) -> None:
-        fill_now([(self._key, self._src, dest)], self._files, self._io, cast=True)
+        # copy_ and to() convert dtypes: so does this read.
+        fill(
+            [(self._key, self._src, dest)],
+            self._files,
+            self._io,
+            what=self._files[0].path,
+            cast=True,
+            exact_shape=False,
+        )
 
     @classmethod
     def __torch_function__(
@@ -687,26 +700,6 @@ class _Lazy(torch.Tensor):
     ) -> Any:
         args, kwargs = tree_map_only(_Lazy, _Lazy._materialize, (args, kwargs or {}))
         return func(*args, **kwargs)
-
-
-def fill_now(
-    pairs: list[tuple[str, torch.Tensor, Any]],
-    files: list[Mapped],
-    io: IoOptions,
-    *,
-    cast: bool,
-    exact_shape: bool = False,
-) -> None:
-    """Plan and read ``pairs`` at once (a copy_ or ``to`` of a lazy tensor)."""
-    p = plan(pairs, files, cast=cast, exact_shape=exact_shape)
-    if p.problems:
-        _raise(
-            f"{files[0].path}: cannot load in place:",
-            [t for _, _, t in p.problems],
-            p.problems,
-            partial=False,
-        )
-    execute(p, io)
 
 
 #: Checkpoint tensors smaller than this are read when the checkpoint is opened.
@@ -787,9 +780,6 @@ def lazy_load(
         return new
 
     obj = _rebuild(obj, replace)
-    p = plan(pairs, files)
-    if p.problems:  # cannot happen: fresh destinations of the records' own size
-        _raise(f"{path}: cannot load:", [t for _, _, t in p.problems], p.problems, partial=False)
-    stats = execute(p, io)
-    _report_plan(p, io, stats, t0, False)
+    # Fresh destinations of the records' own sizes: nothing to find wrong.
+    fill(pairs, files, io, what=path, t0=t0)
     return obj
