@@ -16,6 +16,8 @@
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
 #   scripts/gpu_check.sh staging # benches/bench_staging.py: first host staging by kind of memory
+#   scripts/gpu_check.sh zstd    # fidelity tests (CPU and GPU), then benches/bench_dcp_zstd.py:
+#                                # DCP + ZStandard, ckptio (Rust, all cores) vs torch (ZSTD_SIZE)
 #   scripts/gpu_check.sh profile # benches/profile_disk.py: saves and cold loads (by phase) by knob,
 #                                # paired by round with the raw writes and reads (PROFILE_ARGS)
 #   scripts/gpu_check.sh inplace # loads in place (issue 17): the GPU tests of tests/test_inplace.py
@@ -111,6 +113,11 @@ stbench)
     ;;
 staging)
     $PY benches/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
+    ;;
+zstd)
+    # .whl/ must hold the zstandard wheel (torch's ZStandard extension needs it)
+    $PY -m pytest tests/test_dcp_fidelity.py tests/test_fidelity.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fidelity.log" | tail -4
+    $PY benches/bench_dcp_zstd.py --size ${ZSTD_SIZE:-2G} --repeat 3 2>&1 | tee "$OUT/bench_dcp_zstd.log" || rc=1
     ;;
 profile)
     udev_on  # --knobs cufile needs it; "posix" forces the bounce pipeline

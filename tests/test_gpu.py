@@ -66,7 +66,8 @@ def test_gpu_state_dict_all_dtypes(tmp_path, backend):
     sd["scalar"] = torch.tensor(3.5, device="cuda")
     sd["empty"] = torch.empty(0, 7, device="cuda")
     p = tmp_path / "gpu.pt"
-    rep = ckptio.save(sd, p, backend=backend)
+    assert ckptio.save(sd, p, backend=backend) is None
+    rep = ckptio.last_report()
     if backend is None:
         check_backend(rep)
     else:  # "posix" is the older name of "bounce"
@@ -292,7 +293,8 @@ def test_forced_cufile(tmp_path):
         with pytest.raises((ckptio.CuFileError, ckptio.BackendUnavailableError)):
             ckptio.GdsFile(str(p), os.O_RDWR, backend="cufile")
     elif EXPECT == "cufile":
-        rep = ckptio.save(sd, p, backend="cufile")
+        assert ckptio.save(sd, p, backend="cufile") is None
+        rep = ckptio.last_report()
         assert rep.device_path == "cufile" and rep.gds_mode in ("compat", "p2p")
         assert torch.equal(ckptio.load(p, backend="cufile")["x"], sd["x"])
     else:

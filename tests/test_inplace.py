@@ -3,6 +3,7 @@ for modules and optimizers, safetensors load_file/load_sharded(out=); every mism
 kind with its error and nothing written; torch's semantics (keys, hooks, optimizer
 state) compared with torch's own load_state_dict; peak RSS."""
 
+import io
 import mmap
 import os
 import subprocess
@@ -480,6 +481,20 @@ def test_load_out_mismatches_each_with_its_error(tmp_path):
     assert torch.equal(same, torch.arange(4.0, dtype=torch.float64))
     with pytest.raises(TypeError, match="map_location"):
         ckptio.load(p, map_location="cpu", out={})
+
+
+def test_load_out_file_objects_and_safetensors_paths(tmp_path):
+    ckptio.save({"a": torch.arange(10.0)}, tmp_path / "c.pt")
+    out = {"a": torch.zeros(10)}
+    with open(tmp_path / "c.pt", "rb") as f:
+        res = ckptio.load(f, out=out)
+    assert res["a"] is out["a"] and torch.equal(out["a"], torch.arange(10.0))
+    assert ckptio.last_report().path == str(tmp_path / "c.pt")
+    with pytest.raises(TypeError, match="regular file"):
+        ckptio.load(io.BytesIO((tmp_path / "c.pt").read_bytes()), out=out)
+    cst.save_file({"a": torch.arange(10.0) * 2}, tmp_path / "c.safetensors")
+    ckptio.load(tmp_path / "c.safetensors", out=out)
+    assert torch.equal(out["a"], torch.arange(10.0) * 2)
 
 
 def test_load_out_partial_failure_says_so(tmp_path, monkeypatch):

@@ -8,6 +8,13 @@ in parallel straight into the destination storages: new ones, or tensors that
 exist already (``out=``, ``ckptio.load_state_dict``: resuming in place).
 ``ckptio.safetensors`` does the same for safetensors files
 (``save_file``/``load_file``, sharded checkpoints).
+
+Each function that replaces a peer's (torch.save, torch.load,
+safetensors.torch.*, DCP's FileSystemWriter/Reader) takes the peer's
+arguments with their meaning and returns what the peer returns; ckptio's own
+knobs are keyword-only. How a save or load ran is ``ckptio.last_report()``.
+Errors: ``ckptio.CkptioError`` (a RuntimeError, as torch.load's are) and its
+subclasses, OSError for the operating system's. See docs/api-conventions.md.
 """
 
 # Before anything loads libcufile: its log goes to ckptio's cache folder.
@@ -18,7 +25,6 @@ from ckptio._native import (
     CkptioError,
     CudaError,
     CuFileError,
-    Engine,
     FormatError,
 )
 from ckptio._native import __version__ as __version__
@@ -63,7 +69,6 @@ __all__ = [
     "TensorInfo",
     "VerifyReport",
     "RecordCheck",
-    "Engine",
     "CkptioError",
     "FormatError",
     "BackendUnavailableError",

@@ -142,6 +142,16 @@ class AtomicWriter:
     ) -> dict[str, Any]:
         """Write (file offset, address, nbytes, device) ranges; preallocate ``file_len``;
         with ``checksum``, "crc32" lists each segment's CRC-32 (None: not via host)."""
+    def write_zstd(
+        self,
+        engine: Engine,
+        start: int,
+        items: list[tuple[bytes, int, int, bytes, list[int]]],
+        owners: _Owners,
+        level: int = 3,
+    ) -> list[tuple[int, int]]:
+        """Each (head, address, nbytes, tail, CRC-32 offsets in tail) as one zstd frame,
+        written back to back from ``start``: [(offset, length)]; ``owners`` held meanwhile."""
     def write_bytes(self, offset: int, data: bytes) -> None:
         """Write a small byte string (a header) at ``offset``."""
     def commit(self) -> None: ...

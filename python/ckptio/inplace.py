@@ -220,15 +220,17 @@ def _keep_mapped(found: list[tuple[int, int, str]]) -> Callable[[torch.UntypedSt
 def open_torch(
     path: str,
     *,
-    weights_only: bool = True,
+    name: str | None = None,
     direct: str | None = None,
     backend: str | None = None,
     verify_engine: _native.Engine | None = None,
-    pickle_load_args: Mapping[str, Any] | None = None,
+    torch_kw: Mapping[str, Any] | None = None,
 ) -> tuple[Any, Mapped]:
     """Decode a torch.save archive over a lazy mapping: (the object as torch.load
     returns it, with every tensor a view of the mapping; the mapping).
-    ``verify_engine``: check the pickle's and the small records' CRC-32s first."""
+    ``name``: the file's name in messages and reports (default ``path``).
+    ``verify_engine``: check the pickle's and the small records' CRC-32s first.
+    ``torch_kw``: torch.load's own arguments (weights_only, pickle_module...)."""
     reader = _open(path, direct, backend)
     records = reader.records()
     prefix = reader.prefix
@@ -246,17 +248,16 @@ def open_torch(
     obj = torch.load(
         f"/proc/self/fd/{reader.fileno()}",
         map_location=_keep_mapped(found),
-        weights_only=weights_only,
         mmap=True,
-        **(pickle_load_args or {}),
+        **(torch_kw or {}),
     )
     data = {off: size for n, off, size in records if n.startswith(data_prefix)}
     pending = [(p, n, None) for p, n, _ in found]
-    offsets = _file_offsets(pending, data, path)  # type: ignore[arg-type]
+    offsets = _file_offsets(pending, data, name or path)  # type: ignore[arg-type]
     base = next((p - o for (p, n, _), o in zip(found, offsets, strict=True) if n), 0)
     size = os.fstat(reader.fileno()).st_size
     locations = {p: loc for p, _, loc in found}
-    return obj, Mapped(path, reader, base, size, exact, locations)
+    return obj, Mapped(name or path, reader, base, size, exact, locations)
 
 
 def open_safetensors(
@@ -820,24 +821,25 @@ def load_into(
     *,
     strict: bool,
     cast: bool,
-    weights_only: bool,
     verify: bool,
     io: IoOptions,
-    pickle_load_args: Mapping[str, Any],
+    torch_kw: Mapping[str, Any],
+    name: str | None = None,
 ) -> Any:
-    """``ckptio.load(path, out=out)``: see its documentation."""
+    """``ckptio.load(path, out=out)``: see its documentation. ``torch_kw``:
+    torch.load's own arguments; ``name``: the file's name in messages."""
     t0 = time.perf_counter()
     _check_flags(strict=strict, cast=cast, verify=verify)
     src, mapped = open_torch(
         path,
-        weights_only=weights_only,
+        name=name,
         direct=io.direct,
         backend=io.backend,
         verify_engine=io.engine() if verify else None,
-        pickle_load_args=pickle_load_args,
+        torch_kw=torch_kw,
     )
     return fill_structure(
-        f"ckptio.load(out=): {path}",
+        f"ckptio.load(out=): {name or path}",
         src,
         out,
         [mapped],

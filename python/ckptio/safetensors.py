@@ -8,7 +8,18 @@ relative to the data section), then the tensors' bytes packed back to back,
 sorted by dtype (widest first) then name, as safetensors lays them out. Files
 written here pad the JSON with spaces so that the data section starts on a
 4 KiB boundary (O_DIRECT and cuFile reads of it need no shifting); the
-``safetensors`` package reads them, and this module reads its files.
+``safetensors`` package reads them, and this module reads its files. Bytes
+made in memory (``save``) keep safetensors' own 8-byte alignment: they are
+byte for byte what ``safetensors.torch.save`` returns.
+
+Arguments mean what they mean in safetensors (``load_file``'s ``backend`` is
+safetensors' "mmap" | "pread"; ckptio reads through its engine either way).
+ckptio's own knobs are keyword-only: ``threads``, ``chunk_size``, ``direct``
+and ``device_backend`` (how CUDA memory moves: "auto", "cufile", "posix"; the
+old spelling ``backend="cufile"`` etc. still works where it cannot be taken
+for safetensors' values). Errors about a file's content are
+:class:`SafetensorError`, a ``ckptio.FormatError`` (so a RuntimeError) that is
+also ``safetensors.SafetensorError`` where that package is installed.
 
 Saves write the header, then each tensor's bytes straight from its data
 pointer (host or CUDA memory) with the engine's threads, into a temp file that
@@ -52,6 +63,7 @@ from ckptio.serialization import (
 )
 
 __all__ = [
+    "SafetensorError",
     "save_file",
     "load_file",
     "save",
@@ -86,12 +98,19 @@ DTYPES: dict[str, torch.dtype] = {
         ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
         ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
         ("F8_E8M0", getattr(torch, "float8_e8m0fnu", None)),
+        # Two 4-bit values per byte: the header counts values, torch counts bytes
+        # (the last dimension is doubled in the header, as safetensors does).
+        ("F4", getattr(torch, "float4_e2m1fn_x2", None)),
     )
     if dt is not None
 }
 _NAMES = {dt: name for name, dt in DTYPES.items()}
+#: Bits per value in the header's count, where it is not the torch element size.
+_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+#: Header values per torch element (packed dtypes).
+_PACKED = {"F4": 2}
 # safetensors' Dtype enum order (its files sort tensors by it, descending, then by
-# name). F4/F6 are known names that no torch dtype here maps to one element per value.
+# name). F6 are known names that no torch dtype here maps to.
 _ENUM = (
     "BOOL F4 F6_E2M3 F6_E3M2 U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ "
     "I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64"
@@ -103,6 +122,56 @@ INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 Device = str | int | torch.device
+
+try:  # where the safetensors package is installed, its error class is a base of ours
+    from safetensors import SafetensorError as _PeerError
+
+    _ERROR_BASES: tuple[type[BaseException], ...] = (_native.FormatError, _PeerError)
+except ImportError:  # pragma: no cover - safetensors is a test dependency
+    _ERROR_BASES = (_native.FormatError,)
+
+
+class SafetensorError(*_ERROR_BASES):  # type: ignore[misc]
+    """A file or argument safetensors would refuse with its ``SafetensorError``.
+
+    A ``ckptio.FormatError`` (so a ``ckptio.CkptioError`` and a ``RuntimeError``)
+    and, where the ``safetensors`` package is installed, a
+    ``safetensors.SafetensorError``: code written for either catches it.
+    """
+
+
+SafetensorError.__module__ = "ckptio.safetensors"
+
+#: safetensors' own values of load_file's ``backend``.
+_PEER_BACKENDS = ("mmap", "pread")
+#: ckptio's device paths (``device_backend``), once spelled ``backend``.
+_DEVICE_BACKENDS = ("auto", "cufile", "posix", "bounce")
+
+
+def _device_backend(backend: str | None, device_backend: str | None, what: str) -> str | None:
+    """ckptio's device path from ``device_backend`` or the old spelling ``backend=``
+    (accepted where it cannot be taken for safetensors' "mmap" / "pread")."""
+    if backend is None or backend in _PEER_BACKENDS:
+        return device_backend
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, not {type(backend).__name__}")
+    if backend in _DEVICE_BACKENDS:
+        if device_backend is not None:
+            raise TypeError(
+                f"{what}: backend={backend!r} (ckptio's old spelling of device_backend) and "
+                f"device_backend={device_backend!r} given together; pass device_backend only"
+            )
+        warnings.warn(
+            f"{what}(backend={backend!r}): ckptio's device path is now device_backend=; "
+            "backend= is safetensors' 'mmap' | 'pread'",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return backend
+    raise SafetensorError(
+        f'backend "{backend}" is invalid (expected one of: "mmap", "pread"; ckptio\'s '
+        "device path for CUDA memory is device_backend='auto' | 'cufile' | 'bounce')"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +186,8 @@ class _Entry:
 # --------------------------------------------------------------------------- header
 
 
-def _fail(where: str, what: str) -> _native.FormatError:
-    return _native.FormatError(f"{where}: not a usable safetensors file: {what}")
+def _fail(where: str, what: str) -> SafetensorError:
+    return SafetensorError(f"{where}: not a usable safetensors file: {what}")
 
 
 def _parse_header(
@@ -167,7 +236,19 @@ def _parse_header(
         if not (_int_list(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
             raise _fail(where, f"{tensor}: data_offsets {offsets!r} are not [begin, end]")
         dtype = DTYPES[dtype_name]
-        need = math.prod(shape) * dtype.itemsize
+        bits = math.prod(shape) * _BITS.get(dtype_name, dtype.itemsize * 8)
+        if bits % 8:
+            raise _fail(where, f"{tensor}: shape {shape} of {dtype_name} does not fill whole bytes")
+        need = bits // 8
+        per = _PACKED.get(dtype_name, 1)
+        if per > 1:  # torch counts packed elements: the last dimension shrinks
+            if not shape or shape[-1] % per:
+                raise _fail(
+                    where,
+                    f"{tensor}: the last dimension of shape {shape} of {dtype_name} is not a "
+                    f"multiple of {per}, which torch's {dtype} needs",
+                )
+            shape = [*shape[:-1], shape[-1] // per]
         begin, end = offsets
         if end - begin != need:
             raise _fail(
@@ -218,10 +299,23 @@ def _check_tensors(tensors: Any) -> None:
             raise ValueError("'__metadata__' is reserved for the header's metadata")
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"Key `{k}` is invalid, expected torch.Tensor but received {type(v)}")
-        if v.layout != torch.strided:
-            raise ValueError(f"tensor {k!r} is sparse ({v.layout}); call .to_dense() first")
         if v.dtype not in _NAMES:
-            raise ValueError(f"tensor {k!r} has dtype {v.dtype}, which safetensors cannot hold")
+            raise ValueError(
+                f"tensor {k!r} has dtype {v.dtype}, which safetensors cannot hold "
+                f"(it holds {', '.join(str(d) for d in _NAMES)})"
+            )
+        if _PACKED.get(_NAMES[v.dtype], 1) > 1 and v.dim() == 0:
+            raise SafetensorError(
+                f"tensor {k!r}: a 0-dimensional {v.dtype} is half a byte in safetensors' "
+                "header count; give it a dimension"
+            )
+    sparse = [k for k, v in tensors.items() if v.layout != torch.strided]
+    if sparse:
+        raise ValueError(
+            f"You are trying to save a sparse tensors: `{sparse}` which this library does not "
+            "support. You can make it a dense tensor before saving with `.to_dense()` but be "
+            "aware this might make a much larger file than needed."
+        )
     shared = find_shared(tensors)
     if shared:
         raise RuntimeError(
@@ -297,7 +391,20 @@ class _Layout:
         return len(self.header) + (self.items[-1][3] if self.items else 0)
 
 
-def _layout(tensors: Mapping[str, torch.Tensor], metadata: Any) -> _Layout:
+def _header_shape(t: torch.Tensor) -> list[int]:
+    """The shape the header records: values, not torch's packed elements."""
+    shape = list(t.shape)
+    per = _PACKED.get(_NAMES[t.dtype], 1)
+    if per > 1:
+        shape[-1] *= per
+    return shape
+
+
+def _layout(
+    tensors: Mapping[str, torch.Tensor], metadata: Any, align: int = STORAGE_ALIGNMENT
+) -> _Layout:
+    """Header and data offsets; the data section starts at a multiple of ``align``
+    (4 KiB for files, for O_DIRECT; safetensors' own 8 for bytes in memory)."""
     _check_tensors(tensors)
     meta = _check_metadata(metadata)
     order = sorted(tensors, key=lambda k: (-_RANK[_NAMES[tensors[k].dtype]], k))
@@ -308,11 +415,15 @@ def _layout(tensors: Mapping[str, torch.Tensor], metadata: Any) -> _Layout:
     for k in order:
         t = tensors[k]
         n = t.numel() * t.element_size()
-        head[k] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        head[k] = {
+            "dtype": _NAMES[t.dtype],
+            "shape": _header_shape(t),
+            "data_offsets": [at, at + n],
+        }
         items.append((k, t, at, at + n))
         at += n
     js = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
-    n = len(js) + (-(8 + len(js)) % STORAGE_ALIGNMENT)
+    n = len(js) + (-(8 + len(js)) % align)
     if n > MAX_HEADER:
         raise ValueError(f"the header would be {n} bytes, over safetensors' limit of {MAX_HEADER}")
     return _Layout(n.to_bytes(8, "little") + js + b" " * (n - len(js)), items)
@@ -329,16 +440,32 @@ def save_file(
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
+    device_backend: str | None = None,
     backend: str | None = None,
-) -> IOReport:
+) -> None:
     """Save ``tensors`` to ``filename`` in safetensors format, like
     ``safetensors.torch.save_file``, crash-safe (temp file, fsync, rename, fsync
     of the folder) and with the bytes written straight from each tensor's memory
     (host or CUDA) by the engine. Tensors must be contiguous and must not share
     memory (RuntimeError / ValueError as safetensors raises). Bytes are copied
-    after the work queued on the current CUDA streams. The keyword
-    options are ``ckptio.save``'s. Returns the IOReport (safetensors returns None).
+    after the work queued on the current CUDA streams. The keyword options are
+    ``ckptio.save``'s (``device_backend`` is its ``backend``; the old spelling
+    ``backend=`` still works here). Returns None, as safetensors does;
+    ``ckptio.last_report()`` says how it ran.
     """
+    dev_backend = _device_backend(backend, device_backend, "save_file")
+    _save_file(tensors, filename, metadata, threads, chunk_size, direct, dev_backend)
+
+
+def _save_file(
+    tensors: Mapping[str, torch.Tensor],
+    filename: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None,
+    threads: int | None,
+    chunk_size: int | None,
+    direct: bool | str | None,
+    backend: str | None,
+) -> IOReport:
     t0 = time.perf_counter()
     path = _path(filename, "safetensors.save_file")
     lay = _layout(tensors, metadata)
@@ -366,8 +493,9 @@ def save_file(
 
 
 def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
-    """The bytes of a safetensors file holding ``tensors`` (``safetensors.torch.save``)."""
-    lay = _layout(tensors, metadata)
+    """The bytes of a safetensors file holding ``tensors`` (``safetensors.torch.save``):
+    byte for byte what safetensors makes (its 8-byte alignment, not the 4 KiB of files)."""
+    lay = _layout(tensors, metadata, 8)
     buf = bytearray(lay.file_len)
     buf[: len(lay.header)] = lay.header
     for _, t, begin, end in lay.items:
@@ -375,7 +503,7 @@ def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
             dst = torch.frombuffer(
                 buf, dtype=torch.uint8, count=end - begin, offset=len(lay.header) + begin
             )
-            dst.copy_(t.detach().reshape(-1).view(torch.uint8))
+            dst.copy_(t.detach().to("cpu").reshape(-1).view(torch.uint8))
     return bytes(buf)
 
 
@@ -475,35 +603,43 @@ def load_file(
     filename: str | os.PathLike[str],
     device: Device = "cpu",
     *,
+    backend: str = "mmap",
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
-    backend: str | None = None,
+    device_backend: str | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
     strict: bool = True,
     cast: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Load a safetensors file like ``safetensors.torch.load_file(filename, device)``:
-    a dict of tensors in file order, each with its own storage on ``device``
-    (``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int for a CUDA index), read in
-    parallel straight into that memory (cuFile or pinned bounce buffers for CUDA).
-    Other devices are filled through host memory. ``ckptio.last_report()`` says
-    how it ran; a malformed file is a FormatError naming the file and tensor.
+    """Load a safetensors file like ``safetensors.torch.load_file(filename, device,
+    backend=...)``: a dict of tensors in file order, each with its own storage on
+    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int for a CUDA index), read
+    in parallel straight into that memory (cuFile or pinned bounce buffers for
+    CUDA). Other devices are filled through host memory.
+
+    ``backend``: safetensors' "mmap" (default) or "pread"; both read through the
+    engine here, into tensors with memory of their own. ckptio's knobs: ``threads``,
+    ``chunk_size``, ``direct``, ``device_backend`` ("auto" | "cufile" | "posix",
+    see ``ckptio.save``; the old spelling ``backend="cufile"`` still works).
+    ``ckptio.last_report()`` says how it ran; a malformed file is a
+    :class:`SafetensorError` naming the file and tensor.
 
     ``out``: load in place, into the tensors of this dict (name -> tensor, on
     the host or any CUDA device, ``device`` not given), as ``ckptio.load``'s
     ``out`` does (``strict``, ``cast``, errors): returns {name: the filled
     tensor of ``out``} in file order.
     """
+    dev_backend = _device_backend(backend, device_backend, "load_file")
     t0 = time.perf_counter()
     path = _path(filename, "safetensors.load_file")
     if out is not None:
         return _load_into(
-            [path], out, device, t0, threads, chunk_size, direct, backend, strict, cast
+            [path], out, device, t0, threads, chunk_size, direct, dev_backend, strict, cast
         )
     want, fill = _devices(device)
     d = _direct_arg(direct)
-    plan = _plan(path, fill or torch.device("cpu"), d, backend)
+    plan = _plan(path, fill or torch.device("cpu"), d, dev_backend)
     stats = _read(plan, _engine(threads, chunk_size, d))
     _report(path, t0, stats, len(plan.tensors))
     return _finish(plan.tensors, want, fill)
@@ -567,8 +703,9 @@ def save_sharded(
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
+    device_backend: str | None = None,
     backend: str | None = None,
-) -> IOReport:
+) -> None:
     """Save ``tensors`` into ``folder`` as the Hugging Face hub lays checkpoints out.
 
     Tensors go to shards in dict order, a new shard when the next tensor would
@@ -581,8 +718,10 @@ def save_sharded(
     header metadata. Every file is replaced atomically; shards of an earlier
     save with other names (``model*.safetensors``) are removed after the index
     is written. A crash midway may leave new shards beside the old index: save
-    to a fresh folder when the whole set must switch at once.
+    to a fresh folder when the whole set must switch at once. Returns None like
+    ``save_file``; ``ckptio.last_report()`` sums the shards.
     """
+    dev_backend = _device_backend(backend, device_backend, "save_sharded")
     t0 = time.perf_counter()
     out = _path(folder, "safetensors.save_sharded")
     limit = _parse_size(max_shard_size)
@@ -613,14 +752,14 @@ def save_sharded(
     )
     stats = []
     for name, shard in zip(names, shards, strict=True):
-        rep = save_file(
+        rep = _save_file(
             shard,
             os.path.join(out, name),
             {"format": "pt", **meta},
-            threads=threads,
-            chunk_size=chunk_size,
-            direct=direct,
-            backend=backend,
+            threads,
+            chunk_size,
+            direct,
+            dev_backend,
         )
         stats.append(rep)
     keep = set(names)
@@ -634,9 +773,7 @@ def save_sharded(
     for f in os.listdir(out):
         if f not in keep and (_SHARD_RE.fullmatch(f) or f == INDEX_NAME):
             os.unlink(os.path.join(out, f))
-    rep = _merge(out, t0, stats)
-    _last.report = rep
-    return rep
+    _last.report = _merge(out, t0, stats)
 
 
 def _write_text(path: str, text: str) -> None:
@@ -688,12 +825,12 @@ def _shard_files(index_path_or_folder: str) -> tuple[str, dict[str, str] | None]
         try:
             index = json.loads(f.read())
         except ValueError as e:
-            raise _native.FormatError(f"{p}: not a safetensors index: invalid JSON: {e}") from None
+            raise SafetensorError(f"{p}: not a safetensors index: invalid JSON: {e}") from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(
         isinstance(v, str) and os.path.basename(v) == v and v for v in wm.values()
     ):
-        raise _native.FormatError(
+        raise SafetensorError(
             f"{p}: not a safetensors index: no weight_map of tensor name -> shard file name"
         )
     return os.path.dirname(p) or ".", wm
@@ -716,10 +853,11 @@ def load_sharded(
     index_path_or_folder: str | os.PathLike[str],
     device: Device = "cpu",
     *,
+    backend: str = "mmap",
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
-    backend: str | None = None,
+    device_backend: str | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
     strict: bool = True,
     cast: bool = False,
@@ -730,9 +868,10 @@ def load_sharded(
     parallel (the engine's threads split among them). Every tensor the index's
     weight_map names must be in the shard it names (FormatError otherwise); a
     tensor name in two shards is a FormatError. Returns all tensors of the
-    shards, shard by shard in file order. ``out``, ``strict``, ``cast``: load in
-    place, as ``load_file`` does.
+    shards, shard by shard in file order. The keywords are ``load_file``'s
+    (``out``, ``strict``, ``cast``: load in place).
     """
+    dev_backend = _device_backend(backend, device_backend, "load_sharded")
     t0 = time.perf_counter()
     src = _path(index_path_or_folder, "safetensors.load_sharded")
     folder, wm = _shard_files(src)
@@ -740,37 +879,37 @@ def load_sharded(
     if out is not None:
         paths = [os.path.join(folder, f) for f in files]
         return _load_into(
-            paths, out, device, t0, threads, chunk_size, direct, backend, strict, cast, src, wm
+            paths, out, device, t0, threads, chunk_size, direct, dev_backend, strict, cast, src, wm
         )
     want, fill = _devices(device)
     d = _direct_arg(direct)
-    plans = [_plan(os.path.join(folder, f), fill or torch.device("cpu"), d, backend) for f in files]
-    out = _gather(src, files, [p.tensors for p in plans], wm)
+    plans = [
+        _plan(os.path.join(folder, f), fill or torch.device("cpu"), d, dev_backend) for f in files
+    ]
+    tensors = _gather(src, files, [p.tensors for p in plans], wm)
     engine, workers = _shared_engine(threads, chunk_size, d, len(plans))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         stats = list(pool.map(lambda p: _read(p, engine), plans))
     reps = [_report(p.path, t0, s, len(p.tensors)) for p, s in zip(plans, stats, strict=True)]
     _last.report = _merge(src, t0, reps)
-    return _finish(out, want, fill)
+    return _finish(tensors, want, fill)
 
 
 def _gather(
     src: str, files: list[str], tensors: list[dict[str, torch.Tensor]], wm: dict[str, str] | None
 ) -> dict[str, torch.Tensor]:
     """The shards' tensors in one dict; a name in two shards, or a tensor not in
-    the shard the index's weight_map names, is a FormatError."""
+    the shard the index's weight_map names, is a SafetensorError."""
     out: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     for f, ts in zip(files, tensors, strict=True):
         for name, t in ts.items():
             if name in out:
-                raise _native.FormatError(
-                    f"{src}: tensor {name!r} is in both {where[name]} and {f}"
-                )
+                raise SafetensorError(f"{src}: tensor {name!r} is in both {where[name]} and {f}")
             out[name], where[name] = t, f
     for name, f in (wm or {}).items():
         if where.get(name) != f:
-            raise _native.FormatError(
+            raise SafetensorError(
                 f"{src}: the index puts tensor {name!r} in {f}, "
                 + (f"but it is in {where[name]}" if name in where else "but no shard holds it")
             )
@@ -785,7 +924,7 @@ def _load_into(
     threads: int | None,
     chunk_size: int | None,
     direct: bool | str | None,
-    backend: str | None,
+    device_backend: str | None,
     strict: bool,
     cast: bool,
     src: str | None = None,
@@ -799,7 +938,7 @@ def _load_into(
     if device != "cpu":
         raise TypeError("out= and device= cannot be combined: the destinations decide")
     inplace._check_flags(strict=strict, cast=cast)
-    io = inplace.IoOptions.of(threads, chunk_size, direct, backend)
+    io = inplace.IoOptions.of(threads, chunk_size, direct, device_backend)
     opened = [inplace.open_safetensors(p, direct=io.direct, backend=io.backend) for p in paths]
     names = [os.path.basename(p) for p in paths]
     tensors = _gather(src or paths[0], names, [o[0] for o in opened], wm)

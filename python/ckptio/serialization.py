@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
+import io
 import os
 import pickle
+import stat
 import sys
 import threading
 import time
 import types
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -103,17 +107,60 @@ def _direct_arg(direct: bool | str | None) -> str | None:
     )
 
 
+def _is_path(f: Any) -> bool:
+    return isinstance(f, (str, bytes, os.PathLike))
+
+
 def _path(f: Any, what: str) -> str:
-    if isinstance(f, (str, bytes, os.PathLike)):
+    if _is_path(f):
         return os.fsdecode(f)
-    raise TypeError(
-        f"ckptio.{what} needs a file path (str or os.PathLike), not {type(f).__name__}; "
-        "file objects cannot be replaced atomically"
-    )
+    raise TypeError(f"ckptio.{what} needs a file path (str or os.PathLike), not {type(f).__name__}")
+
+
+def _descriptor(f: Any) -> int | None:
+    """The descriptor behind a file object where the engine can move its bytes:
+    a regular file, not in append mode, positioned at 0 (torch.save and
+    torch.load place the archive at the start of the stream). None otherwise
+    (BytesIO, pipes, sockets, a stream past its start): then the bytes go
+    through the object itself."""
+    try:
+        fd = f.fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or f.tell() != 0:
+            return None
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+            return None
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+    return int(fd)
+
+
+def _object_name(f: Any, fd: int | None = None) -> str:
+    name = getattr(f, "name", None)
+    if isinstance(name, (str, bytes)):
+        return os.fsdecode(name)
+    return f"<{type(f).__name__}>" if fd is None else f"/proc/self/fd/{fd}"
 
 
 # torch's serialization config is process-global: set and restore it under a lock.
 _CONFIG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _crc32_on() -> Iterator[None]:
+    """torch computes the CRC-32 of the records it writes (data.pkl, version...),
+    also where ``torch.serialization.set_crc32_options(False)`` turned it off:
+    ckptio marks its archives as carrying every CRC-32. Data records are not
+    written by torch (skip_data), so this costs nothing."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None or get():
+        yield
+        return
+    set_(True)
+    try:
+        yield
+    finally:
+        set_(False)
 
 
 @contextlib.contextmanager
@@ -131,14 +178,17 @@ def _storage_alignment(n: int) -> Iterator[None]:
         config.save.storage_alignment = old
 
 
-def _capturing_pickle_module(found: dict[str, torch.UntypedStorage]) -> types.ModuleType:
-    """A pickle module whose Pickler records which storage torch.save files under which key.
+def _capturing_pickle_module(
+    found: dict[str, torch.UntypedStorage], base: Any = pickle
+) -> types.ModuleType:
+    """A pickle module (``base``'s) whose Pickler records which storage
+    torch.save files under which key.
 
     torch.save subclasses ``pickle_module.Pickler`` to add its ``persistent_id``;
     ``__init_subclass__`` wraps that method, so the C pickler stays in use.
     """
 
-    class Pickler(pickle.Pickler):
+    class Pickler(base.Pickler):  # type: ignore[name-defined,misc]
         def __init_subclass__(cls, **kwargs: Any) -> None:
             super().__init_subclass__(**kwargs)
             inner = cls.persistent_id
@@ -167,26 +217,83 @@ def _capturing_pickle_module(found: dict[str, torch.UntypedStorage]) -> types.Mo
         "PicklingError",
         "UnpicklingError",
     ):
-        setattr(mod, name, getattr(pickle, name))
+        setattr(mod, name, getattr(base, name, getattr(pickle, name)))
     mod.Pickler = Pickler  # type: ignore[attr-defined]
     return mod
 
 
+def _write_metadata(
+    obj: object,
+    fh: Any,
+    found: dict[str, torch.UntypedStorage],
+    pickle_module: Any,
+    pickle_protocol: int,
+    disable_byteorder: bool,
+) -> None:
+    """torch.save of everything but the storages' bytes (skip_data), storages at
+    4 KiB, into ``fh``; ``found`` learns which storage went to which record."""
+    with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT), _crc32_on():
+        with torch.serialization.skip_data():
+            torch.save(
+                obj,
+                fh,
+                pickle_module=_capturing_pickle_module(found, pickle_module),
+                pickle_protocol=pickle_protocol,
+                _disable_byteorder_record=disable_byteorder,
+            )
+
+
+def _storage_segments(
+    found: dict[str, torch.UntypedStorage], data: dict[str, tuple[int, int]] | None
+) -> list[tuple[Any, ...]]:
+    """(key, address, nbytes, device) per storage; with ``data`` (record name ->
+    (offset, size)) (offset, address, nbytes, device), checked against the record."""
+    out: list[tuple[Any, ...]] = []
+    for key, st in found.items():
+        dev = _device_code(st, f"storage {key}")
+        if data is None:
+            out.append((key, st.data_ptr(), st.nbytes(), dev))
+            continue
+        rec = data.get(key)
+        if rec is None or rec[1] != st.nbytes():
+            raise _native.FormatError(f"no record of {st.nbytes()} bytes for storage {key}")
+        if st.nbytes():
+            out.append((rec[0], st.data_ptr(), st.nbytes(), dev))
+    return out
+
+
 def save(
     obj: object,
-    f: str | os.PathLike[str],
+    f: str | os.PathLike[str] | Any,
+    pickle_module: Any = pickle,
+    pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL,
+    _use_new_zipfile_serialization: bool = True,
+    _disable_byteorder_record: bool = False,
     *,
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
     backend: str | None = None,
-) -> IOReport:
+) -> None:
     """Save ``obj`` like ``torch.save(obj, f)``, fast and crash-safe.
 
-    The file is a regular torch.save zip archive (plain ``torch.load`` reads it)
-    whose storages start at multiples of 4096 bytes. It is written to a temp
-    file in the same folder and renamed over ``f`` only once complete and
-    fsynced: a failed or killed save leaves the previous file untouched.
+    Takes torch.save's arguments with their meaning. The file is a regular
+    torch.save zip archive (plain ``torch.load`` reads it) whose storages start
+    at multiples of 4096 bytes. It is written to a temp file in the same folder
+    and renamed over ``f`` only once complete and fsynced: a failed or killed
+    save leaves the previous file untouched. Returns None, as torch.save does;
+    ``ckptio.last_report()`` says how it ran.
+
+    ``f`` may also be a file object, as for torch.save. Over a regular file
+    (``open(path, "wb")``, at position 0, not in append mode) the metadata goes
+    through the object and the storages' bytes through the engine straight
+    into the same file (O_DIRECT where the file takes it); what is lost is the
+    atomic replace and fsync (the caller owns the file: a crash midway leaves
+    it torn) and the data records' CRC-32 (0: "unchecked" for ``verify``).
+    Other objects (BytesIO, pipes) get the same bytes written through the
+    object by torch itself (no engine, no O_DIRECT, no atomic replace).
+    ``_use_new_zipfile_serialization=False`` (torch's legacy format) is written
+    by torch itself, atomically for a path.
 
     threads / chunk_size: I/O threads and bytes per chunk (defaults from
     CKPTIO_THREADS / CKPTIO_CHUNK_SIZE, else 8 and 16 MiB; files on tmpfs get
@@ -201,20 +308,24 @@ def save(
     Bytes are copied after the work queued on the current CUDA streams (the
     copies wait for it on the GPU; the host is not blocked for it).
     """
-    path = _path(f, "save")
+    _file_like(f, "save", "write")
+    torch_args = (pickle_module, pickle_protocol, _disable_byteorder_record)
     d = _direct_arg(direct)
     t0 = time.perf_counter()
     engine = _engine(threads, chunk_size, d)
+    if not _is_path(f):
+        _save_object(obj, f, torch_args, _use_new_zipfile_serialization, engine, d, backend, t0)
+        return
+    path = _path(f, "save")
     writer = _native.AtomicWriter(path, d, backend)
     try:
         found: dict[str, torch.UntypedStorage] = {}
         try:
-            with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT):
-                with (
-                    torch.serialization.skip_data(),
-                    os.fdopen(os.dup(writer.fileno()), "wb") as fh,
-                ):
-                    torch.save(obj, fh, pickle_module=_capturing_pickle_module(found))
+            with os.fdopen(os.dup(writer.fileno()), "wb") as fh:
+                if not _use_new_zipfile_serialization:  # no records to place: torch writes it
+                    torch.save(obj, fh, pickle_module, pickle_protocol, False, *torch_args[2:])
+                else:
+                    _write_metadata(obj, fh, found, *torch_args)
         except OSError as e:
             if e.errno is None or e.filename is not None:
                 raise
@@ -222,16 +333,69 @@ def save(
             raise OSError(
                 e.errno, f"writing checkpoint metadata failed: {e.strerror}", writer.tmp_path
             ) from e
-        storages = []
-        for key, st in found.items():
-            dev = _device_code(st, f"storage {key}")
-            storages.append((key, st.data_ptr(), st.nbytes(), dev))
-        stats = _transfer.write_storages(writer, engine, storages, list(found.values()))
+        if _use_new_zipfile_serialization:
+            storages = _storage_segments(found, None)
+            stats = _transfer.write_storages(writer, engine, storages, list(found.values()))
+        else:
+            stats = _torch_stats(os.path.getsize(writer.tmp_path), "legacy format: torch wrote it")
         writer.commit()
     except BaseException:
         writer.abort()
         raise
-    return _report(path, t0, stats, len(storages))
+    _report(path, t0, stats, len(found))
+
+
+def _torch_stats(nbytes: int, why: str) -> dict[str, Any]:
+    """A report's stats where torch moved the bytes itself."""
+    return {
+        "bytes": nbytes,
+        "backend": "auto",
+        "device_path": None,
+        "direct": False,
+        "direct_reason": why,
+        "threads": 1,
+    }
+
+
+def _save_object(
+    obj: object,
+    f: Any,
+    torch_args: tuple[Any, int, bool],
+    new_zip: bool,
+    engine: _native.Engine,
+    direct: str | None,
+    backend: str | None,
+    t0: float,
+) -> None:
+    """``save`` into a file object (see its docstring)."""
+    fd = _descriptor(f) if new_zip else None
+    dev_file = None
+    if fd is not None:
+        try:  # a second open of the very file, for the engine
+            dev_file = _native.DeviceFile(f"/proc/self/fd/{fd}", True, direct, backend)
+        except OSError:  # e.g. the file's mode forbids a new open for writing
+            dev_file = None
+    name = _object_name(f, fd)
+    if dev_file is None:
+        start = f.tell() if hasattr(f, "tell") else 0
+        with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT), _crc32_on():
+            torch.save(obj, f, torch_args[0], torch_args[1], new_zip, torch_args[2])
+        n = f.tell() - start if hasattr(f, "tell") else 0
+        _report(name, t0, _torch_stats(n, "a file object without a usable descriptor"), 0)
+        return
+    found: dict[str, torch.UntypedStorage] = {}
+    f.flush()
+    _write_metadata(obj, f, found, *torch_args)
+    f.flush()
+    records_ = _native.map_archive(f"/proc/self/fd/{fd}")
+    data = {
+        name_.rpartition("/data/")[2]: (off, size)
+        for name_, off, size in records_
+        if "/data/" in name_
+    }
+    segments = _storage_segments(found, data)
+    stats = _transfer.write(dev_file, engine, segments, list(found.values()))
+    _report(name, t0, stats, len(found))
 
 
 class _Restorer:
@@ -390,10 +554,11 @@ def _file_offsets(
 
 
 def load(
-    f: str | os.PathLike[str],
+    f: str | os.PathLike[str] | Any,
     map_location: MapLocation = None,
-    weights_only: bool = True,
+    pickle_module: Any = None,
     *,
+    weights_only: bool | None = None,
     mmap: bool | None = None,
     threads: int | None = None,
     chunk_size: int | None = None,
@@ -407,21 +572,31 @@ def load(
 ) -> Any:
     """Load a torch.save zip checkpoint like ``torch.load``, bytes read in parallel.
 
-    Reads any torch.save zip file (also 64-byte-aligned ones from plain
-    torch.save). ``map_location`` and ``weights_only`` mean what they mean for
-    torch.load (``weights_only`` defaults to True: a pickle that is not plain
-    tensors and containers is refused). Views and shared storages stay shared.
-    ``mmap=True`` is handed to torch.load as is (a lazy, mapped load).
-    Storages mapped to a CUDA device are read straight into device memory
-    (cuFile or pinned bounce buffers, see ``save``'s ``backend``) and are ready
-    for kernels on any stream when load returns. ``ckptio.last_report()`` says
-    which path ran.
+    Takes torch.load's arguments with their meaning (``weights_only`` resolves
+    as torch resolves it: True unless a ``pickle_module`` is given or
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says otherwise). Reads any torch.save zip
+    file (also 64-byte-aligned ones from plain torch.save). Views and shared
+    storages stay shared. Storages mapped to a CUDA device are read straight
+    into device memory (cuFile or pinned bounce buffers, see ``save``'s
+    ``backend``) and are ready for kernels on any stream when load returns.
+    ``ckptio.last_report()`` says which path ran.
+
+    Where ckptio cannot do better, torch.load runs as is, on the same file:
+    ``mmap=True``; ``map_location="meta"`` and under ``FakeTensorMode`` (no
+    bytes to read); tensor subclasses that torch rebuilds from the
+    ``map_location`` itself; byte-swapped storages; TorchScript and
+    torch's legacy (non-zip) files. A path ending in ``.safetensors`` is read
+    by ``ckptio.safetensors.load_file``, as torch.load hands it to safetensors.
+    ``f`` may be a file object: over a regular file (at position 0) the engine
+    reads the very file behind its descriptor; other objects (BytesIO) go
+    through torch.load.
 
     ``verify=True`` checks every record against its CRC-32 before returning:
     the pickle before it is unpickled, each storage over the bytes read (in
     the I/O threads), and raises ``ckptio.FormatError`` naming the first bad
     record. Records without a stored CRC-32, and those read by cuFile, are
-    listed in ``last_report().unchecked``.
+    listed in ``last_report().unchecked``. It needs a path or a file object
+    over a regular file.
 
     ``out``: load in place. ``out`` is a structure like the checkpoint's
     (nested dicts, lists, tuples) whose tensors exist already, on the host or
@@ -438,38 +613,50 @@ def load(
     mismatch is found before anything is written (``ckptio.InPlaceLoadError``
     subclasses, naming the keys); a read that fails midway is a
     ``PartialLoadError`` (the destinations are partially filled).
-    ``map_location`` and ``mmap`` do not apply (the destinations decide).
+    ``map_location`` and ``mmap`` do not apply (the destinations decide); ``f``
+    is a path or a file object over a regular file.
     """
     t0 = time.perf_counter()
-    path = _path(f, "load")
-    if out is not None:
-        if map_location is not None or mmap:
-            raise TypeError("load(out=...) takes no map_location or mmap: the destinations decide")
-        from ckptio import inplace
-
-        return inplace.load_into(
-            path,
-            out,
-            strict=strict,
-            cast=cast,
-            weights_only=weights_only,
-            verify=verify,
-            io=inplace.IoOptions.of(threads, chunk_size, direct, backend),
-            pickle_load_args=pickle_load_args,
-        )
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, not {type(verify).__name__}")
-    if verify and (mmap or not _reads_natively(path)):
+    _file_like(f, "load", "read")
+    torch_kw: dict[str, Any] = dict(
+        pickle_module=pickle_module, weights_only=weights_only, **pickle_load_args
+    )
+    if out is not None:
+        return _load_into(
+            f, out, map_location, mmap, torch_kw, strict, cast, verify,
+            (threads, chunk_size, direct, backend),
+        )  # fmt: skip
+    if not _is_path(f):
+        fd = _descriptor(f)
+        if fd is None:
+            if verify:
+                raise ValueError(
+                    f"load(verify=True) needs a path or a file object over a regular file, "
+                    f"not {type(f).__name__}"
+                )
+            return _by_torch(
+                t0,
+                f,
+                "a file object without a usable descriptor",
+                map_location,
+                mmap=mmap,
+                **torch_kw,
+            )
+        path = f"/proc/self/fd/{fd}"
+        shown = _object_name(f, fd)
+    else:
+        path = shown = _path(f, "load")
+        if path.endswith(".safetensors"):
+            return _load_safetensors(path, map_location, threads, chunk_size, direct, backend)
+    torch_only = bool(mmap) or _torch_only(path, map_location)
+    if verify and (torch_only or not _reads_natively(path)):
         # torch reads the bytes itself here: check the whole file first.
         _verify_all(path, threads, chunk_size, direct)
-    if mmap:
-        return torch.load(
-            path,
-            map_location=map_location,
-            weights_only=weights_only,
-            mmap=True,
-            **pickle_load_args,
-        )
+    if torch_only:
+        why = "mmap" if mmap else "nothing to read, or not a zip archive"
+        return _by_torch(t0, path, why, map_location, mmap=mmap, **torch_kw)
     if not (
         map_location is None
         or isinstance(map_location, (str, torch.device, dict))
@@ -481,16 +668,21 @@ def load(
         )
     d = _direct_arg(direct)
     engine = _engine(threads, chunk_size, d)
-    reader = _open(path, d, backend)
+    try:
+        reader = _open(path, d, backend)
+    except _native.FormatError:
+        if not _is_torchscript(path):
+            raise
+        return _by_torch(t0, path, "a TorchScript archive", map_location, **torch_kw)
     records_ = reader.records()
     prefix = reader.prefix
     names = {name for name, _, _ in records_}
     byteorder = f"{prefix}/byteorder"
     if byteorder in names and reader.read_record(byteorder).decode() != sys.byteorder:
         # Byte-swapped storages are rare: let torch swap them.
-        return torch.load(
-            path, map_location=map_location, weights_only=weights_only, **pickle_load_args
-        )
+        return _by_torch(t0, path, "byte-swapped storages", map_location, **torch_kw)
+    if f"{prefix}/constants.pkl" in names:  # TorchScript: torch.load hands it to torch.jit
+        return _by_torch(t0, path, "a TorchScript archive", map_location, **torch_kw)
     data_prefix = f"{prefix}/data/"
     data = {off: size for name, off, size in records_ if name.startswith(data_prefix)}
     unchecked: list[str] = []
@@ -501,13 +693,17 @@ def load(
     restorer = _Restorer(map_location, list(data.values()))
     # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
     # replaced meanwhile by a concurrent save.
-    obj = torch.load(
-        f"/proc/self/fd/{reader.fileno()}",
-        map_location=restorer,
-        weights_only=weights_only,
-        mmap=True,
-        **pickle_load_args,
-    )
+    try:
+        obj = torch.load(
+            f"/proc/self/fd/{reader.fileno()}", map_location=restorer, mmap=True, **torch_kw
+        )
+    except RuntimeError as e:
+        if not str(e).startswith("Callable map_location not supported") or callable(map_location):
+            raise
+        # A tensor subclass that torch rebuilds from map_location itself, which
+        # must then be the caller's own (a str, device or dict): torch loads it.
+        src = f"/proc/self/fd/{reader.fileno()}"
+        return _by_torch(t0, src, "a tensor subclass", map_location, **torch_kw)
     offsets = _file_offsets(restorer.pending, data, path)
     segments, owners = [], []
     for off, (_, n, dest) in zip(offsets, restorer.pending, strict=True):
@@ -529,10 +725,136 @@ def load(
         if rest:  # records torch filled itself (other devices, callables)
             rows = reader.verify(engine, rest, strict=True)
             unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
-        _report(path, t0, stats, len(segments), True, tuple(unchecked))
+        _report(shown, t0, stats, len(segments), True, tuple(unchecked))
     else:
-        _report(path, t0, stats, len(segments))
+        _report(shown, t0, stats, len(segments))
     return obj
+
+
+def _load_into(
+    f: Any,
+    out: Any,
+    map_location: MapLocation,
+    mmap: bool | None,
+    torch_kw: dict[str, Any],
+    strict: bool,
+    cast: bool,
+    verify: bool,
+    io: tuple[int | None, int | None, bool | str | None, str | None],
+) -> Any:
+    """load(f, out=out): into the tensors of ``out`` (ckptio.inplace)."""
+    from ckptio import inplace
+
+    if map_location is not None or mmap:
+        raise TypeError("load(out=...) takes no map_location or mmap: the destinations decide")
+    if _is_path(f):
+        path = shown = _path(f, "load")
+    else:
+        fd = _descriptor(f)
+        if fd is None:
+            raise TypeError(
+                "load(out=...) needs a path or a file object over a regular file, "
+                f"not {type(f).__name__}"
+            )
+        path, shown = f"/proc/self/fd/{fd}", _object_name(f, fd)
+    if path.endswith(".safetensors"):
+        from ckptio import safetensors as cst
+
+        threads, chunk_size, direct, backend = io
+        return cst.load_file(
+            path, out=out, strict=strict, cast=cast, threads=threads,
+            chunk_size=chunk_size, direct=direct, device_backend=backend,
+        )  # fmt: skip
+    return inplace.load_into(
+        path,
+        out,
+        strict=strict,
+        cast=cast,
+        verify=verify,
+        io=inplace.IoOptions.of(*io),
+        torch_kw=torch_kw,
+        name=shown,
+    )
+
+
+def _by_torch(t0: float, src: Any, why: str, *args: Any, **kwargs: Any) -> Any:
+    """torch.load as is; the report says so."""
+    obj = torch.load(src, *args, **kwargs)
+    try:
+        n = os.path.getsize(src) if _is_path(src) else 0
+    except OSError:
+        n = 0
+    name = os.fsdecode(src) if _is_path(src) else _object_name(src)
+    _report(name, t0, _torch_stats(n, f"torch.load read it: {why}"), 0)
+    return obj
+
+
+def _is_torchscript(path: str) -> bool:
+    """A TorchScript zip (compressed code records, which torch.load hands to torch.jit)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/constants.pkl") for n in z.namelist())
+    except Exception:  # noqa: BLE001 - a zip Python cannot read is no TorchScript to hand on
+        return False
+
+
+def _torch_only(path: str, map_location: MapLocation) -> bool:
+    """Whether torch.load must run as is: nothing to read (meta, FakeTensorMode)
+    or torch's legacy (non-zip) format. Other files that are no zip archive stay
+    ckptio's to refuse (FormatError)."""
+    if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "meta":
+        return True
+    if torch._guards.detect_fake_mode(None) is not None:
+        return True
+    with open(path, "rb") as fh:
+        return _is_legacy(fh.read(14))
+
+
+def _is_legacy(head: bytes) -> bool:
+    """torch's legacy format starts with its magic number, pickled (protocol >= 2:
+    PROTO n, LONG1 of 10 bytes)."""
+    magic = int(torch.serialization.MAGIC_NUMBER).to_bytes(10, "little")
+    return len(head) == 14 and head[0] == 0x80 and head[2:4] == b"\x8a\x0a" and head[4:] == magic
+
+
+def _file_like(f: Any, what: str, method: str) -> None:
+    """A save or load target that is neither a path nor a file object is a TypeError."""
+    if not _is_path(f) and not callable(getattr(f, method, None)):
+        raise TypeError(
+            f"ckptio.{what} needs a file path (str or os.PathLike) or a file object, "
+            f"not {type(f).__name__}"
+        )
+
+
+def _load_safetensors(
+    path: str,
+    map_location: MapLocation,
+    threads: int | None,
+    chunk_size: int | None,
+    direct: bool | str | None,
+    backend: str | None,
+) -> Any:
+    """torch.load of a ``.safetensors`` path: safetensors' load_file, to the device
+    a str or torch.device map_location names (torch refuses dicts and callables)."""
+    from ckptio import safetensors as cst
+
+    if isinstance(map_location, dict) or (
+        callable(map_location) and not isinstance(map_location, torch.device)
+    ):
+        kind = "dict" if isinstance(map_location, dict) else "callable"
+        raise RuntimeError(
+            f"Loading safetensors file with {kind} map_location is not supported. "
+            "Use a device string or torch.device instead."
+        )
+    device = "cpu" if map_location is None else str(map_location)
+    return cst.load_file(
+        path,
+        device,
+        threads=threads,
+        chunk_size=chunk_size,
+        direct=direct,
+        device_backend=backend,
+    )
 
 
 def _reads_natively(path: str) -> bool:

@@ -517,10 +517,10 @@ def open_source(
     if magic == b"PK\x03\x04":
         obj, m = open_torch(
             path,
-            weights_only=weights_only,
             direct=io.direct,
             backend=io.backend,
             verify_engine=io.engine() if verify else None,
+            torch_kw={"weights_only": weights_only},
         )
         return obj, [m]
     tensors, _, m = open_safetensors(path, direct=io.direct, backend=io.backend)
@@ -724,7 +724,9 @@ def lazy_load(
     ``map_location``: None, a str, a torch.device or a dict."""
     t0 = time.perf_counter()
     min_bytes = LAZY_MIN_BYTES if min_bytes is None else min_bytes
-    obj, mapped = open_torch(path, weights_only=weights_only, direct=io.direct, backend=io.backend)
+    obj, mapped = open_torch(
+        path, direct=io.direct, backend=io.backend, torch_kw={"weights_only": weights_only}
+    )
     files = [mapped]
     located = _Files(files)
     users: dict[int, int] = {}

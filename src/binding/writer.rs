@@ -9,6 +9,7 @@ use pyo3::types::PyDict;
 
 use crate::engine::TransferFile;
 use crate::format::integrity::{self, Storage};
+use crate::format::zstd;
 use crate::io::file::IoFile;
 use crate::io::persist::AtomicFile;
 use crate::Error;
@@ -36,6 +37,9 @@ pub struct AtomicWriter {
     tmp_path: PathBuf,
     target: PathBuf,
 }
+
+/// (zip head, data address, data length, zip tail, CRC-32 offsets in the tail).
+type ZstdItem = (Vec<u8>, u64, u64, Vec<u8>, Vec<usize>);
 
 /// What a call on a committed or aborted writer meets.
 fn done_error() -> Error {
@@ -173,6 +177,54 @@ impl AtomicWriter {
             self.locked(|st| unsafe { st.file.write(e, s, r) })
         })?;
         write_dict(py, &rep, checksum)
+    }
+
+    /// Compress each item (`items` = [(zip head, address, nbytes, zip tail,
+    /// offsets of the data's CRC-32 in the tail)], data in host memory) into one
+    /// zstd frame, on the engine's thread count, and write the frames back to
+    /// back from `start`: [(offset, length)] per item. The frames are what
+    /// torch's ZStandard stream transform decodes. `level` 3 is zstd's default
+    /// (`format::zstd::DEFAULT_LEVEL`), the one torch's extension uses.
+    ///
+    /// `owners` (the objects owning the data) are held until this returns;
+    /// nobody may modify the data meanwhile.
+    #[pyo3(signature = (engine, start, items, owners, level=3))]
+    fn write_zstd(
+        &self,
+        py: Python<'_>,
+        engine: &Engine,
+        start: u64,
+        items: Vec<ZstdItem>,
+        owners: Owners,
+        level: i32,
+    ) -> PyResult<Vec<(u64, u64)>> {
+        let threads = engine.inner.config().threads;
+        let out = py.detach(|| {
+            self.locked(|st| {
+                let parts: Vec<zstd::Item<'_>> = items
+                    .iter()
+                    .map(|(head, addr, len, tail, crc_at)| {
+                        let data = if *len == 0 {
+                            &[][..]
+                        } else {
+                            // SAFETY: `owners` keep `[addr, addr+len)` allocated
+                            // for this call and the caller leaves it unmodified
+                            // (documented contract).
+                            unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) }
+                        };
+                        zstd::Item {
+                            head,
+                            data,
+                            tail,
+                            crc_at,
+                        }
+                    })
+                    .collect();
+                zstd::write_items(st.file.io(), start, &parts, level, threads)
+            })
+        })?;
+        drop(owners);
+        Ok(out)
     }
 
     /// Write a small byte string (a header) at `offset`.
