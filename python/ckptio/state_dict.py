@@ -10,6 +10,8 @@ function mode that records each ``copy_`` from the checkpoint's mapping instead
 of running it; the copies are planned and read in one engine pass before the
 post-hooks, after every check passed. Optimizers replay
 ``Optimizer.load_state_dict``'s steps with destinations chosen by its rules.
+:func:`lazy_load` hands over a checkpoint whose large tensors are read on use
+(the Lightning plugin's restore path). See docs/inplace.md.
 """
 
 from __future__ import annotations
