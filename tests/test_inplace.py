@@ -28,6 +28,17 @@ def same_tensors(a, b):
             assert a[k] == b[k], k
 
 
+def in_mapping_of(path, t):
+    """Whether ``t``'s memory lies in a mapping of the file ``path``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if parts[-1] == str(path) and lo <= t.data_ptr() < hi:
+                return True
+    return False
+
+
 def ptrs(sd):
     return {k: v.data_ptr() for k, v in sd.items()}
 
@@ -196,6 +207,7 @@ def test_hooks_and_overrides_run_as_with_torch(tmp_path):
             if t is not None:
                 with torch.no_grad():
                     self.t.copy_(t.t())  # a strided source: through a temporary
+                self.seen = self.t.sum().item()  # reads what it copied: the copy runs first
 
     class Outer(nn.Module):
         def __init__(self):
@@ -212,7 +224,8 @@ def test_hooks_and_overrides_run_as_with_torch(tmp_path):
             return {"seen": 0}
 
         def set_extra_state(self, state):
-            calls.append(state)
+            calls.append({k: v for k, v in state.items() if k != "t"})
+            self.extra_t = state["t"]
 
     w = torch.arange(12.0).reshape(3, 4)
     sd = {
@@ -220,7 +233,7 @@ def test_hooks_and_overrides_run_as_with_torch(tmp_path):
         "inner.t_src": torch.arange(12.0).reshape(3, 4),
         "inner.t": torch.zeros(4, 3),
     }
-    sd["_extra_state"] = {"seen": 5}
+    sd["_extra_state"] = {"seen": 5, "t": torch.ones(3)}
     sd["junk"] = torch.ones(1)
     p = tmp_path / "h.pt"
     ckptio.save(sd, p)
@@ -232,6 +245,10 @@ def test_hooks_and_overrides_run_as_with_torch(tmp_path):
     assert calls == wcalls == [{"seen": 5}, 66.0]
     same_tensors(a.state_dict(), b.state_dict())
     assert torch.equal(b.inner.t, torch.arange(12.0).reshape(3, 4).t())
+    assert b.inner.seen == a.inner.seen == 66.0
+    # A tensor set_extra_state keeps has memory of its own, not the file's mapping.
+    assert not in_mapping_of(p, b.extra_t)
+    assert torch.equal(b.extra_t, torch.ones(3))
 
 
 def test_overridden_load_state_dict_reads_each_copy_at_once(tmp_path):

@@ -26,6 +26,7 @@ from copy import deepcopy
 from typing import Any, NoReturn
 
 import torch
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
@@ -250,6 +251,18 @@ def _load_module(
     state_dict = OrderedDict(state_dict)
     if metadata is not None:
         state_dict._metadata = metadata  # type: ignore[attr-defined]
+    # set_extra_state keeps what it is given: tensors of its own, as from torch.load.
+    extra: list[tuple[str, torch.Tensor, Any]] = []
+    for k in state_dict:
+        if k.endswith(_EXTRA_STATE_KEY_SUFFIX):
+            state_dict[k] = _rebuild(state_dict[k], _fresh_into(run, extra, (k,)))
+    if not run.run(extra, exact_shape=True):
+        _raise(
+            f"Error(s) in loading state_dict for {module.__class__.__name__}:",
+            [t for _, _, t in run.problems],
+            run.problems,
+            partial=False,
+        )
 
     def load(mod: torch.nn.Module, local_state_dict: Mapping[str, Any], prefix: str = "") -> None:
         local_metadata = {} if metadata is None else metadata.get(prefix[:-1], {})
