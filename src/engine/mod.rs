@@ -28,10 +28,14 @@
 //! between calls, so a steady stream of saves allocates nothing, and given
 //! back on request, after a while idle, or when the pinned-memory cap is full
 //! (see [`pool`]).
+//!
+//! Reads first choose, per file, between the memory path and the disk path
+//! ([`memory`]): a file whose bytes are in memory is copied from its page cache.
 
 mod config;
 mod file;
 mod lane;
+mod memory;
 mod pool;
 
 use std::collections::HashSet;
@@ -53,6 +57,7 @@ pub use config::{
 };
 pub use file::{PathState, Report, Request, TransferFile};
 pub use lane::Lane;
+pub use memory::{MemoryPath, ReadPath, RESIDENT_MIN};
 pub use pool::release_buffers;
 
 /// One contiguous memory range and the file range it maps to.
@@ -78,6 +83,8 @@ pub struct Stats {
     /// segment order; None for a segment whose bytes did not pass through host
     /// memory (cuFile). Empty otherwise.
     pub crc32: Vec<Option<u32>>,
+    /// Reads: from memory or from the disk, and why.
+    pub read_path: Option<ReadPath>,
 }
 
 /// How one transfer runs, besides its segments.
@@ -216,6 +223,22 @@ impl Engine {
         dir: Dir,
         opts: Options<'_>,
     ) -> Result<Stats> {
+        // Reads: the memory path reads a view of the file (through a mapping of
+        // its page cache), device memory through the bounce lanes.
+        let choice = match dir {
+            Dir::Write => None,
+            Dir::Read | Dir::Checksum => {
+                Some(memory::choose(file, segments, self.cfg.memory_path)?)
+            }
+        };
+        let mut opts = opts;
+        let file = match choice.as_ref().and_then(|c| c.view.as_ref()) {
+            Some(view) => {
+                opts.path = opts.path.filter(|p| p.is_requested());
+                view
+            }
+            None => file,
+        };
         let mut devices: Vec<i32> = Vec::new();
         if dir != Dir::Checksum {
             for s in segments.iter().filter(|s| s.len > 0) {
@@ -245,6 +268,7 @@ impl Engine {
             device_path: (!devices.is_empty())
                 .then(|| opts.path.map_or("bounce", DevicePath::name)),
             crc32: Vec::new(),
+            read_path: choice.as_ref().map(|c| c.path.clone()),
         };
         if chunks.is_empty() {
             if opts.checksum {
@@ -315,7 +339,8 @@ impl Engine {
         });
         self.pool.give_back(lanes);
         if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            return Err(e);
+            // Errors of layers that do not know the file (cuFile's) name it here.
+            return Err(e.with_path(file.path()));
         }
         if opts.checksum {
             let per_chunk = crcs.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -519,6 +544,7 @@ mod tests {
             memory_chunk_size: chunk,
             direct: DirectMode::Auto,
             preallocate: true,
+            memory_path: MemoryPath::Map,
             idle_release: None,
         })
         .unwrap()
