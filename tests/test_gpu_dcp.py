@@ -195,3 +195,35 @@ def test_cuda_sync_save_from_device(tmp_path):
     out = {"w": torch.zeros_like(sd["w"], device="cpu"), "t": torch.zeros(200, 300)}
     dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
     assert torch.equal(out["w"], sd["w"].cpu()) and torch.equal(out["t"], sd["t"].cpu())
+
+
+@pytest.mark.parametrize("backend", ["posix", None], ids=["bounce", "auto"])
+def test_cuda_load_with_verify(tmp_path, backend):
+    """verify=True into CUDA tensors: bytes through the bounce buffers are checked against the
+    item CRC-32s (a flipped bit is a FormatError naming the item); bytes cuFile moved (no host
+    copy to checksum) are listed as unchecked, never reported verified."""
+    from ckptio import _native
+    from ckptio.dcp import read_metadata
+
+    sd = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(77, device="cuda")}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reader = FileSystemReader(tmp_path, verify=True, backend=backend)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+    stats = reader.last_stats[0]
+    assert sorted(stats["verified"] + stats["unchecked"]) == ["b", "w"]
+    if stats["backend"] == "bounce":
+        assert sorted(stats["verified"]) == ["b", "w"], stats
+    md = read_metadata(tmp_path / ".metadata")
+    info = next(i for k, i in md.storage_data.items() if k.fqn == "w")
+    path = tmp_path / info.relative_path
+    item = _native.Reader(path, "off", None, info.offset, info.length)
+    at = next(o for name, o, _ in item.records() if name.endswith("/data/0"))
+    raw = bytearray(path.read_bytes())
+    raw[at + 12345] ^= 1
+    path.write_bytes(bytes(raw))
+    if backend == "posix":
+        with pytest.raises(BaseException, match="CRC-32"):
+            reader = FileSystemReader(tmp_path, verify=True, backend=backend)
+            dcp.load(out, storage_reader=reader, no_dist=True)

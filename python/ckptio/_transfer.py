@@ -178,7 +178,8 @@ def read(
     """Fill ``segments`` (memory owned by ``owners``) from ``source``, after the
     work queued on the current streams (which may still use the destinations);
     the data is ready for any stream on return. ``verify`` (a ``Reader``): check
-    each whole record read against its CRC-32."""
+    each whole record read against its CRC-32; (a ``DeviceFile``) return each
+    segment's CRC-32 as "crc32", for the caller to check."""
     if verify:
         return source.read_segments(engine, segments, owners, _streams_of(segments), True)  # type: ignore[call-arg]
     return source.read_segments(engine, segments, owners, _streams_of(segments))

@@ -1,4 +1,5 @@
-"""The ``ckptio`` command: ``bench``, ``ls``, ``inspect``, ``verify``, ``info``, ``convert``."""
+"""The ``ckptio`` command: ``bench``, ``ls``, ``inspect``, ``verify``, ``clean``, ``info``,
+``convert``."""
 
 from __future__ import annotations
 
@@ -38,10 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("path")
 
     ver = sub.add_parser(
-        "verify", help="check every record against its CRC-32 (exit 1 and name the bad ones)"
+        "verify",
+        help="check every record against its CRC-32 (exit 1 and name the bad ones); a file, "
+        "or a DCP checkpoint folder",
     )
     ver.add_argument("path")
     ver.add_argument("-q", "--quiet", action="store_true", help="print only problems")
+
+    cl = sub.add_parser(
+        "clean",
+        help="remove the temp files of dead saves (killed or crashed) from a folder",
+        description="Remove the temp files (.NAME.ckptio-PID-NONCE.tmp) that saves killed or "
+        "crashed left in FOLDER. Only files of that pattern, and only those no live save holds "
+        "(each save holds a lock on its temp file, in any PID namespace or container).",
+    )
+    cl.add_argument("folder")
 
     inf = sub.add_parser("info", help="CUDA, cuFile, and what a folder supports (O_DIRECT, cuFile)")
     inf.add_argument("folder", nargs="?", default=".", help="folder to probe (default: .)")
@@ -101,18 +113,25 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.json, "w") as f:
                 f.write(bench.to_json(rows))
         return 0
-    if a.cmd in ("inspect", "verify", "ls"):
-        import ckptio
-
+    if a.cmd in ("inspect", "verify", "ls", "clean"):
         try:
             return _file_command(a)
-        except (OSError, ckptio.CkptioError) as e:
-            print(f"ckptio {a.cmd}: {e}", file=sys.stderr)
+        except Exception as e:  # bad input of any kind: one line, no traceback
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(f"ckptio {a.cmd}: {type(e).__name__}: {first}", file=sys.stderr)
             return 1
     return 2
 
 
 def _file_command(a: argparse.Namespace) -> int:
+    if a.cmd == "clean":
+        from ckptio import _native
+
+        removed = _native.clean_temps(a.folder)
+        for name in removed:
+            print(name)
+        print(f"{a.folder}: {len(removed)} temp files of dead saves removed")
+        return 0
     if a.cmd == "inspect":
         from ckptio.integrity import inspect_lines
 

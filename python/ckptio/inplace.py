@@ -49,6 +49,7 @@ from ckptio.serialization import (
     _last,
     _open,
     _report,
+    _unpickling,
 )
 
 __all__ = [
@@ -245,12 +246,13 @@ def open_torch(
     found: list[tuple[int, int, str]] = []
     # /proc/self/fd/N: the very file the reader holds, even if the path is
     # replaced meanwhile by a concurrent save.
-    obj = torch.load(
-        f"/proc/self/fd/{reader.fileno()}",
-        map_location=_keep_mapped(found),
-        mmap=True,
-        **(torch_kw or {}),
-    )
+    with _unpickling(name or path):
+        obj = torch.load(
+            f"/proc/self/fd/{reader.fileno()}",
+            map_location=_keep_mapped(found),
+            mmap=True,
+            **(torch_kw or {}),
+        )
     data = {off: size for n, off, size in records if n.startswith(data_prefix)}
     pending = [(p, n, None) for p, n, _ in found]
     offsets = _file_offsets(pending, data, name or path)  # type: ignore[arg-type]

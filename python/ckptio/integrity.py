@@ -13,7 +13,15 @@ import dataclasses
 import os
 
 from ckptio import _native
-from ckptio.serialization import _direct_arg, _engine, _path, records
+from ckptio._paths import inside
+from ckptio.serialization import (
+    _direct_arg,
+    _engine,
+    _native_byteorder,
+    _path,
+    _torch_reads,
+    records,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,27 +83,152 @@ def verify(
     chunk_size: int | None = None,
     direct: bool | str | None = None,
 ) -> VerifyReport:
-    """Check every record of a checkpoint (any torch.save zip) against its CRC-32.
+    """Check every record of a checkpoint (any torch.save zip) against its CRC-32,
+    and that the archive is one torch's reader takes (what ``load`` relies on).
 
     Detects flipped bits (a record's bytes no longer match), torn tails
-    (truncation), records pointing outside the file or overlapping. Records
-    without a CRC-32 (written by cuFile, or by torch.save without CRC) are
-    reported "unchecked", not bad. A bad or torn file is the report's finding
-    (``ok`` False; ``raise_if_bad()`` raises it); a missing or unreadable file
-    raises OSError.
+    (truncation), records pointing outside the file or overlapping, zip
+    features or versions torch refuses, a byteorder record that is neither
+    "little" nor "big", storages the pickle declares that no record holds.
+    Records without a CRC-32 (written by cuFile, or by torch.save without CRC)
+    are reported "unchecked", not bad. A bad or torn file is the report's
+    finding (``ok`` False; ``raise_if_bad()`` raises it); a missing or
+    unreadable file raises OSError.
+
+    A DCP checkpoint folder (one holding ``.metadata``) is checked whole: its
+    metadata (allow-list, paths inside the folder), then every record of every
+    tensor item of every data file, named ``<fqn> (<file>@<offset>) <record>``;
+    byte items carry no CRC-32 and are "unchecked".
     """
     path = _path(f, "verify")
     d = _direct_arg(direct)
     engine = _engine(threads, chunk_size, d)
+    if os.path.isdir(path):
+        return _verify_dcp(path, engine, d)
     try:
         reader = _native.Reader(path, d, None)
-    except _native.FormatError as e:
-        return VerifyReport(path, (), str(e))
-    try:
+        _torch_reads(path, reader.fileno())
         rows = reader.verify(engine, None, False)
+        report = VerifyReport(path, tuple(RecordCheck(*row) for row in rows))
+        if report.ok:  # what load decodes, once its bytes are known good
+            _native_byteorder(reader, path)
+            _check_declared_storages(reader, path)
     except _native.FormatError as e:  # e.g. the file shrank while being read
         return VerifyReport(path, (), str(e))
-    return VerifyReport(path, tuple(RecordCheck(*row) for row in rows))
+    return report
+
+
+def _check_declared_storages(reader: _native.Reader, path: str) -> None:
+    """Every storage the pickle declares has a data record of exactly its size (load
+    refuses the file otherwise). The pickle is read without running any of it."""
+    prefix = reader.prefix
+    sizes = {name: size for name, _, size in reader.records()}
+    pkl = f"{prefix}/data.pkl"
+    if pkl not in sizes or sizes[pkl] > 64 << 20:
+        return  # no pickle to read here (a plain zip), or one too large to read whole
+    try:
+        declared = _declared_storages(reader.read_record(pkl))
+    except Exception as e:  # any failure of a pickle that runs nothing: it is malformed
+        raise _native.FormatError(f"{path}: record {pkl} is not a readable pickle: {e}") from e
+    for key, nbytes in declared:
+        have = sizes.get(f"{prefix}/data/{key}")
+        if have is None:
+            raise _native.FormatError(
+                f"{path}: the pickle declares storage {key!r}, but there is no record "
+                f"{prefix}/data/{key}"
+            )
+        if nbytes is not None and have != nbytes:
+            raise _native.FormatError(
+                f"{path}: record {prefix}/data/{key} holds {have} bytes, the pickle declares "
+                f"a storage of {nbytes}"
+            )
+
+
+class _Inert:
+    """What every global of a pickle becomes while it is only scanned: calls, state and
+    items are accepted and ignored, so nothing of the pickle runs."""
+
+    module = name = ""
+
+    def __new__(cls, *args: object, **kwargs: object) -> _Inert:
+        return object.__new__(cls)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __call__(self, *args: object, **kwargs: object) -> _Inert:
+        return _Inert()
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+    def append(self, value: object) -> None:
+        pass
+
+    def extend(self, values: object) -> None:
+        pass
+
+
+def _declared_storages(pkl: bytes) -> list[tuple[str, int | None]]:
+    """(key, nbytes) of each storage a torch.save pickle declares (nbytes None where the
+    storage type is not one torch names), found by unpickling with every global inert."""
+    import io
+    import pickle
+
+    import torch
+
+    found: list[tuple[str, int | None]] = []
+
+    class Scan(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> type:
+            return type(name, (_Inert,), {"module": module, "name": name})
+
+        def persistent_load(self, pid: object) -> object:
+            if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+                _, kind, key, _, numel = pid
+                dtype = None
+                if getattr(kind, "module", "") == "torch":
+                    dtype = torch.storage._storage_type_to_dtype_map().get(kind.name)
+                if isinstance(numel, int) and dtype is not None:
+                    itemsize = dtype.itemsize
+                    found.append((str(key), numel * itemsize))
+                else:
+                    found.append((str(key), None))
+            return _Inert()
+
+    Scan(io.BytesIO(pkl)).load()
+    return found
+
+
+def _verify_dcp(folder: str, engine: _native.Engine, direct: str | None) -> VerifyReport:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from ckptio.dcp import _METADATA, read_metadata
+
+    md_path = os.path.join(folder, _METADATA)
+    out: list[RecordCheck] = []
+    try:
+        md = read_metadata(md_path)
+        for index, info in sorted(
+            md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)
+        ):
+            name = f"{index.fqn} ({info.relative_path}@{info.offset})"
+            if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                out.append(RecordCheck(name, "unchecked", None, None))
+                continue
+            p = inside(folder, info.relative_path, md_path)
+            try:
+                item = _native.Reader(p, direct, None, info.offset, info.length)
+            except OSError as e:
+                return VerifyReport(folder, tuple(out), f"{name}: {e}")
+            for rec, state, stored, actual in item.verify(engine, None, False):
+                out.append(RecordCheck(f"{name} {rec}", state, stored, actual))
+    except _native.FormatError as e:
+        return VerifyReport(folder, tuple(out), str(e))
+    return VerifyReport(folder, tuple(out))
 
 
 def inspect_lines(f: str | os.PathLike[str]) -> list[str]:

@@ -36,7 +36,7 @@ use hostmem::{advise_huge, host_memory, HostMemory};
 use probe::info;
 use reader::{map_archive, Reader};
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
-use writer::AtomicWriter;
+use writer::{clean_temps, AtomicWriter};
 
 fn direct_mode(s: Option<&str>) -> PyResult<Option<DirectMode>> {
     Ok(match s {
@@ -153,7 +153,7 @@ fn report_dict<'py>(py: Python<'py>, rep: &Report) -> PyResult<Bound<'py, PyDict
 mod _native {
     #[pymodule_export]
     use super::{
-        _clear_faults, _op_log, _record_ops, _set_fault, _set_truncation, advise_huge,
+        _clear_faults, _op_log, _record_ops, _set_fault, _set_truncation, advise_huge, clean_temps,
         cufile_register_buffer, env_threads, host_memory, info, map_archive, pinned_memory,
         release_buffers, stage_copy, stage_device_copy, stage_pin, AtomicWriter,
         BufferRegistration, DeviceFile, Engine, HostMemory, HostPin, Reader,
