@@ -5,6 +5,8 @@
 #   scripts/gpu_check.sh tests   # the suite without the udev entry (fallback), then
 #                                # the GPU tests with it (cuFile compat for real)
 #   scripts/gpu_check.sh gpu     # only tests/test_gpu.py, without then with the udev entry
+#   scripts/gpu_check.sh gputests # every GPU-marked test, without then with the udev entry
+#   scripts/gpu_check.sh membench # benches/bench_memory.py (issue 16's targets) alone
 #   scripts/gpu_check.sh soundness # tests/test_soundness.py, without then with the udev entry
 #   scripts/gpu_check.sh tune    # benches/tune_gpu.py: threads/chunk/preallocation sweep
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
@@ -71,6 +73,23 @@ soundness)
     $PY -m pytest tests/test_soundness.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_soundness_cufile.log" | tail -8
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     echo "=== cufile.log files left in the repo root: $(ls cufile.log 2>/dev/null | wc -l)"
+    ;;
+gputests)
+    # Every GPU-marked test of the suite, on the bounce pipeline (no udev entry), then on
+    # cuFile (with it); GPUTESTS_ARGS adds pytest arguments (e.g. -k).
+    udev_off
+    CKPTIO_EXPECT_BACKEND=bounce timeout 270 $PY -m pytest tests -m gpu -q -p no:cacheprovider -rfE ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_bounce.log" | tail -25
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    udev_on
+    CKPTIO_EXPECT_BACKEND=cufile timeout 270 $PY -m pytest tests -m gpu -q -p no:cacheprovider -rfE ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_cufile.log" | tail -25
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    ;;
+membench)
+    # benches/bench_memory.py alone (the memory mode without its tests).
+    grep -H . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled \
+        /sys/module/page_reporting/parameters/page_reporting_order 2>/dev/null
+    udev_on
+    timeout ${MEMBENCH_TIMEOUT:-330} $PY benches/bench_memory.py --json "$OUT/bench_memory.json" ${MEMORY_ARGS:-} 2>&1 | tee "$OUT/bench_memory.log" || rc=1
     ;;
 gpu)
     # Only the GPU tests, both ways (a short re-check after a change).
