@@ -22,6 +22,10 @@
 #                                # DCP + ZStandard, ckptio (Rust, all cores) vs torch (ZSTD_SIZE)
 #   scripts/gpu_check.sh profile # benches/profile_disk.py: saves and cold loads (by phase) by knob,
 #                                # paired by round with the raw writes and reads (PROFILE_ARGS)
+#   scripts/gpu_check.sh inplace # loads in place (issue 17): the GPU tests of tests/test_inplace.py
+#                                # (bounce, then cuFile), then benches/bench_inplace.py --device cuda:
+#                                # 8 GiB bf16 model (INPLACE_SIZE), cold from /tmp and from /dev/shm;
+#                                # under 5 minutes
 #   scripts/gpu_check.sh memory  # issue 16 (about 7 minutes): tests/test_memory_path.py without the
 #                                # udev entry, its GPU tests with it, then benches/bench_memory.py
 #                                # (/dev/shm, page cache, staging, pinned lanes; MEMORY_ARGS), JSON to $OUT
@@ -152,6 +156,16 @@ zstd)
 profile)
     udev_on  # --knobs cufile needs it; "posix" forces the bounce pipeline
     $PY benches/profile_disk.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_disk.log" || rc=1
+    ;;
+inplace)
+    udev_off
+    CKPTIO_EXPECT_BACKEND=bounce timeout 100 $PY -m pytest tests/test_inplace.py tests/test_lightning.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_inplace_bounce.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    udev_on
+    CKPTIO_EXPECT_BACKEND=cufile timeout 60 $PY -m pytest tests/test_inplace.py -m gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_inplace_cufile.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    timeout 150 $PY benches/bench_inplace.py --device cuda --size "${INPLACE_SIZE:-8G}" --dir /tmp \
+        --json "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.json" 2>&1 | tee "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.log" || rc=1
     ;;
 *)
     echo "unknown mode $mode"; rc=1

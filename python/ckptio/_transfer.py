@@ -62,6 +62,11 @@ class IOReport:
     #: Page-locked host memory ckptio holds after the call, all engines and
     #: stagers together (``ckptio.release_buffers()`` gives the engines' back).
     pinned_bytes: int = 0
+    #: Loads into existing tensors (``out=``, ``load_state_dict``) with
+    #: strict=False: destinations the checkpoint had no tensor for, and
+    #: checkpoint tensors without a destination (not read).
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
     #: Loads: "memory" (the file's bytes were in memory: tmpfs, or cached pages)
     #: or "disk"; ``read_reason`` says why ("tmpfs", "page cache: 100% of ...
     #: sampled pages", "cold: ..."), ``read_source`` how ("map": copied from a

@@ -635,6 +635,9 @@ def load_file(
     chunk_size: int | None = None,
     direct: bool | str | None = None,
     device_backend: str | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+    strict: bool = True,
+    cast: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load a safetensors file like ``safetensors.torch.load_file(filename, device,
     backend=...)``: a dict of tensors in file order, each with its own storage on
@@ -648,10 +651,19 @@ def load_file(
     see ``ckptio.save``; the old spelling ``backend="cufile"`` still works).
     ``ckptio.last_report()`` says how it ran; a malformed file is a
     :class:`SafetensorError` naming the file and tensor.
+
+    ``out``: load in place, into the tensors of this dict (name -> tensor, on
+    the host or any CUDA device, ``device`` not given), as ``ckptio.load``'s
+    ``out`` does (``strict``, ``cast``, errors): returns {name: the filled
+    tensor of ``out``} in file order.
     """
     dev_backend = _device_backend(backend, device_backend, "load_file")
     t0 = time.perf_counter()
     path = _path(filename, "safetensors.load_file")
+    if out is not None:
+        return _load_into(
+            [path], out, device, t0, threads, chunk_size, direct, dev_backend, strict, cast
+        )
     want, fill = _devices(device)
     d = _direct_arg(direct)
     plan = _plan(path, fill or torch.device("cpu"), d, dev_backend)
@@ -905,6 +917,19 @@ def _shard_files(index_path_or_folder: str) -> tuple[str, dict[str, str] | None]
     return folder, wm
 
 
+def _shared_engine(
+    threads: int | None, chunk_size: int | None, d: str | None, files: int
+) -> tuple[_native.Engine, int]:
+    """(engine, workers) to read ``files`` files at once: up to 4 workers, which
+    share the engine's threads, for disk and tmpfs files alike."""
+    base = _engine(threads, chunk_size, d)
+    workers = max(1, min(files, base.threads, 4))
+    if workers == 1:
+        return base, 1
+    per_worker = (max(1, base.threads // workers), max(1, base.memory_threads // workers))
+    return _engine(per_worker[0], chunk_size, d, per_worker[1]), workers
+
+
 def load_sharded(
     index_path_or_folder: str | os.PathLike[str],
     device: Device = "cpu",
@@ -914,6 +939,9 @@ def load_sharded(
     chunk_size: int | None = None,
     direct: bool | str | None = None,
     device_backend: str | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+    strict: bool = True,
+    cast: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load a sharded checkpoint (``*.safetensors.index.json`` + shards, or a folder
     holding one, or a folder with a single ``model.safetensors``) to ``device``
@@ -921,22 +949,42 @@ def load_sharded(
     parallel (the engine's threads split among them). Every tensor the index's
     weight_map names must be in the shard it names (FormatError otherwise); a
     tensor name in two shards is a FormatError. Returns all tensors of the
-    shards, shard by shard in file order. The keywords are ``load_file``'s.
+    shards, shard by shard in file order. The keywords are ``load_file``'s
+    (``out``, ``strict``, ``cast``: load in place).
     """
     dev_backend = _device_backend(backend, device_backend, "load_sharded")
     t0 = time.perf_counter()
     src = _path(index_path_or_folder, "safetensors.load_sharded")
     folder, wm = _shard_files(src)
     files = ["model.safetensors"] if wm is None else list(dict.fromkeys(wm.values()))
+    if out is not None:
+        paths = [os.path.join(folder, f) for f in files]
+        return _load_into(
+            paths, out, device, t0, threads, chunk_size, direct, dev_backend, strict, cast, src, wm
+        )
     want, fill = _devices(device)
     d = _direct_arg(direct)
     plans = [
         _plan(os.path.join(folder, f), fill or torch.device("cpu"), d, dev_backend) for f in files
     ]
+    tensors = _gather(src, files, [p.tensors for p in plans], wm)
+    engine, workers = _shared_engine(threads, chunk_size, d, len(plans))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        stats = list(pool.map(lambda p: _read(p, engine), plans))
+    reps = [_report(p.path, t0, s, len(p.tensors)) for p, s in zip(plans, stats, strict=True)]
+    _last.report = _merge(src, t0, reps)
+    return _finish(tensors, want, fill)
+
+
+def _gather(
+    src: str, files: list[str], tensors: list[dict[str, torch.Tensor]], wm: dict[str, str] | None
+) -> dict[str, torch.Tensor]:
+    """The shards' tensors in one dict; a name in two shards, or a tensor not in
+    the shard the index's weight_map names, is a SafetensorError."""
     out: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
-    for f, p in zip(files, plans, strict=True):
-        for name, t in p.tensors.items():
+    for f, ts in zip(files, tensors, strict=True):
+        for name, t in ts.items():
             if name in out:
                 raise SafetensorError(f"{src}: tensor {name!r} is in both {where[name]} and {f}")
             out[name], where[name] = t, f
@@ -946,14 +994,37 @@ def load_sharded(
                 f"{src}: the index puts tensor {name!r} in {f}, "
                 + (f"but it is in {where[name]}" if name in where else "but no shard holds it")
             )
-    base = _engine(threads, chunk_size, d)
-    workers = max(1, min(len(plans), base.threads, 4))
-    engine = base
-    if workers > 1:  # the workers share the threads, for disk and tmpfs files alike
-        per_worker = (max(1, base.threads // workers), max(1, base.memory_threads // workers))
-        engine = _engine(per_worker[0], chunk_size, d, per_worker[1])
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        stats = list(pool.map(lambda p: _read(p, engine), plans))
-    reps = [_report(p.path, t0, s, len(p.tensors)) for p, s in zip(plans, stats, strict=True)]
-    _last.report = _merge(src, t0, reps)
-    return _finish(out, want, fill)
+    return out
+
+
+def _load_into(
+    paths: list[str],
+    out: Any,
+    device: Device,
+    t0: float,
+    threads: int | None,
+    chunk_size: int | None,
+    direct: bool | str | None,
+    device_backend: str | None,
+    strict: bool,
+    cast: bool,
+    src: str | None = None,
+    wm: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """load_file / load_sharded with ``out``: the files' tensors read into ``out``'s."""
+    from ckptio import inplace
+
+    if not isinstance(out, Mapping):
+        raise TypeError(f"out must be a dict of name -> tensor, not {type(out).__name__}")
+    if device != "cpu":
+        raise TypeError("out= and device= cannot be combined: the destinations decide")
+    inplace._check_flags(strict=strict, cast=cast)
+    io = inplace.IoOptions.of(threads, chunk_size, direct, device_backend)
+    opened = [inplace.open_safetensors(p, direct=io.direct, backend=io.backend) for p in paths]
+    names = [os.path.basename(p) for p in paths]
+    tensors = _gather(src or paths[0], names, [o[0] for o in opened], wm)
+    what = f"ckptio.safetensors.{'load_sharded' if src else 'load_file'}(out=): {src or paths[0]}"
+    result: dict[str, torch.Tensor] = inplace.fill_structure(
+        what, tensors, out, [o[2] for o in opened], io, strict=strict, cast=cast, t0=t0
+    )
+    return result

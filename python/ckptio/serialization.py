@@ -573,6 +573,9 @@ def load(
     direct: bool | str | None = None,
     backend: str | None = None,
     verify: bool = False,
+    out: Any = None,
+    strict: bool = True,
+    cast: bool = False,
     **pickle_load_args: Any,
 ) -> Any:
     """Load a torch.save zip checkpoint like ``torch.load``, bytes read in parallel.
@@ -602,6 +605,24 @@ def load(
     record. Records without a stored CRC-32, and those read by cuFile, are
     listed in ``last_report().unchecked``. It needs a path or a file object
     over a regular file.
+
+    ``out``: load in place. ``out`` is a structure like the checkpoint's
+    (nested dicts, lists, tuples) whose tensors exist already, on the host or
+    any CUDA device: each tensor of the checkpoint is read straight into the
+    tensor of ``out`` at the same key path (contiguous ones directly, others
+    through a temporary of at most 64 MiB at a time), with no allocation for
+    the checkpoint. Returns the checkpoint's structure as torch.load would,
+    its tensors being ``out``'s (filled) and its other values torch.load's.
+    Shapes must match; dtypes too unless ``cast=True``. ``strict`` (default):
+    every tensor of ``out`` must have one in the checkpoint and the other way
+    round; with strict=False the others are left alone (checkpoint tensors
+    without a destination are not read and are left out of the result) and
+    listed in ``last_report().missing_keys`` / ``unexpected_keys``. Every
+    mismatch is found before anything is written (``ckptio.InPlaceLoadError``
+    subclasses, naming the keys); a read that fails midway is a
+    ``PartialLoadError`` (the destinations are partially filled).
+    ``map_location`` and ``mmap`` do not apply (the destinations decide); ``f``
+    is a path or a file object over a regular file.
     """
     t0 = time.perf_counter()
     if not isinstance(verify, bool):
@@ -610,6 +631,11 @@ def load(
     torch_kw: dict[str, Any] = dict(
         pickle_module=pickle_module, weights_only=weights_only, **pickle_load_args
     )
+    if out is not None:
+        return _load_into(
+            f, out, map_location, mmap, torch_kw, strict, cast, verify,
+            (threads, chunk_size, direct, backend),
+        )  # fmt: skip
     if not _is_path(f):
         fd = _descriptor(f)
         if fd is None:
@@ -714,6 +740,52 @@ def load(
     else:
         _report(shown, t0, stats, len(segments))
     return obj
+
+
+def _load_into(
+    f: Any,
+    out: Any,
+    map_location: MapLocation,
+    mmap: bool | None,
+    torch_kw: dict[str, Any],
+    strict: bool,
+    cast: bool,
+    verify: bool,
+    io: tuple[int | None, int | None, bool | str | None, str | None],
+) -> Any:
+    """load(f, out=out): into the tensors of ``out`` (ckptio.inplace)."""
+    from ckptio import inplace
+
+    if map_location is not None or mmap:
+        raise TypeError("load(out=...) takes no map_location or mmap: the destinations decide")
+    if _is_path(f):
+        path = shown = _path(f, "load")
+    else:
+        fd = _descriptor(f)
+        if fd is None:
+            raise TypeError(
+                "load(out=...) needs a path or a file object over a regular file, "
+                f"not {type(f).__name__}"
+            )
+        path, shown = f"/proc/self/fd/{fd}", _object_name(f, fd)
+    if path.endswith(".safetensors"):
+        from ckptio import safetensors as cst
+
+        threads, chunk_size, direct, backend = io
+        return cst.load_file(
+            path, out=out, strict=strict, cast=cast, threads=threads,
+            chunk_size=chunk_size, direct=direct, device_backend=backend,
+        )  # fmt: skip
+    return inplace.load_into(
+        path,
+        out,
+        strict=strict,
+        cast=cast,
+        verify=verify,
+        io=inplace.IoOptions.of(*io),
+        torch_kw=torch_kw,
+        name=shown,
+    )
 
 
 @contextlib.contextmanager
