@@ -297,6 +297,55 @@ def case_read_error_inplace(c: Ctx) -> dict:
     return {}
 
 
+def case_dcp(c: Ctx) -> dict:
+    """DCP: replicated items (plain tensors, bytes) read by one rank and
+    broadcast; DTensor shards read by each rank as before."""
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh(c.dev.type, (c.world,))
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(64, 4096, generator=g)
+    rep = {f"rep{i}": torch.randn(100_000 * (i + 1), generator=g) for i in range(4)}
+    rep["tiny"] = torch.arange(10, dtype=torch.int16)
+    rep["bf"] = torch.randn(300, 300, generator=g).bfloat16()
+
+    def make(dev: torch.device, zero: bool) -> dict:
+        f = torch.zeros_like if zero else (lambda t: t)
+        return {
+            "w": distribute_tensor(f(w).to(dev), mesh, [Shard(0)]),
+            **{k: f(v).to(dev) for k, v in rep.items()},
+            "step": {"epoch": 0, "names": ["", ""]} if zero else {"epoch": 5, "names": ["a", "b"]},
+        }
+
+    folder = c.path("dcp")
+    dcp.save(make(c.dev, False), storage_writer=FileSystemWriter(folder))
+    rep_bytes = sum(t.nbytes for t in rep.values())
+    out = {}
+    for share in (True, False):
+        dest = make(c.dev, True)
+        dest["rep2"] = torch.zeros(300_000, 2, device=c.dev)[:, 1]  # strided
+        dest["bf"] = torch.zeros(300, 600, dtype=torch.bfloat16, device=c.dev)[:, ::2]  # strided
+        reader = FileSystemReader(folder, share=share)
+        dcp.load(dest, storage_reader=reader)
+        assert isinstance(dest["w"], DTensor)
+        same(dest["w"].full_tensor(), w)
+        for k, v in rep.items():
+            same(dest[k], v, k)
+        assert dest["step"] == {"epoch": 5, "names": ["a", "b"]}, dest["step"]
+        read = sum(st.get("bytes", 0) for st in reader.last_stats)
+        got = reader.last_share
+        out["share" if share else "alone"] = {
+            "bytes_read": read,
+            "bytes_received": got.get("bytes_received", 0),
+            "bytes_sent": got.get("bytes_sent", 0),
+        }
+    out["rep_bytes"] = rep_bytes
+    out["shard_bytes"] = w.nbytes
+    return out
+
+
 def case_after(c: Ctx) -> dict:
     # The group is still usable after the failures above.
     return case_torch_load(c)
@@ -336,7 +385,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             res = {"ok": True, **CASES[name](c)}
-        except Exception as e:  # noqa: BLE001 - reported to the test
+        except BaseException as e:  # noqa: BLE001 - reported (DCP's errors are BaseExceptions)
             res = describe(e)
         res["seconds"] = time.perf_counter() - t0
         results[name] = res

@@ -120,8 +120,8 @@ class Piece:
     fill: Callable[[torch.Tensor], None] | None = None
     #: The rank that reads (or has) the bytes; None: the plan decides.
     owner: int | None = None
-    #: The ranks that get the bytes (owner excluded); None: every rank.
-    receivers: tuple[int, ...] | None = None
+    #: Called on the ranks that received the bytes, once they are in place.
+    done: Callable[[], None] | None = None
 
 
 def as_bytes(owner: torch.Tensor | torch.UntypedStorage, address: int, nbytes: int) -> torch.Tensor:
@@ -239,8 +239,8 @@ class _Landing:
     #: Device types of the small parts' packed buffer, in order; their spans.
     packed: dict[str, tuple[int, int]]
     nbytes: int = 0
-    #: Filled by bind(): tensors to broadcast (or send), with their receivers.
-    ops: list[tuple[torch.Tensor, tuple[int, ...] | None]] = dataclasses.field(default_factory=list)
+    #: Filled by bind(): the tensors to broadcast, in order.
+    ops: list[torch.Tensor] = dataclasses.field(default_factory=list)
     mems: list[tuple[_Part, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
@@ -451,25 +451,23 @@ class _Rounds:
 
     # ---- layouts
 
-    def _layout(self, batch: list[_Part], owner: int) -> _Landing:
-        me = self.s.rank
+    def _layout(self, batch: list[_Part]) -> _Landing:
         sizes: dict[str, int] = {}
         slots: list[tuple[_Part, str, int | None]] = []
         small: dict[str, list[_Part]] = {}
         nbytes = 0
         for part in batch:
             p = part.piece
-            if owner != me and p.receivers is not None and me not in p.receivers:
-                continue
             kind = self.s.comm(p.device)
             nbytes += part.nbytes
-            if part.nbytes < SMALL and p.receivers is None:
+            if part.nbytes < SMALL:
                 small.setdefault(kind, []).append(part)
                 continue
             if p.target is not None and p.target.device.type == kind:
                 slots.append((part, kind, None))
                 continue
-            phase = (p.offset + part.lo) % 4096
+            # Where O_DIRECT can land straight: the file offset's phase in a page.
+            phase = 0 if p.file is None else (p.offset + part.lo) % 4096
             at = _align(sizes.get(kind, 0), 4096) + phase
             slots.append((part, kind, at))
             sizes[kind] = at + part.nbytes
@@ -485,9 +483,7 @@ class _Rounds:
 
     def _bind(self, land: _Landing, arenas: dict[str, torch.Tensor]) -> None:
         """Tensors for each slot and the batch's collectives, in an order every rank shares."""
-        land.ops = [
-            (arenas[kind][a:b], None) for kind, (a, b) in sorted(land.packed.items()) if b > a
-        ]
+        land.ops = [arenas[kind][a:b] for kind, (a, b) in sorted(land.packed.items()) if b > a]
         land.mems = []
         for part, kind, at in land.slots:
             p = part.piece
@@ -499,8 +495,8 @@ class _Rounds:
             land.mems.append((part, mem))
             if mem.device.type == "cuda":
                 self.devices.add(mem.device)
-            if not (part.nbytes < SMALL and p.receivers is None):
-                land.ops.append((mem, p.receivers))
+            if part.nbytes >= SMALL:
+                land.ops.append(mem)
 
     def _arenas(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         return {
@@ -517,7 +513,7 @@ class _Rounds:
             if self.stop:
                 return
             try:
-                land = self._layout(batch, self.s.rank)
+                land = self._layout(batch)
                 self._bind(land, self._arenas(land.sizes))
                 self.stats += self._read(land)
                 self.done.put((r, land, None))
@@ -530,16 +526,24 @@ class _Rounds:
         from ckptio.inplace import _read_files
 
         per_file: dict[int, tuple[list[_transfer.Segment], list[Any]]] = {}
+        filled: set[torch.device] = set()
         for part, mem in land.mems:
             p = part.piece
             if p.file is None:  # this rank's bytes already (whole pieces only)
-                if p.fill is not None and not _same(mem, p.target):
-                    p.fill(mem)
+                if not _same(mem, p.target):
+                    if p.target is not None:
+                        mem.copy_(p.target)
+                    elif p.fill is not None:
+                        p.fill(mem)
+                    filled.add(mem.device)
                 continue
             segs, owners = per_file.setdefault(p.file, ([], []))
             dev = -1 if mem.device.type == "cpu" else mem.device.index
             segs.append((p.offset + part.lo, mem.data_ptr(), part.nbytes, dev))
             owners.append(mem)
+        for d in filled:  # copies on this thread's stream, which no other waits for
+            if d.type == "cuda":
+                torch.cuda.current_stream(d).synchronize()
         if not per_file:
             return []
         stats = _read_files(self.files, per_file, self.io, self.verify)
@@ -592,7 +596,7 @@ class _Rounds:
         try:
             for q, batches in enumerate(self.sched):
                 if q != s.rank and r < len(batches):
-                    recv[q] = self._layout(batches[r], q)
+                    recv[q] = self._layout(batches[r])
             need: dict[str, int] = {}
             for land in recv.values():
                 for kind, n in land.sizes.items():
@@ -624,14 +628,8 @@ class _Rounds:
             if land is None:
                 continue
             src = dist.get_global_rank(s.group, q)
-            for t, receivers in land.ops:
-                if receivers is None:
-                    dist.broadcast(t, src=src, group=s.group)
-                elif q == s.rank:
-                    for dst in receivers:
-                        dist.send(t, dist.get_global_rank(s.group, dst), group=s.group)
-                else:
-                    dist.recv(t, src=src, group=s.group)
+            for t in land.ops:
+                dist.broadcast(t, src=src, group=s.group)
             if q != s.rank:
                 s.bytes_received += land.nbytes
             self._finish(land, q == s.rank)
@@ -639,28 +637,33 @@ class _Rounds:
             self.window.release()
 
     def _finish(self, land: _Landing, mine: bool) -> None:
-        """Bytes in buffers go to their destinations."""
+        """Bytes in buffers go to their destinations; then each piece's ``done``."""
         dsts: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        done = []
         with torch.no_grad():
             for part, mem in land.mems:
                 p = part.piece
+                if mine and p.file is None:
+                    continue  # the owner's bytes came from their destination
+                if p.done is not None:
+                    done.append(p.done)
                 if p.target is not None:
                     dst = p.target[part.lo : part.hi]
-                    if dst.data_ptr() == mem.data_ptr() and dst.device == mem.device:
+                    if _same(dst, mem):
                         continue
-                    if mine and p.file is None:
-                        continue  # the owner's bytes came from there
                     a, b = dsts.setdefault(dst.device, ([], []))
                     a.append(dst)
                     b.append(mem)
                     if dst.device.type == "cuda":
                         self.devices.add(dst.device)
-                elif p.finish is not None and not (mine and p.file is None):
+                elif p.finish is not None:
                     p.finish(mem)
                     if p.device.type == "cuda":
                         self.devices.add(p.device)
             for a, b in dsts.values():
                 torch._foreach_copy_(a, b)
+        for fn in done:
+            fn()
 
     def _fail(self, failed: list[int], err: BaseException | None) -> None:
         s = self.s
