@@ -23,16 +23,18 @@ offset, bytes, and where they land on this rank) to :meth:`Session.read`:
    at a MiB multiple of its start), each share into batches of at most
    :data:`BATCH` bytes.
 3. **Rounds**: round ``r`` moves batch ``r`` of every rank. A thread reads this
-   rank's batches with the engine (one ahead of the round in flight); each
-   round starts with an ``all_reduce`` of every rank's status (its batch read,
-   its buffers allocated), so that a failed read stops every rank at the same
-   point, with a typed error on each, rather than leaving them in a collective.
-   Then each rank's batch is broadcast from it: large parts in place (the
-   destination's own memory, on every rank), parts under :data:`SMALL` packed
-   in one buffer per batch, buffers for destinations that cannot take the bytes
-   as they are (a strided or cast destination, a device the group's backends
-   do not serve). Host and device memory beyond the destinations stay within
-   a few batches.
+   rank's batches with the engine, ahead of the rounds (its buffers within
+   :data:`AHEAD`); each round starts with an ``all_reduce`` of every rank's
+   status (its batch read, its buffers allocated), so that a failed read stops
+   every rank at the same point, with a typed error on each, rather than
+   leaving them in a collective. Then every rank's batch is broadcast from it,
+   the round's broadcasts all at once: large parts in place (the destination's
+   own memory, on every rank), parts under :data:`SMALL` packed in one buffer
+   per batch, buffers for destinations that cannot take the bytes as they are
+   (a strided or cast destination, a device the group's backends do not
+   serve). A third thread faults in the host memory the other ranks' parts
+   land in, ahead of their broadcasts. Memory beyond the destinations: the
+   reader's buffers and one round's receive buffers.
 
 Collectives only (NCCL for CUDA memory, gloo for host memory, whatever the
 group's backends are): no transport of ckptio's own. ``last_report()`` says
@@ -64,6 +66,9 @@ __all__ = ["GroupLoadError", "GroupMismatchError", "PeerLoadError"]
 BATCH = 64 << 20
 #: Parts under this size travel packed in one buffer per batch.
 SMALL = 1 << 20
+#: Bytes of buffers (packed small parts, temporaries) a rank's reads may
+#: hold ahead of the round in flight (parts read in place hold none).
+AHEAD = 256 << 20
 #: Where a storage is split (between ranks or batches): a multiple of this
 #: many bytes from its start (its start is on a 4 KiB boundary in ckptio's
 #: files, so O_DIRECT reads of each part need no shifting).
@@ -373,7 +378,8 @@ def _records_digest(f: Any) -> str:
     native = f.file
     if hasattr(native, "records"):
         for name, off, size in native.records():
-            h.update(f"{name}\0{off}\0{size}\n".encode())
+            # Without the archive's prefix (the file's name when torch saved it).
+            h.update(f"{name.partition('/')[2]}\0{off}\0{size}\n".encode())
     else:
         fd = native.fileno()
         head = os.pread(fd, 8, 0)
@@ -445,7 +451,11 @@ class _Rounds:
         self.mine = sched[s.rank]
         self.stats: list[dict[str, Any]] = []
         self.done: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue()
-        self.window = threading.Semaphore(2)
+        # The reader runs ahead of the rounds while the buffers of the batches
+        # it has read but not yet shared stay within AHEAD (parts read in place
+        # cost nothing: the disk stays busy).
+        self.ahead = threading.Condition()
+        self.held = 0
         self.stop = False
         self.devices: set[torch.device] = set()
 
@@ -481,8 +491,14 @@ class _Rounds:
             sizes[kind] = at
         return _Landing(sizes, slots, packed, nbytes)
 
-    def _bind(self, land: _Landing, arenas: dict[str, torch.Tensor]) -> None:
-        """Tensors for each slot and the batch's collectives, in an order every rank shares."""
+    def _bind(self, land: _Landing) -> None:
+        """Buffers, a tensor for each slot and the batch's collectives, in an
+        order every rank shares."""
+        arenas = {
+            kind: torch.empty(n, dtype=torch.uint8, device=self.s._device(kind))
+            for kind, n in land.sizes.items()
+            if n
+        }
         land.ops = [arenas[kind][a:b] for kind, (a, b) in sorted(land.packed.items()) if b > a]
         land.mems = []
         for part, kind, at in land.slots:
@@ -498,28 +514,31 @@ class _Rounds:
             if part.nbytes >= SMALL:
                 land.ops.append(mem)
 
-    def _arenas(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-        return {
-            kind: torch.empty(n, dtype=torch.uint8, device=self.s._device(kind))
-            for kind, n in sizes.items()
-            if n
-        }
-
     # ---- this rank's reads (a thread)
 
     def _reader(self) -> None:
         for r, batch in enumerate(self.mine):
-            self.window.acquire()
-            if self.stop:
-                return
+            land = self._layout(batch)
+            need = sum(land.sizes.values())
+            with self.ahead:
+                self.ahead.wait_for(
+                    lambda n=need: self.stop or not self.held or self.held + n <= AHEAD
+                )
+                if self.stop:
+                    return
+                self.held += need
             try:
-                land = self._layout(batch)
-                self._bind(land, self._arenas(land.sizes))
+                self._bind(land)
                 self.stats += self._read(land)
                 self.done.put((r, land, None))
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 self.done.put((r, None, e))
                 return
+
+    def _release(self, land: _Landing) -> None:
+        with self.ahead:
+            self.held -= sum(land.sizes.values())
+            self.ahead.notify()
 
     def _read(self, land: _Landing) -> list[dict[str, Any]]:
         from ckptio import _transfer
@@ -560,14 +579,18 @@ class _Rounds:
         thread = threading.Thread(target=self._reader, name="ckptio-group-read", daemon=True)
         if self.mine:
             thread.start()
+        faults = threading.Thread(target=self._prefault, name="ckptio-group-fault", daemon=True)
+        faults.start()
         try:
             for r in range(rounds):
                 self._round(r)
         finally:
-            self.stop = True
-            self.window.release()
-            if thread.is_alive():
-                thread.join()
+            with self.ahead:
+                self.stop = True
+                self.ahead.notify()
+            for t in (thread, faults):
+                if t.is_alive():
+                    t.join()
         for d in self.devices:
             torch.cuda.current_stream(d).synchronize()
         out = _merged(self.stats, self.io)
@@ -586,28 +609,48 @@ class _Rounds:
         out["bytes_received"] = s.bytes_received
         return out
 
+    def _prefault(self) -> None:
+        """Fault in the host memory the other ranks' parts land in, round by
+        round ahead of the broadcasts: the kernel does it in one call per part
+        (a receive into fresh memory otherwise takes a trap per page, and ran at
+        a third of the speed on a 2-core machine)."""
+        from ckptio._hostmem import populate
+
+        rounds = max((len(b) for b in self.sched), default=0)
+        for r in range(rounds):
+            for q, batches in enumerate(self.sched):
+                if q == self.s.rank or r >= len(batches):
+                    continue
+                for part in batches[r]:
+                    t = part.piece.target
+                    if self.stop:
+                        return
+                    if t is None or t.device.type != "cpu" or part.nbytes < SMALL:
+                        continue
+                    if not populate(t.data_ptr() + part.lo, part.nbytes):
+                        return
+
     def _round(self, r: int) -> None:
+        """Batch ``r`` of every rank: every rank's status, then every batch
+        broadcast from its reader (all at once: the group's backends move them
+        side by side), then the bytes in buffers go to their destinations."""
         s = self.s
         dist = s.dist
         err: BaseException | None = None
-        own: _Landing | None = None
-        recv: dict[int, _Landing] = {}
-        arenas: dict[str, torch.Tensor] = {}
+        lands: list[tuple[int, _Landing]] = []
         try:
             for q, batches in enumerate(self.sched):
-                if q != s.rank and r < len(batches):
-                    recv[q] = self._layout(batches[r])
-            need: dict[str, int] = {}
-            for land in recv.values():
-                for kind, n in land.sizes.items():
-                    need[kind] = max(need.get(kind, 0), n)
-            arenas = self._arenas(need)
-            if r < len(self.mine):
-                got, land, e = self.done.get()
-                assert got == r
-                if e is not None:
-                    raise e
-                own = land
+                if r >= len(batches):
+                    continue
+                if q == s.rank:
+                    got, land, e = self.done.get()
+                    assert got == r
+                    if e is not None:
+                        raise e
+                else:
+                    land = self._layout(batches[r])
+                    self._bind(land)
+                lands.append((q, land))
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             err = e
         kind = "cpu" if "cpu" in s.types else "cuda"
@@ -618,23 +661,19 @@ class _Rounds:
         failed = [q for q, v in enumerate(status.tolist()) if v]
         if failed:
             self._fail(failed, err)
-        for q in range(s.size):
-            if q == s.rank:
-                land = own
-            else:
-                land = recv.get(q)
-                if land is not None:
-                    self._bind(land, arenas)
-            if land is None:
-                continue
-            src = dist.get_global_rank(s.group, q)
-            for t in land.ops:
-                dist.broadcast(t, src=src, group=s.group)
+        works = [
+            dist.broadcast(t, src=dist.get_global_rank(s.group, q), group=s.group, async_op=True)
+            for q, land in lands
+            for t in land.ops
+        ]
+        for w in works:
+            w.wait()
+        for q, land in lands:
             if q != s.rank:
                 s.bytes_received += land.nbytes
             self._finish(land, q == s.rank)
-        if own is not None:
-            self.window.release()
+            if q == s.rank:
+                self._release(land)
 
     def _finish(self, land: _Landing, mine: bool) -> None:
         """Bytes in buffers go to their destinations; then each piece's ``done``."""
@@ -668,8 +707,9 @@ class _Rounds:
     def _fail(self, failed: list[int], err: BaseException | None) -> None:
         s = self.s
         s.settled = True
-        self.stop = True
-        self.window.release()
+        with self.ahead:
+            self.stop = True
+            self.ahead.notify()
         msgs: list[Any] = [None] * s.size
         mine = None if err is None else (type(err).__name__, _short(str(err)))
         s.dist.all_gather_object(msgs, mine, group=s.group)
