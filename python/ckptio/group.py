@@ -516,7 +516,11 @@ class _Rounds:
 
     # ---- this rank's reads (a thread)
 
-    def _reader(self) -> None:
+    def _reader(self, stream: Any) -> None:
+        # The caller's stream, as a load without a group uses: the buffers are
+        # the caller's stream's, and the reads come after its queued work.
+        if stream is not None:
+            torch.cuda.set_stream(stream)
         for r, batch in enumerate(self.mine):
             land = self._layout(batch)
             need = sum(land.sizes.values())
@@ -576,7 +580,10 @@ class _Rounds:
 
         s = self.s
         rounds = max((len(b) for b in self.sched), default=0)
-        thread = threading.Thread(target=self._reader, name="ckptio-group-read", daemon=True)
+        stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+        thread = threading.Thread(
+            target=self._reader, args=(stream,), name="ckptio-group-read", daemon=True
+        )
         if self.mine:
             thread.start()
         faults = threading.Thread(target=self._prefault, name="ckptio-group-fault", daemon=True)
