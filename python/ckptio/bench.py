@@ -14,6 +14,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -442,23 +443,27 @@ _COLOURS = {
 
 
 def _colour(label: str) -> str:
-    first = label.split()[0] if label.split() else ""
+    first = label.replace(",", " ").split()[0] if label.strip() else ""
     for key in (first, first.split(".")[0]):
         if key in _COLOURS:
             return _COLOURS[key]
     return "#8a8a8a"
 
 
+def _value(v: float, unit: str) -> str:
+    return f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}" if v >= 0.1 else f"{v:.2g} {unit}"
+
+
 def plot_bars(
     path: str,
     title: str,
-    panels: list[tuple[str, list[Bar]]],
+    panels: list[tuple[str, list[Bar]]] | list[tuple[str, list[Bar], str]],
     *,
     unit: str = "GiB/s",
     caption: str = "",
 ) -> None:
-    """A horizontal bar chart, one panel per (title, bars), each bar labelled with
-    its value and note, saved as PNG at ``path``. Needs matplotlib (an optional
+    """A horizontal bar chart, one panel per (title, bars[, unit]), each bar labelled
+    with its value and note, saved as PNG at ``path``. Needs matplotlib (an optional
     dependency: ImportError naming it otherwise)."""
     try:
         import matplotlib
@@ -469,7 +474,7 @@ def plot_bars(
         raise ImportError(
             "charts need matplotlib, which ckptio does not install: pip install matplotlib"
         ) from e
-    heights = [max(len(bars), 1) for _, bars in panels]
+    heights = [max(len(panel[1]), 1) for panel in panels]
     fig, axes = plt.subplots(
         len(panels),
         1,
@@ -477,27 +482,31 @@ def plot_bars(
         gridspec_kw={"height_ratios": heights},
         squeeze=False,
     )
-    top = max((b.value for _, bars in panels for b in bars), default=1.0) or 1.0
-    for ax, (name, bars) in zip(axes[:, 0], panels, strict=True):
+    for ax, (name, bars, *rest) in zip(axes[:, 0], panels, strict=True):
+        u = rest[0] if rest else unit
+        top = max((b.value for b in bars), default=1.0) or 1.0
         ys = list(range(len(bars)))[::-1]
         ax.barh(ys, [b.value for b in bars], color=[_colour(b.label) for b in bars], height=0.7)
         ax.set_yticks(ys, [b.label for b in bars], fontsize=8.5)
+        longest = 0
         for y, b in zip(ys, bars, strict=True):
-            value = f"{b.value:.2f} {unit}" if b.value < 10 else f"{b.value:.1f} {unit}"
-            text = f" {value}" + (f"   {b.note}" if b.note else "")
+            text = f" {_value(b.value, u)}" + (f"   {b.note}" if b.note else "")
             bold = "bold" if b.label.startswith("ckptio") else "normal"
             ax.text(b.value, y, text, va="center", fontsize=8, fontweight=bold)
-        ax.set_xlim(0, top * 1.75)
+            longest = max(longest, len(text))
+        # Room on the right for the longest value and note (about 1.2% of the width a character).
+        ax.set_xlim(0, top / max(1 - 0.0125 * longest, 0.3))
         ax.set_title(name, loc="left", fontsize=9.5, fontweight="bold")
         ax.tick_params(axis="x", labelsize=7.5)
+        ax.set_xlabel(u, fontsize=7.5, loc="right")
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
-    axes[-1, 0].set_xlabel(unit, fontsize=8)
     fig.suptitle(title, x=0.01, ha="left", fontsize=10.5)
-    if caption:
-        fig.text(0.01, 0.002, caption, fontsize=7, color="#555555", ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.03 if caption else 0, 1, 1))
-    fig.savefig(path, dpi=90)
+    lines = textwrap.wrap(caption, 150)
+    if lines:
+        fig.text(0.01, 0.002, "\n".join(lines), fontsize=7, color="#555555", va="bottom")
+    fig.tight_layout(rect=(0, 0.022 * len(lines), 1, 1))
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
 
 
