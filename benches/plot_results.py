@@ -35,38 +35,33 @@ def disk(out: str) -> None:
     raw_w = g["raw write + fsync (O_DIRECT)"]
     raw_r = max(g["raw read, cold (O_DIRECT)"], g["raw read, cold (buffered)"])
 
-    def peer(name: str, raw: float) -> Bar:
-        return Bar(name, g[name], f"{g[name] / raw:.2f}x the raw limit")
+    def panel(raw: tuple[str, float], peers: list[str], ours: list[tuple[str, str]]) -> list[Bar]:
+        """The raw limit, the peers against it, ckptio against torch, KvikIO POSIX and it."""
+        torch_, kvikio = peers[0], peers[2]
+        bars = [Bar(raw[0], raw[1])]
+        bars += [Bar(n, g[n], f"{g[n] / raw[1]:.2f}x the raw limit") for n in peers]
+        for name, label in ours:
+            note = (
+                f"{_rate(g, name, torch_, torch_.split()[0])}, "
+                f"{_rate(g, name, kvikio, 'KvikIO POSIX')}, {g[name] / raw[1]:.2f}x raw"
+            )
+            bars.append(Bar(label, g[name], note))
+        return bars
 
-    def ours(name: str, label: str, torch_: str, kvikio: str, raw: float) -> Bar:
-        note = (
-            f"{_rate(g, name, torch_, torch_.split()[0])}, "
-            f"{_rate(g, name, kvikio, 'KvikIO POSIX')}, {g[name] / raw:.2f}x raw"
-        )
-        return Bar(label, g[name], note)
-
-    saves = [
-        Bar("raw O_DIRECT write + fsync", raw_w),
-        peer("torch.save + fsync", raw_w),
-        peer("torch.cuda.gds recipe save", raw_w),
-        peer("KvikIO posix write + fsync", raw_w),
-        peer("KvikIO cuFile write + fsync", raw_w),
-        ours("ckptio.save (posix)", "ckptio.save, bounce", "torch.save + fsync",
-             "KvikIO posix write + fsync", raw_w),
-        ours("ckptio.save (cufile)", "ckptio.save, cuFile", "torch.save + fsync",
-             "KvikIO posix write + fsync", raw_w),
-    ]  # fmt: skip
-    loads = [
-        Bar("raw read, best of O_DIRECT / buffered", raw_r),
-        peer("torch.load -> cuda, cold", raw_r),
-        peer("torch.cuda.gds recipe load", raw_r),
-        peer("KvikIO posix read, cold", raw_r),
-        peer("KvikIO cuFile read, cold", raw_r),
-        ours("ckptio.load (posix), cold", "ckptio.load, bounce", "torch.load -> cuda, cold",
-             "KvikIO posix read, cold", raw_r),
-        ours("ckptio.load (cufile), cold", "ckptio.load, cuFile", "torch.load -> cuda, cold",
-             "KvikIO posix read, cold", raw_r),
-    ]  # fmt: skip
+    saves = panel(
+        ("raw O_DIRECT write + fsync", raw_w),
+        ["torch.save + fsync", "torch.cuda.gds recipe save", "KvikIO posix write + fsync",
+         "KvikIO cuFile write + fsync"],
+        [("ckptio.save (posix)", "ckptio.save, bounce"),
+         ("ckptio.save (cufile)", "ckptio.save, cuFile")],
+    )  # fmt: skip
+    loads = panel(
+        ("raw read, best of O_DIRECT / buffered", raw_r),
+        ["torch.load -> cuda, cold", "torch.cuda.gds recipe load", "KvikIO posix read, cold",
+         "KvikIO cuFile read, cold"],
+        [("ckptio.load (posix), cold", "ckptio.load, bounce"),
+         ("ckptio.load (cufile), cold", "ckptio.load, cuFile")],
+    )  # fmt: skip
     plot_bars(
         os.path.join(out, "disk-h200-2G.png"),
         "2 GiB bf16 state dict (128 tensors) on an H200, to and from its virtio disk",
