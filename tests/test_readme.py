@@ -58,6 +58,7 @@ def test_the_readme_has_examples():
 
 @pytest.mark.slow
 def test_readme_examples_run(tmp_path):
+    pytest.importorskip("lightning")  # the README's Lightning block (a test extra)
     (tmp_path / "readme_examples.py").write_text(script())
     env = dict(os.environ)
     # The ckptio under test, also for the `python -m ckptio` commands.
