@@ -278,6 +278,7 @@ def part_loads(c: Rank, d: str, size: int) -> dict[str, Any]:
 
 def part_dcp(c: Rank, d: str, size: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
+    from bench_dcp import timed_async_save
     from ckptio.bench import drop_cache
     from ckptio.dcp import FileSystemReader, FileSystemWriter
     from ckptio.staging import DefaultStager, StagingOptions
@@ -319,24 +320,8 @@ def part_dcp(c: Rank, d: str, size: int) -> dict[str, Any]:
                     shutil.rmtree(folder, ignore_errors=True)
                     os.makedirs(folder)
                 dist.barrier()
-                c.sync()
-                t0 = time.perf_counter()
-                if stager is None:
-                    r = dcp.async_save(sd, storage_writer=torch_writer)
-                else:
-                    r = dcp.async_save(
-                        sd, storage_writer=FileSystemWriter(folder), async_stager=stager
-                    )
-                t_ret = time.perf_counter() - t0
-                if hasattr(r, "staging_completion"):
-                    r.staging_completion.result()
-                    t_stage = time.perf_counter() - t0
-                    r.upload_completion.result()
-                else:
-                    t_stage = t_ret
-                    r.result()
-                t_up = time.perf_counter() - t0
-                per = c.gather({"return_s": t_ret, "staged_s": t_stage, "upload_s": t_up})
+                writer = torch_writer if stager is None else FileSystemWriter(folder)
+                per = c.gather(timed_async_save(sd, writer, stager))
                 rows.append(per)
                 ret, stg, up = (
                     max(p[k] for p in per) for k in ("return_s", "staged_s", "upload_s")

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckptio import _native
+from test_dcp import assert_same as same
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 warnings.simplefilter("ignore")
 
@@ -49,23 +51,6 @@ def flat(sd: dict) -> dict:
     out = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and k != "view"}
     out.update({f"small.{i}": t for i, t in enumerate(sd["small"])})
     return out
-
-
-def same(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype)
-        assert torch.equal(a.cpu(), b.cpu()), f"{where}: values differ"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), (where, a.keys(), b.keys())
-        for k in a:
-            same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            same(x, y, f"{where}.{i}")
-    else:
-        assert a == b, (where, a, b)
 
 
 class Net(nn.Module):
@@ -166,22 +151,11 @@ def case_sharded(c: Ctx) -> dict:
     return out
 
 
-def zeros_like(sd):
-    if isinstance(sd, torch.Tensor):
-        return torch.zeros_like(sd)
-    if isinstance(sd, dict):
-        return {k: zeros_like(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [zeros_like(v) for v in sd]
-    return sd
-
-
 def case_load_out(c: Ctx) -> dict:
     p = c.shared_file("ck.pt", lambda p: ckptio.save(state(1), p))
     want = state(1)
-    dest = {k: v for k, v in zeros_like(want).items() if k != "view"}
-    dest = {k: (v.to(c.dev) if isinstance(v, torch.Tensor) else v) for k, v in dest.items()}
-    dest["small"] = [t.to(c.dev) for t in dest["small"]]
+    dest = tree_map_only(torch.Tensor, lambda t: torch.zeros_like(t, device=c.dev), want)
+    del dest["view"]
     # A strided destination (read through a buffer, then copied) and one cast.
     dest["mid"] = torch.zeros(1000, 300, device=c.dev).t()
     dest["bf"] = torch.zeros(700, 760, dtype=torch.float32, device=c.dev)
@@ -218,23 +192,23 @@ def case_load_state_dict(c: Ctx) -> dict:
     return out
 
 
+def _safetensors_out(c: Ctx, seed: int, path: str, load) -> dict:
+    dest = {k: torch.zeros_like(v, device=c.dev) for k, v in flat(state(seed)).items()}
+    got = load(path, out=dest, group=c.group)
+    out = report(sum(t.nbytes for t in dest.values()))
+    same(got, flat(state(seed)))
+    return out
+
+
 def case_safetensors_out(c: Ctx) -> dict:
     p = c.shared_file("m.safetensors", lambda p: cst.save_file(flat(state(3)), p))
-    dest = {k: torch.zeros_like(v, device=c.dev) for k, v in flat(state(3)).items()}
-    got = cst.load_file(p, out=dest, group=c.group)
-    out = report(sum(t.nbytes for t in dest.values()))
-    same(got, flat(state(3)))
-    return out
+    return _safetensors_out(c, 3, p, cst.load_file)
 
 
 def case_sharded_out(c: Ctx) -> dict:
     folder = c.path("sharded")
     c.shared_file("sharded", lambda _: cst.save_sharded(flat(state(4)), folder, "3MB"))
-    dest = {k: torch.zeros_like(v, device=c.dev) for k, v in flat(state(4)).items()}
-    got = cst.load_sharded(folder, out=dest, group=c.group)
-    out = report(sum(t.nbytes for t in dest.values()))
-    same(got, flat(state(4)))
-    return out
+    return _safetensors_out(c, 4, folder, cst.load_sharded)
 
 
 def case_mismatch_size(c: Ctx) -> dict:

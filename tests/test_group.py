@@ -7,14 +7,12 @@ timeout of 60 s and a process timeout guard that; the cases take a second or two
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import ckptio
 import pytest
 import torch
 from ckptio import group as cgroup
+from test_dcp import _run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -39,49 +37,10 @@ FAILING = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, folder, cases: list[str], backend: str = "gloo") -> list[dict]:
     """Run ``cases`` on ``world`` ranks; each rank's results."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            CKPTIO_TEST_FAULTS="1",
-            CKPTIO_DIST_BACKEND=backend,
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "group_worker.py"), str(folder), *cases],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append((p.returncode, out.decode(errors="replace")))
-    bad = [i for i, (rc, _) in enumerate(outs) if rc != 0]
-    for i in bad:
-        print(f"--- rank {i} of {world} (exit {outs[i][0]}):\n{outs[i][1][-4000:]}")
-    assert not bad, f"ranks {bad} of {world} failed (their output is printed above)"
+    argv = [os.path.join(HERE, "group_worker.py"), str(folder), *cases]
+    _run_ranks(world, "group", folder, backend, argv=argv, CKPTIO_TEST_FAULTS="1")
     results = []
     for rank in range(world):
         with open(os.path.join(folder, f"result_{rank}.json")) as f:
