@@ -162,7 +162,10 @@ def test_dcp_items_every_rank_reads_are_read_once(results, request):
     # Plain tensors (saved once, loaded by every rank) and bytes items are read
     # by one rank and broadcast; DTensor shards are read by their rank. The
     # worker checks the values (strided destinations included) both ways.
-    got = ok(request.getfixturevalue(results), "dcp")
+    check_dcp(ok(request.getfixturevalue(results), "dcp"))
+
+
+def check_dcp(got: list[dict]) -> None:
     rep, shard, n = got[0]["rep_bytes"], got[0]["shard_bytes"], len(got)
     assert sum(g["share"]["bytes_read"] for g in got) == rep + shard
     for g in got:
@@ -179,6 +182,7 @@ def test_two_gpus_over_nccl(tmp_path):
     got = launch(2, tmp_path, [*GOOD, "dcp"], backend="nccl")
     for case in GOOD:
         check_shared(ok(got, case), balanced=case not in ("verify", "load_state_dict"))
+    check_dcp(ok(got, "dcp"))
 
 
 # -- one process: the plan and the arguments
