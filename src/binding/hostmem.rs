@@ -91,7 +91,7 @@ pub(super) fn host_memory(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// there is no CUDA), as the memory path fills its bounce lanes but without
 /// the engine or the GPU. `source`: "map", "map-nt" or "pread".
 #[pyfunction]
-#[pyo3(signature = (path, source="map", threads=8, chunk_size=4 << 20))]
+#[pyo3(signature = (path, source="map", threads=8, chunk_size=4194304))]
 pub(super) fn memory_copy_floor(
     py: Python<'_>,
     path: PathBuf,
