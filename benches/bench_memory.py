@@ -484,34 +484,25 @@ def zero_copy_floor(path: str, flat: torch.Tensor, threads: int = 8, piece: int 
         """fn(item, stream) for every item on ``threads`` threads; seconds."""
         todo = list(reversed(items))
         lock = threading.Lock()
-        errors: list[BaseException] = []
 
-        def work() -> None:
+        def work(stopped: Callable[[], bool]) -> None:
             st = vp()
             try:
                 ck(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
                 ck(cu.cuStreamCreate(ctypes.byref(st), 1), "cuStreamCreate")
-                while not errors:
+                while not stopped():
                     with lock:
                         if not todo:
                             break
                         i = todo.pop()
                     fn(i, st)
                 ck(cu.cuStreamSynchronize(st), "cuStreamSynchronize")
-            except BaseException as e:
-                errors.append(e)
             finally:
                 if st.value:
                     cu.cuStreamDestroy_v2(st)
 
-        ts = [threading.Thread(target=work) for _ in range(threads)]
         t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        if errors:
-            raise errors[0]
+        bench.run_threads(threads, work)
         return time.perf_counter() - t0
 
     offs = list(range(0, n, piece))

@@ -118,31 +118,39 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _parallel(n_threads: int, nbytes: int, chunk: int, fn: Callable[[int, int], None]) -> None:
-    offsets = list(range(0, nbytes, chunk))
-    lock = threading.Lock()
+def run_threads(n_threads: int, work: Callable[[Callable[[], bool]], None]) -> None:
+    """Run ``work(stopped)`` on ``n_threads`` threads at once; the first error
+    makes ``stopped()`` true for the others and is raised once all are done."""
     errors: list[BaseException] = []
 
-    def work() -> None:
-        while True:
-            with lock:
-                if not offsets or errors:
-                    return
-                off = offsets.pop(0)
-            try:
-                fn(off, min(chunk, nbytes - off))
-            except BaseException as e:  # report, stop the others
-                with lock:
-                    errors.append(e)
-                return
+    def run() -> None:
+        try:
+            work(lambda: bool(errors))
+        except BaseException as e:  # report, stop the others
+            errors.append(e)
 
-    ts = [threading.Thread(target=work) for _ in range(n_threads)]
+    ts = [threading.Thread(target=run) for _ in range(n_threads)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
     if errors:
         raise errors[0]
+
+
+def _parallel(n_threads: int, nbytes: int, chunk: int, fn: Callable[[int, int], None]) -> None:
+    offsets = list(range(0, nbytes, chunk))
+    lock = threading.Lock()
+
+    def work(stopped: Callable[[], bool]) -> None:
+        while not stopped():
+            with lock:
+                if not offsets:
+                    return
+                off = offsets.pop(0)
+            fn(off, min(chunk, nbytes - off))
+
+    run_threads(n_threads, work)
 
 
 @dataclasses.dataclass
