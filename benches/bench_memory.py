@@ -6,10 +6,12 @@ same run, and beside each target the floor that bounds it.
     python benches/bench_memory.py [--size 8G] [--rounds 2] [--budget 220] [--json OUT]
     python benches/bench_memory.py --device cpu --size 256M --rounds 2   # a smoke test
 
-An 8 GiB bf16 state dict on the GPU (512 tensors). Rows marked (r1) run in the
-first round only (slow peers, diagnostics); the rest in every round. A round
-whose rows would overrun ``--budget`` seconds is cut short (what ran is kept:
-the JSON is written after every section).
+An 8 GiB bf16 state dict on the GPU (512 tensors). Each round runs staging,
+/dev/shm, page cache (and pinned lanes in the first). Rows marked (r1) run in
+the first round only (slow peers, diagnostics); the rest in every round. A
+later round's section that would overrun ``--budget`` seconds is skipped (what
+ran is kept: the JSON is written after every section, and a SIGTERM prints the
+table).
 
 - limits: the pinned H2D and D2H copy of the same bytes (registered huge-page
   memory, as the engine's bounce lanes are).
@@ -19,14 +21,16 @@ the JSON is written after every section).
     (a) the CPU copy floor: the memory path's threads copying the file from a
     mapping into pinned slots of their own, 4 MiB at a time, no GPU
     (``_native.memory_copy_floor``): first read after the write, then repeat
-    reads by memcpy ("map"), by non-temporal stores ("map-nt"), by pread, and
-    by as many threads as cores; (b) the zero-copy floor: the file mapped and
-    registered with the driver (cuMemHostRegister READ_ONLY) in 64 MiB pieces
+    reads by memcpy ("map"), by non-temporal stores ("map-nt"), by pread, by
+    as many threads as cores, and in chunks 4x as large; (b) the zero-copy
+    floor: the file mapped and registered with the driver
+    (cuMemHostRegister READ_ONLY) in 64 MiB pieces
     on 8 threads, each piece copied to the GPU from its registration, end to
     end and by phase (page tables, registration, copy).
   * ckptio.save, then ckptio.load to CUDA right after ("first") and again
     ("repeat"), the repeat also with CKPTIO_MEMORY_PATH=map-nt (the A/B of the
-    memory path's copy); each load's engine read is timed alone too.
+    memory path's copy); each load's engine read is timed alone too
+    ("[engine read]"; the rest is unpickling and allocation).
   * (r1) CKPTIO_MEMORY_PATH=pread: save, first and repeat load; KvikIO's POSIX path
     (its own write, then its first read), as many threads as cores.
   * ckptio.safetensors save_file, then load_file(device="cuda") right after;
@@ -46,10 +50,11 @@ the JSON is written after every section).
 
 Fresh guest memory: on a freshly started VM the host backs guest memory on its
 first touch, and huge pages come from never-touched blocks long after small
-pages are recycled. Before anything else the bench faults in 4 GiB with 4 KiB
-and with huge pages; then (``--warm``, default on with CUDA) it touches and frees
-all the memory it can spare once, with huge pages, and probes again: rows then
-measure ckptio on memory as a host that has been up a while has it.
+pages are recycled (the likely reason: see docs/faststorage.md). Before
+anything else the bench faults in 4 GiB with 4 KiB and with huge pages; then
+(``--warm``, default on with CUDA) it touches and frees all the memory it can
+spare once (at most 25 s), with huge pages, and probes again: rows then measure
+ckptio on memory as a host that has been up a while has it.
 """
 
 from __future__ import annotations
