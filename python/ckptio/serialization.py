@@ -487,7 +487,7 @@ def _reserve_cuda(device: torch.device, sizes: list[int]) -> None:
     A load into a fresh process (resuming a run) otherwise makes hundreds of
     segments, and filling them costs more than the cudaMallocs: 8 GiB in 512
     storages from /dev/shm loaded in 0.21-0.24 s against 0.24-0.36 s
-    (``benches/probe_hostreg.py alloc``). Each storage is still its own block:
+    (``probes/probe_hostreg.py alloc``). Each storage is still its own block:
     freeing one frees it, as after torch.load. Only with torch's own caching
     allocator (not cudaMallocAsync, not a pluggable one, whose statistics raise).
     """
