@@ -19,6 +19,7 @@ __all__ = [
     "env_threads",
     "info",
     "map_archive",
+    "memory_copy_floor",
     "pinned_memory",
     "release_buffers",
     "stage_copy",
@@ -74,7 +75,8 @@ class Engine:
     CKPTIO_MEMORY_THREADS and CKPTIO_MEMORY_CHUNK_SIZE ("4M"). ``threads`` and
     ``chunk_size`` set both kinds; ``memory_threads`` then sets the memory one.
     ``memory_path`` (CKPTIO_MEMORY_PATH): how files in memory are read, "map"
-    (default, "auto"), "pread", or "off" (no page-cache check).
+    (default, "auto"), "map-nt" (the same with non-temporal stores), "pread", or
+    "off" (no page-cache check).
     """
 
     def __new__(
@@ -281,6 +283,15 @@ def advise_huge(addr: int, nbytes: int, shared: bool) -> bool:
 def host_memory() -> dict[str, int]:
     """{"file_mappings": file mappings alive, "anon_bytes": bytes of ckptio's anonymous
     mappings}, once mappings waiting to be unmapped are gone."""
+
+def memory_copy_floor(
+    path: str | os.PathLike[str],
+    source: str = "map",
+    threads: int = 8,
+    chunk_size: int = 4194304,
+) -> tuple[float, bool]:
+    """(seconds, pinned): the file copied by ``threads`` threads, ``chunk_size`` at a
+    time, into two pinned slots each ("map", "map-nt" or "pread"), without the engine."""
 
 @final
 class HostPin:

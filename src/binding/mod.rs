@@ -32,7 +32,7 @@ use device_file::{cufile_register_buffer, BufferRegistration, DeviceFile};
 use engine::{env_threads, pinned_memory, release_buffers, Engine};
 use errors::{BackendUnavailableError, CkptioError, CuFileError, CudaError, FormatError};
 use faults::{_clear_faults, _op_log, _record_ops, _set_fault, _set_truncation};
-use hostmem::{advise_huge, host_memory, HostMemory};
+use hostmem::{advise_huge, host_memory, memory_copy_floor, HostMemory};
 use probe::info;
 use reader::{map_archive, Reader};
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
@@ -154,8 +154,8 @@ mod _native {
     #[pymodule_export]
     use super::{
         _clear_faults, _op_log, _record_ops, _set_fault, _set_truncation, advise_huge, clean_temps,
-        cufile_register_buffer, env_threads, host_memory, info, map_archive, pinned_memory,
-        release_buffers, stage_copy, stage_device_copy, stage_pin, AtomicWriter,
+        cufile_register_buffer, env_threads, host_memory, info, map_archive, memory_copy_floor,
+        pinned_memory, release_buffers, stage_copy, stage_device_copy, stage_pin, AtomicWriter,
         BufferRegistration, DeviceFile, Engine, HostMemory, HostPin, Reader,
     };
 
