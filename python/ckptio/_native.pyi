@@ -1,6 +1,7 @@
 """Type stubs of the Rust extension ``ckptio._native`` (checked by mypy.stubtest in CI)."""
 
 import os
+from collections.abc import Callable
 from typing import Any, final
 
 from typing_extensions import Self
@@ -17,12 +18,15 @@ __all__ = [
     "stage_copy",
     "stage_device_copy",
     "stage_pin",
+    "unpickle",
     "AtomicWriter",
     "BufferRegistration",
     "DeviceFile",
     "Engine",
     "HostPin",
     "Reader",
+    "StateDictPickler",
+    "Unpickled",
     "CkptioError",
     "FormatError",
     "BackendUnavailableError",
@@ -101,6 +105,14 @@ class AtomicWriter:
         self, engine: Engine, storages: list[tuple[str, int, int, int]]
     ) -> dict[str, Any]:
         """Write (key, address, nbytes, device) storages into records ``<prefix>/data/<key>``."""
+    def write_archive(
+        self,
+        engine: Engine,
+        entries: list[tuple[str, bytes | tuple[int, int, int], int]],
+        prefix: str,
+    ) -> dict[str, Any]:
+        """Write a whole torch.save archive: (record name, bytes or (address, nbytes,
+        device), alignment) in file order, headers and data in one engine pass."""
     def write_segments(
         self,
         engine: Engine,
@@ -193,6 +205,45 @@ def stage_pin(pins: list[HostPin], threads: int = 8) -> int:
 
 def stage_device_copy(device: int, stream: int, copies: list[tuple[int, int, int]]) -> None:
     """Queue (dst, src, nbytes) device-to-device copies on a raw CUstream; returns at once."""
+
+@final
+class Unpickled:
+    """A torch.save pickle read natively, waiting for its storages."""
+
+    def storages(self) -> list[tuple[str, str, str, int]]:
+        """(key, storage class name in module torch, location, numel), first use first."""
+    def tensors(self) -> int: ...
+    def build(
+        self,
+        rebuild_tensor: Callable[..., Any],
+        rebuild_parameter: Callable[..., Any],
+        ordered_dict: Callable[[], Any],
+    ) -> Any:
+        """Make the object: ``rebuild_tensor(storage index, offset, size, stride,
+        requires_grad, hooks)`` per tensor, ``rebuild_parameter(tensor, requires_grad,
+        hooks)`` per Parameter."""
+
+def unpickle(data: bytes) -> Unpickled | None:
+    """Read a state-dict pickle natively; None where torch.load must read it."""
+
+@final
+class StateDictPickler:
+    """Writes torch.save's pickle of a state dict natively (None outside its subset)."""
+
+    def __new__(
+        cls,
+        tensor: type,
+        parameter: type,
+        ordered_dict: type,
+        strided: Any,
+        storage_classes: dict[Any, Any],
+        tensor_metadata: Callable[[Any], Any],
+        location_tag: Callable[[Any], str],
+        rebuild_tensor: Callable[..., Any],
+        rebuild_parameter: Callable[..., Any],
+    ) -> Self: ...
+    def dump(self, obj: Any) -> tuple[bytes, list[tuple[str, Any, int]]] | None:
+        """(data.pkl's bytes, [(storage key, storage, device or -1)]) or None."""
 
 def cufile_register_buffer(addr: int, nbytes: int) -> BufferRegistration: ...
 def info(folder: _Path | None = None) -> dict[str, Any]:

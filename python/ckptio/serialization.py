@@ -1,26 +1,33 @@
 """save / load / records: torch.save-compatible checkpoints through the ckptio engine.
 
-The data path never detours through Python: ``save`` lets ``torch.save`` write
-only the metadata (under ``torch.serialization.skip_data``, storages aligned to
-4 KiB), learns which storage goes to which record while torch pickles, and
-hands (record key, data pointer, nbytes, device) to the Rust engine, which
-writes the bytes in parallel and commits the file atomically. ``load`` lets
-``torch.load`` rebuild the object (structure, dtypes, views, aliasing) over a
-lazy file mapping that is never read, allocates each storage empty on its
-destination device, and has the engine read the bytes straight into it.
+The data path never detours through Python: ``save`` pickles the object as
+torch.save does (natively for state dicts, byte for byte the same pickle,
+else with torch's own reduce under a lean ``persistent_id``), then hands the
+whole archive to the Rust core in one call: records laid out with an alignment
+each (storages of ``PACK_BELOW`` bytes or more on 4 KiB boundaries, smaller
+ones packed at torch's 64 bytes), headers and data written by the engine in
+few large I/Os, CRC-32s stored as the bytes pass, committed atomically.
+``load`` reads the pickle natively where it is a plain state dict (else
+``torch.load`` rebuilds the object over a lazy mapping of the file that is
+never read), allocates each storage empty on its destination device, has the
+engine read every record straight into it, and makes the object with the
+calls torch's unpickler makes.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import gc
+import io
 import os
 import pickle
+import secrets
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -187,45 +194,251 @@ def _storage_alignment(n: int) -> Iterator[None]:
         config.save.storage_alignment = old
 
 
-def _capturing_pickle_module(found: dict[str, torch.UntypedStorage]) -> types.ModuleType:
-    """A pickle module whose Pickler records which storage torch.save files under which key.
+class _StorageRef:
+    """A storage as the pickle names it: ``pid`` makes what torch's
+    ``persistent_id`` returns (a new tuple each time, as torch's)."""
 
-    torch.save subclasses ``pickle_module.Pickler`` to add its ``persistent_id``;
-    ``__init_subclass__`` wraps that method, so the C pickler stays in use.
+    __slots__ = ("cls", "key", "location", "numel")
+
+    def __init__(self, cls: Any, key: str, location: str, numel: int) -> None:
+        self.cls, self.key, self.location, self.numel = cls, key, location, numel
+
+    def pid(self) -> tuple[Any, ...]:
+        return ("storage", self.cls, self.key, self.location, self.numel)
+
+
+_STORAGE_TYPES: dict[type, bool] = {}
+
+
+def _is_storage_type(t: type) -> bool:
+    """Whether torch.save's ``persistent_id`` takes objects of type ``t`` (cached)."""
+    r = _STORAGE_TYPES.get(t)
+    if r is None:
+        r = _STORAGE_TYPES[t] = issubclass(
+            t, (torch.storage.TypedStorage, torch.UntypedStorage)
+        ) or t in torch._storage_classes
+    return r
+
+
+@functools.cache
+def _v2_storage_classes() -> dict[torch.dtype, Any]:
+    """dtype -> the legacy storage class torch pickles its tensors' storages as,
+    for dtypes saved with ``_rebuild_tensor_v2`` (torch's other dtypes take
+    torch's own reduce)."""
+    new = torch.storage._new_dtypes()
+    return {
+        dt: getattr(torch, name)
+        for dt, name in torch.storage._dtype_to_storage_type_map().items()
+        if dt not in new
+    }
+
+
+class _Pickler(pickle.Pickler):
+    """torch.save's pickle, byte for byte, without torch's per-object Python work.
+
+    torch.save calls a Python ``persistent_id`` for every pickled object (about
+    20 per tensor) and ``Tensor.__reduce_ex__`` per tensor, and pickles every
+    OrderedDict through copyreg (a Python call each). Here plain tensors,
+    Parameters and OrderedDicts are reduced in ``reducer_override`` exactly as
+    torch reduces them (same callables, same arguments), their storages named
+    by a :class:`_StorageRef` that ``persistent_id`` answers with one type
+    check; everything else takes torch's own ``__reduce_ex__`` and torch's
+    storage naming (same keys, same dtype check). ``storages`` maps each
+    storage key to its storage and device code, in key order, as torch writes
+    its records.
     """
 
-    class Pickler(pickle.Pickler):
-        def __init_subclass__(cls, **kwargs: Any) -> None:
-            super().__init_subclass__(**kwargs)
-            inner = cls.persistent_id
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=2)
+        #: key -> (storage, device code or None where not known yet)
+        self.storages: dict[str, tuple[torch.UntypedStorage, int | None]] = {}
+        self._keys: dict[int, str] = {}  # storage _cdata -> key
+        self._dtypes: dict[int, torch.dtype] = {}  # data_ptr -> dtype (torch's check)
+        self._refs: dict[tuple[int, torch.dtype], _StorageRef] = {}
+        self._locations: dict[int, str] = {}
+        self._classes = _v2_storage_classes()
 
-            def persistent_id(self: Any, obj: Any) -> Any:
-                pid = inner(self, obj)
-                if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
-                    storage = (
-                        obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
-                    )
-                    found.setdefault(pid[2], storage)
-                return pid
+    def _key(self, storage: torch.UntypedStorage, dtype: torch.dtype, dev: int | None) -> str:
+        """The storage's key (a new one on first sight), after torch's check that
+        no two dtypes view the same data. ``dev``: its device code, None when
+        not known yet (a storage met through torch's reduce: any device)."""
+        ptr = storage.data_ptr()
+        if ptr and (dev is not None or storage.device.type != "meta"):
+            seen = self._dtypes.setdefault(ptr, dtype)
+            if seen != dtype:
+                raise RuntimeError(
+                    "Cannot save multiple tensors or storages that view the same data as "
+                    "different types"
+                )
+        key = self._keys.get(storage._cdata)
+        if key is None:
+            key = self._keys[storage._cdata] = str(len(self._keys))
+            self.storages[key] = (storage, dev)
+        return key
 
-            cls.persistent_id = persistent_id  # type: ignore[method-assign]
+    def persistent_id(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is _StorageRef:
+            return obj.pid()
+        is_storage = _STORAGE_TYPES.get(t)
+        if is_storage is None:
+            is_storage = _is_storage_type(t)
+        return self._torch_pid(obj) if is_storage else None
 
-    mod = types.ModuleType("ckptio._capturing_pickle")
-    for name in (
-        "dump",
-        "dumps",
-        "load",
-        "loads",
-        "Unpickler",
-        "HIGHEST_PROTOCOL",
-        "DEFAULT_PROTOCOL",
-        "PickleError",
-        "PicklingError",
-        "UnpicklingError",
-    ):
-        setattr(mod, name, getattr(pickle, name))
-    mod.Pickler = Pickler  # type: ignore[attr-defined]
-    return mod
+    def _torch_pid(self, obj: Any) -> tuple[Any, ...]:
+        """torch.save's persistent_id for a storage met through torch's reduce."""
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage = obj._untyped_storage
+            dtype = obj.dtype
+            storage_type = getattr(torch, obj._pickle_storage_type())
+            numel = obj._size()
+        else:
+            storage = obj
+            dtype = torch.uint8
+            storage_type = torch.serialization.normalize_storage_type(type(obj))
+            numel = storage.nbytes()
+        key = self._key(storage, dtype, None)
+        if getattr(obj, "_fake_device", None) is not None:
+            location = str(obj._fake_device)
+        else:
+            location = torch.serialization.location_tag(storage)
+        return ("storage", storage_type, key, location, numel)
+
+    def reducer_override(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is torch.Tensor:
+            return self._tensor(obj)
+        if t is collections.OrderedDict:
+            # What OrderedDict.__reduce__ returns, without its copyreg call.
+            return (t, (), obj.__dict__ or None, None, iter(obj.items()))
+        if t is torch.nn.Parameter and not obj.__dict__:
+            return (torch._utils._rebuild_parameter, (obj.data, obj.requires_grad, _OD()))
+        return NotImplemented
+
+    def _tensor(self, t: torch.Tensor) -> Any:
+        """``Tensor.__reduce_ex__`` of a plain CPU or CUDA tensor (NotImplemented
+        for anything torch reduces otherwise: hooks, Python state, sparse,
+        quantized, nested, conjugate or negative views, torch's newer dtypes)."""
+        cls = self._classes.get(t.dtype)
+        if (
+            cls is None
+            or not (t.is_cpu or t.is_cuda)
+            or t.layout is not torch.strided
+            or t.is_quantized
+            or t.is_nested
+            or t._backward_hooks
+            or t.__dict__
+            or torch._C._get_tensor_metadata(t)
+        ):
+            return NotImplemented
+        st = t.untyped_storage()
+        dev = t.get_device()
+        ref = self._refs.get((st._cdata, t.dtype))
+        if ref is None:
+            location = self._locations.get(dev)
+            if location is None:
+                location = self._locations[dev] = torch.serialization.location_tag(st)
+            key = self._key(st, t.dtype, dev)
+            ref = _StorageRef(cls, key, location, st.nbytes() // t.element_size())
+            self._refs[(st._cdata, t.dtype)] = ref
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (ref, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad, _OD()),
+        )
+
+
+_OD = collections.OrderedDict
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a large pickle is written or read: it
+    allocates many objects and no cycles, and each collection walks them all."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@functools.cache
+def _native_pickler() -> _native.StateDictPickler:
+    return _native.StateDictPickler(
+        torch.Tensor,
+        torch.nn.Parameter,
+        collections.OrderedDict,
+        torch.strided,
+        _v2_storage_classes(),
+        torch._C._get_tensor_metadata,
+        torch.serialization.location_tag,
+        torch._utils._rebuild_tensor_v2,
+        torch._utils._rebuild_parameter,
+    )
+
+
+def _pickle(obj: object) -> tuple[bytes, dict[str, tuple[torch.UntypedStorage, int | None]]]:
+    """(data.pkl's bytes, storage key -> (storage, device code or None)) as
+    torch.save makes them: natively for state dicts (plain tensors,
+    Parameters, containers, str, int, float, bool, None), else by
+    :class:`_Pickler`."""
+    with _gc_paused():
+        native = _native_pickler().dump(obj)
+        if native is not None:
+            pkl, found = native
+            return pkl, {key: (st, dev) for key, st, dev in found}
+        buf = io.BytesIO()
+        pickler = _Pickler(buf)
+        pickler.dump(obj)
+    return buf.getvalue(), pickler.storages
+
+
+#: Storages of at least this many bytes start on a 4 KiB boundary of the file
+#: (O_DIRECT and GPUDirect Storage move them in place, torch.load(mmap=True)
+#: maps them page-aligned); smaller ones are packed at torch's 64 bytes. At
+#: 64 KiB the padding adds at most 1/16 to a file; see docs/many-tensors.md
+#: for the measurements behind it.
+PACK_BELOW = 64 << 10
+#: torch's storage alignment, which small storages keep.
+TORCH_ALIGNMENT = 64
+_PREFIX = "archive"
+
+
+def _serialization_id() -> bytes:
+    """40 digits, as torch writes them (a checksum and a hash there; torch never checks)."""
+    return f"{secrets.randbits(64):020d}{secrets.randbits(64):020d}".encode()
+
+
+def _archive_entries(
+    pkl: bytes, storages: dict[str, tuple[torch.UntypedStorage, int | None]]
+) -> list[tuple[str, Any, int]]:
+    """The records of a torch.save archive, in torch's order: the pickle, the
+    format records, each storage ((address, nbytes, device code)), the version."""
+    data = []
+    for key, (st, dev) in storages.items():
+        if dev is None:
+            dev = _device_code(st, f"storage {key}")
+        data.append((key, st.data_ptr(), st.nbytes(), dev))
+    large = [d[2] >= PACK_BELOW for d in data if d[2]]
+    big = STORAGE_ALIGNMENT if any(large) else TORCH_ALIGNMENT
+    uniform = all(large) or not any(large)
+    p = _PREFIX
+    entries: list[tuple[str, Any, int]] = [(f"{p}/data.pkl", pkl, TORCH_ALIGNMENT)]
+    if uniform:
+        # torch may then compute storage offsets from the alignment
+        # (config.load.calculate_storage_offsets): it finds them where they are.
+        entries.append((f"{p}/.format_version", b"1", TORCH_ALIGNMENT))
+    entries.append(
+        (f"{p}/.storage_alignment", str(big if uniform else TORCH_ALIGNMENT).encode(), 64)
+    )
+    entries.append((f"{p}/byteorder", sys.byteorder.encode(), TORCH_ALIGNMENT))
+    for key, ptr, n, dev in data:
+        align = big if n == 0 or n >= PACK_BELOW else TORCH_ALIGNMENT
+        entries.append((f"{p}/data/{key}", (ptr, n, dev), align))
+    entries.append((f"{p}/version", b"3\n", TORCH_ALIGNMENT))
+    entries.append((f"{p}/.data/serialization_id", _serialization_id(), TORCH_ALIGNMENT))
+    return entries
 
 
 def _device_code(storage: torch.UntypedStorage, what: str) -> int:
@@ -257,7 +470,8 @@ def save(
     """Save ``obj`` like ``torch.save(obj, f)``, fast and crash-safe.
 
     The file is a regular torch.save zip archive (plain ``torch.load`` reads it)
-    whose storages start at multiples of 4096 bytes. It is written to a temp
+    whose storages of ``PACK_BELOW`` bytes or more start at multiples of 4096
+    bytes, smaller ones packed at torch's 64 bytes. It is written to a temp
     file in the same folder and renamed over ``f`` only once complete and
     fsynced: a failed or killed save leaves the previous file untouched.
 
@@ -276,29 +490,13 @@ def save(
     d = _direct_arg(direct)
     t0 = time.perf_counter()
     engine = _engine(threads, chunk_size, d)
+    pkl, storages = _pickle(obj)
+    with _gc_paused():
+        entries = _archive_entries(pkl, storages)
     writer = _native.AtomicWriter(path, d, backend)
     try:
-        found: dict[str, torch.UntypedStorage] = {}
-        try:
-            with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT):
-                with (
-                    torch.serialization.skip_data(),
-                    os.fdopen(os.dup(writer.fileno()), "wb") as fh,
-                ):
-                    torch.save(obj, fh, pickle_module=_capturing_pickle_module(found))
-        except OSError as e:
-            if e.errno is None or e.filename is not None:
-                raise
-            # torch wrote the metadata through a file object: name the file.
-            raise OSError(
-                e.errno, f"writing checkpoint metadata failed: {e.strerror}", writer.tmp_path
-            ) from e
-        storages = []
-        for key, st in found.items():
-            dev = _device_code(st, f"storage {key}")
-            storages.append((key, st.data_ptr(), st.nbytes(), dev))
-        _sync_cuda({s[3] for s in storages})
-        stats = writer.write_storages(engine, storages)
+        _sync_cuda({e[1][2] for e in entries if isinstance(e[1], tuple)})
+        stats = writer.write_archive(engine, entries, _PREFIX)
         writer.commit()
     except BaseException:
         writer.abort()
@@ -325,13 +523,7 @@ class _Restorer:
         self.reserved: set[torch.device] = set()
 
     def _mapped(self, location: str) -> str:
-        """The location string after a str / device / dict map_location."""
-        ml = self.map_location
-        if isinstance(ml, dict):
-            return ml.get(location, location)
-        if isinstance(ml, (str, torch.device)):
-            return str(ml)
-        return location
+        return _mapped(self.map_location, location)
 
     def __call__(self, storage: torch.UntypedStorage, location: str) -> Any:
         if callable(self.map_location) and not isinstance(self.map_location, torch.device):
@@ -351,6 +543,15 @@ class _Restorer:
         dest = _empty_storage(storage.nbytes(), dev)
         self.pending.append((storage.data_ptr(), storage.nbytes(), dest))
         return dest
+
+
+def _mapped(map_location: MapLocation, location: str) -> str:
+    """The location string after a str / device / dict map_location."""
+    if isinstance(map_location, dict):
+        return map_location.get(location, location)
+    if isinstance(map_location, (str, torch.device)):
+        return str(map_location)
+    return location
 
 
 def _engine_device(location: str) -> torch.device | None:
@@ -535,30 +736,29 @@ def load(
         small = [name for name, _, _ in records_ if not name.startswith(data_prefix)]
         rows = reader.verify(engine, small, strict=True)
         unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
-    restorer = _Restorer(map_location, list(data.values()))
-    # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
-    # replaced meanwhile by a concurrent save.
-    obj = torch.load(
-        f"/proc/self/fd/{reader.fileno()}",
-        map_location=restorer,
-        weights_only=weights_only,
-        mmap=True,
-        **pickle_load_args,
-    )
-    offsets = _file_offsets(restorer.pending, data, path)
-    segments = []
-    for off, (_, n, dest) in zip(offsets, restorer.pending, strict=True):
-        if dest.nbytes() != n:
-            # The pickle grew a storage past its record (torch's own mmap load refuses).
-            raise _native.FormatError(
-                f"{path}: a tensor needs {dest.nbytes()} bytes of a record that holds {n}"
-            )
-        if n:
-            segments.append((off, dest.data_ptr(), n, _device_code(dest, "destination")))
+    fast = _plan_fast(reader, records_, prefix, map_location, pickle_load_args)
+    if fast is not None:
+        segments, build = fast
+        obj = None
+    else:
+        restorer = _Restorer(map_location, list(data.values()))
+        # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
+        # replaced meanwhile by a concurrent save.
+        obj = torch.load(
+            f"/proc/self/fd/{reader.fileno()}",
+            map_location=restorer,
+            weights_only=weights_only,
+            mmap=True,
+            **pickle_load_args,
+        )
+        segments = _restored_segments(restorer, data, path)
     # Memory handed out by the caching allocator may still be in use by work
     # queued on the current stream; the engine writes it from its own streams.
     _sync_cuda({s[3] for s in segments})
     stats = reader.read_into(engine, segments, verify)
+    if fast is not None:
+        with _gc_paused():
+            obj = build()
     if verify:
         done = set(stats["verified"]) | set(stats["unchecked"])
         unchecked += stats["unchecked"]
@@ -570,6 +770,113 @@ def load(
     else:
         _report(path, t0, stats, len(segments))
     return obj
+
+
+def _restored_segments(
+    restorer: _Restorer, data: dict[int, int], path: str
+) -> list[tuple[int, int, int, int]]:
+    """The engine's reads for the storages torch.load handed to the restorer."""
+    offsets = _file_offsets(restorer.pending, data, path)
+    segments = []
+    for off, (_, n, dest) in zip(offsets, restorer.pending, strict=True):
+        if dest.nbytes() != n:
+            # The pickle grew a storage past its record (torch's own mmap load refuses).
+            raise _native.FormatError(
+                f"{path}: a tensor needs {dest.nbytes()} bytes of a record that holds {n}"
+            )
+        if n:
+            segments.append((off, dest.data_ptr(), n, _device_code(dest, "destination")))
+    return segments
+
+
+@functools.cache
+def _storage_dtype(name: str) -> torch.dtype | None:
+    """The dtype of a storage class the pickle names (torch's StorageType)."""
+    if name == "UntypedStorage":
+        return torch.uint8
+    try:
+        return torch.serialization.StorageType(name).dtype
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+
+
+def _plan_fast(
+    reader: _native.Reader,
+    records_: list[tuple[str, int, int]],
+    prefix: str,
+    map_location: MapLocation,
+    pickle_load_args: dict[str, Any],
+) -> tuple[list[tuple[int, int, int, int]], Callable[[], Any]] | None:
+    """Load without torch.load: the pickle read natively (``_native.unpickle``:
+    plain tensors, Parameters and containers, see src/format/pickle.rs), each
+    storage allocated on its destination, and the object made by the calls
+    torch's unpickler makes (``_rebuild_tensor_v2``, ``_rebuild_parameter``)
+    once the engine has read the bytes. Returns (the engine's reads, the
+    builder), or None where torch.load must run: another pickle, a callable
+    map_location, pickle arguments, a fake or skip_data mode, a storage whose
+    record is missing or of another size, a location the engine does not fill.
+    """
+    if pickle_load_args or (callable(map_location) and not isinstance(map_location, torch.device)):
+        return None
+    if torch.serialization._serialization_tls.skip_data:
+        return None
+    if torch._guards.detect_fake_mode(None) is not None:
+        return None
+    pkl = f"{prefix}/data.pkl"
+    size = next((n for name, _, n in records_ if name == pkl), None)
+    if size is None or size > 64 << 20:
+        return None
+    parsed = _native.unpickle(reader.read_record(pkl))
+    if parsed is None:
+        return None
+    where = {name: (off, n) for name, off, n in records_}
+    one_device = isinstance(map_location, (str, torch.device))
+    devices: dict[str, torch.device | None] = {}
+    plan = []  # (file offset, nbytes, dtype, device)
+    for key, cls, location, numel in parsed.storages():
+        dtype = _storage_dtype(cls)
+        rec = where.get(f"{prefix}/data/{key}")
+        if dtype is None or rec is None or rec[1] != numel * dtype.itemsize:
+            return None
+        dev = devices.get(location, ...)
+        if dev is ...:
+            dev = devices[location] = _engine_device(_mapped(map_location, location))
+        if dev is None:
+            return None
+        plan.append((rec[0], rec[1], dtype, dev))
+    cuda = {p[3] for p in plan if p[3].type == "cuda"}
+    if one_device:
+        for dev in cuda:
+            _reserve_cuda(dev, [p[1] for p in plan])
+    storages = []
+    segments = []
+    for off, n, _, dev in plan:
+        st = _empty_storage(n, dev, off % STORAGE_ALIGNMENT)
+        storages.append(st)
+        if n:
+            segments.append((off, st.data_ptr(), n, -1 if dev.type == "cpu" else dev.index))
+    dtypes = [p[2] for p in plan]
+    empty = torch.empty
+    param = torch.nn.Parameter
+
+    def rebuild_tensor(
+        i: int, offset: int, size: Any, stride: Any, requires_grad: bool, hooks: Any
+    ) -> torch.Tensor:
+        st = storages[i]
+        t = empty((0,), dtype=dtypes[i], device=st.device).set_(st, offset, size, stride)
+        t.requires_grad = requires_grad
+        t._backward_hooks = hooks
+        return t
+
+    def rebuild_parameter(data: torch.Tensor, requires_grad: bool, hooks: Any) -> Any:
+        p = param(data, requires_grad)
+        p._backward_hooks = hooks
+        return p
+
+    def build() -> Any:
+        return parsed.build(rebuild_tensor, rebuild_parameter, collections.OrderedDict)
+
+    return segments, build
 
 
 def _reads_natively(path: str) -> bool:

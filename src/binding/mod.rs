@@ -10,6 +10,7 @@ mod device_file;
 mod engine;
 mod errors;
 mod faults;
+mod pickled;
 mod probe;
 mod reader;
 mod staging;
@@ -27,6 +28,7 @@ use device_file::{cufile_register_buffer, BufferRegistration, DeviceFile};
 use engine::Engine;
 use errors::{BackendUnavailableError, CkptioError, CuFileError, CudaError, FormatError};
 use faults::{_clear_faults, _op_log, _record_ops, _set_fault};
+use pickled::{unpickle, StateDictPickler, Unpickled};
 use probe::info;
 use reader::{map_archive, Reader};
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
@@ -135,8 +137,8 @@ mod _native {
     #[pymodule_export]
     use super::{
         _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, info, map_archive,
-        stage_copy, stage_device_copy, stage_pin, AtomicWriter, BufferRegistration, DeviceFile,
-        Engine, HostPin, Reader,
+        stage_copy, stage_device_copy, stage_pin, unpickle, AtomicWriter, BufferRegistration,
+        DeviceFile, Engine, HostPin, Reader, StateDictPickler, Unpickled,
     };
 
     use super::*;

@@ -6,10 +6,12 @@ use std::sync::Mutex;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
+use crate::engine::{Memory, Segment};
 use crate::format::integrity;
 use crate::format::zipmap::{self, Archive};
+use crate::format::zipwrite::{self, Body, Entry};
 use crate::gpu::{Backend, DevicePath};
 use crate::io::file::IoFile;
 use crate::io::persist::AtomicFile;
@@ -93,6 +95,13 @@ impl AtomicWriter {
         }
         Ok(d)
     }
+}
+
+/// A record's bytes as Python hands them: a bytes object, or (address, nbytes, device).
+#[derive(FromPyObject)]
+enum RawBody<'py> {
+    Bytes(Bound<'py, PyBytes>),
+    Memory((u64, u64, i32)),
 }
 
 fn writer_done() -> PyErr {
@@ -185,6 +194,71 @@ impl AtomicWriter {
             let len = a.file_len;
             Ok((raw, Some(len), Some((a, index)), false))
         })
+    }
+
+    /// Write a whole torch.save archive into the (empty) temp file, laid out
+    /// here with an alignment per record: `entries` = [(full record name,
+    /// bytes or (address, nbytes, device), alignment)] in file order, device -1
+    /// for host memory. Headers and data go in one engine pass (small records
+    /// gathered into shared I/Os, CRC-32s stored as the bytes pass), then the
+    /// central directory. `prefix` is the archive's folder (`<prefix>/data/*`
+    /// are its data records).
+    ///
+    /// The caller keeps every storage alive and unmodified until this returns.
+    fn write_archive<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        entries: Vec<(String, RawBody<'py>, u64)>,
+        prefix: String,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let entries: Vec<Entry> = entries
+            .into_iter()
+            .map(|(name, body, align)| Entry {
+                name,
+                body: match body {
+                    RawBody::Bytes(b) => Body::Bytes(b.as_bytes().to_vec()),
+                    RawBody::Memory((addr, len, dev)) => Body::Memory {
+                        addr,
+                        len,
+                        memory: if dev < 0 {
+                            Memory::Host
+                        } else {
+                            Memory::Cuda(dev)
+                        },
+                    },
+                },
+                align,
+            })
+            .collect();
+        let engine = engine.inner.clone();
+        let backend = self.backend;
+        let rep = py.detach(|| -> PyResult<_> {
+            let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(st) = g.as_mut() else {
+                return Err(writer_done());
+            };
+            let device_segs: Vec<Segment> = entries
+                .iter()
+                .filter_map(|e| match e.body {
+                    Body::Memory { addr, len, memory } if memory != Memory::Host => Some(Segment {
+                        file_offset: 0,
+                        addr,
+                        len,
+                        memory,
+                    }),
+                    _ => None,
+                })
+                .collect();
+            // SAFETY: `st.device` is dropped before `st.io` (field order).
+            let device =
+                unsafe { ensure_device_path(&mut st.device, &st.io, backend, &device_segs)? };
+            // SAFETY: the Python caller keeps each storage alive and
+            // unmodified for the duration of this call (documented contract).
+            let w = unsafe { zipwrite::write(&engine, &st.io, device, &entries, &prefix)? };
+            Ok(Report::new(w.stats, &st.io, st.device.as_ref()))
+        })?;
+        rep.into_dict(py)
     }
 
     /// Write memory ranges at given file offsets: `segments` =

@@ -1,7 +1,11 @@
 //! The format layer: what is inside a checkpoint file.
 //!
 //! - [`zipmap`]: maps a torch.save (zip) archive to record name -> data offset.
+//! - [`zipwrite`]: writes a torch.save archive with an alignment per record, in one engine pass.
 //! - [`integrity`]: the zip CRC-32 fields of files ckptio writes, and checking them.
+//! - [`pickle`]: reads the pickles torch.save writes for state dicts (a safe subset).
 
 pub mod integrity;
+pub mod pickle;
 pub mod zipmap;
+pub mod zipwrite;
