@@ -24,6 +24,7 @@ import gc
 import io
 import os
 import pickle
+import re
 import secrets
 import sys
 import threading
@@ -214,9 +215,10 @@ def _is_storage_type(t: type) -> bool:
     """Whether torch.save's ``persistent_id`` takes objects of type ``t`` (cached)."""
     r = _STORAGE_TYPES.get(t)
     if r is None:
-        r = _STORAGE_TYPES[t] = issubclass(
-            t, (torch.storage.TypedStorage, torch.UntypedStorage)
-        ) or t in torch._storage_classes
+        r = _STORAGE_TYPES[t] = (
+            issubclass(t, (torch.storage.TypedStorage, torch.UntypedStorage))
+            or t in torch._storage_classes
+        )
     return r
 
 
@@ -378,20 +380,23 @@ def _native_pickler() -> _native.StateDictPickler:
     )
 
 
-def _pickle(obj: object) -> tuple[bytes, dict[str, tuple[torch.UntypedStorage, int | None]]]:
-    """(data.pkl's bytes, storage key -> (storage, device code or None)) as
-    torch.save makes them: natively for state dicts (plain tensors,
+def _pickle(obj: object) -> tuple[bytes, list[tuple[str, int, int, int]]]:
+    """(data.pkl's bytes, [(storage key, address, nbytes, device code)] in key
+    order) as torch.save makes them: natively for state dicts (plain tensors,
     Parameters, containers, str, int, float, bool, None), else by
     :class:`_Pickler`."""
-    with _gc_paused():
-        native = _native_pickler().dump(obj)
-        if native is not None:
-            pkl, found = native
-            return pkl, {key: (st, dev) for key, st, dev in found}
-        buf = io.BytesIO()
-        pickler = _Pickler(buf)
-        pickler.dump(obj)
-    return buf.getvalue(), pickler.storages
+    native = _native_pickler().dump(obj)
+    if native is not None:
+        return native
+    buf = io.BytesIO()
+    pickler = _Pickler(buf)
+    pickler.dump(obj)
+    found = []
+    for key, (st, dev) in pickler.storages.items():
+        if dev is None:
+            dev = _device_code(st, f"storage {key}")
+        found.append((key, st.data_ptr(), st.nbytes(), dev))
+    return buf.getvalue(), found
 
 
 #: Storages of at least this many bytes start on a 4 KiB boundary of the file
@@ -411,16 +416,11 @@ def _serialization_id() -> bytes:
 
 
 def _archive_entries(
-    pkl: bytes, storages: dict[str, tuple[torch.UntypedStorage, int | None]]
+    pkl: bytes, storages: list[tuple[str, int, int, int]]
 ) -> list[tuple[str, Any, int]]:
     """The records of a torch.save archive, in torch's order: the pickle, the
     format records, each storage ((address, nbytes, device code)), the version."""
-    data = []
-    for key, (st, dev) in storages.items():
-        if dev is None:
-            dev = _device_code(st, f"storage {key}")
-        data.append((key, st.data_ptr(), st.nbytes(), dev))
-    large = [d[2] >= PACK_BELOW for d in data if d[2]]
+    large = [n >= PACK_BELOW for _, _, n, _ in storages if n]
     big = STORAGE_ALIGNMENT if any(large) else TORCH_ALIGNMENT
     uniform = all(large) or not any(large)
     p = _PREFIX
@@ -433,9 +433,11 @@ def _archive_entries(
         (f"{p}/.storage_alignment", str(big if uniform else TORCH_ALIGNMENT).encode(), 64)
     )
     entries.append((f"{p}/byteorder", sys.byteorder.encode(), TORCH_ALIGNMENT))
-    for key, ptr, n, dev in data:
-        align = big if n == 0 or n >= PACK_BELOW else TORCH_ALIGNMENT
-        entries.append((f"{p}/data/{key}", (ptr, n, dev), align))
+    small = TORCH_ALIGNMENT
+    entries += [
+        (f"{p}/data/{key}", (ptr, n, dev), big if n == 0 or n >= PACK_BELOW else small)
+        for key, ptr, n, dev in storages
+    ]
     entries.append((f"{p}/version", b"3\n", TORCH_ALIGNMENT))
     entries.append((f"{p}/.data/serialization_id", _serialization_id(), TORCH_ALIGNMENT))
     return entries
@@ -490,8 +492,8 @@ def save(
     d = _direct_arg(direct)
     t0 = time.perf_counter()
     engine = _engine(threads, chunk_size, d)
-    pkl, storages = _pickle(obj)
     with _gc_paused():
+        pkl, storages = _pickle(obj)
         entries = _archive_entries(pkl, storages)
     writer = _native.AtomicWriter(path, d, backend)
     try:
@@ -571,8 +573,10 @@ def _empty_storage(nbytes: int, device: torch.device, phase: int = 0) -> torch.U
     boundary (a file offset's distance from one) so that O_DIRECT reads land in
     them without a staging copy. (The aligned slice keeps its allocation alive,
     as torch.load's mmap slices do; like those, it cannot be resized.)"""
-    if device.type != "cpu" or nbytes < _ALIGNED_ALLOC_MIN:
+    if device.type != "cpu":
         return torch.UntypedStorage(nbytes, device=device)
+    if nbytes < _ALIGNED_ALLOC_MIN:
+        return torch.UntypedStorage(nbytes)
     raw = torch.UntypedStorage(nbytes + STORAGE_ALIGNMENT)
     skip = (phase - raw.data_ptr()) % STORAGE_ALIGNMENT
     return raw[skip : skip + nbytes]
@@ -736,7 +740,7 @@ def load(
         small = [name for name, _, _ in records_ if not name.startswith(data_prefix)]
         rows = reader.verify(engine, small, strict=True)
         unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
-    fast = _plan_fast(reader, records_, prefix, map_location, pickle_load_args)
+    fast = _plan_fast(path, reader, records_, prefix, map_location, pickle_load_args)
     if fast is not None:
         segments, build = fast
         obj = None
@@ -757,8 +761,7 @@ def load(
     _sync_cuda({s[3] for s in segments})
     stats = reader.read_into(engine, segments, verify)
     if fast is not None:
-        with _gc_paused():
-            obj = build()
+        obj = build()
     if verify:
         done = set(stats["verified"]) | set(stats["unchecked"])
         unchecked += stats["unchecked"]
@@ -800,70 +803,94 @@ def _storage_dtype(name: str) -> torch.dtype | None:
         return None
 
 
-def _plan_fast(
-    reader: _native.Reader,
-    records_: list[tuple[str, int, int]],
-    prefix: str,
-    map_location: MapLocation,
-    pickle_load_args: dict[str, Any],
-) -> tuple[list[tuple[int, int, int, int]], Callable[[], Any]] | None:
-    """Load without torch.load: the pickle read natively (``_native.unpickle``:
-    plain tensors, Parameters and containers, see src/format/pickle.rs), each
-    storage allocated on its destination, and the object made by the calls
-    torch's unpickler makes (``_rebuild_tensor_v2``, ``_rebuild_parameter``)
-    once the engine has read the bytes. Returns (the engine's reads, the
-    builder), or None where torch.load must run: another pickle, a callable
-    map_location, pickle arguments, a fake or skip_data mode, a storage whose
-    record is missing or of another size, a location the engine does not fill.
-    """
-    if pickle_load_args or (callable(map_location) and not isinstance(map_location, torch.device)):
-        return None
+# torch's reader takes files of these format versions (caffe2/serialize/versions.h).
+_MIN_VERSION, _MAX_VERSION = 1, 10
+_VERSION = re.compile(rb"\s*(\d+)")
+
+
+def _torch_opens(reader: _native.Reader, records_: list[tuple[str, int, int]], prefix: str) -> bool:
+    """The checks torch.load makes of the records it reads besides the pickle
+    and the storages: a version in the range it reads, a storage alignment
+    that is an int, a serialization id in UTF-8. False where torch.load must
+    decide (it may refuse)."""
+    names = {name: n for name, _, n in records_}
+    version = f"{prefix}/.data/version"
+    if version not in names:
+        version = f"{prefix}/version"
+    align = f"{prefix}/.storage_alignment"
+    sid = f"{prefix}/.data/serialization_id"
+    if names.get(version, 1 << 20) > 64 or names.get(align, 0) > 64 or names.get(sid, 0) > 4096:
+        return False
+    if sid in names:
+        try:
+            reader.read_record(sid).decode()
+        except UnicodeDecodeError:
+            return False
+    m = _VERSION.match(reader.read_record(version))
+    if not m or not _MIN_VERSION <= int(m.group(1)) <= _MAX_VERSION:
+        return False
+    if align in names:
+        try:
+            int(reader.read_record(align))
+        except ValueError:
+            return False
+    return True
+
+
+def _native_pickle(
+    reader: _native.Reader, records_: list[tuple[str, int, int]], prefix: str
+) -> tuple[_native.Unpickled, list[tuple[int, int, torch.dtype, str]]] | None:
+    """The pickle read natively (``_native.unpickle``: plain tensors, Parameters
+    and containers, see src/format/pickle.rs) and its storages as (file offset,
+    nbytes, dtype, location); None where torch.load must read the file:
+    another pickle, a file torch would refuse to open, a storage whose record
+    is missing or of another size, a fake or skip_data mode."""
     if torch.serialization._serialization_tls.skip_data:
         return None
     if torch._guards.detect_fake_mode(None) is not None:
         return None
     pkl = f"{prefix}/data.pkl"
     size = next((n for name, _, n in records_ if name == pkl), None)
-    if size is None or size > 64 << 20:
+    if size is None or size > 64 << 20 or not _torch_opens(reader, records_, prefix):
         return None
     parsed = _native.unpickle(reader.read_record(pkl))
     if parsed is None:
         return None
     where = {name: (off, n) for name, off, n in records_}
-    one_device = isinstance(map_location, (str, torch.device))
-    devices: dict[str, torch.device | None] = {}
-    plan = []  # (file offset, nbytes, dtype, device)
+    found = []
     for key, cls, location, numel in parsed.storages():
         dtype = _storage_dtype(cls)
         rec = where.get(f"{prefix}/data/{key}")
         if dtype is None or rec is None or rec[1] != numel * dtype.itemsize:
             return None
-        dev = devices.get(location, ...)
-        if dev is ...:
-            dev = devices[location] = _engine_device(_mapped(map_location, location))
-        if dev is None:
-            return None
-        plan.append((rec[0], rec[1], dtype, dev))
-    cuda = {p[3] for p in plan if p[3].type == "cuda"}
-    if one_device:
-        for dev in cuda:
-            _reserve_cuda(dev, [p[1] for p in plan])
-    storages = []
-    segments = []
-    for off, n, _, dev in plan:
-        st = _empty_storage(n, dev, off % STORAGE_ALIGNMENT)
-        storages.append(st)
-        if n:
-            segments.append((off, st.data_ptr(), n, -1 if dev.type == "cpu" else dev.index))
-    dtypes = [p[2] for p in plan]
-    empty = torch.empty
+        found.append((rec[0], rec[1], dtype, location))
+    return parsed, found
+
+
+def _rebuild(
+    parsed: _native.Unpickled,
+    storages: list[torch.UntypedStorage],
+    dtypes: list[torch.dtype],
+    path: str,
+) -> Any:
+    """Make the object of a natively read pickle over its storages, with the
+    calls torch's unpickler makes (``_rebuild_tensor_v2``, ``_rebuild_parameter``)."""
+    # An empty tensor of each (dtype, device): ``proto.new()`` makes another,
+    # as torch.empty((0,), dtype=, device=) does, in a third of the time.
+    protos: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    news = []
+    for st, dtype in zip(storages, dtypes, strict=True):
+        proto = protos.get((dtype, st.device))
+        if proto is None:
+            proto = protos[(dtype, st.device)] = torch.empty((0,), dtype=dtype, device=st.device)
+        news.append(proto.new)
+    sizes = [st.nbytes() for st in storages]
     param = torch.nn.Parameter
 
     def rebuild_tensor(
         i: int, offset: int, size: Any, stride: Any, requires_grad: bool, hooks: Any
     ) -> torch.Tensor:
-        st = storages[i]
-        t = empty((0,), dtype=dtypes[i], device=st.device).set_(st, offset, size, stride)
+        t = news[i]().set_(storages[i], offset, size, stride)
         t.requires_grad = requires_grad
         t._backward_hooks = hooks
         return t
@@ -873,10 +900,62 @@ def _plan_fast(
         p._backward_hooks = hooks
         return p
 
-    def build() -> Any:
-        return parsed.build(rebuild_tensor, rebuild_parameter, collections.OrderedDict)
+    with _gc_paused():
+        obj = parsed.build(rebuild_tensor, rebuild_parameter, collections.OrderedDict)
+    # set_ grows a resizable storage to fit a view that reaches past it (a
+    # corrupt or hostile pickle); torch.load's storages cannot grow and it
+    # raises. Refuse the same.
+    for st, n in zip(storages, sizes, strict=True):
+        if st.nbytes() != n:
+            raise _native.FormatError(
+                f"{path}: a tensor reaches past its storage's record "
+                f"({st.nbytes()} bytes needed, the record holds {n})"
+            )
+    return obj
 
-    return segments, build
+
+def _plan_fast(
+    path: str,
+    reader: _native.Reader,
+    records_: list[tuple[str, int, int]],
+    prefix: str,
+    map_location: MapLocation,
+    pickle_load_args: dict[str, Any],
+) -> tuple[list[tuple[int, int, int, int]], Callable[[], Any]] | None:
+    """Load without torch.load: the pickle read natively (:func:`_native_pickle`),
+    each storage allocated on its destination, the object made once the engine
+    has read the bytes (:func:`_rebuild`). Returns (the engine's reads, the
+    builder), or None where torch.load must run: see :func:`_native_pickle`,
+    and a callable map_location, pickle arguments, a location the engine does
+    not fill.
+    """
+    if pickle_load_args or (callable(map_location) and not isinstance(map_location, torch.device)):
+        return None
+    got = _native_pickle(reader, records_, prefix)
+    if got is None:
+        return None
+    parsed, found = got
+    devices: dict[str, torch.device | None] = {}
+    dests = []
+    for _, _, _, location in found:
+        dev = devices.get(location, ...)
+        if dev is ...:
+            dev = devices[location] = _engine_device(_mapped(map_location, location))
+        if dev is None:
+            return None
+        dests.append(dev)
+    if isinstance(map_location, (str, torch.device)):
+        for dev in {d for d in dests if d.type == "cuda"}:
+            _reserve_cuda(dev, [f[1] for f in found])
+    storages = []
+    segments = []
+    for (off, n, _, _), dev in zip(found, dests, strict=True):
+        st = _empty_storage(n, dev, off % STORAGE_ALIGNMENT)
+        storages.append(st)
+        if n:
+            segments.append((off, st.data_ptr(), n, -1 if dev.type == "cpu" else dev.index))
+    dtypes = [f[2] for f in found]
+    return segments, lambda: _rebuild(parsed, storages, dtypes, path)
 
 
 def _reads_natively(path: str) -> bool:
@@ -930,9 +1009,20 @@ def records(f: str | os.PathLike[str], *, weights_only: bool = True) -> list[Rec
     """
     path = _path(f, "records")
     reader = _open(path, "off", None)
-    meta = torch.load(
-        f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
-    )
+    records_ = reader.records()
+    native = _native_pickle(reader, records_, reader.prefix)
+    if native is not None:
+        parsed, found = native
+        storages = []
+        for off, n, _, _ in found:
+            st = torch.UntypedStorage(n, device="meta")
+            st._checkpoint_offset = off
+            storages.append(st)
+        meta = _rebuild(parsed, storages, [x[2] for x in found], path)
+    else:
+        meta = torch.load(
+            f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
+        )
     by_offset: dict[int, list[TensorInfo]] = {}
     for name, t in _tensors(meta, "", set()):
         off = getattr(t.untyped_storage(), "_checkpoint_offset", None)
@@ -952,5 +1042,5 @@ def records(f: str | os.PathLike[str], *, weights_only: bool = True) -> list[Rec
             tuple(by_offset.get(off, ())) if "/data/" in name else (),
             crcs.get(name),
         )
-        for name, off, size in reader.records()
+        for name, off, size in records_
     ]

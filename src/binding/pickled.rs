@@ -3,6 +3,7 @@
 //! exist) and `StateDictPickler` (the bytes torch's pickler writes, without a
 //! Python call per object).
 
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
@@ -233,7 +234,8 @@ struct Walk<'py, 'a> {
     w: pickle::Writer,
     /// Memoized objects, kept alive so that no address is reused meanwhile.
     keep: Vec<Bound<'py, PyAny>>,
-    storages: Vec<(String, Bound<'py, PyAny>, i32)>,
+    /// (key, address, nbytes, device or -1), in key order.
+    storages: Vec<(String, u64, u64, i32)>,
     keys: std::collections::HashMap<i64, usize>,
     /// data_ptr -> dtype (torch's check that one memory has one dtype)
     dtypes: std::collections::HashMap<u64, usize>,
@@ -278,8 +280,8 @@ impl<'py> Walk<'py, '_> {
         if self.memoized(o) {
             return Ok(());
         }
-        let module: String = o.getattr("__module__")?.extract()?;
-        let name: String = o.getattr("__qualname__")?.extract()?;
+        let module: String = o.getattr(intern!(self.py, "__module__"))?.extract()?;
+        let name: String = o.getattr(intern!(self.py, "__qualname__"))?.extract()?;
         self.w.global(&module, &name);
         self.put_obj(o);
         Ok(())
@@ -492,12 +494,12 @@ impl<'py> Walk<'py, '_> {
         self.new_ordered_dict()?;
         self.put_obj(o);
         let items: Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> = o
-            .call_method0("items")?
+            .call_method0(intern!(self.py, "items"))?
             .try_iter()?
             .map(|kv| kv.and_then(|kv| kv.extract()))
             .collect::<PyResult<_>>()?;
         self.dict_items(&items)?;
-        let state = o.getattr("__dict__")?;
+        let state = o.getattr(intern!(self.py, "__dict__"))?;
         if state.len()? > 0 {
             self.save(&state)?;
             self.w.op(op::BUILD);
@@ -506,14 +508,15 @@ impl<'py> Walk<'py, '_> {
     }
 
     fn parameter(&mut self, p: &Bound<'py, PyAny>) -> Walked<()> {
-        if p.getattr("__dict__")?.len()? > 0 {
+        if p.getattr(intern!(self.py, "__dict__"))?.len()? > 0 {
             return Err(Stop::Unsupported);
         }
         let f = self.cfg.rebuild_parameter.bind(self.py).clone();
         self.global(&f)?;
-        let data = p.getattr("data")?;
+        let data = p.getattr(intern!(self.py, "data"))?;
         self.save(&data)?;
-        self.w.bool(p.getattr("requires_grad")?.is_truthy()?);
+        self.w
+            .bool(p.getattr(intern!(self.py, "requires_grad"))?.is_truthy()?);
         self.new_ordered_dict()?;
         self.w.put(None);
         self.w.op(op::TUPLE1 + 2);
@@ -527,29 +530,34 @@ impl<'py> Walk<'py, '_> {
     /// storage named as torch's `persistent_id` names it.
     fn tensor(&mut self, t: &Bound<'py, PyAny>) -> Walked<()> {
         let py = self.py;
-        let dtype = t.getattr("dtype")?;
+        let dtype = t.getattr(intern!(self.py, "dtype"))?;
         let classes = self.cfg.storage_classes.bind(py);
         let Some(class) = classes.get_item(&dtype)? else {
             return Err(Stop::Unsupported);
         };
-        let plain = (t.getattr("is_cpu")?.is_truthy()? || t.getattr("is_cuda")?.is_truthy()?)
-            && t.getattr("layout")?.is(self.cfg.strided.bind(py))
-            && !t.getattr("is_quantized")?.is_truthy()?
-            && !t.getattr("is_nested")?.is_truthy()?
-            && !t.getattr("_backward_hooks")?.is_truthy()?
-            && t.getattr("__dict__")?.len()? == 0
+        let plain = (t.getattr(intern!(self.py, "is_cpu"))?.is_truthy()?
+            || t.getattr(intern!(self.py, "is_cuda"))?.is_truthy()?)
+            && t.getattr(intern!(self.py, "layout"))?
+                .is(self.cfg.strided.bind(py))
+            && !t.getattr(intern!(self.py, "is_quantized"))?.is_truthy()?
+            && !t.getattr(intern!(self.py, "is_nested"))?.is_truthy()?
+            && !t
+                .getattr(intern!(self.py, "_backward_hooks"))?
+                .is_truthy()?
+            && t.getattr(intern!(self.py, "__dict__"))?.len()? == 0
             && self.cfg.tensor_metadata.bind(py).call1((t,))?.len()? == 0;
         if !plain {
             return Err(Stop::Unsupported);
         }
-        let st = t.call_method0("untyped_storage")?;
-        let cdata: i64 = st.getattr("_cdata")?.extract()?;
-        let dev: i32 = t.call_method0("get_device")?.extract()?;
+        let st = t.call_method0(intern!(self.py, "untyped_storage"))?;
+        let cdata: i64 = st.getattr(intern!(self.py, "_cdata"))?.extract()?;
+        let dev: i32 = t.call_method0(intern!(self.py, "get_device"))?.extract()?;
         let dkey = dtype.as_ptr() as usize;
         let (key_index, numel) = match self.refs.get(&(cdata, dkey)) {
             Some(&r) => r,
             None => {
-                let ptr: u64 = st.call_method0("data_ptr")?.extract()?;
+                let ptr: u64 = st.call_method0(intern!(self.py, "data_ptr"))?.extract()?;
+                let nbytes: u64 = st.call_method0(intern!(self.py, "nbytes"))?.extract()?;
                 if ptr != 0 && *self.dtypes.entry(ptr).or_insert(dkey) != dkey {
                     // torch raises here; let the Python pickler say it.
                     return Err(Stop::Unsupported);
@@ -558,14 +566,15 @@ impl<'py> Walk<'py, '_> {
                     Some(&k) => k,
                     None => {
                         let k = self.storages.len();
-                        self.storages.push((k.to_string(), st.clone(), dev));
+                        self.storages.push((k.to_string(), ptr, nbytes, dev));
                         self.keys.insert(cdata, k);
                         k
                     }
                 };
-                let nbytes: i64 = st.call_method0("nbytes")?.extract()?;
-                let item: i64 = t.call_method0("element_size")?.extract()?;
-                let r = (key_index, nbytes / item.max(1));
+                let item: u64 = t
+                    .call_method0(intern!(self.py, "element_size"))?
+                    .extract()?;
+                let r = (key_index, (nbytes / item.max(1)) as i64);
                 self.refs.insert((cdata, dkey), r);
                 if !self.locations.contains_key(&dev) {
                     let loc: String = self.cfg.location_tag.bind(py).call1((&st,))?.extract()?;
@@ -610,12 +619,16 @@ impl<'py> Walk<'py, '_> {
         self.w.op(op::TUPLE);
         self.w.put(None);
         self.w.op(op::BINPERSID);
-        self.w.int(t.call_method0("storage_offset")?.extract()?);
-        let size: Vec<i64> = t.call_method0("size")?.extract()?;
+        self.w.int(
+            t.call_method0(intern!(self.py, "storage_offset"))?
+                .extract()?,
+        );
+        let size: Vec<i64> = t.call_method0(intern!(self.py, "size"))?.extract()?;
         self.int_tuple(&size);
-        let stride: Vec<i64> = t.call_method0("stride")?.extract()?;
+        let stride: Vec<i64> = t.call_method0(intern!(self.py, "stride"))?.extract()?;
         self.int_tuple(&stride);
-        self.w.bool(t.getattr("requires_grad")?.is_truthy()?);
+        self.w
+            .bool(t.getattr(intern!(self.py, "requires_grad"))?.is_truthy()?);
         self.new_ordered_dict()?;
         self.w.put(None);
         self.w.op(op::TUPLE);
@@ -654,14 +667,15 @@ impl StateDictPickler {
         }
     }
 
-    /// (data.pkl's bytes, [(storage key, storage, device or -1)] in key
-    /// order), or None for an object outside the subset.
+    /// (data.pkl's bytes, [(storage key, address, nbytes, device or -1)] in
+    /// key order), or None for an object outside the subset. The storages
+    /// are those of the object's tensors: alive while the object is.
     #[allow(clippy::type_complexity)]
     fn dump<'py>(
         &self,
         py: Python<'py>,
         obj: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<(String, Bound<'py, PyAny>, i32)>)>> {
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<(String, u64, u64, i32)>)>> {
         let mut walk = Walk {
             cfg: self,
             py,

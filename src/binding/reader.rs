@@ -125,13 +125,17 @@ impl Reader {
         let mut verified = Vec::new();
         let mut unchecked = Vec::new();
         let (stats, device) = py.detach(|| {
+            // Records by data offset (they do not overlap: zipmap checks).
+            let mut spans: Vec<(u64, u64)> = self
+                .archive
+                .records
+                .iter()
+                .map(|r| (r.data_offset, r.data_offset + r.size))
+                .collect();
+            spans.sort_unstable();
             for &(off, _, len, _) in &segments {
-                let inside = self.archive.records.iter().any(|r| {
-                    off >= r.data_offset
-                        && off
-                            .checked_add(len)
-                            .is_some_and(|e| e <= r.data_offset + r.size)
-                });
+                let i = spans.partition_point(|s| s.0 <= off);
+                let inside = i > 0 && off.checked_add(len).is_some_and(|e| e <= spans[i - 1].1);
                 if !inside {
                     return Err(Error::format(
                         Some(self.io.path()),
@@ -219,19 +223,24 @@ impl Reader {
     ) -> PyResult<VerifyRows> {
         let which = match names {
             None => None,
-            Some(ns) => Some(
-                ns.iter()
-                    .map(|n| {
-                        self.archive
-                            .records
-                            .iter()
-                            .position(|r| &r.name == n)
-                            .ok_or_else(|| {
+            Some(ns) => {
+                let index: std::collections::HashMap<&str, usize> = self
+                    .archive
+                    .records
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (r.name.as_str(), i))
+                    .collect();
+                Some(
+                    ns.iter()
+                        .map(|n| {
+                            index.get(n.as_str()).copied().ok_or_else(|| {
                                 PyKeyError::new_err(format!("no record {n:?} in the archive"))
                             })
-                    })
-                    .collect::<PyResult<Vec<usize>>>()?,
-            ),
+                        })
+                        .collect::<PyResult<Vec<usize>>>()?,
+                )
+            }
         };
         let engine = engine.inner.clone();
         let checks =

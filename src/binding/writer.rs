@@ -97,11 +97,13 @@ impl AtomicWriter {
     }
 }
 
-/// A record's bytes as Python hands them: a bytes object, or (address, nbytes, device).
+/// A record's bytes as Python hands them: (address, nbytes, device), or a
+/// bytes object. (Storages first: the variants are tried in order, and a
+/// failed try costs an exception object.)
 #[derive(FromPyObject)]
 enum RawBody<'py> {
-    Bytes(Bound<'py, PyBytes>),
     Memory((u64, u64, i32)),
+    Bytes(Bound<'py, PyBytes>),
 }
 
 fn writer_done() -> PyErr {

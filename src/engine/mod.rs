@@ -562,9 +562,9 @@ fn place_patches(out: &mut Plan, segments: &[Segment], patches: &[Patch]) -> Res
             Some((piece, c)) if count[p.seg] == 1 => {
                 let ch = &out.chunks[c];
                 let gathered = out.whole(ch).is_none();
-                let covered = out.pieces_of(ch).iter().any(|q| {
-                    q.seg != p.seg && q.file_offset <= p.at && end <= q.file_offset + q.len as u64
-                });
+                // A write's chunk is covered by its pieces end to end (runs
+                // of touching segments), and the patch is outside its own.
+                let covered = ch.file_offset <= p.at && end <= ch.file_offset + ch.len as u64;
                 (gathered && covered).then(|| {
                     (
                         c,

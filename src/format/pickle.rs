@@ -108,8 +108,8 @@ enum Item {
     Global(Global),
 }
 
-/// Memo entries a pickle may define: bounded, so a hostile index cannot
-/// make us allocate (memo is a map; this only bounds its size).
+/// Largest memo index a pickle may use: a hostile index cannot make us
+/// allocate more than this many entries (a pickle uses one per object).
 const MAX_MEMO: usize = 1 << 26;
 
 struct Reader<'a> {
@@ -164,7 +164,9 @@ impl<'a> Reader<'a> {
 struct Vm {
     values: Vec<Value>,
     stack: Vec<Item>,
-    memo: HashMap<u32, Item>,
+    /// Memo by index (pickles number them from 0; a sparse hostile index is
+    /// bounded by MAX_MEMO).
+    memo: Vec<Option<Item>>,
     storages: Vec<StorageRef>,
     by_key: HashMap<String, usize>,
 }
@@ -281,9 +283,10 @@ impl Vm {
     }
 
     fn reduce(&mut self, f: Global, args: usize) -> R<Value> {
-        let Value::Tuple(a) = self.values[args].clone() else {
+        let Value::Tuple(a) = &self.values[args] else {
             return no("REDUCE arguments are not a tuple");
         };
+        let a = a.as_slice();
         match f {
             Global::OrderedDict if a.is_empty() => Ok(Value::OrderedDict {
                 items: Vec::new(),
@@ -322,37 +325,42 @@ impl Vm {
     }
 
     fn persistent(&mut self, pid: usize) -> R<Value> {
-        let Value::Tuple(t) = self.values[pid].clone() else {
+        let Value::Tuple(t) = &self.values[pid] else {
             return no("a persistent id that is not a tuple");
         };
-        let [tag, _, key, location, numel] = t[..] else {
+        let [tag, class, key, location, numel] = t[..] else {
             return no("a persistent id of another length");
         };
-        if self.values[tag] != Value::Str("storage".into()) {
+        let (Value::Str(tag), Value::StorageClass(class), Value::Str(key), Value::Str(location)) = (
+            &self.values[tag],
+            &self.values[class],
+            &self.values[key],
+            &self.values[location],
+        ) else {
+            return no("a persistent id that is not (\"storage\", class, key, location, numel)");
+        };
+        if tag != "storage" {
             return no("a persistent id that is not a storage");
         }
-        let Value::StorageClass(class) = self.values[t[1]].clone() else {
-            return no("a storage without its class");
-        };
-        let (Value::Str(key), Value::Str(location)) =
-            (self.values[key].clone(), self.values[location].clone())
-        else {
-            return no("a storage key or location that is not a str");
-        };
         let numel = u64::try_from(self.int(numel)?).or_else(|_| no("negative numel"))?;
-        let r = StorageRef {
-            key: key.clone(),
-            class,
-            location,
-            numel,
-        };
-        let i = match self.by_key.get(&key) {
-            Some(&i) if self.storages[i] == r => i,
-            // One key read as two dtypes or sizes: torch's special cases.
-            Some(_) => return no(format!("storage {key} named twice differently")),
+        let i = match self.by_key.get(key.as_str()) {
+            Some(&i) => {
+                let r = &self.storages[i];
+                if (&r.class, &r.location, r.numel) != (class, location, numel) {
+                    // One key read as two dtypes or sizes: torch's special cases.
+                    return no(format!("storage {key} named twice differently"));
+                }
+                i
+            }
             None => {
+                let r = StorageRef {
+                    key: key.clone(),
+                    class: class.clone(),
+                    location: location.clone(),
+                    numel,
+                };
+                self.by_key.insert(key.clone(), self.storages.len());
                 self.storages.push(r);
-                self.by_key.insert(key, self.storages.len() - 1);
                 self.storages.len() - 1
             }
         };
@@ -378,7 +386,7 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
     let mut vm = Vm {
         values: Vec::new(),
         stack: Vec::new(),
-        memo: HashMap::new(),
+        memo: Vec::new(),
         storages: Vec::new(),
         by_key: HashMap::new(),
     };
@@ -434,10 +442,14 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
                 let Some(top) = vm.stack.last().cloned() else {
                     return no("memo of an empty stack");
                 };
-                if top == Item::Mark || vm.memo.len() >= MAX_MEMO {
-                    return no("memo of a mark, or too many memo entries");
+                let idx = idx as usize;
+                if top == Item::Mark || idx >= MAX_MEMO {
+                    return no("memo of a mark, or a memo index too large");
                 }
-                vm.memo.insert(idx, top);
+                if idx >= vm.memo.len() {
+                    vm.memo.resize(idx + 1, None);
+                }
+                vm.memo[idx] = Some(top);
             }
             b'h' | b'j' => {
                 let idx = if op == b'h' {
@@ -445,7 +457,7 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
                 } else {
                     r.u32()?
                 };
-                let Some(x) = vm.memo.get(&idx).cloned() else {
+                let Some(Some(x)) = vm.memo.get(idx as usize).cloned() else {
                     return no("memo index not defined");
                 };
                 vm.stack.push(x);

@@ -35,8 +35,12 @@ const ZIP64_EXTRA_ID: u16 = 0x0001;
 const SAT16: u16 = u16::MAX;
 /// A 32-bit field with this value lives in the ZIP64 records instead.
 const SAT32: u32 = u32::MAX;
-/// General-purpose flag bits 0 (encrypted) and 6 (strong encryption).
-const ENCRYPTED_FLAGS: u16 = 0x0041;
+/// General-purpose flag bits 0 (encrypted), 5 (patch data), 6 (strong
+/// encryption) and 13 (masked local headers): what miniz, torch's reader,
+/// refuses as "unsupported encryption".
+const ENCRYPTED_FLAGS: u16 = 0x2061;
+/// MS-DOS directory attribute in a record's external attributes.
+const DOS_DIRECTORY: u32 = 0x10;
 const METHOD_STORED: u16 = 0;
 
 /// One stored record of the archive.
@@ -441,6 +445,11 @@ fn parse_central_directory(
             return Err(bad(format!(
                 "record {name:?} is encrypted (flags {flags:#06x})"
             )));
+        }
+        // miniz's test for a directory (made by MS-DOS, torch's writer's host 0):
+        // torch cannot read such a record.
+        if name.ends_with('/') || (le16(h, 4) >> 8 == 0 && le32(h, 38) & DOS_DIRECTORY != 0) {
+            return Err(bad(format!("record {name:?} is marked as a directory")));
         }
         if method != METHOD_STORED {
             return Err(bad(format!(
