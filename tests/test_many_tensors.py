@@ -364,3 +364,91 @@ def test_many_small_cuda_tensors_round_trip(tmp_path, backend):
     got = ckptio.load(p, map_location="cuda", backend=backend, verify=True)
     same(sd, got)
     assert ckptio.verify(p).ok
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def test_many_small_tensors_through_safetensors_both_ways(tmp_path, monkeypatch):
+    import ckptio.safetensors as cst
+    import safetensors.torch as sft
+
+    g = torch.Generator().manual_seed(3)
+    sd = {f"m.{i}.w": torch.randn(1 + i % 70, generator=g) for i in range(20_000)}
+    sd["half"] = torch.ones(3, dtype=torch.float16)
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    cst.save_file(sd, ours, {"k": "v"})
+    sft.save_file(sd, theirs, {"k": "v"})
+    # headers as safetensors and ckptio write them are read natively
+    monkeypatch.setattr(cst, "_parse_header", lambda *a: pytest.fail("Python header reader"))
+    for got in (sft.load_file(ours), cst.load_file(ours), cst.load_file(theirs)):
+        assert got.keys() == sd.keys()
+        for k, v in sd.items():
+            assert torch.equal(got[k], v), k
+    assert cst.metadata(theirs) == {"k": "v"}
+
+
+header_values = st.recursive(
+    st.one_of(st.integers(-3, 40), st.text(max_size=4), st.none(), st.booleans(), st.floats(0, 2)),
+    lambda kids: st.one_of(st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=3), kids)),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    entries=st.lists(
+        st.tuples(
+            st.text(max_size=6),
+            st.sampled_from(["F32", "U8", "BF16", "F64", "F4", "X"]),
+            st.lists(st.integers(0, 4), max_size=3),
+            st.integers(-2, 3),
+            st.dictionaries(
+                st.sampled_from(["extra", "dtype", "shape"]), header_values, max_size=2
+            ),
+        ),
+        max_size=6,
+    ),
+    meta=st.one_of(st.none(), st.dictionaries(st.text(max_size=4), header_values, max_size=3)),
+    slack=st.integers(-2, 2),
+    dup=st.booleans(),
+)
+def test_the_native_header_reader_agrees_with_the_python_one(entries, meta, slack, dup):
+    """Where the native reader accepts a header, the Python validator returns the
+    same entries and metadata; where Python refuses, the native reader refuses."""
+    import json
+
+    from ckptio import _native
+    from ckptio import safetensors as cst
+
+    parts, at = [], 0
+    for name, dt, shape, skew, extra in entries:
+        size = cst.DTYPES[dt].itemsize if dt in cst.DTYPES else 4
+        n = size * (int(torch.tensor(shape).prod()) if shape else 1)
+        info = {
+            "dtype": dt,
+            "shape": shape,
+            "data_offsets": [at, at + n + (skew if skew < 0 else 0)],
+        }
+        info.update({k: v for k, v in extra.items()})
+        parts.append((name, info))
+        at += n + max(skew, 0)
+    body = [f"{json.dumps(k)}:{json.dumps(v)}" for k, v in parts]
+    if meta is not None:
+        body.append(f'"__metadata__":{json.dumps(meta)}')
+    if dup and parts:
+        body.append(f"{json.dumps(parts[0][0])}:{json.dumps(parts[0][1])}")
+    raw = ("{" + ",".join(body) + "}").encode()
+    data_len = max(at + slack, 0)
+    fast = _native.safetensors_header(raw, data_len, cst._ITEMSIZES)
+    try:
+        want = cst._parse_header(raw, data_len, "h")
+    except ckptio.FormatError:
+        assert fast is None
+        return
+    if fast is not None:
+        pairs, rows = fast
+        assert (None if pairs is None else dict(pairs)) == want[0]
+        assert [(n, cst.DTYPES[d], tuple(s), b, e) for n, d, s, b, e in rows] == [
+            tuple(e) for e in want[1]
+        ]

@@ -13,6 +13,7 @@ mod faults;
 mod pickled;
 mod probe;
 mod reader;
+mod safetensors;
 mod staging;
 mod writer;
 
@@ -31,6 +32,7 @@ use faults::{_clear_faults, _op_log, _record_ops, _set_fault};
 use pickled::{unpickle, StateDictPickler, Unpickled};
 use probe::info;
 use reader::{map_archive, Reader};
+use safetensors::safetensors_header;
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
 use writer::AtomicWriter;
 
@@ -137,8 +139,8 @@ mod _native {
     #[pymodule_export]
     use super::{
         _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, info, map_archive,
-        stage_copy, stage_device_copy, stage_pin, unpickle, AtomicWriter, BufferRegistration,
-        DeviceFile, Engine, HostPin, Reader, StateDictPickler, Unpickled,
+        safetensors_header, stage_copy, stage_device_copy, stage_pin, unpickle, AtomicWriter,
+        BufferRegistration, DeviceFile, Engine, HostPin, Reader, StateDictPickler, Unpickled,
     };
 
     use super::*;

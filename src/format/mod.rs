@@ -4,8 +4,10 @@
 //! - [`zipwrite`]: writes a torch.save archive with an alignment per record, in one engine pass.
 //! - [`integrity`]: the zip CRC-32 fields of files ckptio writes, and checking them.
 //! - [`pickle`]: reads the pickles torch.save writes for state dicts (a safe subset).
+//! - [`safetensors`]: reads and checks safetensors headers.
 
 pub mod integrity;
 pub mod pickle;
+pub mod safetensors;
 pub mod zipmap;
 pub mod zipwrite;
