@@ -15,6 +15,8 @@ __all__ = [
     "cufile_register_buffer",
     "info",
     "map_archive",
+    "map_archives",
+    "safetensors_header",
     "stage_copy",
     "stage_device_copy",
     "stage_pin",
@@ -86,6 +88,11 @@ class Engine:
     def pinned_bytes(self) -> int:
         """Pinned host memory held by the bounce buffers (bounded by threads x 2 x chunk)."""
 
+def map_archives(
+    addr: int, len: int, spans: list[tuple[int, int]]
+) -> list[tuple[int, int, list[tuple[str, int, int]]] | None]:
+    """Archives held in host memory: (data.pkl offset, size, [(key, offset, size)]) each."""
+
 def map_archive(path: _Path) -> list[tuple[str, int, int]]:
     """[(record name, data offset, size)] of a torch.save zip archive."""
 
@@ -119,9 +126,11 @@ class AtomicWriter:
         segments: list[_Segment],
         file_len: int | None = None,
         checksum: bool = False,
+        patches: list[tuple[int, int]] | None = None,
     ) -> dict[str, Any]:
         """Write (file offset, address, nbytes, device) ranges; preallocate ``file_len``;
-        with ``checksum``, "crc32" lists each segment's CRC-32 (None: not via host)."""
+        with ``checksum``, "crc32" lists each segment's CRC-32 (None: not via host);
+        ``patches``: (segment, file offset) where to store a segment's CRC-32."""
     def write_bytes(self, offset: int, data: bytes) -> None:
         """Write a small byte string (a header) at ``offset``."""
     def commit(self) -> None: ...
@@ -222,6 +231,11 @@ class Unpickled:
         """Make the object: ``rebuild_tensor(storage index, offset, size, stride,
         requires_grad, hooks)`` per tensor, ``rebuild_parameter(tensor, requires_grad,
         hooks)`` per Parameter."""
+
+def safetensors_header(
+    json: bytes, data_len: int, itemsizes: dict[str, int]
+) -> tuple[list[tuple[str, str]] | None, list[tuple[str, str, list[int], int, int]]] | None:
+    """A safetensors header read and checked natively; None: the Python reader must."""
 
 def unpickle(data: bytes) -> Unpickled | None:
     """Read a state-dict pickle natively; None where torch.load must read it."""

@@ -31,7 +31,7 @@ use errors::{BackendUnavailableError, CkptioError, CuFileError, CudaError, Forma
 use faults::{_clear_faults, _op_log, _record_ops, _set_fault};
 use pickled::{unpickle, StateDictPickler, Unpickled};
 use probe::info;
-use reader::{map_archive, Reader};
+use reader::{map_archive, map_archives, Reader};
 use safetensors::safetensors_header;
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
 use writer::AtomicWriter;
@@ -139,8 +139,9 @@ mod _native {
     #[pymodule_export]
     use super::{
         _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, info, map_archive,
-        safetensors_header, stage_copy, stage_device_copy, stage_pin, unpickle, AtomicWriter,
-        BufferRegistration, DeviceFile, Engine, HostPin, Reader, StateDictPickler, Unpickled,
+        map_archives, safetensors_header, stage_copy, stage_device_copy, stage_pin, unpickle,
+        AtomicWriter, BufferRegistration, DeviceFile, Engine, HostPin, Reader, StateDictPickler,
+        Unpickled,
     };
 
     use super::*;

@@ -8,6 +8,8 @@ use pyo3::prelude::*;
 use crate::format::safetensors;
 
 type Entries = Vec<(String, String, Vec<u64>, u64, u64)>;
+/// (metadata as [(key, value)] or None, entries)
+type Read = (Option<Vec<(String, String)>>, Entries);
 
 /// Read and check a safetensors header (the JSON after the length):
 /// (metadata as [(key, value)] or None, [(name, dtype, shape, begin, end)]
@@ -19,7 +21,7 @@ pub(super) fn safetensors_header(
     json: &[u8],
     data_len: u64,
     itemsizes: HashMap<String, u64>,
-) -> Option<(Option<Vec<(String, String)>>, Entries)> {
+) -> Option<Read> {
     let json = json.to_vec();
     py.detach(|| {
         let h = safetensors::parse_header(&json, data_len, |d| itemsizes.get(d).copied())?;

@@ -8,7 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::engine::{Memory, Segment};
+use crate::engine::{Memory, Patch, Segment};
 use crate::format::integrity;
 use crate::format::zipmap::{self, Archive};
 use crate::format::zipwrite::{self, Body, Entry};
@@ -38,13 +38,15 @@ pub struct AtomicWriter {
 }
 
 /// What a write plan yields: segments, the final file length, for zip records
-/// the archive with each segment's record index (so CRCs can be filled), and
-/// whether to hand each segment's CRC-32 back to the caller.
+/// the archive with each segment's record index (so CRCs can be filled),
+/// whether to hand each segment's CRC-32 back to the caller, and where to
+/// store segments' CRC-32s in the file.
 type Planned = (
     Vec<RawSegment>,
     Option<u64>,
     Option<(Archive, Vec<usize>)>,
     bool,
+    Vec<Patch>,
 );
 
 impl AtomicWriter {
@@ -68,7 +70,7 @@ impl AtomicWriter {
                 return Err(writer_done());
             };
             let path = st.atomic.tmp_path().to_path_buf();
-            let (raw, file_len, records, checksum) = plan(&st.io, &path)?;
+            let (raw, file_len, records, checksum, patches) = plan(&st.io, &path)?;
             if let Some(len) = file_len.filter(|_| engine.config().preallocate) {
                 st.io.preallocate(len)?;
             }
@@ -78,7 +80,13 @@ impl AtomicWriter {
             let crc = checksum || records.is_some();
             // SAFETY: the Python caller keeps each range alive and
             // unmodified for the duration of this call (documented contract).
-            let stats = unsafe { engine.write_via(&st.io, &segs, device, crc)? };
+            let stats = unsafe {
+                if patches.is_empty() {
+                    engine.write_via(&st.io, &segs, device, crc)?
+                } else {
+                    engine.write_patched(&st.io, &segs, &patches, device)?
+                }
+            };
             if let Some((a, index)) = records {
                 // Data records not written yet stay listed as unchecked (fill_crcs).
                 let crcs: Vec<(usize, Option<u32>)> =
@@ -194,7 +202,7 @@ impl AtomicWriter {
                 raw.push((r.data_offset, addr, nbytes, dev));
             }
             let len = a.file_len;
-            Ok((raw, Some(len), Some((a, index)), false))
+            Ok((raw, Some(len), Some((a, index)), false, Vec::new()))
         })
     }
 
@@ -269,10 +277,14 @@ impl AtomicWriter {
     /// engine preallocates) so that a full disk fails before any data moves.
     ///
     /// `checksum`: also return each segment's CRC-32 (`"crc32"`, None where
-    /// cuFile moved the bytes), computed in the I/O threads.
+    /// cuFile moved the bytes), computed in the I/O threads. `patches`:
+    /// [(segment index, file offset)]: store that segment's CRC-32 (4 bytes,
+    /// little-endian) at that offset, outside the segment (a zip data
+    /// descriptor or central directory entry), in the same I/O where the
+    /// engine can; nothing where cuFile moved the bytes.
     ///
     /// The caller keeps every range alive and unmodified until this returns.
-    #[pyo3(signature = (engine, segments, file_len=None, checksum=false))]
+    #[pyo3(signature = (engine, segments, file_len=None, checksum=false, patches=None))]
     fn write_segments<'py>(
         &self,
         py: Python<'py>,
@@ -280,8 +292,16 @@ impl AtomicWriter {
         segments: Vec<RawSegment>,
         file_len: Option<u64>,
         checksum: bool,
+        patches: Option<Vec<(usize, u64)>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        self.write_planned(py, engine, |_, _| Ok((segments, file_len, None, checksum)))
+        let patches: Vec<Patch> = patches
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(seg, at)| Patch { seg, at })
+            .collect();
+        self.write_planned(py, engine, |_, _| {
+            Ok((segments, file_len, None, checksum, patches))
+        })
     }
 
     /// Write a small byte string (a header) at `offset`.
