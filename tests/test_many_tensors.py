@@ -488,3 +488,64 @@ def test_dcp_items_of_many_small_tensors_both_ways(tmp_path):
 @pytest.mark.gpu
 def test_dcp_items_of_many_small_cuda_tensors(tmp_path):
     dcp_round_trip(tmp_path, "cuda")
+
+
+# --------------------------------------------------------------------------- stagers
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_stager_packs_many_small_storages_into_slabs(shared):
+    from ckptio.staging import DefaultStager, StagingOptions
+
+    g = torch.Generator().manual_seed(9)
+    model = {f"m.{i}.w": torch.randn(1 + i % 100, generator=g) for i in range(20_000)}
+    model["big"] = torch.randn(1 << 19, generator=g)  # 2 MiB: a buffer of its own
+    model["view"] = model["m.7.w"][2:]
+    sd = {"model": model, "step": 4}
+    fds = open_fds()
+    with DefaultStager(StagingOptions(use_shared_memory=shared)) as st:
+        for _ in range(2):  # the second staging reuses the first one's buffers
+            staged = st.stage(sd).result()
+            for k, v in model.items():
+                assert torch.equal(staged["model"][k], v), k
+            held = st.staged_bytes()
+            assert held == sum(
+                v.untyped_storage().nbytes() for k, v in model.items() if k != "view"
+            )
+            storages = {v.untyped_storage().data_ptr() for v in staged["model"].values()}
+            assert len(storages) <= 3  # the slab(s) and the big buffer
+            assert open_fds() - fds <= 4, "a descriptor per small storage"
+        # the view stays a view of its base's staged copy
+        assert staged["model"]["view"].data_ptr() == staged["model"]["m.7.w"].data_ptr() + 8
+        # a storage that leaves the state dict frees its slot; the slab stays while others live
+        del model["m.3.w"]
+        staged = st.stage(sd).result()
+        assert st.staged_bytes() == held - 4 * 4
+        assert torch.equal(staged["model"]["m.5.w"], model["m.5.w"])
+    del staged  # staged tensors keep their (shared) slab alive
+    assert open_fds() <= fds + 1
+
+
+def test_async_save_of_a_nested_dict_of_20k_small_tensors(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
+    from ckptio.staging import DefaultStager
+
+    model = {f"m.{i}.w": torch.full((1 + i % 50,), float(i)) for i in range(20_000)}
+    with DefaultStager() as stager:
+        r = dcp.async_save(
+            {"model": model},
+            storage_writer=FileSystemWriter(tmp_path / "c"),
+            async_stager=stager,
+            no_dist=True,
+        )
+        r.staging_completion.result()
+        r.upload_completion.result()
+    out = {"model": {k: torch.zeros_like(v) for k, v in model.items()}}
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path / "c"), no_dist=True)
+    for k, v in model.items():
+        assert torch.equal(out["model"][k], v), k
