@@ -247,14 +247,14 @@ def case(label: str, folder: str, size: int, full: bool, rounds: int, tmpfs: boo
         rec(
             f"ckptio.save ({backend})",
             t,
-            f"ran={rep.backend} gds_mode={rep.gds_mode} direct={rep.direct}",
+            f"ran={rep.device_path} gds_mode={rep.gds_mode} direct={rep.direct}",
         )
         bench.drop_cache(p)
         out = {}
         t = timed(lambda: out.update(x=ckptio.load(p, map_location="cuda", backend=backend)))
         rep = ckptio.last_report()
         ok = all(torch.equal(out["x"][k], v) for k, v in sd.items())
-        rec(f"ckptio.load ({backend}), cold", t, f"ran={rep.backend} ok={ok}")
+        rec(f"ckptio.load ({backend}), cold", t, f"ran={rep.device_path} ok={ok}")
         if tmpfs:
             out.clear()
             t = timed(lambda: out.update(x=ckptio.load(p, map_location="cuda", backend=backend)))

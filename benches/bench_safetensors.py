@@ -195,7 +195,7 @@ def main() -> None:
                 times.setdefault(name, []).append(time.perf_counter() - t0)
                 if name.startswith("ckptio"):
                     r = ckptio.last_report()
-                    reports[name] = f"backend={r.backend} direct={r.direct} threads={r.threads}"
+                    reports[name] = f"ran={r.device_path} direct={r.direct} threads={r.threads}"
                 del out
         for k, v in reports.items():
             print(f"# {k}: {v}")

@@ -47,7 +47,7 @@ def buffers(n: int, each: int, kind: str) -> list[tuple[object, object]]:
                 mm.madvise(mmap.MADV_HUGEPAGE)
             st = torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()
             keep = (mm, st)
-        out.append((keep, _native.HostPin(st.data_ptr(), each, pin=True, chunk_size=64 << 20)))
+        out.append((keep, _native.HostPin(st, st.data_ptr(), each, pin=True, chunk_size=64 << 20)))
     return out
 
 
@@ -65,7 +65,7 @@ def main() -> None:
     def copy(bufs: list) -> float:
         jobs = [(s.data_ptr(), 0, p, 0, each) for s, (_, p) in zip(src, bufs, strict=True)]
         t0 = time.perf_counter()
-        _native.stage_copy(jobs, threads=a.threads)
+        _native.stage_copy(jobs, src, threads=a.threads)
         return time.perf_counter() - t0
 
     def rate(t: float) -> str:
@@ -96,7 +96,7 @@ def main() -> None:
     mm = mmap.mmap(-1, size)
     mm.madvise(mmap.MADV_HUGEPAGE)
     slab = torch.frombuffer(mm, dtype=torch.uint8)
-    pin = _native.HostPin(slab.data_ptr(), size, pin=True)
+    pin = _native.HostPin(slab, slab.data_ptr(), size, pin=True)
     t0 = time.perf_counter()
     _native.stage_pin([pin], a.threads)
     tp = time.perf_counter() - t0

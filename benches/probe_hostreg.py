@@ -358,16 +358,16 @@ def _time_engine_reads() -> list[float]:
     from ckptio import _native
 
     io = [0.0]
-    read_into = _native.Reader.read_into
+    read_segments = _native.Reader.read_segments
 
     def timed(self, *args, **kw):  # type: ignore[no-untyped-def]
         t = time.perf_counter()
         try:
-            return read_into(self, *args, **kw)
+            return read_segments(self, *args, **kw)
         finally:
             io[0] = time.perf_counter() - t
 
-    _native.Reader.read_into = timed  # type: ignore[method-assign]
+    _native.Reader.read_segments = timed  # type: ignore[method-assign]
     return io
 
 
@@ -392,8 +392,8 @@ def shm_loads(n: int) -> None:
             del out
             print(
                 f"  ckptio.load shm threads={threads} chunk={chunk}: {dt:.3f} s "
-                f"{n / 2**30 / dt:.1f} GiB/s, io {io[0]:.3f} s ({ckptio.last_report().backend}, "
-                f"{ckptio.last_report().threads} threads)",
+                f"{n / 2**30 / dt:.1f} GiB/s, io {io[0]:.3f} s "
+                f"({ckptio.last_report().device_path}, {ckptio.last_report().threads} threads)",
                 flush=True,
             )
         torch.cuda.empty_cache()  # the next config allocates afresh, as a new process would
@@ -482,7 +482,7 @@ def backends(n: int, reps: int = 2) -> None:
                 t = time.perf_counter() - t0
                 rep = ckptio.last_report()
                 print(
-                    f"  backend={backend or 'auto'} ran={rep.backend} ({rep.gds_mode}) "
+                    f"  backend={backend or 'auto'} ran={rep.device_path} ({rep.gds_mode}) "
                     f"cache={cache}: {t:.3f} s {n / 2**30 / t:.1f} GiB/s",
                     flush=True,
                 )

@@ -45,15 +45,15 @@ KNOBS = {
 
 
 class _Timed:
-    """The reader, its read_into timed."""
+    """The reader, its read_segments timed."""
 
     def __init__(self, reader, phases: dict[str, float]) -> None:
         self._r, self._phases = reader, phases
 
-    def read_into(self, *a, **k):
+    def read_segments(self, *a, **k):
         t0 = time.perf_counter()
         try:
-            return self._r.read_into(*a, **k)
+            return self._r.read_segments(*a, **k)
         finally:
             self._phases["read"] += time.perf_counter() - t0
 
@@ -64,7 +64,7 @@ class _Timed:
 def timed_load(path: str, device: str, **kw) -> dict[str, float]:
     """One cold load: seconds by phase and in all."""
     phases: dict[str, float] = collections.defaultdict(float)
-    real_open, real_load, real_sync = S._open, torch.load, S._sync_cuda
+    real_open, real_load = S._open, torch.load
 
     def timing(name, fn, wrap=lambda r: r):
         def inner(*a, **k):
@@ -80,7 +80,6 @@ def timed_load(path: str, device: str, **kw) -> dict[str, float]:
     bench.drop_cache(path)
     S._open = timing("open", real_open, lambda r: _Timed(r, phases))
     torch.load = timing("unpickle", real_load)
-    S._sync_cuda = timing("sync", real_sync)
     try:
         sync()
         t0 = time.perf_counter()
@@ -88,7 +87,7 @@ def timed_load(path: str, device: str, **kw) -> dict[str, float]:
         sync()
         phases["total"] = time.perf_counter() - t0
     finally:
-        S._open, torch.load, S._sync_cuda = real_open, real_load, real_sync
+        S._open, torch.load = real_open, real_load
     del out
     return dict(phases)
 
@@ -154,7 +153,7 @@ def case(size: int, folder: str, rounds: int, device: str, knobs: list[str]) -> 
             for knob in knobs:
                 res[f"ckptio.load {knob}"].append(timed_load(path, device, **KNOBS[knob]))
                 rep = ckptio.last_report()
-                notes[f"ckptio.load {knob}"] = f"ran={rep.backend} direct={rep.direct}"
+                notes[f"ckptio.load {knob}"] = f"ran={rep.device_path} direct={rep.direct}"
         for name, runs in res.items():
             tot = [r["total"] for r in runs]
             line = speed(name, tot, nbytes, 28)
@@ -165,7 +164,7 @@ def case(size: int, folder: str, rounds: int, device: str, knobs: list[str]) -> 
                 raws = zip(*(res[k] for k in RAW_R), strict=True)
                 best = [min(r["total"] for r in rs) for rs in raws]
                 line += f"  paired {paired(best, tot):.2f}x best raw read"
-                for ph in ("open", "unpickle", "sync", "read"):
+                for ph in ("open", "unpickle", "read"):
                     line += f"  {ph} {statistics.median(r.get(ph, 0.0) for r in runs):.3f}"
                 line += "  " + notes[name]
             print(line, flush=True)

@@ -26,7 +26,7 @@ torch.cuda.synchronize(); t0 = time.perf_counter(); out = ckptio.load(p, map_loc
 torch.cuda.synchronize(); rs = time.perf_counter() - t0
 r = ckptio.last_report()
 os.unlink(p)
-print(f"save {n / 2**30 / ws:6.2f} GiB/s  load {n / 2**30 / rs:6.2f} GiB/s  backend={r.backend}")
+print(f"save {n / 2**30 / ws:6.2f} GiB/s  load {n / 2**30 / rs:6.2f} GiB/s  ran={r.device_path}")
 """
 
 

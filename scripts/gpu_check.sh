@@ -5,6 +5,7 @@
 #   scripts/gpu_check.sh tests   # the suite without the udev entry (fallback), then
 #                                # the GPU tests with it (cuFile compat for real)
 #   scripts/gpu_check.sh gpu     # only tests/test_gpu.py, without then with the udev entry
+#   scripts/gpu_check.sh soundness # tests/test_soundness.py, without then with the udev entry
 #   scripts/gpu_check.sh tune    # benches/tune_gpu.py: threads/chunk/preallocation sweep
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
 #   scripts/gpu_check.sh dcp     # staging/DCP tests (CPU and GPU), then benches/bench_dcp.py
@@ -15,6 +16,8 @@
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
 #   scripts/gpu_check.sh staging # benches/bench_staging.py: first host staging by kind of memory
+#   scripts/gpu_check.sh zstd    # fidelity tests (CPU and GPU), then benches/bench_dcp_zstd.py:
+#                                # DCP + ZStandard, ckptio (Rust, all cores) vs torch (ZSTD_SIZE)
 #   scripts/gpu_check.sh profile # benches/profile_disk.py: saves and cold loads (by phase) by knob,
 #                                # paired by round with the raw writes and reads (PROFILE_ARGS)
 # Several modes run in turn: scripts/gpu_check.sh tests staging
@@ -48,8 +51,19 @@ tests)
     udev_on
     echo "=== info with the udev entry"; $PY -m ckptio info /tmp
     echo "=== phase 2: GPU tests, udev entry present: cuFile (compat mode) for real"
-    CKPTIO_EXPECT_BACKEND=cufile $PY -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cufile.log" | tail -15
+    CKPTIO_EXPECT_BACKEND=cufile $PY -m pytest tests/test_gpu.py tests/test_soundness.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cufile.log" | tail -15
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    ;;
+soundness)
+    # Stream order, owners, pinned memory, cuFile's log (tests/test_soundness.py), on the
+    # bounce pipeline (no udev entry) then on cuFile (with it); pinned memory held after.
+    udev_off
+    $PY -m pytest tests/test_soundness.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_soundness_bounce.log" | tail -8
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    udev_on
+    $PY -m pytest tests/test_soundness.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_soundness_cufile.log" | tail -8
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    echo "=== cufile.log files left in the repo root: $(ls cufile.log 2>/dev/null | wc -l)"
     ;;
 gpu)
     # Only the GPU tests, both ways (a short re-check after a change).
@@ -95,6 +109,11 @@ stbench)
     ;;
 staging)
     $PY benches/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
+    ;;
+zstd)
+    # .whl/ must hold the zstandard wheel (torch's ZStandard extension needs it)
+    $PY -m pytest tests/test_dcp_fidelity.py tests/test_fidelity.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fidelity.log" | tail -4
+    $PY benches/bench_dcp_zstd.py --size ${ZSTD_SIZE:-2G} --repeat 3 2>&1 | tee "$OUT/bench_dcp_zstd.log" || rc=1
     ;;
 profile)
     udev_on  # --knobs cufile needs it; "posix" forces the bounce pipeline

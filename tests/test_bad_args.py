@@ -59,7 +59,7 @@ def test_gdsfile_misaligned_offsets_and_sizes_roundtrip_and_short_file_is_an_err
         (dict(threads="8"), TypeError, "threads must be an int, not str"),
         (dict(threads=True), TypeError, "threads must be an int, not bool"),
         (dict(chunk_size=1.5), TypeError, "chunk_size must be an int, not float"),
-        (dict(backend="bogus"), ValueError, "backend must be auto, cufile or posix"),
+        (dict(backend="bogus"), ValueError, "backend must be auto, cufile or bounce"),
         (dict(backend=3), TypeError, "backend"),
     ],
     ids=lambda x: str(x),
@@ -89,9 +89,9 @@ def test_storage_too_small_for_its_record_names_the_record(tmp_path):
     small = torch.ones(10).untyped_storage()
     engine = _native.Engine()
     with pytest.raises(ckptio.FormatError, match=r"data/0.*400 bytes.*storage 0 has 40"):
-        w.write_storages(engine, [("0", small.data_ptr(), small.nbytes(), -1)])
+        w.write_storages(engine, [("0", small.data_ptr(), small.nbytes(), -1)], [small], [])
     with pytest.raises(ckptio.FormatError, match="no record for storage 7"):
-        w.write_storages(engine, [("7", small.data_ptr(), small.nbytes(), -1)])
+        w.write_storages(engine, [("7", small.data_ptr(), small.nbytes(), -1)], [small], [])
     w.abort()
     assert not p.exists() and os.listdir(tmp_path) == []
 
@@ -104,7 +104,7 @@ def test_finished_writer_refuses_further_use(tmp_path):
             torch.save({"a": torch.ones(1)}, fh)
         getattr(w, finish)()
         with pytest.raises(ValueError, match="already committed or aborted"):
-            w.write_storages(_native.Engine(), [])
+            w.write_storages(_native.Engine(), [], [], [])
         with pytest.raises(ValueError, match="already committed or aborted"):
             w.commit()
         w.abort()  # idempotent
@@ -133,7 +133,7 @@ def test_reader_bad_record_names_and_fault_points(tmp_path):
 def test_stage_device_copy_checks_ranges_before_the_driver(device, copies, match):
     """Bad device-copy jobs are a ValueError naming the job, checked before CUDA is touched."""
     with pytest.raises(ValueError, match=match):
-        _native.stage_device_copy(device, 0, copies)
+        _native.stage_device_copy(device, 0, copies, [])
 
 
 def test_engine_threads_for_files_in_memory(monkeypatch):

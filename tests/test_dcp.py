@@ -643,7 +643,9 @@ def test_one_writer_used_from_two_threads_does_not_deadlock(tmp_path):
     t = threading.Thread(target=small_writes)
     t.start()
     for _ in range(20):
-        w.write_segments(_engine(2, 1 << 16, "off"), [(0, data.data_ptr(), data.numel(), -1)])
+        w.write_segments(
+            _engine(2, 1 << 16, "off"), [(0, data.data_ptr(), data.numel(), -1)], [data], []
+        )
     t.join(timeout=60)
     assert not t.is_alive() and not errors
     w.commit()

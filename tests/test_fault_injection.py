@@ -280,10 +280,11 @@ def test_sigkill_at_random_moments_of_a_2gib_save(tmp_path):
 # --------------------------------------------------------------------------- concurrency
 
 RACE_SCRIPT = """
-import time
-target, value, rounds, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+import os, time
+target, value, rounds, sync = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 obj = {"who": torch.tensor(value), "w": torch.full((4 * 2**20,), value, dtype=torch.int32)}
-while time.time() < start:
+open(f"{sync}/ready-{value}", "w").close()
+while not os.path.exists(f"{sync}/go"):
     time.sleep(0.001)
 for _ in range(rounds):
     ckptio.save(obj, target)
@@ -291,10 +292,14 @@ print(json.dumps({"ok": True}))
 """
 
 LOAD_SCRIPT = """
-import time
-target, until = sys.argv[1], float(sys.argv[2])
+import os, time
+target, sync = sys.argv[1], sys.argv[2]
 seen, torn = {}, []
-while time.time() < until:
+open(f"{sync}/ready-reader", "w").close()
+while not os.path.exists(f"{sync}/go"):
+    time.sleep(0.001)
+# Loads go on until the writers are done, and at least a few more after.
+while not os.path.exists(f"{sync}/stop") or sum(seen.values()) < 6:
     try:
         d = ckptio.load(target)
     except FileNotFoundError:
@@ -314,29 +319,30 @@ def test_two_writers_and_a_reader_on_one_path(tmp_path):
     checkpoint, whole; no temp file is left."""
     target = tmp_path / "ckpt.pt"
     ckptio.save({"who": torch.tensor(0), "w": torch.zeros(4 * 2**20, dtype=torch.int32)}, target)
-    start = time.time() + 3
+    # The three children start together once all have imported torch (a fixed
+    # start time failed on a loaded machine, where imports took longer).
+    sync = tmp_path / "sync"
+    sync.mkdir()
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                CHILD_PRELUDE + RACE_SCRIPT,
-                str(target),
-                str(v),
-                "15",
-                str(start),
-            ],
+            [sys.executable, "-c", CHILD_PRELUDE + RACE_SCRIPT]
+            + [str(target), str(v), "15", str(sync)],
             stdout=subprocess.PIPE,
             text=True,
         )
         for v in (1, 2)
     ]
     reader = subprocess.Popen(
-        [sys.executable, "-c", CHILD_PRELUDE + LOAD_SCRIPT, str(target), str(start + 4)],
+        [sys.executable, "-c", CHILD_PRELUDE + LOAD_SCRIPT, str(target), str(sync)],
         stdout=subprocess.PIPE,
         text=True,
     )
+    deadline = time.time() + 120
+    while len(list(sync.glob("ready-*"))) < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    (sync / "go").touch()
     outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    (sync / "stop").touch()
     assert all(o["ok"] for o in outs)
     r = json.loads(reader.communicate(timeout=120)[0].strip().splitlines()[-1])
     assert r["torn"] == [], r

@@ -886,7 +886,8 @@ def test_disk_full_is_enospc_and_keeps_previous(small_fs):
     except ckptio.CkptioError as e:
         pytest.skip(f"O_DIRECT unavailable on {kind}: {e}")
     if kind != "tmpfs":
-        assert ckptio.save({"x": torch.ones(1024)}, mnt / "probe.pt", direct="on").direct
+        ckptio.save({"x": torch.ones(1024)}, mnt / "probe.pt", direct="on")
+        assert ckptio.last_report().direct
         os.remove(mnt / "probe.pt")
     with pytest.raises(OSError) as ei:
         ckptio.save({"big": torch.ones(4 * MIB)}, prev.path, direct=direct)
@@ -1030,7 +1031,10 @@ def test_sigkill_mid_save_keeps_previous_and_next_save_cleans_up(tmp_path):
 @pytest.mark.parametrize("fn", ["save", "load", "records"])
 @pytest.mark.parametrize("f", [123, io.BytesIO(), None], ids=["int", "BytesIO", "None"])
 def test_non_path_argument_is_typeerror(tmp_path, fn, f):
-    """A file argument that is not a path raises TypeError naming the argument and its type."""
+    """A file argument that is not a path raises TypeError naming the argument and its type
+    (save and load take file objects, as torch does: tests/test_fidelity.py)."""
+    if fn != "records" and isinstance(f, io.BytesIO):
+        pytest.skip("save and load take file objects")
     call = (
         (lambda: ckptio.save({"x": torch.ones(2)}, f))
         if fn == "save"

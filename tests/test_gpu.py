@@ -53,24 +53,25 @@ def bits_equal(a, b):
 def check_backend(rep):
     assert rep is not None
     if EXPECT:
-        assert rep.backend == EXPECT, rep
-    if rep.backend == "cufile":
+        assert rep.device_path == EXPECT, rep
+    if rep.device_path == "cufile":
         assert rep.gds_mode in ("p2p", "compat")
-    if rep.backend == "bounce":
-        assert rep.fallback_reason or os.environ.get("CKPTIO_BACKEND") == "posix"
+    if rep.device_path == "bounce":
+        assert rep.fallback_reason or rep.backend == "bounce"
 
 
-@pytest.mark.parametrize("backend", [None, "posix"])
+@pytest.mark.parametrize("backend", [None, "bounce", "posix"])
 def test_gpu_state_dict_all_dtypes(tmp_path, backend):
     sd = {str(d): rand((33, 65), d) for d in DTYPES}
     sd["scalar"] = torch.tensor(3.5, device="cuda")
     sd["empty"] = torch.empty(0, 7, device="cuda")
     p = tmp_path / "gpu.pt"
-    rep = ckptio.save(sd, p, backend=backend)
+    assert ckptio.save(sd, p, backend=backend) is None
+    rep = ckptio.last_report()
     if backend is None:
         check_backend(rep)
-    else:
-        assert rep.backend == "bounce"
+    else:  # "posix" is the older name of "bounce"
+        assert (rep.backend, rep.device_path) == ("bounce", "bounce")
     out = ckptio.load(p, map_location="cuda", backend=backend)
     if backend is None:
         check_backend(ckptio.last_report())
@@ -256,7 +257,7 @@ def test_gdsfile_api(tmp_path):
     p = str(tmp_path / "raw.bin")
     f = ckptio.GdsFile(p, os.O_CREAT | os.O_RDWR)
     if EXPECT:
-        assert f.backend == EXPECT, (f.backend, f.fallback_reason)
+        assert f.device_path == EXPECT, (f.device_path, f.fallback_reason)
     a = rand((1 << 20,), torch.float32)
     ckptio.gds_register_buffer(a.untyped_storage())
     f.save_storage(a.untyped_storage(), 4096)
@@ -270,7 +271,7 @@ def test_gdsfile_api(tmp_path):
     assert torch.equal(odd, a_bytes[13:1013])
     ckptio.gds_deregister_buffer(a.untyped_storage())
     f.deregister_handle()
-    assert f.backend is None
+    assert f.device_path is None and f.backend == "auto"
     c = torch.empty_like(a)
     f.load_storage(c.untyped_storage(), 4096)  # still works without a handle (bounce)
     assert torch.equal(a, c)
@@ -292,8 +293,9 @@ def test_forced_cufile(tmp_path):
         with pytest.raises((ckptio.CuFileError, ckptio.BackendUnavailableError)):
             ckptio.GdsFile(str(p), os.O_RDWR, backend="cufile")
     elif EXPECT == "cufile":
-        rep = ckptio.save(sd, p, backend="cufile")
-        assert rep.backend == "cufile" and rep.gds_mode in ("compat", "p2p")
+        assert ckptio.save(sd, p, backend="cufile") is None
+        rep = ckptio.last_report()
+        assert rep.device_path == "cufile" and rep.gds_mode in ("compat", "p2p")
         assert torch.equal(ckptio.load(p, backend="cufile")["x"], sd["x"])
     else:
         pytest.skip("CKPTIO_EXPECT_BACKEND not set")

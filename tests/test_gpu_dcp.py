@@ -191,7 +191,7 @@ def test_cuda_sync_save_from_device(tmp_path):
     sd = cuda_state()
     w = FileSystemWriter(tmp_path)
     dcp.save(sd, storage_writer=w, no_dist=True)
-    assert w.last_stats[0]["backend"] in ("bounce", "cufile")
+    assert w.last_stats[0]["device_path"] in ("bounce", "cufile")
     out = {"w": torch.zeros_like(sd["w"], device="cpu"), "t": torch.zeros(200, 300)}
     dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
     assert torch.equal(out["w"], sd["w"].cpu()) and torch.equal(out["t"], sd["t"].cpu())

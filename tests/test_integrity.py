@@ -258,12 +258,13 @@ def test_bounce_path_fills_and_checks_crcs(tmp_path):
     pinned slot); load(verify=True) into CUDA checks them on the slot and catches a flipped bit."""
     p = tmp_path / "g.pt"
     obj = gpu_state()
-    ckptio.save(obj, p, backend="posix", chunk_size=2**20)
+    ckptio.save(obj, p, backend="bounce", chunk_size=2**20)
     with zipfile.ZipFile(p) as z:
         assert z.testzip() is None and z.comment == b"ckptio:crc32"
     assert ckptio.verify(p).ok and not ckptio.verify(p).unchecked
     got = ckptio.load(p, map_location="cuda", verify=True, backend="posix", chunk_size=2**20)
-    assert ckptio.last_report().backend == "bounce" and ckptio.last_report().unchecked == ()
+    rep = ckptio.last_report()
+    assert (rep.backend, rep.device_path, rep.unchecked) == ("bounce", "bounce", ())
     assert_same(got, {k: v.cuda() for k, v in obj.items()})
     off, size, _ = next(v for k, v in records_of(p).items() if k.endswith("/data/0"))
     flip(p, off + size - 3)
@@ -278,10 +279,11 @@ def test_cufile_records_are_marked_unchecked_not_wrong(tmp_path):
     p = tmp_path / "g.pt"
     obj = gpu_state()
     try:
-        rep = ckptio.save(obj, p, backend="cufile")
+        assert ckptio.save(obj, p, backend="cufile") is None
+        rep = ckptio.last_report()
     except (ckptio.BackendUnavailableError, ckptio.CuFileError) as e:
         pytest.skip(f"cuFile unavailable: {e}")
-    assert rep.backend == "cufile"
+    assert rep.device_path == "cufile"
     with zipfile.ZipFile(p) as z:
         assert z.comment.startswith(b"ckptio:crc32 unchecked=")
     v = ckptio.verify(p)
@@ -290,7 +292,7 @@ def test_cufile_records_are_marked_unchecked_not_wrong(tmp_path):
     # Every record loaded to the GPU by cuFile skips the host, so the load cannot
     # check it: the ones cuFile wrote, and the host-saved one mapped to cuda here.
     rep = ckptio.last_report()
-    assert rep.backend == "cufile"
+    assert (rep.backend, rep.device_path) == ("cufile", "cufile")
     assert {r.name for r in v.unchecked} <= set(rep.unchecked) <= set(records_of(p))
     assert_same(got, {k: v.cuda() for k, v in obj.items()})
     assert_same(torch.load(p, weights_only=True, map_location="cuda"), got)
@@ -310,10 +312,10 @@ def test_storages_written_in_two_calls_get_all_their_crcs(tmp_path):
     ):
         torch.save({"a": a, "b": b}, fh)
     engine = _native.Engine()
-    w.write_storages(engine, [("0", a.data_ptr(), a.nbytes, -1)])
+    w.write_storages(engine, [("0", a.data_ptr(), a.nbytes, -1)], [a], [])
     with zipfile.ZipFile(w.tmp_path) as z:
         assert z.comment == b"ckptio:crc32 unchecked=1"
-    w.write_storages(engine, [("1", b.data_ptr(), b.nbytes, -1)])
+    w.write_storages(engine, [("1", b.data_ptr(), b.nbytes, -1)], [b], [])
     w.commit()
     with zipfile.ZipFile(p) as z:
         assert z.comment == b"ckptio:crc32" and z.testzip() is None

@@ -85,7 +85,7 @@ def test_soak_cpu_200_saves_and_loads_stay_flat(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["posix", "auto"])
+@pytest.mark.parametrize("backend", ["bounce", "auto"])
 def test_soak_gpu_200_saves_and_loads_stay_flat(tmp_path, backend):
     def cuda() -> dict[str, int]:
         torch.cuda.synchronize()
@@ -95,6 +95,6 @@ def test_soak_gpu_200_saves_and_loads_stay_flat(tmp_path, backend):
         }
 
     samples = soak(tmp_path / "ckpt.pt", "cuda", cuda, backend=backend)
-    if backend == "posix":
+    if backend == "bounce":
         assert samples[-1]["pinned"] > 0, "the bounce pipeline was not used"
     print("\n" + assert_flat(samples, rss_slack=64 * MIB))

@@ -6,18 +6,27 @@ memory, and the file replaced atomically (temp file, fsync, rename, fsync of
 the folder). ``ckptio.load`` reads any torch.save zip checkpoint, bytes read
 in parallel straight into the destination storages. ``ckptio.safetensors`` does
 the same for safetensors files (``save_file``/``load_file``, sharded checkpoints).
+
+Each function that replaces a peer's (torch.save, torch.load,
+safetensors.torch.*, DCP's FileSystemWriter/Reader) takes the peer's
+arguments with their meaning and returns what the peer returns; ckptio's own
+knobs are keyword-only. How a save or load ran is ``ckptio.last_report()``.
+Errors: ``ckptio.CkptioError`` (a RuntimeError, as torch.load's are) and its
+subclasses, OSError for the operating system's. See docs/api-conventions.md.
 """
 
+# Before anything loads libcufile: its log goes to ckptio's cache folder.
+from ckptio import _cufile  # noqa: F401  (isort: skip)
 from ckptio import safetensors
 from ckptio._native import (
     BackendUnavailableError,
     CkptioError,
     CudaError,
     CuFileError,
-    Engine,
     FormatError,
 )
 from ckptio._native import __version__ as __version__
+from ckptio._transfer import release_buffers
 from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
 from ckptio.integrity import RecordCheck, VerifyReport, verify
 from ckptio.serialization import (
@@ -37,6 +46,7 @@ __all__ = [
     "records",
     "verify",
     "last_report",
+    "release_buffers",
     "info",
     "safetensors",
     "GdsFile",
@@ -47,7 +57,6 @@ __all__ = [
     "TensorInfo",
     "VerifyReport",
     "RecordCheck",
-    "Engine",
     "CkptioError",
     "FormatError",
     "BackendUnavailableError",

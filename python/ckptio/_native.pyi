@@ -13,10 +13,13 @@ __all__ = [
     "_record_ops",
     "_set_fault",
     "cufile_register_buffer",
+    "env_threads",
     "info",
     "map_archive",
     "map_archives",
     "safetensors_header",
+    "pinned_memory",
+    "release_buffers",
     "stage_copy",
     "stage_device_copy",
     "stage_pin",
@@ -55,13 +58,20 @@ class CuFileError(CkptioError):
 _Path = str | os.PathLike[str]
 # (file offset, address, nbytes, device); device -1 is host memory
 _Segment = tuple[int, int, int, int]
+# (device, raw CUstream, e.g. torch.cuda.current_stream(d).cuda_stream): device memory
+# is touched only after the work queued there before the call (0: the legacy stream)
+_Streams = list[tuple[int, int]]
+# Objects owning the memory behind a call's addresses (storages, tensors): held until
+# the call returns, so no other thread can free that memory meanwhile
+_Owners = list[Any]
 
 @final
 class Engine:
     """A pool of I/O threads and its reusable staging and pinned buffers.
 
     Defaults: CKPTIO_THREADS, CKPTIO_CHUNK_SIZE ("16M"), CKPTIO_DIRECT (auto|on|off),
-    CKPTIO_PREALLOCATE (1|0); for files on tmpfs CKPTIO_MEMORY_THREADS and
+    CKPTIO_PREALLOCATE (1|0), CKPTIO_IDLE_RELEASE (seconds an idle thread's buffers
+    are kept, default 60, or "off"); for files on tmpfs CKPTIO_MEMORY_THREADS and
     CKPTIO_MEMORY_CHUNK_SIZE ("4M"). ``threads`` and ``chunk_size`` set both kinds;
     ``memory_threads`` then sets the tmpfs one.
     """
@@ -72,6 +82,7 @@ class Engine:
         chunk_size: int | None = None,
         direct: str | None = None,
         memory_threads: int | None = None,
+        idle_release: float | None = None,
     ) -> Self: ...
     @property
     def threads(self) -> int: ...
@@ -83,10 +94,25 @@ class Engine:
     def memory_chunk_size(self) -> int: ...
     @property
     def direct(self) -> str: ...
+    @property
+    def idle_release(self) -> float | None: ...
     def pooled_bytes(self) -> int:
-        """Host memory held by the reusable staging buffers."""
+        """Host memory held by the idle staging buffers."""
     def pinned_bytes(self) -> int:
-        """Pinned host memory held by the bounce buffers (bounded by threads x 2 x chunk)."""
+        """Pinned host memory held by the idle bounce buffers (bounded by threads x 2 x chunk)."""
+    def release_buffers(self) -> int:
+        """Give back the idle buffers' memory (the engine stays usable); returns the bytes."""
+    def close(self) -> int:
+        """release_buffers, and keep no buffers between transfers from now on."""
+
+def release_buffers() -> int:
+    """Give back the idle buffers of every engine in the process; returns the bytes."""
+
+def pinned_memory() -> dict[str, Any]:
+    """{"held": bytes ckptio has pinned now, "limit": the cap (CKPTIO_PINNED_LIMIT)}."""
+
+def env_threads() -> int | None:
+    """CKPTIO_THREADS as the engine reads it (ValueError when malformed), None where unset."""
 
 def map_archives(
     addr: int, len: int, spans: list[tuple[int, int]]
@@ -109,7 +135,11 @@ class AtomicWriter:
     @property
     def target(self) -> str: ...
     def write_storages(
-        self, engine: Engine, storages: list[tuple[str, int, int, int]]
+        self,
+        engine: Engine,
+        storages: list[tuple[str, int, int, int]],
+        owners: _Owners,
+        streams: _Streams,
     ) -> dict[str, Any]:
         """Write (key, address, nbytes, device) storages into records ``<prefix>/data/<key>``."""
     def write_archive(
@@ -117,6 +147,8 @@ class AtomicWriter:
         engine: Engine,
         entries: list[tuple[str, bytes | tuple[int, int, int], int]],
         prefix: str,
+        owners: _Owners,
+        streams: _Streams,
     ) -> dict[str, Any]:
         """Write a whole torch.save archive: (record name, bytes or (address, nbytes,
         device), alignment) in file order, headers and data in one engine pass."""
@@ -124,6 +156,8 @@ class AtomicWriter:
         self,
         engine: Engine,
         segments: list[_Segment],
+        owners: _Owners,
+        streams: _Streams,
         file_len: int | None = None,
         checksum: bool = False,
         patches: list[tuple[int, int]] | None = None,
@@ -131,6 +165,16 @@ class AtomicWriter:
         """Write (file offset, address, nbytes, device) ranges; preallocate ``file_len``;
         with ``checksum``, "crc32" lists each segment's CRC-32 (None: not via host);
         ``patches``: (segment, file offset) where to store a segment's CRC-32."""
+    def write_zstd(
+        self,
+        engine: Engine,
+        start: int,
+        items: list[tuple[bytes, int, int, bytes, list[int]]],
+        owners: _Owners,
+        level: int = 3,
+    ) -> list[tuple[int, int]]:
+        """Each (head, address, nbytes, tail, CRC-32 offsets in tail) as one zstd frame,
+        written back to back from ``start``: [(offset, length)]; ``owners`` held meanwhile."""
     def write_bytes(self, offset: int, data: bytes) -> None:
         """Write a small byte string (a header) at ``offset``."""
     def commit(self) -> None: ...
@@ -150,8 +194,13 @@ class Reader:
     def direct(self) -> bool: ...
     def fileno(self) -> int: ...
     def read_record(self, name: str) -> bytes: ...
-    def read_into(
-        self, engine: Engine, segments: list[_Segment], verify: bool = False
+    def read_segments(
+        self,
+        engine: Engine,
+        segments: list[_Segment],
+        owners: _Owners,
+        streams: _Streams,
+        verify: bool = False,
     ) -> dict[str, Any]:
         """Read (file offset, address, nbytes, device) ranges; each must lie inside one record.
 
@@ -172,32 +221,48 @@ class DeviceFile:
     def __new__(
         cls, path: _Path, writable: bool, direct: str | None = None, backend: str | None = None
     ) -> Self: ...
-    def register_handle(self) -> None: ...
-    def deregister_handle(self) -> None: ...
+    def register_handle(self) -> None:
+        """Open the device path now (cuFile where it takes the file, else bounce)."""
+    def deregister_handle(self) -> None:
+        """Close it: device memory then takes the bounce pipeline until register_handle."""
     @property
-    def backend(self) -> str | None: ...
+    def backend(self) -> str:
+        """The backend asked for: "auto", "cufile" or "bounce"."""
+    @property
+    def device_path(self) -> str | None:
+        """The device path open now: "cufile", "bounce", or None."""
     @property
     def gds_mode(self) -> str | None: ...
     @property
     def fallback_reason(self) -> str | None: ...
-    def write(self, engine: Engine, offset: int, addr: int, nbytes: int, device: int) -> None: ...
-    def read(self, engine: Engine, offset: int, addr: int, nbytes: int, device: int) -> None: ...
     def fileno(self) -> int: ...
-    def read_segments(self, engine: Engine, segments: list[_Segment]) -> dict[str, Any]:
+    def read_segments(
+        self, engine: Engine, segments: list[_Segment], owners: _Owners, streams: _Streams
+    ) -> dict[str, Any]:
         """Read (file offset, address, nbytes, device) ranges in one engine pass."""
+    def write_segments(
+        self,
+        engine: Engine,
+        segments: list[_Segment],
+        owners: _Owners,
+        streams: _Streams,
+        file_len: int | None = None,
+        checksum: bool = False,
+    ) -> dict[str, Any]:
+        """Write (file offset, address, nbytes, device) ranges in one engine pass."""
 
 @final
 class BufferRegistration:
-    """A cuFileBufRegister registration."""
+    """A cuFileBufRegister registration; holds the object owning its memory."""
 
     def close(self) -> None: ...
 
 @final
 class HostPin:
-    """Pinning state of caller-owned host memory, page-locked whole by the first copy."""
+    """Pinning state of host memory of ``owner`` (held), page-locked whole by the first copy."""
 
     def __new__(
-        cls, addr: int, nbytes: int, pin: bool = True, chunk_size: int = 67108864
+        cls, owner: Any, addr: int, nbytes: int, pin: bool = True, chunk_size: int = 67108864
     ) -> Self: ...
     @property
     def nbytes(self) -> int: ...
@@ -205,15 +270,18 @@ class HostPin:
     def close(self) -> None: ...
 
 def stage_copy(
-    copies: list[tuple[int, int, HostPin, int, int]], threads: int = 8
+    copies: list[tuple[int, int, HostPin, int, int]], owners: _Owners, threads: int = 8
 ) -> dict[str, Any]:
     """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel."""
 
 def stage_pin(pins: list[HostPin], threads: int = 8) -> int:
     """Pin every one of ``pins`` not yet pinned; returns the bytes now pinned."""
 
-def stage_device_copy(device: int, stream: int, copies: list[tuple[int, int, int]]) -> None:
-    """Queue (dst, src, nbytes) device-to-device copies on a raw CUstream; returns at once."""
+def stage_device_copy(
+    device: int, stream: int, copies: list[tuple[int, int, int]], owners: _Owners
+) -> None:
+    """Queue (dst, src, nbytes) device-to-device copies on a raw CUstream; returns at once
+    (the caller keeps both ranges alive until the stream has run them)."""
 
 @final
 class Unpickled:
@@ -256,12 +324,13 @@ class StateDictPickler:
         rebuild_tensor: Callable[..., Any],
         rebuild_parameter: Callable[..., Any],
     ) -> Self: ...
-    def dump(self, obj: Any) -> tuple[bytes, list[tuple[str, Any, int]]] | None:
-        """(data.pkl's bytes, [(storage key, storage, device or -1)]) or None."""
+    def dump(self, obj: Any) -> tuple[bytes, list[tuple[str, int, int, int, Any]]] | None:
+        """(data.pkl's bytes, [(storage key, address, nbytes, device or -1, storage)]) or None."""
 
-def cufile_register_buffer(addr: int, nbytes: int) -> BufferRegistration: ...
+def cufile_register_buffer(owner: Any, addr: int, nbytes: int) -> BufferRegistration: ...
 def info(folder: _Path | None = None) -> dict[str, Any]:
-    """libcuda, libcufile and (for ``folder``) O_DIRECT / cuFile handle support."""
+    """libcuda, libcufile, pinned memory held and its cap, and (for ``folder``)
+    O_DIRECT / cuFile handle support."""
 
 def _set_fault(point: str, errno: int, nth: int = 1) -> None:
     """Test only (CKPTIO_TEST_FAULTS=1 at start): fail the nth next hit of a fault point."""

@@ -329,10 +329,11 @@ def run(
             times.setdefault(raw_r, []).append(raw.read)
             times.setdefault(RAW_FRESH, []).append(raw.read_fresh)
             timed("torch.save + fsync", lambda: (torch.save(sd, p_torch), fsync_path(p_torch)))
-            rep = timed(
+            timed(
                 "ckptio.save (durable)",
                 lambda: ckptio.save(sd, p_ck, threads=threads, chunk_size=chunk_size),
             )
+            rep = ckptio.last_report()
             drop_cache(p_torch)
             timed(
                 "torch.load, cold",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ckptio import safetensors as cst
-from ckptio.serialization import load, save
+from ckptio.serialization import last_report, load, save
 
 FORMATS = ("safetensors", "torch")
 _TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt", ".tar")
@@ -136,9 +136,11 @@ def convert(
             log(f"note: the safetensors metadata {meta} is not kept in a torch.save file")
     tensors = unshare(tensors, duplicate_shared, where)
     if fmt == "safetensors":
-        rep = cst.save_file(tensors, dst, metadata={"format": "pt"})
+        cst.save_file(tensors, dst, metadata={"format": "pt"})
     else:
-        rep = save(tensors, dst)
+        save(tensors, dst)
+    rep = last_report()
+    assert rep is not None
     log(
         f"{src} ({src_format}) -> {dst} ({fmt}): {len(tensors)} tensors, "
         f"{rep.nbytes / 2**20:.1f} MiB"

@@ -17,11 +17,20 @@ bytes move:
 - The reader maps each item's zip header once and reads tensor bytes straight
   into the destination tensors, GPU included (the planner's tensors, or a
   temporary on the same device when the request is a strided slice).
+
+torch's ``_extensions`` and ``serialization_format`` are taken too. With
+torch's ``ZStandard`` extension alone, each item becomes one zstd frame made in
+Rust on the engine's thread count (tensors copied to host memory first), the
+frames torch's reader decodes; other stream transforms and
+``SerializationFormat.SAFETENSORS`` are written by torch's own code (bytes
+through Python), and items with transforms are read by torch's code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import io
 import os
 import pickle
@@ -53,7 +62,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptio import _native
+from ckptio import _native, _transfer
 from ckptio.serialization import (
     _CONFIG_LOCK,
     PACK_BELOW,
@@ -65,11 +74,23 @@ from ckptio.serialization import (
     _rebuild,
     _storage_alignment,
     _storage_dtype,
-    _sync_cuda,
 )
 from ckptio.staging import BlockingAsyncStager
 
+try:  # torch >= 2.7: stream transforms of DCP items
+    from torch.distributed.checkpoint._extension import ZStandard as _ZStandard
+except ImportError:  # pragma: no cover - older torch
+    _ZStandard = None
+try:  # torch >= 2.8: the items' serialization format
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+except ImportError:  # pragma: no cover - older torch
+    SerializationFormat = None  # type: ignore[assignment,misc]
+
 __all__ = ["FileSystemWriter", "FileSystemReader"]
+
+# What this torch's writer and reader take (the GPU machine runs an older torch).
+_WRITER_ARGS = inspect.signature(_FileSystemWriter.__init__).parameters
+_READER_ARGS = inspect.signature(_TorchReader.__init__).parameters
 
 _ALIGN = STORAGE_ALIGNMENT
 _DCP_VERSION: str | None = getattr(_fs, "CURRENT_DCP_VERSION", None)
@@ -78,6 +99,19 @@ _METADATA = ".metadata"
 
 def _align(n: int, to: int = _ALIGN) -> int:
     return -(-n // to) * to
+
+
+def _torch_args(accepted: Any, **given: Any) -> dict[str, Any]:
+    """The given (torch) arguments this torch's class takes; a value set for one
+    it lacks is an error rather than silently dropped."""
+    out = {}
+    for k, v in given.items():
+        if k in accepted:
+            if v is not None:
+                out[k] = v
+        elif v is not None:
+            raise TypeError(f"{k} needs a newer torch (torch {torch.__version__} lacks it)")
+    return out
 
 
 class _SparseSink(io.RawIOBase):
@@ -218,10 +252,14 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
 
     Takes torch's arguments (``path, single_file_per_rank=True, sync_files=True,
     thread_count=1, per_thread_copy_ahead, cache_staged_state_dict=False,
-    overwrite=True``) plus ckptio's ``threads``, ``chunk_size``, ``direct`` and
-    ``backend`` (see ``ckptio.save``). ``thread_count`` still sets files per rank;
-    the engine's threads move the bytes of each file in parallel. Data files are
-    always fsynced (``sync_files`` is kept for compatibility).
+    overwrite=True, _extensions=None, serialization_format=TORCH_SAVE``, the last
+    two where this torch has them) plus ckptio's ``threads``, ``chunk_size``,
+    ``direct`` and ``backend`` (see ``ckptio.save``). ``thread_count`` still sets
+    files per rank; the engine's threads move the bytes of each file in
+    parallel. Data files are always fsynced (``sync_files`` is kept for
+    compatibility). ``_extensions=[ZStandard()]``: each item one zstd frame,
+    compressed in Rust; other transforms and ``SerializationFormat.SAFETENSORS``
+    are written by torch's own writer code (see the module doc).
     """
 
     def __init__(
@@ -233,12 +271,17 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         per_thread_copy_ahead: int = 10_000_000,
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
+        _extensions: Any = None,
+        serialization_format: Any = None,
         *,
         threads: int | None = None,
         chunk_size: int | None = None,
         direct: bool | str | None = None,
         backend: str | None = None,
     ) -> None:
+        extra = _torch_args(
+            _WRITER_ARGS, _extensions=_extensions, serialization_format=serialization_format
+        )
         _FileSystemWriter.__init__(
             self,
             path,
@@ -247,6 +290,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             thread_count=thread_count,
             per_thread_copy_ahead=per_thread_copy_ahead,
             overwrite=overwrite,
+            **extra,
         )
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self._io = (threads, chunk_size, _direct_arg(direct), backend)
@@ -265,7 +309,25 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
         return BlockingAsyncStager.stage(self, state_dict)
 
+    def _extensions(self) -> tuple[Any, ...]:
+        transforms = getattr(self, "transforms", None)
+        return tuple(getattr(transforms, "extensions", None) or ())
+
+    def _torch_writes(self) -> bool:
+        """Whether torch's own writer code writes the data files: a serialization
+        format other than torch.save, or stream transforms other than ZStandard alone."""
+        fmt = getattr(self, "serialization_format", None)
+        if SerializationFormat is not None and fmt not in (None, SerializationFormat.TORCH_SAVE):
+            return True
+        exts = self._extensions()
+        return bool(exts) and not (len(exts) == 1 and type(exts[0]) is _ZStandard)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._torch_writes():
+            self.last_stats = []
+            fut_torch: Future[list[WriteResult]] = _FileSystemWriter.write_data(self, plan, planner)
+            return fut_torch
+        write_file = self._write_file_zstd if self._extensions() else self._write_file
         prefix: _StoragePrefix = plan.storage_data
         if self.single_file_per_rank:
             buckets = _split_by_size_and_type(self.thread_count, plan.items)
@@ -275,7 +337,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         self.last_stats = []
         for n, items in enumerate(buckets):
             name = f"{prefix.prefix}{n}{DEFAULT_SUFFIX}"
-            results += self._write_file(os.path.join(self.path, name), name, items, planner)
+            results += write_file(os.path.join(self.path, name), name, items, planner)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -323,12 +385,16 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                 )
             buf = torch.frombuffer(image.blob, dtype=torch.uint8) if image.blob else None
             segments = image.segments(buf.data_ptr() if buf is not None else 0)
-            _sync_cuda({s[3] for s in segments})
             # One pass: headers, data and tails; each item's CRC-32 goes into its
             # data descriptor and central directory entry as its bytes pass (0,
             # "unchecked", where cuFile moved them without touching host memory).
-            stats = writer.write_segments(
-                engine, segments, image.end, checksum=False, patches=image.patches
+            stats = _transfer.write(
+                writer,
+                engine,
+                segments,
+                [*keep, buf],
+                file_len=image.end,
+                patches=image.patches,
             )
             writer.commit()
             self.last_stats.append(dict(stats, path=path))
@@ -337,6 +403,52 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         except BaseException:
             writer.abort()
             raise
+
+    def _write_file_zstd(
+        self, path: str, name: str, items: list[Any], planner: SavePlanner
+    ) -> list[WriteResult]:
+        """A data file of zstd frames, one per item (torch's ZStandard transform),
+        compressed and written in Rust; tensors are copied to host memory first."""
+        threads, chunk_size, direct, backend = self._io
+        engine = _engine(threads, chunk_size, direct)
+        descriptors = [ext.get_descriptor() for ext in reversed(self._extensions())]
+        writer = _native.AtomicWriter(path, direct, backend)
+        try:
+            keep = []  # host copies live until the frames are written
+            parts: list[tuple[bytes, int, int, bytes, list[int]]] = []
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                    parts.append((blob, 0, 0, b"", []))
+                    continue
+                t = data.detach().to("cpu")
+                if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                    t = t.contiguous().resolve_conj().resolve_neg()
+                keep.append(t)
+                z = _item_zip(t.dtype, tuple(t.shape))
+                nbytes = t.numel() * t.element_size()
+                if nbytes:
+                    parts.append((z.head, t.data_ptr(), nbytes, z.tail, list(z.crc_at)))
+                else:
+                    parts.append((z.head, 0, 0, b"", []))
+            spans = writer.write_zstd(engine, 0, parts, keep)
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        del keep
+        self.last_stats.append(
+            {"path": path, "bytes": sum(n for _, n in spans), "compressed": "zstd"}
+        )
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=length,
+                storage_data=_StorageInfo(name, off, length, transform_descriptors=descriptors),
+            )
+            for item, (off, length) in zip(items, spans, strict=True)
+        ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write ``.metadata`` (or ``__{rank}.metadata``) crash-safely: it appears, in
@@ -364,18 +476,21 @@ class FileSystemReader(_TorchReader):
     written by either writer, tensor bytes straight into the destination tensors.
 
     ``threads``, ``chunk_size``, ``direct``, ``backend``: as for ``ckptio.load``.
+    ``_extension_registry`` is torch's; items written with stream transforms
+    (compressed) are read by torch's reader code, the rest by the engine.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
+        _extension_registry: Any = None,
         *,
         threads: int | None = None,
         chunk_size: int | None = None,
         direct: bool | str | None = None,
         backend: str | None = None,
     ) -> None:
-        super().__init__(path)
+        super().__init__(path, **_torch_args(_READER_ARGS, _extension_registry=_extension_registry))
         self._io = (threads, chunk_size, _direct_arg(direct), backend)
         self._layouts: dict[Any, tuple[torch.Tensor, int]] = {}
         # An item's pickle -> (its meta tensor, storage key): DCP items of one
@@ -390,15 +505,16 @@ class FileSystemReader(_TorchReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[Any]] = {}
+        transformed = []
         for req in plan.items:
             info: _StorageInfo = self.storage_data[req.storage_index]
-            if info.transform_descriptors:
-                raise NotImplementedError(
-                    f"item {req.storage_index} uses stream transforms "
-                    f"{info.transform_descriptors}; read it with torch's FileSystemReader"
-                )
+            if getattr(info, "transform_descriptors", None):
+                transformed.append(req)
+                continue
             per_file.setdefault(info.relative_path, []).append(req)
         self.last_stats = []
+        if transformed:  # decoded by torch's reader code (its extension registry)
+            super().read_data(dataclasses.replace(plan, items=transformed), planner).wait()
         for rel, reqs in per_file.items():
             self._read_file(os.path.join(self.path, rel), reqs, planner)
         fut: Future[None] = Future()
@@ -436,6 +552,7 @@ class FileSystemReader(_TorchReader):
         engine = _engine(threads, chunk_size, direct)
         dev_file = _native.DeviceFile(path, False, direct, backend)
         segments: list[tuple[int, int, int, int]] = []
+        owners: list[torch.Tensor] = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
         small: list[tuple[Any, _StorageInfo]] = []
         with open(path, "rb") as f:
@@ -448,16 +565,18 @@ class FileSystemReader(_TorchReader):
                     small.append((req, info))
                 else:
                     meta, data_off = self._layout(f, path, info)
-                    self._plan_read(path, req, planner, meta, data_off, segments, commits)
+                    self._plan_read(path, req, planner, meta, data_off, segments, owners, commits)
             copies, stats = self._read_small(path, f, dev_file, engine, small, planner)
             if segments:
-                big = dev_file.read_segments(engine, segments)
+                # The destinations may still be in use by work queued on the
+                # current streams: the engine's copies are ordered after it.
+                big = _transfer.read(dev_file, engine, segments, owners)
                 stats = dict(big, bytes=big["bytes"] + stats.get("bytes", 0))
         self.last_stats.append(dict(stats, path=path))
+        # On the current stream, as the destinations' other users run: from a
+        # pinned buffer (its allocator keeps it until the copies have run).
         for _, target, src in copies:
             target.copy_(src, non_blocking=True)
-        if any(target.is_cuda for _, target, _ in copies):
-            torch.cuda.synchronize()
         for req, target, _ in copies:
             planner.commit_tensor(req, target)
         for req, target, tmp, src in commits:
@@ -474,6 +593,7 @@ class FileSystemReader(_TorchReader):
         meta: torch.Tensor,
         data_off: int,
         segments: list[tuple[int, int, int, int]],
+        owners: list[torch.Tensor],
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]],
     ) -> None:
         """The engine's read of one item into its destination (or a temporary
@@ -488,6 +608,7 @@ class FileSystemReader(_TorchReader):
             # Straight into the destination.
             start = data_off + src.storage_offset() * isz
             segments.append((start, target.data_ptr(), target.numel() * isz, dev))
+            owners.append(target)
             commits.append((req, target, None, None))
         elif target.numel() == 0:
             commits.append((req, target, None, None))
@@ -497,6 +618,7 @@ class FileSystemReader(_TorchReader):
             nbytes = meta.untyped_storage().nbytes()
             tmp = torch.empty(nbytes, dtype=torch.uint8, device=target.device)
             segments.append((data_off, tmp.data_ptr(), nbytes, dev))
+            owners.append(tmp)
             commits.append((req, target, tmp, src))
 
     def _read_small(
@@ -525,9 +647,8 @@ class FileSystemReader(_TorchReader):
         # Pinned when copies go to a GPU: they then run asynchronously.
         buf = torch.empty(at, dtype=torch.uint8, pin_memory=any(t.is_cuda for t in targets))
         base = buf.data_ptr()
-        stats = dev_file.read_segments(
-            engine, [(off, base + place[(off, n)], n, -1) for off, n in spans]
-        )
+        segs = [(off, base + place[(off, n)], n, -1) for off, n in spans]
+        stats = _transfer.read(dev_file, engine, segs, [buf])
         maps = _native.map_archives(base, at, [(place[s], s[1]) for s in spans])
         items = {}
         for span, got in zip(spans, maps, strict=True):

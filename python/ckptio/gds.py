@@ -1,12 +1,21 @@
 """A drop-in for ``torch.cuda.gds`` that always works.
 
-Same names, signatures and semantics as torch.cuda.gds (``GdsFile``,
-``gds_register_buffer``, ``gds_deregister_buffer``), so code written for it
-(e.g. the PyTorch GDS tutorial) runs with ``torch.cuda.gds`` replaced by
-``ckptio``. Where cuFile cannot take the file (no nvidia-fs, no udev data in a
-VM or container, tmpfs) transfers go through ckptio's pinned bounce pipeline
-instead of raising; ``GdsFile.backend`` says which path is in use. The
-transfers are synchronous, like cuFileRead/cuFileWrite.
+Same names and signatures as torch.cuda.gds (``GdsFile``, ``gds_register_buffer``,
+``gds_deregister_buffer``), so code written for it (e.g. the PyTorch GDS
+tutorial) runs with ``torch.cuda.gds`` replaced by ``ckptio``. Transfers are
+synchronous, like cuFileRead/cuFileWrite, and start after the work queued on
+the storage's device's current stream. Where the semantics differ, ckptio
+does not raise where torch would:
+
+- Where cuFile cannot take the file (no nvidia-fs, no udev data in a VM or
+  container, tmpfs) transfers go through ckptio's pinned bounce pipeline;
+  ``GdsFile.device_path`` says which path is in use.
+- After ``GdsFile.deregister_handle()`` transfers still work (through the
+  bounce pipeline) until ``register_handle()``; torch's fail.
+- ``gds_register_buffer`` without a usable cuFile is a no-op, and
+  ``gds_deregister_buffer`` of a storage that is not registered does nothing.
+  A registration holds its storage, so the memory cannot be freed (and
+  reused by another tensor) while it is registered.
 """
 
 from __future__ import annotations
@@ -16,9 +25,10 @@ import threading
 
 import torch
 
-from ckptio import _native
-from ckptio.serialization import _device_code, _direct_arg, _engine, _sync_cuda
+from ckptio import _native, _transfer
+from ckptio.serialization import _device_code, _direct_arg, _engine
 
+# Keyed by address; each registration holds its storage until deregistered.
 _registrations: dict[int, _native.BufferRegistration] = {}
 _reg_lock = threading.Lock()
 
@@ -41,12 +51,14 @@ def gds_register_buffer(s: torch.UntypedStorage | torch.TypedStorage) -> None:
     """Register a CUDA storage with cuFile (cuFileBufRegister) for repeated transfers.
 
     Without a usable cuFile this is a no-op: the bounce pipeline needs no registration.
+    The registration holds ``s`` until ``gds_deregister_buffer(s)``: its memory is
+    not freed meanwhile, even when every tensor using it is gone.
     """
     st = _untyped(s)
     if st.device.type != "cuda":
         raise ValueError(f"gds_register_buffer needs a CUDA storage, not one on {st.device}")
     try:
-        reg = _native.cufile_register_buffer(st.data_ptr(), st.nbytes())
+        reg = _native.cufile_register_buffer(st, st.data_ptr(), st.nbytes())
     except _native.BackendUnavailableError:
         return
     with _reg_lock:
@@ -57,7 +69,7 @@ def gds_register_buffer(s: torch.UntypedStorage | torch.TypedStorage) -> None:
 
 
 def gds_deregister_buffer(s: torch.UntypedStorage | torch.TypedStorage) -> None:
-    """Undo ``gds_register_buffer`` (cuFileBufDeregister)."""
+    """Undo ``gds_register_buffer`` (cuFileBufDeregister) and let go of the storage."""
     st = _untyped(s)
     with _reg_lock:
         reg = _registrations.pop(st.data_ptr(), None)
@@ -70,7 +82,8 @@ class GdsFile:
 
     ``flags`` are ``os.open`` flags (e.g. ``os.O_RDWR``); O_DIRECT is added where
     the filesystem takes it. ``backend``: "auto" (cuFile where it can register
-    the file, else bounce buffers), "cufile" (or an error) or "posix".
+    the file, else bounce buffers), "cufile" (or an error) or "bounce" ("posix"
+    is an older name for it).
     """
 
     def __init__(
@@ -94,9 +107,14 @@ class GdsFile:
         self.register_handle()
 
     @property
-    def backend(self) -> str | None:
-        """ "cufile", "bounce", or None when the handle is deregistered."""
+    def backend(self) -> str:
+        """The backend asked for: "auto", "cufile" or "bounce"."""
         return self._file.backend
+
+    @property
+    def device_path(self) -> str | None:
+        """The path in use: "cufile", "bounce", or None once the handle is deregistered."""
+        return self._file.device_path
 
     @property
     def gds_mode(self) -> str | None:
@@ -105,6 +123,7 @@ class GdsFile:
 
     @property
     def fallback_reason(self) -> str | None:
+        """Why the path in use is not cuFile, when it is not."""
         return self._file.fallback_reason
 
     def register_handle(self) -> None:
@@ -113,7 +132,9 @@ class GdsFile:
         self.handle = id(self._file)
 
     def deregister_handle(self) -> None:
-        """cuFileHandleDeregister; later transfers use the bounce pipeline."""
+        """cuFileHandleDeregister (once transfers in flight on other threads end);
+        unlike torch's, later transfers still work, through the bounce pipeline,
+        until ``register_handle``."""
         self._file.deregister_handle()
         self.handle = None
 
@@ -131,16 +152,14 @@ class GdsFile:
     ) -> None:
         """Write all of ``storage`` to the file at ``offset`` (synchronous)."""
         st, offset, dev = self._args(storage, offset)
-        _sync_cuda({dev})
-        self._file.write(self._engine, offset, st.data_ptr(), st.nbytes(), dev)
+        _transfer.write(self._file, self._engine, [(offset, st.data_ptr(), st.nbytes(), dev)], [st])
 
     def load_storage(
         self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int = 0
     ) -> None:
         """Fill all of ``storage`` from the file at ``offset`` (synchronous)."""
         st, offset, dev = self._args(storage, offset)
-        _sync_cuda({dev})
-        self._file.read(self._engine, offset, st.data_ptr(), st.nbytes(), dev)
+        _transfer.read(self._file, self._engine, [(offset, st.data_ptr(), st.nbytes(), dev)], [st])
 
     def __del__(self) -> None:
         f = getattr(self, "_file", None)

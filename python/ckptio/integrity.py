@@ -28,7 +28,12 @@ class RecordCheck:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """The outcome of ``ckptio.verify``: ``ok`` unless a record is bad or the file is torn."""
+    """The outcome of ``ckptio.verify``: ``ok`` unless a record is bad or the file is torn.
+
+    verify judges a file, so a bad file is its finding, not an exception (as
+    ``zipfile.ZipFile.testzip`` returns the bad member); ``raise_if_bad()`` turns
+    the finding into the ``ckptio.FormatError`` that ``load(verify=True)`` raises.
+    """
 
     path: str
     records: tuple[RecordCheck, ...]
@@ -47,6 +52,11 @@ class VerifyReport:
     @property
     def unchecked(self) -> tuple[RecordCheck, ...]:
         return tuple(r for r in self.records if r.state == "unchecked")
+
+    def raise_if_bad(self) -> None:
+        """Raise ``ckptio.FormatError`` (the error ``load(verify=True)`` raises) unless ok."""
+        if not self.ok:
+            raise _native.FormatError(self.summary())
 
     def summary(self) -> str:
         if self.error is not None:
@@ -70,7 +80,9 @@ def verify(
     Detects flipped bits (a record's bytes no longer match), torn tails
     (truncation), records pointing outside the file or overlapping. Records
     without a CRC-32 (written by cuFile, or by torch.save without CRC) are
-    reported "unchecked", not bad. A missing or unreadable file raises OSError.
+    reported "unchecked", not bad. A bad or torn file is the report's finding
+    (``ok`` False; ``raise_if_bad()`` raises it); a missing or unreadable file
+    raises OSError.
     """
     path = _path(f, "verify")
     d = _direct_arg(direct)

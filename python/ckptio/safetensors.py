@@ -8,7 +8,18 @@ relative to the data section), then the tensors' bytes packed back to back,
 sorted by dtype (widest first) then name, as safetensors lays them out. Files
 written here pad the JSON with spaces so that the data section starts on a
 4 KiB boundary (O_DIRECT and cuFile reads of it need no shifting); the
-``safetensors`` package reads them, and this module reads its files.
+``safetensors`` package reads them, and this module reads its files. Bytes
+made in memory (``save``) keep safetensors' own 8-byte alignment: they are
+byte for byte what ``safetensors.torch.save`` returns.
+
+Arguments mean what they mean in safetensors (``load_file``'s ``backend`` is
+safetensors' "mmap" | "pread"; ckptio reads through its engine either way).
+ckptio's own knobs are keyword-only: ``threads``, ``chunk_size``, ``direct``
+and ``device_backend`` (how CUDA memory moves: "auto", "cufile", "posix"; the
+old spelling ``backend="cufile"`` etc. still works where it cannot be taken
+for safetensors' values). Errors about a file's content are
+:class:`SafetensorError`, a ``ckptio.FormatError`` (so a RuntimeError) that is
+also ``safetensors.SafetensorError`` where that package is installed.
 
 Saves write the header, then each tensor's bytes straight from its data
 pointer (host or CUDA memory) with the engine's threads, into a temp file that
@@ -36,7 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckptio import _native
+from ckptio import _native, _transfer
 from ckptio.serialization import (
     STORAGE_ALIGNMENT,
     IOReport,
@@ -48,10 +59,10 @@ from ckptio.serialization import (
     _path,
     _report,
     _reserve_cuda,
-    _sync_cuda,
 )
 
 __all__ = [
+    "SafetensorError",
     "save_file",
     "load_file",
     "save",
@@ -86,13 +97,22 @@ DTYPES: dict[str, torch.dtype] = {
         ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
         ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
         ("F8_E8M0", getattr(torch, "float8_e8m0fnu", None)),
+        # Two 4-bit values per byte: the header counts values, torch counts bytes
+        # (the last dimension is doubled in the header, as safetensors does).
+        ("F4", getattr(torch, "float4_e2m1fn_x2", None)),
     )
     if dt is not None
 }
 _NAMES = {dt: name for name, dt in DTYPES.items()}
-_ITEMSIZES = {name: dt.itemsize for name, dt in DTYPES.items()}
+#: Bits per value in the header's count, where it is not the torch element size.
+_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+#: Header values per torch element (packed dtypes).
+_PACKED = {"F4": 2}
+#: Bytes per element of each dtype the native header reader takes (packed and
+#: sub-byte dtypes go to the Python reader).
+_ITEMSIZES = {name: dt.itemsize for name, dt in DTYPES.items() if name not in _BITS}
 # safetensors' Dtype enum order (its files sort tensors by it, descending, then by
-# name). F4/F6 are known names that no torch dtype here maps to one element per value.
+# name). F6 are known names that no torch dtype here maps to.
 _ENUM = (
     "BOOL F4 F6_E2M3 F6_E3M2 U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ "
     "I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64"
@@ -104,6 +124,56 @@ INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 Device = str | int | torch.device
+
+try:  # where the safetensors package is installed, its error class is a base of ours
+    from safetensors import SafetensorError as _PeerError
+
+    _ERROR_BASES: tuple[type[BaseException], ...] = (_native.FormatError, _PeerError)
+except ImportError:  # pragma: no cover - safetensors is a test dependency
+    _ERROR_BASES = (_native.FormatError,)
+
+
+class SafetensorError(*_ERROR_BASES):  # type: ignore[misc]
+    """A file or argument safetensors would refuse with its ``SafetensorError``.
+
+    A ``ckptio.FormatError`` (so a ``ckptio.CkptioError`` and a ``RuntimeError``)
+    and, where the ``safetensors`` package is installed, a
+    ``safetensors.SafetensorError``: code written for either catches it.
+    """
+
+
+SafetensorError.__module__ = "ckptio.safetensors"
+
+#: safetensors' own values of load_file's ``backend``.
+_PEER_BACKENDS = ("mmap", "pread")
+#: ckptio's device paths (``device_backend``), once spelled ``backend``.
+_DEVICE_BACKENDS = ("auto", "cufile", "posix", "bounce")
+
+
+def _device_backend(backend: str | None, device_backend: str | None, what: str) -> str | None:
+    """ckptio's device path from ``device_backend`` or the old spelling ``backend=``
+    (accepted where it cannot be taken for safetensors' "mmap" / "pread")."""
+    if backend is None or backend in _PEER_BACKENDS:
+        return device_backend
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, not {type(backend).__name__}")
+    if backend in _DEVICE_BACKENDS:
+        if device_backend is not None:
+            raise TypeError(
+                f"{what}: backend={backend!r} (ckptio's old spelling of device_backend) and "
+                f"device_backend={device_backend!r} given together; pass device_backend only"
+            )
+        warnings.warn(
+            f"{what}(backend={backend!r}): ckptio's device path is now device_backend=; "
+            "backend= is safetensors' 'mmap' | 'pread'",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return backend
+    raise SafetensorError(
+        f'backend "{backend}" is invalid (expected one of: "mmap", "pread"; ckptio\'s '
+        "device path for CUDA memory is device_backend='auto' | 'cufile' | 'bounce')"
+    )
 
 
 class _Entry(NamedTuple):
@@ -117,8 +187,8 @@ class _Entry(NamedTuple):
 # --------------------------------------------------------------------------- header
 
 
-def _fail(where: str, what: str) -> _native.FormatError:
-    return _native.FormatError(f"{where}: not a usable safetensors file: {what}")
+def _fail(where: str, what: str) -> SafetensorError:
+    return SafetensorError(f"{where}: not a usable safetensors file: {what}")
 
 
 def _parse_header(
@@ -167,7 +237,19 @@ def _parse_header(
         if not (_int_list(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
             raise _fail(where, f"{tensor}: data_offsets {offsets!r} are not [begin, end]")
         dtype = DTYPES[dtype_name]
-        need = math.prod(shape) * dtype.itemsize
+        bits = math.prod(shape) * _BITS.get(dtype_name, dtype.itemsize * 8)
+        if bits % 8:
+            raise _fail(where, f"{tensor}: shape {shape} of {dtype_name} does not fill whole bytes")
+        need = bits // 8
+        per = _PACKED.get(dtype_name, 1)
+        if per > 1:  # torch counts packed elements: the last dimension shrinks
+            if not shape or shape[-1] % per:
+                raise _fail(
+                    where,
+                    f"{tensor}: the last dimension of shape {shape} of {dtype_name} is not a "
+                    f"multiple of {per}, which torch's {dtype} needs",
+                )
+            shape = [*shape[:-1], shape[-1] // per]
         begin, end = offsets
         if end - begin != need:
             raise _fail(
@@ -217,10 +299,23 @@ def _check_tensors(tensors: Any) -> None:
             raise ValueError("'__metadata__' is reserved for the header's metadata")
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"Key `{k}` is invalid, expected torch.Tensor but received {type(v)}")
-        if v.layout != torch.strided:
-            raise ValueError(f"tensor {k!r} is sparse ({v.layout}); call .to_dense() first")
         if v.dtype not in _NAMES:
-            raise ValueError(f"tensor {k!r} has dtype {v.dtype}, which safetensors cannot hold")
+            raise ValueError(
+                f"tensor {k!r} has dtype {v.dtype}, which safetensors cannot hold "
+                f"(it holds {', '.join(str(d) for d in _NAMES)})"
+            )
+        if _PACKED.get(_NAMES[v.dtype], 1) > 1 and v.dim() == 0:
+            raise SafetensorError(
+                f"tensor {k!r}: a 0-dimensional {v.dtype} is half a byte in safetensors' "
+                "header count; give it a dimension"
+            )
+    sparse = [k for k, v in tensors.items() if v.layout != torch.strided]
+    if sparse:
+        raise ValueError(
+            f"You are trying to save a sparse tensors: `{sparse}` which this library does not "
+            "support. You can make it a dense tensor before saving with `.to_dense()` but be "
+            "aware this might make a much larger file than needed."
+        )
     shared = find_shared(tensors)
     if shared:
         raise RuntimeError(
@@ -299,7 +394,20 @@ class _Layout:
         return len(self.header) + (self.items[-1][3] if self.items else 0)
 
 
-def _layout(tensors: Mapping[str, torch.Tensor], metadata: Any) -> _Layout:
+def _header_shape(t: torch.Tensor) -> list[int]:
+    """The shape the header records: values, not torch's packed elements."""
+    shape = list(t.shape)
+    per = _PACKED.get(_NAMES[t.dtype], 1)
+    if per > 1:
+        shape[-1] *= per
+    return shape
+
+
+def _layout(
+    tensors: Mapping[str, torch.Tensor], metadata: Any, align: int = STORAGE_ALIGNMENT
+) -> _Layout:
+    """Header and data offsets; the data section starts at a multiple of ``align``
+    (4 KiB for files, for O_DIRECT; safetensors' own 8 for bytes in memory)."""
     _check_tensors(tensors)
     meta = _check_metadata(metadata)
     # (rank of the dtype, name, tensor, dtype name, nbytes): one pass over the tensors.
@@ -313,11 +421,12 @@ def _layout(tensors: Mapping[str, torch.Tensor], metadata: Any) -> _Layout:
         head["__metadata__"] = meta
     items, at = [], 0
     for _, k, t, name, n in info:
-        head[k] = {"dtype": name, "shape": list(t.shape), "data_offsets": [at, at + n]}
+        shape = _header_shape(t) if name in _PACKED else list(t.shape)
+        head[k] = {"dtype": name, "shape": shape, "data_offsets": [at, at + n]}
         items.append((k, t, at, at + n))
         at += n
     js = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
-    n = len(js) + (-(8 + len(js)) % STORAGE_ALIGNMENT)
+    n = len(js) + (-(8 + len(js)) % align)
     if n > MAX_HEADER:
         raise ValueError(f"the header would be {n} bytes, over safetensors' limit of {MAX_HEADER}")
     return _Layout(n.to_bytes(8, "little") + js + b" " * (n - len(js)), items)
@@ -334,16 +443,32 @@ def save_file(
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
+    device_backend: str | None = None,
     backend: str | None = None,
-) -> IOReport:
+) -> None:
     """Save ``tensors`` to ``filename`` in safetensors format, like
     ``safetensors.torch.save_file``, crash-safe (temp file, fsync, rename, fsync
     of the folder) and with the bytes written straight from each tensor's memory
     (host or CUDA) by the engine. Tensors must be contiguous and must not share
-    memory (RuntimeError / ValueError as safetensors raises). Work queued on the
-    current CUDA streams is finished before bytes are copied. The keyword
-    options are ``ckptio.save``'s. Returns the IOReport (safetensors returns None).
+    memory (RuntimeError / ValueError as safetensors raises). Bytes are copied
+    after the work queued on the current CUDA streams. The keyword options are
+    ``ckptio.save``'s (``device_backend`` is its ``backend``; the old spelling
+    ``backend=`` still works here). Returns None, as safetensors does;
+    ``ckptio.last_report()`` says how it ran.
     """
+    dev_backend = _device_backend(backend, device_backend, "save_file")
+    _save_file(tensors, filename, metadata, threads, chunk_size, direct, dev_backend)
+
+
+def _save_file(
+    tensors: Mapping[str, torch.Tensor],
+    filename: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None,
+    threads: int | None,
+    chunk_size: int | None,
+    direct: bool | str | None,
+    backend: str | None,
+) -> IOReport:
     t0 = time.perf_counter()
     path = _path(filename, "safetensors.save_file")
     lay = _layout(tensors, metadata)
@@ -354,16 +479,15 @@ def save_file(
             continue
         if not (t.is_cpu or t.is_cuda):
             t = t.to("cpu")  # as safetensors does for other devices
-            keep.append(t)
-        # get_device(): -1 for host memory, the CUDA ordinal otherwise (_device_code's codes)
+        keep.append(t)
+        # get_device(): -1 for host memory, the CUDA ordinal otherwise (device codes)
         segments.append((base + begin, t.data_ptr(), end - begin, t.get_device()))
-    _sync_cuda({s[3] for s in segments})
     d = _direct_arg(direct)
     engine = _engine(threads, chunk_size, d)
     writer = _native.AtomicWriter(path, d, backend)
     try:
         writer.write_bytes(0, lay.header)
-        stats = writer.write_segments(engine, segments, lay.file_len)
+        stats = _transfer.write(writer, engine, segments, keep, file_len=lay.file_len)
         writer.commit()
     except BaseException:
         writer.abort()
@@ -373,8 +497,9 @@ def save_file(
 
 
 def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
-    """The bytes of a safetensors file holding ``tensors`` (``safetensors.torch.save``)."""
-    lay = _layout(tensors, metadata)
+    """The bytes of a safetensors file holding ``tensors`` (``safetensors.torch.save``):
+    byte for byte what safetensors makes (its 8-byte alignment, not the 4 KiB of files)."""
+    lay = _layout(tensors, metadata, 8)
     buf = bytearray(lay.file_len)
     buf[: len(lay.header)] = lay.header
     for _, t, begin, end in lay.items:
@@ -382,7 +507,7 @@ def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
             dst = torch.frombuffer(
                 buf, dtype=torch.uint8, count=end - begin, offset=len(lay.header) + begin
             )
-            dst.copy_(t.detach().reshape(-1).view(torch.uint8))
+            dst.copy_(t.detach().to("cpu").reshape(-1).view(torch.uint8))
     return bytes(buf)
 
 
@@ -407,6 +532,8 @@ class _Plan:
     metadata: dict[str, str] | None
     tensors: dict[str, torch.Tensor]
     segments: list[tuple[int, int, int, int]]
+    #: What owns the memory of each segment.
+    owners: list[torch.Tensor]
 
 
 def _pread_exact(fd: int, n: int, off: int, where: str) -> bytes:
@@ -451,7 +578,7 @@ def metadata(filename: str | os.PathLike[str]) -> dict[str, str] | None:
 def _plan(path: str, fill: torch.device, direct: str | None, backend: str | None) -> _Plan:
     f = _native.DeviceFile(path, False, direct, backend)
     meta, entries, base = _header(f.fileno(), path)
-    tensors, segments = {}, []
+    tensors, segments, owners = {}, [], []
     dev = -1 if fill.type == "cpu" else fill.index if fill.index is not None else 0
     if fill.type == "cuda":
         _reserve_cuda(fill, [e[4] - e[3] for e in entries])
@@ -472,14 +599,14 @@ def _plan(path: str, fill: torch.device, direct: str | None, backend: str | None
         tensors[name] = t
         if nbytes:
             segments.append((off, st.data_ptr(), nbytes, dev))
-    return _Plan(path, f, meta, tensors, segments)
+            owners.append(t)
+    return _Plan(path, f, meta, tensors, segments, owners)
 
 
 def _read(plan: _Plan, engine: _native.Engine) -> dict[str, Any]:
     # Memory handed out by the caching allocator may still be in use by work
-    # queued on the current stream; the engine writes it from its own streams.
-    _sync_cuda({s[3] for s in plan.segments})
-    return plan.file.read_segments(engine, plan.segments)
+    # queued on the current stream: the engine's copies are ordered after it.
+    return _transfer.read(plan.file, engine, plan.segments, plan.owners)
 
 
 def _finish(
@@ -494,23 +621,31 @@ def load_file(
     filename: str | os.PathLike[str],
     device: Device = "cpu",
     *,
+    backend: str = "mmap",
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
-    backend: str | None = None,
+    device_backend: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load a safetensors file like ``safetensors.torch.load_file(filename, device)``:
-    a dict of tensors in file order, each with its own storage on ``device``
-    (``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int for a CUDA index), read in
-    parallel straight into that memory (cuFile or pinned bounce buffers for CUDA).
-    Other devices are filled through host memory. ``ckptio.last_report()`` says
-    how it ran; a malformed file is a FormatError naming the file and tensor.
+    """Load a safetensors file like ``safetensors.torch.load_file(filename, device,
+    backend=...)``: a dict of tensors in file order, each with its own storage on
+    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, an int for a CUDA index), read
+    in parallel straight into that memory (cuFile or pinned bounce buffers for
+    CUDA). Other devices are filled through host memory.
+
+    ``backend``: safetensors' "mmap" (default) or "pread"; both read through the
+    engine here, into tensors with memory of their own. ckptio's knobs: ``threads``,
+    ``chunk_size``, ``direct``, ``device_backend`` ("auto" | "cufile" | "posix",
+    see ``ckptio.save``; the old spelling ``backend="cufile"`` still works).
+    ``ckptio.last_report()`` says how it ran; a malformed file is a
+    :class:`SafetensorError` naming the file and tensor.
     """
+    dev_backend = _device_backend(backend, device_backend, "load_file")
     t0 = time.perf_counter()
     path = _path(filename, "safetensors.load_file")
     want, fill = _devices(device)
     d = _direct_arg(direct)
-    plan = _plan(path, fill or torch.device("cpu"), d, backend)
+    plan = _plan(path, fill or torch.device("cpu"), d, dev_backend)
     stats = _read(plan, _engine(threads, chunk_size, d))
     _report(path, t0, stats, len(plan.tensors))
     return _finish(plan.tensors, want, fill)
@@ -574,8 +709,9 @@ def save_sharded(
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
+    device_backend: str | None = None,
     backend: str | None = None,
-) -> IOReport:
+) -> None:
     """Save ``tensors`` into ``folder`` as the Hugging Face hub lays checkpoints out.
 
     Tensors go to shards in dict order, a new shard when the next tensor would
@@ -588,8 +724,10 @@ def save_sharded(
     header metadata. Every file is replaced atomically; shards of an earlier
     save with other names (``model*.safetensors``) are removed after the index
     is written. A crash midway may leave new shards beside the old index: save
-    to a fresh folder when the whole set must switch at once.
+    to a fresh folder when the whole set must switch at once. Returns None like
+    ``save_file``; ``ckptio.last_report()`` sums the shards.
     """
+    dev_backend = _device_backend(backend, device_backend, "save_sharded")
     t0 = time.perf_counter()
     out = _path(folder, "safetensors.save_sharded")
     limit = _parse_size(max_shard_size)
@@ -620,14 +758,14 @@ def save_sharded(
     )
     stats = []
     for name, shard in zip(names, shards, strict=True):
-        rep = save_file(
+        rep = _save_file(
             shard,
             os.path.join(out, name),
             {"format": "pt", **meta},
-            threads=threads,
-            chunk_size=chunk_size,
-            direct=direct,
-            backend=backend,
+            threads,
+            chunk_size,
+            direct,
+            dev_backend,
         )
         stats.append(rep)
     keep = set(names)
@@ -641,9 +779,7 @@ def save_sharded(
     for f in os.listdir(out):
         if f not in keep and (_SHARD_RE.fullmatch(f) or f == INDEX_NAME):
             os.unlink(os.path.join(out, f))
-    rep = _merge(out, t0, stats)
-    _last.report = rep
-    return rep
+    _last.report = _merge(out, t0, stats)
 
 
 def _write_text(path: str, text: str) -> None:
@@ -658,7 +794,7 @@ def _write_text(path: str, text: str) -> None:
 
 
 def _merge(path: str, t0: float, reps: list[IOReport]) -> IOReport:
-    dev = [r for r in reps if r.backend != "posix"]
+    dev = [r for r in reps if r.device_path is not None]
     first = (dev or reps)[0]
     return dataclasses.replace(
         first,
@@ -669,6 +805,7 @@ def _merge(path: str, t0: float, reps: list[IOReport]) -> IOReport:
         direct_reason=next((r.direct_reason for r in reps if r.direct_reason), None),
         threads=max(r.threads for r in reps),
         storages=sum(r.storages for r in reps),
+        pinned_bytes=reps[-1].pinned_bytes,
     )
 
 
@@ -694,12 +831,12 @@ def _shard_files(index_path_or_folder: str) -> tuple[str, dict[str, str] | None]
         try:
             index = json.loads(f.read())
         except ValueError as e:
-            raise _native.FormatError(f"{p}: not a safetensors index: invalid JSON: {e}") from None
+            raise SafetensorError(f"{p}: not a safetensors index: invalid JSON: {e}") from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(
         isinstance(v, str) and os.path.basename(v) == v and v for v in wm.values()
     ):
-        raise _native.FormatError(
+        raise SafetensorError(
             f"{p}: not a safetensors index: no weight_map of tensor name -> shard file name"
         )
     return os.path.dirname(p) or ".", wm
@@ -709,10 +846,11 @@ def load_sharded(
     index_path_or_folder: str | os.PathLike[str],
     device: Device = "cpu",
     *,
+    backend: str = "mmap",
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
-    backend: str | None = None,
+    device_backend: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load a sharded checkpoint (``*.safetensors.index.json`` + shards, or a folder
     holding one, or a folder with a single ``model.safetensors``) to ``device``
@@ -720,27 +858,28 @@ def load_sharded(
     parallel (the engine's threads split among them). Every tensor the index's
     weight_map names must be in the shard it names (FormatError otherwise); a
     tensor name in two shards is a FormatError. Returns all tensors of the
-    shards, shard by shard in file order.
+    shards, shard by shard in file order. The keywords are ``load_file``'s.
     """
+    dev_backend = _device_backend(backend, device_backend, "load_sharded")
     t0 = time.perf_counter()
     src = _path(index_path_or_folder, "safetensors.load_sharded")
     folder, wm = _shard_files(src)
     files = ["model.safetensors"] if wm is None else list(dict.fromkeys(wm.values()))
     want, fill = _devices(device)
     d = _direct_arg(direct)
-    plans = [_plan(os.path.join(folder, f), fill or torch.device("cpu"), d, backend) for f in files]
+    plans = [
+        _plan(os.path.join(folder, f), fill or torch.device("cpu"), d, dev_backend) for f in files
+    ]
     out: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     for f, p in zip(files, plans, strict=True):
         for name, t in p.tensors.items():
             if name in out:
-                raise _native.FormatError(
-                    f"{src}: tensor {name!r} is in both {where[name]} and {f}"
-                )
+                raise SafetensorError(f"{src}: tensor {name!r} is in both {where[name]} and {f}")
             out[name], where[name] = t, f
     for name, f in (wm or {}).items():
         if where.get(name) != f:
-            raise _native.FormatError(
+            raise SafetensorError(
                 f"{src}: the index puts tensor {name!r} in {f}, "
                 + (f"but it is in {where[name]}" if name in where else "but no shard holds it")
             )

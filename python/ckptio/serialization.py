@@ -6,12 +6,14 @@ else with torch's own reduce under a lean ``persistent_id``), then hands the
 whole archive to the Rust core in one call: records laid out with an alignment
 each (storages of ``PACK_BELOW`` bytes or more on 4 KiB boundaries, smaller
 ones packed at torch's 64 bytes), headers and data written by the engine in
-few large I/Os, CRC-32s stored as the bytes pass, committed atomically.
-``load`` reads the pickle natively where it is a plain state dict (else
-``torch.load`` rebuilds the object over a lazy mapping of the file that is
-never read), allocates each storage empty on its destination device, has the
-engine read every record straight into it, and makes the object with the
-calls torch's unpickler makes.
+few large I/Os, CRC-32s stored as the bytes pass, committed atomically. (Into
+a file object, or with torch.save's other pickle arguments, ``torch.save``
+writes the metadata under ``skip_data``, storages at 4 KiB, and the engine
+the storages.) ``load`` reads the pickle natively where it is a plain state
+dict (else ``torch.load`` rebuilds the object over a lazy mapping of the file
+that is never read), allocates each storage empty on its destination device,
+has the engine read every record straight into it, and makes the object with
+the calls torch's unpickler makes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import gc
 import io
@@ -26,15 +29,23 @@ import os
 import pickle
 import re
 import secrets
+import stat
 import sys
 import threading
 import time
+import types
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from ckptio import _native
+from ckptio import _native, _transfer
+from ckptio._transfer import IOReport as IOReport
+from ckptio._transfer import _last as _last
+from ckptio._transfer import device_code as _device_code
+from ckptio._transfer import last_report as last_report
+from ckptio._transfer import report as _report
 
 #: Storage alignment of files ckptio writes (what O_DIRECT and GPUDirect Storage want).
 STORAGE_ALIGNMENT = 4096
@@ -42,33 +53,6 @@ STORAGE_ALIGNMENT = 4096
 MapLocation = (
     None | str | torch.device | dict[str, str] | Callable[[torch.UntypedStorage, str], Any]
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class IOReport:
-    """What one save or load did: how many bytes, how fast, through which path."""
-
-    path: str
-    nbytes: int
-    seconds: float
-    #: "posix" (host memory only), "bounce" (device memory via pinned buffers) or "cufile".
-    backend: str
-    direct: bool
-    direct_reason: str | None
-    threads: int
-    storages: int
-    #: With cuFile: "p2p" (true GPUDirect) or "compat" (cuFile bounces through host memory).
-    gds_mode: str | None = None
-    #: Why device memory did not go through cuFile, when it did not.
-    fallback_reason: str | None = None
-    #: load(verify=True): every record's CRC-32 was checked (but those in ``unchecked``).
-    verified: bool = False
-    #: Records whose bytes could not be checked: no CRC-32 stored, or read by cuFile.
-    unchecked: tuple[str, ...] = ()
-
-    @property
-    def gib_per_s(self) -> float:
-        return self.nbytes / 2**30 / self.seconds if self.seconds > 0 else float("inf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,40 +87,6 @@ class RecordInfo:
         return a
 
 
-_last = threading.local()
-
-
-def last_report() -> IOReport | None:
-    """The report of this thread's last ckptio.save or ckptio.load."""
-    return getattr(_last, "report", None)
-
-
-def _report(
-    path: str,
-    t0: float,
-    stats: dict[str, Any],
-    storages: int,
-    verified: bool = False,
-    unchecked: tuple[str, ...] = (),
-) -> IOReport:
-    rep = IOReport(
-        path=path,
-        nbytes=stats["bytes"],
-        seconds=time.perf_counter() - t0,
-        backend=stats["backend"],
-        direct=stats["direct"],
-        direct_reason=stats["direct_reason"],
-        threads=stats["threads"],
-        storages=storages,
-        gds_mode=stats.get("gds_mode"),
-        fallback_reason=stats.get("fallback_reason"),
-        verified=verified,
-        unchecked=unchecked,
-    )
-    _last.report = rep
-    return rep
-
-
 @functools.lru_cache(maxsize=8, typed=True)
 def _engine(
     threads: int | None,
@@ -167,17 +117,60 @@ def _direct_arg(direct: bool | str | None) -> str | None:
     )
 
 
+def _is_path(f: Any) -> bool:
+    return isinstance(f, (str, bytes, os.PathLike))
+
+
 def _path(f: Any, what: str) -> str:
-    if isinstance(f, (str, bytes, os.PathLike)):
+    if _is_path(f):
         return os.fsdecode(f)
-    raise TypeError(
-        f"ckptio.{what} needs a file path (str or os.PathLike), not {type(f).__name__}; "
-        "file objects cannot be replaced atomically"
-    )
+    raise TypeError(f"ckptio.{what} needs a file path (str or os.PathLike), not {type(f).__name__}")
+
+
+def _descriptor(f: Any) -> int | None:
+    """The descriptor behind a file object where the engine can move its bytes:
+    a regular file, not in append mode, positioned at 0 (torch.save and
+    torch.load place the archive at the start of the stream). None otherwise
+    (BytesIO, pipes, sockets, a stream past its start): then the bytes go
+    through the object itself."""
+    try:
+        fd = f.fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or f.tell() != 0:
+            return None
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+            return None
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+    return int(fd)
+
+
+def _object_name(f: Any, fd: int | None = None) -> str:
+    name = getattr(f, "name", None)
+    if isinstance(name, (str, bytes)):
+        return os.fsdecode(name)
+    return f"<{type(f).__name__}>" if fd is None else f"/proc/self/fd/{fd}"
 
 
 # torch's serialization config is process-global: set and restore it under a lock.
 _CONFIG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _crc32_on() -> Iterator[None]:
+    """torch computes the CRC-32 of the records it writes (data.pkl, version...),
+    also where ``torch.serialization.set_crc32_options(False)`` turned it off:
+    ckptio marks its archives as carrying every CRC-32. Data records are not
+    written by torch (skip_data), so this costs nothing."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None or get():
+        yield
+        return
+    set_(True)
+    try:
+        yield
+    finally:
+        set_(False)
 
 
 @contextlib.contextmanager
@@ -193,6 +186,90 @@ def _storage_alignment(n: int) -> Iterator[None]:
         yield
     finally:
         config.save.storage_alignment = old
+
+
+def _capturing_pickle_module(
+    found: dict[str, torch.UntypedStorage], base: Any = pickle
+) -> types.ModuleType:
+    """A pickle module (``base``'s) whose Pickler records which storage
+    torch.save files under which key.
+
+    torch.save subclasses ``pickle_module.Pickler`` to add its ``persistent_id``;
+    ``__init_subclass__`` wraps that method, so the C pickler stays in use.
+    """
+
+    class Pickler(base.Pickler):  # type: ignore[name-defined,misc]
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            inner = cls.persistent_id
+
+            def persistent_id(self: Any, obj: Any) -> Any:
+                pid = inner(self, obj)
+                if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+                    storage = (
+                        obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+                    )
+                    found.setdefault(pid[2], storage)
+                return pid
+
+            cls.persistent_id = persistent_id  # type: ignore[method-assign]
+
+    mod = types.ModuleType("ckptio._capturing_pickle")
+    for name in (
+        "dump",
+        "dumps",
+        "load",
+        "loads",
+        "Unpickler",
+        "HIGHEST_PROTOCOL",
+        "DEFAULT_PROTOCOL",
+        "PickleError",
+        "PicklingError",
+        "UnpicklingError",
+    ):
+        setattr(mod, name, getattr(base, name, getattr(pickle, name)))
+    mod.Pickler = Pickler  # type: ignore[attr-defined]
+    return mod
+
+
+def _write_metadata(
+    obj: object,
+    fh: Any,
+    found: dict[str, torch.UntypedStorage],
+    pickle_module: Any,
+    pickle_protocol: int,
+    disable_byteorder: bool,
+) -> None:
+    """torch.save of everything but the storages' bytes (skip_data), storages at
+    4 KiB, into ``fh``; ``found`` learns which storage went to which record."""
+    with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT), _crc32_on():
+        with torch.serialization.skip_data():
+            torch.save(
+                obj,
+                fh,
+                pickle_module=_capturing_pickle_module(found, pickle_module),
+                pickle_protocol=pickle_protocol,
+                _disable_byteorder_record=disable_byteorder,
+            )
+
+
+def _storage_segments(
+    found: dict[str, torch.UntypedStorage], data: dict[str, tuple[int, int]] | None
+) -> list[tuple[Any, ...]]:
+    """(key, address, nbytes, device) per storage; with ``data`` (record name ->
+    (offset, size)) (offset, address, nbytes, device), checked against the record."""
+    out: list[tuple[Any, ...]] = []
+    for key, st in found.items():
+        dev = _device_code(st, f"storage {key}")
+        if data is None:
+            out.append((key, st.data_ptr(), st.nbytes(), dev))
+            continue
+        rec = data.get(key)
+        if rec is None or rec[1] != st.nbytes():
+            raise _native.FormatError(f"no record of {st.nbytes()} bytes for storage {key}")
+        if st.nbytes():
+            out.append((rec[0], st.data_ptr(), st.nbytes(), dev))
+    return out
 
 
 class _StorageRef:
@@ -380,11 +457,14 @@ def _native_pickler() -> _native.StateDictPickler:
     )
 
 
-def _pickle(obj: object) -> tuple[bytes, list[tuple[str, int, int, int]]]:
-    """(data.pkl's bytes, [(storage key, address, nbytes, device code)] in key
-    order) as torch.save makes them: natively for state dicts (plain tensors,
-    Parameters, containers, str, int, float, bool, None), else by
-    :class:`_Pickler`."""
+#: (storage key, address, nbytes, device code, the storage: its memory's owner)
+_Stored = tuple[str, int, int, int, Any]
+
+
+def _pickle(obj: object) -> tuple[bytes, list[_Stored]]:
+    """(data.pkl's bytes, the storages in key order) as torch.save makes them:
+    natively for state dicts (plain tensors, Parameters, containers, str, int,
+    float, bool, None), else by :class:`_Pickler`."""
     native = _native_pickler().dump(obj)
     if native is not None:
         return native
@@ -395,7 +475,7 @@ def _pickle(obj: object) -> tuple[bytes, list[tuple[str, int, int, int]]]:
     for key, (st, dev) in pickler.storages.items():
         if dev is None:
             dev = _device_code(st, f"storage {key}")
-        found.append((key, st.data_ptr(), st.nbytes(), dev))
+        found.append((key, st.data_ptr(), st.nbytes(), dev, st))
     return buf.getvalue(), found
 
 
@@ -415,12 +495,10 @@ def _serialization_id() -> bytes:
     return f"{secrets.randbits(64):020d}{secrets.randbits(64):020d}".encode()
 
 
-def _archive_entries(
-    pkl: bytes, storages: list[tuple[str, int, int, int]]
-) -> list[tuple[str, Any, int]]:
+def _archive_entries(pkl: bytes, storages: list[_Stored]) -> list[tuple[str, Any, int]]:
     """The records of a torch.save archive, in torch's order: the pickle, the
     format records, each storage ((address, nbytes, device code)), the version."""
-    large = [n >= PACK_BELOW for _, _, n, _ in storages if n]
+    large = [n >= PACK_BELOW for _, _, n, _, _ in storages if n]
     big = STORAGE_ALIGNMENT if any(large) else TORCH_ALIGNMENT
     uniform = all(large) or not any(large)
     p = _PREFIX
@@ -436,46 +514,49 @@ def _archive_entries(
     small = TORCH_ALIGNMENT
     entries += [
         (f"{p}/data/{key}", (ptr, n, dev), big if n == 0 or n >= PACK_BELOW else small)
-        for key, ptr, n, dev in storages
+        for key, ptr, n, dev, _ in storages
     ]
     entries.append((f"{p}/version", b"3\n", TORCH_ALIGNMENT))
     entries.append((f"{p}/.data/serialization_id", _serialization_id(), TORCH_ALIGNMENT))
     return entries
 
 
-def _device_code(storage: torch.UntypedStorage, what: str) -> int:
-    """-1 for host memory, the CUDA ordinal for device memory."""
-    dev = storage.device
-    if dev.type == "cpu":
-        return -1
-    if dev.type == "cuda":
-        return dev.index if dev.index is not None else torch.cuda.current_device()
-    raise ValueError(f"{what} is on device {dev}; ckptio moves cpu and cuda storages only")
-
-
-def _sync_cuda(devices: set[int]) -> None:
-    """Work queued on the current streams is finished before bytes are copied."""
-    for d in sorted(devices):
-        if d >= 0:
-            torch.cuda.current_stream(d).synchronize()
-
-
 def save(
     obj: object,
-    f: str | os.PathLike[str],
+    f: str | os.PathLike[str] | Any,
+    pickle_module: Any = pickle,
+    pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL,
+    _use_new_zipfile_serialization: bool = True,
+    _disable_byteorder_record: bool = False,
     *,
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
     backend: str | None = None,
-) -> IOReport:
+) -> None:
     """Save ``obj`` like ``torch.save(obj, f)``, fast and crash-safe.
 
-    The file is a regular torch.save zip archive (plain ``torch.load`` reads it)
-    whose storages of ``PACK_BELOW`` bytes or more start at multiples of 4096
-    bytes, smaller ones packed at torch's 64 bytes. It is written to a temp
-    file in the same folder and renamed over ``f`` only once complete and
-    fsynced: a failed or killed save leaves the previous file untouched.
+    Takes torch.save's arguments with their meaning. The file is a regular
+    torch.save zip archive (plain ``torch.load`` reads it, also with
+    ``mmap=True``) whose storages of ``PACK_BELOW`` bytes or more start at
+    multiples of 4096 bytes, smaller ones packed at torch's 64 bytes (with a
+    ``pickle_module`` or ``pickle_protocol`` of the caller's, or
+    ``_disable_byteorder_record``, torch pickles and every storage starts at
+    4096). It is written to a temp file in the same folder
+    and renamed over ``f`` only once complete and fsynced: a failed or killed
+    save leaves the previous file untouched. Returns None, as torch.save does;
+    ``ckptio.last_report()`` says how it ran.
+
+    ``f`` may also be a file object, as for torch.save. Over a regular file
+    (``open(path, "wb")``, at position 0, not in append mode) the metadata goes
+    through the object and the storages' bytes through the engine straight
+    into the same file (O_DIRECT where the file takes it); what is lost is the
+    atomic replace and fsync (the caller owns the file: a crash midway leaves
+    it torn) and the data records' CRC-32 (0: "unchecked" for ``verify``).
+    Other objects (BytesIO, pipes) get the same bytes written through the
+    object by torch itself (no engine, no O_DIRECT, no atomic replace).
+    ``_use_new_zipfile_serialization=False`` (torch's legacy format) is written
+    by torch itself, atomically for a path.
 
     threads / chunk_size: I/O threads and bytes per chunk (defaults from
     CKPTIO_THREADS / CKPTIO_CHUNK_SIZE, else 8 and 16 MiB; files on tmpfs get
@@ -485,25 +566,133 @@ def save(
     direct: O_DIRECT "auto" (default: where the filesystem takes it), True/"on"
     (required) or False/"off". backend: how CUDA storages move, "auto" (default, or
     CKPTIO_BACKEND: cuFile where it can register the file, else pinned bounce
-    buffers), "cufile" (or an error) or "posix" (bounce buffers).
-    Work queued on the current CUDA streams is finished before bytes are copied.
+    buffers), "cufile" (or an error) or "bounce" (pinned bounce buffers; "posix"
+    is an older name for it). The report says which ran (``device_path``).
+    Bytes are copied after the work queued on the current CUDA streams (the
+    copies wait for it on the GPU; the host is not blocked for it).
     """
-    path = _path(f, "save")
+    _file_like(f, "save", "write")
+    torch_args = (pickle_module, pickle_protocol, _disable_byteorder_record)
     d = _direct_arg(direct)
     t0 = time.perf_counter()
     engine = _engine(threads, chunk_size, d)
-    with _gc_paused():
-        pkl, storages = _pickle(obj)
-        entries = _archive_entries(pkl, storages)
+    if not _is_path(f):
+        _save_object(obj, f, torch_args, _use_new_zipfile_serialization, engine, d, backend, t0)
+        return
+    path = _path(f, "save")
+    if _use_new_zipfile_serialization and _packs(*torch_args):
+        _save_packed(obj, path, engine, d, backend, t0)
+        return
     writer = _native.AtomicWriter(path, d, backend)
     try:
-        _sync_cuda({e[1][2] for e in entries if isinstance(e[1], tuple)})
-        stats = writer.write_archive(engine, entries, _PREFIX)
+        found: dict[str, torch.UntypedStorage] = {}
+        try:
+            with os.fdopen(os.dup(writer.fileno()), "wb") as fh:
+                if not _use_new_zipfile_serialization:  # no records to place: torch writes it
+                    torch.save(obj, fh, pickle_module, pickle_protocol, False, *torch_args[2:])
+                else:
+                    _write_metadata(obj, fh, found, *torch_args)
+        except OSError as e:
+            if e.errno is None or e.filename is not None:
+                raise
+            # torch wrote the metadata through a file object: name the file.
+            raise OSError(
+                e.errno, f"writing checkpoint metadata failed: {e.strerror}", writer.tmp_path
+            ) from e
+        if _use_new_zipfile_serialization:
+            storages = _storage_segments(found, None)
+            stats = _transfer.write_storages(writer, engine, storages, list(found.values()))
+        else:
+            stats = _torch_stats(os.path.getsize(writer.tmp_path), "legacy format: torch wrote it")
         writer.commit()
     except BaseException:
         writer.abort()
         raise
-    return _report(path, t0, stats, len(storages))
+    _report(path, t0, stats, len(found))
+
+
+def _packs(pickle_module: Any, pickle_protocol: int, disable_byteorder: bool) -> bool:
+    """Whether ckptio pickles and lays out the archive itself: torch.save's own
+    pickle arguments (:class:`_Pickler` writes protocol 2 as torch's default
+    pickler does)."""
+    return pickle_module is pickle and pickle_protocol == 2 and not disable_byteorder
+
+
+def _save_packed(
+    obj: object,
+    path: str,
+    engine: _native.Engine,
+    direct: str | None,
+    backend: str | None,
+    t0: float,
+) -> None:
+    """``save`` to a path, the archive laid out here (small storages packed) and
+    written by the engine in one pass."""
+    with _gc_paused():
+        pkl, storages = _pickle(obj)
+        entries = _archive_entries(pkl, storages)
+    writer = _native.AtomicWriter(path, direct, backend)
+    try:
+        owners = [s[4] for s in storages]
+        stats = _transfer.write_archive(writer, engine, entries, _PREFIX, owners)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    _report(path, t0, stats, len(storages))
+
+
+def _torch_stats(nbytes: int, why: str) -> dict[str, Any]:
+    """A report's stats where torch moved the bytes itself."""
+    return {
+        "bytes": nbytes,
+        "backend": "auto",
+        "device_path": None,
+        "direct": False,
+        "direct_reason": why,
+        "threads": 1,
+    }
+
+
+def _save_object(
+    obj: object,
+    f: Any,
+    torch_args: tuple[Any, int, bool],
+    new_zip: bool,
+    engine: _native.Engine,
+    direct: str | None,
+    backend: str | None,
+    t0: float,
+) -> None:
+    """``save`` into a file object (see its docstring)."""
+    fd = _descriptor(f) if new_zip else None
+    dev_file = None
+    if fd is not None:
+        try:  # a second open of the very file, for the engine
+            dev_file = _native.DeviceFile(f"/proc/self/fd/{fd}", True, direct, backend)
+        except OSError:  # e.g. the file's mode forbids a new open for writing
+            dev_file = None
+    name = _object_name(f, fd)
+    if dev_file is None:
+        start = f.tell() if hasattr(f, "tell") else 0
+        with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT), _crc32_on():
+            torch.save(obj, f, torch_args[0], torch_args[1], new_zip, torch_args[2])
+        n = f.tell() - start if hasattr(f, "tell") else 0
+        _report(name, t0, _torch_stats(n, "a file object without a usable descriptor"), 0)
+        return
+    found: dict[str, torch.UntypedStorage] = {}
+    f.flush()
+    _write_metadata(obj, f, found, *torch_args)
+    f.flush()
+    records_ = _native.map_archive(f"/proc/self/fd/{fd}")
+    data = {
+        name_.rpartition("/data/")[2]: (off, size)
+        for name_, off, size in records_
+        if "/data/" in name_
+    }
+    segments = _storage_segments(found, data)
+    stats = _transfer.write(dev_file, engine, segments, list(found.values()))
+    _report(name, t0, stats, len(found))
 
 
 class _Restorer:
@@ -573,10 +762,8 @@ def _empty_storage(nbytes: int, device: torch.device, phase: int = 0) -> torch.U
     boundary (a file offset's distance from one) so that O_DIRECT reads land in
     them without a staging copy. (The aligned slice keeps its allocation alive,
     as torch.load's mmap slices do; like those, it cannot be resized.)"""
-    if device.type != "cpu":
+    if device.type != "cpu" or nbytes < _ALIGNED_ALLOC_MIN:
         return torch.UntypedStorage(nbytes, device=device)
-    if nbytes < _ALIGNED_ALLOC_MIN:
-        return torch.UntypedStorage(nbytes)
     raw = torch.UntypedStorage(nbytes + STORAGE_ALIGNMENT)
     skip = (phase - raw.data_ptr()) % STORAGE_ALIGNMENT
     return raw[skip : skip + nbytes]
@@ -667,10 +854,11 @@ def _file_offsets(
 
 
 def load(
-    f: str | os.PathLike[str],
+    f: str | os.PathLike[str] | Any,
     map_location: MapLocation = None,
-    weights_only: bool = True,
+    pickle_module: Any = None,
     *,
+    weights_only: bool | None = None,
     mmap: bool | None = None,
     threads: int | None = None,
     chunk_size: int | None = None,
@@ -681,37 +869,68 @@ def load(
 ) -> Any:
     """Load a torch.save zip checkpoint like ``torch.load``, bytes read in parallel.
 
-    Reads any torch.save zip file (also 64-byte-aligned ones from plain
-    torch.save). ``map_location`` and ``weights_only`` mean what they mean for
-    torch.load (``weights_only`` defaults to True: a pickle that is not plain
-    tensors and containers is refused). Views and shared storages stay shared.
-    ``mmap=True`` is handed to torch.load as is (a lazy, mapped load).
-    Storages mapped to a CUDA device are read straight into device memory
-    (cuFile or pinned bounce buffers, see ``save``'s ``backend``) and are ready
-    for kernels on any stream when load returns. ``ckptio.last_report()`` says
-    which path ran.
+    Takes torch.load's arguments with their meaning (``weights_only`` resolves
+    as torch resolves it: True unless a ``pickle_module`` is given or
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says otherwise). Reads any torch.save zip
+    file (also 64-byte-aligned ones from plain torch.save). Views and shared
+    storages stay shared. Storages mapped to a CUDA device are read straight
+    into device memory (cuFile or pinned bounce buffers, see ``save``'s
+    ``backend``) and are ready for kernels on any stream when load returns.
+    ``ckptio.last_report()`` says which path ran.
+
+    Where ckptio cannot do better, torch.load runs as is, on the same file:
+    ``mmap=True``; ``map_location="meta"`` and under ``FakeTensorMode`` (no
+    bytes to read); tensor subclasses that torch rebuilds from the
+    ``map_location`` itself; byte-swapped storages; TorchScript and
+    torch's legacy (non-zip) files. A path ending in ``.safetensors`` is read
+    by ``ckptio.safetensors.load_file``, as torch.load hands it to safetensors.
+    ``f`` may be a file object: over a regular file (at position 0) the engine
+    reads the very file behind its descriptor; other objects (BytesIO) go
+    through torch.load.
 
     ``verify=True`` checks every record against its CRC-32 before returning:
     the pickle before it is unpickled, each storage over the bytes read (in
     the I/O threads), and raises ``ckptio.FormatError`` naming the first bad
     record. Records without a stored CRC-32, and those read by cuFile, are
-    listed in ``last_report().unchecked``.
+    listed in ``last_report().unchecked``. It needs a path or a file object
+    over a regular file.
     """
     t0 = time.perf_counter()
-    path = _path(f, "load")
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, not {type(verify).__name__}")
-    if verify and (mmap or not _reads_natively(path)):
+    _file_like(f, "load", "read")
+    torch_kw: dict[str, Any] = dict(
+        pickle_module=pickle_module, weights_only=weights_only, **pickle_load_args
+    )
+    if not _is_path(f):
+        fd = _descriptor(f)
+        if fd is None:
+            if verify:
+                raise ValueError(
+                    f"load(verify=True) needs a path or a file object over a regular file, "
+                    f"not {type(f).__name__}"
+                )
+            return _by_torch(
+                t0,
+                f,
+                "a file object without a usable descriptor",
+                map_location,
+                mmap=mmap,
+                **torch_kw,
+            )
+        path = f"/proc/self/fd/{fd}"
+        shown = _object_name(f, fd)
+    else:
+        path = shown = _path(f, "load")
+        if path.endswith(".safetensors"):
+            return _load_safetensors(path, map_location, threads, chunk_size, direct, backend)
+    torch_only = bool(mmap) or _torch_only(path, map_location)
+    if verify and (torch_only or not _reads_natively(path)):
         # torch reads the bytes itself here: check the whole file first.
         _verify_all(path, threads, chunk_size, direct)
-    if mmap:
-        return torch.load(
-            path,
-            map_location=map_location,
-            weights_only=weights_only,
-            mmap=True,
-            **pickle_load_args,
-        )
+    if torch_only:
+        why = "mmap" if mmap else "nothing to read, or not a zip archive"
+        return _by_torch(t0, path, why, map_location, mmap=mmap, **torch_kw)
     if not (
         map_location is None
         or isinstance(map_location, (str, torch.device, dict))
@@ -723,16 +942,21 @@ def load(
         )
     d = _direct_arg(direct)
     engine = _engine(threads, chunk_size, d)
-    reader = _open(path, d, backend)
+    try:
+        reader = _open(path, d, backend)
+    except _native.FormatError:
+        if not _is_torchscript(path):
+            raise
+        return _by_torch(t0, path, "a TorchScript archive", map_location, **torch_kw)
     records_ = reader.records()
     prefix = reader.prefix
     names = {name for name, _, _ in records_}
     byteorder = f"{prefix}/byteorder"
     if byteorder in names and reader.read_record(byteorder).decode() != sys.byteorder:
         # Byte-swapped storages are rare: let torch swap them.
-        return torch.load(
-            path, map_location=map_location, weights_only=weights_only, **pickle_load_args
-        )
+        return _by_torch(t0, path, "byte-swapped storages", map_location, **torch_kw)
+    if f"{prefix}/constants.pkl" in names:  # TorchScript: torch.load hands it to torch.jit
+        return _by_torch(t0, path, "a TorchScript archive", map_location, **torch_kw)
     data_prefix = f"{prefix}/data/"
     data = {off: size for name, off, size in records_ if name.startswith(data_prefix)}
     unchecked: list[str] = []
@@ -740,26 +964,32 @@ def load(
         small = [name for name, _, _ in records_ if not name.startswith(data_prefix)]
         rows = reader.verify(engine, small, strict=True)
         unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
-    fast = _plan_fast(path, reader, records_, prefix, map_location, pickle_load_args)
+    fast = None
+    if pickle_module is None and not pickle_load_args:
+        fast = _plan_fast(path, reader, records_, prefix, map_location)
     if fast is not None:
-        segments, build = fast
-        obj = None
+        segments, owners, build = fast
     else:
         restorer = _Restorer(map_location, list(data.values()))
         # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
         # replaced meanwhile by a concurrent save.
-        obj = torch.load(
-            f"/proc/self/fd/{reader.fileno()}",
-            map_location=restorer,
-            weights_only=weights_only,
-            mmap=True,
-            **pickle_load_args,
-        )
-        segments = _restored_segments(restorer, data, path)
+        try:
+            obj = torch.load(
+                f"/proc/self/fd/{reader.fileno()}", map_location=restorer, mmap=True, **torch_kw
+            )
+        except RuntimeError as e:
+            if not str(e).startswith("Callable map_location not supported") or callable(
+                map_location
+            ):
+                raise
+            # A tensor subclass that torch rebuilds from map_location itself, which
+            # must then be the caller's own (a str, device or dict): torch loads it.
+            src = f"/proc/self/fd/{reader.fileno()}"
+            return _by_torch(t0, src, "a tensor subclass", map_location, **torch_kw)
+        segments, owners = _restored_segments(restorer, data, path)
     # Memory handed out by the caching allocator may still be in use by work
-    # queued on the current stream; the engine writes it from its own streams.
-    _sync_cuda({s[3] for s in segments})
-    stats = reader.read_into(engine, segments, verify)
+    # queued on the current stream: the engine's copies are ordered after it.
+    stats = _transfer.read(reader, engine, segments, owners, verify=verify)
     if fast is not None:
         obj = build()
     if verify:
@@ -769,18 +999,19 @@ def load(
         if rest:  # records torch filled itself (other devices, callables)
             rows = reader.verify(engine, rest, strict=True)
             unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
-        _report(path, t0, stats, len(segments), True, tuple(unchecked))
+        _report(shown, t0, stats, len(segments), True, tuple(unchecked))
     else:
-        _report(path, t0, stats, len(segments))
+        _report(shown, t0, stats, len(segments))
     return obj
 
 
 def _restored_segments(
     restorer: _Restorer, data: dict[int, int], path: str
-) -> list[tuple[int, int, int, int]]:
-    """The engine's reads for the storages torch.load handed to the restorer."""
+) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]:
+    """The engine's reads for the storages torch.load handed to the restorer,
+    and their owners."""
     offsets = _file_offsets(restorer.pending, data, path)
-    segments = []
+    segments, owners = [], []
     for off, (_, n, dest) in zip(offsets, restorer.pending, strict=True):
         if dest.nbytes() != n:
             # The pickle grew a storage past its record (torch's own mmap load refuses).
@@ -789,7 +1020,8 @@ def _restored_segments(
             )
         if n:
             segments.append((off, dest.data_ptr(), n, _device_code(dest, "destination")))
-    return segments
+            owners.append(dest)
+    return segments, owners
 
 
 @functools.cache
@@ -920,16 +1152,15 @@ def _plan_fast(
     records_: list[tuple[str, int, int]],
     prefix: str,
     map_location: MapLocation,
-    pickle_load_args: dict[str, Any],
-) -> tuple[list[tuple[int, int, int, int]], Callable[[], Any]] | None:
+) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage], Callable[[], Any]] | None:
     """Load without torch.load: the pickle read natively (:func:`_native_pickle`),
     each storage allocated on its destination, the object made once the engine
-    has read the bytes (:func:`_rebuild`). Returns (the engine's reads, the
-    builder), or None where torch.load must run: see :func:`_native_pickle`,
-    and a callable map_location, pickle arguments, a location the engine does
-    not fill.
+    has read the bytes (:func:`_rebuild`). Returns (the engine's reads, their
+    owners, the builder), or None where torch.load must run: see
+    :func:`_native_pickle`, and a callable map_location, a location the engine
+    does not fill.
     """
-    if pickle_load_args or (callable(map_location) and not isinstance(map_location, torch.device)):
+    if callable(map_location) and not isinstance(map_location, torch.device):
         return None
     got = _native_pickle(reader, records_, prefix)
     if got is None:
@@ -947,7 +1178,7 @@ def _plan_fast(
     if isinstance(map_location, (str, torch.device)):
         for dev in {d for d in dests if d.type == "cuda"}:
             _reserve_cuda(dev, [f[1] for f in found])
-    storages = []
+    storages: list[torch.UntypedStorage] = []
     segments = []
     for (off, n, _, _), dev in zip(found, dests, strict=True):
         st = _empty_storage(n, dev, off % STORAGE_ALIGNMENT)
@@ -955,7 +1186,87 @@ def _plan_fast(
         if n:
             segments.append((off, st.data_ptr(), n, -1 if dev.type == "cpu" else dev.index))
     dtypes = [f[2] for f in found]
-    return segments, lambda: _rebuild(parsed, storages, dtypes, path)
+    return segments, storages, lambda: _rebuild(parsed, storages, dtypes, path)
+
+
+def _by_torch(t0: float, src: Any, why: str, *args: Any, **kwargs: Any) -> Any:
+    """torch.load as is; the report says so."""
+    obj = torch.load(src, *args, **kwargs)
+    try:
+        n = os.path.getsize(src) if _is_path(src) else 0
+    except OSError:
+        n = 0
+    name = os.fsdecode(src) if _is_path(src) else _object_name(src)
+    _report(name, t0, _torch_stats(n, f"torch.load read it: {why}"), 0)
+    return obj
+
+
+def _is_torchscript(path: str) -> bool:
+    """A TorchScript zip (compressed code records, which torch.load hands to torch.jit)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/constants.pkl") for n in z.namelist())
+    except Exception:  # noqa: BLE001 - a zip Python cannot read is no TorchScript to hand on
+        return False
+
+
+def _torch_only(path: str, map_location: MapLocation) -> bool:
+    """Whether torch.load must run as is: nothing to read (meta, FakeTensorMode)
+    or torch's legacy (non-zip) format. Other files that are no zip archive stay
+    ckptio's to refuse (FormatError)."""
+    if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "meta":
+        return True
+    if torch._guards.detect_fake_mode(None) is not None:
+        return True
+    with open(path, "rb") as fh:
+        return _is_legacy(fh.read(14))
+
+
+def _is_legacy(head: bytes) -> bool:
+    """torch's legacy format starts with its magic number, pickled (protocol >= 2:
+    PROTO n, LONG1 of 10 bytes)."""
+    magic = int(torch.serialization.MAGIC_NUMBER).to_bytes(10, "little")
+    return len(head) == 14 and head[0] == 0x80 and head[2:4] == b"\x8a\x0a" and head[4:] == magic
+
+
+def _file_like(f: Any, what: str, method: str) -> None:
+    """A save or load target that is neither a path nor a file object is a TypeError."""
+    if not _is_path(f) and not callable(getattr(f, method, None)):
+        raise TypeError(
+            f"ckptio.{what} needs a file path (str or os.PathLike) or a file object, "
+            f"not {type(f).__name__}"
+        )
+
+
+def _load_safetensors(
+    path: str,
+    map_location: MapLocation,
+    threads: int | None,
+    chunk_size: int | None,
+    direct: bool | str | None,
+    backend: str | None,
+) -> Any:
+    """torch.load of a ``.safetensors`` path: safetensors' load_file, to the device
+    a str or torch.device map_location names (torch refuses dicts and callables)."""
+    from ckptio import safetensors as cst
+
+    if isinstance(map_location, dict) or (
+        callable(map_location) and not isinstance(map_location, torch.device)
+    ):
+        kind = "dict" if isinstance(map_location, dict) else "callable"
+        raise RuntimeError(
+            f"Loading safetensors file with {kind} map_location is not supported. "
+            "Use a device string or torch.device instead."
+        )
+    device = "cpu" if map_location is None else str(map_location)
+    return cst.load_file(
+        path,
+        device,
+        threads=threads,
+        chunk_size=chunk_size,
+        direct=direct,
+        device_backend=backend,
+    )
 
 
 def _reads_natively(path: str) -> bool:

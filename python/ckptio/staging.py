@@ -89,6 +89,9 @@ class StagingOptions:
       ``stage()``; the headroom also covers what training allocates meanwhile (a
       save whose buffers cannot be allocated fails; the next one checks again).
     - ``threads``: copy threads (default ``CKPTIO_THREADS``, else 8 to 16 by core count).
+
+    Pinned staging buffers count against ckptio's cap on pinned memory
+    (``CKPTIO_PINNED_LIMIT``); buffers past it stay pageable.
     """
 
     use_pinned_memory: bool = True
@@ -101,12 +104,11 @@ class StagingOptions:
 
 
 def _default_threads() -> int:
-    """CKPTIO_THREADS, else 8 to 16 by core count (first snapshots fault pages in
-    in these threads, which scales with cores)."""
-    try:
-        return max(1, int(os.environ["CKPTIO_THREADS"]))
-    except (KeyError, ValueError):
-        return max(8, min(16, os.cpu_count() or 8))
+    """CKPTIO_THREADS (read as the engine reads it: a malformed value is a
+    ValueError), else 8 to 16 by core count (first snapshots fault pages in in
+    these threads, which scales with cores)."""
+    n = _native.env_threads()
+    return n if n is not None else max(8, min(16, os.cpu_count() or 8))
 
 
 class _Buffer:
@@ -196,7 +198,7 @@ class _HostBuffer(_Buffer):
     def _allocate(self) -> torch.UntypedStorage:
         storage = _host_storage(self.nbytes, self.shared)
         self.pin = _native.HostPin(
-            storage.data_ptr(), self.nbytes, pin=self.pinned, chunk_size=_PIN_CHUNK
+            storage, storage.data_ptr(), self.nbytes, pin=self.pinned, chunk_size=_PIN_CHUNK
         )
         return storage
 
@@ -502,6 +504,8 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         # Small storages staged in shared slabs (their staged tensors are then
         # views of one storage per slab; see _SLAB_BELOW).
         self._slabs = True
+        if self._pinned:  # a malformed CKPTIO_PINNED_LIMIT is an error here too
+            _native.pinned_memory()
         #: Seconds the caller was blocked in the last ``stage()`` call.
         self.last_stage_call_s = 0.0
         self.last_stats: dict[str, Any] = {}
@@ -754,13 +758,15 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                     side = self._side_streams[dev] = torch.cuda.Stream(device=dev)
                 sides.append(side)
                 side.wait_event(events[dev])  # a tensor on dev: dev has a context
-                _native.stage_device_copy(dev, side.cuda_stream, copies)
+                _native.stage_device_copy(dev, side.cuda_stream, copies, plan.sources)
             self.last_stats = {"bytes": 0}
             jobs = plan.host_copies()
             if jobs:
                 for dev in plan.devices():
                     events[dev].synchronize()
-                self.last_stats = dict(_native.stage_copy(jobs, threads=self._threads))
+                self.last_stats = dict(
+                    _native.stage_copy(jobs, plan.sources, threads=self._threads)
+                )
             self.last_stats["staged_bytes"] = plan.nbytes()
         finally:
             # No copy may outlive the sources it reads, error or not.

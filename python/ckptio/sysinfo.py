@@ -10,8 +10,9 @@ from ckptio import _native
 
 def info(folder: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """CUDA driver found or not, cuFile found or not (version, nvidia-fs or compat
-    mode, /run/udev), and for ``folder``: whether files there take O_DIRECT and
-    cuFile handles, and why not. Never raises for a missing library."""
+    mode, /run/udev), the pinned memory ckptio holds and its cap, and for
+    ``folder``: whether files there take O_DIRECT and cuFile handles, and why
+    not. Never raises for a missing library."""
     return _native.info(os.fspath(folder) if folder is not None else None)
 
 
@@ -42,6 +43,14 @@ def format_info(d: dict[str, Any]) -> str:
     ]
     if f["found"] and f["reason"]:
         lines.append(f"             {f['reason']}")
+    pin = d.get("pinned")
+    if pin is not None:
+        limit = pin["limit"]
+        lines.append(
+            f"Pinned:      {pin['held'] / 2**20:.1f} MiB held by ckptio, limit "
+            + (f"{limit / 2**30:.1f} GiB" if limit is not None else "unreadable")
+            + " (CKPTIO_PINNED_LIMIT; ckptio.release_buffers() gives idle buffers back)"
+        )
     if "folder" in d:
         x = d["folder"]
         lines.append(f"folder {x['path']}:")

@@ -1,5 +1,6 @@
 //! `DeviceFile`: an open file for storages at given offsets (what
-//! `ckptio.GdsFile` wraps), and cuFile buffer registrations.
+//! `ckptio.GdsFile` wraps and the safetensors and DCP readers use), and
+//! cuFile buffer registrations.
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -7,48 +8,22 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::engine::Stats;
-use crate::gpu::{Backend, DevicePath};
+use crate::engine::TransferFile;
 use crate::io::file::IoFile;
 use crate::Error;
 
 use super::engine::Engine;
-use super::{ensure_device_path, file_modes, report, to_segments, RawSegment};
+use super::{detached, file_modes, report_dict, write_dict, Ask, Owners, RawSegment, Streams};
 
-/// An open file for moving storages at given offsets (what `ckptio.GdsFile` wraps).
+/// An open file for moving memory to and from given offsets.
 ///
-/// `register_handle` picks the device path (cuFile, or the bounce pipeline when
-/// cuFile cannot take the file); transfers work either way.
+/// Its device path (cuFile where it takes the file, else the bounce pipeline)
+/// opens on the first transfer of device memory or on `register_handle`, and
+/// stays until `deregister_handle`, after which device memory takes the bounce
+/// pipeline until `register_handle` opens it again.
 #[pyclass(frozen, module = "ckptio._native")]
 pub struct DeviceFile {
-    // Field order is drop order: the cuFile handle before the fd.
-    device: Mutex<Option<DevicePath>>,
-    io: IoFile,
-    backend: Backend,
-}
-
-impl DeviceFile {
-    fn with_path<T>(&self, f: impl FnOnce(&DevicePath) -> T) -> Option<T> {
-        self.device
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(f)
-    }
-
-    fn transfer(&self, engine: &Engine, seg: RawSegment, write: bool) -> Result<Stats, Error> {
-        let segs = to_segments(vec![seg]);
-        let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: the Python caller keeps the storage alive and untouched for
-        // the duration of the call (documented contract).
-        unsafe {
-            if write {
-                engine.inner.write_via(&self.io, &segs, g.as_ref(), false)
-            } else {
-                engine.inner.read_via(&self.io, &segs, g.as_ref(), false)
-            }
-        }
-    }
+    file: TransferFile,
 }
 
 #[pymethods]
@@ -75,150 +50,149 @@ impl DeviceFile {
                 IoFile::open_read(&path, mode)?
             };
             Ok::<_, Error>(DeviceFile {
-                device: Mutex::new(None),
-                io,
-                backend,
+                file: TransferFile::new(io, backend),
             })
         })
         .map_err(Into::into)
     }
 
-    /// Choose the device path: cuFile where it works (or an error when the
-    /// backend is forced to cuFile), else the bounce pipeline.
+    /// Open the device path now: cuFile where it takes the file (an error
+    /// when the backend is "cufile" and it cannot), else the bounce pipeline.
     fn register_handle(&self, py: Python<'_>) -> PyResult<()> {
-        let mut g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-        if g.is_none() {
-            // SAFETY: `device` is declared before `io`, so it drops first.
-            *g = Some(
-                py.detach(|| unsafe { crate::gpu::open_device_path(&self.io, self.backend) })?,
-            );
-        }
+        py.detach(|| self.file.open_device_path())?;
         Ok(())
     }
 
-    fn deregister_handle(&self) {
-        self.device.lock().unwrap_or_else(|p| p.into_inner()).take();
+    /// Close the device path (cuFileHandleDeregister, once transfers still
+    /// using the handle end); device memory then takes the bounce pipeline.
+    fn deregister_handle(&self, py: Python<'_>) {
+        py.detach(|| self.file.close_device_path());
     }
 
-    /// "cufile", "bounce", or None before register_handle.
+    /// The backend asked for: "auto", "cufile" or "bounce".
     #[getter]
-    fn backend(&self) -> Option<&'static str> {
-        self.with_path(DevicePath::name)
+    fn backend(&self) -> &'static str {
+        self.file.backend().name()
     }
 
+    /// The device path open now: "cufile", "bounce", or None (not opened yet,
+    /// or closed by deregister_handle).
+    #[getter]
+    fn device_path(&self) -> Option<&'static str> {
+        self.file.path_state().map(|p| p.name)
+    }
+
+    /// With cuFile: "p2p" or "compat".
     #[getter]
     fn gds_mode(&self) -> Option<&'static str> {
-        self.with_path(DevicePath::gds_mode).flatten()
+        self.file.path_state().and_then(|p| p.gds_mode)
     }
 
+    /// Why the open device path is not cuFile, when it is not.
     #[getter]
     fn fallback_reason(&self) -> Option<String> {
-        self.with_path(|p| p.fallback_reason().map(str::to_owned))
-            .flatten()
-    }
-
-    /// Write `nbytes` at `addr` (device -1 = host) to the file at `offset`.
-    fn write(
-        &self,
-        py: Python<'_>,
-        engine: &Engine,
-        offset: u64,
-        addr: u64,
-        nbytes: u64,
-        device: i32,
-    ) -> PyResult<()> {
-        py.detach(|| self.transfer(engine, (offset, addr, nbytes, device), true))?;
-        Ok(())
-    }
-
-    /// Read `nbytes` from the file at `offset` into `addr`.
-    fn read(
-        &self,
-        py: Python<'_>,
-        engine: &Engine,
-        offset: u64,
-        addr: u64,
-        nbytes: u64,
-        device: i32,
-    ) -> PyResult<()> {
-        py.detach(|| self.transfer(engine, (offset, addr, nbytes, device), false))?;
-        Ok(())
+        self.file.path_state().and_then(|p| p.fallback_reason)
     }
 
     /// The buffered descriptor of the open file (for reading a header beside the engine).
     fn fileno(&self) -> i32 {
         use std::os::fd::AsRawFd;
-        self.io.file().as_raw_fd()
+        self.file.io().file().as_raw_fd()
     }
 
     /// Read file ranges into memory in one engine pass: `segments` =
-    /// [(file offset, address, nbytes, device)], device -1 for host memory.
-    /// A range past the end of the file is a `FormatError`; the device path
-    /// (cuFile or bounce) is chosen on first need, as `register_handle` does.
-    ///
-    /// The caller keeps every destination alive and untouched until this returns.
+    /// [(file offset, address, nbytes, device)], device -1 for host memory,
+    /// after the work queued on `streams` ([(device, CUstream)]). A range past
+    /// the end of the file is a `FormatError`. `owners` (the objects owning
+    /// the destinations) are held until this returns; nobody else may touch
+    /// the destinations meanwhile.
     fn read_segments<'py>(
         &self,
         py: Python<'py>,
         engine: &Engine,
         segments: Vec<RawSegment>,
+        owners: Owners,
+        streams: Streams,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let engine = engine.inner.clone();
-        // The lock is taken and released while detached: a thread waiting for
-        // it never holds the interpreter.
-        let stats = py.detach(|| {
-            let len = self.io.len()?;
-            for (i, &(off, _, n, _)) in segments.iter().enumerate() {
-                if off.checked_add(n).is_none_or(|end| end > len) {
-                    return Err(Error::format(
-                        Some(self.io.path()),
-                        format!(
-                            "segment {i} (bytes {off}..{}) lies past the end of the file ({len} bytes)",
-                            off.saturating_add(n)
-                        ),
-                    ));
-                }
-            }
-            let segs = to_segments(segments);
-            let mut g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-            // SAFETY: `self.device` is declared before `self.io`, so it drops first.
-            let path = unsafe { ensure_device_path(&mut g, &self.io, self.backend, &segs)? };
-            // SAFETY: the Python caller keeps each destination alive and
-            // untouched for the duration of this call (documented contract).
-            unsafe { engine.read_via(&self.io, &segs, path, false) }
+        let ask = Ask {
+            streams,
+            ..Ask::default()
+        };
+        // SAFETY: the owners keep every destination allocated until this
+        // returns; the caller leaves them untouched (documented contract) and
+        // hands its own streams.
+        let rep = detached(py, engine, segments, owners, ask, |e, s, r| unsafe {
+            self.file.read(e, s, r)
         })?;
-        let g = self.device.lock().unwrap_or_else(|p| p.into_inner());
-        report(py, stats, &self.io, g.as_ref())
+        report_dict(py, &rep)
+    }
+
+    /// Write memory ranges to the file: `segments`, `owners` and `streams` as
+    /// for `read_segments`; nobody may modify the sources until this returns.
+    /// `file_len` and `checksum` as for `AtomicWriter.write_segments`.
+    #[pyo3(signature = (engine, segments, owners, streams, file_len=None, checksum=false))]
+    #[allow(clippy::too_many_arguments)] // the Python signature
+    fn write_segments<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        segments: Vec<RawSegment>,
+        owners: Owners,
+        streams: Streams,
+        file_len: Option<u64>,
+        checksum: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let ask = Ask {
+            streams,
+            file_len,
+            checksum,
+            ..Ask::default()
+        };
+        // SAFETY: as in read_segments, for sources.
+        let rep = detached(py, engine, segments, owners, ask, |e, s, r| unsafe {
+            self.file.write(e, s, r)
+        })?;
+        write_dict(py, &rep, checksum)
     }
 }
 
-/// A cuFileBufRegister registration; deregistered when dropped or on `close()`.
+/// A cuFileBufRegister registration and the object owning its memory (held
+/// so the memory cannot be freed while registered); deregistered when
+/// dropped or on `close()`.
 #[pyclass(frozen, module = "ckptio._native")]
 pub struct BufferRegistration {
-    inner: Mutex<Option<crate::gpu::cufile::BufferRegistration>>,
+    // Held only to take its contents (never across a detach or I/O).
+    inner: Mutex<Option<(crate::gpu::cufile::BufferRegistration, Py<PyAny>)>>,
 }
 
 #[pymethods]
 impl BufferRegistration {
-    fn close(&self) {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+    /// Deregister, then let go of the owner. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let taken = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((reg, owner)) = taken {
+            py.detach(move || drop(reg));
+            drop(owner);
+        }
     }
 }
 
-/// Register device memory with cuFile. The caller keeps the memory allocated
-/// until the registration is closed.
+/// Register `nbytes` of device memory at `addr`, owned by `owner` (a
+/// storage), with cuFile; the registration holds `owner` until closed.
 #[pyfunction]
 pub(super) fn cufile_register_buffer(
     py: Python<'_>,
+    owner: Py<PyAny>,
     addr: u64,
     nbytes: usize,
 ) -> PyResult<BufferRegistration> {
     let reg = py.detach(|| {
         let d = crate::gpu::cufile::driver()?;
-        // SAFETY: the Python caller keeps the storage allocated until close().
+        // SAFETY: `owner` keeps the memory allocated for as long as the
+        // registration lives (both sit in the returned object).
         unsafe { d.register_buffer(addr, nbytes) }
     })?;
     Ok(BufferRegistration {
-        inner: Mutex::new(Some(reg)),
+        inner: Mutex::new(Some((reg, owner))),
     })
 }

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::engine::{Engine as CoreEngine, EngineConfig};
 use crate::io::file::DirectMode;
@@ -18,14 +19,24 @@ pub struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (threads=None, chunk_size=None, direct=None, memory_threads=None))]
+    #[pyo3(signature = (threads=None, chunk_size=None, direct=None, memory_threads=None, idle_release=None))]
     fn new(
         threads: Option<usize>,
         chunk_size: Option<usize>,
         direct: Option<&str>,
         memory_threads: Option<usize>,
+        idle_release: Option<f64>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::from_env()?;
+        if let Some(s) = idle_release {
+            if !(s.is_finite() && (0.0..1e9).contains(&s)) {
+                return Err(crate::Error::invalid(format!(
+                    "idle_release must be a number of seconds >= 0, not {s}"
+                ))
+                .into());
+            }
+            cfg.idle_release = Some(std::time::Duration::from_secs_f64(s));
+        }
         if let Some(t) = threads {
             cfg.set_threads(t);
         }
@@ -74,14 +85,35 @@ impl Engine {
         }
     }
 
-    /// Host memory held by the engine's reusable staging buffers.
+    /// Host memory held by the engine's idle staging buffers.
     fn pooled_bytes(&self) -> usize {
         self.inner.pooled_bytes()
     }
 
-    /// Pinned host memory held by the engine's bounce buffers.
+    /// Pinned host memory held by the engine's idle bounce buffers.
     fn pinned_bytes(&self) -> usize {
         self.inner.pinned_bytes()
+    }
+
+    /// Give back the memory of the engine's idle buffers (staging and pinned);
+    /// the engine stays usable and allocates again when it needs to. Returns
+    /// the bytes given back.
+    fn release_buffers(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.inner.release_buffers())
+    }
+
+    /// Give back every idle buffer and keep none from now on (each transfer
+    /// then allocates and frees its own); the engine stays usable. Returns the
+    /// bytes given back.
+    fn close(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.inner.close())
+    }
+
+    /// Seconds an idle thread's buffers are kept before they go back
+    /// (CKPTIO_IDLE_RELEASE); None: kept until released.
+    #[getter]
+    fn idle_release(&self) -> Option<f64> {
+        self.inner.config().idle_release.map(|d| d.as_secs_f64())
     }
 
     fn __repr__(&self) -> String {
@@ -95,4 +127,28 @@ impl Engine {
             self.direct()
         )
     }
+}
+
+/// Give back the idle buffers of every engine in the process (staging and
+/// pinned bounce buffers); returns the bytes given back.
+#[pyfunction]
+pub(super) fn release_buffers(py: Python<'_>) -> usize {
+    py.detach(crate::engine::release_buffers)
+}
+
+/// Pinned host memory: what ckptio holds now (every engine's bounce buffers
+/// and every stager's pinned buffers) and the cap (CKPTIO_PINNED_LIMIT).
+#[pyfunction]
+pub(super) fn pinned_memory(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("held", crate::gpu::budget::held())?;
+    d.set_item("limit", crate::gpu::budget::limit()?)?;
+    Ok(d)
+}
+
+/// CKPTIO_THREADS as the engine reads it (None where unset; ValueError when
+/// malformed or outside 1..=256), for the Python code that needs it too.
+#[pyfunction]
+pub(super) fn env_threads() -> PyResult<Option<usize>> {
+    Ok(crate::engine::threads_from_env()?)
 }

@@ -1,6 +1,11 @@
 //! ckptio's Python exception classes and the one conversion from the core's
 //! error: I/O errors become the matching `OSError` subclass (from errno), the
 //! rest a specific ckptio class.
+//!
+//! `CkptioError` derives from `RuntimeError`, what torch.load raises on a
+//! corrupt archive and for CUDA failures: code written for torch that catches
+//! RuntimeError catches ckptio's errors too, and `except ckptio.FormatError`
+//! still singles them out.
 
 use pyo3::exceptions::{PyMemoryError, PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -10,8 +15,8 @@ use crate::Error;
 pyo3::create_exception!(
     ckptio,
     CkptioError,
-    pyo3::exceptions::PyException,
-    "Base class of ckptio's own errors."
+    pyo3::exceptions::PyRuntimeError,
+    "Base class of ckptio's own errors (a RuntimeError, as torch.load's are)."
 );
 pyo3::create_exception!(
     ckptio,

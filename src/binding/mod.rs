@@ -2,7 +2,12 @@
 //!
 //! Thin on purpose: it converts arguments into owned core values while attached
 //! to the interpreter, runs every blocking call detached (`py.detach`), and turns
-//! core errors into specific Python exceptions. Policy (which storages, which
+//! core errors into specific Python exceptions. No lock is ever waited for while
+//! attached unless it is only ever held for a few instructions, never across a
+//! detach or any I/O (the classes' own locks are taken inside `py.detach`), so
+//! a thread holding the interpreter never waits for one that needs it back.
+//! Every call that works on raw addresses takes the objects that own them
+//! ([`Owners`]) and holds them until it returns. Policy (which storages, which
 //! offsets, torch semantics) lives in the Python package. One file per Python
 //! class or group of functions; the helpers they share are here.
 
@@ -20,13 +25,12 @@ mod writer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::engine::{EngineConfig, Memory, Segment, Stats};
-use crate::gpu::{self, Backend, DevicePath};
-use crate::io::file::{DirectMode, IoFile};
-use crate::Error;
+use crate::engine::{EngineConfig, Memory, Patch, Report, Request, Segment};
+use crate::gpu::Backend;
+use crate::io::file::DirectMode;
 
 use device_file::{cufile_register_buffer, BufferRegistration, DeviceFile};
-use engine::Engine;
+use engine::{env_threads, pinned_memory, release_buffers, Engine};
 use errors::{BackendUnavailableError, CkptioError, CuFileError, CudaError, FormatError};
 use faults::{_clear_faults, _op_log, _record_ops, _set_fault};
 use pickled::{unpickle, StateDictPickler, Unpickled};
@@ -46,17 +50,31 @@ fn direct_mode(s: Option<&str>) -> PyResult<Option<DirectMode>> {
 /// (file offset, address, length, device) as the Python side hands them; device -1 is host memory.
 type RawSegment = (u64, u64, u64, i32);
 
+/// (device, raw CUstream): the caller's current stream per device. Device
+/// memory is touched only after the work queued there before the call.
+type Streams = Vec<(i32, u64)>;
+
+/// The objects that own the memory behind a call's addresses (storages,
+/// tensors, a staging buffer): references taken while attached and held until
+/// the call returns, so that no other Python thread can free that memory
+/// while the engine works on it detached. One reference each, no Python call.
+type Owners = Vec<Py<PyAny>>;
+
+fn memory(dev: i32) -> Memory {
+    if dev < 0 {
+        Memory::Host
+    } else {
+        Memory::Cuda(dev)
+    }
+}
+
 fn to_segments(raw: Vec<RawSegment>) -> Vec<Segment> {
     raw.into_iter()
         .map(|(file_offset, addr, len, dev)| Segment {
             file_offset,
             addr,
             len,
-            memory: if dev < 0 {
-                Memory::Host
-            } else {
-                Memory::Cuda(dev)
-            },
+            memory: memory(dev),
         })
         .collect()
 }
@@ -71,77 +89,74 @@ fn file_modes(direct: Option<&str>, backend: Option<&str>) -> PyResult<(DirectMo
     Ok((mode, backend))
 }
 
-/// What a transfer report says, gathered while the file's lock is held
-/// (detached), turned into a dict once attached again.
-struct Report {
-    stats: Stats,
-    direct_reason: Option<String>,
-    gds_mode: Option<&'static str>,
-    fallback_reason: Option<String>,
+/// What a transfer asks for besides its segments, as the Python side hands it.
+#[derive(Default)]
+struct Ask {
+    streams: Streams,
+    file_len: Option<u64>,
+    checksum: bool,
+    /// Segments' CRC-32s to store in the file (writes).
+    patches: Vec<Patch>,
 }
 
-impl Report {
-    fn new(stats: Stats, io: &IoFile, device: Option<&DevicePath>) -> Self {
-        let dev = device.filter(|_| stats.device_path.is_some());
-        Report {
-            direct_reason: io.no_direct_reason().map(str::to_owned),
-            gds_mode: dev.and_then(DevicePath::gds_mode),
-            fallback_reason: dev.and_then(DevicePath::fallback_reason).map(str::to_owned),
-            stats,
-        }
-    }
-
-    fn into_dict(self, py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-        let (s, d) = (&self.stats, PyDict::new(py));
-        d.set_item("bytes", s.bytes)?;
-        d.set_item("chunks", s.chunks)?;
-        d.set_item("threads", s.threads)?;
-        d.set_item("direct", s.direct)?;
-        d.set_item("direct_reason", self.direct_reason)?;
-        d.set_item("backend", s.device_path.unwrap_or("posix"))?;
-        d.set_item("gds_mode", self.gds_mode)?;
-        d.set_item("fallback_reason", self.fallback_reason)?;
-        Ok(d)
-    }
+/// Run one transfer of `segments` detached: `run` gets the core engine, the
+/// segments and the request. `owners` are held until it returns (references
+/// taken while attached, dropped once attached again).
+fn detached<T: Send>(
+    py: Python<'_>,
+    engine: &engine::Engine,
+    segments: Vec<RawSegment>,
+    owners: Owners,
+    ask: Ask,
+    run: impl FnOnce(&crate::engine::Engine, &[Segment], Request<'_>) -> crate::Result<T> + Send,
+) -> PyResult<T> {
+    let engine = engine.inner.clone();
+    let segs = to_segments(segments);
+    let req = Request {
+        checksum: ask.checksum,
+        streams: &ask.streams,
+        file_len: ask.file_len,
+        patches: &ask.patches,
+    };
+    let out = py.detach(|| run(&engine, &segs, req));
+    drop(owners);
+    Ok(out?)
 }
 
-fn report<'py>(
-    py: Python<'py>,
-    s: Stats,
-    io: &IoFile,
-    device: Option<&DevicePath>,
-) -> PyResult<Bound<'py, PyDict>> {
-    Report::new(s, io, device).into_dict(py)
+/// A write's report, with each segment's CRC-32 ("crc32") when asked for.
+fn write_dict<'py>(py: Python<'py>, rep: &Report, checksum: bool) -> PyResult<Bound<'py, PyDict>> {
+    let d = report_dict(py, rep)?;
+    if checksum {
+        // Per segment: the CRC-32 of its bytes, None where cuFile moved them.
+        d.set_item("crc32", &rep.stats.crc32)?;
+    }
+    Ok(d)
 }
 
-/// The device path for a file, opened on first need (only when device memory moves).
-///
-/// # Safety
-/// The returned path must be dropped before `io`.
-unsafe fn ensure_device_path<'a>(
-    slot: &'a mut Option<DevicePath>,
-    io: &IoFile,
-    backend: Backend,
-    segs: &[Segment],
-) -> Result<Option<&'a DevicePath>, Error> {
-    if !segs.iter().any(|s| s.len > 0 && s.memory != Memory::Host) {
-        return Ok(None);
-    }
-    if slot.is_none() {
-        // SAFETY: the caller drops `slot` before `io`.
-        *slot = Some(unsafe { gpu::open_device_path(io, backend)? });
-    }
-    Ok(slot.as_ref())
+/// A transfer's report as the Python side reads it (see `IOReport`).
+fn report_dict<'py>(py: Python<'py>, rep: &Report) -> PyResult<Bound<'py, PyDict>> {
+    let (s, d) = (&rep.stats, PyDict::new(py));
+    d.set_item("bytes", s.bytes)?;
+    d.set_item("chunks", s.chunks)?;
+    d.set_item("threads", s.threads)?;
+    d.set_item("direct", s.direct)?;
+    d.set_item("direct_reason", rep.direct_reason.as_deref())?;
+    d.set_item("backend", rep.backend.name())?;
+    d.set_item("device_path", s.device_path)?;
+    d.set_item("gds_mode", rep.gds_mode)?;
+    d.set_item("fallback_reason", rep.fallback_reason.as_deref())?;
+    d.set_item("pinned_bytes", crate::gpu::budget::held())?;
+    Ok(d)
 }
 
 #[pymodule(gil_used = false)]
 mod _native {
     #[pymodule_export]
     use super::{
-        _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, info, map_archive,
-        map_archives, safetensors_header, stage_copy, stage_device_copy, stage_pin, unpickle,
-        AtomicWriter, BufferRegistration, DeviceFile, Engine, HostPin, Reader, StateDictPickler,
-        Unpickled,
+        _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, env_threads, info,
+        map_archive, map_archives, pinned_memory, release_buffers, safetensors_header, stage_copy,
+        stage_device_copy, stage_pin, unpickle, AtomicWriter, BufferRegistration, DeviceFile,
+        Engine, HostPin, Reader, StateDictPickler, Unpickled,
     };
 
     use super::*;

@@ -228,14 +228,18 @@ pub struct StateDictPickler {
 /// (the "storage" string, then locations) or 11 (storage keys).
 const ID_STORAGE_STR: u64 = 1;
 
+/// A storage the pickle names: (key, address, nbytes, device or -1, the
+/// storage object).
+type Stored = (String, u64, u64, i32, Py<PyAny>);
+
 struct Walk<'py, 'a> {
     cfg: &'a StateDictPickler,
     py: Python<'py>,
     w: pickle::Writer,
     /// Memoized objects, kept alive so that no address is reused meanwhile.
     keep: Vec<Bound<'py, PyAny>>,
-    /// (key, address, nbytes, device or -1), in key order.
-    storages: Vec<(String, u64, u64, i32)>,
+    /// In key order.
+    storages: Vec<Stored>,
     keys: std::collections::HashMap<i64, usize>,
     /// data_ptr -> dtype (torch's check that one memory has one dtype)
     dtypes: std::collections::HashMap<u64, usize>,
@@ -566,7 +570,8 @@ impl<'py> Walk<'py, '_> {
                     Some(&k) => k,
                     None => {
                         let k = self.storages.len();
-                        self.storages.push((k.to_string(), ptr, nbytes, dev));
+                        self.storages
+                            .push((k.to_string(), ptr, nbytes, dev, st.clone().unbind()));
                         self.keys.insert(cdata, k);
                         k
                     }
@@ -667,15 +672,15 @@ impl StateDictPickler {
         }
     }
 
-    /// (data.pkl's bytes, [(storage key, address, nbytes, device or -1)] in
-    /// key order), or None for an object outside the subset. The storages
-    /// are those of the object's tensors: alive while the object is.
+    /// (data.pkl's bytes, [(storage key, address, nbytes, device or -1,
+    /// storage)] in key order), or None for an object outside the subset.
+    /// Each storage object owns its memory (the engine's owner for it).
     #[allow(clippy::type_complexity)]
     fn dump<'py>(
         &self,
         py: Python<'py>,
         obj: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<(String, u64, u64, i32)>)>> {
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<Stored>)>> {
         let mut walk = Walk {
             cfg: self,
             py,

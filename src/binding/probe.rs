@@ -10,8 +10,9 @@ use crate::gpu::{self, Backend};
 use crate::io::file::{DirectMode, IoFile};
 use crate::io::persist::AtomicFile;
 
-/// What this machine offers: libcuda, libcufile, and (for `folder`) whether
-/// O_DIRECT and cuFile handles work on files there, and why not.
+/// What this machine offers: libcuda, libcufile, the pinned memory ckptio
+/// holds and may hold, and (for `folder`) whether O_DIRECT and cuFile handles
+/// work on files there, and why not.
 #[pyfunction]
 #[pyo3(signature = (folder=None))]
 pub(super) fn info<'py>(py: Python<'py>, folder: Option<PathBuf>) -> PyResult<Bound<'py, PyDict>> {
@@ -39,6 +40,10 @@ pub(super) fn info<'py>(py: Python<'py>, folder: Option<PathBuf>) -> PyResult<Bo
     fd.set_item("run_udev", f.run_udev)?;
     fd.set_item("reason", f.reason.clone())?;
     d.set_item("cufile", fd)?;
+    let pd = PyDict::new(py);
+    pd.set_item("held", crate::gpu::budget::held())?;
+    pd.set_item("limit", crate::gpu::budget::limit().ok())?;
+    d.set_item("pinned", pd)?;
     if let Some((path, direct, direct_reason, align, cufile, cufile_reason)) = folder_info {
         let x = PyDict::new(py);
         x.set_item("path", path)?;

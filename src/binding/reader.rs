@@ -8,14 +8,14 @@ use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::engine::TransferFile;
 use crate::format::integrity::{self, Declared, State};
 use crate::format::zipmap::{self, Archive};
-use crate::gpu::Backend;
 use crate::io::file::{DirectMode, IoFile};
 use crate::Error;
 
 use super::engine::Engine;
-use super::{ensure_device_path, file_modes, report, to_segments, RawSegment};
+use super::{detached, file_modes, report_dict, Ask, Owners, RawSegment, Streams};
 
 fn records_list(a: &Archive) -> Vec<(String, u64, u64)> {
     a.records
@@ -89,9 +89,8 @@ pub(super) fn map_archives(
 /// An existing checkpoint opened for reading.
 #[pyclass(frozen, module = "ckptio._native")]
 pub struct Reader {
-    io: IoFile,
+    file: TransferFile,
     archive: Archive,
-    backend: Backend,
 }
 
 #[pymethods]
@@ -109,9 +108,8 @@ impl Reader {
             let io = IoFile::open_read(&path, mode)?;
             let archive = zipmap::map_file(io.file(), Some(&path))?;
             Ok::<_, Error>(Reader {
-                io,
+                file: TransferFile::new(io, backend),
                 archive,
-                backend,
             })
         })
         .map_err(Into::into)
@@ -129,13 +127,13 @@ impl Reader {
 
     #[getter]
     fn direct(&self) -> bool {
-        self.io.is_direct()
+        self.file.io().is_direct()
     }
 
     /// The descriptor of the open file (so other readers can open the very same file).
     fn fileno(&self) -> i32 {
         use std::os::fd::AsRawFd;
-        self.io.file().as_raw_fd()
+        self.file.io().file().as_raw_fd()
     }
 
     /// The bytes of a small record (at most 64 MiB), e.g. `byteorder`.
@@ -153,94 +151,44 @@ impl Reader {
         let (off, size) = (r.data_offset, r.size as usize);
         let buf = py.detach(|| {
             let mut buf = vec![0u8; size];
-            self.io.read_at(&mut buf, off).map(|()| buf)
+            self.file.io().read_at(&mut buf, off).map(|()| buf)
         })?;
         Ok(PyBytes::new(py, &buf))
     }
 
-    /// Read file ranges into memory. `segments`: [(file offset, address, nbytes, device)].
-    /// Each range must lie inside one data record of the archive.
+    /// Read file ranges into memory. `segments`: [(file offset, address, nbytes, device)],
+    /// after the work queued on `streams` ([(device, CUstream)]); each range must
+    /// lie inside one data record of the archive. `owners` (the objects owning
+    /// the destinations) are held until this returns; nobody else may touch the
+    /// destinations meanwhile.
     ///
     /// With `verify`, the CRC-32 of the bytes read for each whole record is
     /// compared with the stored one (FormatError naming the record on a
     /// mismatch); the result's "verified" and "unchecked" list the records.
-    ///
-    /// The caller keeps every destination alive and untouched until this returns.
-    #[pyo3(signature = (engine, segments, verify=false))]
-    fn read_into<'py>(
+    #[pyo3(signature = (engine, segments, owners, streams, verify=false))]
+    fn read_segments<'py>(
         &self,
         py: Python<'py>,
         engine: &Engine,
         segments: Vec<RawSegment>,
+        owners: Owners,
+        streams: Streams,
         verify: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let engine = engine.inner.clone();
-        let mut verified = Vec::new();
-        let mut unchecked = Vec::new();
-        let (stats, device) = py.detach(|| {
-            // Records by data offset (they do not overlap: zipmap checks).
-            let mut spans: Vec<(u64, u64)> = self
-                .archive
-                .records
-                .iter()
-                .map(|r| (r.data_offset, r.data_offset + r.size))
-                .collect();
-            spans.sort_unstable();
-            for &(off, _, len, _) in &segments {
-                let i = spans.partition_point(|s| s.0 <= off);
-                let inside = i > 0 && off.checked_add(len).is_some_and(|e| e <= spans[i - 1].1);
-                if !inside {
-                    return Err(Error::format(
-                        Some(self.io.path()),
-                        format!(
-                            "bytes {off}..{} are not inside one record of the archive",
-                            off.saturating_add(len)
-                        ),
-                    ));
-                }
-            }
-            let segs = to_segments(segments);
-            let mut device = None;
-            // SAFETY: `device` is dropped (end of this call) before `self.io`.
-            let path = unsafe { ensure_device_path(&mut device, &self.io, self.backend, &segs)? };
-            // SAFETY: the Python caller keeps each destination alive and
-            // untouched for the duration of this call (documented contract).
-            let st = unsafe { engine.read_via(&self.io, &segs, path, verify)? };
-            if verify {
-                let decl = integrity::declared(&self.archive);
-                let by_offset: std::collections::HashMap<u64, usize> = self
-                    .archive
-                    .records
-                    .iter()
-                    .enumerate()
-                    .map(|(i, r)| (r.data_offset, i))
-                    .collect();
-                for (s, crc) in segs.iter().zip(&st.crc32) {
-                    let whole = by_offset
-                        .get(&s.file_offset)
-                        .filter(|&&i| self.archive.records[i].size == s.len);
-                    let Some(&i) = whole else { continue };
-                    let name = &self.archive.records[i].name;
-                    match integrity::judge(decl[i], *crc) {
-                        State::Mismatch { stored, actual } => {
-                            return Err(integrity::mismatch_error(
-                                self.io.path(),
-                                name,
-                                stored,
-                                actual,
-                            ))
-                        }
-                        State::Ok => verified.push(name.clone()),
-                        State::Unchecked => unchecked.push(name.clone()),
-                    }
-                }
-            }
-            Ok::<_, Error>((st, device))
+        let ask = Ask {
+            streams,
+            ..Ask::default()
+        };
+        // SAFETY: the owners keep every destination allocated until this
+        // returns; the caller leaves them untouched (documented contract) and
+        // hands its own streams.
+        let (rep, verdict) = detached(py, engine, segments, owners, ask, |e, s, r| unsafe {
+            integrity::read_records(e, &self.file, &self.archive, s, verify, r.streams)
         })?;
-        let d = report(py, stats, &self.io, device.as_ref())?;
+        let d = report_dict(py, &rep)?;
         if verify {
-            d.set_item("verified", verified)?;
-            d.set_item("unchecked", unchecked)?;
+            d.set_item("verified", verdict.verified)?;
+            d.set_item("unchecked", verdict.unchecked)?;
         }
         Ok(d)
     }
@@ -276,28 +224,24 @@ impl Reader {
     ) -> PyResult<VerifyRows> {
         let which = match names {
             None => None,
-            Some(ns) => {
-                let index: std::collections::HashMap<&str, usize> = self
-                    .archive
-                    .records
-                    .iter()
-                    .enumerate()
-                    .map(|(i, r)| (r.name.as_str(), i))
-                    .collect();
-                Some(
-                    ns.iter()
-                        .map(|n| {
-                            index.get(n.as_str()).copied().ok_or_else(|| {
+            Some(ns) => Some(
+                ns.iter()
+                    .map(|n| {
+                        self.archive
+                            .records
+                            .iter()
+                            .position(|r| &r.name == n)
+                            .ok_or_else(|| {
                                 PyKeyError::new_err(format!("no record {n:?} in the archive"))
                             })
-                        })
-                        .collect::<PyResult<Vec<usize>>>()?,
-                )
-            }
+                    })
+                    .collect::<PyResult<Vec<usize>>>()?,
+            ),
         };
         let engine = engine.inner.clone();
-        let checks =
-            py.detach(|| integrity::check(&engine, &self.io, &self.archive, which.as_deref()))?;
+        let checks = py.detach(|| {
+            integrity::check(&engine, self.file.io(), &self.archive, which.as_deref())
+        })?;
         let mut out = Vec::with_capacity(checks.len());
         for (i, state) in checks {
             let r = &self.archive.records[i];
@@ -305,7 +249,7 @@ impl Reader {
                 State::Mismatch { stored, actual } => {
                     if strict {
                         return Err(integrity::mismatch_error(
-                            self.io.path(),
+                            self.file.io().path(),
                             &r.name,
                             stored,
                             actual,

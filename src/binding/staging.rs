@@ -10,12 +10,18 @@ use pyo3::types::PyDict;
 use crate::gpu::Memory;
 use crate::Error;
 
-/// Pinning state of host memory the caller owns (a staging buffer): page-locked
-/// whole by the first copy that reaches it (copies into it go in `chunk_size`
-/// pieces), and unlocked on `close()` or when this object goes.
+use super::Owners;
+
+/// Pinning state of host memory owned by `owner` (a staging buffer's storage):
+/// page-locked whole by the first copy that reaches it (copies into it go in
+/// `chunk_size` pieces, pinned bytes count against the pinned-memory cap),
+/// unlocked on `close()` or when this object goes. Holds `owner`, so the
+/// memory stays mapped for as long as it may be pinned.
 #[pyclass(frozen, module = "ckptio._native")]
 pub struct HostPin {
-    inner: Mutex<Option<Arc<crate::gpu::staging::HostPin>>>,
+    // Held only to clone or take its contents, never across a detach or I/O.
+    // The pin goes before the owner (tuple order).
+    inner: Mutex<Option<(Arc<crate::gpu::staging::HostPin>, Py<PyAny>)>>,
     nbytes: u64,
 }
 
@@ -24,22 +30,23 @@ impl HostPin {
         self.inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .clone()
+            .as_ref()
+            .map(|(p, _)| p.clone())
             .ok_or_else(|| PyValueError::new_err("the HostPin is closed"))
     }
 }
 
 #[pymethods]
 impl HostPin {
-    /// `addr..addr+nbytes`: host memory the caller keeps mapped until `close()`.
+    /// `addr..addr+nbytes`: host memory of `owner`, which this pin holds.
     #[new]
-    #[pyo3(signature = (addr, nbytes, pin=true, chunk_size=67108864))]
-    fn new(addr: u64, nbytes: u64, pin: bool, chunk_size: u64) -> PyResult<Self> {
-        // SAFETY: the Python caller keeps the memory mapped until close()
-        // (documented contract; ckptio.staging closes pins before freeing).
+    #[pyo3(signature = (owner, addr, nbytes, pin=true, chunk_size=67108864))]
+    fn new(owner: Py<PyAny>, addr: u64, nbytes: u64, pin: bool, chunk_size: u64) -> PyResult<Self> {
+        // SAFETY: `owner` keeps the memory mapped for as long as the pin lives
+        // (both sit in `inner`, the pin dropped first).
         let p = unsafe { crate::gpu::staging::HostPin::new(addr, nbytes, chunk_size, pin) }?;
         Ok(HostPin {
-            inner: Mutex::new(Some(Arc::new(p))),
+            inner: Mutex::new(Some((Arc::new(p), owner))),
             nbytes,
         })
     }
@@ -55,13 +62,17 @@ impl HostPin {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
-            .map_or(0, |p| p.pinned_bytes())
+            .map_or(0, |(p, _)| p.pinned_bytes())
     }
 
-    /// Unlock the memory (after copies in flight finish). Idempotent.
+    /// Unlock the memory (after copies in flight finish), then let go of the
+    /// owner. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let p = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
-        py.detach(move || drop(p));
+        let taken = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((pin, owner)) = taken {
+            py.detach(move || drop(pin));
+            drop(owner);
+        }
     }
 }
 
@@ -87,14 +98,16 @@ pub(super) fn stage_pin(
 /// Queue device-to-device copies `(dst, src, nbytes)` on the CUDA stream
 /// `stream` (a raw CUstream of `device`, e.g. ``torch.cuda.Stream.cuda_stream``)
 /// and return at once: the device snapshot of a stager, without a kernel launch
-/// or a tensor object per storage. The caller keeps both ranges alive until the
-/// stream has run the copies.
+/// or a tensor object per storage. `owners` (of both ranges) are held while the
+/// copies are queued; the copies run later, so the caller keeps the ranges
+/// alive until the stream has run them (synchronizes it before letting go).
 #[pyfunction]
 pub(super) fn stage_device_copy(
     py: Python<'_>,
     device: i32,
     stream: u64,
     copies: Vec<(u64, u64, u64)>,
+    owners: Owners,
 ) -> PyResult<()> {
     if device < 0 {
         return Err(Error::invalid(format!("device must be >= 0, not {device}")).into());
@@ -115,10 +128,12 @@ pub(super) fn stage_device_copy(
     }
     py.detach(|| {
         let cuda = crate::gpu::cuda::driver()?;
-        // SAFETY: the Python caller passes live storages of `device` and one of
-        // its streams, and keeps them until the stream has run (documented contract).
+        // SAFETY: `owners` keeps both ranges allocated while the copies are
+        // queued, and the caller until the stream has run them, on a stream of
+        // `device` it hands (documented contract).
         unsafe { cuda.memcpy_dtod_async_on(device, stream as *mut std::ffi::c_void, &jobs) }
     })?;
+    drop(owners);
     Ok(())
 }
 
@@ -127,12 +142,14 @@ pub(super) fn stage_device_copy(
 type RawCopy<'py> = (u64, i32, Bound<'py, HostPin>, u64, u64);
 
 /// Copy tensor memory into staging buffers on `threads` threads; returns when
-/// every byte has landed. The caller keeps sources unmodified until then.
+/// every byte has landed. `owners` (of the sources; the pins hold the
+/// destinations) are held until then; nobody may modify the sources meanwhile.
 #[pyfunction]
-#[pyo3(signature = (copies, threads=8))]
+#[pyo3(signature = (copies, owners, threads=8))]
 pub(super) fn stage_copy<'py>(
     py: Python<'py>,
     copies: Vec<RawCopy<'py>>,
+    owners: Owners,
     threads: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut pins: Vec<Arc<crate::gpu::staging::HostPin>> = Vec::new();
@@ -160,10 +177,11 @@ pub(super) fn stage_copy<'py>(
     }
     let st = py.detach(|| {
         let refs: Vec<&crate::gpu::staging::HostPin> = pins.iter().map(|p| p.as_ref()).collect();
-        // SAFETY: the Python caller keeps sources alive and unmodified and owns
-        // the destinations (documented contract); pins are held by `pins`.
+        // SAFETY: `owners` keeps the sources allocated and the caller leaves
+        // them unmodified (documented contract); `pins` holds the destinations.
         unsafe { crate::gpu::staging::copy_to_host(&refs, &jobs, threads) }
     })?;
+    drop(owners);
     let d = PyDict::new(py);
     d.set_item("bytes", st.bytes)?;
     d.set_item("device_bytes", st.device_bytes)?;

@@ -2,7 +2,11 @@
 //! disk and files in memory), O_DIRECT mode and preallocation, with their
 //! defaults and the `CKPTIO_*` environment variables that override them.
 
+use std::time::Duration;
+
 use crate::io::align;
+use crate::io::env;
+pub use crate::io::env::parse_size;
 use crate::io::file::{DirectMode, IoFile};
 use crate::{Error, Result};
 
@@ -25,9 +29,13 @@ pub fn default_memory_threads() -> usize {
     (2 * cores).clamp(DEFAULT_THREADS, 32)
 }
 
+/// How long an engine keeps an idle thread's buffers (its pinned bounce
+/// buffers above all) before giving them back.
+pub const DEFAULT_IDLE_RELEASE: Duration = Duration::from_secs(60);
+
 /// Tunables. `from_env` reads `CKPTIO_THREADS`, `CKPTIO_MEMORY_THREADS`,
-/// `CKPTIO_CHUNK_SIZE`, `CKPTIO_MEMORY_CHUNK_SIZE`, `CKPTIO_DIRECT` and
-/// `CKPTIO_PREALLOCATE`.
+/// `CKPTIO_CHUNK_SIZE`, `CKPTIO_MEMORY_CHUNK_SIZE`, `CKPTIO_DIRECT`,
+/// `CKPTIO_PREALLOCATE` and `CKPTIO_IDLE_RELEASE`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
     pub threads: usize,
@@ -39,6 +47,8 @@ pub struct EngineConfig {
     pub direct: DirectMode,
     /// fallocate a file's full size before writing it (a full disk fails at once).
     pub preallocate: bool,
+    /// Buffers of threads idle this long are given back; None keeps them.
+    pub idle_release: Option<Duration>,
 }
 
 impl Default for EngineConfig {
@@ -50,33 +60,59 @@ impl Default for EngineConfig {
             memory_chunk_size: DEFAULT_MEMORY_CHUNK_SIZE,
             direct: DirectMode::Auto,
             preallocate: true,
+            idle_release: Some(DEFAULT_IDLE_RELEASE),
         }
     }
 }
 
-/// A size or count from the environment variable `name` (None where unset);
-/// a malformed value is an error naming the variable.
-fn env_size(name: &str) -> Result<Option<usize>> {
-    std::env::var(name)
-        .ok()
-        .map(|v| parse_size(&v).map_err(|e| Error::invalid(format!("{name}: {e}"))))
-        .transpose()
+/// `CKPTIO_THREADS` (None where unset), refused when malformed or outside
+/// 1..=256: the one reading every user of the variable goes through (the
+/// engine here, the stagers through the binding).
+pub fn threads_from_env() -> Result<Option<usize>> {
+    let n = env::size("CKPTIO_THREADS")?;
+    if let Some(n) = n.filter(|n| !(1..=MAX_THREADS).contains(n)) {
+        return Err(Error::invalid(format!(
+            "CKPTIO_THREADS must be between 1 and {MAX_THREADS}, not {n}"
+        )));
+    }
+    Ok(n)
 }
+
+/// `CKPTIO_IDLE_RELEASE`: seconds ("0.5", "60"), or "off" / "never" to keep
+/// idle buffers for the life of the engine.
+pub(super) fn parse_idle_release(v: &str) -> Result<Option<Duration>> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "off" | "never" => Ok(None),
+        t => t
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s >= 0.0 && *s < 1e9)
+            .map(|s| Some(Duration::from_secs_f64(s)))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "CKPTIO_IDLE_RELEASE: not a number of seconds or \"off\": {v:?}"
+                ))
+            }),
+    }
+}
+
+/// Most I/O threads one engine runs.
+const MAX_THREADS: usize = 256;
 
 impl EngineConfig {
     /// Defaults overridden by the environment; a malformed variable is an error, not ignored.
     pub fn from_env() -> Result<Self> {
         let mut c = EngineConfig::default();
-        if let Some(n) = env_size("CKPTIO_THREADS")? {
+        if let Some(n) = threads_from_env()? {
             c.set_threads(n);
         }
-        if let Some(n) = env_size("CKPTIO_MEMORY_THREADS")? {
+        if let Some(n) = env::size("CKPTIO_MEMORY_THREADS")? {
             c.memory_threads = n;
         }
-        if let Some(n) = env_size("CKPTIO_CHUNK_SIZE")? {
+        if let Some(n) = env::size("CKPTIO_CHUNK_SIZE")? {
             c.set_chunk_size(n);
         }
-        if let Some(n) = env_size("CKPTIO_MEMORY_CHUNK_SIZE")? {
+        if let Some(n) = env::size("CKPTIO_MEMORY_CHUNK_SIZE")? {
             c.memory_chunk_size = n;
         }
         if let Ok(v) = std::env::var("CKPTIO_DIRECT") {
@@ -92,6 +128,9 @@ impl EngineConfig {
                     )))
                 }
             };
+        }
+        if let Ok(v) = std::env::var("CKPTIO_IDLE_RELEASE") {
+            c.idle_release = parse_idle_release(&v)?;
         }
         c.validate()?;
         Ok(c)
@@ -132,9 +171,9 @@ impl EngineConfig {
             ("threads", self.threads),
             ("memory_threads", self.memory_threads),
         ] {
-            if n == 0 || n > 256 {
+            if n == 0 || n > MAX_THREADS {
                 return Err(Error::invalid(format!(
-                    "{name} must be between 1 and 256, not {n}"
+                    "{name} must be between 1 and {MAX_THREADS}, not {n}"
                 )));
             }
         }
@@ -150,26 +189,4 @@ impl EngineConfig {
         }
         Ok(())
     }
-}
-
-/// "16M", "4k", "1G" or a plain number.
-pub fn parse_size(s: &str) -> std::result::Result<usize, String> {
-    let t = s.trim();
-    let (num, mult) = match t.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let m: usize = match c.to_ascii_lowercase() {
-                'k' => 1 << 10,
-                'm' => 1 << 20,
-                'g' => 1 << 30,
-                _ => return Err(format!("unknown size suffix in {s:?}")),
-            };
-            (&t[..i], m)
-        }
-        _ => (t, 1),
-    };
-    num.trim()
-        .parse::<usize>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| format!("not a size: {s:?}"))
 }

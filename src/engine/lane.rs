@@ -2,16 +2,32 @@
 //! host memory with (aligned) positional I/O, device memory through cuFile or
 //! its pinned bounce lanes, with the copy of one chunk in flight while the
 //! previous one's file I/O runs. A chunk of several pieces is gathered into
-//! (or scattered from) the staging buffer, or a pinned bounce slot when some
-//! of its pieces are device memory, around a single file I/O.
+//! (or scattered from) the staging buffer, or a bounce slot when some of its
+//! pieces are device memory, around a single file I/O.
 
+use crate::gpu::order::After;
 use crate::gpu::{BounceLane, DevicePath, InFlight, Memory, SlotPiece};
 use crate::io::align::{self, AlignedBuf};
 use crate::io::fault::{self, Point};
 use crate::io::file::IoFile;
 use crate::{Error, Result};
 
-use super::{Chunk, Dir, Piece, Plan};
+use super::{Chunk, Dir, PageLocks, Piece, Plan};
+
+/// What every thread of one transfer shares.
+pub(super) struct Ctx<'a> {
+    pub(super) file: &'a IoFile,
+    pub(super) dir: Dir,
+    pub(super) path: Option<&'a DevicePath>,
+    /// Events on the caller's streams that device copies wait for.
+    pub(super) after: &'a After,
+    /// Pages shared between segments, written by one chunk at a time.
+    pub(super) locks: &'a PageLocks,
+    /// Bytes of a staging or bounce buffer.
+    pub(super) capacity: usize,
+    /// The chunks' pieces and patches.
+    pub(super) plan: &'a Plan,
+}
 
 /// Per-thread resources, reused across calls.
 pub struct Lane {
@@ -70,19 +86,23 @@ impl Lane {
     /// one's file I/O runs. With `crcs`, push each piece's CRC-32 there.
     ///
     /// # Safety
-    /// Every chunk `take` yields (with its pieces in `plan`) must satisfy the
-    /// engine's memory contract.
-    #[allow(clippy::too_many_arguments)]
+    /// Every chunk `take` yields (with its pieces in `ctx.plan`) must satisfy
+    /// the engine's memory contract.
     pub(super) unsafe fn run<'c>(
         &mut self,
-        file: &IoFile,
-        dir: Dir,
-        path: Option<&DevicePath>,
-        capacity: usize,
-        plan: &'c Plan,
+        ctx: &Ctx<'_>,
         mut take: impl FnMut() -> Option<(usize, &'c Chunk)>,
         mut crcs: Option<&mut Vec<(usize, Option<u32>)>>,
     ) -> Result<()> {
+        let Ctx {
+            file,
+            dir,
+            path,
+            after,
+            locks,
+            capacity,
+            plan,
+        } = *ctx;
         let want_crc = crcs.is_some();
         let mut note = |i: usize, crc: Option<u32>| {
             if let Some(v) = crcs.as_mut() {
@@ -100,6 +120,8 @@ impl Lane {
                     },
                     file.path(),
                 )?;
+                // Held until this chunk's bytes are written (cuFile transfers only).
+                let _pages = locks.hold(chunk.shared);
                 let Some((i, c)) = plan.whole(chunk) else {
                     let started = match (chunk.device, dir) {
                         (_, Dir::Checksum) => {
@@ -126,13 +148,18 @@ impl Lane {
                         // SAFETY: as above; the slot taken was finished before.
                         (Some(dev), Dir::Write) => unsafe {
                             let (l, f) =
-                                self.start_save_gathered(file, plan, chunk, dev, capacity)?;
+                                self.start_save_gathered(ctx, chunk, dev, after.event(dev))?;
                             Some(Pending::GatheredSave(l, ci, f))
                         },
                         // SAFETY: as above.
                         (Some(dev), Dir::Read) => unsafe {
                             let (l, f) = self.start_load_gathered(
-                                file, plan, chunk, dev, capacity, want_crc, &mut note,
+                                ctx,
+                                chunk,
+                                dev,
+                                after.event(dev),
+                                want_crc,
+                                &mut note,
                             )?;
                             Some(Pending::GatheredLoad(l, f))
                         },
@@ -166,14 +193,18 @@ impl Lane {
                     }
                     (Memory::Cuda(dev), _) => {
                         let lane = self.bounce_lane(dev, capacity)?;
+                        let after = after.event(dev);
                         // SAFETY: the caller's contract covers `c`; chunks are at
                         // most chunk_size, within the lane's capacity; the slot
                         // taken was finished before (two slots, one in flight).
                         let started = unsafe {
                             match dir {
-                                Dir::Write => {
-                                    self.bounce[lane].start_save(c.addr, c.len, c.file_offset)?
-                                }
+                                Dir::Write => self.bounce[lane].start_save(
+                                    c.addr,
+                                    c.len,
+                                    c.file_offset,
+                                    after,
+                                )?,
                                 _ => {
                                     let (f, crc) = self.bounce[lane].start_load(
                                         c.addr,
@@ -181,6 +212,7 @@ impl Lane {
                                         c.file_offset,
                                         file,
                                         want_crc,
+                                        after,
                                     )?;
                                     note(i, crc);
                                     f
@@ -234,15 +266,15 @@ impl Lane {
     }
 
     /// Where a gathered chunk starting at `file_offset` begins in an aligned
-    /// buffer, so that its O_DIRECT middle (from the first aligned file offset)
-    /// is aligned in memory as well.
+    /// buffer, so that its direct middle (from the first whole write unit) is
+    /// aligned in memory as well.
     fn gather_skip(file: &IoFile, file_offset: u64) -> usize {
         if !file.is_direct() {
             return 0;
         }
-        let a = file.alignment();
-        let m = a.offset.max(a.memory) as u64;
-        let head = align::align_up(file_offset, a.offset as u64) - file_offset;
+        let unit = file.write_unit();
+        let m = unit.max(file.alignment().memory as u64);
+        let head = align::align_up(file_offset, unit) - file_offset;
         ((m - head % m) % m) as usize
     }
 
@@ -297,50 +329,55 @@ impl Lane {
     }
 
     /// First half of a gathered chunk with device pieces: its pieces copied
-    /// (host) or queued for copy (device) into a pinned slot of `device`.
+    /// (host) or queued for copy behind `after` (device) into a bounce slot of
+    /// `device`.
     ///
     /// # Safety
     /// As for [`Self::write_gathered`], device pieces being device memory of `device`.
     unsafe fn start_save_gathered(
         &mut self,
-        file: &IoFile,
-        plan: &Plan,
+        ctx: &Ctx<'_>,
         chunk: &Chunk,
         device: i32,
-        capacity: usize,
+        after: Option<&crate::gpu::cuda::Event>,
     ) -> Result<(usize, InFlight)> {
-        let lane = self.bounce_lane(device, capacity)?;
-        let pieces = slot_pieces(plan, chunk);
-        let skip = Self::gather_skip(file, chunk.file_offset);
+        let lane = self.bounce_lane(device, ctx.capacity)?;
+        let pieces = slot_pieces(ctx.plan, chunk);
+        let skip = Self::gather_skip(ctx.file, chunk.file_offset);
         // SAFETY: forwarded; the pieces lie inside the chunk.
         let f = unsafe {
-            self.bounce[lane].start_save_gathered(chunk.file_offset, chunk.len, skip, &pieces)?
+            self.bounce[lane].start_save_gathered(
+                chunk.file_offset,
+                chunk.len,
+                skip,
+                &pieces,
+                after,
+            )?
         };
         Ok((lane, f))
     }
 
     /// First half of a gathered load with device pieces: the chunk read into
-    /// a pinned slot, host pieces copied out (CRC-32s over the destinations),
-    /// device pieces queued for their H2D copy (CRC-32s over the slot).
+    /// a bounce slot, host pieces copied out (CRC-32s over the destinations),
+    /// device pieces queued for their H2D copy behind `after` (CRC-32s over
+    /// the slot).
     ///
     /// # Safety
     /// As for [`Self::read_gathered`], device pieces being device memory of `device`.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn start_load_gathered(
         &mut self,
-        file: &IoFile,
-        plan: &Plan,
+        ctx: &Ctx<'_>,
         chunk: &Chunk,
         device: i32,
-        capacity: usize,
+        after: Option<&crate::gpu::cuda::Event>,
         crc: bool,
         note: &mut impl FnMut(usize, Option<u32>),
     ) -> Result<(usize, InFlight)> {
-        let lane = self.bounce_lane(device, capacity)?;
+        let lane = self.bounce_lane(device, ctx.capacity)?;
         let b = &mut self.bounce[lane];
         // SAFETY: the slot taken was finished before (two slots, one in flight).
-        let f = unsafe { b.read_gathered(chunk.file_offset, chunk.len, file)? };
-        for (k, p) in plan.pieces_of(chunk).iter().enumerate() {
+        let f = unsafe { b.read_gathered(chunk.file_offset, chunk.len, ctx.file, after)? };
+        for (k, p) in ctx.plan.pieces_of(chunk).iter().enumerate() {
             let at = (p.file_offset - chunk.file_offset) as usize;
             let src = &b.slot_bytes(&f)[at..at + p.len];
             let sum = match p.memory {
@@ -391,7 +428,19 @@ impl Lane {
             return Ok(i);
         }
         self.bounce.retain(|b| b.device() != device);
-        self.bounce.push(BounceLane::new(device, capacity)?);
+        let lane = match BounceLane::pinned(device, capacity)? {
+            Some(l) => l,
+            None => {
+                // The pinned-memory cap is full: every engine's idle lanes go
+                // back first; if that is not enough, this lane runs pageable.
+                super::pool::release_buffers();
+                match BounceLane::pinned(device, capacity)? {
+                    Some(l) => l,
+                    None => BounceLane::pageable(device, capacity)?,
+                }
+            }
+        };
+        self.bounce.push(lane);
         Ok(self.bounce.len() - 1)
     }
 
@@ -418,8 +467,8 @@ impl Lane {
             // Buffered, or O_DIRECT straight from the caller's memory.
             return file.write_at(src, c.file_offset);
         }
-        // O_DIRECT from misaligned memory: stage the aligned middle.
-        let ao = a.offset as u64;
+        // O_DIRECT from misaligned memory: stage the middle of whole write units.
+        let ao = file.write_unit();
         let mid_start = align::align_up(c.file_offset, ao).min(c.file_offset + c.len as u64);
         let mid_end = align::align_down(c.file_offset + c.len as u64, ao).max(mid_start);
         let h = (mid_start - c.file_offset) as usize;

@@ -8,7 +8,7 @@
 //! tensor: moved straight between its memory and the file where alignment
 //! allows) or pieces of many (small tensors and the headers between them:
 //! gathered into, or scattered from, the thread's aligned staging buffer or
-//! pinned bounce slot, so one I/O serves them all). A pool of I/O threads takes
+//! bounce slot, so one I/O serves them all). A pool of I/O threads takes
 //! chunks in file order until none is left. The call returns when every chunk
 //! is done, or with the first error; the other threads stop taking chunks as
 //! soon as one fails, so an error never goes unreported and a write is never
@@ -23,28 +23,47 @@
 //! the record): it goes into the same I/O when the segment and that offset
 //! fall in one gathered chunk, else it is written once every chunk is done.
 //!
+//! Device memory is touched only after the work the caller queued on its CUDA
+//! streams before the call ([`crate::gpu::order`]), and is ready for any stream
+//! when the call returns.
+//!
+//! Threads write neighbouring ranges at the same time, so no page is ever
+//! written by two paths at once: host and bounce writes split on whole pages
+//! ([`IoFile::write_unit`]), and under cuFile, whose unaligned writes
+//! read-modify-write whole blocks, the chunks that share a page take turns on it.
+//!
 //! Each thread works in a [`Lane`]: its aligned staging buffer (for O_DIRECT
-//! from memory that is not aligned, and for gathered chunks). Lanes are kept
-//! between calls, so a steady stream of saves allocates nothing.
+//! from memory that is not aligned) and its bounce buffers. Lanes are kept
+//! between calls, so a steady stream of saves allocates nothing, and given
+//! back on request, after a while idle, or when the pinned-memory cap is full
+//! (see [`pool`]).
 
 mod config;
+mod file;
 mod lane;
+mod pool;
 
+use std::collections::HashSet;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Condvar, Mutex};
 
 use crc32fast::Hasher;
 
+use crate::gpu::order::After;
+use crate::gpu::DevicePath;
 pub use crate::gpu::Memory;
-use crate::gpu::{BounceLane, DevicePath};
-use crate::io::align::{self, AlignedBuf};
+use crate::io::align;
 use crate::io::file::IoFile;
 use crate::{Error, Result};
 
-pub use config::{default_memory_threads, parse_size, EngineConfig};
-pub use config::{DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_CHUNK_SIZE, DEFAULT_THREADS};
+pub use config::{default_memory_threads, parse_size, threads_from_env, EngineConfig};
+pub use config::{
+    DEFAULT_CHUNK_SIZE, DEFAULT_IDLE_RELEASE, DEFAULT_MEMORY_CHUNK_SIZE, DEFAULT_THREADS,
+};
+pub use file::{PathState, Report, Request, TransferFile};
 pub use lane::Lane;
+pub use pool::release_buffers;
 
 /// Segments of a read this close in the file share one I/O: the bytes between
 /// them (zip headers, records nobody asked for) are read and dropped, which
@@ -92,6 +111,22 @@ pub struct Stats {
     pub late_patches: usize,
 }
 
+/// How one transfer runs, besides its segments.
+#[derive(Clone, Copy, Default)]
+pub struct Options<'a> {
+    /// How device memory moves: cuFile or bounce (None: bounce).
+    pub path: Option<&'a DevicePath>,
+    /// Compute the CRC-32 of each segment ([`Stats::crc32`]).
+    pub checksum: bool,
+    /// The caller's CUDA stream per device, `(device, raw CUstream)`: device
+    /// memory is touched only after the work queued there before the call. A
+    /// device not listed is ordered after its legacy default stream (0).
+    pub streams: &'a [(i32, u64)],
+    /// Writes: segments' CRC-32s to store in the file (computed, as with
+    /// `checksum`, whether asked for or not).
+    pub patches: &'a [Patch],
+}
+
 /// A piece of one segment inside one chunk.
 #[derive(Clone, Copy, Debug)]
 struct Piece {
@@ -114,6 +149,9 @@ struct Chunk {
     patches: Range<usize>,
     /// The CUDA device of its device pieces, if any (one per chunk).
     device: Option<i32>,
+    /// Pages (in write units) this chunk shares with another chunk and must
+    /// hold while it writes (only under cuFile; see [`PageLocks`]).
+    shared: [Option<u64>; 2],
 }
 
 /// A patch that lands inside a gathered chunk: `rel` bytes into it.
@@ -160,16 +198,14 @@ enum Dir {
 
 pub struct Engine {
     cfg: EngineConfig,
-    lanes: Mutex<Vec<Lane>>,
+    pool: Arc<pool::Pool>,
 }
 
 impl Engine {
     pub fn new(cfg: EngineConfig) -> Result<Self> {
         cfg.validate()?;
-        Ok(Engine {
-            cfg,
-            lanes: Mutex::new(Vec::new()),
-        })
+        let pool = pool::Pool::new(cfg.threads.max(cfg.memory_threads), cfg.idle_release);
+        Ok(Engine { cfg, pool })
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -181,59 +217,56 @@ impl Engine {
     /// # Safety
     /// For the whole call, each segment's `[addr, addr+len)` must be readable
     /// memory of its kind (host, or device memory of that CUDA device) that
-    /// nobody frees or writes to. Segments must not overlap in the file.
+    /// nobody frees, and that nobody writes except work queued before the call
+    /// on the streams of `opts` (for [`Engine::write_with`]).
     pub unsafe fn write(&self, file: &IoFile, segments: &[Segment]) -> Result<Stats> {
         // SAFETY: forwarded from the caller's contract.
-        unsafe { self.transfer(file, segments, Dir::Write, None, false, &[]) }
+        unsafe { self.transfer(file, segments, Dir::Write, Options::default()) }
     }
 
-    /// [`Engine::write`], with device memory moved along `path`
-    /// (cuFile or bounce; without one, bounce), and with `checksum` the
-    /// CRC-32 of each segment in [`Stats::crc32`].
+    /// [`Engine::write`] with options: device memory moved along `opts.path`
+    /// (cuFile or bounce; without one, bounce) after the work queued on
+    /// `opts.streams`, and with `opts.checksum` the CRC-32 of each segment in
+    /// [`Stats::crc32`].
     ///
     /// # Safety
-    /// As for [`Engine::write`].
-    pub unsafe fn write_via(
+    /// As for [`Engine::write`]; every stream in `opts.streams` must be a live
+    /// CUstream of its device's primary context (or 0).
+    pub unsafe fn write_with(
         &self,
         file: &IoFile,
         segments: &[Segment],
-        path: Option<&DevicePath>,
-        checksum: bool,
+        opts: Options<'_>,
     ) -> Result<Stats> {
         // SAFETY: forwarded from the caller's contract.
-        unsafe { self.transfer(file, segments, Dir::Write, path, checksum, &[]) }
+        unsafe { self.transfer(file, segments, Dir::Write, opts) }
     }
 
-    /// [`Engine::write_via`] with checksums, each [`Patch`] storing a
-    /// segment's CRC-32 at its file offset.
+    /// Read every segment's file range into its memory.
     ///
     /// # Safety
-    /// As for [`Engine::write`].
-    pub unsafe fn write_patched(
+    /// For the whole call, each segment's `[addr, addr+len)` must be writable
+    /// memory of its kind that nobody else frees, and that nobody reads or
+    /// writes except work queued before the call on the streams of `opts` (for
+    /// [`Engine::read_with`]); the segments must not overlap each other.
+    pub unsafe fn read(&self, file: &IoFile, segments: &[Segment]) -> Result<Stats> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.transfer(file, segments, Dir::Read, Options::default()) }
+    }
+
+    /// [`Engine::read`] with options (see [`Engine::write_with`]); with
+    /// `opts.checksum` the CRC-32 of the bytes read for each segment.
+    ///
+    /// # Safety
+    /// As for [`Engine::read`] and [`Engine::write_with`].
+    pub unsafe fn read_with(
         &self,
         file: &IoFile,
         segments: &[Segment],
-        patches: &[Patch],
-        path: Option<&DevicePath>,
+        opts: Options<'_>,
     ) -> Result<Stats> {
         // SAFETY: forwarded from the caller's contract.
-        unsafe { self.transfer(file, segments, Dir::Write, path, true, patches) }
-    }
-
-    /// [`Engine::read`], with device memory moved along `path`, and with
-    /// `checksum` the CRC-32 of the bytes read for each segment.
-    ///
-    /// # Safety
-    /// As for [`Engine::read`].
-    pub unsafe fn read_via(
-        &self,
-        file: &IoFile,
-        segments: &[Segment],
-        path: Option<&DevicePath>,
-        checksum: bool,
-    ) -> Result<Stats> {
-        // SAFETY: forwarded from the caller's contract.
-        unsafe { self.transfer(file, segments, Dir::Read, path, checksum, &[]) }
+        unsafe { self.transfer(file, segments, Dir::Read, opts) }
     }
 
     /// The CRC-32 of each file range `(offset, len)`, read in parallel chunks
@@ -248,45 +281,52 @@ impl Engine {
                 memory: Memory::Host,
             })
             .collect();
+        let opts = Options {
+            checksum: true,
+            ..Options::default()
+        };
         // SAFETY: Dir::Checksum never touches segment memory (addresses are 0).
-        unsafe { self.transfer(file, &segs, Dir::Checksum, None, true, &[]) }
-    }
-
-    /// Read every segment's file range into its memory.
-    ///
-    /// # Safety
-    /// For the whole call, each segment's `[addr, addr+len)` must be writable
-    /// memory of its kind that nobody else reads, writes or frees, and the
-    /// segments must not overlap each other in memory.
-    pub unsafe fn read(&self, file: &IoFile, segments: &[Segment]) -> Result<Stats> {
-        // SAFETY: forwarded from the caller's contract.
-        unsafe { self.read_via(file, segments, None, false) }
+        unsafe { self.transfer(file, &segs, Dir::Checksum, opts) }
     }
 
     /// # Safety
-    /// See [`Engine::write`] and [`Engine::read`].
+    /// See [`Engine::write_with`] and [`Engine::read_with`].
     unsafe fn transfer(
         &self,
         file: &IoFile,
         segments: &[Segment],
         dir: Dir,
-        path: Option<&DevicePath>,
-        checksum: bool,
-        patches: &[Patch],
+        opts: Options<'_>,
     ) -> Result<Stats> {
-        let plan = plan(segments, dir, self.cfg.chunk_for(file), patches)?;
+        let mut devices: Vec<i32> = Vec::new();
+        if dir != Dir::Checksum {
+            for s in segments.iter().filter(|s| s.len > 0) {
+                if let Memory::Cuda(d) = s.memory {
+                    if !devices.contains(&d) {
+                        devices.push(d);
+                    }
+                }
+            }
+        }
+        let cufile = matches!(opts.path, Some(DevicePath::CuFile { .. })) && !devices.is_empty();
+        let serialize = dir == Dir::Write && cufile;
+        let plan = plan(
+            segments,
+            dir,
+            self.cfg.chunk_for(file),
+            opts.patches,
+            serialize.then(|| file.write_unit()),
+        )?;
+        let checksum = opts.checksum || !opts.patches.is_empty();
         let bytes = segments.iter().map(|s| s.len).sum();
         let threads = self.cfg.threads_for(file).min(plan.chunks.len()).max(1);
-        let has_device = dir != Dir::Checksum
-            && segments
-                .iter()
-                .any(|s| s.len > 0 && s.memory != Memory::Host);
         let mut stats = Stats {
             bytes,
             chunks: plan.chunks.len(),
             threads,
             direct: file.is_direct(),
-            device_path: has_device.then(|| path.map_or("bounce", DevicePath::name)),
+            device_path: (!devices.is_empty())
+                .then(|| opts.path.map_or("bounce", DevicePath::name)),
             crc32: Vec::new(),
             late_patches: plan.late.len(),
         };
@@ -296,31 +336,54 @@ impl Engine {
             }
             return Ok(stats);
         }
-        let mut lanes = self.take_lanes(threads, file)?;
+        let after = if devices.is_empty() {
+            After::none()
+        } else {
+            // SAFETY: the caller vouches for the streams (contract of write_with).
+            unsafe { After::record(&devices, opts.streams)? }
+        };
+        if cufile {
+            // cuFile follows no stream: the host waits for the caller's work.
+            after.wait_on_host()?;
+        }
+        let mut lanes = self.pool.take(
+            threads,
+            self.lane_capacity(file),
+            file.alignment().memory.max(align::DEFAULT_ALIGN),
+        )?;
         let next = AtomicUsize::new(0);
         let failed = AtomicBool::new(false);
         let first_error: Mutex<Option<Error>> = Mutex::new(None);
-        let capacity = self.lane_capacity(file);
+        let locks = PageLocks::default();
+        let ctx = lane::Ctx {
+            file,
+            dir,
+            path: opts.path,
+            after: &after,
+            locks: &locks,
+            capacity: self.lane_capacity(file),
+            plan: &plan,
+        };
         // (piece index, its CRC-32): filled by the threads, combined below.
         let crcs: Mutex<Vec<(usize, Option<u32>)>> = Mutex::new(Vec::new());
 
         std::thread::scope(|s| {
             for lane in lanes.iter_mut() {
-                let (plan, next, failed, first_error, crcs) =
-                    (&plan, &next, &failed, &first_error, &crcs);
+                let (chunks, next, failed, first_error, crcs, ctx) =
+                    (&plan.chunks, &next, &failed, &first_error, &crcs, &ctx);
                 s.spawn(move || {
                     let take = || {
                         if failed.load(Ordering::Relaxed) {
                             return None;
                         }
                         let i = next.fetch_add(1, Ordering::Relaxed);
-                        plan.chunks.get(i).map(|c| (i, c))
+                        chunks.get(i).map(|c| (i, c))
                     };
                     let mut mine = Vec::new();
                     let out = checksum.then_some(&mut mine);
                     // SAFETY: piece ranges lie inside the caller's segments
                     // (see `plan`), whose validity the caller guarantees.
-                    let r = unsafe { lane.run(file, dir, path, capacity, plan, take, out) };
+                    let r = unsafe { lane.run(ctx, take, out) };
                     match r {
                         Ok(()) => crcs
                             .lock()
@@ -335,7 +398,7 @@ impl Engine {
                 });
             }
         });
-        self.return_lanes(lanes);
+        self.pool.give_back(lanes);
         if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
             return Err(e);
         }
@@ -352,69 +415,50 @@ impl Engine {
     }
 
     /// Bytes each staging or pinned buffer needs for this file: a chunk plus
-    /// room to widen it to aligned bounds at both ends.
+    /// room to widen it to whole write units at both ends.
     fn lane_capacity(&self, file: &IoFile) -> usize {
-        let a = file.alignment();
-        self.cfg.chunk_for(file) + 2 * a.offset.max(a.memory).max(align::DEFAULT_ALIGN)
+        self.cfg.chunk_for(file) + 2 * file.write_unit().max(align::DEFAULT_ALIGN as u64) as usize
     }
 
-    fn take_lanes(&self, n: usize, file: &IoFile) -> Result<Vec<Lane>> {
-        let want = self.lane_capacity(file);
-        let mut pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        let mut lanes = Vec::with_capacity(n);
-        // Lanes too small for this file stay pooled (a file of the other kind,
-        // disk or memory, may come next); return_lanes bounds the pool.
-        let mut i = pool.len();
-        while lanes.len() < n && i > 0 {
-            i -= 1;
-            let l = &pool[i];
-            if l.staging.len() >= want && l.staging.align() >= file.alignment().memory {
-                lanes.push(pool.swap_remove(i));
-            }
-        }
-        drop(pool);
-        while lanes.len() < n {
-            let align = file.alignment().memory.max(align::DEFAULT_ALIGN);
-            lanes.push(Lane {
-                staging: AlignedBuf::new(want, align)?,
-                bounce: Vec::new(),
-            });
-        }
-        Ok(lanes)
+    /// Give back the host memory of the lanes not in use (staging and pinned
+    /// bounce buffers); the engine stays usable and allocates again on need.
+    /// Returns the bytes given back.
+    pub fn release_buffers(&self) -> usize {
+        self.pool.release()
     }
 
-    fn return_lanes(&self, lanes: Vec<Lane>) {
-        let mut pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        pool.extend(lanes);
-        let keep = self.cfg.threads.max(self.cfg.memory_threads);
-        if pool.len() > keep {
-            // Keep the largest: they serve files of either kind.
-            pool.sort_by_key(|l| std::cmp::Reverse(l.staging.len()));
-            pool.truncate(keep);
-        }
+    /// Give back every idle buffer now and keep none from now on: each
+    /// transfer allocates its buffers and frees them when it ends (the engine
+    /// stays usable). Returns the bytes given back.
+    pub fn close(&self) -> usize {
+        self.pool.close()
     }
 
     /// Host memory held by the lane pool (staging buffers), in bytes.
     pub fn pooled_bytes(&self) -> usize {
-        let pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        pool.iter().map(|l| l.staging.len()).sum()
+        self.pool.pooled_bytes()
     }
 
-    /// Pinned host memory held by the lanes' bounce buffers, in bytes: at most
-    /// max(threads, memory_threads) x 2 x (the larger chunk size + alignment slack) per
-    /// device, whatever the checkpoint size.
+    /// Pinned host memory held by the idle lanes' bounce buffers, in bytes: at
+    /// most max(threads, memory_threads) x 2 x (the larger chunk size + alignment
+    /// slack) per device, whatever the checkpoint size.
     pub fn pinned_bytes(&self) -> usize {
-        let pool = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        pool.iter()
-            .flat_map(|l| &l.bounce)
-            .map(BounceLane::pinned_bytes)
-            .sum()
+        self.pool.pinned_bytes()
     }
 }
 
 /// Check the segments, join them into runs and cut the runs into chunks on
 /// the `chunk_size` grid of file offsets (see the module doc); place patches.
-fn plan(segments: &[Segment], dir: Dir, chunk_size: usize, patches: &[Patch]) -> Result<Plan> {
+/// Written segments must not overlap in the file. With `serialize` (the page
+/// size in bytes: cuFile writes), each chunk lists the pages it shares with a
+/// neighbouring chunk.
+fn plan(
+    segments: &[Segment],
+    dir: Dir,
+    chunk_size: usize,
+    patches: &[Patch],
+    serialize: Option<u64>,
+) -> Result<Plan> {
     let cs = chunk_size as u64;
     for (i, s) in segments.iter().enumerate() {
         let end_file = s.file_offset.checked_add(s.len);
@@ -490,6 +534,7 @@ fn plan(segments: &[Segment], dir: Dir, chunk_size: usize, patches: &[Patch]) ->
             pieces: c.2..out.pieces.len(),
             patches: 0..0,
             device: c.5,
+            shared: [None, None],
         });
     };
     for (run, cell, p) in tagged {
@@ -524,8 +569,28 @@ fn plan(segments: &[Segment], dir: Dir, chunk_size: usize, patches: &[Patch]) ->
     if let Some(c) = cur {
         flush(&mut out, c);
     }
+    if let Some(unit) = serialize {
+        share_pages(&mut out.chunks, unit);
+    }
     place_patches(&mut out, segments, patches)?;
     Ok(out)
+}
+
+/// Mark the pages (of `unit` bytes) that neighbouring chunks (in file order,
+/// as `plan` makes them) share: each chunk holds them while it writes.
+fn share_pages(chunks: &mut [Chunk], unit: u64) {
+    let mut shared = HashSet::new();
+    for w in chunks.windows(2) {
+        let a_end = w[0].file_offset + w[0].len as u64;
+        if a_end > 0 && (a_end - 1) / unit == w[1].file_offset / unit {
+            shared.insert(w[1].file_offset / unit);
+        }
+    }
+    let page = |off: u64| Some(off / unit).filter(|p| shared.contains(p));
+    for c in chunks {
+        let end = c.file_offset + c.len as u64;
+        c.shared = [page(c.file_offset), page(end - 1)];
+    }
 }
 
 /// Put each patch in the gathered chunk that carries both its segment (whole)
@@ -595,6 +660,48 @@ fn place_patches(out: &mut Plan, segments: &[Segment], patches: &[Patch]) -> Res
     Ok(())
 }
 
+/// Pages that neighbouring chunks share, held by one chunk at a time.
+#[derive(Default)]
+pub(crate) struct PageLocks {
+    held: Mutex<HashSet<u64>>,
+    freed: Condvar,
+}
+
+/// A chunk's hold on its shared pages, released when dropped.
+pub(crate) struct PageGuard<'a> {
+    locks: &'a PageLocks,
+    pages: [Option<u64>; 2],
+}
+
+impl PageLocks {
+    /// Wait until none of `pages` is held, then hold them all (all at once:
+    /// a thread never waits while holding one).
+    pub(crate) fn hold(&self, pages: [Option<u64>; 2]) -> PageGuard<'_> {
+        if pages != [None, None] {
+            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            while pages.iter().flatten().any(|p| held.contains(p)) {
+                held = self.freed.wait(held).unwrap_or_else(|p| p.into_inner());
+            }
+            held.extend(pages.iter().flatten());
+        }
+        PageGuard { locks: self, pages }
+    }
+}
+
+impl Drop for PageGuard<'_> {
+    fn drop(&mut self) {
+        if self.pages == [None, None] {
+            return;
+        }
+        let mut held = self.locks.held.lock().unwrap_or_else(|p| p.into_inner());
+        for p in self.pages.iter().flatten() {
+            held.remove(p);
+        }
+        drop(held);
+        self.locks.freed.notify_all();
+    }
+}
+
 /// One CRC-32 per segment from the pieces' values (pieces of a segment are in
 /// file order in `pieces`); None where any piece of the segment has none.
 fn combine(
@@ -618,10 +725,12 @@ fn combine(
 }
 
 #[cfg(test)]
+#[cfg(test)]
 // Test buffers outlive every engine call that borrows their addresses.
 #[allow(clippy::undocumented_unsafe_blocks)]
 mod tests {
     use super::*;
+    use crate::io::align::AlignedBuf;
     use crate::io::file::DirectMode;
     use std::fs::OpenOptions;
 
@@ -633,8 +742,16 @@ mod tests {
             memory_chunk_size: chunk,
             direct: DirectMode::Auto,
             preallocate: true,
+            idle_release: None,
         })
         .unwrap()
+    }
+
+    fn crc() -> Options<'static> {
+        Options {
+            checksum: true,
+            ..Options::default()
+        }
     }
 
     fn host(file_offset: u64, buf: &[u8]) -> Segment {
@@ -745,7 +862,7 @@ mod tests {
                 .map(|(&(o, _), v)| host(o, v))
                 .collect();
             let e = engine(3, 8192);
-            let st = unsafe { e.write_via(&f, &segs, None, true) }.unwrap();
+            let st = unsafe { e.write_with(&f, &segs, crc()) }.unwrap();
             assert_eq!(st.crc32, want);
             let mut back: Vec<Vec<u8>> = data.iter().map(|v| vec![0; v.len()]).collect();
             let rsegs: Vec<Segment> = layout
@@ -758,7 +875,7 @@ mod tests {
                     memory: Memory::Host,
                 })
                 .collect();
-            let st = unsafe { e.read_via(&f, &rsegs, None, true) }.unwrap();
+            let st = unsafe { e.read_with(&f, &rsegs, crc()) }.unwrap();
             assert_eq!(st.crc32, want);
             assert_eq!(back, data);
             let ranges: Vec<(u64, u64)> = layout.iter().map(|&(o, n)| (o, n as u64)).collect();
@@ -874,6 +991,320 @@ mod tests {
         assert!(e.pooled_bytes() <= 5 * (8192 + 2 * 4096));
     }
 
+    /// Segments packed back to back at odd offsets (as in a safetensors file),
+    /// half from memory O_DIRECT can take as is, half from memory it cannot.
+    fn packed(sizes: &[usize], seed: u8) -> (Vec<Vec<u8>>, Vec<u64>) {
+        let mut offsets = Vec::new();
+        let mut at = 100u64;
+        let data = sizes
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                offsets.push(at);
+                at += n as u64;
+                (0..n)
+                    .map(|i| (i as u8).wrapping_mul(31) ^ (k as u8) ^ seed)
+                    .collect()
+            })
+            .collect();
+        (data, offsets)
+    }
+
+    #[test]
+    fn no_page_is_written_buffered_and_direct_at_once() {
+        // A drive with 512-byte O_DIRECT blocks (faked): one segment's buffered
+        // tail and the next one's direct middle would share a 4 KiB page.
+        let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let mut f = open(&d.path().join("packed"), DirectMode::Auto);
+        if !f.is_direct() {
+            eprintln!("no O_DIRECT here: skipped");
+            return;
+        }
+        f.fake_alignment(align::DioAlign {
+            offset: 512,
+            memory: 512,
+        });
+        let page = align::page_size();
+        assert_eq!(f.write_unit(), page.max(512));
+        let sizes = [
+            5000,
+            700,
+            9000,
+            4096,
+            3000,
+            12_345,
+            1,
+            8192 + 513,
+            2000,
+            30_000,
+        ];
+        let e = engine(4, 8192);
+        for round in 0..40u8 {
+            let (data, offsets) = packed(&sizes, round);
+            // Every other segment from memory one byte off its alignment.
+            let shifted: Vec<Vec<u8>> = data.iter().map(|v| [&[0u8][..], v].concat()).collect();
+            let mut aligned: Vec<AlignedBuf> = Vec::new();
+            let segs: Vec<Segment> = (0..data.len())
+                .map(|k| {
+                    if k % 2 == 0 {
+                        host(offsets[k], &shifted[k][1..])
+                    } else {
+                        let mut b = AlignedBuf::new(data[k].len(), 4096).unwrap();
+                        b.as_mut_slice()[..data[k].len()].copy_from_slice(&data[k]);
+                        let seg = Segment {
+                            file_offset: offsets[k],
+                            addr: b.as_ptr() as u64,
+                            len: data[k].len() as u64,
+                            memory: Memory::Host,
+                        };
+                        aligned.push(b);
+                        seg
+                    }
+                })
+                .collect();
+            unsafe { e.write(&f, &segs) }.unwrap();
+            let trace = f.take_trace();
+            assert!(trace.iter().any(|t| t.0), "nothing went through O_DIRECT");
+            let mut direct = HashSet::new();
+            let mut buffered = HashSet::new();
+            for &(is_direct, off, len) in &trace {
+                let pages = (off / page)..=((off + len as u64 - 1) / page);
+                if is_direct {
+                    direct.extend(pages);
+                } else {
+                    buffered.extend(pages);
+                }
+            }
+            let both: Vec<_> = direct.intersection(&buffered).collect();
+            assert!(
+                both.is_empty(),
+                "round {round}: pages {both:?} written both ways"
+            );
+            // Direct writes cover whole pages.
+            for &(_, off, len) in trace.iter().filter(|t| t.0) {
+                assert!(align::is_aligned(off, page) && align::is_aligned(len as u64, page));
+            }
+            // And the bytes: every page as written, byte for byte.
+            let mut back: Vec<Vec<u8>> = data.iter().map(|v| vec![0xEE; v.len()]).collect();
+            let rsegs: Vec<Segment> = offsets
+                .iter()
+                .zip(back.iter_mut())
+                .map(|(&o, v)| Segment {
+                    file_offset: o,
+                    addr: v.as_mut_ptr() as u64,
+                    len: v.len() as u64,
+                    memory: Memory::Host,
+                })
+                .collect();
+            unsafe { e.read(&f, &rsegs) }.unwrap();
+            assert!(back == data, "round {round}: bytes differ");
+        }
+    }
+
+    #[test]
+    fn written_segments_must_not_overlap_and_shared_pages_are_found() {
+        let buf = vec![0u8; 10_000];
+        let seg = |off: u64, len: usize| Segment {
+            file_offset: off,
+            addr: buf.as_ptr() as u64,
+            len: len as u64,
+            memory: Memory::Host,
+        };
+        // Overlapping writes are refused before any byte moves.
+        let err = plan(&[seg(0, 5000), seg(4000, 100)], Dir::Write, 8192, &[], None).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        // Reads may overlap in the file (one range into two memories).
+        plan(&[seg(0, 5000), seg(4000, 100)], Dir::Read, 8192, &[], None).unwrap();
+        // Under cuFile, the pages neighbouring chunks share are held by both
+        // (chunks of 8 KiB on the grid, pages of 4 KiB): touching segments are
+        // one run cut on the grid (no page shared), a run that ends in the page
+        // where the next one starts shares it.
+        let segs = [
+            seg(0, 5000),
+            seg(5000, 4000),
+            seg(9000, 100),
+            seg(9100, 9000),
+            seg(18_200, 10),
+            seg(20_480, 10),
+        ];
+        let p = plan(&segs, Dir::Write, 8192, &[], Some(4096)).unwrap();
+        let shared: Vec<(u64, [Option<u64>; 2])> =
+            p.chunks.iter().map(|c| (c.file_offset, c.shared)).collect();
+        assert_eq!(
+            shared,
+            [
+                (0, [None, None]),
+                (8192, [None, None]),
+                (16_384, [Some(4), Some(4)]),
+                (18_200, [Some(4), Some(4)]),
+                (20_480, [None, None]),
+            ]
+        );
+        // Without cuFile nothing is held.
+        let p = plan(&segs, Dir::Write, 8192, &[], None).unwrap();
+        assert!(p.chunks.iter().all(|c| c.shared == [None, None]));
+    }
+
+    #[test]
+    fn shared_pages_are_held_by_one_chunk_at_a_time() {
+        let locks = std::sync::Arc::new(PageLocks::default());
+        let inside = std::sync::Arc::new(AtomicUsize::new(0));
+        let worst = std::sync::Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let (locks, inside, worst) = (locks.clone(), inside.clone(), worst.clone());
+                std::thread::spawn(move || {
+                    for i in 0..200u64 {
+                        // Every thread wants page 7, with another page of its own.
+                        let pages = if t % 2 == 0 {
+                            [Some(7), Some(100 + i)]
+                        } else {
+                            [Some(200 + i), Some(7)]
+                        };
+                        let _g = locks.hold(pages);
+                        let n = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                        worst.fetch_max(n, Ordering::SeqCst);
+                        std::thread::yield_now();
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(worst.load(Ordering::SeqCst), 1);
+        assert!(locks.held.lock().unwrap().is_empty());
+        // A chunk that shares nothing takes no lock at all.
+        let _a = locks.hold([None, None]);
+        let _b = locks.hold([None, None]);
+    }
+
+    #[test]
+    fn buffers_go_back_on_request_on_close_and_when_idle() {
+        let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let f = open(&d.path().join("idle"), DirectMode::Auto);
+        let data = vec![9u8; 256 << 10];
+        let write = |e: &Engine| unsafe { e.write(&f, &[host(0, &data)]) }.unwrap();
+        // On request: this engine, then every engine at once.
+        let (a, b) = (engine(3, 64 << 10), engine(2, 64 << 10));
+        write(&a);
+        write(&b);
+        assert!(a.pooled_bytes() > 0 && b.pooled_bytes() > 0);
+        let held = a.pooled_bytes();
+        assert_eq!(a.release_buffers(), held);
+        assert_eq!(a.pooled_bytes(), 0);
+        write(&a);
+        assert!(release_buffers() >= a.pooled_bytes() + b.pooled_bytes());
+        assert_eq!((a.pooled_bytes(), b.pooled_bytes()), (0, 0));
+        // Closed: usable, but keeps nothing between transfers.
+        write(&a);
+        a.close();
+        write(&a);
+        assert_eq!(a.pooled_bytes(), 0);
+        // Idle: the reaper frees lanes idle longer than idle_release.
+        let idle = Engine::new(EngineConfig {
+            threads: 2,
+            memory_threads: 2,
+            chunk_size: 64 << 10,
+            memory_chunk_size: 64 << 10,
+            idle_release: Some(std::time::Duration::from_millis(50)),
+            ..Default::default()
+        })
+        .unwrap();
+        write(&idle);
+        let start = std::time::Instant::now();
+        while idle.pooled_bytes() > 0 && start.elapsed() < std::time::Duration::from_secs(30) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(idle.pooled_bytes(), 0, "idle lanes were never given back");
+        // Zero: nothing is kept after a transfer.
+        let none = Engine::new(EngineConfig {
+            idle_release: Some(std::time::Duration::ZERO),
+            ..Default::default()
+        })
+        .unwrap();
+        write(&none);
+        assert_eq!(none.pooled_bytes(), 0);
+    }
+
+    #[test]
+    fn idle_release_from_the_environment() {
+        assert_eq!(
+            config::parse_idle_release("2.5").unwrap(),
+            Some(std::time::Duration::from_millis(2500))
+        );
+        assert_eq!(config::parse_idle_release(" OFF ").unwrap(), None);
+        assert_eq!(config::parse_idle_release("never").unwrap(), None);
+        assert!(config::parse_idle_release("-1").is_err());
+        assert!(config::parse_idle_release("soon").is_err());
+    }
+
+    #[test]
+    fn a_transfer_file_opens_its_device_path_on_need_and_checks_reads() {
+        let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let path = d.path().join("tf");
+        let io = open(&path, DirectMode::Auto);
+        let tf = TransferFile::new(io, crate::gpu::Backend::Bounce);
+        let e = engine(2, 8192);
+        let data: Vec<u8> = (0..50_000u32).map(|i| i as u8).collect();
+        let req = Request {
+            checksum: true,
+            file_len: Some(60_000),
+            ..Request::default()
+        };
+        let rep = unsafe { tf.write(&e, &[host(10, &data)], req) }.unwrap();
+        assert_eq!(rep.stats.crc32, [Some(crc32fast::hash(&data))]);
+        assert_eq!(rep.stats.device_path, None);
+        assert_eq!(rep.backend, crate::gpu::Backend::Bounce);
+        // Host memory only: no device path was opened.
+        assert_eq!(tf.path_state(), None);
+        let mut back = vec![0u8; 50_000];
+        let seg = Segment {
+            file_offset: 10,
+            addr: back.as_mut_ptr() as u64,
+            len: 50_000,
+            memory: Memory::Host,
+        };
+        unsafe { tf.read(&e, &[seg], Request::default()) }.unwrap();
+        assert_eq!(back, data);
+        // Past the end: a format error before any byte moves.
+        let past = Segment {
+            file_offset: 59_990,
+            len: 100,
+            ..seg
+        };
+        match unsafe { tf.read(&e, &[past], Request::default()) } {
+            Err(Error::Format { reason, .. }) => {
+                assert!(reason.contains("past the end"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // Opened on request (the bounce pipeline, as asked), closed on request.
+        tf.open_device_path().unwrap();
+        let st = tf.path_state().unwrap();
+        assert_eq!((st.name, st.gds_mode), ("bounce", None));
+        assert!(st
+            .fallback_reason
+            .unwrap()
+            .contains("bounce backend requested"));
+        tf.close_device_path();
+        assert_eq!(tf.path_state(), None);
+    }
+    /// A write storing each patch's CRC-32 (checksums on).
+    unsafe fn write_patched(
+        e: &Engine,
+        f: &IoFile,
+        segs: &[Segment],
+        patches: &[Patch],
+    ) -> Result<Stats> {
+        let opts = Options {
+            patches,
+            ..Options::default()
+        };
+        unsafe { e.write_with(f, segs, opts) }
+    }
+
     /// A file image tiled by segments: headers (host bytes we own) between
     /// records (the "tensors"), each record's CRC-32 patched into the 4
     /// bytes after it, as a zip data descriptor holds it.
@@ -950,7 +1381,7 @@ mod tests {
             let sizes: Vec<usize> = (0..2000).map(|i| 1 + (i * 37) % 700).collect();
             let t = tiled(&sizes, 40, 3);
             let e = engine(3, 64 << 10);
-            let st = unsafe { e.write_patched(&f, &t.segs, &t.patches, None) }.unwrap();
+            let st = unsafe { write_patched(&e, &f, &t.segs, &t.patches) }.unwrap();
             let total = t.want.len();
             assert_eq!(
                 st.chunks,
@@ -985,7 +1416,7 @@ mod tests {
                     memory: Memory::Host,
                 })
                 .collect();
-            let st2 = unsafe { e.read_via(&f, &rsegs, None, true) }.unwrap();
+            let st2 = unsafe { e.read_with(&f, &rsegs, crc()) }.unwrap();
             assert!(st2.chunks <= st.chunks, "{} > {}", st2.chunks, st.chunks);
             for ((&r, b), crc) in t.records.iter().zip(&back).zip(&st2.crc32) {
                 let at = t.segs[r].file_offset as usize;
@@ -1053,7 +1484,7 @@ mod tests {
                 "overflows",
             ),
         ] {
-            match unsafe { e.write_patched(&f, &segs, &[p], None) } {
+            match unsafe { write_patched(&e, &f, &segs, &[p]) } {
                 Err(Error::InvalidArgument(m)) => assert!(m.contains(needle), "{m}"),
                 other => panic!("{other:?}"),
             }
@@ -1068,7 +1499,7 @@ mod tests {
         std::fs::write(&path, b"").unwrap();
         let f = IoFile::open_read(&path, DirectMode::Off).unwrap();
         let t = tiled(&[10, 20, 30], 16, 0);
-        match unsafe { engine(2, 4096).write_patched(&f, &t.segs, &t.patches, None) } {
+        match unsafe { write_patched(&engine(2, 4096), &f, &t.segs, &t.patches) } {
             Err(Error::Io { op: "pwrite", .. }) => {}
             other => panic!("{other:?}"),
         }
@@ -1102,7 +1533,7 @@ mod tests {
                 let f = open(&path, mode);
                 let t = tiled(&sizes, head, shift);
                 let e = engine(threads, chunk_pages * 4096);
-                let st = unsafe { e.write_patched(&f, &t.segs, &t.patches, None) }.unwrap();
+                let st = unsafe { write_patched(&e, &f, &t.segs, &t.patches) }.unwrap();
                 prop_assert_eq!(std::fs::read(&path).unwrap(), t.want.clone());
                 for &r in &t.records {
                     let s = t.segs[r];
@@ -1131,7 +1562,7 @@ mod tests {
                         memory: Memory::Host,
                     })
                     .collect();
-                let st2 = unsafe { e.read_via(&f, &rsegs, None, true) }.unwrap();
+                let st2 = unsafe { e.read_with(&f, &rsegs, crc()) }.unwrap();
                 for ((&r, b), crc) in chosen.iter().zip(&back).zip(&st2.crc32) {
                     let s = t.segs[r];
                     let at = s.file_offset as usize;

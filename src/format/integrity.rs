@@ -23,8 +23,11 @@ use std::collections::HashSet;
 use std::io;
 use std::os::unix::fs::FileExt;
 
-use crate::engine::Engine;
-use crate::format::zipmap::{Archive, Record};
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::engine::{Engine, Memory, Report, Request, Segment, TransferFile};
+use crate::format::zipmap::{self, Archive, Record};
 use crate::io::fault::{self, Point};
 use crate::io::file::IoFile;
 use crate::{Error, Result};
@@ -243,7 +246,7 @@ fn read_upto(f: &std::fs::File, buf: &mut [u8], off: u64) -> io::Result<usize> {
 }
 
 /// The error for a record whose bytes do not match its CRC-32.
-pub fn mismatch_error(path: &std::path::Path, name: &str, stored: u32, actual: u32) -> Error {
+pub fn mismatch_error(path: &Path, name: &str, stored: u32, actual: u32) -> Error {
     Error::format(
         Some(path),
         format!(
@@ -263,6 +266,195 @@ pub fn judge(declared: Declared, actual: Option<u32>) -> State {
         (Declared::Crc(_), Some(_)) => State::Ok,
         _ => State::Unchecked,
     }
+}
+
+/// Which records a verified read checked, by name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Verdict {
+    /// Whole records whose bytes match their stored CRC-32.
+    pub verified: Vec<String>,
+    /// Whole records read that have no usable CRC-32, or whose bytes the host
+    /// never saw (cuFile).
+    pub unchecked: Vec<String>,
+}
+
+/// Each segment's file range must lie inside one record of the archive: a
+/// format error naming the bytes otherwise. O(log n) per segment.
+pub fn check_inside_records(a: &Archive, path: &Path, segments: &[Segment]) -> Result<()> {
+    // Records by data offset, each with the largest end among it and those
+    // before it: a range starting at `off` lies inside one record exactly
+    // when some record starting at or before `off` ends at or after its end.
+    let mut spans: Vec<(u64, u64)> = a
+        .records
+        .iter()
+        .map(|r| (r.data_offset, r.data_offset.saturating_add(r.size)))
+        .collect();
+    spans.sort_unstable();
+    let mut reach = 0;
+    for s in &mut spans {
+        reach = reach.max(s.1);
+        s.1 = reach;
+    }
+    for s in segments {
+        let n = spans.partition_point(|sp| sp.0 <= s.file_offset);
+        let inside = n > 0
+            && s.file_offset
+                .checked_add(s.len)
+                .is_some_and(|end| end <= spans[n - 1].1);
+        if !inside {
+            return Err(Error::format(
+                Some(path),
+                format!(
+                    "bytes {}..{} are not inside one record of the archive",
+                    s.file_offset,
+                    s.file_offset.saturating_add(s.len)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Judge the CRC-32s of a read (`crc32[i]` for `segments[i]`) against the
+/// archive: segments covering a whole record are compared with its stored
+/// CRC-32 (a mismatch is a format error naming the record); partial reads are
+/// not judged.
+pub fn judge_reads(
+    a: &Archive,
+    path: &Path,
+    segments: &[Segment],
+    crc32: &[Option<u32>],
+) -> Result<Verdict> {
+    let decl = declared(a);
+    let by_offset: HashMap<u64, usize> = a
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.data_offset, i))
+        .collect();
+    let mut v = Verdict::default();
+    for (s, crc) in segments.iter().zip(crc32) {
+        let whole = by_offset
+            .get(&s.file_offset)
+            .filter(|&&i| a.records[i].size == s.len);
+        let Some(&i) = whole else { continue };
+        let name = &a.records[i].name;
+        match judge(decl[i], *crc) {
+            State::Mismatch { stored, actual } => {
+                return Err(mismatch_error(path, name, stored, actual))
+            }
+            State::Ok => v.verified.push(name.clone()),
+            State::Unchecked => v.unchecked.push(name.clone()),
+        }
+    }
+    Ok(v)
+}
+
+/// Read ranges of an archive's records into memory, each inside one record;
+/// with `verify`, the CRC-32 of the bytes read for each whole record is
+/// compared with the stored one ([`judge_reads`]).
+///
+/// # Safety
+/// As for [`TransferFile::read`].
+pub unsafe fn read_records(
+    engine: &Engine,
+    file: &TransferFile,
+    a: &Archive,
+    segments: &[Segment],
+    verify: bool,
+    streams: &[(i32, u64)],
+) -> Result<(Report, Verdict)> {
+    let path = file.io().path();
+    check_inside_records(a, path, segments)?;
+    let req = Request {
+        checksum: verify,
+        streams,
+        ..Request::default()
+    };
+    // SAFETY: forwarded from the caller's contract.
+    let rep = unsafe { file.read(engine, segments, req)? };
+    let verdict = if verify {
+        judge_reads(a, path, segments, &rep.stats.crc32)?
+    } else {
+        Verdict::default()
+    };
+    Ok((rep, verdict))
+}
+
+/// One storage to write: its pickle key and its memory.
+#[derive(Clone, Debug)]
+pub struct Storage {
+    pub key: String,
+    pub addr: u64,
+    pub len: u64,
+    pub memory: Memory,
+}
+
+/// The segments that put each storage into its record `<prefix>/data/<key>`
+/// (sizes checked), and each one's record index.
+pub fn storage_segments(
+    a: &Archive,
+    path: &Path,
+    storages: &[Storage],
+) -> Result<(Vec<Segment>, Vec<usize>)> {
+    let mut segs = Vec::with_capacity(storages.len());
+    let mut index = Vec::with_capacity(storages.len());
+    for st in storages {
+        let i = a.storage_index(&st.key).ok_or_else(|| {
+            Error::format(Some(path), format!("no record for storage {}", st.key))
+        })?;
+        let r = &a.records[i];
+        if r.size != st.len {
+            return Err(Error::format(
+                Some(path),
+                format!(
+                    "record {} holds {} bytes, storage {} has {}",
+                    r.name, r.size, st.key, st.len
+                ),
+            ));
+        }
+        index.push(i);
+        segs.push(Segment {
+            file_offset: r.data_offset,
+            addr: st.addr,
+            len: st.len,
+            memory: st.memory,
+        });
+    }
+    Ok((segs, index))
+}
+
+/// Write each storage's bytes into its record of the torch.save archive in
+/// `file` (written by torch.save under `skip_data`), then the records'
+/// CRC-32s (computed as the bytes pass through host memory; records written
+/// by cuFile are listed as unchecked in the archive comment).
+///
+/// # Safety
+/// As for [`TransferFile::write`].
+pub unsafe fn write_storages(
+    engine: &Engine,
+    file: &TransferFile,
+    storages: &[Storage],
+    streams: &[(i32, u64)],
+) -> Result<Report> {
+    let io = file.io();
+    let a = zipmap::map_file(io.file(), Some(io.path()))?;
+    let (segs, index) = storage_segments(&a, io.path(), storages)?;
+    let req = Request {
+        checksum: true,
+        streams,
+        file_len: Some(a.file_len),
+        ..Request::default()
+    };
+    // SAFETY: forwarded from the caller's contract.
+    let rep = unsafe { file.write(engine, &segs, req)? };
+    // Data records not written yet stay listed as unchecked (fill_crcs).
+    let crcs: Vec<(usize, Option<u32>)> = index
+        .into_iter()
+        .zip(rep.stats.crc32.iter().copied())
+        .collect();
+    fill_crcs(io, &a, &crcs)?;
+    Ok(rep)
 }
 
 /// Check the records `which` (indexes; all when None): read their bytes in
@@ -384,5 +576,124 @@ mod tests {
         );
         assert_eq!(judge(Declared::Crc(1), None), State::Unchecked);
         assert_eq!(judge(Declared::Unchecked, Some(2)), State::Unchecked);
+    }
+
+    fn placed(recs: &[(&str, u64, u64, u32)], comment: &str) -> Archive {
+        Archive {
+            records: recs
+                .iter()
+                .map(|&(n, off, size, crc)| Record {
+                    name: n.into(),
+                    header_offset: 0,
+                    data_offset: off,
+                    size,
+                    crc32: crc,
+                    cd_entry_offset: 0,
+                })
+                .collect(),
+            comment: comment.as_bytes().to_vec(),
+            ..Default::default()
+        }
+    }
+
+    fn seg(file_offset: u64, len: u64) -> Segment {
+        Segment {
+            file_offset,
+            addr: 1,
+            len,
+            memory: Memory::Host,
+        }
+    }
+
+    #[test]
+    fn reads_must_stay_inside_one_record() {
+        // Records out of file order, as a central directory may list them.
+        let a = placed(
+            &[
+                ("m/data/1", 8192, 100, 0),
+                ("m/data.pkl", 64, 500, 0),
+                ("m/data/0", 4096, 4000, 0),
+                ("m/data/2", 8292, 0, 0),
+            ],
+            "",
+        );
+        let p = Path::new("x.pt");
+        let ok = [
+            seg(4096, 4000),
+            seg(5000, 10),
+            seg(8192, 100),
+            seg(8200, 92),
+            seg(64, 1),
+            seg(8292, 0),
+        ];
+        check_inside_records(&a, p, &ok).unwrap();
+        for bad in [
+            seg(4096, 4001),     // past its record's end
+            seg(4000, 200),      // starts between records
+            seg(8096, 200),      // spans two records
+            seg(0, 10),          // before the first
+            seg(9000, 1),        // after the last
+            seg(8192, u64::MAX), // overflows
+        ] {
+            let e = check_inside_records(&a, p, &[bad]).unwrap_err();
+            assert!(e.to_string().contains("not inside one record"), "{e}");
+        }
+    }
+
+    #[test]
+    fn whole_records_read_are_judged_partial_ones_not() {
+        let a = placed(
+            &[
+                ("m/data.pkl", 64, 10, 7),
+                ("m/data/0", 4096, 100, 0x1111),
+                ("m/data/1", 8192, 50, 0),
+            ],
+            "ckptio:crc32 unchecked=1",
+        );
+        let p = Path::new("x.pt");
+        let segs = [seg(4096, 100), seg(8192, 50), seg(64, 5)];
+        let v = judge_reads(&a, p, &segs, &[Some(0x1111), Some(3), Some(9)]).unwrap();
+        assert_eq!(v.verified, ["m/data/0"]);
+        assert_eq!(v.unchecked, ["m/data/1"]);
+        // cuFile read it: no value, unchecked.
+        let v = judge_reads(&a, p, &segs[..1], &[None]).unwrap();
+        assert_eq!((v.verified.len(), v.unchecked.len()), (0, 1));
+        let e = judge_reads(&a, p, &segs[..1], &[Some(0x2222)]).unwrap_err();
+        assert!(e.to_string().contains("\"m/data/0\" is corrupt"), "{e}");
+    }
+
+    #[test]
+    fn storages_map_to_their_records_with_sizes_checked() {
+        let a = placed(
+            &[
+                ("m/data.pkl", 64, 10, 0),
+                ("m/.format_version", 100, 1, 0),
+                ("m/.storage_alignment", 200, 2, 0),
+                ("m/byteorder", 300, 6, 0),
+                ("m/data/0", 4096, 100, 0),
+                ("m/data/1", 8192, 50, 0),
+            ],
+            "",
+        );
+        let p = Path::new("x.pt");
+        let st = |key: &str, len| Storage {
+            key: key.into(),
+            addr: 7,
+            len,
+            memory: Memory::Cuda(0),
+        };
+        let (segs, index) = storage_segments(&a, p, &[st("1", 50), st("0", 100)]).unwrap();
+        assert_eq!(index, [5, 4]);
+        assert_eq!(
+            (segs[0].file_offset, segs[0].len, segs[0].memory),
+            (8192, 50, Memory::Cuda(0))
+        );
+        let e = storage_segments(&a, p, &[st("0", 99)]).unwrap_err();
+        assert!(
+            e.to_string().contains("holds 100 bytes, storage 0 has 99"),
+            "{e}"
+        );
+        let e = storage_segments(&a, p, &[st("9", 1)]).unwrap_err();
+        assert!(e.to_string().contains("no record for storage 9"), "{e}");
     }
 }

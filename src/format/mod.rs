@@ -5,9 +5,11 @@
 //! - [`integrity`]: the zip CRC-32 fields of files ckptio writes, and checking them.
 //! - [`pickle`]: reads the pickles torch.save writes for state dicts (a safe subset).
 //! - [`safetensors`]: reads and checks safetensors headers.
+//! - [`zstd`]: DCP items as zstd frames (torch's ZStandard stream transform).
 
 pub mod integrity;
 pub mod pickle;
 pub mod safetensors;
 pub mod zipmap;
 pub mod zipwrite;
+pub mod zstd;

@@ -20,11 +20,9 @@
 //! as the bytes pass (a [`Patch`]); the central directory, which needs all of
 //! them, is written last.
 
-use crate::engine::{Engine, Memory, Patch, Segment, Stats};
+use crate::engine::{Engine, Memory, Patch, Report, Request, Segment, TransferFile};
 use crate::format::integrity;
-use crate::gpu::DevicePath;
 use crate::io::fault::{self, Point};
-use crate::io::file::IoFile;
 use crate::{Error, Result};
 
 const LH_SIG: u32 = 0x0403_4b50;
@@ -342,43 +340,47 @@ impl Layout {
     }
 }
 
-/// What [`write`] did: the engine's report and each record's CRC-32 (None
+/// What [`write`] did: the transfer's report and each record's CRC-32 (None
 /// where cuFile moved its bytes: stored as 0 and named in the comment).
 #[derive(Debug)]
 pub struct Written {
-    pub stats: Stats,
+    pub report: Report,
     pub crc32: Vec<Option<u32>>,
 }
 
-/// Write `entries` as a torch.save archive into `io` (an empty temp file):
-/// headers and data in one engine pass (device memory along `path`), then the
-/// central directory with every CRC-32 and ckptio's comment naming the data
-/// records whose bytes no host memory saw. `prefix` is the archive's top folder
-/// (records `<prefix>/data/<key>` are the data records).
+/// Write `entries` as a torch.save archive into `file` (an empty temp file):
+/// headers and data in one engine pass (device memory after the work queued
+/// on `streams`), then the central directory with every CRC-32 and ckptio's
+/// comment naming the data records whose bytes no host memory saw. `prefix`
+/// is the archive's top folder (records `<prefix>/data/<key>` are the data
+/// records).
 ///
 /// # Safety
-/// Each `Body::Memory` range must stay readable and unmodified for the call
-/// (see [`Engine::write`]).
+/// Each `Body::Memory` range must stay readable and unmodified for the call,
+/// and `streams` be live CUstreams of their devices (see [`TransferFile::write`]).
 pub unsafe fn write(
     engine: &Engine,
-    io: &IoFile,
-    path: Option<&DevicePath>,
+    file: &TransferFile,
     entries: &[Entry],
     prefix: &str,
+    streams: &[(i32, u64)],
 ) -> Result<Written> {
     let layout = Layout::new(entries)?;
-    if engine.config().preallocate {
-        io.preallocate(layout.file_len(entries, integrity::COMMENT_TAG.len()))?;
-    }
     let (segs, patches, index) = layout.segments(entries);
+    let req = Request {
+        checksum: true,
+        streams,
+        file_len: Some(layout.file_len(entries, integrity::COMMENT_TAG.len())),
+        patches: &patches,
+    };
     // SAFETY: header segments point into `layout`, alive for the call; memory
     // records are the caller's (contract above).
-    let stats = unsafe { engine.write_patched(io, &segs, &patches, path)? };
+    let report = unsafe { file.write(engine, &segs, req)? };
     let crc32: Vec<Option<u32>> = index
         .iter()
         .zip(&layout.inline_crc)
         .map(|(seg, inline)| match seg {
-            Some(s) => stats.crc32[*s],
+            Some(s) => report.stats.crc32[*s],
             None => Some(inline.unwrap_or(0)),
         })
         .collect();
@@ -401,13 +403,14 @@ pub unsafe fn write(
     let comment = integrity::comment_for(&refs, !refs.is_empty() && refs.len() == data_records);
     let crcs: Vec<u32> = crc32.iter().map(|c| c.unwrap_or(0)).collect();
     let tail = layout.tail(entries, &crcs, &comment)?;
+    let io = file.io();
     fault::hit(Point::Crc, io.path())?;
     io.write_at(&tail, layout.cd_offset)?;
     let len = layout.cd_offset + tail.len() as u64;
     io.file()
         .set_len(len)
         .map_err(|e| Error::io_at("truncate", io.path(), e))?;
-    Ok(Written { stats, crc32 })
+    Ok(Written { report, crc32 })
 }
 
 #[cfg(test)]
@@ -417,7 +420,7 @@ mod tests {
     use super::*;
     use crate::engine::EngineConfig;
     use crate::format::zipmap;
-    use crate::io::file::DirectMode;
+    use crate::io::file::{DirectMode, IoFile};
     use std::os::unix::fs::FileExt;
 
     fn engine() -> Engine {
@@ -472,11 +475,17 @@ mod tests {
                 .open(&path)
                 .unwrap();
             let io = IoFile::from_writable(f, &path, mode).unwrap();
-            let w = unsafe { write(&engine(), &io, None, &entries, "archive") }.unwrap();
+            let tf = TransferFile::new(io, crate::gpu::Backend::Auto);
+            let w = unsafe { write(&engine(), &tf, &entries, "archive", &[]) }.unwrap();
+            let io = tf.io();
             let bytes = std::fs::read(&path).unwrap();
             // One I/O per 16 KiB of the grid, not one per record.
             let grid = bytes.len().div_ceil(16 << 10);
-            assert!(w.stats.chunks <= grid, "{} I/Os", w.stats.chunks);
+            assert!(
+                w.report.stats.chunks <= grid,
+                "{} I/Os",
+                w.report.stats.chunks
+            );
             let a = zipmap::map_bytes(&bytes).unwrap();
             assert_eq!(a.comment, integrity::COMMENT_TAG.as_bytes());
             assert_eq!(a.records.len(), entries.len());
@@ -503,7 +512,7 @@ mod tests {
             let r0 = a.storage("0").unwrap();
             let r1 = a.storage("1").unwrap();
             assert!(r1.data_offset - r0.data_offset <= 128, "{r0:?} {r1:?}");
-            let checks = integrity::check(&engine(), &io, &a, None).unwrap();
+            let checks = integrity::check(&engine(), io, &a, None).unwrap();
             assert!(
                 checks.iter().all(|(_, s)| *s == integrity::State::Ok),
                 "{checks:?}"

@@ -2,17 +2,57 @@
 //!
 //! [`BounceLane`] is one I/O thread's share of the pipeline: two pinned
 //! buffers and two streams, so the copy of chunk i+1 (D2H on save, H2D on
-//! load) overlaps the file I/O of chunk i. A chunk may also be gathered from
-//! (or scattered to) many pieces of host and device memory around one file
-//! I/O (`*_gathered`): many small tensors, one request.
+//! load) overlaps the file I/O of chunk i. Every copy is queued behind the
+//! caller's stream ([`crate::gpu::order`]). Where the pinned-memory cap
+//! ([`crate::gpu::budget`]) has no room, a lane runs on pageable buffers:
+//! slower copies, same results. A chunk may also be gathered from (or
+//! scattered to) many pieces of host and device memory around one file I/O
+//! (`*_gathered`): many small tensors, one request.
 
-use crate::gpu::cuda::{self, PinnedBuffer, Stream};
+use crate::gpu::cuda::{self, Event, PinnedBuffer, Stream};
+use crate::io::align::{AlignedBuf, DEFAULT_ALIGN};
 use crate::io::file::IoFile;
 use crate::{Error, Result};
 
-/// One slot of a lane: a pinned buffer and the stream that fills or drains it.
+/// A slot's host buffer: pinned, or pageable when the cap had no room.
+enum HostBuf {
+    Pinned(PinnedBuffer),
+    Pageable(AlignedBuf),
+}
+
+impl HostBuf {
+    fn len(&self) -> usize {
+        match self {
+            HostBuf::Pinned(b) => b.len(),
+            HostBuf::Pageable(b) => b.len(),
+        }
+    }
+
+    fn pinned_len(&self) -> usize {
+        match self {
+            HostBuf::Pinned(b) => b.len(),
+            HostBuf::Pageable(_) => 0,
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            HostBuf::Pinned(b) => b.as_slice(),
+            HostBuf::Pageable(b) => b.as_slice(),
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            HostBuf::Pinned(b) => b.as_mut_slice(),
+            HostBuf::Pageable(b) => b.as_mut_slice(),
+        }
+    }
+}
+
+/// One slot of a lane: a host buffer and the stream that fills or drains it.
 struct Slot {
-    buf: PinnedBuffer,
+    buf: HostBuf,
     stream: Stream,
 }
 
@@ -45,20 +85,47 @@ pub struct BounceLane {
 }
 
 impl BounceLane {
-    /// Two pinned buffers of `capacity` bytes and two streams on `device`.
-    pub fn new(device: i32, capacity: usize) -> Result<Self> {
+    /// Two pinned buffers of `capacity` bytes and two streams on `device`;
+    /// None when the pinned-memory cap has no room for both buffers.
+    pub fn pinned(device: i32, capacity: usize) -> Result<Option<Self>> {
         cuda::driver()?.make_current(device)?;
-        let mk = || -> Result<Slot> {
-            Ok(Slot {
-                stream: Stream::new(device)?,
-                buf: PinnedBuffer::new(capacity)?,
-            })
+        let (Some(a), Some(b)) = (
+            PinnedBuffer::within_budget(capacity)?,
+            PinnedBuffer::within_budget(capacity)?,
+        ) else {
+            return Ok(None);
         };
+        Self::with(device, [HostBuf::Pinned(a), HostBuf::Pinned(b)]).map(Some)
+    }
+
+    /// A lane on pageable buffers (for when the cap has no room left).
+    pub fn pageable(device: i32, capacity: usize) -> Result<Self> {
+        cuda::driver()?.make_current(device)?;
+        let mk = || AlignedBuf::new(capacity, DEFAULT_ALIGN).map(HostBuf::Pageable);
+        Self::with(device, [mk()?, mk()?])
+    }
+
+    fn with(device: i32, bufs: [HostBuf; 2]) -> Result<Self> {
+        let [a, b] = bufs;
         Ok(BounceLane {
             device,
-            slots: [mk()?, mk()?],
+            slots: [
+                Slot {
+                    stream: Stream::new(device)?,
+                    buf: a,
+                },
+                Slot {
+                    stream: Stream::new(device)?,
+                    buf: b,
+                },
+            ],
             next: 0,
         })
+    }
+
+    /// Whether its buffers are pinned (not the pageable fallback).
+    pub fn is_pinned(&self) -> bool {
+        self.pinned_bytes() > 0
     }
 
     pub fn device(&self) -> i32 {
@@ -71,7 +138,7 @@ impl BounceLane {
 
     /// Pinned bytes held.
     pub fn pinned_bytes(&self) -> usize {
-        self.slots.iter().map(|s| s.buf.len()).sum()
+        self.slots.iter().map(|s| s.buf.pinned_len()).sum()
     }
 
     fn take_slot(&mut self) -> usize {
@@ -80,7 +147,8 @@ impl BounceLane {
         s
     }
 
-    /// Save, first half: queue the D2H copy of a chunk into a free slot.
+    /// Save, first half: queue the D2H copy of a chunk into a free slot,
+    /// behind `after` (the caller's stream, see [`crate::gpu::order`]).
     ///
     /// # Safety
     /// `[src, src+len)` must be readable device memory of this lane's device,
@@ -90,14 +158,19 @@ impl BounceLane {
         src: u64,
         len: usize,
         file_offset: u64,
+        after: Option<&Event>,
     ) -> Result<InFlight> {
         let cuda = cuda::driver()?;
         cuda.make_current(self.device)?;
         let slot = self.take_slot();
         let s = &mut self.slots[slot];
-        // SAFETY: the buffer holds `len` bytes (caller checked) and is not in use
-        // (the caller finished this slot); the source is valid per the caller.
-        unsafe { cuda.memcpy_dtoh_async(s.buf.as_mut_ptr(), src, len, &s.stream)? };
+        if let Some(e) = after {
+            s.stream.wait(e)?;
+        }
+        let dst = s.buf.as_mut_slice()[..len].as_mut_ptr();
+        // SAFETY: the buffer holds `len` bytes (the slice above checked) and is
+        // not in use (the caller finished this slot); the source is valid per the caller.
+        unsafe { cuda.memcpy_dtoh_async(dst, src, len, &s.stream)? };
         Ok(InFlight {
             slot,
             file_offset,
@@ -118,8 +191,9 @@ impl BounceLane {
     }
 
     /// Load, first half: read a chunk into a free slot (O_DIRECT over its
-    /// aligned superset), then queue its H2D copy. With `crc`, also returns
-    /// the CRC-32 of the bytes read (computed on the slot).
+    /// aligned superset), then queue its H2D copy behind `after` (the
+    /// caller's stream: work queued there may still use the destination).
+    /// With `crc`, also returns the CRC-32 of the bytes read (computed on the slot).
     ///
     /// # Safety
     /// `[dst, dst+len)` must be writable device memory of this lane's device
@@ -132,6 +206,7 @@ impl BounceLane {
         file_offset: u64,
         file: &IoFile,
         crc: bool,
+        after: Option<&Event>,
     ) -> Result<(InFlight, Option<u32>)> {
         let slot = self.take_slot();
         let s = &mut self.slots[slot];
@@ -157,9 +232,13 @@ impl BounceLane {
         let sum = crc.then(|| crc32fast::hash(&s.buf.as_slice()[skip..skip + len]));
         let cuda = cuda::driver()?;
         cuda.make_current(self.device)?;
-        // SAFETY: the pinned range holds the bytes just read and stays untouched
-        // until `finish_load` synchronizes; the destination is valid per the caller.
-        unsafe { cuda.memcpy_htod_async(dst, s.buf.as_ptr().add(skip), len, &s.stream)? };
+        if let Some(e) = after {
+            s.stream.wait(e)?;
+        }
+        let src = s.buf.as_slice()[skip..skip + len].as_ptr();
+        // SAFETY: the slot holds the bytes just read and stays untouched until
+        // `finish_load` synchronizes; the destination is valid per the caller.
+        unsafe { cuda.memcpy_htod_async(dst, src, len, &s.stream)? };
         Ok((
             InFlight {
                 slot,
@@ -173,18 +252,20 @@ impl BounceLane {
 
     /// Save, first half, of a gathered chunk of `len` bytes at `file_offset`:
     /// in a free slot from byte `skip` on, copy each host piece and queue the
-    /// D2H copy of each device piece. Bytes no piece covers are left as they are.
+    /// D2H copy of each device piece behind `after` (the caller's stream).
+    /// Bytes no piece covers are left as they are.
     ///
     /// # Safety
     /// Each piece's memory must be readable memory of its kind (device memory
-    /// of this lane's device), `at + len <= len` of the chunk for each piece,
-    /// `skip + len <= capacity`, and the slot taken must not hold a chunk in flight.
+    /// of this lane's device), `at + len` within the chunk for each piece,
+    /// and the slot taken must not hold a chunk in flight.
     pub unsafe fn start_save_gathered(
         &mut self,
         file_offset: u64,
         len: usize,
         skip: usize,
         pieces: &[SlotPiece],
+        after: Option<&Event>,
     ) -> Result<InFlight> {
         let cuda = cuda::driver()?;
         cuda.make_current(self.device)?;
@@ -192,16 +273,22 @@ impl BounceLane {
         let s = &mut self.slots[slot];
         if skip + len > s.buf.len() {
             return Err(Error::invalid(format!(
-                "chunk of {len} bytes exceeds the pinned buffer ({})",
+                "chunk of {len} bytes exceeds the bounce buffer ({})",
                 s.buf.len()
             )));
         }
-        let base = s.buf.as_mut_ptr();
+        if let Some(e) = after {
+            s.stream.wait(e)?;
+        }
+        let base = s.buf.as_mut_slice()[skip..skip + len].as_mut_ptr();
         for p in pieces {
-            // SAFETY: [skip+at, skip+at+len) lies in the slot (checked above and
-            // by the caller); the source is valid per the caller.
+            if p.at + p.len > len {
+                return Err(Error::invalid("a piece lies outside its chunk"));
+            }
+            // SAFETY: [at, at+len) lies in the chunk's part of the slot (checked
+            // above); the source is valid per the caller.
             unsafe {
-                let dst = base.add(skip + p.at);
+                let dst = base.add(p.at);
                 if p.device {
                     cuda.memcpy_dtoh_async(dst, p.addr, p.len, &s.stream)?;
                 } else {
@@ -232,8 +319,10 @@ impl BounceLane {
     }
 
     /// Load, first half, of a gathered chunk: read `[file_offset,
-    /// file_offset+len)` into a free slot (O_DIRECT over its aligned superset).
-    /// Its bytes are then [`Self::slot_bytes`]; device pieces are queued with
+    /// file_offset+len)` into a free slot (O_DIRECT over its aligned superset)
+    /// and order the slot's stream behind `after` (the caller's stream: work
+    /// queued there may still use the destinations). Its bytes are then
+    /// [`Self::slot_bytes`]; device pieces are queued with
     /// [`Self::queue_htod`], and [`Self::finish_load`] waits for them.
     ///
     /// # Safety
@@ -243,6 +332,7 @@ impl BounceLane {
         file_offset: u64,
         len: usize,
         file: &IoFile,
+        after: Option<&Event>,
     ) -> Result<InFlight> {
         let slot = self.take_slot();
         let s = &mut self.slots[slot];
@@ -257,11 +347,15 @@ impl BounceLane {
         let skip = (file_offset - start) as usize;
         if span > s.buf.len() {
             return Err(Error::invalid(format!(
-                "chunk of {span} bytes exceeds the pinned buffer ({})",
+                "chunk of {span} bytes exceeds the bounce buffer ({})",
                 s.buf.len()
             )));
         }
         file.read_blocks_needed(&mut s.buf.as_mut_slice()[..span], start, skip + len)?;
+        if let Some(e) = after {
+            cuda::driver()?.make_current(self.device)?;
+            s.stream.wait(e)?;
+        }
         Ok(InFlight {
             slot,
             file_offset,
@@ -286,9 +380,10 @@ impl BounceLane {
         let cuda = cuda::driver()?;
         cuda.make_current(self.device)?;
         let s = &self.slots[f.slot];
+        let src = s.buf.as_slice()[f.skip + at..f.skip + at + len].as_ptr();
         // SAFETY: the slot holds the chunk's bytes and stays untouched until
         // `finish_load` synchronizes; the destination is valid per the caller.
-        unsafe { cuda.memcpy_htod_async(dst, s.buf.as_ptr().add(f.skip + at), len, &s.stream) }
+        unsafe { cuda.memcpy_htod_async(dst, src, len, &s.stream) }
     }
 
     /// Load, second half: wait for the H2D copy.

@@ -3,7 +3,7 @@
 //! ckptio never links against CUDA, so the same wheel imports on machines with
 //! no GPU. On first use this module dlopens `libcuda.so.1`, resolves the few
 //! driver calls the GPU paths need, and wraps them in small RAII types:
-//! [`Stream`], [`PinnedBuffer`] and [`HostRegistration`].
+//! [`Stream`], [`Event`], [`PinnedBuffer`] and [`HostRegistration`].
 //!
 //! Work runs in each device's *primary* context. The CUDA runtime, and so
 //! PyTorch, uses that context too, so device pointers handed over by torch are
@@ -18,12 +18,14 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use libloading::Library;
 
 use crate::error::{Error, Result};
+use crate::gpu::budget;
 
 type CUresult = c_int;
 type CUdevice = c_int;
 type CUdeviceptr = u64;
 type CUcontext = *mut c_void;
 type CUstream = *mut c_void;
+type CUevent = *mut c_void;
 
 const CUDA_SUCCESS: CUresult = 0;
 const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
@@ -37,6 +39,7 @@ const CU_MEMORYTYPE_DEVICE: c_uint = 2;
 const CU_MEMORYTYPE_UNIFIED: c_uint = 4;
 
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
+const CU_EVENT_DISABLE_TIMING: c_uint = 2;
 const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
 const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
 
@@ -81,6 +84,13 @@ struct Api {
     mem_free_host: unsafe extern "C" fn(*mut c_void) -> CUresult,
     mem_host_register: unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CUresult,
     mem_host_unregister: unsafe extern "C" fn(*mut c_void) -> CUresult,
+    // Looked up tolerantly: a driver without them loads, and only the calls
+    // that order work after the caller's stream fail (see [`Cuda::required`]).
+    event_create: Option<unsafe extern "C" fn(*mut CUevent, c_uint) -> CUresult>,
+    event_record: Option<unsafe extern "C" fn(CUevent, CUstream) -> CUresult>,
+    event_synchronize: Option<unsafe extern "C" fn(CUevent) -> CUresult>,
+    event_destroy: Option<unsafe extern "C" fn(CUevent) -> CUresult>,
+    stream_wait_event: Option<unsafe extern "C" fn(CUstream, CUevent, c_uint) -> CUresult>,
 }
 
 /// Resolves `name` in `lib` and copies the function pointer out.
@@ -123,6 +133,11 @@ impl Api {
                 mem_free_host: symbol(lib, "cuMemFreeHost")?,
                 mem_host_register: symbol(lib, "cuMemHostRegister_v2")?,
                 mem_host_unregister: symbol(lib, "cuMemHostUnregister")?,
+                event_create: symbol(lib, "cuEventCreate").ok(),
+                event_record: symbol(lib, "cuEventRecord").ok(),
+                event_synchronize: symbol(lib, "cuEventSynchronize").ok(),
+                event_destroy: symbol(lib, "cuEventDestroy_v2").ok(),
+                stream_wait_event: symbol(lib, "cuStreamWaitEvent").ok(),
             })
         }
     }
@@ -231,6 +246,14 @@ impl Cuda {
         } else {
             Err(self.error(call, code))
         }
+    }
+
+    /// An optional entry point, or the error naming the symbol this driver lacks.
+    fn required<T>(&self, f: Option<T>, name: &str) -> Result<T> {
+        f.ok_or_else(|| Error::Library {
+            name: LIB_NAME.into(),
+            reason: format!("{}: symbol {name} not found", self.path),
+        })
     }
 
     fn error(&self, call: &'static str, code: CUresult) -> Error {
@@ -350,6 +373,23 @@ impl Cuda {
         self.check("cuCtxSetCurrent", unsafe {
             (self.api.ctx_set_current)(ctx.0)
         })
+    }
+
+    /// Runs `f`, then makes the calling thread's current context what it was
+    /// before (none included): for work done on a thread the caller owns (one
+    /// of Python's), whose current context the CUDA runtime reads as torch's
+    /// current device.
+    pub fn keeping_current<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let mut prev: CUcontext = ptr::null_mut();
+        // SAFETY: writes one CUcontext (null if none is current).
+        let rc = unsafe { (self.api.ctx_get_current)(&mut prev) };
+        let out = f();
+        if rc == CUDA_SUCCESS {
+            // SAFETY: `prev` was current on this thread just before `f`; torch
+            // keeps its contexts (primary ones) alive, and null unbinds.
+            unsafe { (self.api.ctx_set_current)(prev) };
+        }
+        out
     }
 
     /// Makes sure the calling thread has a current context. Portable host
@@ -474,6 +514,18 @@ impl Stream {
         self.raw.0
     }
 
+    /// Work queued on this stream from now on starts only once `event` has
+    /// completed (cuStreamWaitEvent): the stream waits, the host does not.
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        let f = self
+            .cuda
+            .required(self.cuda.api.stream_wait_event, "cuStreamWaitEvent")?;
+        // SAFETY: both handles are alive while `self` and `event` are; flags must be 0.
+        self.cuda.check("cuStreamWaitEvent", unsafe {
+            f(self.raw.0, event.raw.0, 0)
+        })
+    }
+
     /// Blocks until all work queued on the stream has finished. Errors from
     /// earlier asynchronous copies surface here.
     pub fn synchronize(&self) -> Result<()> {
@@ -497,6 +549,80 @@ impl Drop for Stream {
 // is thread-safe, and `Stream` holds no thread-local state.
 unsafe impl Send for Stream {}
 
+/// A point in a stream's work (cuEvent, without timing): recorded on a
+/// stream the caller owns (one of torch's), then waited for by another stream
+/// or by the host. Dropping it destroys the event; work already waiting on it
+/// is not affected.
+#[derive(Debug)]
+pub struct Event {
+    raw: Handle,
+    device: i32,
+    cuda: &'static Cuda,
+}
+
+impl Event {
+    /// Records an event on `stream` of `device`: it completes once every piece
+    /// of work queued on that stream before now has. Makes `device`'s primary
+    /// context current on the calling thread.
+    ///
+    /// # Safety
+    /// `stream` must be a live CUstream of `device`'s primary context, or null
+    /// (the legacy default stream), and must stay alive for this call.
+    pub unsafe fn record(device: i32, stream: *mut c_void) -> Result<Event> {
+        let cuda = driver()?;
+        let create = cuda.required(cuda.api.event_create, "cuEventCreate")?;
+        let record = cuda.required(cuda.api.event_record, "cuEventRecord")?;
+        cuda.required(cuda.api.event_destroy, "cuEventDestroy_v2")?;
+        cuda.make_current(device)?;
+        let mut raw: CUevent = ptr::null_mut();
+        // SAFETY: writes one CUevent, created in the context just made current.
+        cuda.check("cuEventCreate", unsafe {
+            create(&mut raw, CU_EVENT_DISABLE_TIMING)
+        })?;
+        let event = Event {
+            raw: Handle(raw),
+            device,
+            cuda,
+        };
+        // SAFETY: the event is ours and alive; the caller vouches for the stream.
+        cuda.check("cuEventRecord", unsafe { record(raw, stream) })?;
+        Ok(event)
+    }
+
+    /// The device whose stream the event was recorded on.
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+
+    /// Blocks the calling thread until the event has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        let f = self
+            .cuda
+            .required(self.cuda.api.event_synchronize, "cuEventSynchronize")?;
+        // SAFETY: the event is alive until `self` is dropped.
+        self.cuda
+            .check("cuEventSynchronize", unsafe { f(self.raw.0) })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // `record` checked that the symbol exists before creating the event.
+        if let Some(destroy) = self.cuda.api.event_destroy {
+            // SAFETY: we own the event and nothing uses it after this; streams
+            // still waiting on it are unaffected (the driver defers the release).
+            let _ = unsafe { destroy(self.raw.0) };
+        }
+    }
+}
+
+// SAFETY: a CUevent may be waited for, synchronized and destroyed from any
+// thread; the driver API is thread-safe and `Event` holds no thread-local state.
+unsafe impl Send for Event {}
+// SAFETY: `&Event` only allows waiting for it, which the driver allows from
+// several threads at once.
+unsafe impl Sync for Event {}
+
 /// Page-locked host memory (cuMemHostAlloc, PORTABLE: pinned for every
 /// context). Copies to and from it run at full PCIe speed and truly
 /// asynchronously. Dropping it frees the memory.
@@ -506,6 +632,8 @@ pub struct PinnedBuffer {
     len: usize,
     /// `None` for an empty buffer, which owns no allocation.
     cuda: Option<&'static Cuda>,
+    /// Its share of the process-wide cap, given back after the memory (drop order).
+    _budget: Option<budget::Reservation>,
 }
 
 impl PinnedBuffer {
@@ -515,16 +643,26 @@ impl PinnedBuffer {
     /// if the thread has none. PORTABLE makes the memory pinned for all
     /// contexts anyway. The initial contents are whatever the driver mapped
     /// (fresh pages from the kernel, so in practice zero). Pinning is slow
-    /// (about 0.65 s per GiB on the H200 VM), so reuse buffers.
+    /// (about 0.65 s per GiB on the H200 VM), so reuse buffers. Counted
+    /// against the pinned-memory cap ([`budget`]): an error past it.
     pub fn new(len: usize) -> Result<PinnedBuffer> {
+        Self::within_budget(len)?.ok_or_else(|| budget::over_limit(len))
+    }
+
+    /// [`PinnedBuffer::new`], or None when the pinned-memory cap has no room.
+    pub fn within_budget(len: usize) -> Result<Option<PinnedBuffer>> {
         if len == 0 {
-            return Ok(PinnedBuffer {
+            return Ok(Some(PinnedBuffer {
                 ptr: NonNull::dangling(),
                 len: 0,
                 cuda: None,
-            });
+                _budget: None,
+            }));
         }
         let cuda = driver()?;
+        let Some(reservation) = budget::reserve(len)? else {
+            return Ok(None);
+        };
         cuda.ensure_context()?;
         let mut p: *mut c_void = ptr::null_mut();
         // SAFETY: writes one pointer to a new allocation of `len` bytes.
@@ -536,11 +674,12 @@ impl PinnedBuffer {
             code: CUDA_SUCCESS,
             name: "returned a null pointer".into(),
         })?;
-        Ok(PinnedBuffer {
+        Ok(Some(PinnedBuffer {
             ptr,
             len,
             cuda: Some(cuda),
-        })
+            _budget: Some(reservation),
+        }))
     }
 
     pub fn len(&self) -> usize {
@@ -597,6 +736,8 @@ pub struct HostRegistration {
     ptr: *mut u8,
     len: usize,
     cuda: &'static Cuda,
+    /// Its share of the pinned-memory cap, given back after the unregister.
+    _budget: budget::Reservation,
 }
 
 /// Page-locks `len` bytes at `ptr` so that async copies to and from them run at
@@ -608,6 +749,8 @@ pub struct HostRegistration {
 /// `ptr..ptr+len` must be one valid host allocation (e.g. an aligned buffer),
 /// not registered already. It must stay allocated until the returned guard is
 /// dropped or unregistered, and must not be freed while registered.
+///
+/// Counted against the pinned-memory cap ([`budget`]): an error past it.
 pub unsafe fn host_register(ptr: *mut u8, len: usize) -> Result<HostRegistration> {
     if ptr.is_null() || len == 0 {
         return Err(Error::invalid(
@@ -615,13 +758,19 @@ pub unsafe fn host_register(ptr: *mut u8, len: usize) -> Result<HostRegistration
         ));
     }
     let cuda = driver()?;
+    let reservation = budget::reserve(len)?.ok_or_else(|| budget::over_limit(len))?;
     cuda.ensure_context()?;
     // SAFETY: the caller guarantees the range is a live allocation that outlives
     // the registration.
     cuda.check("cuMemHostRegister", unsafe {
         (cuda.api.mem_host_register)(ptr.cast(), len, CU_MEMHOSTREGISTER_PORTABLE)
     })?;
-    Ok(HostRegistration { ptr, len, cuda })
+    Ok(HostRegistration {
+        ptr,
+        len,
+        cuda,
+        _budget: reservation,
+    })
 }
 
 impl HostRegistration {
@@ -640,7 +789,11 @@ impl HostRegistration {
     /// Unregisters now and reports the driver's verdict.
     pub fn unregister(self) -> Result<()> {
         let this = std::mem::ManuallyDrop::new(self);
-        this.release()
+        let r = this.release();
+        // SAFETY: `this` is never dropped (ManuallyDrop), so the reservation is
+        // read out and dropped exactly once, here: its bytes go back to the cap.
+        drop(unsafe { std::ptr::read(&this._budget) });
+        r
     }
 
     fn release(&self) -> Result<()> {
@@ -938,6 +1091,45 @@ mod tests {
             cuda.make_current(-1),
             Err(Error::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn gpu_events_order_streams_and_the_host() {
+        let Some(_) = gpu() else { return };
+        let s = Stream::new(0).unwrap();
+        // SAFETY: `s` is a live stream of device 0, and null is the legacy stream.
+        let (on_s, on_legacy) = unsafe {
+            (
+                Event::record(0, s.as_raw()).unwrap(),
+                Event::record(0, ptr::null_mut()).unwrap(),
+            )
+        };
+        assert_eq!(on_s.device(), 0);
+        let other = Stream::new(0).unwrap();
+        other.wait(&on_s).unwrap();
+        other.wait(&on_legacy).unwrap();
+        on_s.synchronize().unwrap();
+        on_legacy.synchronize().unwrap();
+        other.synchronize().unwrap();
+        // An event may go while a stream still waits on it.
+        // SAFETY: as above.
+        let e = unsafe { Event::record(0, s.as_raw()) }.unwrap();
+        other.wait(&e).unwrap();
+        drop(e);
+        other.synchronize().unwrap();
+    }
+
+    #[test]
+    fn gpu_pinned_buffers_count_against_the_cap() {
+        let Some(_) = gpu() else { return };
+        let b = PinnedBuffer::new(1 << 20).unwrap();
+        assert!(budget::held() >= 1 << 20);
+        drop(b);
+        // A request larger than any cap can allow is refused, not allocated.
+        assert!(PinnedBuffer::within_budget(usize::MAX / 2)
+            .unwrap()
+            .is_none());
+        assert!(PinnedBuffer::new(usize::MAX / 2).is_err());
     }
 
     #[test]

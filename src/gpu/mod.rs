@@ -3,14 +3,18 @@
 //!
 //! - [`cuda`]: the CUDA driver API (dlopen), streams, pinned and registered host memory.
 //! - [`cufile`]: cuFile (GPUDirect Storage) (dlopen), file handles, buffer registrations.
+//! - [`budget`]: one cap on the host memory ckptio pins, process-wide.
+//! - [`order`]: the caller's stream order, which every device transfer follows.
 //! - [`path`]: the per-file choice between cuFile and the bounce pipeline.
 //! - [`bounce`]: one I/O thread's pinned double buffers and streams.
 //! - [`staging`]: parallel copies of tensor memory into host buffers pinned on
 //!   first use (snapshots for async checkpoints).
 
 pub mod bounce;
+pub mod budget;
 pub mod cuda;
 pub mod cufile;
+pub mod order;
 pub mod path;
 pub mod staging;
 

@@ -18,24 +18,34 @@ pub enum Backend {
     /// cuFile or an error.
     CuFile,
     /// The pinned bounce pipeline, never cuFile.
-    Posix,
+    Bounce,
 }
 
 impl std::str::FromStr for Backend {
     type Err = Error;
+    /// "auto", "cufile" or "bounce"; "gds" and "posix" (earlier names) are aliases.
     fn from_str(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
             "auto" | "" => Ok(Backend::Auto),
             "cufile" | "gds" => Ok(Backend::CuFile),
-            "posix" | "bounce" => Ok(Backend::Posix),
+            "bounce" | "posix" => Ok(Backend::Bounce),
             other => Err(Error::invalid(format!(
-                "backend must be auto, cufile or posix, not {other:?}"
+                "backend must be auto, cufile or bounce, not {other:?}"
             ))),
         }
     }
 }
 
 impl Backend {
+    /// The name reports use: "auto", "cufile" or "bounce".
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::CuFile => "cufile",
+            Backend::Bounce => "bounce",
+        }
+    }
+
     /// `CKPTIO_BACKEND`, else auto.
     pub fn from_env() -> Result<Self> {
         std::env::var("CKPTIO_BACKEND").map_or(Ok(Backend::Auto), |v| v.parse())
@@ -82,9 +92,9 @@ impl DevicePath {
 /// With cuFile, the handle keeps using `file`'s descriptor: the returned value
 /// must be dropped before `file`.
 pub unsafe fn open_device_path(file: &IoFile, backend: Backend) -> Result<DevicePath> {
-    if backend == Backend::Posix {
+    if backend == Backend::Bounce {
         return Ok(DevicePath::Bounce {
-            reason: "posix backend requested".into(),
+            reason: "bounce backend requested".into(),
         });
     }
     let attempt = || -> Result<DevicePath> {

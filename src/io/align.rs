@@ -32,6 +32,17 @@ pub const fn is_aligned(x: u64, align: u64) -> bool {
     x & (align - 1) == 0
 }
 
+/// The memory page size (4096 where sysconf cannot tell).
+pub fn page_size() -> u64 {
+    // SAFETY: sysconf only reads a system value.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 && (n as u64).is_power_of_two() {
+        n as u64
+    } else {
+        DEFAULT_ALIGN as u64
+    }
+}
+
 /// What O_DIRECT demands on one file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DioAlign {

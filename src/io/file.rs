@@ -6,6 +6,12 @@
 //! unaligned head and tail of a range through the buffered descriptor. On tmpfs
 //! or any filesystem refusing O_DIRECT (EINVAL) the file is simply buffered.
 //!
+//! Writes split on whole memory pages ([`IoFile::write_unit`]), never finer,
+//! even where O_DIRECT takes 512-byte blocks: the kernel warns that a buffered
+//! and a direct write to one page at the same time can write a stale page back
+//! over the direct data, and the engine's threads write neighbouring ranges at
+//! the same time. A page that two ranges share is only ever written buffered.
+//!
 //! The loops here handle short transfers and EINTR; a read that meets the end of
 //! the file before the bytes it needs is a typed `Format` error (a truncated file).
 
@@ -55,6 +61,9 @@ pub struct IoFile {
     no_direct_reason: Option<String>,
     /// The file lives in memory (tmpfs): its I/O is CPU copies, not device requests.
     in_memory: bool,
+    /// Test only: every pwrite as (through O_DIRECT, offset, length).
+    #[cfg(test)]
+    trace: Option<std::sync::Mutex<Vec<(bool, u64, usize)>>>,
 }
 
 impl IoFile {
@@ -106,7 +115,35 @@ impl IoFile {
             align,
             no_direct_reason: reason,
             in_memory,
+            #[cfg(test)]
+            trace: None,
         })
+    }
+
+    /// Test only: pretend O_DIRECT wants `a` (e.g. 512-byte blocks) and start
+    /// logging every write ([`Self::take_trace`]).
+    #[cfg(test)]
+    pub(crate) fn fake_alignment(&mut self, a: DioAlign) {
+        self.align = a;
+        self.trace = Some(std::sync::Mutex::new(Vec::new()));
+    }
+
+    /// Test only: the writes logged since [`Self::fake_alignment`].
+    #[cfg(test)]
+    pub(crate) fn take_trace(&self) -> Vec<(bool, u64, usize)> {
+        self.trace
+            .as_ref()
+            .map(|t| std::mem::take(&mut *t.lock().unwrap()))
+            .unwrap_or_default()
+    }
+
+    fn pwrite(&self, fd: RawFd, buf: &[u8], off: u64) -> Result<()> {
+        #[cfg(test)]
+        if let Some(t) = &self.trace {
+            let direct = self.direct.as_ref().is_some_and(|d| d.as_raw_fd() == fd);
+            t.lock().unwrap().push((direct, off, buf.len()));
+        }
+        pwrite_all(fd, buf, off).map_err(|e| Error::io_at("pwrite", &self.path, e))
     }
 
     pub fn path(&self) -> &Path {
@@ -120,6 +157,13 @@ impl IoFile {
 
     pub fn alignment(&self) -> DioAlign {
         self.align
+    }
+
+    /// What writes split on: whole pages, or O_DIRECT's blocks where they are
+    /// larger. A range written through O_DIRECT covers whole units, so it never
+    /// shares a page with a buffered write of a neighbouring range.
+    pub fn write_unit(&self) -> u64 {
+        (self.align.offset as u64).max(align::page_size())
     }
 
     /// The descriptor cuFile should register: the O_DIRECT one where there is one.
@@ -164,21 +208,21 @@ impl IoFile {
     /// Write all of `buf` at `off`: the aligned middle through O_DIRECT when the
     /// memory allows it, head and tail buffered.
     pub fn write_at(&self, buf: &[u8], off: u64) -> Result<()> {
-        let (head, mid, tail) = self.split(off, buf);
+        let (head, mid, tail) = self.split(off, buf, self.write_unit());
         let fd = self.buffered.as_raw_fd();
         if !head.is_empty() {
-            pwrite_all(fd, head, off).map_err(|e| Error::io_at("pwrite", &self.path, e))?;
+            self.pwrite(fd, head, off)?;
         }
         let mid_off = off + head.len() as u64;
         if !mid.is_empty() {
             let dfd = self
                 .direct_fd_for(mid_off, mid.len(), mid.as_ptr() as usize)
                 .unwrap_or(fd);
-            pwrite_all(dfd, mid, mid_off).map_err(|e| Error::io_at("pwrite", &self.path, e))?;
+            self.pwrite(dfd, mid, mid_off)?;
         }
         if !tail.is_empty() {
             let tail_off = mid_off + mid.len() as u64;
-            pwrite_all(fd, tail, tail_off).map_err(|e| Error::io_at("pwrite", &self.path, e))?;
+            self.pwrite(fd, tail, tail_off)?;
         }
         Ok(())
     }
@@ -188,7 +232,7 @@ impl IoFile {
     pub fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
         let total = buf.len();
         let (h, m) = {
-            let (head, mid, _) = self.split(off, buf);
+            let (head, mid, _) = self.split(off, buf, self.align.offset as u64);
             (head.len(), mid.len())
         };
         let fd = self.buffered.as_raw_fd();
@@ -231,12 +275,15 @@ impl IoFile {
         Ok(())
     }
 
-    /// Write whole aligned blocks through O_DIRECT when possible.
+    /// Write whole [`Self::write_unit`]s through O_DIRECT when possible.
     pub fn write_blocks(&self, buf: &[u8], off: u64) -> Result<()> {
+        let unit = self.write_unit();
+        let whole = align::is_aligned(off, unit) && align::is_aligned(buf.len() as u64, unit);
         let fd = self
             .direct_fd_for(off, buf.len(), buf.as_ptr() as usize)
+            .filter(|_| whole)
             .unwrap_or(self.buffered.as_raw_fd());
-        pwrite_all(fd, buf, off).map_err(|e| Error::io_at("pwrite", &self.path, e))
+        self.pwrite(fd, buf, off)
     }
 
     fn read_exact(&self, fd: RawFd, buf: &mut [u8], off: u64, total: usize) -> Result<()> {
@@ -256,13 +303,12 @@ impl IoFile {
         Ok(())
     }
 
-    /// Split `[off, off+len)` into an unaligned head, an aligned middle and an
-    /// unaligned tail (by file offset). Without O_DIRECT everything is "head".
-    fn split<'a>(&self, off: u64, buf: &'a [u8]) -> (&'a [u8], &'a [u8], &'a [u8]) {
+    /// Split `[off, off+len)` into a head, a middle of whole `a`-byte units
+    /// and a tail (by file offset). Without O_DIRECT everything is "head".
+    fn split<'a>(&self, off: u64, buf: &'a [u8], a: u64) -> (&'a [u8], &'a [u8], &'a [u8]) {
         if self.direct.is_none() {
             return (buf, &[], &[]);
         }
-        let a = self.align.offset as u64;
         let end = off + buf.len() as u64;
         let mid_start = align::align_up(off, a).min(end);
         let mid_end = align::align_down(end, a).max(mid_start);

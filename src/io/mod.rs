@@ -5,9 +5,11 @@
 //!   positional read/write loops that survive short transfers and EINTR.
 //! - [`persist`]: crash-safe replacement of a file (temp file, fsync, rename,
 //!   fsync of the folder).
+//! - [`env`]: `CKPTIO_*` sizes and counts from the environment, parsed once.
 //! - [`fault`]: test-only fault injection and a log of durable operations.
 
 pub mod align;
+pub mod env;
 pub mod fault;
 pub mod file;
 pub mod persist;

@@ -1,0 +1,391 @@
+"""Drop-in fidelity (issue 20): ckptio.save/load and ckptio.safetensors take the peers'
+arguments with the peers' meaning, their dtypes, their file objects, their error classes."""
+
+import inspect
+import io
+import os
+import pickle
+import warnings
+
+import ckptio
+import ckptio.safetensors as cst
+import pytest
+import torch
+
+st = pytest.importorskip("safetensors.torch")
+safetensors = pytest.importorskip("safetensors")
+
+
+def sample():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 33, generator=g)
+    return {"w": w, "view": w[3:9], "i": torch.arange(70_000), "h": torch.ones(5).half()}
+
+
+def same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+# --------------------------------------------------------------------------- signatures
+
+
+def _params(f):
+    return inspect.signature(f).parameters
+
+
+@pytest.mark.parametrize("name", ["save_file", "load_file", "save", "load"])
+def test_safetensors_signatures_take_every_argument_of_the_peer(name):
+    """Every parameter of safetensors.torch's function, same kind and default."""
+    ours, theirs = _params(getattr(cst, name)), _params(getattr(st, name))
+    for p in theirs.values():
+        assert p.name in ours, p.name
+        q = ours[p.name]
+        assert (q.kind, q.default) == (p.kind, p.default), p.name
+    # ckptio's own knobs are keyword-only
+    extra = [q for n, q in ours.items() if n not in theirs]
+    assert all(q.kind == inspect.Parameter.KEYWORD_ONLY for q in extra)
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [(ckptio.save, torch.save), (ckptio.load, torch.load)])
+def test_torch_signatures_take_every_argument_of_the_peer(ours, theirs):
+    o, t = _params(ours), _params(theirs)
+    for p in t.values():
+        if p.kind == inspect.Parameter.VAR_KEYWORD:
+            assert any(q.kind == p.kind for q in o.values())
+            continue
+        assert p.name in o and o[p.name].kind == p.kind, p.name
+        assert o[p.name].default == p.default, p.name
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def test_load_file_takes_safetensors_backend_and_load_model_works(tmp_path):
+    p = tmp_path / "m.safetensors"
+    sd = {"a": torch.randn(4, 4), "b": torch.arange(3)}
+    st.save_file(sd, p)
+    for backend in ("mmap", "pread"):
+        same(cst.load_file(p, backend=backend), sd)
+        same(cst.load_file(p, "cpu", backend=backend), sd)
+    with pytest.raises(safetensors.SafetensorError, match='backend "bogus" is invalid'):
+        cst.load_file(p, backend="bogus")
+    # safetensors' load_model passes backend= to the load_file it finds in its module
+    model = torch.nn.Linear(4, 4)
+    st.save_model(model, str(p))
+    m2 = torch.nn.Linear(4, 4)
+    orig = st.load_file
+    st.load_file = cst.load_file
+    try:
+        assert st.load_model(m2, p) == (set(), [])
+        assert st.load_model(m2, p, backend="pread") == (set(), [])
+    finally:
+        st.load_file = orig
+    assert torch.equal(m2.weight, model.weight)
+
+
+def test_device_backend_and_the_old_spelling(tmp_path):
+    p = tmp_path / "x.safetensors"
+    sd = {"a": torch.randn(10)}
+    assert cst.save_file(sd, p, device_backend="posix") is None
+    same(cst.load_file(p, device_backend="auto"), sd)
+    with pytest.warns(DeprecationWarning, match="device_backend"):
+        same(cst.load_file(p, backend="posix"), sd)
+    with pytest.warns(DeprecationWarning):
+        cst.save_file(sd, p, backend="auto")
+    with pytest.raises(TypeError, match="together"):
+        cst.load_file(p, backend="posix", device_backend="auto")
+    with pytest.raises(ValueError, match="backend must be auto, cufile or bounce"):
+        cst.load_file(p, device_backend="mmap")
+
+
+def _peer_dtypes():
+    """safetensors.torch's own dtype table (what its save_file takes)."""
+    return sorted((d for d in st._SIZE if d is not None), key=str)
+
+
+@pytest.mark.parametrize("dtype", _peer_dtypes(), ids=str)
+def test_every_safetensors_dtype_round_trips_both_ways(tmp_path, dtype):
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (3, 4 * dtype.itemsize), dtype=torch.uint8, generator=g)
+    t = raw.view(dtype) if dtype != torch.bool else raw.bool()
+    sd = {"t": t, "e": torch.empty(0, 2, dtype=dtype)}
+    ours, theirs = tmp_path / "o.safetensors", tmp_path / "t.safetensors"
+    cst.save_file(sd, ours)
+    st.save_file(sd, theirs)
+    for got in (st.load_file(ours), cst.load_file(theirs), cst.load_file(ours)):
+        for k in sd:
+            assert got[k].dtype == dtype and got[k].shape == sd[k].shape, k
+            assert torch.equal(got[k].view(torch.uint8), sd[k].view(torch.uint8)), k
+    # bytes: the very bytes safetensors makes (8-byte alignment), read back by both
+    assert cst.save(sd) == st.save(sd)
+    back = cst.load(st.save(sd))
+    assert torch.equal(back["t"].view(torch.uint8), t.view(torch.uint8))
+
+
+def test_in_memory_save_uses_8_byte_alignment_files_4k(tmp_path):
+    b = cst.save({"test": torch.zeros((2, 2), dtype=torch.int32)})
+    assert len(b) == 88 and b == st.save({"test": torch.zeros((2, 2), dtype=torch.int32)})
+    p = tmp_path / "x.safetensors"
+    cst.save_file({"t": torch.zeros(4)}, p)
+    n = int.from_bytes(p.read_bytes()[:8], "little")
+    assert (8 + n) % 4096 == 0
+
+
+def test_f4_header_counts_values_as_safetensors_does():
+    t = torch.zeros(3, 4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    b = cst.save({"x": t})
+    assert b'"shape":[3,8]' in b and b == st.save({"x": t})
+    with pytest.raises(safetensors.SafetensorError, match="0-dimensional"):
+        cst.save({"x": torch.zeros((), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)})
+
+
+def test_safetensors_errors_are_catchable_as_the_peers(tmp_path):
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(b"\x10" + bytes(7) + b'{"a":1}')
+    for call in (lambda: cst.load_file(p), lambda: cst.load(p.read_bytes())):
+        with pytest.raises(safetensors.SafetensorError) as e:
+            call()
+        assert isinstance(e.value, ckptio.FormatError) and isinstance(e.value, RuntimeError)
+        assert isinstance(e.value, cst.SafetensorError)
+    with pytest.raises(FileNotFoundError):
+        cst.load_file(tmp_path / "missing.safetensors")
+
+
+def test_save_file_returns_none_like_the_peer(tmp_path):
+    assert cst.save_file({"a": torch.ones(2)}, tmp_path / "a.safetensors") is None
+    assert ckptio.last_report().nbytes == 8
+    assert cst.save_sharded({"a": torch.ones(2)}, tmp_path / "s") is None
+    assert ckptio.last_report().storages == 1
+
+
+# --------------------------------------------------------------------------- torch.save / load
+
+
+def test_format_error_is_a_runtime_error_as_torch_load_raises(tmp_path):
+    p = tmp_path / "c.pt"
+    ckptio.save(sample(), p)
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(RuntimeError):
+        torch.load(p)
+    with pytest.raises(RuntimeError) as e:
+        ckptio.load(p)
+    assert isinstance(e.value, ckptio.FormatError) and isinstance(e.value, ckptio.CkptioError)
+    assert issubclass(ckptio.CudaError, RuntimeError)
+
+
+def test_save_returns_none_and_reports_through_last_report(tmp_path):
+    assert ckptio.save(sample(), tmp_path / "c.pt") is None
+    rep = ckptio.last_report()
+    assert rep.path == str(tmp_path / "c.pt") and rep.storages == 3
+    assert "Engine" not in ckptio.__all__ and not hasattr(ckptio, "Engine")
+
+
+def test_file_objects_with_a_descriptor_go_through_the_engine(tmp_path):
+    sd, p = sample(), tmp_path / "f.pt"
+    with open(p, "wb") as f:
+        assert ckptio.save(sd, f) is None
+        end = f.tell()
+    rep = ckptio.last_report()
+    assert rep.path == str(p) and rep.storages == 3 and rep.nbytes > 0
+    assert end == p.stat().st_size
+    same(torch.load(p), sd)
+    assert ckptio.verify(p).ok
+    with open(p, "rb") as f:
+        out = ckptio.load(f)
+    same(out, sd)
+    assert ckptio.last_report().path == str(p)
+    assert out["view"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
+    assert ckptio.last_report().storages == 3 and ckptio.last_report().nbytes > 0
+    with open(p, "rb") as f:
+        same(ckptio.load(f, verify=True), sd)
+
+
+def test_file_objects_without_a_descriptor_go_through_the_object(tmp_path):
+    sd = sample()
+    b = io.BytesIO()
+    ckptio.save(sd, b)
+    assert ckptio.last_report().direct_reason == "a file object without a usable descriptor"
+    b.seek(0)
+    same(torch.load(b), sd)
+    b.seek(0)
+    same(ckptio.load(b), sd)
+    b.seek(0)
+    with pytest.raises(ValueError, match=r"verify=True\) needs a path"):
+        ckptio.load(b, verify=True)
+    # a stream past its start, an append-mode file: through the object too, as torch does
+    p = tmp_path / "a.pt"
+    with open(p, "ab") as f:
+        ckptio.save(sd, f)
+    same(torch.load(p), sd)
+    same(ckptio.load(p), sd)
+
+
+def test_torch_positional_arguments_and_legacy_format(tmp_path):
+    sd, p = sample(), tmp_path / "c.pt"
+    ckptio.save(sd, p, pickle, 2)
+    same(ckptio.load(p, None, None), sd)
+    # an explicit pickle_module means weights_only=False, as in torch.load
+    same(ckptio.load(p, "cpu", pickle), sd)
+    with pytest.raises(RuntimeError, match="pickle_module"):
+        ckptio.load(p, None, pickle, weights_only=True)
+    ckptio.save(sd, p, _use_new_zipfile_serialization=False)
+    same(torch.load(p), sd)
+    same(ckptio.load(p), sd)
+    torch.save(sd, p, _disable_byteorder_record=True)
+    same(ckptio.load(p), sd)
+    ckptio.save(sd, p, _disable_byteorder_record=True)
+    same(torch.load(p), sd)
+
+
+def test_fake_tensor_mode_and_meta_as_torch_load(tmp_path):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    p = tmp_path / "c.pt"
+    ckptio.save(sample(), p)
+    with FakeTensorMode():
+        out = ckptio.load(p)
+        ref = torch.load(p)
+    assert all(isinstance(v, FakeTensor) for v in out.values())
+    assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in ref.items()}
+    for ml in ("meta", torch.device("meta")):
+        out = ckptio.load(p, map_location=ml)
+        assert all(v.device.type == "meta" for v in out.values())
+        assert out["w"].untyped_storage()._checkpoint_offset is not None
+
+
+@pytest.mark.parametrize(
+    "ml",
+    [None, "cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda s, loc: s, lambda s, loc: None],
+    ids=["none", "str", "device", "dict", "callable", "callable-none"],
+)
+def test_every_map_location_form_matches_torch_load(tmp_path, ml):
+    p = tmp_path / "c.pt"
+    ckptio.save(sample(), p)
+    same(ckptio.load(p, map_location=ml), torch.load(p, map_location=ml))
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass torch rebuilds with _rebuild_wrapper_subclass (from map_location)."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError
+
+
+def test_wrapper_subclass_falls_back_to_torch_load(tmp_path):
+    t = Wrapper(torch.ones(2, 3))
+    p = tmp_path / "c.pt"
+    torch.save({"m": t, "x": torch.ones(2)}, p)
+    for ml in (None, "cpu"):
+        ref = torch.load(p, map_location=ml, weights_only=False)
+        out = ckptio.load(p, map_location=ml, weights_only=False)
+        assert type(out["m"]) is Wrapper and out["m"].shape == ref["m"].shape
+        assert torch.equal(out["x"], ref["x"])
+        assert "subclass" in ckptio.last_report().direct_reason
+
+
+def test_crc32_off_still_verifies(tmp_path):
+    p = tmp_path / "c.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        ckptio.save(sample(), p)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    rep = ckptio.verify(p)
+    assert rep.ok and not rep.unchecked, rep.summary()
+    same(ckptio.load(p, verify=True), sample())
+    assert torch.serialization.get_crc32_options()
+
+
+def test_safetensors_path_goes_to_load_file_as_torch_load_does(tmp_path):
+    p = tmp_path / "m.safetensors"
+    sd = {"a": torch.randn(3)}
+    st.save_file(sd, p)
+    same(ckptio.load(p), sd)
+    same(ckptio.load(p, map_location="cpu"), sd)
+    with pytest.raises(RuntimeError, match="dict map_location"):
+        ckptio.load(p, map_location={"cpu": "cpu"})
+
+
+def test_torchscript_archive_goes_to_torch(tmp_path):
+    p = tmp_path / "s.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = ckptio.load(p, weights_only=False)
+    assert isinstance(m, torch.jit.ScriptModule)
+    with pytest.raises(RuntimeError, match="TorchScript"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckptio.load(p)
+    assert os.path.exists(p)
+
+
+def test_verify_reports_a_bad_file_and_raises_on_request(tmp_path):
+    p = tmp_path / "c.pt"
+    ckptio.save(sample(), p)
+    ckptio.verify(p).raise_if_bad()
+    data = bytearray(p.read_bytes())
+    p.write_bytes(data[: len(data) // 2])
+    rep = ckptio.verify(p)
+    assert not rep.ok and rep.error
+    with pytest.raises(ckptio.FormatError, match="BAD"):
+        rep.raise_if_bad()
+    with pytest.raises(FileNotFoundError):
+        ckptio.verify(tmp_path / "missing.pt")
+
+
+@pytest.mark.gpu
+def test_gpu_file_objects_fake_mode_and_safetensors_backend(tmp_path):
+    sd = {"w": torch.randn(1000, 777, device="cuda"), "i": torch.arange(5, device="cuda")}
+    p = tmp_path / "f.pt"
+    with open(p, "wb") as f:
+        ckptio.save(sd, f)
+    assert ckptio.last_report().device_path in ("bounce", "cufile")
+    with open(p, "rb") as f:
+        out = ckptio.load(f, map_location="cuda")
+    assert ckptio.last_report().device_path in ("bounce", "cufile")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    b = io.BytesIO()
+    ckptio.save(sd, b)
+    b.seek(0)
+    assert torch.equal(ckptio.load(b)["w"], sd["w"])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = ckptio.load(p)
+    assert fake["w"].device.type == "cuda"
+    s = tmp_path / "m.safetensors"
+    cst.save_file(sd, s, device_backend="posix")
+    got = cst.load_file(s, device="cuda", backend="pread", device_backend="posix")
+    assert ckptio.last_report().device_path == "bounce"
+    assert all(torch.equal(got[k], sd[k]) for k in sd)
+    assert cst.save(sd) == st.save({k: v.cpu() for k, v in sd.items()})
+
+
+@pytest.mark.gpu
+def test_gpu_dcp_zstd_from_cuda_tensors(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
+
+    ext = pytest.importorskip("torch.distributed.checkpoint._extension")
+    if not ext.ZStandard.is_available():
+        pytest.skip("torch's ZStandard needs zstandard or pyzstd")
+    sd = {"w": torch.randn(512, 1024, device="cuda"), "z": torch.zeros(1 << 20, device="cuda")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=FileSystemWriter(tmp_path, _extensions=[ext.ZStandard()]),
+                 no_dist=True)  # fmt: skip
+        for reader in (dcp.FileSystemReader(tmp_path), FileSystemReader(tmp_path)):
+            out = {k: torch.empty_like(v) for k, v in sd.items()}
+            dcp.load(out, storage_reader=reader, no_dist=True)
+            assert all(torch.equal(out[k], sd[k]) for k in sd)
