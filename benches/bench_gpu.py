@@ -143,11 +143,11 @@ print(json.dumps({"write": ws, "read": rs, "ok": ok, "compat": mode}))
 """
 
 
-def kvikio_run(folder: str, size: int, mode: str) -> tuple[float, float, str]:
+def kvikio_run(folder: str, size: int, mode: str, threads: int = 8) -> tuple[float, float, str]:
     env = dict(
         os.environ,
         KVIKIO_COMPAT_MODE=mode,
-        KVIKIO_NTHREADS="8",
+        KVIKIO_NTHREADS=str(threads),
         CKPTIO_BENCH_DIR=os.path.dirname(os.path.dirname(ckptio.__file__)),
     )
     path = os.path.join(folder, f"kvikio_{mode}.bin")

@@ -42,7 +42,10 @@ def buffers(n: int, each: int, kind: str) -> list[tuple[object, object]]:
             st = _host_storage(each, shared=kind == "memfd-shared")
             keep = st
         else:
-            mm = mmap.mmap(-1, each)
+            # Private: mmap.mmap(-1, n) alone is shared anonymous memory (shmem),
+            # which MADV_HUGEPAGE leaves in 4 KiB pages where shmem_enabled is
+            # never (runs before 2026-12-01 measured that for "anon+thp").
+            mm = mmap.mmap(-1, each, flags=mmap.MAP_PRIVATE)
             if kind == "anon+thp":
                 mm.madvise(mmap.MADV_HUGEPAGE)
             st = torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()
@@ -93,7 +96,7 @@ def main() -> None:
             p.close()
         del b
     # One slab (anonymous memory with THP, as the anon+thp rows), pinned whole.
-    mm = mmap.mmap(-1, size)
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
     mm.madvise(mmap.MADV_HUGEPAGE)
     slab = torch.frombuffer(mm, dtype=torch.uint8)
     pin = _native.HostPin(slab, slab.data_ptr(), size, pin=True)

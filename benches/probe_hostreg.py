@@ -14,6 +14,10 @@
                                                 # and by the state of torch's cache
     python benches/probe_hostreg.py tmpfs 2G    # preads of a tmpfs file by the state of
                                                 # its pages (no GPU needed)
+    python benches/probe_hostreg.py sources 2G  # the engine's read of a checkpoint in memory
+                                                # (tmpfs, page-cached disk file) into faulted
+                                                # host memory, first and repeat, by memory
+                                                # path (map, pread); no GPU needed
 
 On the H200 host: registering the page cache (READ_ONLY) costs more than the copy
 it saves, pread into pinned memory scales with threads (so files on tmpfs get
@@ -543,6 +547,49 @@ def tmpfs_pages(n: int, threads: int = 8) -> None:
         os.unlink(path)
 
 
+def sources(n: int, rounds: int = 3, disk: str = "/tmp") -> None:
+    """The engine's read of a checkpoint whose bytes are in memory, into host memory
+    faulted in beforehand (the data path alone: no destination faults), right after
+    the save ("first": freshly written pages) and again, through a mapping of the page
+    cache and with pread; the file on /dev/shm, then on ``disk`` read once by ``cat``."""
+    import subprocess
+
+    import ckptio
+    from ckptio import _native, bench
+
+    sd = bench.synthetic_state_dict(n, "cpu", torch.bfloat16)
+    dst = torch.empty(n + (64 << 20), dtype=torch.uint8)
+    dst.fill_(1)
+    engines = {m: _native.Engine(memory_path=m) for m in ("map", "pread")}
+    for where in ("/dev/shm", disk):
+        p = os.path.join(where, "probe-sources.pt")
+        for _ in range(rounds):
+            for mode, eng in engines.items():
+                ckptio.save(sd, p)
+                if where != "/dev/shm":
+                    bench.drop_cache(p)
+                    subprocess.run(["cat", p], stdout=subprocess.DEVNULL, check=True)
+                rd = _native.Reader(p)
+                segs, at = [], dst.data_ptr()
+                for name, off, size in rd.records():
+                    if "/data/" in name:
+                        segs.append((off, at, size, -1))
+                        at += size
+                gib = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    st = rd.read_into(eng, segs)
+                    gib.append(n / 2**30 / (time.perf_counter() - t0))
+                _native.host_memory()  # the mappings go before the next round
+                print(
+                    f"  {where:<9} {mode:<5} first {gib[0]:5.2f}, then {gib[1]:5.2f} {gib[2]:5.2f} "
+                    f"GiB/s ({st['read_path']}: {st['read_reason']}, {st['threads']} threads)",
+                    flush=True,
+                )
+                del rd
+        os.unlink(p)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -558,6 +605,8 @@ if __name__ == "__main__":
         alloc(_size(sys.argv[2]))
     elif sys.argv[1:2] == ["tmpfs"]:
         tmpfs_pages(_size(sys.argv[2]))
+    elif sys.argv[1:2] == ["sources"]:
+        sources(_size(sys.argv[2]))
     elif sys.argv[1:2] == ["loads"]:
         shm_loads(_size(sys.argv[2]))
     else:

@@ -20,6 +20,9 @@
 #                                # DCP + ZStandard, ckptio (Rust, all cores) vs torch (ZSTD_SIZE)
 #   scripts/gpu_check.sh profile # benches/profile_disk.py: saves and cold loads (by phase) by knob,
 #                                # paired by round with the raw writes and reads (PROFILE_ARGS)
+#   scripts/gpu_check.sh memory  # issue 16 (about 7 minutes): tests/test_memory_path.py without the
+#                                # udev entry, its GPU tests with it, then benches/bench_memory.py
+#                                # (/dev/shm, page cache, staging, pinned lanes; MEMORY_ARGS), JSON to $OUT
 # Several modes run in turn: scripts/gpu_check.sh tests staging
 set -uo pipefail
 PY=${PY:-python3}
@@ -109,6 +112,18 @@ stbench)
     ;;
 staging)
     $PY benches/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
+    ;;
+memory)
+    grep -H . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled \
+        /sys/module/page_reporting/parameters/page_reporting_order 2>/dev/null
+    udev_off
+    CKPTIO_EXPECT_BACKEND=bounce timeout 150 $PY -m pytest tests/test_memory_path.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_memory_fallback.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    udev_on
+    $PY -m ckptio info /tmp
+    CKPTIO_EXPECT_BACKEND=cufile timeout 90 $PY -m pytest tests/test_memory_path.py -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_memory_cufile.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    timeout 330 $PY benches/bench_memory.py --json "$OUT/bench_memory.json" ${MEMORY_ARGS:-} 2>&1 | tee "$OUT/bench_memory.log" || rc=1
     ;;
 zstd)
     # .whl/ must hold the zstandard wheel (torch's ZStandard extension needs it)

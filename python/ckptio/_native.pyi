@@ -12,6 +12,9 @@ __all__ = [
     "_op_log",
     "_record_ops",
     "_set_fault",
+    "_set_truncation",
+    "advise_huge",
+    "host_memory",
     "cufile_register_buffer",
     "env_threads",
     "info",
@@ -28,6 +31,7 @@ __all__ = [
     "BufferRegistration",
     "DeviceFile",
     "Engine",
+    "HostMemory",
     "HostPin",
     "Reader",
     "StateDictPickler",
@@ -71,9 +75,11 @@ class Engine:
 
     Defaults: CKPTIO_THREADS, CKPTIO_CHUNK_SIZE ("16M"), CKPTIO_DIRECT (auto|on|off),
     CKPTIO_PREALLOCATE (1|0), CKPTIO_IDLE_RELEASE (seconds an idle thread's buffers
-    are kept, default 60, or "off"); for files on tmpfs CKPTIO_MEMORY_THREADS and
-    CKPTIO_MEMORY_CHUNK_SIZE ("4M"). ``threads`` and ``chunk_size`` set both kinds;
-    ``memory_threads`` then sets the tmpfs one.
+    are kept, default 60, or "off"); for files in memory (tmpfs, cached pages)
+    CKPTIO_MEMORY_THREADS and CKPTIO_MEMORY_CHUNK_SIZE ("4M"). ``threads`` and
+    ``chunk_size`` set both kinds; ``memory_threads`` then sets the memory one.
+    ``memory_path`` (CKPTIO_MEMORY_PATH): how files in memory are read, "map"
+    (default, "auto"), "pread", or "off" (no page-cache check).
     """
 
     def __new__(
@@ -83,6 +89,7 @@ class Engine:
         direct: str | None = None,
         memory_threads: int | None = None,
         idle_release: float | None = None,
+        memory_path: str | None = None,
     ) -> Self: ...
     @property
     def threads(self) -> int: ...
@@ -96,6 +103,8 @@ class Engine:
     def direct(self) -> str: ...
     @property
     def idle_release(self) -> float | None: ...
+    @property
+    def memory_path(self) -> str: ...
     def pooled_bytes(self) -> int:
         """Host memory held by the idle staging buffers."""
     def pinned_bytes(self) -> int:
@@ -258,6 +267,28 @@ class BufferRegistration:
     def close(self) -> None: ...
 
 @final
+class HostMemory:
+    """Fresh private anonymous memory, advised MADV_HUGEPAGE before its first touch
+    (unless CKPTIO_HUGE_PAGES=0); unmapped when the object goes."""
+
+    def __new__(cls, nbytes: int, huge: bool = True) -> Self: ...
+    @property
+    def addr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def huge(self) -> bool: ...
+    def huge_bytes(self) -> int | None:
+        """Bytes of it now in huge pages (/proc/self/smaps)."""
+
+def advise_huge(addr: int, nbytes: int, shared: bool) -> bool:
+    """MADV_HUGEPAGE on untouched memory where the host allows it; whether it asked."""
+
+def host_memory() -> dict[str, int]:
+    """{"file_mappings": file mappings alive, "anon_bytes": bytes of ckptio's anonymous
+    mappings}, once mappings waiting to be unmapped are gone."""
+
+@final
 class HostPin:
     """Pinning state of host memory of ``owner`` (held), page-locked whole by the first copy."""
 
@@ -329,11 +360,14 @@ class StateDictPickler:
 
 def cufile_register_buffer(owner: Any, addr: int, nbytes: int) -> BufferRegistration: ...
 def info(folder: _Path | None = None) -> dict[str, Any]:
-    """libcuda, libcufile, pinned memory held and its cap, and (for ``folder``)
-    O_DIRECT / cuFile handle support."""
+    """libcuda, libcufile, pinned memory held and its cap, huge pages, and (for
+    ``folder``) O_DIRECT / cuFile handle support."""
 
 def _set_fault(point: str, errno: int, nth: int = 1) -> None:
     """Test only (CKPTIO_TEST_FAULTS=1 at start): fail the nth next hit of a fault point."""
+
+def _set_truncation(point: str, length: int, nth: int = 1) -> None:
+    """Test only: at the nth next hit of a fault point, truncate the file to ``length``."""
 
 def _clear_faults() -> list[str]:
     """Test only: drop pending faults, stop recording; the points whose fault never fired."""

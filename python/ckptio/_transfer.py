@@ -62,6 +62,13 @@ class IOReport:
     #: Page-locked host memory ckptio holds after the call, all engines and
     #: stagers together (``ckptio.release_buffers()`` gives the engines' back).
     pinned_bytes: int = 0
+    #: Loads: "memory" (the file's bytes were in memory: tmpfs, or cached pages)
+    #: or "disk"; ``read_reason`` says why ("tmpfs", "page cache: 100% of ...
+    #: sampled pages", "cold: ..."), ``read_source`` how ("map": copied from a
+    #: mapping of the page cache, "pread", "direct": O_DIRECT, "buffered").
+    read_path: str | None = None
+    read_source: str | None = None
+    read_reason: str | None = None
 
     @property
     def gib_per_s(self) -> float:
@@ -100,6 +107,9 @@ def report(
         unchecked=unchecked,
         device_path=stats.get("device_path"),
         pinned_bytes=stats.get("pinned_bytes", 0),
+        read_path=stats.get("read_path"),
+        read_source=stats.get("read_source"),
+        read_reason=stats.get("read_reason"),
     )
     _last.report = rep
     return rep

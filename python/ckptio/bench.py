@@ -231,11 +231,15 @@ def buffered_cold_read(path: str, nbytes: int, threads: int = 8, chunk: int = 64
     return cold_read(path, ring, 0, threads, chunk, nbytes)
 
 
-def fresh_memory_fault_s(sizes: list[int], threads: int = 16, piece: int = 64 << 20) -> float:
+def fresh_memory_fault_s(
+    sizes: list[int], threads: int = 16, piece: int = 64 << 20, kind: str = "memfd"
+) -> float:
     """Seconds to fault in fresh memory laid out as a first staging lays it out,
-    one memfd per buffer of ``sizes`` (MADV_POPULATE_WRITE, ``piece`` per call, on
+    one buffer of each of ``sizes`` (MADV_POPULATE_WRITE, ``piece`` per call, on
     ``threads`` threads): what any first staging into new buffers costs at least,
-    before pinning and before the copies."""
+    before pinning and before the copies. ``kind``: "memfd" (shared buffers),
+    "anon" (private anonymous memory, 4 KiB pages) or "anon+thp" (the same, advised
+    MADV_HUGEPAGE first)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -243,12 +247,17 @@ def fresh_memory_fault_s(sizes: list[int], threads: int = 16, piece: int = 64 <<
     populate_write = 23  # MADV_POPULATE_WRITE, Linux 5.14
     maps, bases = [], []
     for n in sizes:
-        fd = os.memfd_create("ckptio-bench")
-        try:
-            os.ftruncate(fd, n)
-            maps.append(mmap.mmap(fd, n))
-        finally:
-            os.close(fd)
+        if kind == "memfd":
+            fd = os.memfd_create("ckptio-bench")
+            try:
+                os.ftruncate(fd, n)
+                maps.append(mmap.mmap(fd, n))
+            finally:
+                os.close(fd)
+        else:
+            maps.append(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE))
+            if kind == "anon+thp":
+                maps[-1].madvise(mmap.MADV_HUGEPAGE)
         bases.append(ctypes.addressof(ctypes.c_char.from_buffer(maps[-1])))
     pairs = zip(bases, sizes, strict=True)
     jobs = [(b + o, min(piece, n - o)) for b, n in pairs for o in range(0, n, piece)]

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ckptio import _native, _transfer
+from ckptio import _hostmem, _native, _transfer
 from ckptio._transfer import IOReport as IOReport
 from ckptio._transfer import _last as _last
 from ckptio._transfer import device_code as _device_code
@@ -758,15 +758,14 @@ def _engine_device(location: str) -> torch.device | None:
 
 
 def _empty_storage(nbytes: int, device: torch.device, phase: int = 0) -> torch.UntypedStorage:
-    """An uninitialised storage; large host ones start ``phase`` bytes past a 4 KiB
-    boundary (a file offset's distance from one) so that O_DIRECT reads land in
-    them without a staging copy. (The aligned slice keeps its allocation alive,
-    as torch.load's mmap slices do; like those, it cannot be resized.)"""
+    """An uninitialised storage; large host ones are fresh anonymous memory with
+    huge pages asked for (``_hostmem``: faulted in 2.4-3.6x faster than 4 KiB
+    pages), starting ``phase`` bytes past a 4 KiB boundary (a file offset's
+    distance from one) so that O_DIRECT reads land in them without a staging
+    copy. (Like torch.load's mmap storages, they cannot be resized.)"""
     if device.type != "cpu" or nbytes < _ALIGNED_ALLOC_MIN:
         return torch.UntypedStorage(nbytes, device=device)
-    raw = torch.UntypedStorage(nbytes + STORAGE_ALIGNMENT)
-    skip = (phase - raw.data_ptr()) % STORAGE_ALIGNMENT
-    return raw[skip : skip + nbytes]
+    return _hostmem.empty_storage(nbytes, phase % STORAGE_ALIGNMENT)
 
 
 _ALIGNED_ALLOC_MIN = 1 << 20

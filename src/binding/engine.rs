@@ -19,13 +19,14 @@ pub struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (threads=None, chunk_size=None, direct=None, memory_threads=None, idle_release=None))]
+    #[pyo3(signature = (threads=None, chunk_size=None, direct=None, memory_threads=None, idle_release=None, memory_path=None))]
     fn new(
         threads: Option<usize>,
         chunk_size: Option<usize>,
         direct: Option<&str>,
         memory_threads: Option<usize>,
         idle_release: Option<f64>,
+        memory_path: Option<&str>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::from_env()?;
         if let Some(s) = idle_release {
@@ -48,6 +49,9 @@ impl Engine {
         }
         if let Some(d) = direct_mode(direct)? {
             cfg.direct = d;
+        }
+        if let Some(m) = memory_path {
+            cfg.memory_path = m.parse()?;
         }
         Ok(Engine {
             inner: Arc::new(CoreEngine::new(cfg)?),
@@ -85,6 +89,12 @@ impl Engine {
         }
     }
 
+    /// How files whose bytes are in memory are read: "map", "pread" or "off".
+    #[getter]
+    fn memory_path(&self) -> &'static str {
+        self.inner.config().memory_path.name()
+    }
+
     /// Host memory held by the engine's idle staging buffers.
     fn pooled_bytes(&self) -> usize {
         self.inner.pooled_bytes()
@@ -119,12 +129,13 @@ impl Engine {
     fn __repr__(&self) -> String {
         let c = self.inner.config();
         format!(
-            "Engine(threads={}, memory_threads={}, chunk_size={}, memory_chunk_size={}, direct={:?})",
+            "Engine(threads={}, memory_threads={}, chunk_size={}, memory_chunk_size={}, direct={:?}, memory_path={:?})",
             c.threads,
             c.memory_threads,
             c.chunk_size,
             c.memory_chunk_size,
-            self.direct()
+            self.direct(),
+            self.memory_path()
         )
     }
 }

@@ -14,6 +14,16 @@ pub(super) fn _set_fault(point: &str, errno: i32, nth: u64) -> PyResult<()> {
     Ok(())
 }
 
+/// Test only (CKPTIO_TEST_FAULTS=1): at the `nth` next hit of a fault point,
+/// truncate the file being transferred to `length` bytes, then go on (a file
+/// that shrinks while it is read).
+#[pyfunction]
+#[pyo3(signature = (point, length, nth=1))]
+pub(super) fn _set_truncation(point: &str, length: u64, nth: u64) -> PyResult<()> {
+    fault::set_truncation(point.parse()?, length, nth)?;
+    Ok(())
+}
+
 /// Test only: drop pending faults and stop recording; returns the points of
 /// faults that never fired.
 #[pyfunction]

@@ -15,6 +15,7 @@ mod device_file;
 mod engine;
 mod errors;
 mod faults;
+mod hostmem;
 mod pickled;
 mod probe;
 mod reader;
@@ -32,7 +33,8 @@ use crate::io::file::DirectMode;
 use device_file::{cufile_register_buffer, BufferRegistration, DeviceFile};
 use engine::{env_threads, pinned_memory, release_buffers, Engine};
 use errors::{BackendUnavailableError, CkptioError, CuFileError, CudaError, FormatError};
-use faults::{_clear_faults, _op_log, _record_ops, _set_fault};
+use faults::{_clear_faults, _op_log, _record_ops, _set_fault, _set_truncation};
+use hostmem::{advise_huge, host_memory, HostMemory};
 use pickled::{unpickle, StateDictPickler, Unpickled};
 use probe::info;
 use reader::{map_archive, map_archives, Reader};
@@ -146,6 +148,11 @@ fn report_dict<'py>(py: Python<'py>, rep: &Report) -> PyResult<Bound<'py, PyDict
     d.set_item("gds_mode", rep.gds_mode)?;
     d.set_item("fallback_reason", rep.fallback_reason.as_deref())?;
     d.set_item("pinned_bytes", crate::gpu::budget::held())?;
+    if let Some(r) = &s.read_path {
+        d.set_item("read_path", if r.memory { "memory" } else { "disk" })?;
+        d.set_item("read_source", r.source)?;
+        d.set_item("read_reason", &r.reason)?;
+    }
     Ok(d)
 }
 
@@ -153,10 +160,11 @@ fn report_dict<'py>(py: Python<'py>, rep: &Report) -> PyResult<Bound<'py, PyDict
 mod _native {
     #[pymodule_export]
     use super::{
-        _clear_faults, _op_log, _record_ops, _set_fault, cufile_register_buffer, env_threads, info,
-        map_archive, map_archives, pinned_memory, release_buffers, safetensors_header, stage_copy,
-        stage_device_copy, stage_pin, unpickle, AtomicWriter, BufferRegistration, DeviceFile,
-        Engine, HostPin, Reader, StateDictPickler, Unpickled,
+        _clear_faults, _op_log, _record_ops, _set_fault, _set_truncation, advise_huge,
+        cufile_register_buffer, env_threads, host_memory, info, map_archive, map_archives,
+        pinned_memory, release_buffers, safetensors_header, stage_copy, stage_device_copy,
+        stage_pin, unpickle, AtomicWriter, BufferRegistration, DeviceFile, Engine, HostMemory,
+        HostPin, Reader, StateDictPickler, Unpickled,
     };
 
     use super::*;

@@ -1,5 +1,5 @@
-//! `info`: what this machine offers (libcuda, libcufile, O_DIRECT and cuFile
-//! handles for a folder).
+//! `info`: what this machine offers (libcuda, libcufile, huge pages, O_DIRECT
+//! and cuFile handles for a folder).
 
 use std::path::PathBuf;
 
@@ -11,16 +11,17 @@ use crate::io::file::{DirectMode, IoFile};
 use crate::io::persist::AtomicFile;
 
 /// What this machine offers: libcuda, libcufile, the pinned memory ckptio
-/// holds and may hold, and (for `folder`) whether O_DIRECT and cuFile handles
-/// work on files there, and why not.
+/// holds and may hold, huge pages (and what fresh memory costs with and
+/// without them), and (for `folder`) whether O_DIRECT and cuFile handles work
+/// on files there, and why not.
 #[pyfunction]
 #[pyo3(signature = (folder=None))]
 pub(super) fn info<'py>(py: Python<'py>, folder: Option<PathBuf>) -> PyResult<Bound<'py, PyDict>> {
-    let (c, f, folder_info) = py.detach(|| {
+    let (c, f, folder_info, h) = py.detach(|| {
         let c = crate::gpu::cuda::probe();
         let f = crate::gpu::cufile::probe();
         let fi = folder.map(|dir| probe_folder(&dir));
-        (c, f, fi)
+        (c, f, fi, crate::io::hugepage::probe())
     });
     let d = PyDict::new(py);
     let cd = PyDict::new(py);
@@ -40,6 +41,17 @@ pub(super) fn info<'py>(py: Python<'py>, folder: Option<PathBuf>) -> PyResult<Bo
     fd.set_item("run_udev", f.run_udev)?;
     fd.set_item("reason", f.reason.clone())?;
     d.set_item("cufile", fd)?;
+    let hd = PyDict::new(py);
+    hd.set_item("enabled", h.enabled)?;
+    hd.set_item("shmem_enabled", h.shmem_enabled)?;
+    hd.set_item("advice", h.advice)?;
+    hd.set_item("free_page_reporting", h.free_page_reporting)?;
+    hd.set_item("private_huge", h.private_huge)?;
+    hd.set_item("shared_huge", h.shared_huge)?;
+    hd.set_item("private_4k_gib_s", h.private_4k_gib_s)?;
+    hd.set_item("private_huge_gib_s", h.private_huge_gib_s)?;
+    hd.set_item("shared_gib_s", h.shared_gib_s)?;
+    d.set_item("huge_pages", hd)?;
     let pd = PyDict::new(py);
     pd.set_item("held", crate::gpu::budget::held())?;
     pd.set_item("limit", crate::gpu::budget::limit().ok())?;

@@ -10,6 +10,8 @@ pub use crate::io::env::parse_size;
 use crate::io::file::{DirectMode, IoFile};
 use crate::{Error, Result};
 
+pub use super::memory::MemoryPath;
+
 /// Default I/O threads: enough to keep an NVMe queue busy, few enough for small hosts.
 pub const DEFAULT_THREADS: usize = 8;
 /// Default chunk: large enough to amortise a syscall, small enough to spread over threads.
@@ -35,7 +37,7 @@ pub const DEFAULT_IDLE_RELEASE: Duration = Duration::from_secs(60);
 
 /// Tunables. `from_env` reads `CKPTIO_THREADS`, `CKPTIO_MEMORY_THREADS`,
 /// `CKPTIO_CHUNK_SIZE`, `CKPTIO_MEMORY_CHUNK_SIZE`, `CKPTIO_DIRECT`,
-/// `CKPTIO_PREALLOCATE` and `CKPTIO_IDLE_RELEASE`.
+/// `CKPTIO_PREALLOCATE`, `CKPTIO_IDLE_RELEASE` and `CKPTIO_MEMORY_PATH`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
     pub threads: usize,
@@ -47,6 +49,8 @@ pub struct EngineConfig {
     pub direct: DirectMode,
     /// fallocate a file's full size before writing it (a full disk fails at once).
     pub preallocate: bool,
+    /// How reads of files whose bytes are in memory run (see [`MemoryPath`]).
+    pub memory_path: MemoryPath,
     /// Buffers of threads idle this long are given back; None keeps them.
     pub idle_release: Option<Duration>,
 }
@@ -60,6 +64,7 @@ impl Default for EngineConfig {
             memory_chunk_size: DEFAULT_MEMORY_CHUNK_SIZE,
             direct: DirectMode::Auto,
             preallocate: true,
+            memory_path: MemoryPath::default(),
             idle_release: Some(DEFAULT_IDLE_RELEASE),
         }
     }
@@ -117,6 +122,9 @@ impl EngineConfig {
         }
         if let Ok(v) = std::env::var("CKPTIO_DIRECT") {
             c.direct = v.parse()?;
+        }
+        if let Ok(v) = std::env::var("CKPTIO_MEMORY_PATH") {
+            c.memory_path = v.parse()?;
         }
         if let Ok(v) = std::env::var("CKPTIO_PREALLOCATE") {
             c.preallocate = match v.trim() {

@@ -247,14 +247,26 @@ impl TransferFile {
 
     fn report(&self, stats: Stats, path: Option<&DevicePath>) -> Report {
         let moved = stats.device_path.is_some();
+        // A file read from memory fills device memory through the bounce lanes
+        // even where cuFile could take it ([`super::memory`]): say so.
+        let from_memory = stats.read_path.as_ref().filter(|r| r.memory);
         let (gds_mode, fallback_reason) = match path.filter(|_| moved) {
+            Some(DevicePath::CuFile { .. }) if stats.device_path == Some("bounce") => (
+                None,
+                from_memory.map(|r| format!("the file is read from memory ({})", r.reason)),
+            ),
             Some(p) => (p.gds_mode(), p.fallback_reason().map(str::to_owned)),
             None if moved => (None, Some(CLOSED_REASON.to_owned())),
             None => (None, None),
         };
+        let direct_reason = self.io.no_direct_reason().map(str::to_owned).or_else(|| {
+            from_memory
+                .filter(|_| !stats.direct)
+                .map(|r| format!("read from memory ({})", r.reason))
+        });
         Report {
             backend: self.backend,
-            direct_reason: self.io.no_direct_reason().map(str::to_owned),
+            direct_reason,
             gds_mode,
             fallback_reason,
             stats,

@@ -37,10 +37,14 @@
 //! between calls, so a steady stream of saves allocates nothing, and given
 //! back on request, after a while idle, or when the pinned-memory cap is full
 //! (see [`pool`]).
+//!
+//! Reads first choose, per file, between the memory path and the disk path
+//! ([`memory`]): a file whose bytes are in memory is copied from its page cache.
 
 mod config;
 mod file;
 mod lane;
+mod memory;
 mod pool;
 
 use std::collections::HashSet;
@@ -63,6 +67,7 @@ pub use config::{
 };
 pub use file::{PathState, Report, Request, TransferFile};
 pub use lane::Lane;
+pub use memory::{MemoryPath, ReadPath, RESIDENT_MIN};
 pub use pool::release_buffers;
 
 /// Segments of a read this close in the file share one I/O: the bytes between
@@ -109,6 +114,8 @@ pub struct Stats {
     pub crc32: Vec<Option<u32>>,
     /// Patches written after the data rather than in the I/O that carried them.
     pub late_patches: usize,
+    /// Reads: from memory or from the disk, and why.
+    pub read_path: Option<ReadPath>,
 }
 
 /// How one transfer runs, besides its segments.
@@ -298,6 +305,22 @@ impl Engine {
         dir: Dir,
         opts: Options<'_>,
     ) -> Result<Stats> {
+        // Reads: the memory path reads a view of the file (through a mapping of
+        // its page cache), device memory through the bounce lanes.
+        let choice = match dir {
+            Dir::Write => None,
+            Dir::Read | Dir::Checksum => {
+                Some(memory::choose(file, segments, self.cfg.memory_path)?)
+            }
+        };
+        let mut opts = opts;
+        let file = match choice.as_ref().and_then(|c| c.view.as_ref()) {
+            Some(view) => {
+                opts.path = opts.path.filter(|p| p.is_requested());
+                view
+            }
+            None => file,
+        };
         let mut devices: Vec<i32> = Vec::new();
         if dir != Dir::Checksum {
             for s in segments.iter().filter(|s| s.len > 0) {
@@ -329,6 +352,7 @@ impl Engine {
                 .then(|| opts.path.map_or("bounce", DevicePath::name)),
             crc32: Vec::new(),
             late_patches: plan.late.len(),
+            read_path: choice.as_ref().map(|c| c.path.clone()),
         };
         if plan.chunks.is_empty() {
             if checksum {
@@ -400,7 +424,8 @@ impl Engine {
         });
         self.pool.give_back(lanes);
         if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            return Err(e);
+            // Errors of layers that do not know the file (cuFile's) name it here.
+            return Err(e.with_path(file.path()));
         }
         if checksum {
             let per_piece = crcs.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -742,6 +767,7 @@ mod tests {
             memory_chunk_size: chunk,
             direct: DirectMode::Auto,
             preallocate: true,
+            memory_path: MemoryPath::Map,
             idle_release: None,
         })
         .unwrap()

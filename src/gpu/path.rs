@@ -57,8 +57,13 @@ pub enum DevicePath {
     /// Pinned bounce buffers; `reason` says why cuFile is not used.
     Bounce { reason: String },
     /// cuFile on a registered handle; `compat` when cuFile runs in its
-    /// compatibility mode (no nvidia-fs: it bounces through host memory itself).
-    CuFile { handle: FileHandle, compat: bool },
+    /// compatibility mode (no nvidia-fs: it bounces through host memory itself);
+    /// `requested` when the caller asked for cuFile (not `auto`).
+    CuFile {
+        handle: FileHandle,
+        compat: bool,
+        requested: bool,
+    },
 }
 
 impl DevicePath {
@@ -76,6 +81,18 @@ impl DevicePath {
             DevicePath::CuFile { compat: false, .. } => Some("p2p"),
             DevicePath::Bounce { .. } => None,
         }
+    }
+
+    /// The caller asked for this path: reads from memory keep it (in `auto`
+    /// they take the bounce lanes, as cuFile would read the disk again).
+    pub fn is_requested(&self) -> bool {
+        matches!(
+            self,
+            DevicePath::CuFile {
+                requested: true,
+                ..
+            }
+        )
     }
 
     pub fn fallback_reason(&self) -> Option<&str> {
@@ -104,6 +121,7 @@ pub unsafe fn open_device_path(file: &IoFile, backend: Backend) -> Result<Device
         Ok(DevicePath::CuFile {
             handle,
             compat: driver.is_compat_mode(),
+            requested: backend == Backend::CuFile,
         })
     };
     match attempt() {

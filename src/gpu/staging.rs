@@ -25,11 +25,10 @@ use std::sync::{Mutex, OnceLock};
 use crate::gpu::cuda::{self, HostRegistration, Stream};
 use crate::gpu::Memory;
 use crate::io::align;
+use crate::io::hugepage;
 use crate::{Error, Result};
 
 const PAGE: u64 = 4096;
-/// madvise(2) advice that prefaults pages writable (Linux 5.14).
-const MADV_POPULATE_WRITE: libc::c_int = 23;
 /// Most threads that fault in one large buffer before it is registered.
 const POPULATE_THREADS: usize = 16;
 
@@ -116,43 +115,21 @@ impl HostPin {
     /// [`POPULATE_THREADS`] threads (fewer on a small host).
     fn populate(&self) {
         let (first, end) = (align::align_down(self.base, PAGE), self.base + self.len);
-        let pieces = (end - first).div_ceil(self.chunk) as usize;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        for_each_on_threads(pieces, POPULATE_THREADS.min(cores), |i| {
-            let start = first + i as u64 * self.chunk;
-            let len = self.chunk.min(end - start) as usize;
-            // SAFETY: the range is the caller's live, writable host memory
-            // (contract of `new`); the advice does not change its contents.
-            let _ = unsafe { libc::madvise(start as *mut libc::c_void, len, MADV_POPULATE_WRITE) };
-        });
+        hugepage::populate(
+            first as usize,
+            (end - first) as usize,
+            POPULATE_THREADS.min(cores),
+            self.chunk as usize,
+        );
     }
-}
-
-/// Runs `f(0..n)` on up to `threads` threads, this one included, each taking
-/// the next index until none is left. A helper thread that cannot start (a pid
-/// limit) is not an error: the others, this one at least, cover its share.
-fn for_each_on_threads(n: usize, threads: usize, f: impl Fn(usize) + Sync) {
-    let next = AtomicUsize::new(0);
-    let work = || loop {
-        let i = next.fetch_add(1, Ordering::Relaxed);
-        if i >= n {
-            break;
-        }
-        f(i);
-    };
-    std::thread::scope(|s| {
-        for _ in 1..threads.min(n) {
-            let _ = std::thread::Builder::new().spawn_scoped(s, work);
-        }
-        work();
-    });
 }
 
 /// Pins every range of `pins` not yet tried, on up to `threads` threads, ahead
 /// of the copies (a stager's warm-up, off the training thread's path). Returns
 /// the bytes now pinned through `pins`.
 pub fn pin_all(pins: &[&HostPin], threads: usize) -> u64 {
-    for_each_on_threads(pins.len(), threads, |i| {
+    hugepage::for_each_on_threads(pins.len(), threads, |i| {
         pins[i].ensure_pinned();
     });
     pins.iter().map(|p| p.pinned_bytes()).sum()

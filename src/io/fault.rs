@@ -84,6 +84,8 @@ struct Fault {
     errno: i32,
     /// Hits left before this one fails (1: the next).
     left: u64,
+    /// Instead of failing: truncate the file to this length, and go on.
+    truncate: Option<u64>,
 }
 
 #[derive(Default)]
@@ -136,6 +138,25 @@ pub fn set_fault(point: Point, errno: i32, nth: u64) -> Result<()> {
         point,
         errno,
         left: nth,
+        truncate: None,
+    });
+    rearm(&s);
+    Ok(())
+}
+
+/// At the `nth` next hit of `point`, truncate the file being transferred to
+/// `len` bytes (as another process might), then let the operation go on.
+pub fn set_truncation(point: Point, len: u64, nth: u64) -> Result<()> {
+    require_enabled()?;
+    if nth == 0 {
+        return Err(Error::invalid("nth must be >= 1"));
+    }
+    let mut s = state();
+    s.faults.push(Fault {
+        point,
+        errno: 0,
+        left: nth,
+        truncate: Some(len),
     });
     rearm(&s);
     Ok(())
@@ -192,6 +213,12 @@ fn hit_armed(point: Point, path: &Path) -> Result<()> {
     }
     let f = s.faults.remove(i);
     rearm(&s);
+    if let Some(len) = f.truncate {
+        let f = std::fs::OpenOptions::new().write(true).open(path);
+        return f
+            .and_then(|f| f.set_len(len))
+            .map_err(|e| Error::io_at("truncate (test fault)", path, e));
+    }
     Err(Error::io_at(
         point.op(),
         path,

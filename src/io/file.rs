@@ -22,6 +22,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::io::align::{self, DioAlign};
+use crate::io::mapped::FileMap;
 use crate::{Error, Result};
 
 /// Whether to use O_DIRECT.
@@ -61,6 +62,9 @@ pub struct IoFile {
     no_direct_reason: Option<String>,
     /// The file lives in memory (tmpfs): its I/O is CPU copies, not device requests.
     in_memory: bool,
+    /// Reads copy from this mapping of the file's page cache instead of pread
+    /// ([`IoFile::memory_view`]).
+    mapped: Option<FileMap>,
     /// Test only: every pwrite as (through O_DIRECT, offset, length).
     #[cfg(test)]
     trace: Option<std::sync::Mutex<Vec<(bool, u64, usize)>>>,
@@ -115,9 +119,37 @@ impl IoFile {
             align,
             no_direct_reason: reason,
             in_memory,
+            mapped: None,
             #[cfg(test)]
             trace: None,
         })
+    }
+
+    /// The same file for reading its bytes from memory (tmpfs, or pages in the
+    /// page cache): buffered only (a duplicate of the buffered descriptor),
+    /// counted as in memory (memory threads and chunks), and reading through
+    /// `map` where given. `why` says why there is no O_DIRECT.
+    pub fn memory_view(&self, map: Option<FileMap>, why: &str) -> Result<IoFile> {
+        let buffered = self
+            .buffered
+            .try_clone()
+            .map_err(|e| Error::io_at("dup", &self.path, e))?;
+        Ok(IoFile {
+            path: self.path.clone(),
+            buffered,
+            direct: None,
+            align: self.align,
+            no_direct_reason: Some(why.to_string()),
+            in_memory: true,
+            mapped: map,
+            #[cfg(test)]
+            trace: None,
+        })
+    }
+
+    /// Whether reads copy from a mapping of the file ([`IoFile::memory_view`]).
+    pub fn is_mapped(&self) -> bool {
+        self.mapped.is_some()
     }
 
     /// Test only: pretend O_DIRECT wants `a` (e.g. 512-byte blocks) and start
@@ -255,7 +287,22 @@ impl IoFile {
         let fd = self
             .direct_fd_for(off, buf.len(), buf.as_ptr() as usize)
             .unwrap_or(self.buffered.as_raw_fd());
-        pread_upto(fd, buf, off).map_err(|e| Error::io_at("pread", &self.path, e))
+        self.pread(fd, buf, off)
+    }
+
+    /// Fill `buf` from `off` until the end of the file: from the mapping where
+    /// there is one (pread for what lies past it: the file grew), else pread.
+    fn pread(&self, fd: RawFd, buf: &mut [u8], off: u64) -> Result<usize> {
+        let mut done = 0;
+        if let Some(m) = &self.mapped {
+            done = m.read_upto(buf, off)?;
+            if done == buf.len() {
+                return Ok(done);
+            }
+        }
+        let n = pread_upto(fd, &mut buf[done..], off + done as u64)
+            .map_err(|e| Error::io_at("pread", &self.path, e))?;
+        Ok(done + n)
     }
 
     /// [`Self::read_blocks_upto`] for a range whose first `need` bytes must be
@@ -290,7 +337,7 @@ impl IoFile {
         if buf.is_empty() {
             return Ok(());
         }
-        let n = pread_upto(fd, buf, off).map_err(|e| Error::io_at("pread", &self.path, e))?;
+        let n = self.pread(fd, buf, off)?;
         if n < buf.len() {
             return Err(Error::format(
                 Some(&self.path),

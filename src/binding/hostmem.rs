@@ -1,0 +1,82 @@
+//! `HostMemory`: fresh private host memory with huge pages asked for (what the
+//! host storages of a load and private staging buffers are made of), and
+//! `advise_huge` for shared memory mapped elsewhere.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::io::hugepage::{self, AnonMap};
+use crate::io::mapped;
+
+/// `nbytes` of private anonymous memory, zero-filled on first touch, advised
+/// MADV_HUGEPAGE before anything touches it (unless CKPTIO_HUGE_PAGES=0), and
+/// unmapped when this object goes. Python wraps it as a torch storage that
+/// keeps this object alive.
+#[pyclass(frozen, module = "ckptio._native")]
+pub struct HostMemory {
+    map: AnonMap,
+}
+
+#[pymethods]
+impl HostMemory {
+    #[new]
+    #[pyo3(signature = (nbytes, huge=true))]
+    fn new(nbytes: usize, huge: bool) -> PyResult<Self> {
+        Ok(HostMemory {
+            map: AnonMap::new(nbytes, huge)?,
+        })
+    }
+
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.map.as_ptr() as u64
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether MADV_HUGEPAGE was given (the kernel decides whether it grants it).
+    #[getter]
+    fn huge(&self) -> bool {
+        self.map.huge_advised()
+    }
+
+    /// Bytes of this memory now in huge pages (from /proc/self/smaps).
+    fn huge_bytes(&self) -> Option<u64> {
+        hugepage::huge_bytes_at(self.map.as_ptr() as usize)
+    }
+}
+
+/// Ask for huge pages on `[addr, addr+nbytes)` (memory mapped by someone else,
+/// e.g. a shared staging buffer, not touched yet) where the host hands them
+/// to shared memory and CKPTIO_HUGE_PAGES allows; returns whether it asked.
+/// The caller keeps the range mapped for the call.
+#[pyfunction]
+pub(super) fn advise_huge(addr: u64, nbytes: usize, shared: bool) -> bool {
+    let possible = if shared {
+        hugepage::shared_huge_possible()
+    } else {
+        hugepage::private_huge_possible()
+    };
+    if !possible || !hugepage::advice_enabled() || addr % 4096 != 0 || nbytes == 0 {
+        return false;
+    }
+    // SAFETY: advice only: the caller's mapping stays as it is where the kernel
+    // refuses (an address it does not know is EINVAL/ENOMEM, not a fault).
+    unsafe { libc::madvise(addr as *mut libc::c_void, nbytes, libc::MADV_HUGEPAGE) == 0 }
+}
+
+/// Host memory ckptio holds in its own mappings, once the mappings of files
+/// read from memory that wait to be unmapped are gone: "file_mappings" (file
+/// mappings alive: 0 between reads), "anon_bytes" (anonymous mappings: engine
+/// buffers, pinned pools, `HostMemory` objects alive).
+#[pyfunction]
+pub(super) fn host_memory(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    py.detach(mapped::flush_unmaps);
+    let d = PyDict::new(py);
+    d.set_item("file_mappings", mapped::live_mappings())?;
+    d.set_item("anon_bytes", hugepage::mapped_bytes())?;
+    Ok(d)
+}
