@@ -292,13 +292,14 @@ def test_blocking_async_stager(cache):
 
 
 def test_writer_files_are_aligned_and_stock_readable(tmp_path):
+    from ckptio.serialization import PACK_BELOW
+
     sd = state()
+    sd["big"] = torch.randn(PACK_BELOW // 4 + 4096)  # an item past the packing threshold
     dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
     names = sorted(os.listdir(tmp_path))
     assert names == [".metadata", "__0_0.distcp"]
     md = dcp.FileSystemReader(tmp_path).read_metadata()
-    from ckptio.serialization import PACK_BELOW
-
     for info in md.storage_data.values():
         # large items (and their data) on 4 KiB boundaries, small ones packed at 64 bytes
         big = info.length >= PACK_BELOW + 8192
@@ -307,7 +308,7 @@ def test_writer_files_are_aligned_and_stock_readable(tmp_path):
     for reader in (dcp.FileSystemReader(tmp_path), FileSystemReader(tmp_path)):
         out = zeros_like(sd)
         dcp.load(out, storage_reader=reader, no_dist=True)
-        for k in ("w", "h", "i", "t", "e", "z", "view", "step"):
+        for k in ("w", "h", "i", "t", "e", "z", "view", "step", "big"):
             assert_same(sd[k], out[k], k)
         assert_same(sd["nested"]["lst"][0], out["nested"]["lst"][0])
 

@@ -481,10 +481,12 @@ def _pickle(obj: object) -> tuple[bytes, list[_Stored]]:
 
 #: Storages of at least this many bytes start on a 4 KiB boundary of the file
 #: (O_DIRECT and GPUDirect Storage move them in place, torch.load(mmap=True)
-#: maps them page-aligned); smaller ones are packed at torch's 64 bytes. At
-#: 64 KiB the padding adds at most 1/16 to a file; see docs/many-tensors.md
-#: for the measurements behind it.
-PACK_BELOW = 64 << 10
+#: maps them page-aligned); smaller ones are packed at torch's 64 bytes, and
+#: the padding adds at most 4 KiB / PACK_BELOW (0.4%) to a file. Below it the
+#: engine moves storages through its staging buffers anyway (GATHER_BELOW in
+#: src/engine) into memory torch allocates (_ALIGNED_ALLOC_MIN), so alignment
+#: would buy nothing; see docs/many-tensors.md for the measurements.
+PACK_BELOW = 1 << 20
 #: torch's storage alignment, which small storages keep.
 TORCH_ALIGNMENT = 64
 _PREFIX = "archive"
@@ -1098,6 +1100,7 @@ def _native_pickle(
     return parsed, found
 
 
+@_gc_paused()  # a tensor per storage, the containers: see _gc_paused
 def _rebuild(
     parsed: _native.Unpickled,
     storages: list[torch.UntypedStorage],
@@ -1131,8 +1134,7 @@ def _rebuild(
         p._backward_hooks = hooks
         return p
 
-    with _gc_paused():
-        obj = parsed.build(rebuild_tensor, rebuild_parameter, collections.OrderedDict)
+    obj = parsed.build(rebuild_tensor, rebuild_parameter, collections.OrderedDict)
     # set_ grows a resizable storage to fit a view that reaches past it (a
     # corrupt or hostile pickle); torch.load's storages cannot grow and it
     # raises. Refuse the same.
@@ -1145,6 +1147,7 @@ def _rebuild(
     return obj
 
 
+@_gc_paused()  # a storage and a tensor per record: see _gc_paused
 def _plan_fast(
     path: str,
     reader: _native.Reader,
