@@ -55,6 +55,7 @@ from ckptio.serialization import (
     _empty_storage,
     _engine,
     _engine_device,
+    _gc_paused,
     _last,
     _path,
     _report,
@@ -403,6 +404,7 @@ def _header_shape(t: torch.Tensor) -> list[int]:
     return shape
 
 
+@_gc_paused()  # many small objects, no cycles: see _gc_paused
 def _layout(
     tensors: Mapping[str, torch.Tensor], metadata: Any, align: int = STORAGE_ALIGNMENT
 ) -> _Layout:
@@ -575,6 +577,7 @@ def metadata(filename: str | os.PathLike[str]) -> dict[str, str] | None:
         return _header(f.fileno(), path)[0]
 
 
+@_gc_paused()
 def _plan(path: str, fill: torch.device, direct: str | None, backend: str | None) -> _Plan:
     f = _native.DeviceFile(path, False, direct, backend)
     meta, entries, base = _header(f.fileno(), path)
