@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from ckptio import _hostmem, _native
-from ckptio.serialization import _cuda_room, load, save
+from ckptio.serialization import _cuda_room, _gc_paused, load, save
 
 __all__ = [
     "StagingOptions",
@@ -536,10 +536,23 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 events = _mark_streams()
                 if self._executor is None:
                     return self._stage_now(state_dict, events)
-                self._future = self._executor.submit(self._stage_now, state_dict, events)
-                return self._future
+                staged = _Staged()
+                self._executor.submit(self._held_stage, staged, state_dict, events)
+                self._future = staged
+                return staged
         finally:
             self.last_stage_call_s = time.perf_counter() - t0
+
+    def _held_stage(self, staged: _Staged, state_dict: Any, events: dict[int, Any]) -> None:
+        """The staging thread's job: :meth:`_stage_now` once ``staged`` is waited
+        on or ``_HOLD_S`` has passed, its outcome set on ``staged``."""
+        staged.waited.wait(_HOLD_S)
+        if not staged.set_running_or_notify_cancel():
+            return
+        try:
+            staged.set_result(self._stage_now(state_dict, events))
+        except BaseException as e:  # noqa: BLE001 - the future carries it to the waiter
+            staged.set_exception(e)
 
     def _stage_now(self, state_dict: Any, events: dict[int, Any]) -> Any:
         """Walk, allocate, copy: the staging thread's job (the caller's when blocking)."""
@@ -547,7 +560,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         # copies) runs on this thread's streams: after the caller's work too.
         for dev, event in events.items():
             torch.cuda.current_stream(dev).wait_event(event)
-        with self._work_lock:
+        with self._work_lock, _gc_paused():
             plan, staged = self._plan(state_dict)
             if self._opts.device_snapshot and not self._snapshot:
                 warnings.warn(
@@ -775,6 +788,36 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             for side in sides:
                 side.synchronize()
             plan.sources.clear()
+
+
+#: Most seconds the staging thread holds back its walk of the state dict until
+#: the stage() future is waited on (see :class:`_Staged`).
+_HOLD_S = 0.02
+
+
+class _Staged(Future):  # type: ignore[type-arg]
+    """stage()'s future. The staging thread starts its walk of the state dict
+    (Python, holding the GIL ~2-5 us per tensor) once someone waits on this
+    future, or after ``_HOLD_S``: dcp.async_save waits on it from its upload
+    thread, by which time the caller has little left to do before async_save
+    returns. A walk started at once takes the GIL from the caller at each of
+    its handoffs (starting the upload thread, ...): async_save of 20,000 small
+    tensors, 28 saves alternating on the loaded 2-core development machine,
+    returned in 2.1 ms (median; 4.4 ms p75, 8.7 ms max) with the hold, 3.3 ms
+    (6.2 p75, 14.3 max) without; a second run 4.6 / 5.9 / 10.8 ms against
+    5.5 / 8.8 / 21.2 ms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = threading.Event()
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.waited.set()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.waited.set()
+        return super().exception(timeout)
 
 
 def _mark_streams() -> dict[int, Any]:
