@@ -26,31 +26,9 @@ pub(super) fn unpickle(py: Python<'_>, data: &[u8]) -> Option<Unpickled> {
     let data = data.to_vec();
     py.detach(|| {
         let parsed = pickle::parse(&data).ok()?;
-        let reached = reached(&parsed);
+        let reached = pickle::reachable(&parsed.values, parsed.root);
         Some(Unpickled { parsed, reached })
     })
-}
-
-fn reached(p: &Parsed) -> Vec<bool> {
-    let mut seen = vec![false; p.values.len()];
-    let mut todo = vec![p.root];
-    while let Some(i) = todo.pop() {
-        if std::mem::replace(&mut seen[i], true) {
-            continue;
-        }
-        match &p.values[i] {
-            Value::Tuple(x) | Value::List(x) => todo.extend(x),
-            Value::Dict(kv) => todo.extend(kv.iter().flat_map(|&(k, v)| [k, v])),
-            Value::OrderedDict { items, attrs } => {
-                todo.extend(items.iter().flat_map(|&(k, v)| [k, v]));
-                todo.extend(attrs.iter().map(|a| a.1));
-            }
-            Value::Parameter { tensor, hooks, .. } => todo.extend([*tensor, *hooks]),
-            Value::Tensor { hooks, .. } => todo.push(*hooks),
-            _ => {}
-        }
-    }
-    seen
 }
 
 #[pymethods]

@@ -769,7 +769,6 @@ mod tests {
     use super::*;
     use crate::io::align::AlignedBuf;
     use crate::io::file::DirectMode;
-    use std::fs::OpenOptions;
 
     fn engine(threads: usize, chunk: usize) -> Engine {
         Engine::new(EngineConfig {
@@ -801,16 +800,7 @@ mod tests {
         }
     }
 
-    fn open(path: &std::path::Path, mode: DirectMode) -> IoFile {
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .unwrap();
-        IoFile::from_writable(f, path, mode).unwrap()
-    }
+    use crate::io::file::scratch as open;
 
     #[test]
     fn parallel_roundtrip_many_shapes() {

@@ -628,6 +628,18 @@ fn check_result(values: &[Value], root: usize) -> R<()> {
             }
         }
     }
+    let reached = reachable(values, root);
+    let storage =
+        |(v, &r): (&Value, &bool)| r && matches!(v, Value::Storage(_) | Value::StorageClass(_));
+    if values.iter().zip(&reached).any(storage) {
+        return no("a storage or storage class in the result");
+    }
+    Ok(())
+}
+
+/// Which values the result (`root`) reaches through containers, Parameters
+/// and tensors' hooks (not through a tensor's storage).
+pub fn reachable(values: &[Value], root: usize) -> Vec<bool> {
     let mut seen = vec![false; values.len()];
     let mut todo = vec![root];
     while let Some(i) = todo.pop() {
@@ -635,9 +647,6 @@ fn check_result(values: &[Value], root: usize) -> R<()> {
             continue;
         }
         match &values[i] {
-            Value::Storage(_) | Value::StorageClass(_) => {
-                return no("a storage or storage class in the result")
-            }
             Value::Tuple(x) | Value::List(x) => todo.extend(x),
             Value::Dict(kv) => todo.extend(kv.iter().flat_map(|&(k, v)| [k, v])),
             Value::OrderedDict { items, attrs } => {
@@ -646,10 +655,16 @@ fn check_result(values: &[Value], root: usize) -> R<()> {
             }
             Value::Parameter { tensor, hooks, .. } => todo.extend([*tensor, *hooks]),
             Value::Tensor { hooks, .. } => todo.push(*hooks),
-            Value::None | Value::Bool(_) | Value::Int(_) | Value::Float(_) | Value::Str(_) => {}
+            Value::None
+            | Value::Bool(_)
+            | Value::Int(_)
+            | Value::Float(_)
+            | Value::Str(_)
+            | Value::Storage(_)
+            | Value::StorageClass(_) => {}
         }
     }
-    Ok(())
+    seen
 }
 
 /// Writes pickle opcodes as CPython's C pickler writes them at protocol 2,

@@ -420,7 +420,7 @@ mod tests {
     use super::*;
     use crate::engine::EngineConfig;
     use crate::format::zipmap;
-    use crate::io::file::{DirectMode, IoFile};
+    use crate::io::file::DirectMode;
     use std::os::unix::fs::FileExt;
 
     fn engine() -> Engine {
@@ -467,14 +467,7 @@ mod tests {
         entries.push(entry("archive/version", Body::Bytes(b"3\n".to_vec()), 64));
         for mode in [DirectMode::Auto, DirectMode::Off] {
             let path = d.path().join(format!("a{mode:?}"));
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&path)
-                .unwrap();
-            let io = IoFile::from_writable(f, &path, mode).unwrap();
+            let io = crate::io::file::scratch(&path, mode);
             let tf = TransferFile::new(io, crate::gpu::Backend::Auto);
             let w = unsafe { write(&engine(), &tf, &entries, "archive", &[]) }.unwrap();
             let io = tf.io();
