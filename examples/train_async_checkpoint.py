@@ -49,6 +49,12 @@ def state(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
     return {"model": model_sd, "optim": optim_sd, "step": step}
 
 
+def memory(model: nn.Module, opt: torch.optim.Optimizer) -> list[int]:
+    """Where the parameters and the optimizer's state tensors live."""
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return [t.data_ptr() for t in [*model.parameters(), *state]]
+
+
 def train(args, mode: str, ckpt_dir: str, start: dict | None = None) -> tuple[float, list[float]]:
     """Mean step time (s) and the loss curve of one run. ``mode``: none | torch | ckptio."""
     model = make_model(args.dim, args.layers, args.device)
@@ -56,8 +62,13 @@ def train(args, mode: str, ckpt_dir: str, start: dict | None = None) -> tuple[fl
     first = 0
     if start is not None:  # resume: load model and optimizer state in place
         sd = state(model, opt, 0)
+        before = memory(model, opt)
+        # ckptio's reader reads each tensor straight into the model's and the
+        # optimizer's own tensors (no copy of the checkpoint in memory).
         dcp.load(sd, storage_reader=FileSystemReader(start["dir"]), no_dist=True)
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        if memory(model, opt) != before:
+            raise SystemExit("the resume replaced tensors instead of filling them in place")
         first = sd["step"]
     stager = DefaultStager(StagingOptions(use_shared_memory=False)) if mode == "ckptio" else None
     pending = None
@@ -117,7 +128,7 @@ def main() -> None:
         args, "none", ckpt_dir, start={"dir": os.path.join(ckpt_dir, "ckptio", f"step{resumed_at}")}
     )
     same = resumed == base[resumed_at:]
-    print(f"resumed from step {resumed_at}: loss curve continues exactly: {same}")
+    print(f"resumed in place from step {resumed_at}: loss curve continues exactly: {same}")
     if not same:
         raise SystemExit(f"loss curves differ: {resumed[:3]} vs {base[resumed_at:][:3]}")
 

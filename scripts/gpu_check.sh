@@ -5,8 +5,10 @@
 #   scripts/gpu_check.sh tests   # the suite without the udev entry (fallback), then
 #                                # the GPU tests with it (cuFile compat for real)
 #   scripts/gpu_check.sh gpu     # only tests/test_gpu.py, without then with the udev entry
+#   scripts/gpu_check.sh gputests # every GPU-marked test, without then with the udev entry
+#   scripts/gpu_check.sh membench # benches/bench_memory.py (issue 16's targets) alone
 #   scripts/gpu_check.sh soundness # tests/test_soundness.py, without then with the udev entry
-#   scripts/gpu_check.sh tune    # benches/tune_gpu.py: threads/chunk/preallocation sweep
+#   scripts/gpu_check.sh tune    # probes/tune_gpu.py: threads/chunk/preallocation sweep
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
 #   scripts/gpu_check.sh dcp     # staging/DCP tests (CPU and GPU), then benches/bench_dcp.py
 #                                # (DCP_SIZES, default 2G; DCP_SKIP_TESTS=1 for the bench only;
@@ -15,11 +17,15 @@
 #   scripts/gpu_check.sh final   # all GPU tests on cuFile, then bench_dcp.py for ckptio's stagers
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
-#   scripts/gpu_check.sh staging # benches/bench_staging.py: first host staging by kind of memory
+#   scripts/gpu_check.sh staging # probes/bench_staging.py: first host staging by kind of memory
 #   scripts/gpu_check.sh zstd    # fidelity tests (CPU and GPU), then benches/bench_dcp_zstd.py:
 #                                # DCP + ZStandard, ckptio (Rust, all cores) vs torch (ZSTD_SIZE)
-#   scripts/gpu_check.sh profile # benches/profile_disk.py: saves and cold loads (by phase) by knob,
+#   scripts/gpu_check.sh profile # probes/profile_disk.py: saves and cold loads (by phase) by knob,
 #                                # paired by round with the raw writes and reads (PROFILE_ARGS)
+#   scripts/gpu_check.sh inplace # loads in place (issue 17): the GPU tests of tests/test_inplace.py
+#                                # (bounce, then cuFile), then benches/bench_inplace.py --device cuda:
+#                                # 8 GiB bf16 model (INPLACE_SIZE), cold from /tmp and from /dev/shm;
+#                                # under 5 minutes
 #   scripts/gpu_check.sh memory  # issue 16 (about 7 minutes): tests/test_memory_path.py without the
 #                                # udev entry, its GPU tests with it, then benches/bench_memory.py
 #                                # (/dev/shm, page cache, staging, pinned lanes; MEMORY_ARGS), JSON to $OUT
@@ -73,6 +79,23 @@ soundness)
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     echo "=== cufile.log files left in the repo root: $(ls cufile.log 2>/dev/null | wc -l)"
     ;;
+gputests)
+    # Every GPU-marked test of the suite, on the bounce pipeline (no udev entry), then on
+    # cuFile (with it); GPUTESTS_ARGS adds pytest arguments (e.g. -k).
+    udev_off
+    CKPTIO_EXPECT_BACKEND=bounce timeout 270 $PY -m pytest tests -m gpu -q -p no:cacheprovider -rfE ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_bounce.log" | tail -25
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    udev_on
+    CKPTIO_EXPECT_BACKEND=cufile timeout 270 $PY -m pytest tests -m gpu -q -p no:cacheprovider -rfE ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_cufile.log" | tail -25
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    ;;
+membench)
+    # benches/bench_memory.py alone (the memory mode without its tests).
+    grep -H . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled \
+        /sys/module/page_reporting/parameters/page_reporting_order 2>/dev/null
+    udev_on
+    timeout ${MEMBENCH_TIMEOUT:-330} $PY benches/bench_memory.py --json "$OUT/bench_memory.json" ${MEMORY_ARGS:-} 2>&1 | tee "$OUT/bench_memory.log" || rc=1
+    ;;
 gpu)
     # Only the GPU tests, both ways (a short re-check after a change).
     udev_off
@@ -84,8 +107,8 @@ gpu)
     ;;
 tune)
     udev_off
-    $PY benches/tune_gpu.py --dir /tmp ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_disk.log"
-    $PY benches/tune_gpu.py --dir /dev/shm --configs "8,16M,1 16,16M,1 16,4M,1 32,8M,1" 2>&1 | tee "$OUT/tune_shm.log"
+    $PY probes/tune_gpu.py --dir /tmp ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_disk.log"
+    $PY probes/tune_gpu.py --dir /dev/shm --configs "8,16M,1 16,16M,1 16,4M,1 32,8M,1" 2>&1 | tee "$OUT/tune_shm.log"
     ;;
 bench)
     udev_on
@@ -116,7 +139,7 @@ stbench)
     $PY benches/bench_safetensors.py --device cuda --size ${ST_SIZE:-8G} --json "$OUT/bench_safetensors.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_safetensors.log" || rc=1
     ;;
 staging)
-    $PY benches/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
+    $PY probes/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
     ;;
 memory)
     grep -H . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled \
@@ -147,7 +170,17 @@ tensors)
     ;;
 profile)
     udev_on  # --knobs cufile needs it; "posix" forces the bounce pipeline
-    $PY benches/profile_disk.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_disk.log" || rc=1
+    $PY probes/profile_disk.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_disk.log" || rc=1
+    ;;
+inplace)
+    udev_off
+    CKPTIO_EXPECT_BACKEND=bounce timeout 100 $PY -m pytest tests/test_inplace.py tests/test_lightning.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_inplace_bounce.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    udev_on
+    CKPTIO_EXPECT_BACKEND=cufile timeout 60 $PY -m pytest tests/test_inplace.py -m gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_inplace_cufile.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    timeout 150 $PY benches/bench_inplace.py --device cuda --size "${INPLACE_SIZE:-8G}" --dir /tmp \
+        --json "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.json" 2>&1 | tee "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.log" || rc=1
     ;;
 *)
     echo "unknown mode $mode"; rc=1

@@ -5,7 +5,9 @@ MASTER_PORT in the environment; CKPTIO_DIST_BACKEND=nccl for one GPU per rank,
 gloo on the host otherwise). Exits non-zero, with a traceback, on failure.
 """
 
+import datetime
 import os
+import signal
 import sys
 import warnings
 
@@ -66,8 +68,12 @@ def main() -> None:
     dev = "cuda" if backend == "nccl" else "cpu"
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    # async_save needs a CPU backend beside NCCL (for its own collectives).
-    dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend)
+    # async_save needs a CPU backend beside NCCL (for its own collectives). A rank
+    # whose peer died (the die_* scenarios) gives up within the timeout.
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+        timeout=datetime.timedelta(seconds=60),
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(dev, (world,))
     if scenario == "save":
@@ -161,6 +167,36 @@ def main() -> None:
             dcp.load(out, storage_reader=FileSystemReader(f"{ckpt}/proc"))
             assert torch.equal(out["w"], full["w"]) and out["step"] == step
         stager.close()
+    elif scenario.startswith("die_"):
+        # Step 0 saved whole, then step 1 during which one rank is SIGKILLed: rank 1
+        # after its first data file is durable, or the coordinator right before it
+        # publishes. die_none: a later save (step 2) over what the dead one left.
+        who, folder = scenario.removeprefix("die_"), f"{ckpt}/die"
+
+        def sd(step: int) -> dict:
+            full = full_state(step)
+            return {
+                "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+                "b": distribute_tensor(full["b"], mesh, [Shard(0)]),
+                "step": step,
+            }
+
+        step = 2
+        if who != "none":
+            dcp.save(sd(0), storage_writer=FileSystemWriter(folder, thread_count=2))
+            step = 1
+        writer = FileSystemWriter(folder, thread_count=2)
+        if who == "rank1_in_write" and rank == 1:
+            write_file = writer._write_file
+
+            def write_then_die(*args, **kwargs):
+                write_file(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            writer._write_file = write_then_die
+        if who == "rank0_before_commit" and rank == 0:
+            writer.finish = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        dcp.save(sd(step), storage_writer=writer)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     dist.barrier()

@@ -23,7 +23,15 @@ import ckptio
 import pytest
 import torch
 from ckptio import _native
-from test_faults import CHILD_PRELUDE, TEMP_RE, assert_same, refers_to, sample_state, temps
+from test_faults import (
+    CHILD_PRELUDE,
+    TEMP_RE,
+    assert_same,
+    fork_trial,
+    refers_to,
+    sample_state,
+    temps,
+)
 
 MIB = 2**20
 
@@ -161,7 +169,6 @@ def test_durable_operations_happen_in_order(tmp_path):
 # --------------------------------------------------------------------------- SIGKILL
 
 FORK_SERVER = """
-import hashlib, signal, time
 target, n = sys.argv[1], int(sys.argv[2])
 w = torch.arange(n, dtype=torch.int32)
 ckptio.save({"gen": torch.tensor(0), "w": w}, target)
@@ -172,21 +179,9 @@ for line in sys.stdin:
     if cmd != "go":
         break
     gen += 1
-    t0 = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            ckptio.save({"gen": torch.tensor(gen), "w": w}, target)
-            os._exit(0)
-        except BaseException:
-            os._exit(3)
-    if delay != "none":
-        # The child is not reaped yet (at worst a zombie): its pid cannot name another process.
-        time.sleep(float(delay))
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"pid": pid, "status": status, "seconds": time.perf_counter() - t0,
-                      "killed": os.WIFSIGNALED(status)}), flush=True)
+    work = lambda: ckptio.save({"gen": torch.tensor(gen), "w": w}, target)
+    r = fork_kill(None if delay == "none" else float(delay), work)
+    print(json.dumps(r), flush=True)
 """
 
 
@@ -224,12 +219,7 @@ def test_sigkill_at_random_moments_of_a_2gib_save(tmp_path):
         assert server.stdout.readline().strip() == "ready"
 
         def trial(delay: float | None) -> dict:
-            server.stdin.write(f"go {'none' if delay is None else delay}\n")
-            server.stdin.flush()
-            r = json.loads(server.stdout.readline())
-            if r["killed"]:
-                killed.add(r["pid"])
-            return r
+            return fork_trial(server, "none" if delay is None else str(delay), killed)
 
         full = trial(None)  # one whole save: the first time scale of the kills
         assert full["status"] == 0, full

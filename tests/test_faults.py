@@ -153,7 +153,38 @@ def attempt(fn):
                 "filename": None if fname is None else os.fsdecode(os.fspath(fname)),
                 "message": str(e)}
     return {"type": None}
+
+def fork_kill(delay, work):
+    # work() in a forked child (a warm process: a trial costs the work, not an interpreter
+    # start), SIGKILLed after delay seconds (None: it runs to its end).
+    import signal, time
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            work()
+            os._exit(0)
+        except BaseException:
+            os._exit(3)
+    if delay is not None:
+        # The child is not reaped yet (at worst a zombie): its pid cannot name another process.
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    return {"pid": pid, "status": status, "seconds": time.perf_counter() - t0,
+            "killed": os.WIFSIGNALED(status)}
 """
+
+
+def fork_trial(server: subprocess.Popen, args: str, killed: set[int]) -> dict:
+    """One trial of a fork server (a child looping over stdin, running fork_kill): send
+    ``go <args>``, read its result; the pid goes into ``killed`` if it was SIGKILLed."""
+    server.stdin.write(f"go {args}\n")
+    server.stdin.flush()
+    r = json.loads(server.stdout.readline())
+    if r["killed"]:
+        killed.add(r["pid"])
+    return r
 
 
 def run_child(script: str, *args: Any, timeout: float = 120) -> Any:

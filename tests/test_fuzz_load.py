@@ -134,3 +134,144 @@ def test_mutated_without_verify_is_what_torch_reads_or_an_error(tmp_path, case):
 def test_zz_outcomes():
     """Prints the outcome counts (run with -s) for the README's figures."""
     print("\n" + "\n".join(f"{v:5d}  {k}" for k, v in sorted(OUTCOMES.items())))
+
+
+# --------------------------------------------------------------------------- hostile corpus
+
+HOSTILE = sorted(
+    p for p in (Path(__file__).parent / "fixtures" / "hostile").iterdir() if p.suffix != ".py"
+)
+
+
+@pytest.mark.parametrize("src", HOSTILE, ids=[p.name for p in HOSTILE])
+def test_hostile_corpus_is_refused_with_a_typed_error_and_no_side_effect(
+    tmp_path, monkeypatch, src
+):
+    """Every crafted file (tests/fixtures/hostile/make_hostile.py) is refused by every reader
+    that takes it with ckptio.FormatError naming the file (torch's weights-only refusal,
+    pickle.UnpicklingError, for a pickle that would run code), and nothing it asks for
+    happens (no folder created, no class changed)."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio import safetensors as cst
+    from ckptio.dcp import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    monkeypatch.chdir(tmp_path)
+    repr_before = Metadata.__repr__
+    refused = (ckptio.FormatError,)
+    if src.suffix == ".metadata":
+        folder = tmp_path / "ck"
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(src.read_bytes())
+        with pytest.raises(refused, match=".metadata"):
+            FileSystemReader(folder).read_metadata()
+        rep = ckptio.verify(folder)
+        assert not rep.ok and ".metadata" in rep.error, rep
+        with pytest.raises(BaseException, match="FormatError|not a DCP|refused|outside"):
+            dcp.load({"w": torch.zeros(10)}, storage_reader=FileSystemReader(folder), no_dist=True)
+    elif src.name.endswith(".index.json"):
+        folder = tmp_path / "ck"
+        folder.mkdir()
+        (folder / "model.safetensors.index.json").write_bytes(src.read_bytes())
+        with pytest.raises(refused, match="index.json"):
+            cst.load_sharded(folder)
+    elif src.suffix == ".safetensors":
+        p = tmp_path / src.name
+        p.write_bytes(src.read_bytes())
+        for fn in (cst.load_file, cst.metadata):
+            with pytest.raises(refused, match=src.name):
+                fn(p)
+        with pytest.raises(refused):
+            cst.load(src.read_bytes())
+    else:
+        p = tmp_path / src.name
+        p.write_bytes(src.read_bytes())
+        if src.name == "pickle_runs_code.pt":
+            refused = (pickle.UnpicklingError,)
+        else:
+            assert not ckptio.verify(p).ok, src.name
+        for fn in (lambda: ckptio.load(p, verify=True), lambda: ckptio.load(p), ckptio.records):
+            with pytest.raises(refused, match=src.name):
+                fn(p) if fn is ckptio.records else fn()
+    assert not (tmp_path / "ckptio_pwned").exists(), "the file ran code"
+    assert Metadata.__repr__ is repr_before, "the file changed a class"
+
+
+def good_metadata() -> bytes:
+    import tempfile
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemWriter
+
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd = {"w": torch.ones(10), "n": {"x": torch.arange(3)}, "step": 3}
+        dcp.save(sd, storage_writer=FileSystemWriter(d), no_dist=True)
+        return (Path(d) / ".metadata").read_bytes()
+
+
+GOOD_METADATA = good_metadata()
+
+
+def byte_edits(data: bytes) -> st.SearchStrategy[bytes]:
+    """``data`` with 1 to 4 bytes set to other values, maybe cut short."""
+    edits = st.lists(st.tuples(st.integers(0, len(data) - 1), st.integers(0, 255)), min_size=1)
+
+    def apply(e: list[tuple[int, int]], cut: int | None) -> bytes:
+        b = bytearray(data)
+        for at, v in e[:4]:
+            b[at] = v
+        return bytes(b[:cut])
+
+    return st.builds(apply, edits, st.one_of(st.none(), st.integers(0, len(data))))
+
+
+@SETTINGS
+@given(data=byte_edits(GOOD_METADATA))
+def test_mutated_dcp_metadata_is_metadata_or_formaterror(tmp_path, data):
+    """Bytes of a real .metadata changed or cut: the reader returns checked Metadata or raises
+    FormatError naming the file; nothing else (no other exception type, no code run)."""
+    from ckptio.dcp import read_metadata
+
+    folder = tmp_path / "m"
+    folder.mkdir(exist_ok=True)
+    p = folder / ".metadata"
+    p.write_bytes(data)
+    try:
+        md = read_metadata(p)
+    except ckptio.FormatError as e:
+        assert ".metadata" in str(e)
+        OUTCOMES[f"metadata: {str(e).split(': ')[1][:30]}"] += 1
+        return
+    OUTCOMES["metadata: read"] += 1
+    assert isinstance(md.storage_data, dict)
+
+
+def good_safetensors() -> bytes:
+    from ckptio import safetensors as cst
+
+    g = torch.Generator().manual_seed(0)
+    return cst.save({"a": torch.randn(5, 3, generator=g), "b": torch.arange(4)}, {"k": "v"})
+
+
+GOOD_SAFETENSORS = good_safetensors()
+
+
+@SETTINGS
+@given(data=byte_edits(GOOD_SAFETENSORS))
+def test_mutated_safetensors_header_is_exact_or_formaterror(tmp_path, data):
+    """Bytes changed anywhere in a safetensors file, or cut: load_file returns tensors of the
+    header it read (as the safetensors package would) or raises FormatError; nothing else."""
+    from ckptio import safetensors as cst
+
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(data)
+    try:
+        got = cst.load_file(p)
+    except ckptio.FormatError as e:
+        assert "m.safetensors" in str(e)
+        OUTCOMES["safetensors: FormatError"] += 1
+        return
+    OUTCOMES["safetensors: loaded"] += 1
+    assert all(isinstance(t, torch.Tensor) for t in got.values())

@@ -179,7 +179,7 @@ def test_cuda_async_save_and_load(tmp_path, snapshot):
         for k in ("w", "b", "t", "cpu", "v"):
             assert torch.equal(out[k], sd[k]), k
         assert out["w"].is_cuda
-        assert any(s.get("backend") in ("bounce", "cufile") for s in reader.last_stats)
+        assert any(s.get("device_path") in ("bounce", "cufile") for s in reader.last_stats)
         # torch's reader reads what ours wrote from CUDA tensors
         out2 = {"w": torch.zeros_like(sd["w"])}
         dcp.load(out2, storage_reader=dcp.FileSystemReader(tmp_path / str(i)), no_dist=True)
@@ -195,3 +195,36 @@ def test_cuda_sync_save_from_device(tmp_path):
     out = {"w": torch.zeros_like(sd["w"], device="cpu"), "t": torch.zeros(200, 300)}
     dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
     assert torch.equal(out["w"], sd["w"].cpu()) and torch.equal(out["t"], sd["t"].cpu())
+
+
+@pytest.mark.parametrize("backend", ["posix", None], ids=["bounce", "auto"])
+def test_cuda_load_with_verify(tmp_path, backend):
+    """verify=True into CUDA tensors: bytes through the bounce buffers are checked against the
+    item CRC-32s (a flipped bit is a FormatError naming the item); bytes cuFile moved (no host
+    copy to checksum) are listed as unchecked, never reported verified."""
+    from ckptio import _native
+    from ckptio.dcp import read_metadata
+
+    sd = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(77, device="cuda")}
+    # Written through the bounce buffers, so that every item stores its CRC-32.
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path, backend="bounce"), no_dist=True)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reader = FileSystemReader(tmp_path, verify=True, backend=backend)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+    stats = reader.last_stats[0]
+    assert sorted(stats["verified"] + stats["unchecked"]) == ["b", "w"]
+    if stats["device_path"] == "bounce":
+        assert sorted(stats["verified"]) == ["b", "w"], stats
+    md = read_metadata(tmp_path / ".metadata")
+    info = next(i for k, i in md.storage_data.items() if k.fqn == "w")
+    path = tmp_path / info.relative_path
+    item = _native.Reader(path, "off", None, info.offset, info.length)
+    at = next(o for name, o, _ in item.records() if name.endswith("/data/0"))
+    raw = bytearray(path.read_bytes())
+    raw[at + 12345] ^= 1
+    path.write_bytes(bytes(raw))
+    if backend == "posix":
+        with pytest.raises(BaseException, match="CRC-32"):
+            reader = FileSystemReader(tmp_path, verify=True, backend=backend)
+            dcp.load(out, storage_reader=reader, no_dist=True)

@@ -11,6 +11,7 @@ import torch
 
 L = pytest.importorskip("lightning")
 from ckptio.lightning import AsyncCkptioCheckpointIO, CkptioCheckpointIO  # noqa: E402
+from ckptio.state_dict import _Lazy, lazy_load  # noqa: E402
 
 PLUGINS = {"sync": CkptioCheckpointIO, "async": AsyncCkptioCheckpointIO}
 
@@ -64,7 +65,13 @@ def test_trainer_saves_and_resumes_through_ckptio(tmp_path, kind, monkeypatch):
         loads.append(path)
         return ckptio.load(path, *a, **kw)
 
+    def lazy_spy(path, **kw):
+        loads.append(path)
+        return lazy_load(path, **kw)
+
     monkeypatch.setattr(ckptio.lightning, "load", spy)
+    monkeypatch.setattr(ckptio.lightning, "lazy_load", lazy_spy)
+    monkeypatch.setattr(ckptio.state_dict, "LAZY_MIN_BYTES", 0)  # every tensor read on use
     ref, _ = fit(tmp_path / "ref", 2, PLUGINS[kind]())
     # epoch 2's checkpoint replaced epoch 1's (ModelCheckpoint calls remove_checkpoint)
     names = sorted(p.name for p in (tmp_path / "ref" / "checkpoints").iterdir())
@@ -85,6 +92,61 @@ def test_trainer_saves_and_resumes_through_ckptio(tmp_path, kind, monkeypatch):
     assert loads == [str(ckpt)]  # the resume read it through ckptio
     for (k, a), (_, b) in zip(ref.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
+
+
+def test_resume_is_in_place_and_reads_on_use(tmp_path, monkeypatch):
+    """The restore path: LightningModule.load_state_dict copies each large tensor
+    straight from the file into its parameter, Optimizer.load_state_dict moves
+    each state tensor straight into its new one; other uses read once."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 600), torch.nn.Linear(600, 4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()
+    opt.step()
+    p = tmp_path / "c.ckpt"
+    extra = torch.arange(300_000.0)
+    io = CkptioCheckpointIO()
+    io.save_checkpoint(
+        {
+            "state_dict": model.state_dict(),
+            "optimizer_states": [opt.state_dict()],
+            "extra": extra,
+            "view": extra[10:20],
+            "epoch": 3,
+        },
+        p,
+    )
+    ckpt = io.load_checkpoint(p)
+    sd = ckpt["state_dict"]
+    assert isinstance(sd["0.weight"], _Lazy) and not isinstance(sd["0.bias"], _Lazy)  # 1.2 MB
+    assert sd["0.weight"].shape == (600, 512) and sd["0.weight"].dtype == torch.float32
+    # A storage two tensors share is read at once and stays shared.
+    assert not isinstance(ckpt["extra"], _Lazy) and ckpt["view"]._base is None
+    assert ckpt["view"].untyped_storage().data_ptr() == ckpt["extra"].untyped_storage().data_ptr()
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 600), torch.nn.Linear(600, 4))
+    w = fresh[0].weight.data_ptr()
+    fresh.load_state_dict(sd)
+    assert fresh[0].weight.data_ptr() == w
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    assert sd["0.weight"]._real is None  # read straight into the parameter
+    opt2 = torch.optim.Adam(fresh.parameters())
+    opt2.load_state_dict(ckpt["optimizer_states"][0])
+    for a, b in zip(opt.state.values(), opt2.state.values(), strict=True):
+        for k in a:
+            assert type(b[k]) is torch.Tensor and torch.equal(a[k], b[k]), k
+    # Any other use reads it (once) and answers as a loaded tensor would.
+    lz = sd["0.weight"]
+    assert torch.equal(lz + 1, model[0].weight + 1) and lz._real is not None
+    assert torch.equal(torch.load(_saved(tmp_path, lz)), model[0].weight)
+    assert ckpt["epoch"] == 3
+    eager = CkptioCheckpointIO(in_place=False).load_checkpoint(p)
+    assert type(eager["state_dict"]["0.weight"]) is torch.Tensor
+
+
+def _saved(tmp_path, t):
+    torch.save(t, tmp_path / "t.pt")
+    return tmp_path / "t.pt"
 
 
 def test_load_defaults(tmp_path):

@@ -4,8 +4,10 @@
 4 KiB-aligned, its bytes moved by a pool of I/O threads straight from tensor
 memory, and the file replaced atomically (temp file, fsync, rename, fsync of
 the folder). ``ckptio.load`` reads any torch.save zip checkpoint, bytes read
-in parallel straight into the destination storages. ``ckptio.safetensors`` does
-the same for safetensors files (``save_file``/``load_file``, sharded checkpoints).
+in parallel straight into the destination storages: new ones, or tensors that
+exist already (``out=``, ``ckptio.load_state_dict``: resuming in place).
+``ckptio.safetensors`` does the same for safetensors files
+(``save_file``/``load_file``, sharded checkpoints).
 
 Each function that replaces a peer's (torch.save, torch.load,
 safetensors.torch.*, DCP's FileSystemWriter/Reader) takes the peer's
@@ -28,6 +30,14 @@ from ckptio._native import (
 from ckptio._native import __version__ as __version__
 from ckptio._transfer import release_buffers
 from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
+from ckptio.inplace import (
+    DestinationError,
+    DtypeMismatchError,
+    InPlaceLoadError,
+    KeyMismatchError,
+    PartialLoadError,
+    ShapeMismatchError,
+)
 from ckptio.integrity import RecordCheck, VerifyReport, verify
 from ckptio.serialization import (
     IOReport,
@@ -38,11 +48,13 @@ from ckptio.serialization import (
     records,
     save,
 )
+from ckptio.state_dict import load_state_dict
 from ckptio.sysinfo import info
 
 __all__ = [
     "save",
     "load",
+    "load_state_dict",
     "records",
     "verify",
     "last_report",
@@ -62,4 +74,10 @@ __all__ = [
     "BackendUnavailableError",
     "CudaError",
     "CuFileError",
+    "InPlaceLoadError",
+    "KeyMismatchError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "DestinationError",
+    "PartialLoadError",
 ]

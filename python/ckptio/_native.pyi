@@ -14,6 +14,7 @@ __all__ = [
     "_set_fault",
     "_set_truncation",
     "advise_huge",
+    "clean_temps",
     "host_memory",
     "cufile_register_buffer",
     "env_threads",
@@ -136,7 +137,11 @@ class AtomicWriter:
     """A temp file beside ``path``; ``commit`` replaces ``path`` with it, durably."""
 
     def __new__(
-        cls, path: _Path, direct: str | None = None, backend: str | None = None
+        cls,
+        path: _Path,
+        direct: str | None = None,
+        backend: str | None = None,
+        sweep: bool = True,
     ) -> Self: ...
     def fileno(self) -> int: ...
     @property
@@ -191,10 +196,16 @@ class AtomicWriter:
 
 @final
 class Reader:
-    """An existing checkpoint, mapped and opened for (O_DIRECT where possible) reading."""
+    """An existing checkpoint, mapped and opened for (O_DIRECT where possible) reading;
+    with ``length``, the archive in bytes [offset, offset + length) of the file."""
 
     def __new__(
-        cls, path: _Path, direct: str | None = None, backend: str | None = None
+        cls,
+        path: _Path,
+        direct: str | None = None,
+        backend: str | None = None,
+        offset: int = 0,
+        length: int | None = None,
     ) -> Self: ...
     def records(self) -> list[tuple[str, int, int]]: ...
     @property
@@ -246,9 +257,15 @@ class DeviceFile:
     def fallback_reason(self) -> str | None: ...
     def fileno(self) -> int: ...
     def read_segments(
-        self, engine: Engine, segments: list[_Segment], owners: _Owners, streams: _Streams
+        self,
+        engine: Engine,
+        segments: list[_Segment],
+        owners: _Owners,
+        streams: _Streams,
+        checksum: bool = False,
     ) -> dict[str, Any]:
-        """Read (file offset, address, nbytes, device) ranges in one engine pass."""
+        """Read (file offset, address, nbytes, device) ranges in one engine pass; with
+        ``checksum``, "crc32" lists each segment's CRC-32 (None: not via host)."""
     def write_segments(
         self,
         engine: Engine,
@@ -357,6 +374,9 @@ class StateDictPickler:
     ) -> Self: ...
     def dump(self, obj: Any) -> tuple[bytes, list[tuple[str, int, int, int, Any]]] | None:
         """(data.pkl's bytes, [(storage key, address, nbytes, device or -1, storage)]) or None."""
+
+def clean_temps(folder: _Path) -> list[str]:
+    """Remove the temp files of dead saves in ``folder``; the names removed."""
 
 def cufile_register_buffer(owner: Any, addr: int, nbytes: int) -> BufferRegistration: ...
 def info(folder: _Path | None = None) -> dict[str, Any]:

@@ -62,6 +62,11 @@ class IOReport:
     #: Page-locked host memory ckptio holds after the call, all engines and
     #: stagers together (``ckptio.release_buffers()`` gives the engines' back).
     pinned_bytes: int = 0
+    #: Loads into existing tensors (``out=``, ``load_state_dict``) with
+    #: strict=False: destinations the checkpoint had no tensor for, and
+    #: checkpoint tensors without a destination (not read).
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
     #: Loads: "memory" (the file's bytes were in memory: tmpfs, or cached pages)
     #: or "disk"; ``read_reason`` says why ("tmpfs", "page cache: 100% of ...
     #: sampled pages", "cold: ..."), ``read_source`` how ("map": copied from a
@@ -194,7 +199,8 @@ def read(
     """Fill ``segments`` (memory owned by ``owners``) from ``source``, after the
     work queued on the current streams (which may still use the destinations);
     the data is ready for any stream on return. ``verify`` (a ``Reader``): check
-    each whole record read against its CRC-32."""
+    each whole record read against its CRC-32; (a ``DeviceFile``) return each
+    segment's CRC-32 as "crc32", for the caller to check."""
     if verify:
         return source.read_segments(engine, segments, owners, _streams_of(segments), True)  # type: ignore[call-arg]
     return source.read_segments(engine, segments, owners, _streams_of(segments))

@@ -14,6 +14,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -301,9 +302,11 @@ def run(
     device: str = "cpu",
     repeat: int = 3,
     log: Callable[[str], None] = print,
+    step: Callable[[str], None] | None = None,
 ) -> list[Row]:
     """Measure everything ``repeat`` times on a synthetic state dict of ``size``
-    bytes, interleaved round by round, and keep each row's median."""
+    bytes, interleaved round by round, and keep each row's median. ``step(what)``
+    is told each measurement before it starts (the command's progress line)."""
     tmp = tempfile.mkdtemp(prefix="ckptio-bench-", dir=folder)
     try:
         log(
@@ -318,6 +321,8 @@ def run(
         raw_w = raw_r = ""
 
         def timed(name: str, fn: Callable[[], object]) -> object:
+            if step is not None:
+                step(f"round {rnd + 1}/{repeat}: {name}")
             settle_disk(tmp)  # each measurement starts on a quiet disk
             t0 = time.perf_counter()
             out = fn()
@@ -325,12 +330,14 @@ def run(
             times.setdefault(name, []).append(time.perf_counter() - t0)
             return out
 
-        for _ in range(repeat):
+        for rnd in range(repeat):
             # Every round writes fresh files, as the raw limit does: no row pays
             # for freeing an earlier round's file.
             for p in (p_torch, p_ck):
                 if os.path.exists(p):
                     os.unlink(p)
+            if step is not None:
+                step(f"round {rnd + 1}/{repeat}: the disk's raw write and reads")
             raw = raw_limits(tmp, nbytes)
             tag = " (O_DIRECT)" if raw.direct else ""
             raw_w, raw_r = "raw write + fsync" + tag, "raw read, cold" + tag
@@ -393,4 +400,146 @@ def table(rows: list[Row]) -> str:
 
 
 def to_json(rows: list[Row]) -> str:
-    return json.dumps([dict(dataclasses.asdict(r), gib_s=r.gib_s) for r in rows], indent=2)
+    """The rows as JSON: name, seconds, nbytes, gib_s, and ``ratio`` (the baseline's
+    seconds over the row's: above 1 is faster) against ``baseline`` where it has one."""
+    by_name = {r.name: r for r in rows}
+    return json.dumps(
+        [
+            dict(
+                dataclasses.asdict(r),
+                gib_s=r.gib_s,
+                ratio=by_name[r.baseline].seconds / r.seconds if r.baseline in by_name else None,
+            )
+            for r in rows
+        ],
+        indent=2,
+    )
+
+
+# --------------------------------------------------------------------------- charts
+
+
+@dataclasses.dataclass(frozen=True)
+class Bar:
+    """One bar of a chart: a label, its value, and a note printed beside it."""
+
+    label: str
+    value: float
+    note: str = ""
+
+
+#: Bar colours by the label's first word: the limit grey, ckptio blue, peers apart.
+_COLOURS = {
+    "raw": "#b8b8b8",
+    "pinned": "#b8b8b8",
+    "ckptio": "#1f5fbf",
+    "torch": "#e8833a",
+    "torch.save": "#e8833a",
+    "torch.load": "#e8833a",
+    "KvikIO": "#5b9e4d",
+    "safetensors": "#9a5fb5",
+    "dcp.load": "#e8833a",
+}
+
+
+def _colour(label: str) -> str:
+    first = label.replace(",", " ").split()[0] if label.strip() else ""
+    for key in (first, first.split(".")[0]):
+        if key in _COLOURS:
+            return _COLOURS[key]
+    return "#8a8a8a"
+
+
+def _value(v: float, unit: str) -> str:
+    return f"{v:.1f} {unit}" if v >= 10 else f"{v:.2f} {unit}" if v >= 0.1 else f"{v:.2g} {unit}"
+
+
+def plot_bars(
+    path: str,
+    title: str,
+    panels: list[tuple[str, list[Bar]]] | list[tuple[str, list[Bar], str]],
+    *,
+    unit: str = "GiB/s",
+    caption: str = "",
+) -> None:
+    """A horizontal bar chart, one panel per (title, bars[, unit]), each bar labelled
+    with its value and note, saved as PNG at ``path``. Needs matplotlib (an optional
+    dependency: ImportError naming it otherwise)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(
+            "charts need matplotlib, which ckptio does not install: pip install matplotlib"
+        ) from e
+    heights = [max(len(panel[1]), 1) for panel in panels]
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(9, 0.34 * sum(heights) + 0.75 * len(panels) + 0.6),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
+    for ax, (name, bars, *rest) in zip(axes[:, 0], panels, strict=True):
+        u = rest[0] if rest else unit
+        top = max((b.value for b in bars), default=1.0) or 1.0
+        ys = list(range(len(bars)))[::-1]
+        ax.barh(ys, [b.value for b in bars], color=[_colour(b.label) for b in bars], height=0.7)
+        ax.set_yticks(ys, [b.label for b in bars], fontsize=8.5)
+        longest = 0
+        for y, b in zip(ys, bars, strict=True):
+            text = f" {_value(b.value, u)}" + (f"   {b.note}" if b.note else "")
+            bold = "bold" if b.label.startswith("ckptio") else "normal"
+            ax.text(b.value, y, text, va="center", fontsize=8, fontweight=bold)
+            longest = max(longest, len(text))
+        # Room on the right for the longest value and note (about 1.2% of the width a character).
+        ax.set_xlim(0, top / max(1 - 0.0125 * longest, 0.3))
+        ax.set_title(name, loc="left", fontsize=9.5, fontweight="bold")
+        ax.tick_params(axis="x", labelsize=7.5)
+        ax.set_xlabel(u, fontsize=7.5, loc="right")
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    fig.suptitle(title, x=0.01, ha="left", fontsize=10.5)
+    lines = textwrap.wrap(caption, 150)
+    if lines:
+        fig.text(0.01, 0.002, "\n".join(lines), fontsize=7, color="#555555", va="bottom")
+    fig.tight_layout(rect=(0, 0.022 * len(lines), 1, 1))
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot(rows: list[Row], path: str, title: str, caption: str = "") -> None:
+    """The chart of a ``run``: saves and cold loads in GiB/s, each ckptio bar with its
+    ratio to torch's and to the disk's raw limit measured in the same run."""
+    by = {r.name: r for r in rows}
+
+    def bars(names: list[str], peer: str) -> list[Bar]:
+        out = []
+        for name in names:
+            r = by.get(name)
+            if r is None:
+                continue
+            note = ""
+            if name.startswith("ckptio") and peer in by:
+                note = f"{by[peer].seconds / r.seconds:.2f}x {peer.split(' ')[0].rstrip(',')}"
+                if r.baseline in by:
+                    note += f", {by[r.baseline].seconds / r.seconds:.2f}x the raw limit"
+            elif r.baseline in by and not name.startswith("raw"):
+                note = f"{by[r.baseline].seconds / r.seconds:.2f}x the raw limit"
+            out.append(Bar(name, r.gib_s, note))
+        return out
+
+    raw = [r.name for r in rows if r.name.startswith("raw")]
+    saves = [n for n in raw if "write" in n] + ["torch.save + fsync", "ckptio.save (durable)"]
+    loads = [n for n in raw if "read" in n] + ["torch.load, cold", "ckptio.load, cold"]
+    plot_bars(
+        path,
+        title,
+        [
+            ("save (durable: fsync included)", bars(saves, "torch.save + fsync")),
+            ("load (cold: page cache dropped)", bars(loads, "torch.load, cold")),
+        ],
+        caption=caption,
+    )

@@ -1,9 +1,32 @@
-"""The ``ckptio`` command: ``bench``, ``ls``, ``inspect``, ``verify``, ``info``, ``convert``."""
+"""The ``ckptio`` command: ``ls``, ``inspect``, ``verify``, ``convert``, ``bench``,
+``clean``, ``info``.
+
+``ls``, ``inspect`` and ``verify`` take any checkpoint ckptio reads (torch.save
+files, safetensors files, sharded safetensors folders or indexes, DCP folders),
+recognised from their content (``ckptio.describe``). Every command prints its
+output on stdout; an error is one line on stderr and a non-zero exit:
+
+    0  done (verify: the checkpoint is sound)
+    1  failed: the path is missing or unreadable, not a checkpoint ckptio reads,
+       malformed, refused, or (verify) damaged
+    2  the command line is wrong (argparse)
+
+Long operations (verify, convert, bench) draw a progress line on stderr when it
+is a terminal; ``--quiet`` turns it off with the rest of the chatter, ``--json``
+prints what a script reads.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import sys
+from typing import Any
+
+# Exit codes (see the module doc).
+OK, FAILED, USAGE = 0, 1, 2
 
 
 def _size(s: str) -> int:
@@ -14,38 +37,55 @@ def _size(s: str) -> int:
     return int(s)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _human(n: int) -> str:
+    """A size as ``--size`` takes it: "64M", "1.5G"."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return str(n)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ckptio", description="Fast, crash-safe checkpoint I/O for PyTorch"
+        prog="ckptio",
+        description="Fast, crash-safe checkpoint I/O for PyTorch",
+        epilog="exit status: 0 done, 1 failed (one line on stderr says why), 2 bad command line",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
+    what = (
+        "PATH: a torch.save file, a safetensors file, a sharded safetensors folder or index, "
+        "or a DCP checkpoint folder (recognised from the content)"
+    )
 
-    b = sub.add_parser("bench", help="save/load side by side with torch.save/torch.load")
-    b.add_argument("--size", type=_size, default=2**30, help="state dict size (default 1G)")
-    b.add_argument("--dir", default=None, help="folder for the files (default: system temp)")
-    b.add_argument("--device", default="cpu", help="where the state dict lives (cpu, cuda)")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--chunk-size", type=_size, default=None)
-    b.add_argument("--repeat", type=int, default=3, help="rounds; each row keeps its median")
-    b.add_argument("--json", default=None, help="also write the rows to this JSON file")
-
-    ls = sub.add_parser("ls", help="list a checkpoint's records: offsets, sizes, dtypes, shapes")
+    ls = sub.add_parser(
+        "ls",
+        help="list a checkpoint's records, tensors or items: offsets, sizes, dtypes, shapes",
+        description="List a checkpoint: " + what + ".",
+    )
     ls.add_argument("path")
+    ls.add_argument("--json", action="store_true", help="print the listing as JSON")
 
     ins = sub.add_parser(
-        "inspect", help="records: offsets, alignment, sizes, CRC-32 state, dtypes, shapes"
+        "inspect",
+        help="ls with alignment, CRC-32 state, a summary and the metadata (DCP: tensors, shards)",
+        description="Inspect a checkpoint: " + what + ".",
     )
     ins.add_argument("path")
+    ins.add_argument("--json", action="store_true", help="print the listing as JSON")
 
     ver = sub.add_parser(
-        "verify", help="check every record against its CRC-32 (exit 1 and name the bad ones)"
+        "verify",
+        help="check every record against its CRC-32 (exit 1 and name the bad ones)",
+        description="Verify a checkpoint: "
+        + what
+        + ". torch.save files and DCP items are checked record by record against their "
+        "CRC-32s; safetensors has no checksum: its header, offsets and index are checked.",
     )
     ver.add_argument("path")
-    ver.add_argument("-q", "--quiet", action="store_true", help="print only problems")
-
-    inf = sub.add_parser("info", help="CUDA, cuFile, and what a folder supports (O_DIRECT, cuFile)")
-    inf.add_argument("folder", nargs="?", default=".", help="folder to probe (default: .)")
-    inf.add_argument("--json", action="store_true")
+    ver.add_argument(
+        "-q", "--quiet", action="store_true", help="print only problems (nothing when sound)"
+    )
+    ver.add_argument("--json", action="store_true", help="print the report as JSON")
 
     c = sub.add_parser(
         "convert",
@@ -70,84 +110,230 @@ def main(argv: list[str] | None = None) -> int:
         help="store the tensors of nested dicts under dotted names ({'model': {'w': t}} -> "
         "'model.w') instead of refusing them",
     )
+    c.add_argument("-q", "--quiet", action="store_true", help="print only errors")
 
-    a = p.parse_args(argv)
-    if a.cmd == "convert":
-        import pickle
+    b = sub.add_parser("bench", help="save/load side by side with torch.save/torch.load")
+    b.add_argument("--size", type=_size, default=2**30, help="state dict size (default 1G)")
+    b.add_argument("--dir", default=None, help="folder for the files (default: system temp)")
+    b.add_argument("--device", default="cpu", help="where the state dict lives (cpu, cuda)")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--chunk-size", type=_size, default=None)
+    b.add_argument("--repeat", type=int, default=3, help="rounds; each row keeps its median")
+    b.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    b.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="also draw the rows as a bar chart of GiB/s and ratios (needs matplotlib)",
+    )
+    b.add_argument("-q", "--quiet", action="store_true", help="print only the table")
 
-        from ckptio import FormatError
-        from ckptio.convert import ConversionError, convert
+    cl = sub.add_parser(
+        "clean",
+        help="remove the temp files of dead saves (killed or crashed) from a folder",
+        description="Remove the temp files (.NAME.ckptio-PID-NONCE.tmp) that saves killed or "
+        "crashed left in FOLDER. Only files of that pattern, and only those no live save holds "
+        "(each save holds a lock on its temp file, in any PID namespace or container).",
+    )
+    cl.add_argument("folder")
+    cl.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    cl.add_argument("--json", action="store_true", help="print the removed files as JSON")
 
-        try:
-            convert(a.src, a.dst, to=a.to, duplicate_shared=a.duplicate_shared, flatten=a.flatten)
-        except (ConversionError, FormatError, OSError, pickle.UnpicklingError) as e:
-            print(f"ckptio convert: error: {e}", file=sys.stderr)
-            return 2
-        return 0
-    if a.cmd == "info":
-        import json
-
-        from ckptio.sysinfo import format_info, info
-
-        d = info(a.folder)
-        print(json.dumps(d, indent=2, default=str) if a.json else format_info(d))
-        return 0
-    if a.cmd == "bench":
-        from ckptio import bench
-
-        rows = bench.run(a.size, a.dir, a.threads, a.chunk_size, a.device, a.repeat)
-        print(bench.table(rows))
-        if a.json:
-            with open(a.json, "w") as f:
-                f.write(bench.to_json(rows))
-        return 0
-    if a.cmd in ("inspect", "verify", "ls"):
-        import ckptio
-
-        try:
-            return _file_command(a)
-        except (OSError, ckptio.CkptioError) as e:
-            print(f"ckptio {a.cmd}: {e}", file=sys.stderr)
-            return 1
-    return 2
+    inf = sub.add_parser("info", help="CUDA, cuFile, and what a folder supports (O_DIRECT, cuFile)")
+    inf.add_argument("folder", nargs="?", default=".", help="folder to probe (default: .)")
+    inf.add_argument("--json", action="store_true")
+    return p
 
 
-def _file_command(a: argparse.Namespace) -> int:
-    if a.cmd == "inspect":
-        from ckptio.integrity import inspect_lines
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        return int(_COMMANDS[a.cmd](a))
+    except KeyboardInterrupt:
+        print(f"ckptio {a.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `ckptio ls x | head`: the reader had enough
+        _silence_stdout()
+        return OK
+    except Exception as e:  # bad input of any kind: one line, no traceback
+        print(f"ckptio {a.cmd}: {_one_line(e)}", file=sys.stderr)
+        return FAILED
 
-        print("\n".join(inspect_lines(a.path)))
-        return 0
-    if a.cmd == "verify":
-        from ckptio.integrity import verify
 
-        rep = verify(a.path)
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _cmd_ls(a: argparse.Namespace, crc: bool = False) -> int:
+    from ckptio import describe
+
+    lst = describe.listing(a.path)  # everything found before anything is printed
+    if a.json:
+        _print_json(lst.to_json())
+    else:
+        print("\n".join(describe.lines(lst, crc=crc)))
+    return OK
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    return _cmd_ls(a, crc=True)
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    from ckptio import describe
+    from ckptio._progress import Progress
+    from ckptio.integrity import _verify
+
+    src = describe.detect(a.path)  # a missing path: its error alone
+    total = describe.checkpoint_bytes(src)
+    with Progress(f"verifying {a.path}", total, enabled=False if a.quiet else None) as p:
+        rep = _verify(a.path, None, None, None, p.add)
+    if a.json:
+        d = dataclasses.asdict(rep)
+        d.update(ok=rep.ok, summary=rep.summary())
+        _print_json(d)
+        return OK if rep.ok else FAILED
+    if not a.quiet:
+        for r in rep.records:
+            extra = (
+                f" (stored {r.stored_crc32:08x}, bytes give {r.actual_crc32:08x})"
+                if r.state == "mismatch"
+                and r.stored_crc32 is not None
+                and r.actual_crc32 is not None
+                else ""
+            )
+            print(f"{r.state:>9}  {r.name}{extra}")
+    if rep.ok:
         if not a.quiet:
-            for r in rep.records:
-                extra = (
-                    f" (stored {r.stored_crc32:08x}, bytes give {r.actual_crc32:08x})"
-                    if r.state == "mismatch"
-                    and r.stored_crc32 is not None
-                    and r.actual_crc32 is not None
-                    else ""
-                )
-                print(f"{r.state:>9}  {r.name}{extra}")
-        print(rep.summary(), file=sys.stdout if rep.ok else sys.stderr)
-        return 0 if rep.ok else 1
-    if a.cmd == "ls":
-        import ckptio
+            print(rep.summary())
+        return OK
+    print(f"ckptio verify: {rep.summary()}", file=sys.stderr)  # names the bad records
+    return FAILED
 
-        print(f"{'offset':>12} {'bytes':>12} {'align':>5}  record / tensors")
-        for r in ckptio.records(a.path):
-            print(f"{r.offset:>12} {r.nbytes:>12} {r.alignment:>5}  {r.name}")
-            for t in r.tensors:
-                shape = "x".join(map(str, t.shape)) or "scalar"
-                print(
-                    f"{'':>33}  - {t.name}: {str(t.dtype).removeprefix('torch.')} [{shape}]"
-                    + (f" at element {t.storage_offset}" if t.storage_offset else "")
-                )
-        return 0
-    return 2
+
+def _cmd_convert(a: argparse.Namespace) -> int:
+    from ckptio import FormatError, describe
+    from ckptio._progress import Progress, io_bytes
+    from ckptio.convert import convert
+
+    src = describe.detect(a.src)
+    if src.format not in (describe.TORCH, describe.SAFETENSORS):
+        raise FormatError(
+            f"{a.src} is a {src.format} checkpoint; convert takes a torch.save file or a "
+            "safetensors file"
+        )
+    total = 2 * describe.checkpoint_bytes(src)  # read once, written once
+    with Progress(f"converting {a.src}", total, enabled=False if a.quiet else None) as p:
+        start = io_bytes()
+        p.follow(lambda: io_bytes() - start)
+        log = (lambda line: None) if a.quiet else p.print
+        convert(
+            a.src,
+            a.dst,
+            to=a.to,
+            duplicate_shared=a.duplicate_shared,
+            flatten=a.flatten,
+            log=log,
+        )
+    return OK
+
+
+def _cmd_bench(a: argparse.Namespace) -> int:
+    import datetime
+    import socket
+
+    from ckptio import bench
+    from ckptio._progress import Progress, human_bytes, io_bytes
+
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                "--plot needs matplotlib, which ckptio does not install: pip install matplotlib"
+            ) from None
+    # Each round moves the state dict 7 times: the raw write and two raw reads,
+    # torch.save, ckptio.save, torch.load, ckptio.load.
+    total = 7 * a.size * a.repeat
+    with Progress("bench", total, enabled=False if a.quiet else None) as p:
+        start = io_bytes()
+        p.follow(lambda: io_bytes() - start)
+        rows = bench.run(
+            a.size,
+            a.dir,
+            a.threads,
+            a.chunk_size,
+            a.device,
+            a.repeat,
+            log=(lambda line: None) if a.quiet else p.print,
+            step=p.label,
+        )
+    print(bench.table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(bench.to_json(rows))
+    if a.plot:
+        when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        size = _human(a.size)
+        rounds = f"median of {a.repeat} rounds" if a.repeat > 1 else "1 round"
+        bench.plot(
+            rows,
+            a.plot,
+            f"ckptio bench: {human_bytes(a.size)} state dict on {a.device}, {rounds}",
+            caption=f"{socket.gethostname()}, {when}; ckptio bench --size {size} "
+            f"--device {a.device} --repeat {a.repeat}; ratios against rows of the same run",
+        )
+    return OK
+
+
+def _cmd_clean(a: argparse.Namespace) -> int:
+    from ckptio import _native
+
+    removed = _native.clean_temps(a.folder)
+    if a.json:
+        _print_json({"folder": a.folder, "removed": list(removed)})
+    elif not a.quiet:
+        for name in removed:
+            print(name)
+        print(f"{a.folder}: {len(removed)} temp files of dead saves removed")
+    return OK
+
+
+def _cmd_info(a: argparse.Namespace) -> int:
+    from ckptio.sysinfo import format_info, info
+
+    d = info(a.folder)
+    print(json.dumps(d, indent=2, default=str) if a.json else format_info(d))
+    return OK
+
+
+_COMMANDS = {
+    "ls": _cmd_ls,
+    "inspect": _cmd_inspect,
+    "verify": _cmd_verify,
+    "convert": _cmd_convert,
+    "bench": _cmd_bench,
+    "clean": _cmd_clean,
+    "info": _cmd_info,
+}
 
 
 if __name__ == "__main__":

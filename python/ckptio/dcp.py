@@ -11,12 +11,36 @@ bytes move:
   boundary too, so tensor bytes go straight from tensor memory (host or CUDA)
   to the file with O_DIRECT or cuFile, in parallel chunks on the engine's
   threads; no host copy of the whole shard, no per-item Python write loop.
-- Data files and ``.metadata`` are written crash-safely (temp file, fsync,
-  rename, fsync of the folder): the metadata of a checkpoint only appears once
-  every data file it names is durable.
+- A save is published by one atomic step. Its data files get names of their
+  own generation (``__{rank}_{token}_{n}.distcp``, the token picked by the
+  coordinator, so every rank's files carry it), each written crash-safely
+  (temp file, fsync, rename, fsync of the folder); ``.metadata`` is replaced
+  last, the same way, once every data file is durable: a save killed or
+  failed at any point leaves the previous checkpoint whole and loadable (its
+  files are never touched before that step). After it, the data files of
+  earlier generations (ckptio's names and torch's ``__{rank}_{n}.distcp``)
+  that the new ``.metadata`` does not name are removed, and so are temp files
+  of dead saves; other files are left alone. Readers follow ``.metadata``'s
+  relative paths, torch's included. Two saves into one folder at once are not
+  supported (as with torch's writer): the later commit wins and may remove the
+  other's files.
 - The reader maps each item's zip header once and reads tensor bytes straight
   into the destination tensors, GPU included (the planner's tensors, or a
   temporary on the same device when the request is a strided slice).
+- Nothing in the folder is trusted: ``.metadata`` is unpickled with an
+  allow-list (DCP's metadata classes, torch sizes, dtypes and layouts, plain
+  containers and values; ``FormatError`` naming the file and the global
+  otherwise; ``trusted_metadata=True`` for folders whose metadata holds custom
+  planner data), every relative path must stay inside the folder (no ``..``,
+  no absolute path, no symbolic link out), and with ``verify=True`` every
+  item's CRC-32s are checked (in the I/O threads, for the tensor bytes).
+
+Errors: DCP wraps a rank's exception in its ``CheckpointException``; the
+original (an ``OSError`` naming the file, a ``ckptio.FormatError`` naming the
+file and the item) is ``exc.failures[rank][0]``. ``.metadata`` that cannot be
+read or is refused makes torch's loader raise an ``AssertionError`` whose text
+carries ckptio's message; ``FileSystemReader(path).read_metadata()`` raises the
+typed error itself.
 
 torch's ``_extensions`` and ``serialization_format`` are taken too. With
 torch's ``ZStandard`` extension alone, each item becomes one zstd frame made in
@@ -33,13 +57,18 @@ import functools
 import inspect
 import io
 import os
+import pathlib
 import pickle
+import re
+import secrets
 import struct
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import filesystem as _fs
+from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     _FileSystemWriter,
@@ -50,7 +79,7 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.filesystem import (
     FileSystemReader as _TorchReader,
 )
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -63,6 +92,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptio import _native, _transfer
+from ckptio._paths import inside
 from ckptio.serialization import (
     _CONFIG_LOCK,
     PACK_BELOW,
@@ -95,6 +125,9 @@ _READER_ARGS = inspect.signature(_TorchReader.__init__).parameters
 _ALIGN = STORAGE_ALIGNMENT
 _DCP_VERSION: str | None = getattr(_fs, "CURRENT_DCP_VERSION", None)
 _METADATA = ".metadata"
+#: Data files of a DCP checkpoint: torch's ``__{rank}_{n}.distcp`` and ckptio's
+#: ``__{rank}_{token}_{n}.distcp`` (the files a save may remove once it is published).
+DATA_FILE = re.compile(r"__(?P<rank>\d+)_(?:[0-9a-f]{8}_)?\d+" + re.escape(DEFAULT_SUFFIX))
 
 
 def _align(n: int, to: int = _ALIGN) -> int:
@@ -309,6 +342,36 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
         return BlockingAsyncStager.stage(self, state_dict)
 
+    def _token(self) -> str:
+        """A generation token no file in the folder carries yet."""
+        try:
+            taken = "\n".join(os.listdir(self.path))
+        except OSError:
+            taken = ""
+        while True:
+            token = secrets.token_hex(4)
+            if f"_{token}_" not in taken:
+                return token
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        plan = super().prepare_local_plan(plan)
+        if plan.storage_data is not None:  # without collectives: this rank's own names
+            rank = self.rank if self.rank is not None else 0
+            plan = dataclasses.replace(
+                plan, storage_data=_StoragePrefix(f"__{rank}_{self._token()}_")
+            )
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The coordinator names this generation's files: every rank's prefix carries the token.
+        token = self._token()
+        return [
+            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{token}_"))
+            if plan.storage_data is None
+            else plan
+            for i, plan in enumerate(plans)
+        ]
+
     def _extensions(self) -> tuple[Any, ...]:
         transforms = getattr(self, "transforms", None)
         return tuple(getattr(transforms, "extensions", None) or ())
@@ -337,17 +400,19 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         self.last_stats = []
         for n, items in enumerate(buckets):
             name = f"{prefix.prefix}{n}{DEFAULT_SUFFIX}"
-            results += write_file(os.path.join(self.path, name), name, items, planner)
+            path = os.path.join(self.path, name)
+            # Temp files of dead saves go before this rank's first file, once.
+            results += write_file(path, name, items, planner, sweep=n == 0)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def _write_file(
-        self, path: str, name: str, items: list[Any], planner: SavePlanner
+        self, path: str, name: str, items: list[Any], planner: SavePlanner, sweep: bool
     ) -> list[WriteResult]:
         threads, chunk_size, direct, backend = self._io
         engine = _engine(threads, chunk_size, direct)
-        writer = _native.AtomicWriter(path, direct, backend)
+        writer = _native.AtomicWriter(path, direct, backend, sweep)
         try:
             image = _FileImage()
             results = []
@@ -405,14 +470,14 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             raise
 
     def _write_file_zstd(
-        self, path: str, name: str, items: list[Any], planner: SavePlanner
+        self, path: str, name: str, items: list[Any], planner: SavePlanner, sweep: bool
     ) -> list[WriteResult]:
         """A data file of zstd frames, one per item (torch's ZStandard transform),
         compressed and written in Rust; tensors are copied to host memory first."""
         threads, chunk_size, direct, backend = self._io
         engine = _engine(threads, chunk_size, direct)
         descriptors = [ext.get_descriptor() for ext in reversed(self._extensions())]
-        writer = _native.AtomicWriter(path, direct, backend)
+        writer = _native.AtomicWriter(path, direct, backend, sweep)
         try:
             keep = []  # host copies live until the frames are written
             parts: list[tuple[bytes, int, int, bytes, list[int]]] = []
@@ -451,8 +516,10 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Write ``.metadata`` (or ``__{rank}.metadata``) crash-safely: it appears, in
-        full, only after every data file is durable."""
+        """Publish the save: replace ``.metadata`` (or ``__{rank}.metadata``)
+        crash-safely, after every data file is durable (each rank's
+        ``write_data`` committed its files before DCP gathered the results),
+        then remove the data files of earlier generations."""
         if _DCP_VERSION is not None:
             metadata.version = _DCP_VERSION
         storage_md = {}
@@ -462,13 +529,36 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
         name = f"__{self.rank}{_METADATA}" if per_rank else _METADATA
-        w = _native.AtomicWriter(os.path.join(self.path, name), "off")
+        w = _native.AtomicWriter(os.path.join(self.path, name), "off", None, False)
         try:
             w.write_bytes(0, pickle.dumps(metadata))
             w.commit()
         except BaseException:
             w.abort()
             raise
+        keep = {info.relative_path for info in storage_md.values()}
+        _remove_old_generations(self.path, keep, str(self.rank) if per_rank else None)
+
+
+def _remove_old_generations(folder: str, keep: set[str], rank: str | None) -> list[str]:
+    """After a commit: remove the data files (``DATA_FILE``; of ``rank`` only, when
+    given) that the new metadata does not name, and temp files of dead saves.
+    Best effort: what cannot be removed now goes with the next save."""
+    removed = list(_native.clean_temps(folder))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for n in names:
+        m = DATA_FILE.fullmatch(n)
+        if m is None or n in keep or (rank is not None and m["rank"] != rank):
+            continue
+        try:
+            os.unlink(os.path.join(folder, n))
+            removed.append(n)
+        except OSError:
+            pass
+    return removed
 
 
 class FileSystemReader(_TorchReader):
@@ -478,6 +568,16 @@ class FileSystemReader(_TorchReader):
     ``threads``, ``chunk_size``, ``direct``, ``backend``: as for ``ckptio.load``.
     ``_extension_registry`` is torch's; items written with stream transforms
     (compressed) are read by torch's reader code, the rest by the engine.
+    ``verify=True``: check every item read against its CRC-32s (its pickle and
+    small records before they are decoded, its tensor bytes as the I/O threads
+    read them; a request for part of a tensor then reads the whole item), and
+    raise ``ckptio.FormatError`` naming the file and the item on a mismatch.
+    ``last_stats`` lists per file the items ``verified`` and ``unchecked`` (no
+    CRC-32 stored: cuFile-written, or a torch item without one); items with
+    stream transforms, which torch's code reads, are not checked.
+    ``trusted_metadata=True``: unpickle ``.metadata`` without the allow-list,
+    as torch's reader does (only for folders you trust: a crafted ``.metadata``
+    then runs code).
     """
 
     def __init__(
@@ -489,10 +589,17 @@ class FileSystemReader(_TorchReader):
         chunk_size: int | None = None,
         direct: bool | str | None = None,
         backend: str | None = None,
+        verify: bool = False,
+        trusted_metadata: bool = False,
     ) -> None:
         super().__init__(path, **_torch_args(_READER_ARGS, _extension_registry=_extension_registry))
+        for name, v in (("verify", verify), ("trusted_metadata", trusted_metadata)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, not {type(v).__name__}")
         self._io = (threads, chunk_size, _direct_arg(direct), backend)
-        self._layouts: dict[Any, tuple[torch.Tensor, int]] = {}
+        self.verify = verify
+        self.trusted_metadata = trusted_metadata
+        self._layouts: dict[Any, tuple[torch.Tensor, int, int | None]] = {}
         # An item's pickle -> (its meta tensor, storage key): DCP items of one
         # dtype and shape pickle alike.
         self._metas: dict[bytes, tuple[torch.Tensor | None, str | None]] = {}
@@ -502,6 +609,16 @@ class FileSystemReader(_TorchReader):
         super().reset(checkpoint_id)
         self._layouts = {}
         self._metas = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """``.metadata`` (``__{rank}.metadata`` with ``rank=``), unpickled with the
+        allow-list and checked (see the module doc)."""
+        path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
+        metadata = read_metadata(path, trusted=self.trusted_metadata)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = _md.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[Any]] = {}
@@ -513,19 +630,25 @@ class FileSystemReader(_TorchReader):
                 continue
             per_file.setdefault(info.relative_path, []).append(req)
         self.last_stats = []
+        folder = os.fspath(self.path)
         if transformed:  # decoded by torch's reader code (its extension registry)
             super().read_data(dataclasses.replace(plan, items=transformed), planner).wait()
         for rel, reqs in per_file.items():
-            self._read_file(os.path.join(self.path, rel), reqs, planner)
+            where = os.path.join(folder, _METADATA)
+            self._read_file(inside(folder, rel, where), reqs, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _layout(self, f: io.BufferedReader, path: str, info: _StorageInfo) -> tuple[Any, int]:
-        """(meta tensor as saved, absolute file offset of its storage) of an item."""
+    def _layout(
+        self, f: io.BufferedReader, path: str, info: _StorageInfo
+    ) -> tuple[Any, int, int | None]:
+        """(meta tensor as saved, absolute file offset of its storage, stored
+        CRC-32 of its data when verifying and there is one) of an item."""
         key = (path, info.offset)
         got = self._layouts.get(key)
         if got is None:
+            crc = _check_item(path, info, self._engine()) if self.verify else None
             try:
                 meta = torch.load(
                     _fs._create_file_view(f, info.offset, info.length),
@@ -544,8 +667,12 @@ class FileSystemReader(_TorchReader):
             off = meta.untyped_storage()._checkpoint_offset
             if off is None:
                 raise _native.FormatError(f"{path}: no data offset for item at {info.offset}")
-            got = self._layouts[key] = (meta, info.offset + off)
+            got = self._layouts[key] = (meta, info.offset + off, crc)
         return got
+
+    def _engine(self) -> _native.Engine:
+        threads, chunk_size, direct, _ = self._io
+        return _engine(threads, chunk_size, direct)
 
     def _read_file(self, path: str, reqs: list[Any], planner: LoadPlanner) -> None:
         threads, chunk_size, direct, backend = self._io
@@ -555,23 +682,45 @@ class FileSystemReader(_TorchReader):
         owners: list[torch.Tensor] = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
         small: list[tuple[Any, _StorageInfo]] = []
+        # (segment index, stored CRC-32 or None, request, item offset) when verifying
+        checks: list[tuple[int, int | None, Any, int]] = []
         with open(path, "rb") as f:
             for req in reqs:
                 info: _StorageInfo = self.storage_data[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
                     f.seek(info.offset)
                     planner.load_bytes(req, io.BytesIO(f.read(info.length)))
-                elif info.length <= _SMALL_ITEM:
+                elif info.length <= _SMALL_ITEM and not self.verify:
                     small.append((req, info))
                 else:
-                    meta, data_off = self._layout(f, path, info)
-                    self._plan_read(path, req, planner, meta, data_off, segments, owners, commits)
+                    meta, data_off, crc = self._layout(f, path, info)
+                    seg = self._plan_read(
+                        path, req, planner, meta, data_off, segments, owners, commits
+                    )
+                    if self.verify and seg is not None:
+                        checks.append((seg, crc, req, info.offset))
             copies, stats = self._read_small(path, f, dev_file, engine, small, planner)
             if segments:
                 # The destinations may still be in use by work queued on the
                 # current streams: the engine's copies are ordered after it.
-                big = _transfer.read(dev_file, engine, segments, owners)
+                # Verifying, the I/O threads also return each segment's CRC-32.
+                big = _transfer.read(dev_file, engine, segments, owners, verify=self.verify)
                 stats = dict(big, bytes=big["bytes"] + stats.get("bytes", 0))
+        if self.verify:
+            verified, unchecked = [], []
+            crcs = stats.pop("crc32", [])
+            for i, stored, req, at in checks:
+                name = req.storage_index.fqn
+                if stored is None or crcs[i] is None:
+                    unchecked.append(name)
+                elif crcs[i] != stored:
+                    raise _native.FormatError(
+                        f"{path}: item {name!r} at bytes {at}: its tensor bytes have "
+                        f"CRC-32 {crcs[i]:08x}, the item stores {stored:08x}"
+                    )
+                else:
+                    verified.append(name)
+            stats = dict(stats, verified=verified, unchecked=unchecked)
         self.last_stats.append(dict(stats, path=path))
         # On the current stream, as the destinations' other users run: from a
         # pinned buffer (its allocator keeps it until the copies have run).
@@ -595,31 +744,36 @@ class FileSystemReader(_TorchReader):
         segments: list[tuple[int, int, int, int]],
         owners: list[torch.Tensor],
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]],
-    ) -> None:
+    ) -> int | None:
         """The engine's read of one item into its destination (or a temporary
-        on the destination's device, for a strided request)."""
+        on the destination's device, for a strided request, or a partial one
+        when verifying: a CRC-32 covers the whole storage). Returns the index
+        of the segment added, None for an empty request."""
         target = planner.resolve_tensor(req).detach()
         src = _checked(
             path, req, narrow_tensor_by_index(meta, req.storage_offsets, req.lengths), target
         )
+        if target.numel() == 0:
+            commits.append((req, target, None, None))
+            return None
         isz = src.element_size()
+        nbytes = meta.untyped_storage().nbytes()
+        whole = src.storage_offset() == 0 and target.numel() * isz == nbytes
         dev = _device_code(target.untyped_storage(), f"destination of {req.storage_index}")
-        if src.is_contiguous() and target.is_contiguous() and target.numel():
+        if src.is_contiguous() and target.is_contiguous() and (whole or not self.verify):
             # Straight into the destination.
             start = data_off + src.storage_offset() * isz
             segments.append((start, target.data_ptr(), target.numel() * isz, dev))
             owners.append(target)
             commits.append((req, target, None, None))
-        elif target.numel() == 0:
-            commits.append((req, target, None, None))
         else:
-            # A strided request: read the item's storage once into a
-            # temporary on the destination device, then copy the slice.
-            nbytes = meta.untyped_storage().nbytes()
+            # Read the item's storage once into a temporary on the destination
+            # device, then copy the slice.
             tmp = torch.empty(nbytes, dtype=torch.uint8, device=target.device)
             segments.append((data_off, tmp.data_ptr(), nbytes, dev))
             owners.append(tmp)
             commits.append((req, target, tmp, src))
+        return len(segments) - 1
 
     def _read_small(
         self,
@@ -681,7 +835,7 @@ class FileSystemReader(_TorchReader):
             rec = next((r for r in data if r[0] == key), None) if key is not None else None
         if meta is None or rec is None or rec[2] != meta.untyped_storage().nbytes():
             # Not a zip of one plain tensor read here: torch reads it (and refuses what is bad).
-            meta, data_off = self._layout(f, path, _StorageInfo(path, span[0], span[1]))
+            meta, data_off, _ = self._layout(f, path, _StorageInfo(path, span[0], span[1]))
             rec = (None, at + data_off - span[0], meta.untyped_storage().nbytes())
         start, nbytes = rec[1], rec[2]
         raw = buf[start : start + nbytes]
@@ -723,3 +877,177 @@ def _meta_of_pickle(path: str, pkl: bytes) -> tuple[torch.Tensor | None, str | N
     if type(meta) is not torch.Tensor:
         return None, None
     return meta, key
+
+
+def _check_item(path: str, info: _StorageInfo, engine: _native.Engine) -> int | None:
+    """Map the item's zip (bytes ``[offset, offset + length)``), check every record
+    but the tensor data against its CRC-32 (FormatError naming the file and the
+    record), and return the data record's stored CRC-32 (None: none stored)."""
+    r = _native.Reader(path, "off", None, info.offset, info.length)
+    names = [n for n, _, _ in r.records()]
+    data = [n for n in names if n.startswith(f"{r.prefix}/data/")]
+    r.verify(engine, [n for n in names if n not in data], True)
+    if len(data) != 1:
+        return None
+    return dict(r.checksums()).get(data[0])
+
+
+# --------------------------------------------------------------------------- .metadata
+
+
+# DCP's metadata classes: what a .metadata pickle may build, and set the state of.
+_METADATA_CLASSES = (
+    _md.Metadata,
+    _md.MetadataIndex,
+    _md.StorageMeta,
+    _md.TensorProperties,
+    _md.TensorStorageMetadata,
+    _md.BytesStorageMetadata,
+    _md.ChunkStorageMetadata,
+    _StorageInfo,
+)
+# Objects BUILD may set the state of: instances of those, never a class.
+_BUILDABLE = (*_METADATA_CLASSES, OrderedDict)
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """What a ``.metadata`` pickle may name: DCP's metadata classes, torch sizes,
+    dtypes, layouts and devices, paths, plain containers and values."""
+    objs: list[Any] = [
+        *_BUILDABLE,
+        _md._MEM_FORMAT_ENCODING,
+        torch.Size,
+        torch.device,
+        torch.serialization._get_layout,
+        pathlib.PurePosixPath,
+        pathlib.PosixPath,
+        pathlib.PureWindowsPath,
+        pathlib.WindowsPath,
+    ]
+    out = {(o.__module__, o.__qualname__): o for o in objs}
+    for o in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath):
+        out[("pathlib", o.__name__)] = o  # as older Pythons name them
+    for o in (set, frozenset, complex, bytearray, slice, range):
+        out[("builtins", o.__name__)] = o
+    for name in dir(torch):
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            out[("torch", name)] = getattr(torch, name)
+    return out
+
+
+_ALLOWED: dict[tuple[str, str], Any] | None = None
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler (so BUILD can be checked) with an allow-list."""
+
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        global _ALLOWED
+        if _ALLOWED is None:
+            _ALLOWED = _allowed_globals()
+        obj = _ALLOWED.get((module, name))
+        if obj is None:
+            raise _RefusedGlobal(
+                f"{self.path}: refers to {module}.{name}, which is not a DCP metadata class "
+                "nor a plain value; refused (FileSystemReader(..., trusted_metadata=True) "
+                "unpickles it, for folders you trust)"
+            )
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _RefusedGlobal(f"{self.path}: holds a persistent id {pid!r}; refused")
+
+    def load_build(self) -> None:
+        inst = self.stack[-2]  # under the state BUILD pops
+        if isinstance(inst, type) or not isinstance(inst, _BUILDABLE):
+            raise _RefusedGlobal(
+                f"{self.path}: sets the state of {type(inst).__name__} "
+                f"{getattr(inst, '__name__', '')}; refused"
+            )
+        super().load_build()
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+class _RefusedGlobal(Exception):
+    """Raised inside the unpickler; becomes a FormatError naming the file."""
+
+
+def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Metadata:
+    """A DCP checkpoint's ``.metadata`` file, unpickled with the allow-list (``trusted``:
+    without it) and checked: a ``Metadata`` whose storage entries are items
+    (relative path, offset, length) inside the file's folder. ``FormatError``
+    naming the file (and the global, entry or path) otherwise."""
+    p = os.fspath(path)
+    with open(p, "rb") as f:
+        raw = f.read()
+    try:
+        if trusted:
+            md = pickle.loads(raw)
+        else:
+            md = _MetadataUnpickler(io.BytesIO(raw), p).load()
+    except _RefusedGlobal as e:
+        raise _native.FormatError(str(e)) from None
+    except Exception as e:
+        raise _native.FormatError(f"{p}: not a DCP metadata file: {type(e).__name__}: {e}") from e
+    _check_metadata(md, p)
+    return md
+
+
+def _check_metadata(md: Any, path: str) -> None:
+    """What DCP's planners and this reader rely on, with types: FormatError otherwise."""
+
+    def bad(what: str) -> _native.FormatError:
+        return _native.FormatError(f"{path}: {what}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(md, Metadata):
+        raise bad(f"holds a {type(md).__name__}, not DCP Metadata")
+    sdm = getattr(md, "state_dict_metadata", None)
+    if not isinstance(sdm, dict):
+        raise bad("state_dict_metadata is not a dict")
+    for fqn, entry in sdm.items():
+        if isinstance(entry, _md.BytesStorageMetadata):
+            continue
+        chunks = getattr(entry, "chunks", None)
+        if not (
+            isinstance(entry, _md.TensorStorageMetadata)
+            and isinstance(getattr(entry, "properties", None), _md.TensorProperties)
+            and isinstance(getattr(entry.properties, "dtype", None), torch.dtype)
+            and isinstance(getattr(entry, "size", None), torch.Size)
+            and isinstance(chunks, list)
+            and all(
+                isinstance(c, _md.ChunkStorageMetadata)
+                and isinstance(getattr(c, "offsets", None), torch.Size)
+                and isinstance(getattr(c, "sizes", None), torch.Size)
+                for c in chunks
+            )
+        ):
+            raise bad(f"entry {fqn!r} is not tensor or bytes metadata DCP can use")
+    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
+        raise bad("planner_data is not a dict")
+    if not isinstance(getattr(md, "storage_meta", None), (_md.StorageMeta, type(None))):
+        raise bad("storage_meta is not DCP StorageMeta")
+    sd = getattr(md, "storage_data", None)
+    if not isinstance(sd, dict):
+        raise bad("storage_data is not a dict of items")
+    folder = os.path.dirname(path) or "."
+    seen: set[str] = set()
+    for key, info in sd.items():
+        fqn = getattr(key, "fqn", key)
+        if not isinstance(key, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise bad(f"storage entry {fqn!r} is a {type(info).__name__}, not an item")
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(fqn, str) and is_int(offset) and is_int(length)):
+            raise bad(f"item {fqn!r} has offset {offset!r} and length {length!r}")
+        rel = getattr(info, "relative_path", None)
+        if rel not in seen:
+            inside(folder, rel, f"{path}: item {fqn!r}")
+            seen.add(rel)

@@ -11,8 +11,16 @@ Loading: Lightning checkpoints hold non-tensor state (hyper-parameters, loop and
 callback state), so ``load_checkpoint`` unpickles them with ``weights_only=False``
 unless Lightning passes ``weights_only=True`` (``Trainer.fit(..., weights_only=True)``):
 load only checkpoints you trust. Tensors land in host memory unless a
-``map_location`` says otherwise (as Lightning's ``TorchCheckpointIO`` does);
-Lightning moves them to the model's device.
+``map_location`` says otherwise (as Lightning's ``TorchCheckpointIO`` does).
+
+Resuming is in place (``in_place=True``, the default): ``load_checkpoint`` reads
+only the small tensors and hands the large ones over unread; when Lightning
+restores the model (``LightningModule.load_state_dict``) each is read straight
+from the file into its parameter, on the host or the GPU, and when it restores
+the optimizers each state tensor is read straight into the optimizer's new one
+on the parameter's device. No copy of the checkpoint is held in memory. A large
+tensor used any other way (a hook that inspects the checkpoint) is read on
+first use. ``in_place=False`` loads the whole checkpoint first (``ckptio.load``).
 """
 
 from __future__ import annotations
@@ -34,16 +42,19 @@ except ImportError as e:  # pragma: no cover - exercised with lightning hidden
         "pip install 'ckptio[lightning]'"
     ) from e
 
+from ckptio.inplace import IoOptions
 from ckptio.serialization import MapLocation, load, save
+from ckptio.state_dict import lazy_load
 
 __all__ = ["CkptioCheckpointIO", "AsyncCkptioCheckpointIO"]
 
 
 class CkptioCheckpointIO(CheckpointIO):
-    """Saves with ``ckptio.save`` and loads with ``ckptio.load``.
+    """Saves with ``ckptio.save`` and loads with ``ckptio.load``, resuming in place.
 
     The keyword options (threads, chunk_size, direct, backend) are those of
-    ``ckptio.save`` / ``ckptio.load``.
+    ``ckptio.save`` / ``ckptio.load``; ``in_place`` (default True): see the module
+    documentation.
     """
 
     def __init__(
@@ -53,10 +64,12 @@ class CkptioCheckpointIO(CheckpointIO):
         chunk_size: int | None = None,
         direct: bool | str | None = None,
         backend: str | None = None,
+        in_place: bool = True,
     ) -> None:
         self._opts: dict[str, Any] = dict(
             threads=threads, chunk_size=chunk_size, direct=direct, backend=backend
         )
+        self._in_place = in_place
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -75,11 +88,16 @@ class CkptioCheckpointIO(CheckpointIO):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        where = "cpu" if map_location is None else map_location
+        if self._in_place and isinstance(where, (str, torch.device, dict)):
+            return lazy_load(  # type: ignore[no-any-return]
+                path,
+                map_location=where,
+                weights_only=bool(weights_only),
+                io=IoOptions.of(**self._opts),
+            )
         return load(  # type: ignore[no-any-return]
-            path,
-            map_location="cpu" if map_location is None else map_location,
-            weights_only=bool(weights_only),
-            **self._opts,
+            path, map_location=where, weights_only=bool(weights_only), **self._opts
         )
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -28,7 +28,13 @@ allocate one empty tensor per entry on the target device and read the data
 section into them in one parallel engine pass (O_DIRECT; cuFile or the pinned
 bounce pipeline for CUDA). Sharded checkpoints as the Hugging Face hub lays them
 out (``model.safetensors.index.json`` + ``model-0000k-of-0000n.safetensors``):
-``save_sharded`` / ``load_sharded``.
+``save_sharded`` / ``load_sharded``; a sharded save is published by one atomic
+step (the index replaced last), see ``save_sharded``.
+
+Files are not trusted: a header that is not what safetensors writes (bad JSON,
+nesting, sizes or offsets that do not add up, dimensions past int64) is a
+``FormatError`` naming the file and the tensor, and an index may only name
+shards inside its folder.
 """
 
 from __future__ import annotations
@@ -36,9 +42,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import math
 import os
 import re
+import secrets
 import time
 import warnings
 from collections import defaultdict
@@ -48,6 +54,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ckptio import _native, _transfer
+from ckptio._paths import inside
 from ckptio.serialization import (
     STORAGE_ALIGNMENT,
     IOReport,
@@ -122,7 +129,12 @@ _RANK = {name: i for i, name in enumerate(_ENUM)}
 #: The safetensors package refuses headers larger than this.
 MAX_HEADER = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
-_SHARD_RE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+#: Files ``save_sharded`` writes (and so may remove once a later save no longer
+#: names them): ``model.safetensors``, ``model-0000k-of-0000n.safetensors`` and,
+#: while those names are in use, ``model-<token>-0000k-of-0000n.safetensors``.
+SHARD_FILE = re.compile(r"model(-([0-9a-f]{8}-)?\d{5}-of-\d{5})?\.safetensors")
+#: Largest dimension, element count and byte count a tensor may have (int64).
+_MAX_DIM = 2**63 - 1
 
 Device = str | int | torch.device
 
@@ -213,6 +225,8 @@ def _parse_header(
         head = json.loads(text, object_pairs_hook=no_duplicates)
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         raise _fail(where, f"header is not valid JSON: {e}") from None
+    except RecursionError:
+        raise _fail(where, "header JSON is nested too deeply") from None
     if not isinstance(head, dict):
         raise _fail(where, f"header is a JSON {type(head).__name__}, not an object")
     meta = head.pop("__metadata__", None)
@@ -234,11 +248,18 @@ def _parse_header(
             )
             raise _fail(where, f"{tensor}: dtype {dtype_name!r} is {known}")
         if not _int_list(shape):
-            raise _fail(where, f"{tensor}: shape {shape!r} is not a list of non-negative ints")
+            raise _fail(
+                where, f"{tensor}: shape {_short(shape)} is not a list of non-negative ints"
+            )
         if not (_int_list(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
-            raise _fail(where, f"{tensor}: data_offsets {offsets!r} are not [begin, end]")
+            raise _fail(where, f"{tensor}: data_offsets {_short(offsets)} are not [begin, end]")
         dtype = DTYPES[dtype_name]
-        bits = math.prod(shape) * _BITS.get(dtype_name, dtype.itemsize * 8)
+        numel = 1
+        for d in shape:  # as safetensors multiplies them: in order, checked
+            numel *= d
+            if d > _MAX_DIM or numel * dtype.itemsize > _MAX_DIM:
+                raise _fail(where, f"{tensor}: shape {_short(shape)} overflows int64")
+        bits = numel * _BITS.get(dtype_name, dtype.itemsize * 8)
         if bits % 8:
             raise _fail(where, f"{tensor}: shape {shape} of {dtype_name} does not fill whole bytes")
         need = bits // 8
@@ -282,6 +303,11 @@ def _parse_header(
             where, f"the tensors end at byte {at} of the data section, the file at {data_len}"
         )
     return meta, entries
+
+
+def _short(x: Any) -> str:
+    s = repr(x)
+    return s if len(s) <= 200 else s[:200] + "..."
 
 
 def _int_list(x: Any) -> bool:
@@ -470,6 +496,7 @@ def _save_file(
     chunk_size: int | None,
     direct: bool | str | None,
     backend: str | None,
+    sweep: bool = True,
 ) -> IOReport:
     t0 = time.perf_counter()
     path = _path(filename, "safetensors.save_file")
@@ -486,7 +513,7 @@ def _save_file(
         segments.append((base + begin, t.data_ptr(), end - begin, t.get_device()))
     d = _direct_arg(direct)
     engine = _engine(threads, chunk_size, d)
-    writer = _native.AtomicWriter(path, d, backend)
+    writer = _native.AtomicWriter(path, d, backend, sweep)
     try:
         writer.write_bytes(0, lay.header)
         stats = _transfer.write(writer, engine, segments, keep, file_len=lay.file_len)
@@ -565,8 +592,11 @@ def _header(fd: int, where: str) -> tuple[dict[str, str] | None, list[_Entry], i
         return meta, entries, 8 + n
     pairs, rows = fast
     dtypes = DTYPES
-    # Plain tuples in _Entry's field order (a NamedTuple each costs more than the rest).
-    entries: list[Any] = [(name, dtypes[dt], shape, b, e) for name, dt, shape, b, e in rows]
+    # _Entry's made as tuples are (its __new__ takes keywords: 5x the time).
+    new = tuple.__new__
+    entries: list[_Entry] = [
+        new(_Entry, (name, dtypes[dt], shape, b, e)) for name, dt, shape, b, e in rows
+    ]
     return (None if pairs is None else dict(pairs)), entries, 8 + n
 
 
@@ -629,6 +659,9 @@ def load_file(
     chunk_size: int | None = None,
     direct: bool | str | None = None,
     device_backend: str | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+    strict: bool = True,
+    cast: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load a safetensors file like ``safetensors.torch.load_file(filename, device,
     backend=...)``: a dict of tensors in file order, each with its own storage on
@@ -642,10 +675,19 @@ def load_file(
     see ``ckptio.save``; the old spelling ``backend="cufile"`` still works).
     ``ckptio.last_report()`` says how it ran; a malformed file is a
     :class:`SafetensorError` naming the file and tensor.
+
+    ``out``: load in place, into the tensors of this dict (name -> tensor, on
+    the host or any CUDA device, ``device`` not given), as ``ckptio.load``'s
+    ``out`` does (``strict``, ``cast``, errors): returns {name: the filled
+    tensor of ``out``} in file order.
     """
     dev_backend = _device_backend(backend, device_backend, "load_file")
     t0 = time.perf_counter()
     path = _path(filename, "safetensors.load_file")
+    if out is not None:
+        return _load_into(
+            [path], out, device, t0, threads, chunk_size, direct, dev_backend, strict, cast
+        )
     want, fill = _devices(device)
     d = _direct_arg(direct)
     plan = _plan(path, fill or torch.device("cpu"), d, dev_backend)
@@ -722,13 +764,21 @@ def save_sharded(
     its own), as ``huggingface_hub.split_torch_state_dict_into_shards`` splits.
     One shard: ``model.safetensors``, no index. Several:
     ``model-00001-of-0000n.safetensors`` ... and ``model.safetensors.index.json``
-    (``{"metadata": {"total_size": ..., **metadata}, "weight_map": {name: shard}}``),
-    written last. Each shard carries ``{"format": "pt", **metadata}`` as its
-    header metadata. Every file is replaced atomically; shards of an earlier
-    save with other names (``model*.safetensors``) are removed after the index
-    is written. A crash midway may leave new shards beside the old index: save
-    to a fresh folder when the whole set must switch at once. Returns None like
-    ``save_file``; ``ckptio.last_report()`` sums the shards.
+    (``{"metadata": {"total_size": ..., **metadata}, "weight_map": {name: shard}}``).
+    Each shard carries ``{"format": "pt", **metadata}`` as its header metadata.
+
+    The folder switches from the previous checkpoint to this one in one atomic
+    step: every shard is written crash-safely (temp file, fsync, rename, fsync
+    of the folder) under a name the previous checkpoint does not use (the hub's
+    names when they are free, else ``model-<token>-0000k-of-0000n.safetensors``),
+    then the index is replaced the same way; only then are the previous
+    checkpoint's files (``model*.safetensors`` that the new index does not name,
+    or the index when there is now a single ``model.safetensors``) removed. A
+    save that fails or is killed leaves the previous checkpoint loadable and
+    unchanged; its leftovers go with the next save. (Between the single-file and
+    sharded layouts, a reader that prefers ``model.safetensors`` to the index, as
+    transformers does, switches when the other layout's files are removed.)
+    Returns None like ``save_file``; ``ckptio.last_report()`` sums the shards.
     """
     dev_backend = _device_backend(backend, device_backend, "save_sharded")
     t0 = time.perf_counter()
@@ -753,14 +803,9 @@ def save_sharded(
     if cur or not shards:
         shards.append(cur)
     os.makedirs(out, exist_ok=True)
-    k = len(shards)
-    names = (
-        ["model.safetensors"]
-        if k == 1
-        else [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
-    )
+    names = _shard_names(out, len(shards))
     stats = []
-    for name, shard in zip(names, shards, strict=True):
+    for i, (name, shard) in enumerate(zip(names, shards, strict=True)):
         rep = _save_file(
             shard,
             os.path.join(out, name),
@@ -769,25 +814,66 @@ def save_sharded(
             chunk_size,
             direct,
             dev_backend,
+            sweep=i == 0,  # temp files of dead saves go once, before the first shard
         )
         stats.append(rep)
     keep = set(names)
-    if k > 1:
+    if len(shards) > 1:
         index = {
             "metadata": {"total_size": total, **meta},
             "weight_map": {t: n for n, shard in zip(names, shards, strict=True) for t in shard},
         }
+        # The commit point: every shard above is durable.
         _write_text(os.path.join(out, INDEX_NAME), json.dumps(index, indent=2) + "\n")
         keep.add(INDEX_NAME)
+    else:
+        # model.safetensors is in place: the old index (if any) goes first, so
+        # that an index-first reader never pairs it with removed shards.
+        _remove(os.path.join(out, INDEX_NAME))
     for f in os.listdir(out):
-        if f not in keep and (_SHARD_RE.fullmatch(f) or f == INDEX_NAME):
-            os.unlink(os.path.join(out, f))
+        if f not in keep and SHARD_FILE.fullmatch(f):
+            _remove(os.path.join(out, f))
     _last.report = _merge(out, t0, stats)
+
+
+def _shard_names(folder: str, k: int) -> list[str]:
+    """Names for ``k`` shards that no file of the folder's current checkpoint has:
+    the hub's when they are free, else with a token of their own."""
+    if k == 1:
+        return ["model.safetensors"]  # replaced atomically in one step
+    hub = [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
+    present = set(os.listdir(folder))
+    live = _current_shards(folder)
+    if live is not None and not live & set(hub):
+        return hub
+    while True:
+        token = secrets.token_hex(4)
+        if not any(token in n for n in present):
+            return [f"model-{token}-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
+
+
+def _current_shards(folder: str) -> set[str] | None:
+    """The files the folder's current checkpoint uses (None: an index that cannot
+    be read, so any name may be in use)."""
+    if not os.path.exists(os.path.join(folder, INDEX_NAME)):
+        return {"model.safetensors"}
+    try:
+        _, wm = _shard_files(os.path.join(folder, INDEX_NAME))
+    except (OSError, _native.FormatError):
+        return None
+    return set((wm or {}).values()) | {"model.safetensors"}
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _write_text(path: str, text: str) -> None:
     """A small file replaced atomically (temp file, fsync, rename, fsync of the folder)."""
-    w = _native.AtomicWriter(path, "off", None)
+    w = _native.AtomicWriter(path, "off", None, False)
     try:
         w.write_bytes(0, text.encode())
         w.commit()
@@ -835,14 +921,37 @@ def _shard_files(index_path_or_folder: str) -> tuple[str, dict[str, str] | None]
             index = json.loads(f.read())
         except ValueError as e:
             raise SafetensorError(f"{p}: not a safetensors index: invalid JSON: {e}") from None
+        except RecursionError:
+            raise SafetensorError(f"{p}: not a safetensors index: nested too deeply") from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wm, dict) or not all(
-        isinstance(v, str) and os.path.basename(v) == v and v for v in wm.values()
-    ):
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise SafetensorError(
             f"{p}: not a safetensors index: no weight_map of tensor name -> shard file name"
         )
-    return os.path.dirname(p) or ".", wm
+    folder = os.path.dirname(p) or "."
+    for name, v in wm.items():
+        # A shard is a file of this folder (or, in a hub cache snapshot, a link to its blobs).
+        if os.path.basename(v) != v:
+            raise SafetensorError(
+                f"{p}: weight_map puts tensor {name!r} in {v!r}, not a file name of the "
+                "index's folder"
+            )
+    for v in set(wm.values()):
+        inside(folder, v, f"{p}: shard", blobs=True, error=SafetensorError)
+    return folder, wm
+
+
+def _shared_engine(
+    threads: int | None, chunk_size: int | None, d: str | None, files: int
+) -> tuple[_native.Engine, int]:
+    """(engine, workers) to read ``files`` files at once: up to 4 workers, which
+    share the engine's threads, for disk and tmpfs files alike."""
+    base = _engine(threads, chunk_size, d)
+    workers = max(1, min(files, base.threads, 4))
+    if workers == 1:
+        return base, 1
+    per_worker = (max(1, base.threads // workers), max(1, base.memory_threads // workers))
+    return _engine(per_worker[0], chunk_size, d, per_worker[1]), workers
 
 
 def load_sharded(
@@ -854,6 +963,9 @@ def load_sharded(
     chunk_size: int | None = None,
     direct: bool | str | None = None,
     device_backend: str | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+    strict: bool = True,
+    cast: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load a sharded checkpoint (``*.safetensors.index.json`` + shards, or a folder
     holding one, or a folder with a single ``model.safetensors``) to ``device``
@@ -861,22 +973,42 @@ def load_sharded(
     parallel (the engine's threads split among them). Every tensor the index's
     weight_map names must be in the shard it names (FormatError otherwise); a
     tensor name in two shards is a FormatError. Returns all tensors of the
-    shards, shard by shard in file order. The keywords are ``load_file``'s.
+    shards, shard by shard in file order. The keywords are ``load_file``'s
+    (``out``, ``strict``, ``cast``: load in place).
     """
     dev_backend = _device_backend(backend, device_backend, "load_sharded")
     t0 = time.perf_counter()
     src = _path(index_path_or_folder, "safetensors.load_sharded")
     folder, wm = _shard_files(src)
     files = ["model.safetensors"] if wm is None else list(dict.fromkeys(wm.values()))
+    if out is not None:
+        paths = [os.path.join(folder, f) for f in files]
+        return _load_into(
+            paths, out, device, t0, threads, chunk_size, direct, dev_backend, strict, cast, src, wm
+        )
     want, fill = _devices(device)
     d = _direct_arg(direct)
     plans = [
         _plan(os.path.join(folder, f), fill or torch.device("cpu"), d, dev_backend) for f in files
     ]
+    tensors = _gather(src, files, [p.tensors for p in plans], wm)
+    engine, workers = _shared_engine(threads, chunk_size, d, len(plans))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        stats = list(pool.map(lambda p: _read(p, engine), plans))
+    reps = [_report(p.path, t0, s, len(p.tensors)) for p, s in zip(plans, stats, strict=True)]
+    _last.report = _merge(src, t0, reps)
+    return _finish(tensors, want, fill)
+
+
+def _gather(
+    src: str, files: list[str], tensors: list[dict[str, torch.Tensor]], wm: dict[str, str] | None
+) -> dict[str, torch.Tensor]:
+    """The shards' tensors in one dict; a name in two shards, or a tensor not in
+    the shard the index's weight_map names, is a SafetensorError."""
     out: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
-    for f, p in zip(files, plans, strict=True):
-        for name, t in p.tensors.items():
+    for f, ts in zip(files, tensors, strict=True):
+        for name, t in ts.items():
             if name in out:
                 raise SafetensorError(f"{src}: tensor {name!r} is in both {where[name]} and {f}")
             out[name], where[name] = t, f
@@ -886,14 +1018,37 @@ def load_sharded(
                 f"{src}: the index puts tensor {name!r} in {f}, "
                 + (f"but it is in {where[name]}" if name in where else "but no shard holds it")
             )
-    base = _engine(threads, chunk_size, d)
-    workers = max(1, min(len(plans), base.threads, 4))
-    engine = base
-    if workers > 1:  # the workers share the threads, for disk and tmpfs files alike
-        per_worker = (max(1, base.threads // workers), max(1, base.memory_threads // workers))
-        engine = _engine(per_worker[0], chunk_size, d, per_worker[1])
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        stats = list(pool.map(lambda p: _read(p, engine), plans))
-    reps = [_report(p.path, t0, s, len(p.tensors)) for p, s in zip(plans, stats, strict=True)]
-    _last.report = _merge(src, t0, reps)
-    return _finish(out, want, fill)
+    return out
+
+
+def _load_into(
+    paths: list[str],
+    out: Any,
+    device: Device,
+    t0: float,
+    threads: int | None,
+    chunk_size: int | None,
+    direct: bool | str | None,
+    device_backend: str | None,
+    strict: bool,
+    cast: bool,
+    src: str | None = None,
+    wm: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """load_file / load_sharded with ``out``: the files' tensors read into ``out``'s."""
+    from ckptio import inplace
+
+    if not isinstance(out, Mapping):
+        raise TypeError(f"out must be a dict of name -> tensor, not {type(out).__name__}")
+    if device != "cpu":
+        raise TypeError("out= and device= cannot be combined: the destinations decide")
+    inplace._check_flags(strict=strict, cast=cast)
+    io = inplace.IoOptions.of(threads, chunk_size, direct, device_backend)
+    opened = [inplace.open_safetensors(p, direct=io.direct, backend=io.backend) for p in paths]
+    names = [os.path.basename(p) for p in paths]
+    tensors = _gather(src or paths[0], names, [o[0] for o in opened], wm)
+    what = f"ckptio.safetensors.{'load_sharded' if src else 'load_file'}(out=): {src or paths[0]}"
+    result: dict[str, torch.Tensor] = inplace.fill_structure(
+        what, tensors, out, [o[2] for o in opened], io, strict=strict, cast=cast, t0=t0
+    )
+    return result

@@ -705,14 +705,16 @@ class _Restorer:
     record it came from. The bytes are read later by the engine.
     """
 
-    def __init__(self, map_location: MapLocation, sizes: list[int]) -> None:
+    def __init__(self, map_location: MapLocation, sizes: list[int], path: str) -> None:
         self.map_location = map_location
+        self.path = path
         # (address in the file mapping, nbytes, destination storage)
         self.pending: list[tuple[int, int, torch.UntypedStorage]] = []
         # Every data record's size, where they all go to one device (a str or
         # torch.device map_location); else no reservation (see _reserve_cuda).
         one_device = isinstance(map_location, (str, torch.device))
         self.sizes = sizes if one_device else None
+        self.record_sizes = set(sizes)
         self.reserved: set[torch.device] = set()
 
     def _mapped(self, location: str) -> str:
@@ -730,6 +732,13 @@ class _Restorer:
         dev = _engine_device(loc)
         if dev is None:  # not ours to fill: torch copies from the mapping (or raises)
             return torch.serialization.default_restore_location(storage, loc)
+        if storage.nbytes() and storage.nbytes() not in self.record_sizes:
+            # The pickle declares a storage no record holds (torch cuts the
+            # mapped slice at the end of the file): refuse before allocating it.
+            raise _native.FormatError(
+                f"{self.path}: the pickle declares a storage of {storage.nbytes()} bytes, "
+                "which no data record of the archive holds"
+            )
         if dev.type == "cuda" and self.sizes is not None and dev not in self.reserved:
             self.reserved.add(dev)
             _reserve_cuda(dev, self.sizes)
@@ -780,7 +789,7 @@ def _reserve_cuda(device: torch.device, sizes: list[int]) -> None:
     A load into a fresh process (resuming a run) otherwise makes hundreds of
     segments, and filling them costs more than the cudaMallocs: 8 GiB in 512
     storages from /dev/shm loaded in 0.21-0.24 s against 0.24-0.36 s
-    (``benches/probe_hostreg.py alloc``). Each storage is still its own block:
+    (``probes/probe_hostreg.py alloc``). Each storage is still its own block:
     freeing one frees it, as after torch.load. Only with torch's own caching
     allocator (not cudaMallocAsync, not a pluggable one, whose statistics raise).
     """
@@ -866,6 +875,9 @@ def load(
     direct: bool | str | None = None,
     backend: str | None = None,
     verify: bool = False,
+    out: Any = None,
+    strict: bool = True,
+    cast: bool = False,
     **pickle_load_args: Any,
 ) -> Any:
     """Load a torch.save zip checkpoint like ``torch.load``, bytes read in parallel.
@@ -895,6 +907,24 @@ def load(
     record. Records without a stored CRC-32, and those read by cuFile, are
     listed in ``last_report().unchecked``. It needs a path or a file object
     over a regular file.
+
+    ``out``: load in place. ``out`` is a structure like the checkpoint's
+    (nested dicts, lists, tuples) whose tensors exist already, on the host or
+    any CUDA device: each tensor of the checkpoint is read straight into the
+    tensor of ``out`` at the same key path (contiguous ones directly, others
+    through a temporary of at most 64 MiB at a time), with no allocation for
+    the checkpoint. Returns the checkpoint's structure as torch.load would,
+    its tensors being ``out``'s (filled) and its other values torch.load's.
+    Shapes must match; dtypes too unless ``cast=True``. ``strict`` (default):
+    every tensor of ``out`` must have one in the checkpoint and the other way
+    round; with strict=False the others are left alone (checkpoint tensors
+    without a destination are not read and are left out of the result) and
+    listed in ``last_report().missing_keys`` / ``unexpected_keys``. Every
+    mismatch is found before anything is written (``ckptio.InPlaceLoadError``
+    subclasses, naming the keys); a read that fails midway is a
+    ``PartialLoadError`` (the destinations are partially filled).
+    ``map_location`` and ``mmap`` do not apply (the destinations decide); ``f``
+    is a path or a file object over a regular file.
     """
     t0 = time.perf_counter()
     if not isinstance(verify, bool):
@@ -903,6 +933,11 @@ def load(
     torch_kw: dict[str, Any] = dict(
         pickle_module=pickle_module, weights_only=weights_only, **pickle_load_args
     )
+    if out is not None:
+        return _load_into(
+            f, out, map_location, mmap, torch_kw, strict, cast, verify,
+            (threads, chunk_size, direct, backend),
+        )  # fmt: skip
     if not _is_path(f):
         fd = _descriptor(f)
         if fd is None:
@@ -926,7 +961,7 @@ def load(
         if path.endswith(".safetensors"):
             return _load_safetensors(path, map_location, threads, chunk_size, direct, backend)
     torch_only = bool(mmap) or _torch_only(path, map_location)
-    if verify and (torch_only or not _reads_natively(path)):
+    if verify and torch_only:
         # torch reads the bytes itself here: check the whole file first.
         _verify_all(path, threads, chunk_size, direct)
     if torch_only:
@@ -952,32 +987,38 @@ def load(
     records_ = reader.records()
     prefix = reader.prefix
     names = {name for name, _, _ in records_}
-    byteorder = f"{prefix}/byteorder"
-    if byteorder in names and reader.read_record(byteorder).decode() != sys.byteorder:
-        # Byte-swapped storages are rare: let torch swap them.
-        return _by_torch(t0, path, "byte-swapped storages", map_location, **torch_kw)
     if f"{prefix}/constants.pkl" in names:  # TorchScript: torch.load hands it to torch.jit
         return _by_torch(t0, path, "a TorchScript archive", map_location, **torch_kw)
     data_prefix = f"{prefix}/data/"
     data = {off: size for name, off, size in records_ if name.startswith(data_prefix)}
     unchecked: list[str] = []
-    if verify:  # the pickle and the small records, before torch unpickles anything
+    if verify:  # the pickle and the small records, before anything is decoded
         small = [name for name, _, _ in records_ if not name.startswith(data_prefix)]
         rows = reader.verify(engine, small, strict=True)
         unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
+    if not _native_byteorder(reader, shown):
+        # Byte-swapped storages are rare: let torch swap them (it reads the
+        # data records itself, so those are checked first).
+        if verify:
+            _verify_all(path, threads, chunk_size, direct)
+        return _by_torch(t0, path, "byte-swapped storages", map_location, **torch_kw)
     fast = None
     if pickle_module is None and not pickle_load_args:
         fast = _plan_fast(path, reader, records_, prefix, map_location)
     if fast is not None:
         segments, owners, build = fast
     else:
-        restorer = _Restorer(map_location, list(data.values()))
+        restorer = _Restorer(map_location, list(data.values()), shown)
         # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
         # replaced meanwhile by a concurrent save.
         try:
-            obj = torch.load(
-                f"/proc/self/fd/{reader.fileno()}", map_location=restorer, mmap=True, **torch_kw
-            )
+            with _unpickling(shown):
+                obj = torch.load(
+                    f"/proc/self/fd/{reader.fileno()}",
+                    map_location=restorer,
+                    mmap=True,
+                    **torch_kw,
+                )
         except RuntimeError as e:
             if not str(e).startswith("Callable map_location not supported") or callable(
                 map_location
@@ -1191,14 +1232,76 @@ def _plan_fast(
     return segments, storages, lambda: _rebuild(parsed, storages, dtypes, path)
 
 
+def _load_into(
+    f: Any,
+    out: Any,
+    map_location: MapLocation,
+    mmap: bool | None,
+    torch_kw: dict[str, Any],
+    strict: bool,
+    cast: bool,
+    verify: bool,
+    io: tuple[int | None, int | None, bool | str | None, str | None],
+) -> Any:
+    """load(f, out=out): into the tensors of ``out`` (ckptio.inplace)."""
+    from ckptio import inplace
+
+    if map_location is not None or mmap:
+        raise TypeError("load(out=...) takes no map_location or mmap: the destinations decide")
+    if _is_path(f):
+        path = shown = _path(f, "load")
+    else:
+        fd = _descriptor(f)
+        if fd is None:
+            raise TypeError(
+                "load(out=...) needs a path or a file object over a regular file, "
+                f"not {type(f).__name__}"
+            )
+        path, shown = f"/proc/self/fd/{fd}", _object_name(f, fd)
+    if path.endswith(".safetensors"):
+        from ckptio import safetensors as cst
+
+        threads, chunk_size, direct, backend = io
+        return cst.load_file(
+            path, out=out, strict=strict, cast=cast, threads=threads,
+            chunk_size=chunk_size, direct=direct, device_backend=backend,
+        )  # fmt: skip
+    return inplace.load_into(
+        path,
+        out,
+        strict=strict,
+        cast=cast,
+        verify=verify,
+        io=inplace.IoOptions.of(*io),
+        torch_kw=torch_kw,
+        name=shown,
+    )
+
+
+@contextlib.contextmanager
+def _unpickling(path: str) -> Iterator[None]:
+    """torch's refusal of a pickle (weights_only) names the file and what was refused."""
+    try:
+        yield
+    except pickle.UnpicklingError as e:
+        lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+        what = "could not be unpickled"
+        if len(lines) > 1 and lines[0].startswith("Weights only load failed"):
+            lines = lines[1:]  # torch's preamble; the reason follows
+            what = "refused by torch's weights_only unpickler"
+        reason = lines[0] if lines else type(e).__name__
+        raise pickle.UnpicklingError(f"{path}: record data.pkl {what}: {reason}") from e
+
+
 def _by_torch(t0: float, src: Any, why: str, *args: Any, **kwargs: Any) -> Any:
     """torch.load as is; the report says so."""
-    obj = torch.load(src, *args, **kwargs)
+    name = os.fsdecode(src) if _is_path(src) else _object_name(src)
+    with _unpickling(name):
+        obj = torch.load(src, *args, **kwargs)
     try:
         n = os.path.getsize(src) if _is_path(src) else 0
     except OSError:
         n = 0
-    name = os.fsdecode(src) if _is_path(src) else _object_name(src)
     _report(name, t0, _torch_stats(n, f"torch.load read it: {why}"), 0)
     return obj
 
@@ -1271,13 +1374,18 @@ def _load_safetensors(
     )
 
 
-def _reads_natively(path: str) -> bool:
-    """Whether load moves the storages itself (not the byte-swapped torch.load path)."""
-    reader = _open(path, "off", None)
+def _native_byteorder(reader: _native.Reader, path: str) -> bool:
+    """Whether the storages are in this machine's byte order (no byteorder record:
+    little-endian, as torch assumes)."""
     byteorder = f"{reader.prefix}/byteorder"
-    if any(name == byteorder for name, _, _ in reader.records()):
-        return bool(reader.read_record(byteorder).decode() == sys.byteorder)
-    return True
+    if not any(name == byteorder for name, _, _ in reader.records()):
+        return sys.byteorder == "little"
+    raw = reader.read_record(byteorder)
+    if raw not in (b"little", b"big"):
+        raise _native.FormatError(
+            f"{path}: record {byteorder} is {raw[:16]!r}, not b'little' or b'big'"
+        )
+    return raw.decode() == sys.byteorder
 
 
 def _verify_all(
@@ -1288,11 +1396,27 @@ def _verify_all(
 
 
 def _open(path: str, direct: str | None, backend: str | None) -> _native.Reader:
-    """Open and map a checkpoint; a zip without a pickle is no checkpoint."""
+    """Open and map a checkpoint; a zip without a pickle is no checkpoint, nor
+    one that torch's own reader refuses (unsupported version, flags...)."""
     reader = _native.Reader(path, direct, backend)
     if not any(name == f"{reader.prefix}/data.pkl" for name, _, _ in reader.records()):
         raise _native.FormatError(f"{path}: no data.pkl record: not a torch.save checkpoint")
+    _torch_reads(path, reader.fileno())
     return reader
+
+
+def _torch_reads(path: str, fd: int | None = None) -> None:
+    """FormatError naming ``path`` if torch's archive reader (which torch.load runs
+    on it) refuses the file; it reads only the end records and the directory."""
+    try:
+        torch._C.PyTorchFileReader(path if fd is None else f"/proc/self/fd/{fd}")
+    except Exception as e:  # RuntimeError; a message with raw bytes is a UnicodeDecodeError
+        if isinstance(e, UnicodeDecodeError) and isinstance(e.object, bytes):
+            msg = e.object.decode(errors="replace")
+        else:
+            msg = str(e)
+        msg = msg.splitlines()[0] if msg else type(e).__name__
+        raise _native.FormatError(f"{path}: torch's reader refuses the archive: {msg}") from e
 
 
 def _tensors(obj: Any, name: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -1323,6 +1447,7 @@ def records(f: str | os.PathLike[str], *, weights_only: bool = True) -> list[Rec
     path = _path(f, "records")
     reader = _open(path, "off", None)
     records_ = reader.records()
+    _native_byteorder(reader, path)  # torch.load would fail on a bad one, untyped
     native = _native_pickle(reader, records_, reader.prefix)
     if native is not None:
         parsed, found = native
@@ -1333,14 +1458,22 @@ def records(f: str | os.PathLike[str], *, weights_only: bool = True) -> list[Rec
             storages.append(st)
         meta = _rebuild(parsed, storages, [x[2] for x in found], path)
     else:
-        meta = torch.load(
-            f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
-        )
+        with _unpickling(path):
+            meta = torch.load(
+                f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
+            )
     by_offset: dict[int, list[TensorInfo]] = {}
+    sizes = {off: size for _, off, size in reader.records()}
     for name, t in _tensors(meta, "", set()):
         off = getattr(t.untyped_storage(), "_checkpoint_offset", None)
         if off is None:
             continue
+        if sizes.get(off) != t.untyped_storage().nbytes():
+            raise _native.FormatError(
+                f"{path}: tensor {name or '<root>'!r} declares a storage of "
+                f"{t.untyped_storage().nbytes()} bytes at offset {off}, where the archive "
+                f"has {'no record' if off not in sizes else f'a record of {sizes[off]}'}"
+            )
         by_offset.setdefault(off, []).append(
             TensorInfo(
                 name or "<root>", t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()

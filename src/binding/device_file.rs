@@ -13,7 +13,7 @@ use crate::io::file::IoFile;
 use crate::Error;
 
 use super::engine::Engine;
-use super::{detached, file_modes, report_dict, write_dict, Ask, Owners, RawSegment, Streams};
+use super::{detached, file_modes, write_dict, Ask, Owners, RawSegment, Streams};
 
 /// An open file for moving memory to and from given offsets.
 ///
@@ -106,6 +106,10 @@ impl DeviceFile {
     /// the end of the file is a `FormatError`. `owners` (the objects owning
     /// the destinations) are held until this returns; nobody else may touch
     /// the destinations meanwhile.
+    ///
+    /// `checksum`: also return each segment's CRC-32 (`"crc32"`, None where
+    /// cuFile moved the bytes), computed in the I/O threads.
+    #[pyo3(signature = (engine, segments, owners, streams, checksum=false))]
     fn read_segments<'py>(
         &self,
         py: Python<'py>,
@@ -113,9 +117,11 @@ impl DeviceFile {
         segments: Vec<RawSegment>,
         owners: Owners,
         streams: Streams,
+        checksum: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let ask = Ask {
             streams,
+            checksum,
             ..Ask::default()
         };
         // SAFETY: the owners keep every destination allocated until this
@@ -124,7 +130,7 @@ impl DeviceFile {
         let rep = detached(py, engine, segments, owners, ask, |e, s, r| unsafe {
             self.file.read(e, s, r)
         })?;
-        report_dict(py, &rep)
+        write_dict(py, &rep, checksum)
     }
 
     /// Write memory ranges to the file: `segments`, `owners` and `streams` as

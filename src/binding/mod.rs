@@ -40,7 +40,7 @@ use probe::info;
 use reader::{map_archive, map_archives, Reader};
 use safetensors::safetensors_header;
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
-use writer::AtomicWriter;
+use writer::{clean_temps, AtomicWriter};
 
 fn direct_mode(s: Option<&str>) -> PyResult<Option<DirectMode>> {
     Ok(match s {
@@ -160,7 +160,7 @@ fn report_dict<'py>(py: Python<'py>, rep: &Report) -> PyResult<Bound<'py, PyDict
 mod _native {
     #[pymodule_export]
     use super::{
-        _clear_faults, _op_log, _record_ops, _set_fault, _set_truncation, advise_huge,
+        _clear_faults, _op_log, _record_ops, _set_fault, _set_truncation, advise_huge, clean_temps,
         cufile_register_buffer, env_threads, host_memory, info, map_archive, map_archives,
         pinned_memory, release_buffers, safetensors_header, stage_copy, stage_device_copy,
         stage_pin, unpickle, AtomicWriter, BufferRegistration, DeviceFile, Engine, HostMemory,

@@ -89,7 +89,7 @@ fn probe_folder(dir: &std::path::Path) -> FolderProbe {
             Some(why),
         )
     };
-    let tmp = match AtomicFile::create(&dir.join(".ckptio-probe")) {
+    let tmp = match AtomicFile::create_with(&dir.join(".ckptio-probe"), false) {
         Ok(t) => t,
         Err(e) => return fail(e.to_string()),
     };

@@ -95,18 +95,26 @@ pub struct Reader {
 
 #[pymethods]
 impl Reader {
+    /// `offset`, `length`: the archive is bytes `[offset, offset + length)` of
+    /// the file (a DCP item), not the whole file.
     #[new]
-    #[pyo3(signature = (path, direct=None, backend=None))]
+    #[pyo3(signature = (path, direct=None, backend=None, offset=0, length=None))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         direct: Option<&str>,
         backend: Option<&str>,
+        offset: u64,
+        length: Option<u64>,
     ) -> PyResult<Self> {
         let (mode, backend) = file_modes(direct, backend)?;
         py.detach(|| {
             let io = IoFile::open_read(&path, mode)?;
-            let archive = zipmap::map_file(io.file(), Some(&path))?;
+            let archive = match length {
+                Some(len) => zipmap::map_file_range(io.file(), Some(&path), offset, len)?,
+                None if offset == 0 => zipmap::map_file(io.file(), Some(&path))?,
+                None => return Err(Error::invalid("an offset needs a length")),
+            };
             Ok::<_, Error>(Reader {
                 file: TransferFile::new(io, backend),
                 archive,

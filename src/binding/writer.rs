@@ -1,6 +1,7 @@
 //! `AtomicWriter`: a checkpoint being written into a temp file beside its
 //! target, replaced atomically on commit.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -12,7 +13,7 @@ use crate::format::integrity::{self, Storage};
 use crate::format::zipwrite::{self, Body, Entry};
 use crate::format::zstd;
 use crate::io::file::IoFile;
-use crate::io::persist::AtomicFile;
+use crate::io::persist::{self, AtomicFile};
 use crate::Error;
 
 use super::engine::Engine;
@@ -70,19 +71,29 @@ impl AtomicWriter {
     }
 }
 
+/// Remove the temp files of dead saves in `folder` (ckptio's temp-name pattern
+/// only, only files whose liveness lock can be taken); the names removed.
+#[pyfunction]
+pub(super) fn clean_temps(py: Python<'_>, folder: PathBuf) -> PyResult<Vec<OsString>> {
+    Ok(py.detach(|| persist::remove_stale_temps(&folder))?)
+}
+
 #[pymethods]
 impl AtomicWriter {
+    /// `sweep`: first remove the temp files of dead saves in the folder (a
+    /// save of many files asks once, for its first file).
     #[new]
-    #[pyo3(signature = (path, direct=None, backend=None))]
+    #[pyo3(signature = (path, direct=None, backend=None, sweep=true))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         direct: Option<&str>,
         backend: Option<&str>,
+        sweep: bool,
     ) -> PyResult<Self> {
         let (mode, backend) = file_modes(direct, backend)?;
         py.detach(|| {
-            let atomic = AtomicFile::create(&path)?;
+            let atomic = AtomicFile::create_with(&path, sweep)?;
             let file = atomic
                 .file()
                 .try_clone()
@@ -112,7 +123,7 @@ impl AtomicWriter {
         self.tmp_path.clone()
     }
 
-    /// The file that commit replaces (symbolic links resolved).
+    /// The file that commit replaces (a symbolic link there followed by the kernel).
     #[getter]
     fn target(&self) -> PathBuf {
         self.target.clone()

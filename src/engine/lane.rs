@@ -14,6 +14,11 @@ use crate::{Error, Result};
 
 use super::{Chunk, Dir, PageLocks, Piece, Plan};
 
+/// Largest read through a lane's staging buffer (reads into memory that
+/// O_DIRECT cannot reach straight): 4 MiB reads run at the disk's full rate
+/// (2.68 GiB/s against 2.69 for 16 MiB on the development VM, 8 threads).
+pub(super) const STAGED_PIECE: usize = 4 << 20;
+
 /// What every thread of one transfer shares.
 pub(super) struct Ctx<'a> {
     pub(super) file: &'a IoFile,
@@ -495,8 +500,16 @@ impl Lane {
         {
             file.read_at(dst, c.file_offset)?;
         } else {
-            let staged = self.read_staged(file, c.file_offset, c.len)?;
-            dst.copy_from_slice(staged);
+            // Through the staging buffer a piece at a time: misaligned
+            // destinations (a model's own tensors, loaded in place) keep at
+            // most STAGED_PIECE of each lane's buffer resident, not a chunk.
+            let mut done = 0;
+            while done < c.len {
+                let n = (c.len - done).min(STAGED_PIECE);
+                let staged = self.read_staged(file, c.file_offset + done as u64, n)?;
+                dst[done..done + n].copy_from_slice(staged);
+                done += n;
+            }
         }
         // Over the destination, after the read: what the caller gets is what is checked.
         Ok(crc.then(|| crc32fast::hash(dst)))

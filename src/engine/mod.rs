@@ -855,6 +855,26 @@ mod tests {
     }
 
     #[test]
+    fn misaligned_reads_go_through_staging_piece_by_piece() {
+        let d = tempfile::tempdir().unwrap();
+        let f = open(&d.path().join("pieces"), DirectMode::Auto);
+        let n = 2 * lane::STAGED_PIECE + 12_345;
+        let data: Vec<u8> = (0..n).map(|i| (i * 31 + i / 4099) as u8).collect();
+        let e = engine(2, 16 << 20);
+        unsafe { e.write(&f, &[host(8192, &data)]) }.unwrap();
+        // One byte past an aligned buffer: no O_DIRECT straight into it.
+        let mut back = AlignedBuf::new(n + 1, 4096).unwrap();
+        let seg = Segment {
+            file_offset: 8192,
+            addr: back.as_mut_ptr() as u64 + 1,
+            len: n as u64,
+            memory: Memory::Host,
+        };
+        unsafe { e.read(&f, &[seg]) }.unwrap();
+        assert_eq!(&back.as_slice()[1..n + 1], &data[..]);
+    }
+
+    #[test]
     fn reading_past_the_end_is_an_error_from_any_thread() {
         let d = tempfile::tempdir().unwrap();
         let f = open(&d.path().join("short"), DirectMode::Auto);

@@ -35,12 +35,14 @@ const ZIP64_EXTRA_ID: u16 = 0x0001;
 const SAT16: u16 = u16::MAX;
 /// A 32-bit field with this value lives in the ZIP64 records instead.
 const SAT32: u32 = u32::MAX;
-/// General-purpose flag bits 0 (encrypted), 5 (patch data), 6 (strong
-/// encryption) and 13 (masked local headers): what miniz, torch's reader,
-/// refuses as "unsupported encryption".
-const ENCRYPTED_FLAGS: u16 = 0x2061;
-/// MS-DOS directory attribute in a record's external attributes.
-const DOS_DIRECTORY: u32 = 0x10;
+/// General-purpose flag bits torch's reader (miniz) refuses: 0 (encrypted),
+/// 5 (compressed patch data), 6 (strong encryption), 13 (masked local headers).
+const REFUSED_FLAGS: u16 = 0x2061;
+/// The DOS directory bit of an entry's external attributes: miniz then takes
+/// the record for a folder and torch reads no bytes of it.
+const DOS_DIR_ATTRIBUTE: u32 = 0x10;
+/// The smallest "size of the ZIP64 end record" field miniz accepts (56 - 12).
+const ZIP64_EOCD_MIN_SIZE: u64 = 44;
 const METHOD_STORED: u16 = 0;
 
 /// One stored record of the archive.
@@ -133,6 +135,52 @@ pub fn map_file(file: &File, path: Option<&Path>) -> Result<Archive> {
     map(&src, path)
 }
 
+/// Maps the archive stored in bytes `[start, start + len)` of `file` (a DCP
+/// item: a torch.save zip inside a larger file), with every check of
+/// [`map_file`] confined to that range. Offsets in the result are offsets in
+/// the file; `file_len` is the end of the range.
+///
+/// # Errors
+/// As [`map_file`]; a range past the end of the file is an [`Error::Format`].
+pub fn map_file_range(file: &File, path: Option<&Path>, start: u64, len: u64) -> Result<Archive> {
+    let size = file
+        .metadata()
+        .map_err(|e| Error::io("fstat", path.map(Path::to_path_buf), e))?
+        .len();
+    let end = start
+        .checked_add(len)
+        .filter(|&e| e <= size)
+        .ok_or_else(|| {
+            Error::format(
+                path,
+                format!(
+                    "bytes {start}..{} lie past the end of the file ({size} bytes)",
+                    start.saturating_add(len)
+                ),
+            )
+        })?;
+    let src = RangeSource {
+        inner: FileSource { file, size, path },
+        start,
+        len: end - start,
+    };
+    let mut a = map(&src, path).map_err(|e| match e {
+        Error::Format { path, reason } => Error::Format {
+            path,
+            reason: format!("item at bytes {start}..{end}: {reason}"),
+        },
+        other => other,
+    })?;
+    for r in &mut a.records {
+        r.header_offset += start;
+        r.data_offset += start;
+        r.cd_entry_offset += start;
+    }
+    a.file_len = end;
+    a.eocd_offset += start;
+    Ok(a)
+}
+
 /// Maps an archive held in memory (the same checks as [`map_file`]).
 ///
 /// # Errors
@@ -163,6 +211,24 @@ impl Source for FileSource<'_> {
         self.file
             .read_exact_at(buf, offset)
             .map_err(|e| Error::io("pread", self.path.map(Path::to_path_buf), e))
+    }
+}
+
+/// A byte range of a file, seen as a file of its own.
+struct RangeSource<'a> {
+    inner: FileSource<'a>,
+    start: u64,
+    len: u64,
+}
+
+impl Source for RangeSource<'_> {
+    fn size(&self) -> u64 {
+        self.len
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        // Callers stay inside size(), so this stays inside the file.
+        self.inner.read_at(buf, self.start + offset)
     }
 }
 
@@ -297,7 +363,8 @@ fn find_end<S: Source>(src: &S, bad: &impl Fn(String) -> Error) -> Result<End> {
     let z64_disk = le32(&locator, 4);
     let z64_offset = le64(&locator, 8);
     let total_disks = le32(&locator, 16);
-    if z64_disk != 0 || total_disks > 1 {
+    // torch's reader wants exactly one disk here (it writes 1).
+    if z64_disk != 0 || total_disks != 1 {
         return Err(bad(format!(
             "archive spans several disks (ZIP64 end record on disk {z64_disk}, \
              {total_disks} disks)"
@@ -319,6 +386,13 @@ fn find_end<S: Source>(src: &S, bad: &impl Fn(String) -> Error) -> Result<End> {
             "no ZIP64 end record at offset {z64_offset}, where the locator points \
              (found {:#010x})",
             le32(&z, 0)
+        )));
+    }
+    let z_size = le64(&z, 4);
+    if z_size < ZIP64_EOCD_MIN_SIZE {
+        return Err(bad(format!(
+            "the ZIP64 end record at offset {z64_offset} declares a size of {z_size} bytes \
+             (at least {ZIP64_EOCD_MIN_SIZE}), which torch's reader refuses"
         )));
     }
     let z_disk = le32(&z, 16);
@@ -441,15 +515,19 @@ fn parse_central_directory(
                 String::from_utf8_lossy(name_bytes)
             )));
         };
-        if flags & ENCRYPTED_FLAGS != 0 {
+        if flags & REFUSED_FLAGS != 0 {
             return Err(bad(format!(
-                "record {name:?} is encrypted (flags {flags:#06x})"
+                "record {name:?} has flags {flags:#06x}: encrypted, patch data or masked \
+                 headers (bits {:#06x}), which torch's reader refuses",
+                flags & REFUSED_FLAGS
             )));
         }
-        // miniz's test for a directory (made by MS-DOS, torch's writer's host 0):
-        // torch cannot read such a record.
-        if name.ends_with('/') || (le16(h, 4) >> 8 == 0 && le32(h, 38) & DOS_DIRECTORY != 0) {
-            return Err(bad(format!("record {name:?} is marked as a directory")));
+        let external = le32(h, 38);
+        if external & DOS_DIR_ATTRIBUTE != 0 || name.ends_with('/') {
+            return Err(bad(format!(
+                "record {name:?} is marked as a folder (external attributes {external:#010x}), \
+                 whose bytes torch's reader does not read"
+            )));
         }
         if method != METHOD_STORED {
             return Err(bad(format!(
@@ -459,7 +537,7 @@ fn parse_central_directory(
 
         // Saturated fields live in the zip64 extra, in this order, and only those.
         let mut z64: &[u8] = &[];
-        if usize32 == SAT32 || csize32 == SAT32 || lho32 == SAT32 || disk16 == SAT16 {
+        if usize32 == SAT32 || csize32 == SAT32 || lho32 == SAT32 {
             z64 = zip64_extra(&cd[name_end..extra_end]).ok_or_else(|| {
                 bad(format!(
                     "record {name:?} defers its sizes or offset to a zip64 extra field \
@@ -482,20 +560,11 @@ fn parse_central_directory(
         let size = widen("uncompressed size", usize32)?;
         let csize = widen("compressed size", csize32)?;
         let header_offset = widen("local header offset", lho32)?;
-        let disk = if disk16 == SAT16 {
-            z64.first_chunk::<4>()
-                .map(|d| u32::from_le_bytes(*d))
-                .ok_or_else(|| {
-                    bad(format!(
-                        "record {name:?}: the zip64 extra field lacks the disk number"
-                    ))
-                })?
-        } else {
-            u32::from(disk16)
-        };
-        if disk != 0 {
+        // A saturated disk number (deferred to the zip64 extra) is refused by
+        // torch's reader too: the record must start on disk 0.
+        if disk16 != 0 {
             return Err(bad(format!(
-                "record {name:?} starts on disk {disk}; multi-disk archives are not supported"
+                "record {name:?} starts on disk {disk16}; multi-disk archives are not supported"
             )));
         }
         if csize != size {
@@ -1464,10 +1533,14 @@ mod tests {
             "record \"archive/data/0\" is compressed (method 8); ckptio needs stored records",
             |v| set16(v, e + 10, 8),
         );
-        rejects_patched(&v, "record \"archive/data/0\" is encrypted", |v| {
-            set16(v, e + 8, 0x0809)
+        rejects_patched(
+            &v,
+            "record \"archive/data/0\" has flags 0x0809: encrypted",
+            |v| set16(v, e + 8, 0x0809),
+        );
+        rejects_patched(&v, "has flags 0x0848: encrypted", |v| {
+            set16(v, e + 8, 0x0848)
         });
-        rejects_patched(&v, "is encrypted", |v| set16(v, e + 8, 0x0848));
         rejects_patched(
             &v,
             "record \"archive/data/0\" has compressed size 63 but uncompressed size 64",
@@ -1562,6 +1635,67 @@ mod tests {
     }
 
     #[test]
+    fn an_archive_inside_a_larger_file() {
+        let img = small();
+        let inner = img.to_vec();
+        let mut whole = vec![0xAB; 5000];
+        whole.extend(&inner);
+        whole.extend([0xCD; 300]);
+        let mut f = tempfile::tempfile().unwrap();
+        std::io::Write::write_all(&mut f, &whole).unwrap();
+        let a = map_file_range(&f, None, 5000, inner.len() as u64).unwrap();
+        let alone = map_bytes(&inner).unwrap();
+        assert_eq!(a.records.len(), alone.records.len());
+        for (r, s) in a.records.iter().zip(&alone.records) {
+            assert_eq!(
+                (r.data_offset, r.size, r.crc32),
+                (s.data_offset + 5000, s.size, s.crc32)
+            );
+            assert_eq!(
+                &whole[r.data_offset as usize..][..r.size as usize],
+                &inner[s.data_offset as usize..][..s.size as usize]
+            );
+        }
+        // The range is the whole world: its end records must be inside it.
+        let e = map_file_range(&f, None, 5000, inner.len() as u64 - 1).unwrap_err();
+        assert!(e.to_string().contains("item at bytes 5000.."), "{e}");
+        let e = map_file_range(&f, None, 5000, whole.len() as u64).unwrap_err();
+        assert!(e.to_string().contains("past the end of the file"), "{e}");
+    }
+
+    #[test]
+    fn rejects_what_torch_refuses() {
+        // Flag bits torch's reader refuses (encryption, patch data, masked
+        // headers); the data-descriptor and UTF-8 bits it writes itself pass.
+        let img = small();
+        let v = img.to_vec();
+        for bit in [0, 5, 6, 13] {
+            rejects_patched(&v, "which torch's reader refuses", |v| {
+                set16(v, img.cd_entries[2] + 8, 0x0808 | 1 << bit)
+            });
+        }
+        for bit in [1, 2, 4, 7, 12, 15] {
+            let mut w = v.clone();
+            set16(&mut w, img.cd_entries[2] + 8, 0x0808 | 1 << bit);
+            img.check(&map_bytes(&w).unwrap());
+        }
+        // The ZIP64 end record's own size field, and the locator's disk count.
+        let z = img.zip64_eocd.unwrap();
+        for size in [0, 43] {
+            rejects_patched(&v, "declares a size of", |v| set64(v, z + 4, size));
+        }
+        let loc = img.eocd - LOCATOR_LEN as u64;
+        rejects_patched(&v, "spans several disks", |v| set32(v, loc + 16, 0));
+        // An entry miniz takes for a folder (DOS directory bit): torch reads none of it.
+        rejects_patched(&v, "marked as a folder", |v| {
+            set32(v, img.cd_entries[2] + 38, 0xD6)
+        });
+        let mut w = v.clone();
+        set32(&mut w, img.cd_entries[2] + 38, 0o644 << 16); // Unix mode bits: a file
+        img.check(&map_bytes(&w).unwrap());
+    }
+
+    #[test]
     fn rejects_missing_zip64_fields() {
         let img = small();
         let e = img.cd_entries[4];
@@ -1570,19 +1704,17 @@ mod tests {
             "zip64 extra field that is missing or garbled",
             |v| set32(v, e + 24, SAT32),
         );
-        rejects_patched(
-            &img.to_vec(),
-            "zip64 extra field that is missing or garbled",
-            |v| set16(v, e + 34, SAT16),
-        );
+        rejects_patched(&img.to_vec(), "starts on disk 65535", |v| {
+            set16(v, e + 34, SAT16)
+        });
         let mut b = Builder::new(64);
         b.zip64_everywhere = true;
         b.add("archive/data/0", Data::Bytes(&[7; 64]));
         let img = b.finish(true);
         let e = img.cd_entries[0];
         let extra = e + 46 + 14;
-        // The extra holds usize, csize and lho; a disk number would be a fourth field.
-        rejects_patched(&img.to_vec(), "lacks the disk number", |v| {
+        // A disk number deferred to the extra is refused, as torch's reader does.
+        rejects_patched(&img.to_vec(), "starts on disk 65535", |v| {
             set16(v, e + 34, SAT16)
         });
         // A block whose length overruns the extra field.

@@ -273,6 +273,13 @@ mod tests {
         assert!(b.as_slice().iter().all(|&x| x == 0));
         b.as_mut_slice()[4095] = 7;
         assert_eq!(b.as_slice()[4095], 7);
+        for align in [1, 512, 4096, 1 << 21] {
+            let b = AlignedBuf::new(3 * align + 1, align).unwrap();
+            assert_eq!(b.as_ptr() as usize % align, 0);
+            assert_eq!((b.len(), b.align()), (4 * align, align));
+            assert!(b.as_slice().iter().all(|&x| x == 0));
+        }
+        assert!(AlignedBuf::new(10, 3000).is_err());
     }
 
     #[test]

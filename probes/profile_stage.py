@@ -1,7 +1,7 @@
 """Where the time of async_save + ckptio's stage() goes, for N CUDA tensors
 (the part of "async_save returns in < 5 ms" that is ours, and torch's part).
 
-    python benches/profile_stage.py --tensors 512
+    python probes/profile_stage.py --tensors 512
 """
 
 from __future__ import annotations

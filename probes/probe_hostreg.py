@@ -1,20 +1,20 @@
 """Probes behind three design choices (results: benches/results/probe-h200-2026-11-30.txt).
 
-    python benches/probe_hostreg.py --size 4G   # /dev/shm -> GPU: registered mapping
+    python probes/probe_hostreg.py --size 4G   # /dev/shm -> GPU: registered mapping
                                                 # vs pageable vs pread into pinned, by
                                                 # threads; 512 D2D copies, ctypes vs foreach
-    python benches/probe_hostreg.py first 8G    # first host staging: fault-in vs pinning
-    python benches/probe_hostreg.py loads 8G    # ckptio.load from /dev/shm by threads
-    python benches/probe_hostreg.py bounce 8G   # first host staging without pinning:
+    python probes/probe_hostreg.py first 8G    # first host staging: fault-in vs pinning
+    python probes/probe_hostreg.py loads 8G    # ckptio.load from /dev/shm by threads
+    python probes/probe_hostreg.py bounce 8G   # first host staging without pinning:
                                                 # fault-in, memcpy from a pinned lane,
                                                 # D2H through two lanes per thread
-    python benches/probe_hostreg.py alloc 8G    # a load's destinations: 512 cudaMallocs
+    python probes/probe_hostreg.py alloc 8G    # a load's destinations: 512 cudaMallocs
                                                 # or one segment; loads into a fresh cache
-    python benches/probe_hostreg.py backends 8G # ckptio.load from /dev/shm by backend
+    python probes/probe_hostreg.py backends 8G # ckptio.load from /dev/shm by backend
                                                 # and by the state of torch's cache
-    python benches/probe_hostreg.py tmpfs 2G    # preads of a tmpfs file by the state of
+    python probes/probe_hostreg.py tmpfs 2G    # preads of a tmpfs file by the state of
                                                 # its pages (no GPU needed)
-    python benches/probe_hostreg.py sources 2G  # the engine's read of a checkpoint in memory
+    python probes/probe_hostreg.py sources 2G  # the engine's read of a checkpoint in memory
                                                 # (tmpfs, page-cached disk file) into faulted
                                                 # host memory, first and repeat, by memory
                                                 # path (map, pread); no GPU needed

@@ -1,0 +1,291 @@
+"""Resume in place (issue 17): ckptio.load_state_dict against torch's
+model.load_state_dict(torch.load(path)), every ratio against a baseline of the
+same run.
+
+--device cpu (the development machine): a model of --size float32 parameters in
+host memory, already faulted in, loaded from a cold ckptio checkpoint. Each load
+runs in a fresh process (a resume), which reports its seconds and its peak RSS
+growth (VmHWM after resetting it, less the RSS before). Baseline: a raw O_DIRECT
+read of the checkpoint file (8 threads, 64 MiB) into an already-faulted buffer.
+Targets: ckptio >= 0.9x the raw read; ckptio's RSS growth <= 10% of the
+checkpoint (torch.load + load_state_dict adds 1x).
+
+--device cuda (the GPU machine, scripts/gpu_check.sh inplace): a model of --size
+bfloat16 parameters on the GPU, loaded from a cold checkpoint in --dir:
+ckptio.load_state_dict against model.load_state_dict(torch.load(path,
+map_location="cuda")), and the peak GPU memory each adds
+(torch.cuda.max_memory_allocated) against the pinned pool ckptio holds. Then
+from /dev/shm (pages in memory, read once before) against a pinned host-to-device
+copy of the same bytes. Targets: >= 2x torch; added GPU memory <= the pinned
+pool; from /dev/shm >= 0.85x the pinned copy.
+
+    python benches/bench_inplace.py --device cpu --size 1G --rounds 3 [--dir DIR] [--json OUT]
+    python benches/bench_inplace.py --device cuda --size 8G --dir /tmp [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import ckptio
+import torch
+from ckptio import bench
+from ckptio.cli import _size
+from torch import nn
+
+GiB = 2**30
+
+
+def module_of(shapes: dict[str, list[int]], dtype: torch.dtype, device: str) -> nn.Module:
+    """A module tree whose state dict has these keys and shapes, every parameter
+    written (its pages faulted in, as a model's are)."""
+    root = nn.Module()
+    for key, shape in shapes.items():
+        *path, leaf = key.split(".")
+        m = root
+        for name in path:
+            if not hasattr(m, name):
+                m.add_module(name, nn.Module())
+            m = getattr(m, name)
+        t = torch.full(shape, 0.5, dtype=dtype, device=device)
+        m.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+    return root
+
+
+# A resume in a fresh process: build the model, then time one load and its peak RSS.
+CHILD = """
+import json, sys, time, torch, ckptio
+sys.path.insert(0, sys.argv[4])
+from bench_inplace import module_of
+path, how, shapes = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
+model = module_of(shapes, torch.float32, "cpu")
+def status(k):
+    for line in open("/proc/self/status"):
+        if line.startswith(k):
+            return int(line.split()[1]) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # the peak starts here
+base = status("VmRSS")
+t0 = time.perf_counter()
+if how == "ckptio":
+    ckptio.load_state_dict(model, path)
+else:
+    model.load_state_dict(torch.load(path))
+sec = time.perf_counter() - t0
+print(json.dumps({"seconds": sec, "rss_growth": status("VmHWM") - base}))
+"""
+
+
+def child(path: str, how: str, shapes_file: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, path, how, shapes_file, os.path.dirname(__file__)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{how} child failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def cpu(args: argparse.Namespace) -> dict:
+    size = _size(args.size)
+    tmp = tempfile.mkdtemp(prefix="ckptio-inplace-", dir=args.dir)
+    try:
+        sd = bench.synthetic_state_dict(size)
+        nbytes = sum(t.nbytes for t in sd.values())
+        shapes = {k: list(v.shape) for k, v in sd.items()}
+        shapes_file = os.path.join(tmp, "shapes.json")
+        with open(shapes_file, "w") as f:
+            json.dump(shapes, f)
+        path = os.path.join(tmp, "model.pt")
+        ckptio.save(sd, path)
+        del sd
+        print(
+            f"# {nbytes / GiB:.2f} GiB float32 model in host memory, {len(shapes)} tensors, "
+            f"checkpoint {path}, {args.rounds} rounds (median), a fresh process per load",
+            flush=True,
+        )
+        raw_n = nbytes // 4096 * 4096
+        buf = mmap.mmap(-1, raw_n)
+        view = memoryview(buf)
+        chunk = b"\x01" * (64 << 20)
+        for off in range(0, raw_n, len(chunk)):  # fault every page in
+            view[off : off + len(chunk)] = chunk[: raw_n - off]
+        rows: dict[str, list[dict]] = {"raw": [], "ckptio": [], "torch": []}
+        for _ in range(args.rounds):
+            s = bench.cold_read(path, view, getattr(os, "O_DIRECT", 0), 8, 64 << 20)
+            rows["raw"].append({"seconds": s})
+            for how in ("ckptio", "torch"):
+                bench.drop_cache(path)
+                rows[how].append(child(path, how, shapes_file))
+        view.release()
+        buf.close()
+        med = {k: statistics.median(r["seconds"] for r in v) for k, v in rows.items()}
+        rss = {
+            k: statistics.median(r["rss_growth"] for r in v) for k, v in rows.items() if k != "raw"
+        }
+        names = {
+            "raw": "raw O_DIRECT read, faulted buffer",
+            "ckptio": "ckptio.load_state_dict",
+            "torch": "load_state_dict(torch.load)",
+        }
+        print(f"{'what':<36} {'seconds':>8} {'GiB/s':>7} {'peak RSS growth':>18}")
+        for k, name in names.items():
+            g = f"{rss[k] / 2**20:9.0f} MiB ({rss[k] / nbytes:.2f}x)" if k in rss else ""
+            gbs = (raw_n if k == "raw" else nbytes) / GiB / med[k]
+            print(f"{name:<36} {med[k]:8.3f} {gbs:7.2f} {g:>18}")
+        raw_gbs = raw_n / med["raw"]
+        ratio = nbytes / med["ckptio"] / raw_gbs
+        # Each round's own ratio: the disk drifts between rounds on a shared VM.
+        paired = [
+            (nbytes / c["seconds"]) / (raw_n / r["seconds"])
+            for r, c in zip(rows["raw"], rows["ckptio"], strict=True)
+        ]
+        print(
+            f"paired ckptio/raw read by round: {', '.join(f'{x:.2f}' for x in paired)} "
+            f"(median {statistics.median(paired):.2f})"
+        )
+        print(
+            f"targets: ckptio/raw read = {ratio:.2f} (>= 0.9); ckptio RSS growth = "
+            f"{rss['ckptio'] / nbytes:.3f} of the checkpoint (<= 0.10); torch's = "
+            f"{rss['torch'] / nbytes:.2f}; ckptio/torch = {med['torch'] / med['ckptio']:.2f}x",
+            flush=True,
+        )
+        return {
+            "nbytes": nbytes,
+            "rows": rows,
+            "median_s": med,
+            "rss_growth": rss,
+            "ratio": ratio,
+            "paired": paired,
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pinned_copy_s(nbytes: int, timed_gpu) -> float:
+    """Seconds of the fastest of 3 pinned host-to-device copies of ``nbytes``."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    return min(timed_gpu(lambda: dev.copy_(host, non_blocking=True))[0] for _ in range(3))
+
+
+def gpu(args: argparse.Namespace) -> dict:
+    size = _size(args.size)
+    tmp = tempfile.mkdtemp(prefix="ckptio-inplace-", dir=args.dir)
+    shm = tempfile.mkdtemp(prefix="ckptio-inplace-", dir="/dev/shm")
+    out: dict = {}
+    try:
+        sd = bench.synthetic_state_dict(size, "cuda", torch.bfloat16)
+        nbytes = sum(t.nbytes for t in sd.values())
+        shapes = {k: list(v.shape) for k, v in sd.items()}
+        path = os.path.join(tmp, "model.pt")
+        ckptio.save(sd, path)
+        del sd
+        model = module_of(shapes, torch.bfloat16, "cuda")
+        torch.cuda.synchronize()
+        print(
+            f"# {nbytes / GiB:.2f} GiB bfloat16 model on {torch.cuda.get_device_name()}, "
+            f"{len(shapes)} tensors, checkpoint in {tmp}",
+            flush=True,
+        )
+
+        def timed_gpu(fn) -> tuple[float, int]:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
+
+        res: dict[str, list[tuple[float, int]]] = {"torch": [], "ckptio": [], "bounce": []}
+        paths: dict[str, str | None] = {}
+        pinned = 0
+        for _ in range(args.rounds):
+            bench.drop_cache(path)
+            s, g = timed_gpu(lambda: model.load_state_dict(torch.load(path, map_location="cuda")))
+            res["torch"].append((s, g))
+            torch.cuda.empty_cache()
+            for k, backend in (("ckptio", None), ("bounce", "bounce")):
+                bench.drop_cache(path)
+                s, g = timed_gpu(lambda b=backend: ckptio.load_state_dict(model, path, backend=b))
+                res[k].append((s, g))
+                rep = ckptio.last_report()
+                paths[k] = f"device_path={rep.device_path} gds_mode={rep.gds_mode}"
+                pinned = max(pinned, rep.pinned_bytes)
+        med = {k: statistics.median(x[0] for x in v) for k, v in res.items()}
+        peak = {k: max(x[1] for x in v) for k, v in res.items()}
+        print(f"{'what':<44} {'seconds':>8} {'GiB/s':>7} {'GPU added':>10}")
+        for k, name in (
+            ("torch", "load_state_dict(torch.load(cuda)), cold"),
+            ("ckptio", "ckptio.load_state_dict, cold"),
+            ("bounce", "ckptio.load_state_dict bounce, cold"),
+        ):
+            print(
+                f"{name:<44} {med[k]:8.3f} {nbytes / GiB / med[k]:7.2f} "
+                f"{peak[k] / 2**20:7.0f} MiB  {paths.get(k, '')}"
+            )
+        print(f"# ckptio's pinned pool: {pinned / 2**20:.0f} MiB")
+        # /dev/shm: the pages are in memory (read once first); baseline: pinned H2D copy.
+        spath = os.path.join(shm, "model.pt")
+        shutil.copyfile(path, spath)
+        ckptio.load_state_dict(model, spath)
+        shm_s = min(timed_gpu(lambda: ckptio.load_state_dict(model, spath))[0] for _ in range(2))
+        h2d = pinned_copy_s(nbytes, timed_gpu)
+        print(f"{'ckptio.load_state_dict, /dev/shm':<44} {shm_s:8.3f} {nbytes / GiB / shm_s:7.2f}")
+        print(f"{'pinned H2D copy':<44} {h2d:8.3f} {nbytes / GiB / h2d:7.2f}")
+        print(
+            f"targets: ckptio/torch = {med['torch'] / med['ckptio']:.2f}x (>= 2; bounce "
+            f"{med['torch'] / med['bounce']:.2f}x); ckptio's added GPU memory "
+            f"{max(peak['ckptio'], peak['bounce']) / 2**20:.0f} MiB <= pinned pool "
+            f"{pinned / 2**20:.0f} MiB: {max(peak['ckptio'], peak['bounce']) <= pinned}; "
+            f"/dev/shm vs pinned copy = {h2d / shm_s:.2f} (>= 0.85)",
+            flush=True,
+        )
+        out = {
+            "nbytes": nbytes,
+            "median_s": med,
+            "gpu_added": peak,
+            "pinned_pool": pinned,
+            "shm_s": shm_s,
+            "h2d_s": h2d,
+            "paths": paths,
+        }
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--size", default=None, help="default 1G (cpu), 8G (cuda)")
+    p.add_argument("--rounds", type=int, default=None, help="default 3 (cpu), 1 (cuda)")
+    p.add_argument("--dir", default=None)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    if a.device == "cpu":
+        a.size, a.rounds = a.size or "1G", a.rounds or 3
+        result = cpu(a)
+    else:
+        a.size, a.rounds = a.size or "8G", a.rounds or 1
+        result = gpu(a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()

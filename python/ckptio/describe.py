@@ -1,0 +1,473 @@
+"""What is inside a checkpoint of any format ckptio reads: ``ckptio ls``,
+``ckptio inspect`` and the format dispatch of ``ckptio verify``.
+
+The format is found from the content, never from the name:
+
+- a file that starts as a zip archive: a ``torch.save`` checkpoint;
+- a file whose first 8 bytes are a little-endian length N of a header that
+  fits in the file: a safetensors file (its header parser judges the rest);
+- a JSON object with a ``weight_map`` (a ``*.safetensors.index.json``), or a
+  folder holding one (or a single ``model.safetensors``): sharded safetensors;
+- a folder holding ``.metadata`` (or that file itself, a pickle of DCP
+  ``Metadata``): a ``torch.distributed.checkpoint`` folder.
+
+:func:`listing` describes any of them the same way: the stretches of bytes
+(records, tensors, DCP items) of each file with their offsets, sizes, stored
+CRC-32 and the tensors they hold; for DCP also the metadata's tensors and their
+shards. Nothing here reads tensor data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+
+from ckptio import _native
+
+TORCH = "torch.save"
+SAFETENSORS = "safetensors"
+SHARDED = "sharded safetensors"
+DCP = "DCP"
+FORMATS = (TORCH, SAFETENSORS, SHARDED, DCP)
+
+#: JSON files larger than this are no safetensors index (the hub's are kilobytes).
+_MAX_INDEX = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A checkpoint and its format: ``root`` is the file (torch.save, safetensors,
+    an index) or the folder (DCP; sharded safetensors given as a folder)."""
+
+    format: str
+    path: str
+    root: str
+
+
+def detect(path: str | os.PathLike[str]) -> Source:
+    """The format of the checkpoint at ``path``, from its content.
+
+    FileNotFoundError (and other OSErrors) for a path that cannot be read;
+    ``ckptio.FormatError`` naming the path for anything that is no checkpoint
+    ckptio reads (a legacy torch.save file included: ``torch.load`` reads those)."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        if os.path.isfile(os.path.join(p, ".metadata")):
+            return Source(DCP, p, p)
+        names = os.listdir(p)
+        if any(n.endswith(".safetensors.index.json") for n in names) or (
+            "model.safetensors" in names
+        ):
+            return Source(SHARDED, p, p)
+        raise _native.FormatError(
+            f"{p}: a folder, but no checkpoint ckptio reads: no .metadata (DCP) nor "
+            "*.safetensors.index.json / model.safetensors (sharded safetensors)"
+        )
+    with open(p, "rb") as f:
+        head = f.read(16)
+        size = os.fstat(f.fileno()).st_size
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return Source(TORCH, p, p)
+    from ckptio.serialization import _is_legacy
+
+    if _is_legacy(head[:14]):
+        raise _native.FormatError(
+            f"{p}: a legacy torch.save file (torch < 1.6, not a zip archive): torch.load "
+            "reads it; ckptio's commands read zip checkpoints"
+        )
+    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+    if 2 <= n <= size - 8:  # a header length that fits: safetensors (its parser judges the rest)
+        return Source(SAFETENSORS, p, p)
+    if head.lstrip()[:1] == b"{" and size <= _MAX_INDEX:
+        if _is_index(p):
+            return Source(SHARDED, p, p)
+    if head[:1] == b"\x80" and _is_dcp_metadata(p):
+        return Source(DCP, p, os.path.dirname(p) or ".")
+    what = "an empty file" if size == 0 else f"it starts with {head[:8]!r}"
+    raise _native.FormatError(
+        f"{p}: not a checkpoint ckptio reads ({what}): neither a torch.save zip archive, "
+        "a safetensors file or index, nor a DCP checkpoint"
+    )
+
+
+def _is_index(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("weight_map"), dict)
+
+
+def _is_dcp_metadata(path: str) -> bool:
+    from ckptio.dcp import read_metadata
+
+    try:
+        read_metadata(path)
+    except _native.FormatError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- listing
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A tensor held in an entry: its name, dtype, shape, and where in the entry
+    (``note``: an element offset, a DCP shard's place in the whole tensor)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A stretch of one file: a torch.save record, a safetensors tensor, a DCP item."""
+
+    #: The file, relative to the checkpoint's folder ("" for a single-file checkpoint).
+    file: str
+    name: str
+    offset: int
+    nbytes: int
+    #: Where the entry's tensor bytes start (a DCP item's data record; else ``offset``).
+    data_offset: int
+    #: "stored" (``crc32`` holds it), "unchecked" (the file has none for it),
+    #: "none" (the format has no checksum), "compressed" (a DCP item with stream
+    #: transforms: its frames are checked by whoever decodes them).
+    crc: str
+    crc32: int | None = None
+    tensors: tuple[Tensor, ...] = ()
+
+    @property
+    def alignment(self) -> int:
+        """The largest power of two (up to 4096) dividing ``data_offset``."""
+        a = 1
+        while a < 4096 and self.data_offset % (a * 2) == 0:
+            a *= 2
+        return a
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Where one shard of a DCP tensor (or a bytes entry) is stored."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A DCP metadata entry: a tensor (dtype, global shape) with its shards, or bytes."""
+
+    name: str
+    kind: str  # "tensor" | "bytes"
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    shards: tuple[Shard, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    path: str
+    format: str
+    #: Data files (relative to the checkpoint's folder, "" for a single file) and sizes.
+    files: tuple[tuple[str, int], ...]
+    entries: tuple[Entry, ...]
+    #: safetensors ``__metadata__`` (of the first shard for sharded checkpoints).
+    metadata: dict[str, str] | None = None
+    #: DCP: the metadata's tensors and bytes entries, with their shards.
+    stored: tuple[Stored, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["files"] = [{"file": f, "bytes": n} for f, n in self.files]
+        for e, de in zip(self.entries, d["entries"], strict=True):
+            de["alignment"] = e.alignment
+        return d
+
+
+def listing(path: str | os.PathLike[str], source: Source | None = None) -> Listing:
+    """Describe the checkpoint at ``path`` (any format :func:`detect` knows)."""
+    src = source or detect(path)
+    if src.format == TORCH:
+        return _torch(src)
+    if src.format == SAFETENSORS:
+        return _safetensors(src)
+    if src.format == SHARDED:
+        return _sharded(src)
+    return _dcp(src)
+
+
+def _dtype(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _torch(src: Source) -> Listing:
+    from ckptio.serialization import records
+
+    entries = []
+    for r in records(src.root):
+        tensors = tuple(
+            Tensor(
+                t.name,
+                _dtype(t.dtype),
+                t.shape,
+                f"at element {t.storage_offset}" if t.storage_offset else "",
+            )
+            for t in r.tensors
+        )
+        state = "unchecked" if r.crc32 is None else "stored"
+        entries.append(Entry("", r.name, r.offset, r.nbytes, r.offset, state, r.crc32, tensors))
+    return Listing(src.path, TORCH, (("", os.path.getsize(src.root)),), tuple(entries))
+
+
+def _safetensors_file(path: str, rel: str) -> tuple[dict[str, str] | None, list[Entry]]:
+    from ckptio.safetensors import _header
+
+    with open(path, "rb") as f:
+        meta, entries, base = _header(f.fileno(), path)
+    return meta, [
+        Entry(
+            rel,
+            e.name,
+            base + e.begin,
+            e.end - e.begin,
+            base + e.begin,
+            "none",
+            None,
+            (Tensor(e.name, _dtype(e.dtype), e.shape),),
+        )
+        for e in entries
+    ]
+
+
+def _safetensors(src: Source) -> Listing:
+    meta, entries = _safetensors_file(src.root, "")
+    size = os.path.getsize(src.root)
+    return Listing(src.path, SAFETENSORS, (("", size),), tuple(entries), meta)
+
+
+def sharded_files(root: str) -> tuple[str, list[str], dict[str, str] | None]:
+    """(folder, shard file names, weight_map or None) of a sharded checkpoint, as
+    ``ckptio.safetensors.load_sharded`` finds them."""
+    from ckptio.safetensors import _shard_files
+
+    folder, wm = _shard_files(root)
+    files = ["model.safetensors"] if wm is None else list(dict.fromkeys(wm.values()))
+    return folder, files, wm
+
+
+def _sharded(src: Source) -> Listing:
+    from ckptio.safetensors import _gather
+
+    folder, files, wm = sharded_files(src.root)
+    metas, per_file = [], []
+    for name in files:
+        meta, entries = _safetensors_file(os.path.join(folder, name), name)
+        metas.append(meta)
+        per_file.append(entries)
+    # The index's weight_map must agree with the shards (load_sharded's check).
+    _gather(src.root, files, [{e.name: e for e in es} for es in per_file], wm)
+    sizes = tuple((f, os.path.getsize(os.path.join(folder, f))) for f in files)
+    entries = tuple(e for es in per_file for e in es)
+    return Listing(src.path, SHARDED, sizes, entries, metas[0] if metas else None)
+
+
+def _dcp(src: Source) -> Listing:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from ckptio._paths import inside
+    from ckptio.dcp import _METADATA, read_metadata
+
+    folder = src.root
+    md_path = os.path.join(folder, _METADATA)
+    md = read_metadata(md_path)
+    sdm = md.state_dict_metadata
+    entries: list[Entry] = []
+    paths: dict[str, str] = {}
+    where: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    for index, info in sorted(
+        md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)
+    ):
+        fqn = index.fqn
+        offsets = None if index.offset is None else tuple(index.offset)
+        where[(fqn, offsets)] = info
+        meta = sdm.get(fqn)
+        rel = info.relative_path
+        if isinstance(meta, BytesStorageMetadata) or meta is None:
+            entries.append(Entry(rel, fqn, info.offset, info.length, info.offset, "none"))
+            continue
+        chunk = next((c for c in meta.chunks if tuple(c.offsets) == offsets), None)
+        sizes = tuple(chunk.sizes) if chunk is not None else tuple(meta.size)
+        whole = offsets is None or (not any(offsets) and sizes == tuple(meta.size))
+        note = "" if whole else f"shard at {list(offsets or ())} of {list(meta.size)}"
+        tensor = Tensor(fqn, _dtype(meta.properties.dtype), sizes, note)
+        name = fqn if whole else f"{fqn} {list(offsets or ())}"
+        if getattr(info, "transform_descriptors", None):
+            entries.append(
+                Entry(
+                    rel, name, info.offset, info.length, info.offset, "compressed", None, (tensor,)
+                )
+            )
+            continue
+        path = paths.get(rel) or paths.setdefault(rel, inside(folder, rel, md_path))
+        try:
+            item = _native.Reader(path, "off", None, info.offset, info.length)
+        except _native.FormatError as e:
+            raise _native.FormatError(
+                f"{path}: item {name!r} at bytes {info.offset}..+{info.length}: {e}"
+            ) from e
+        data = [(n, off) for n, off, _ in item.records() if n.startswith(f"{item.prefix}/data/")]
+        data_offset = data[0][1] if len(data) == 1 else info.offset
+        crc = dict(item.checksums()).get(data[0][0]) if len(data) == 1 else None
+        entries.append(
+            Entry(
+                rel,
+                name,
+                info.offset,
+                info.length,
+                data_offset,
+                "unchecked" if crc is None else "stored",
+                crc,
+                (tensor,),
+            )
+        )
+    stored = []
+    for fqn, meta in sdm.items():
+        if isinstance(meta, BytesStorageMetadata):
+            info = where.get((fqn, None))
+            shards = (
+                ()
+                if info is None
+                else (Shard((), (), info.relative_path, info.offset, info.length),)
+            )
+            stored.append(Stored(fqn, "bytes", None, None, shards))
+            continue
+        shards = []
+        for c in meta.chunks:
+            info = where.get((fqn, tuple(c.offsets)))
+            if info is not None:
+                shards.append(
+                    Shard(
+                        tuple(c.offsets),
+                        tuple(c.sizes),
+                        info.relative_path,
+                        info.offset,
+                        info.length,
+                    )
+                )
+        stored.append(
+            Stored(fqn, "tensor", _dtype(meta.properties.dtype), tuple(meta.size), tuple(shards))
+        )
+    files = sorted({e.file for e in entries})
+    sizes = tuple((f, os.path.getsize(os.path.join(folder, f))) for f in files)
+    return Listing(src.path, DCP, sizes, tuple(entries), None, tuple(stored))
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "x".join(map(str, shape)) if shape else "scalar"
+
+
+def _tensor_text(t: Tensor) -> str:
+    return f"{t.name}: {t.dtype} [{_shape(t.shape)}]" + (f" {t.note}" if t.note else "")
+
+
+def _file_title(lst: Listing, rel: str, size: int, entries: list[Entry]) -> str:
+    from ckptio.dcp import DATA_FILE
+
+    kind = {DCP: "item", SHARDED: "tensor"}.get(lst.format, "entry")
+    m = DATA_FILE.fullmatch(rel) if lst.format == DCP else None
+    rank = f" (rank {m['rank']})" if m else ""
+    n = len(entries)
+    return f"== {rel}{rank}: {n} {kind}{'s' if n != 1 else ''}, {size} bytes"
+
+
+def lines(lst: Listing, *, crc: bool = False) -> list[str]:
+    """The text of ``ckptio ls`` (``crc=False``) or ``ckptio inspect`` (``crc=True``:
+    the CRC-32 column, a summary, and the metadata: safetensors ``__metadata__``,
+    DCP tensors and shards)."""
+    pad = 44 if crc else 33
+    head = f"{'offset':>12} {'bytes':>12} {'align':>5}" + (f" {'crc32':>10}" if crc else "")
+    what = {TORCH: "record / tensors", DCP: "item / tensor"}.get(lst.format, "tensor")
+    out = [f"{lst.format}: {lst.path}", f"{head}  {what}"]
+    for rel, size in lst.files:
+        es = [e for e in lst.entries if e.file == rel]
+        if rel:
+            out.append(_file_title(lst, rel, size, es))
+        for e in es:
+            row = f"{e.offset:>12} {e.nbytes:>12} {e.alignment:>5}"
+            if crc:
+                state = {"stored": f"{e.crc32 or 0:08x}", "none": "-"}.get(e.crc, e.crc)
+                row += f" {state:>10}"
+            single = len(e.tensors) == 1 and e.tensors[0].name == e.name.split(" [")[0]
+            if single and lst.format != TORCH:
+                data = f", data at {e.data_offset}" if crc and e.data_offset != e.offset else ""
+                out.append(f"{row}  {_tensor_text(e.tensors[0])}{data}")
+                continue
+            out.append(f"{row}  {e.name}")
+            out.extend(f"{'':>{pad}}  - {_tensor_text(t)}" for t in e.tensors)
+    if not crc:
+        return out
+    out.extend(_summary(lst))
+    return out
+
+
+def _summary(lst: Listing) -> list[str]:
+    n, total = len(lst.entries), sum(e.nbytes for e in lst.entries)
+    states = [e.crc for e in lst.entries]
+    if lst.format == TORCH:
+        unchecked = states.count("unchecked")
+        return [
+            f"{n} records, {total} bytes; CRC-32 stored for {n - unchecked}, unchecked {unchecked}"
+        ]
+    files = f"{len(lst.files)} file" + ("s" if len(lst.files) != 1 else "")
+    if lst.format in (SAFETENSORS, SHARDED):
+        out = [f"{n} tensors, {total} bytes in {files}; the safetensors format stores no CRC-32"]
+        if lst.metadata:
+            out.append(f"__metadata__: {json.dumps(lst.metadata, sort_keys=True)}")
+        return out
+    out = [
+        f"{n} items, {total} bytes in {files}; CRC-32 stored for {states.count('stored')}, "
+        f"unchecked {states.count('unchecked')}, bytes items {states.count('none')}"
+        + (f", compressed {states.count('compressed')}" if "compressed" in states else "")
+    ]
+    tensors = sum(s.kind == "tensor" for s in lst.stored)
+    out.append(
+        f"metadata: {tensors} tensors, {len(lst.stored) - tensors} bytes entries "
+        "(name: dtype [shape]; shards: [offsets] +[sizes] file@offset)"
+    )
+    for s in lst.stored:
+        if s.kind == "bytes":
+            at = ", ".join(f"{h.file}@{h.offset} ({h.nbytes} bytes)" for h in s.shards)
+            out.append(f"  {s.name}: bytes {at}")
+            continue
+        n = len(s.shards)
+        out.append(f"  {s.name}: {s.dtype} [{_shape(s.shape)}], {n} shard{'s' if n != 1 else ''}")
+        out.extend(f"    {list(h.offsets)} +{list(h.sizes)} {h.file}@{h.offset}" for h in s.shards)
+    return out
+
+
+def checkpoint_bytes(src: Source) -> int:
+    """The bytes of the checkpoint's data files (what a full check reads at most)."""
+    if src.format in (TORCH, SAFETENSORS):
+        return os.path.getsize(src.root)
+    if src.format == SHARDED:
+        folder, files, _ = sharded_files(src.root)
+        return sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+    from ckptio.dcp import _METADATA, read_metadata
+
+    md = read_metadata(os.path.join(src.root, _METADATA))
+    return sum(info.length for info in md.storage_data.values())

@@ -1,0 +1,903 @@
+"""Loads into tensors that exist already: ``ckptio.load(path, out=...)``,
+``ckptio.load_state_dict(module_or_optimizer, path)`` and
+``ckptio.safetensors.load_file(path, out=...)`` / ``load_sharded(..., out=...)``.
+
+A load in place runs in three steps, each a function of its own so that
+variants (one that reads only a share of the records and shares them over
+torch.distributed) reuse them:
+
+1. **Sources** (:func:`open_torch`, :func:`open_safetensors`): the checkpoint's
+   pickle (or header) decoded over a lazy mapping of the file that nothing
+   reads (``torch.load(mmap=True)`` with a ``map_location`` that keeps the
+   mapped storages). Every tensor of the result is a view of the mapping: its
+   address, less the mapping's base (:class:`Mapped`), is the file offset of
+   its bytes. Non-tensor values are what torch.load returns.
+2. **Pairs** ``(key, source view, destination)``: by walking the checkpoint
+   and ``out`` together (:func:`pair_structure`), or, for ``load_state_dict``
+   (:mod:`ckptio.state_dict`), by running torch's own
+   ``Module._load_from_state_dict`` with each ``copy_`` from the mapping
+   recorded instead of run, or by the optimizer's rules.
+3. :func:`plan` checks every pair (shape, dtype, a destination that can be
+   written, no two destinations overlapping) and decides per pair: read
+   straight into the destination, or into a temporary on its device and then
+   ``copy_``. Nothing is written before every pair passed. :func:`execute`
+   reads the plan's items (all, or any share of them) through
+   ``ckptio._transfer.read``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import dataclasses
+import os
+import sys
+import time
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from ckptio import _native, _transfer
+from ckptio._native import CkptioError
+from ckptio.serialization import (
+    _device_code,
+    _direct_arg,
+    _engine,
+    _file_offsets,
+    _last,
+    _open,
+    _report,
+    _unpickling,
+)
+
+__all__ = [
+    "InPlaceLoadError",
+    "KeyMismatchError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "DestinationError",
+    "PartialLoadError",
+]
+
+#: Bytes of temporaries (destinations that cannot be read into directly) alive
+#: at once; a larger tensor gets a batch of its own.
+TEMP_BUDGET = 64 << 20
+
+# --------------------------------------------------------------------------- errors
+
+
+class InPlaceLoadError(CkptioError, RuntimeError):
+    """A load into existing tensors failed.
+
+    ``problems``: ``[(kind, key, text)]``, kind one of "missing", "unexpected",
+    "shape", "dtype", "destination" or "error" (another message of torch's
+    ``load_state_dict``). ``missing_keys`` / ``unexpected_keys`` as torch
+    reports them. ``partial``: whether destinations were written before the
+    load failed (False: none was).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        problems: Sequence[tuple[str, str, str]] = (),
+        *,
+        missing_keys: Sequence[str] = (),
+        unexpected_keys: Sequence[str] = (),
+        partial: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.problems = list(problems)
+        self.missing_keys = list(missing_keys)
+        self.unexpected_keys = list(unexpected_keys)
+        self.partial = partial
+
+
+class KeyMismatchError(InPlaceLoadError):
+    """strict=True: destinations the checkpoint has no tensor for, or checkpoint
+    tensors without a destination."""
+
+
+class ShapeMismatchError(InPlaceLoadError):
+    """A checkpoint tensor's shape differs from its destination's."""
+
+
+class DtypeMismatchError(InPlaceLoadError):
+    """A checkpoint tensor's dtype differs from its destination's (``cast=True``
+    converts instead)."""
+
+
+class DestinationError(InPlaceLoadError):
+    """A destination that cannot be written: read-only memory, an inference
+    tensor, the meta device, a sparse tensor, or memory another destination
+    overlaps."""
+
+
+class PartialLoadError(InPlaceLoadError):
+    """Reading into the destinations failed midway (an I/O error, a truncated
+    file, a failed CRC-32 check): they are partially filled. The cause is
+    chained (``__cause__``)."""
+
+
+_CLASSES: dict[str, type[InPlaceLoadError]] = {
+    "missing": KeyMismatchError,
+    "unexpected": KeyMismatchError,
+    "shape": ShapeMismatchError,
+    "dtype": DtypeMismatchError,
+    "destination": DestinationError,
+}
+
+Problem = tuple[str, str, str]
+
+
+def _raise(
+    head: str,
+    lines: list[str],
+    problems: list[Problem],
+    *,
+    missing: Sequence[str] = (),
+    unexpected: Sequence[str] = (),
+    partial: bool,
+) -> NoReturn:
+    cls = next((_CLASSES[k] for k, _, _ in problems if k in _CLASSES), InPlaceLoadError)
+    state = "the destinations are partially filled" if partial else "no destination was written"
+    msg = head + "\n\t" + "\n\t".join(lines) + f"\n\t({state})"
+    raise cls(msg, problems, missing_keys=missing, unexpected_keys=unexpected, partial=partial)
+
+
+def _partial(what: str, e: BaseException) -> PartialLoadError:
+    return PartialLoadError(
+        f"{what}; the destinations are partially filled: {type(e).__name__}: {e}",
+        [("error", "", str(e))],
+        partial=True,
+    )
+
+
+def _keys_line(what: str, keys: Sequence[str]) -> str:
+    return f"{what}: {', '.join(f'{k!r}' for k in keys)}."
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclasses.dataclass
+class Mapped:
+    """A checkpoint file and a lazy mapping of it: a view of the mapping at
+    address ``a`` holds the file's bytes from offset ``a - base``."""
+
+    path: str
+    #: What ``_transfer.read`` reads from: a ``Reader`` (torch.save archives:
+    #: ranges checked against the records) or a ``DeviceFile`` (safetensors).
+    file: _native.Reader | _native.DeviceFile
+    base: int
+    size: int
+    #: False where the mapping's bytes differ from the file's (torch byte-swapped
+    #: them in its private mapping): such tensors are copied from the mapping.
+    exact: bool = True
+    #: The location torch.save recorded for each mapped storage (by address).
+    locations: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    def location(self, t: torch.Tensor) -> str:
+        return self.locations.get(t.untyped_storage().data_ptr(), "cpu")
+
+
+class _Files:
+    """The mapped files of one load, found by address."""
+
+    def __init__(self, files: Sequence[Mapped]) -> None:
+        self.files = list(files)
+        order = sorted(range(len(self.files)), key=lambda i: self.files[i].base)
+        self._bases = [self.files[i].base for i in order]
+        self._order = order
+
+    def locate(self, t: Any) -> tuple[int, int] | None:
+        """(file index, file offset of the first element) of a plain CPU tensor
+        viewing one of the mappings, else None."""
+        if not isinstance(t, torch.Tensor) or not _plain(t) or t.device.type != "cpu":
+            return None
+        try:
+            sp = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return None
+        i = bisect.bisect_right(self._bases, sp) - 1
+        if i < 0:
+            return None
+        fi = self._order[i]
+        m = self.files[fi]
+        if not (m.base <= sp < m.base + m.size) or not m.exact:
+            return None
+        return fi, t.data_ptr() - m.base
+
+
+def _keep_mapped(found: list[tuple[int, int, str]]) -> Callable[[torch.UntypedStorage, str], Any]:
+    def keep(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        found.append((storage.data_ptr(), storage.nbytes(), location))
+        return storage
+
+    return keep
+
+
+def open_torch(
+    path: str,
+    *,
+    name: str | None = None,
+    direct: str | None = None,
+    backend: str | None = None,
+    verify_engine: _native.Engine | None = None,
+    torch_kw: Mapping[str, Any] | None = None,
+) -> tuple[Any, Mapped]:
+    """Decode a torch.save archive over a lazy mapping: (the object as torch.load
+    returns it, with every tensor a view of the mapping; the mapping).
+    ``name``: the file's name in messages and reports (default ``path``).
+    ``verify_engine``: check the pickle's and the small records' CRC-32s first.
+    ``torch_kw``: torch.load's own arguments (weights_only, pickle_module...)."""
+    reader = _open(path, direct, backend)
+    records = reader.records()
+    prefix = reader.prefix
+    exact = True
+    byteorder = f"{prefix}/byteorder"
+    if any(n == byteorder for n, _, _ in records):
+        exact = reader.read_record(byteorder).decode() == sys.byteorder
+    data_prefix = f"{prefix}/data/"
+    if verify_engine is not None:
+        small = [n for n, _, _ in records if not n.startswith(data_prefix)]
+        reader.verify(verify_engine, small, strict=True)
+    found: list[tuple[int, int, str]] = []
+    # /proc/self/fd/N: the very file the reader holds, even if the path is
+    # replaced meanwhile by a concurrent save.
+    with _unpickling(name or path):
+        obj = torch.load(
+            f"/proc/self/fd/{reader.fileno()}",
+            map_location=_keep_mapped(found),
+            mmap=True,
+            **(torch_kw or {}),
+        )
+    data = {off: size for n, off, size in records if n.startswith(data_prefix)}
+    pending = [(p, n, None) for p, n, _ in found]
+    offsets = _file_offsets(pending, data, name or path)  # type: ignore[arg-type]
+    base = next((p - o for (p, n, _), o in zip(found, offsets, strict=True) if n), 0)
+    size = os.fstat(reader.fileno()).st_size
+    locations = {p: loc for p, _, loc in found}
+    return obj, Mapped(name or path, reader, base, size, exact, locations)
+
+
+def open_safetensors(
+    path: str, *, direct: str | None = None, backend: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str] | None, Mapped]:
+    """A safetensors file's tensors as views of a lazy mapping of it, in file
+    order (an entry whose offset its dtype's size does not divide is read into
+    a tensor of its own), its metadata, and the mapping."""
+    from ckptio.safetensors import _header
+
+    f = _native.DeviceFile(path, False, direct, backend)
+    fd = f.fileno()
+    meta, entries, start = _header(fd, path)
+    size = os.fstat(fd).st_size
+    mapping = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", False, size)
+    tensors: dict[str, torch.Tensor] = {}
+    for e in entries:
+        off = start + e.begin
+        isz = e.dtype.itemsize
+        if off % isz == 0:
+            t = torch.empty(0, dtype=e.dtype).set_(mapping, off // isz, e.shape)
+        else:  # a view would need an aligned offset: copy these bytes
+            raw = mapping[off : off + e.end - e.begin]
+            t = torch.empty(e.shape, dtype=e.dtype)
+            t.view(-1).view(torch.uint8).copy_(torch.empty(0, dtype=torch.uint8).set_(raw))
+        tensors[e.name] = t
+    return tensors, meta, Mapped(path, f, mapping.data_ptr(), size)
+
+
+# --------------------------------------------------------------------------- walking objects
+
+#: Returned by a walk's function: leave this entry out (None in a sequence).
+_DROP = object()
+
+
+def _rebuild(
+    obj: Any, fn: Callable[[tuple[Any, ...], torch.Tensor], Any], path: tuple[Any, ...] = ()
+) -> Any:
+    """``obj`` with every tensor ``t`` at key path ``p`` replaced by ``fn(p, t)``:
+    dicts, lists and objects' ``__dict__`` changed in place, tuples rebuilt
+    (named tuples too). Shared containers are walked once."""
+    memo: dict[int, Any] = {}
+
+    def walk(o: Any, p: tuple[Any, ...]) -> Any:
+        if isinstance(o, torch.Tensor):
+            return fn(p, o)
+        if id(o) in memo:
+            return memo[id(o)]
+        if isinstance(o, dict):
+            memo[id(o)] = o
+            for k in list(o):
+                v = walk(o[k], (*p, k))
+                if v is _DROP:
+                    del o[k]
+                else:
+                    o[k] = v
+            return o
+        if isinstance(o, list):
+            memo[id(o)] = o
+            for i, v in enumerate(o):
+                r = walk(v, (*p, i))
+                o[i] = None if r is _DROP else r
+            return o
+        if isinstance(o, tuple):
+            items = [walk(v, (*p, i)) for i, v in enumerate(o)]
+            items = [None if r is _DROP else r for r in items]
+            if all(a is b for a, b in zip(items, o, strict=True)):
+                new: Any = o
+            elif hasattr(o, "_fields"):
+                new = type(o)(*items)
+            else:
+                new = type(o)(items)
+            memo[id(o)] = new
+            return new
+        if hasattr(o, "__dict__") and not isinstance(
+            o, (type, types.ModuleType, types.FunctionType, types.MethodType)
+        ):
+            memo[id(o)] = o
+            attrs = vars(o)
+            for k in list(attrs):
+                v = walk(attrs[k], (*p, k))
+                attrs[k] = None if v is _DROP else v
+            return o
+        return o
+
+    r = walk(obj, path)
+    return None if r is _DROP else r
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    return ".".join(map(str, path)) if path else "<root>"
+
+
+def _index(obj: Any) -> dict[tuple[Any, ...], torch.Tensor]:
+    """Every tensor of ``obj`` by key path."""
+    found: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def note(p: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
+        found.setdefault(p, t)
+        return t
+
+    _rebuild(obj, note)
+    return found
+
+
+def pair_structure(
+    src: Any, out: Any
+) -> tuple[Any, list[tuple[str, torch.Tensor, torch.Tensor]], list[str], list[str]]:
+    """Match the tensors of a decoded checkpoint ``src`` with those of ``out``
+    by key path: (``src`` with each paired tensor replaced by its destination
+    and unpaired ones left out, pairs, missing keys (destinations the
+    checkpoint has no tensor for), unexpected keys (checkpoint tensors
+    without a destination))."""
+    dests = _index(out)
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    unexpected: list[str] = []
+
+    def match(p: tuple[Any, ...], t: torch.Tensor) -> Any:
+        d = dests.pop(p, None)
+        if d is None:
+            unexpected.append(_name(p))
+            return _DROP
+        pairs.append((_name(p), t, d))
+        return d
+
+    result = _rebuild(src, match)
+    return result, pairs, [_name(p) for p in dests], unexpected
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclasses.dataclass
+class Item:
+    """One destination to fill."""
+
+    key: str
+    dest: torch.Tensor
+    src: torch.Tensor
+    #: Index of the file in ``Plan.files`` the bytes come from; None: the
+    #: destination is copied from ``src`` (not a view of the mapping's bytes).
+    file: int | None
+    #: File offset of the first byte read, and how many.
+    offset: int = 0
+    nbytes: int = 0
+    #: Read straight into ``dest``'s memory; else into a temporary on its
+    #: device, then ``dest.copy_``.
+    direct: bool = False
+
+
+@dataclasses.dataclass
+class Plan:
+    files: list[Mapped]
+    items: list[Item]
+    #: Problems found; a plan with any must not be executed.
+    problems: list[Problem]
+    #: Keys whose destination a later pair fills too (tied weights): not read.
+    skipped: list[str]
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A strided tensor whose memory is its own storage (not a wrapper subclass)."""
+    return (
+        t.layout == torch.strided
+        and not torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    from ckptio.safetensors import _extent as extent
+
+    return extent(t)
+
+
+def _check(key: str, src: torch.Tensor, dest: Any, cast: bool, exact_shape: bool) -> Problem | None:
+    if not isinstance(dest, torch.Tensor):
+        return ("destination", key, f"{key!r}: the destination is a {type(dest).__name__}")
+    if dest.layout != torch.strided or src.layout != torch.strided:
+        lay = dest.layout if dest.layout != torch.strided else src.layout
+        return ("destination", key, f"{key!r}: {lay} tensors are not loaded in place")
+    if dest.device.type == "meta":
+        return ("destination", key, f"{key!r}: the destination is on the meta device")
+    if dest.is_inference() and not torch.is_inference_mode_enabled():
+        return (
+            "destination",
+            key,
+            f"{key!r}: the destination is an inference tensor (made under "
+            "torch.inference_mode()), which cannot be written outside it",
+        )
+    if src.shape != dest.shape:
+        ok = False
+        if not exact_shape:
+            try:
+                ok = torch.broadcast_shapes(src.shape, dest.shape) == dest.shape
+            except RuntimeError:
+                ok = False
+        if not ok:
+            return (
+                "shape",
+                key,
+                f"size mismatch for {key!r}: the checkpoint holds {tuple(src.shape)}, "
+                f"the destination is {tuple(dest.shape)}",
+            )
+    if src.dtype != dest.dtype and not cast:
+        return (
+            "dtype",
+            key,
+            f"dtype mismatch for {key!r}: the checkpoint holds {src.dtype}, the destination "
+            f"is {dest.dtype} (cast=True converts)",
+        )
+    return None
+
+
+def _item(key: str, src: torch.Tensor, dest: torch.Tensor, files: _Files) -> Item:
+    where = files.locate(src)
+    if where is None or src.numel() == 0 or dest.numel() == 0:
+        return Item(key, dest, src, None)
+    fi, off = where
+    if (
+        _plain(dest)
+        and dest.device.type in ("cpu", "cuda")
+        and dest.is_contiguous()
+        and src.is_contiguous()
+        and src.dtype == dest.dtype
+        and src.shape == dest.shape
+    ):
+        return Item(key, dest, src, fi, off, src.numel() * src.element_size(), True)
+    lo, hi = _extent(src)
+    return Item(key, dest, src, fi, off, hi - lo, False)
+
+
+def plan(
+    pairs: Iterable[tuple[str, torch.Tensor, Any]],
+    files: Sequence[Mapped],
+    *,
+    cast: bool = False,
+    exact_shape: bool = True,
+) -> Plan:
+    """Which bytes of which file go into which destination.
+
+    ``pairs``: (key, source, destination), the source a tensor of a decoded
+    checkpoint (a view of one of ``files``' mappings, or any tensor, then
+    copied). Finds every problem (shape, dtype unless ``cast``, destinations
+    that cannot be written or overlap); where two pairs fill the very same
+    destination (tied weights), only the later one is kept, as torch's
+    copies leave it. ``exact_shape=False`` allows sources that broadcast to
+    the destination (``copy_``'s rule). A plan with problems writes nothing.
+    """
+    located = _Files(files)
+    problems: list[Problem] = []
+    items: list[Item] = []
+    for key, src, dest in pairs:
+        p = _check(key, src, dest, cast, exact_shape)
+        if p is not None:
+            problems.append(p)
+        else:
+            items.append(_item(key, src, dest, located))
+    items, skipped = _overlaps(items, problems)
+    problems += _read_only(items)
+    return Plan(list(files), items, problems, skipped)
+
+
+def _overlaps(items: list[Item], problems: list[Problem]) -> tuple[list[Item], list[str]]:
+    spans = []
+    for i, it in enumerate(items):
+        d = it.dest
+        if d.numel() and _plain(d):
+            lo, hi = _extent(d)
+            spans.append((str(d.device), lo, hi, i))
+    spans.sort()
+    drop: set[int] = set()
+    cur: tuple[str, int, int] | None = None  # device, end, index
+    for dev, lo, hi, i in spans:
+        if cur is not None and cur[0] == dev and lo < cur[1]:
+            a, b = items[cur[2]], items[i]
+            if _same_view(a.dest, b.dest):
+                drop.add(min(cur[2], i))
+                cur = (dev, max(cur[1], hi), max(cur[2], i))
+                continue
+            problems.append(
+                (
+                    "destination",
+                    b.key,
+                    f"the destinations of {a.key!r} and {b.key!r} overlap in memory",
+                )
+            )
+            cur = (dev, max(cur[1], hi), cur[2] if cur[1] >= hi else i)
+        else:
+            cur = (dev, hi, i)
+    kept = [it for i, it in enumerate(items) if i not in drop]
+    return kept, [items[i].key for i in sorted(drop)]
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), a.dtype, a.shape, a.stride()) == (
+        b.data_ptr(),
+        b.dtype,
+        b.shape,
+        b.stride(),
+    )
+
+
+def _read_only(items: list[Item]) -> list[Problem]:
+    """Host destinations that lie (in part) outside writable mappings of this
+    process (a tensor over read-only memory: torch.frombuffer of bytes, a
+    read-only mapping). The kernel would refuse the reads (EFAULT), a copy
+    would crash."""
+    ranges = sorted(
+        (*_extent(it.dest), it.key)
+        for it in items
+        if it.dest.device.type == "cpu" and _plain(it.dest) and it.dest.numel()
+    )
+    if not ranges:
+        return []
+    try:
+        with open("/proc/self/maps") as f:
+            maps = []
+            for line in f:
+                span, perms = line.split(None, 2)[:2]
+                lo, hi = span.split("-")
+                maps.append((int(lo, 16), int(hi, 16), "w" in perms))
+    except OSError:  # no procfs: the reads report EFAULT instead
+        return []
+    starts = [m[0] for m in maps]
+    bad = []
+    for lo, hi, key in ranges:
+        i = bisect.bisect_right(starts, lo) - 1
+        at = lo
+        while at < hi and 0 <= i < len(maps) and maps[i][0] <= at < maps[i][1] and maps[i][2]:
+            at = maps[i][1]
+            i += 1
+        if at < hi:
+            bad.append(("destination", key, f"{key!r}: the destination's memory is not writable"))
+    return bad
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclasses.dataclass(frozen=True)
+class IoOptions:
+    """The engine knobs of a load (see ``ckptio.load``)."""
+
+    threads: int | None = None
+    chunk_size: int | None = None
+    direct: str | None = None
+    backend: str | None = None
+
+    @staticmethod
+    def of(
+        threads: int | None, chunk_size: int | None, direct: bool | str | None, backend: str | None
+    ) -> IoOptions:
+        return IoOptions(threads, chunk_size, _direct_arg(direct), backend)
+
+    def engine(self) -> _native.Engine:
+        return _engine(self.threads, self.chunk_size, self.direct)
+
+
+def _temp_device(dest: torch.Tensor) -> torch.device:
+    return dest.device if dest.device.type in ("cpu", "cuda") else torch.device("cpu")
+
+
+def _batches(items: list[Item], budget: int) -> list[list[Item]]:
+    """Direct reads all in the first batch; temporaries up to ``budget`` bytes a batch."""
+    first = [it for it in items if it.direct]
+    out: list[list[Item]] = [first]
+    used = 0
+    for it in items:
+        if it.direct:
+            continue
+        if used and used + it.nbytes > budget:
+            out.append([])
+            used = 0
+        out[-1].append(it)
+        used += it.nbytes
+    return [b for b in out if b]
+
+
+def execute(
+    p: Plan,
+    io: IoOptions,
+    *,
+    items: Sequence[Item] | None = None,
+    verify: bool = False,
+    temp_budget: int = TEMP_BUDGET,
+) -> list[dict[str, Any]]:
+    """Fill the destinations of ``items`` (default: all of the plan's) and
+    return the native reports of the reads (one per file and batch, with
+    "path"). Direct items are read in one engine pass per file (files in
+    parallel); temporaries in batches of at most ``temp_budget`` bytes, each
+    copied into its destination on the current stream. The destinations'
+    version counters are bumped, as an in-place copy does. Any failure once
+    reading began is a :class:`PartialLoadError`."""
+    if p.problems:
+        raise ValueError("a plan with problems cannot be executed")
+    todo = list(p.items if items is None else items)
+    reads = [it for it in todo if it.file is not None and it.nbytes]
+    copies = [it for it in todo if it.file is None]
+    stats: list[dict[str, Any]] = []
+    started = False
+    try:
+        for batch in _batches(reads, temp_budget):
+            per_file: dict[int, tuple[list[_transfer.Segment], list[Any]]] = {}
+            temps: list[tuple[Item, torch.Tensor]] = []
+            for it in batch:
+                assert it.file is not None
+                if it.direct:
+                    mem: torch.Tensor = it.dest
+                else:
+                    mem = torch.empty(it.nbytes, dtype=torch.uint8, device=_temp_device(it.dest))
+                    temps.append((it, mem))
+                segs, owners = per_file.setdefault(it.file, ([], []))
+                segs.append((it.offset, mem.data_ptr(), it.nbytes, _device_code(mem, it.key)))
+                owners.append(mem)
+            started = True
+            stats += _read_files(p.files, per_file, io, verify)
+            with torch.no_grad():
+                for it, tmp in temps:
+                    view = tmp.view(it.src.dtype).as_strided(it.src.shape, it.src.stride())
+                    it.dest.copy_(view)
+            del temps
+        if copies:
+            started = True
+            with torch.no_grad():
+                for it in copies:
+                    it.dest.copy_(it.src)
+    except Exception as e:
+        if not started:
+            raise
+        where = ", ".join(sorted({f.path for f in p.files})) or "the checkpoint"
+        raise _partial(f"reading {where} into the destinations failed midway", e) from e
+    direct = [it.dest for it in todo if it.file is not None and it.direct]
+    if direct:
+        # The engine wrote through the data pointers: tell autograd, as copy_ would.
+        torch.autograd.graph.increment_version([d for d in direct if not d.is_inference()])
+    return stats
+
+
+def _read_files(
+    files: list[Mapped],
+    per_file: dict[int, tuple[list[_transfer.Segment], list[Any]]],
+    io: IoOptions,
+    verify: bool,
+) -> list[dict[str, Any]]:
+    from ckptio.safetensors import _shared_engine
+
+    engine, workers = _shared_engine(io.threads, io.chunk_size, io.direct, len(per_file))
+
+    def one(fi: int) -> dict[str, Any]:
+        segs, owners = per_file[fi]
+        f = files[fi]
+        check = verify and isinstance(f.file, _native.Reader)
+        return dict(_transfer.read(f.file, engine, segs, owners, verify=check), path=f.path)
+
+    if workers == 1:
+        return [one(fi) for fi in per_file]
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, per_file))
+
+
+def _merged(stats: list[dict[str, Any]], io: IoOptions) -> dict[str, Any]:
+    """One report dict of several reads."""
+    if not stats:
+        return {
+            "bytes": 0,
+            "backend": io.backend or os.environ.get("CKPTIO_BACKEND") or "auto",
+            "direct": False,
+            "direct_reason": "nothing to read",
+            "threads": 0,
+        }
+    dev = [s for s in stats if s.get("device_path")]
+    out = dict((dev or stats)[0])
+    out["bytes"] = sum(s["bytes"] for s in stats)
+    out["direct"] = all(s["direct"] for s in stats)
+    out["direct_reason"] = next((s["direct_reason"] for s in stats if s["direct_reason"]), None)
+    out["threads"] = max(s["threads"] for s in stats)
+    out["pinned_bytes"] = stats[-1].get("pinned_bytes", 0)
+    return out
+
+
+def _finish_verify(p: Plan, io: IoOptions, stats: list[dict[str, Any]]) -> tuple[str, ...]:
+    """After a read with verify=True: check the data records no read covered
+    whole; the records that could not be checked."""
+    done: set[str] = set()
+    unchecked: list[str] = []
+    for s in stats:
+        done |= set(s.get("verified", ())) | set(s.get("unchecked", ()))
+        unchecked += s.get("unchecked", ())
+    engine = io.engine()
+    for f in p.files:
+        if not isinstance(f.file, _native.Reader):
+            continue
+        data_prefix = f"{f.file.prefix}/data/"
+        rest = [n for n, _, _ in f.file.records() if n.startswith(data_prefix) and n not in done]
+        if rest:
+            try:
+                rows = f.file.verify(engine, rest, strict=True)
+            except _native.FormatError as e:
+                what = f"{f.path}: a record failed its CRC-32 check after it was read"
+                raise _partial(what, e) from e
+            unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
+    return tuple(unchecked)
+
+
+def fill(
+    pairs: Iterable[tuple[str, torch.Tensor, Any]],
+    files: Sequence[Mapped],
+    io: IoOptions,
+    *,
+    what: str,
+    cast: bool = False,
+    exact_shape: bool = True,
+    t0: float | None = None,
+    verify: bool = False,
+) -> Plan:
+    """Plan and execute ``pairs`` (raising the plan's problems, nothing written)
+    and leave the report in ``last_report()``."""
+    t0 = time.perf_counter() if t0 is None else t0
+    p = plan(pairs, files, cast=cast, exact_shape=exact_shape)
+    if p.problems:
+        _raise(
+            f"{what}: cannot load in place:",
+            [t for _, _, t in p.problems],
+            p.problems,
+            partial=False,
+        )
+    stats = execute(p, io, verify=verify)
+    _report_plan(p, io, stats, t0, verify)
+    return p
+
+
+def _report_plan(
+    p: Plan,
+    io: IoOptions,
+    stats: list[dict[str, Any]],
+    t0: float,
+    verify: bool,
+    missing: Sequence[str] = (),
+    unexpected: Sequence[str] = (),
+) -> _transfer.IOReport:
+    unchecked = _finish_verify(p, io, stats) if verify else ()
+    path = (
+        p.files[0].path
+        if len(p.files) == 1
+        else os.path.commonpath([f.path for f in p.files] or ["."])
+    )
+    rep = _report(path, t0, _merged(stats, io), len(p.items), verify, unchecked)
+    rep = dataclasses.replace(rep, missing_keys=tuple(missing), unexpected_keys=tuple(unexpected))
+    _last.report = rep
+    return rep
+
+
+# --------------------------------------------------------------------------- load(out=)
+
+
+def load_into(
+    path: str,
+    out: Any,
+    *,
+    strict: bool,
+    cast: bool,
+    verify: bool,
+    io: IoOptions,
+    torch_kw: Mapping[str, Any],
+    name: str | None = None,
+) -> Any:
+    """``ckptio.load(path, out=out)``: see its documentation. ``torch_kw``:
+    torch.load's own arguments; ``name``: the file's name in messages."""
+    t0 = time.perf_counter()
+    _check_flags(strict=strict, cast=cast, verify=verify)
+    src, mapped = open_torch(
+        path,
+        name=name,
+        direct=io.direct,
+        backend=io.backend,
+        verify_engine=io.engine() if verify else None,
+        torch_kw=torch_kw,
+    )
+    return fill_structure(
+        f"ckptio.load(out=): {name or path}",
+        src,
+        out,
+        [mapped],
+        io,
+        strict=strict,
+        cast=cast,
+        verify=verify,
+        t0=t0,
+    )
+
+
+def fill_structure(
+    what: str,
+    src: Any,
+    out: Any,
+    files: list[Mapped],
+    io: IoOptions,
+    *,
+    strict: bool,
+    cast: bool,
+    verify: bool = False,
+    t0: float,
+) -> Any:
+    """Pair a decoded checkpoint ``src`` with ``out`` by key path, check
+    everything, read; the filled structure (see ``ckptio.load``'s ``out``)."""
+    result, pairs, missing, unexpected = pair_structure(src, out)
+    problems: list[Problem] = []
+    lines: list[str] = []
+    if strict and missing:
+        problems += [("missing", k, "") for k in missing]
+        lines.append(
+            _keys_line("Missing key(s): destinations the checkpoint has no tensor for", missing)
+        )
+    if strict and unexpected:
+        problems += [("unexpected", k, "") for k in unexpected]
+        lines.append(
+            _keys_line("Unexpected key(s): checkpoint tensors without a destination", unexpected)
+        )
+    p = plan(pairs, files, cast=cast)
+    problems += p.problems
+    lines += [t for _, _, t in p.problems]
+    if problems:
+        _raise(
+            f"{what}: cannot load in place:",
+            lines,
+            problems,
+            missing=missing,
+            unexpected=unexpected,
+            partial=False,
+        )
+    stats = execute(p, io, verify=verify)
+    _report_plan(p, io, stats, t0, verify, missing, unexpected)
+    return result
+
+
+def _check_flags(**flags: Any) -> None:
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, not {type(v).__name__}")

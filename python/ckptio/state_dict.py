@@ -1,0 +1,802 @@
+"""``ckptio.load_state_dict``: what ``module.load_state_dict(torch.load(path))`` and
+``optimizer.load_state_dict(torch.load(path))`` do, with the checkpoint's tensors
+read straight into the module's and optimizer's own tensors (the planning and
+reading of :mod:`ckptio.inplace`).
+
+Modules run torch's own steps: ``Module.load_state_dict``'s walk (replayed here,
+without ``assign``) calls each submodule's ``_load_from_state_dict`` (overrides
+and load_state_dict pre-hooks included) under :class:`_Deferred`, a torch
+function mode that records each ``copy_`` from the checkpoint's mapping instead
+of running it; the copies are planned and read in one engine pass before the
+post-hooks, after every check passed. Optimizers replay
+``Optimizer.load_state_dict``'s steps with destinations chosen by its rules.
+:func:`lazy_load` hands over a checkpoint whose large tensors are read on use
+(the Lightning plugin's restore path). See docs/inplace.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from copy import deepcopy
+from typing import Any, NoReturn
+
+import torch
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
+
+from ckptio.inplace import (
+    IoOptions,
+    Mapped,
+    Plan,
+    Problem,
+    _check_flags,
+    _Files,
+    _name,
+    _raise,
+    _rebuild,
+    _report_plan,
+    execute,
+    fill,
+    open_safetensors,
+    open_torch,
+    plan,
+)
+from ckptio.serialization import _engine_device, _path
+
+__all__ = ["load_state_dict"]
+
+
+#: Tensor methods and attributes that read no element: calls of these on a
+#: destination with a copy pending do not run the pending copies first.
+_INERT = frozenset(
+    {
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.ndimension,
+        torch.Tensor.stride,
+        torch.Tensor.numel,
+        torch.Tensor.nelement,
+        torch.Tensor.element_size,
+        torch.Tensor.storage_offset,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.get_device,
+        torch.Tensor.__len__,
+        torch.Tensor.requires_grad_,
+    }
+)
+
+
+def _inert(func: Any) -> bool:
+    return func in _INERT or getattr(func, "__name__", None) == "__get__"
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (wrapper subclasses)
+        return None
+
+
+def _touches(obj: Any, storages: set[Any]) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return _storage_key(obj) in storages
+    if isinstance(obj, (list, tuple)):
+        return any(_touches(o, storages) for o in obj)
+    if isinstance(obj, dict):
+        return any(_touches(o, storages) for o in obj.values())
+    return False
+
+
+class _Deferred(TorchFunctionMode):
+    """While active, ``dest.copy_(src)`` from a view of a checkpoint mapping is
+    recorded instead of run (``eager``: read at once through the engine); any
+    other call that uses a destination with a recorded copy runs the recorded
+    copies first (``flush``), so code that reads what it copied sees the data."""
+
+    def __init__(
+        self,
+        files: _Files,
+        names: dict[int, str],
+        flush: Callable[[], None],
+        eager: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.files = files
+        self.names = names
+        self.flush = flush
+        self.eager = eager
+        self.pending: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.storages: set[Any] = set()
+        self.passthrough = False
+
+    def take(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        pending, self.pending, self.storages = self.pending, [], set()
+        return pending
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.passthrough:
+            return func(*args, **kwargs)
+        if (
+            func is torch.Tensor.copy_
+            and len(args) == 2
+            and isinstance(args[0], torch.Tensor)
+            and args[0].device.type != "meta"
+            and self.files.locate(args[1]) is not None
+        ):
+            dest, src = args
+            key = self.names.get(id(dest), "<tensor>")
+            if self.eager is not None:
+                self.eager(key, src, dest)
+                return dest
+            self.pending.append((key, src, dest))
+            k = _storage_key(dest)
+            if k is not None:
+                self.storages.add(k)
+            return dest
+        if self.storages and not _inert(func) and _touches((args, kwargs), self.storages):
+            self.flush()
+        return func(*args, **kwargs)
+
+
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+?):")
+_COPYING = re.compile(r'While (?:copying|swapping) the parameter named "([^"]+)"')
+
+
+def _torch_problem(msg: str) -> Problem:
+    m = _SIZE_MISMATCH.match(msg)
+    if m:
+        return ("shape", m.group(1), msg)
+    m = _COPYING.match(msg)
+    return ("error", m.group(1) if m else "", msg)
+
+
+class _Run:
+    """One load_state_dict: its files, options, reads and problems."""
+
+    def __init__(self, files: list[Mapped], io: IoOptions, cast: bool, verify: bool) -> None:
+        self.files = files
+        self.located = _Files(files)
+        self.io = io
+        self.cast = cast
+        self.verify = verify
+        self.stats: list[dict[str, Any]] = []
+        self.plans: list[Plan] = []
+        self.problems: list[Problem] = []
+        self.wrote = False
+
+    def run(self, pairs: list[tuple[str, torch.Tensor, Any]], *, exact_shape: bool) -> bool:
+        """Plan and read ``pairs``; False (nothing read) where the plan has problems."""
+        if not pairs:
+            return True
+        p = plan(pairs, self.files, cast=self.cast, exact_shape=exact_shape)
+        if p.problems:
+            self.problems += p.problems
+            return False
+        self.wrote = True
+        self.plans.append(p)
+        self.stats += execute(p, self.io, verify=self.verify)
+        return True
+
+    def report(
+        self, t0: float, missing: Sequence[str] = (), unexpected: Sequence[str] = ()
+    ) -> None:
+        items = [it for p in self.plans for it in p.items]
+        whole = Plan(self.files, items, [], [])
+        _report_plan(whole, self.io, self.stats, t0, self.verify, missing, unexpected)
+
+
+def _load_module(
+    module: torch.nn.Module, state_dict: Any, run: _Run, *, strict: bool, t0: float
+) -> Any:
+    """``module.load_state_dict(state_dict, strict)`` (torch's own steps, and its
+    hooks and ``_load_from_state_dict`` overrides), each copy from the
+    checkpoint read straight into the parameter or buffer."""
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+    names: dict[int, str] = {}
+    for n, t in itertools.chain(
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False),
+    ):
+        names.setdefault(id(t), n)
+
+    if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
+        # An override of load_state_dict: it runs as is, each copy read at once.
+        def now(key: str, src: torch.Tensor, dest: torch.Tensor) -> None:
+            mode.passthrough = True
+            try:
+                if not run.run([(key, src, dest)], exact_shape=False):
+                    p = run.problems[-1]
+                    _raise("", [p[2]], [p], partial=run.wrote)
+            finally:
+                mode.passthrough = False
+
+        mode = _Deferred(run.located, names, lambda: None, eager=now)
+        with mode:
+            result = module.load_state_dict(state_dict, strict)
+        run.report(t0, result.missing_keys, result.unexpected_keys)
+        return result
+
+    missing: list[str] = []
+    unexpected: list[str] = []
+    error_msgs: list[str] = []
+
+    def flush() -> None:
+        pending = mode.take()
+        if pending and not error_msgs and not run.problems:
+            mode.passthrough = True
+            try:
+                run.run(pending, exact_shape=False)
+            finally:
+                mode.passthrough = False
+
+    mode = _Deferred(run.located, names, flush)
+
+    # torch.nn.Module.load_state_dict, without assign: a copy so that
+    # _load_from_state_dict may change it; children get the keys under their prefix.
+    metadata = getattr(state_dict, "_metadata", None)
+    state_dict = OrderedDict(state_dict)
+    if metadata is not None:
+        state_dict._metadata = metadata  # type: ignore[attr-defined]
+    # set_extra_state keeps what it is given: tensors of its own, as from torch.load.
+    extra: list[tuple[str, torch.Tensor, Any]] = []
+    for k in state_dict:
+        if k.endswith(_EXTRA_STATE_KEY_SUFFIX):
+            state_dict[k] = _rebuild(state_dict[k], _fresh_into(run, extra, (k,)))
+    if not run.run(extra, exact_shape=True):
+        _raise(
+            f"Error(s) in loading state_dict for {module.__class__.__name__}:",
+            [t for _, _, t in run.problems],
+            run.problems,
+            partial=False,
+        )
+
+    def load(mod: torch.nn.Module, local_state_dict: Mapping[str, Any], prefix: str = "") -> None:
+        local_metadata = {} if metadata is None else metadata.get(prefix[:-1], {})
+        mod._load_from_state_dict(
+            local_state_dict, prefix, local_metadata, True, missing, unexpected, error_msgs
+        )
+        for name, child in mod._modules.items():
+            if child is not None:
+                child_prefix = prefix + name + "."
+                child_state_dict = {
+                    k: v for k, v in local_state_dict.items() if k.startswith(child_prefix)
+                }
+                load(child, child_state_dict, child_prefix)
+        hooks = list(mod._load_state_dict_post_hooks.values())
+        if hooks:
+            flush()  # a post hook sees the data, as after torch's copies
+            incompatible_keys = _IncompatibleKeys(missing, unexpected)
+            for hook in hooks:
+                out = hook(mod, incompatible_keys)
+                if out is not None:
+                    raise AssertionError(
+                        "Hooks registered with ``register_load_state_dict_post_hook`` are not "
+                        "expected to return new values, if incompatible_keys need to be modified, "
+                        "it should be done inplace."
+                    )
+
+    with mode:
+        load(module, state_dict)
+    if strict:
+        if unexpected:
+            error_msgs.insert(
+                0,
+                "Unexpected key(s) in state_dict: {}. ".format(
+                    ", ".join(f'"{k}"' for k in unexpected)
+                ),
+            )
+        if missing:
+            error_msgs.insert(
+                0,
+                "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)),
+            )
+    if not error_msgs and not run.problems:
+        flush()
+    if error_msgs or run.problems:
+        problems: list[Problem] = []
+        keyed = 0  # the key lines inserted above
+        if strict:
+            problems += [("missing", k, "") for k in missing]
+            problems += [("unexpected", k, "") for k in unexpected]
+            keyed = bool(missing) + bool(unexpected)
+        problems += [_torch_problem(m) for m in error_msgs[keyed:]]
+        problems += run.problems
+        lines = error_msgs + [t for _, _, t in run.problems]
+        _raise(
+            f"Error(s) in loading state_dict for {module.__class__.__name__}:",
+            lines,
+            problems,
+            missing=missing,
+            unexpected=unexpected,
+            partial=run.wrote,
+        )
+    run.report(t0, missing, unexpected)
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t0: float) -> None:
+    """``optimizer.load_state_dict(state_dict)`` (torch 2.15's steps and hooks),
+    its state tensors filled in place: a state tensor the optimizer has already
+    (same shape, and the dtype and device torch's rules give it) is filled;
+    others are made as torch makes them, then filled."""
+    if type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        # An override: it gets the checkpoint's tensors, read first (as
+        # torch.load would give them).
+        fresh: list[tuple[str, torch.Tensor, Any]] = []
+        state_dict = _rebuild(state_dict, _fresh_into(run, fresh))
+        if not run.run(fresh, exact_shape=True):
+            _raise_optimizer(opt, run)
+        opt.load_state_dict(state_dict)
+        run.report(t0)
+        return
+    state_dict = state_dict.copy()
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        hook_result = pre_hook(opt, state_dict)
+        if hook_result is not None:
+            state_dict = hook_result
+    groups = opt.param_groups
+    # Tensors in param_groups (a tensor lr) are read now: they are deep-copied.
+    early: list[tuple[str, torch.Tensor, Any]] = []
+    state_dict["param_groups"] = _rebuild(
+        state_dict["param_groups"], _fresh_into(run, early, ("param_groups",))
+    )
+    if not run.run(early, exact_shape=True):
+        _raise_optimizer(opt, run)
+    saved_groups = deepcopy(state_dict["param_groups"])
+    if len(groups) != len(saved_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    param_lens = (len(g["params"]) for g in groups)
+    saved_lens = (len(g["params"]) for g in saved_groups)
+    if any(p_len != s_len for p_len, s_len in zip(param_lens, saved_lens, strict=True)):
+        raise ValueError(
+            "loaded state dict contains a parameter group "
+            "that doesn't match the size of optimizer's group"
+        )
+    id_map = dict(
+        zip(
+            itertools.chain.from_iterable(g["params"] for g in saved_groups),
+            itertools.chain.from_iterable(g["params"] for g in groups),
+            strict=True,
+        )
+    )
+    pairs: list[tuple[str, torch.Tensor, Any]] = []
+    shapes: list[Problem] = []
+
+    def destination(
+        param: torch.Tensor,
+        value: torch.Tensor,
+        param_id: Any,
+        param_groups: list[dict[str, Any]],
+        key: Any,
+        path: tuple[Any, ...],
+    ) -> torch.Tensor:
+        # Optimizer._process_value_according_to_param_policy's dtype and device.
+        fused = capturable = False
+        for pg in param_groups:
+            if param_id in pg["params"]:
+                fused = pg.get("fused", False)
+                capturable = pg.get("capturable", False)
+                break
+        where = run.located.locate(value)
+        if key == "step":
+            if capturable or fused:
+                dtype, device = torch.float32, param.device
+            elif where is None:
+                return value
+            else:  # kept as loaded: on the device torch.load restores it to
+                dtype = value.dtype
+                device = _engine_device(run.files[where[0]].location(value)) or torch.device("cpu")
+        else:
+            dtype = param.dtype if param.is_floating_point() else value.dtype
+            device = param.device
+        if where is None:  # not the checkpoint's bytes (a pre-hook made it)
+            return value.to(dtype=dtype, device=device)
+        state = opt.state.get(param)
+        have = state.get(key) if isinstance(state, dict) and key is not None else None
+        name = _name(path)
+        if isinstance(have, torch.Tensor) and have.shape != value.shape:
+            shapes.append(
+                (
+                    "shape",
+                    name,
+                    f"size mismatch for {name!r}: the checkpoint holds {tuple(value.shape)}, "
+                    f"the optimizer's state is {tuple(have.shape)}",
+                )
+            )
+            return have
+        if (
+            isinstance(have, torch.Tensor)
+            and have.dtype == dtype
+            and have.device == torch.device(device)
+        ):
+            dest = have
+        else:
+            dest = torch.empty_like(value, dtype=dtype, device=device)
+        pairs.append((name, value, dest))
+        return dest
+
+    def _cast(
+        param: torch.Tensor,
+        value: Any,
+        param_id: Any,
+        param_groups: list[dict[str, Any]],
+        key: Any = None,
+        path: tuple[Any, ...] = (),
+    ) -> Any:
+        # Optimizer.load_state_dict's _cast, with the destinations above.
+        if isinstance(value, torch.Tensor):
+            return destination(param, value, param_id, param_groups, key, path)
+        elif isinstance(value, dict):
+            return {
+                k: _cast(param, v, param_id, param_groups, key=k, path=(*path, k))
+                for k, v in value.items()
+            }
+        elif isinstance(value, Iterable):
+            return type(value)(  # type: ignore[call-arg]
+                _cast(param, v, param_id, param_groups, path=(*path, i))
+                for i, v in enumerate(value)
+            )
+        else:
+            return value
+
+    state: defaultdict[Any, Any] = defaultdict(dict)
+    for k, v in state_dict["state"].items():
+        if k in id_map:
+            param = id_map[k]
+            state[param] = _cast(param, v, k, state_dict["param_groups"], path=("state", k))
+        else:  # kept as loaded
+            state[k] = _rebuild(v, _fresh_into(run, pairs, ("state", k)))
+    run.problems += shapes
+    if run.problems or not run.run(pairs, exact_shape=True):
+        _raise_optimizer(opt, run)
+
+    def update_group(group: dict[str, Any], new_group: dict[str, Any]) -> dict[str, Any]:
+        new_group["params"] = group["params"]
+        if "param_names" in group and "param_names" not in new_group:
+            new_group["param_names"] = group["param_names"]
+        return new_group
+
+    param_groups = [update_group(g, ng) for g, ng in zip(groups, saved_groups, strict=True)]
+    opt.__setstate__({"state": state, "param_groups": param_groups})
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
+    run.report(t0)
+
+
+def _raise_optimizer(opt: torch.optim.Optimizer, run: _Run) -> NoReturn:
+    _raise(
+        f"Error(s) in loading the optimizer state of {type(opt).__name__}:",
+        [t for _, _, t in run.problems],
+        run.problems,
+        partial=run.wrote,
+    )
+
+
+def _fresh_into(
+    run: _Run, pairs: list[tuple[str, torch.Tensor, Any]], prefix: tuple[Any, ...] = ()
+) -> Callable[[tuple[Any, ...], torch.Tensor], torch.Tensor]:
+    """A walk function: a checkpoint tensor becomes a new tensor on the device
+    torch.load restores it to, paired for reading (what torch.load returns)."""
+
+    def fresh(p: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
+        where = run.located.locate(t)
+        if where is None:
+            return t
+        loc = run.files[where[0]].location(t)
+        dest = torch.empty_like(t, device=_engine_device(loc) or torch.device("cpu"))
+        if isinstance(t, torch.nn.Parameter):
+            dest = torch.nn.Parameter(dest, requires_grad=t.requires_grad)
+        pairs.append((_name((*prefix, *p)), t, dest))
+        return dest
+
+    return fresh
+
+
+def open_source(
+    path: str, *, weights_only: bool, io: IoOptions, verify: bool
+) -> tuple[Any, list[Mapped]]:
+    """A checkpoint of any format ckptio reads in place, decoded over lazy
+    mappings: a torch.save archive, a safetensors file, or a sharded
+    safetensors checkpoint (its index, or a folder holding one)."""
+    if os.path.isdir(path) or path.endswith(".json"):
+        from ckptio.safetensors import _shard_files
+
+        folder, wm = _shard_files(path)
+        names = ["model.safetensors"] if wm is None else list(dict.fromkeys(wm.values()))
+        out: dict[str, torch.Tensor] = {}
+        files = []
+        for n in names:
+            tensors, _, m = open_safetensors(
+                os.path.join(folder, n), direct=io.direct, backend=io.backend
+            )
+            out.update(tensors)
+            files.append(m)
+        _no_verify(verify, path)
+        return out, files
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PK\x03\x04":
+        obj, m = open_torch(
+            path,
+            direct=io.direct,
+            backend=io.backend,
+            verify_engine=io.engine() if verify else None,
+            torch_kw={"weights_only": weights_only},
+        )
+        return obj, [m]
+    tensors, _, m = open_safetensors(path, direct=io.direct, backend=io.backend)
+    _no_verify(verify, path)
+    return tensors, [m]
+
+
+def _no_verify(verify: bool, path: str) -> None:
+    if verify:
+        raise ValueError(
+            f"{path}: verify=True needs a torch.save archive (safetensors files hold no CRC-32)"
+        )
+
+
+def load_state_dict(
+    obj: torch.nn.Module | torch.optim.Optimizer,
+    f: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    cast: bool = False,
+    key: Any = None,
+    weights_only: bool = True,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    direct: bool | str | None = None,
+    backend: str | None = None,
+    verify: bool = False,
+) -> Any:
+    """``obj.load_state_dict(torch.load(f))``, with every tensor of the checkpoint
+    read straight into ``obj``'s own tensors: no second copy of the checkpoint
+    in memory, host or device.
+
+    ``obj``: an ``nn.Module`` (parameters and persistent buffers; torch's
+    ``_load_from_state_dict``, its overrides and load_state_dict pre- and post-
+    hooks run as with torch; returns ``(missing_keys, unexpected_keys)``;
+    ``strict`` as torch's) or a ``torch.optim.Optimizer`` (param_groups restored
+    and state made as ``Optimizer.load_state_dict`` does them, existing state
+    tensors filled in place, pre- and post-hooks; returns None).
+    ``f``: a torch.save archive, a safetensors file, or a sharded safetensors
+    checkpoint (its ``*.index.json`` or the folder). ``key``: a key, or a tuple
+    of keys, into the checkpoint for the state dict (``key="model"``).
+
+    Unlike torch, a dtype that differs from the destination's is an error
+    (``DtypeMismatchError``) unless ``cast=True``. Every mismatch is found
+    before anything is written: the error (an :class:`InPlaceLoadError`
+    subclass and a RuntimeError, naming the keys, torch's message where torch
+    has one) says "no destination was written"; only where a module has
+    load_state_dict post-hooks (which must see the data loaded before them)
+    can an error come after some were, and then says so. ``verify``,
+    ``weights_only`` and the engine knobs are ``ckptio.load``'s.
+    """
+    t0 = time.perf_counter()
+    _check_flags(strict=strict, cast=cast, verify=verify)
+    if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        raise TypeError(
+            "ckptio.load_state_dict needs a torch.nn.Module or a torch.optim.Optimizer, "
+            f"not {type(obj).__name__}"
+        )
+    path = _path(f, "load_state_dict")
+    io = IoOptions.of(threads, chunk_size, direct, backend)
+    state_dict, files = open_source(path, weights_only=weights_only, io=io, verify=verify)
+    for k in () if key is None else key if isinstance(key, tuple) else (key,):
+        state_dict = state_dict[k]
+    run = _Run(files, io, cast, verify)
+    if isinstance(obj, torch.nn.Module):
+        return _load_module(obj, state_dict, run, strict=strict, t0=t0)
+    return _load_optimizer(obj, state_dict, run, t0=t0)
+
+
+# --------------------------------------------------------------------------- read on use
+
+#: Attributes of a tensor that say nothing of its elements.
+_META_ATTRS = frozenset(
+    "shape dtype device is_cuda is_cpu is_meta is_sparse is_quantized is_nested is_mkldnn "
+    "layout ndim requires_grad is_leaf grad_fn grad itemsize nbytes".split()
+)
+
+
+def _metadata_call(func: Any) -> bool:
+    if getattr(func, "__name__", None) == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) in _META_ATTRS
+    return func in _INERT and func is not torch.Tensor.requires_grad_
+
+
+class _Lazy(torch.Tensor):
+    """A tensor of a checkpoint not read yet (see :func:`lazy_load`).
+
+    ``dest.copy_(it)`` reads its bytes straight into ``dest`` (what
+    ``Module.load_state_dict`` does with it); ``it.to(device, dtype)`` reads
+    them straight into a new tensor there (what ``Optimizer.load_state_dict``
+    does); its shape, dtype and device are known without reading. Anything
+    else reads it once, into memory of its own on its device, and runs on
+    that (the answer is then what a loaded tensor gives).
+    """
+
+    _key: str
+    _src: torch.Tensor
+    _files: list[Mapped]
+    _io: IoOptions
+    _dev: torch.device
+    _real: torch.Tensor | None
+
+    @staticmethod
+    def __new__(
+        cls, key: str, src: torch.Tensor, files: list[Mapped], io: IoOptions, device: torch.device
+    ) -> _Lazy:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            src.shape,
+            strides=src.stride(),
+            storage_offset=src.storage_offset(),
+            dtype=src.dtype,
+            device=device,
+        )
+        t._key, t._src, t._files, t._io, t._dev, t._real = key, src, files, io, device, None
+        return t  # type: ignore[no-any-return]
+
+    def _materialize(self) -> torch.Tensor:
+        if self._real is None:
+            dest = torch.empty_like(self._src, device=self._dev)
+            self._fill(dest)
+            self._real = dest
+        return self._real
+
+    def _fill(self, dest: torch.Tensor) -> None:
+        # copy_ and to() convert dtypes: so does this read.
+        fill(
+            [(self._key, self._src, dest)],
+            self._files,
+            self._io,
+            what=self._files[0].path,
+            cast=True,
+            exact_shape=False,
+        )
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _metadata_call(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if (
+            func is torch.Tensor.copy_
+            and len(args) == 2
+            and isinstance(args[1], _Lazy)
+            and not isinstance(args[0], _Lazy)
+            and args[1]._real is None
+            and args[0].device.type != "meta"
+            and not (torch.is_grad_enabled() and args[0].requires_grad)
+        ):
+            args[1]._fill(args[0])
+            return args[0]
+        if (
+            func is torch.Tensor.to
+            and args
+            and isinstance(args[0], _Lazy)
+            and args[0]._real is None
+        ):
+            lz = args[0]
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+            dest = torch.empty_like(
+                lz._src,
+                dtype=dtype or lz._src.dtype,
+                device=device or lz._dev,
+                memory_format=memory_format or torch.preserve_format,
+            )
+            lz._fill(dest)
+            return dest
+        args, kwargs = tree_map_only(_Lazy, _Lazy._materialize, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        args, kwargs = tree_map_only(_Lazy, _Lazy._materialize, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+#: Checkpoint tensors smaller than this are read when the checkpoint is opened.
+LAZY_MIN_BYTES = 1 << 20
+
+
+def lazy_load(
+    path: str,
+    *,
+    map_location: Any = None,
+    weights_only: bool = True,
+    io: IoOptions,
+    min_bytes: int | None = None,
+) -> Any:
+    """What ``ckptio.load(path, map_location)`` returns, but the large tensors
+    are read on use (:class:`_Lazy`): ``module.load_state_dict`` copies each
+    straight from the file into the parameter, ``optimizer.load_state_dict``
+    moves each straight into its new state tensor, and no copy of the
+    checkpoint is ever held. Small tensors, and tensors sharing their storage
+    with another (views, which must stay views), are read when the file is
+    opened, in one engine pass, as ``ckptio.load`` reads them.
+    ``map_location``: None, a str, a torch.device or a dict."""
+    t0 = time.perf_counter()
+    min_bytes = LAZY_MIN_BYTES if min_bytes is None else min_bytes
+    obj, mapped = open_torch(
+        path, direct=io.direct, backend=io.backend, torch_kw={"weights_only": weights_only}
+    )
+    files = [mapped]
+    located = _Files(files)
+    users: dict[int, int] = {}
+
+    def count(p: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
+        if located.locate(t) is not None:
+            st = t.untyped_storage().data_ptr()
+            users[st] = users.get(st, 0) + 1
+        return t
+
+    _rebuild(obj, count)
+
+    def device_of(t: torch.Tensor) -> torch.device:
+        loc = mapped.location(t)
+        if isinstance(map_location, dict):
+            loc = map_location.get(loc, loc)
+        elif map_location is not None:
+            loc = str(map_location)
+        dev = _engine_device(loc)
+        if dev is None:
+            raise RuntimeError(f"{path}: cannot restore a tensor to {loc!r} (no such device here)")
+        return dev
+
+    records: dict[int, torch.Tensor] = {}  # storage address -> its bytes, read now
+    pairs: list[tuple[str, torch.Tensor, Any]] = []
+    memo: dict[int, torch.Tensor] = {}
+
+    def replace(p: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
+        if id(t) in memo:
+            return memo[id(t)]
+        if located.locate(t) is None:
+            memo[id(t)] = t
+            return t
+        dev = device_of(t)
+        st = t.untyped_storage()
+        if type(t) is torch.Tensor and users[st.data_ptr()] == 1 and t.nbytes >= min_bytes:
+            new: torch.Tensor = _Lazy(_name(p), t, files, io, dev)
+        else:
+            whole = records.get(st.data_ptr())
+            if whole is None:
+                whole = torch.empty(st.nbytes(), dtype=torch.uint8, device=dev)
+                src = torch.empty(0, dtype=torch.uint8).set_(st)
+                pairs.append((_name(p), src, whole))
+                records[st.data_ptr()] = whole
+            new = torch.empty(0, dtype=t.dtype, device=whole.device).set_(
+                whole.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+            )
+            if isinstance(t, torch.nn.Parameter):
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            elif t.requires_grad:
+                new.requires_grad_(True)
+        memo[id(t)] = new
+        return new
+
+    obj = _rebuild(obj, replace)
+    # Fresh destinations of the records' own sizes: nothing to find wrong.
+    fill(pairs, files, io, what=path, t0=t0)
+    return obj

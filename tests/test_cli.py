@@ -1,0 +1,412 @@
+"""The ``ckptio`` command: every subcommand on every format it reads, and its errors.
+
+Exit status: 0 done, 1 failed (one line on stderr, nothing on stdout), 2 bad command line.
+Formats are recognised from the content, so each checkpoint is also tried under a
+misleading name.
+"""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import ckptio
+import ckptio.safetensors as cst
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from ckptio import _progress, describe
+from ckptio.cli import main
+from ckptio.dcp import FileSystemWriter, read_metadata
+
+st = pytest.importorskip("safetensors.torch")
+
+
+def state():
+    return {
+        "w": torch.randn(64, 32),
+        "b": torch.arange(10),
+        "h": torch.randn(33).bfloat16(),
+    }
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """One checkpoint of each format (and writer), by label."""
+    root = tmp_path_factory.mktemp("formats")
+    sd = state()
+    out = {}
+    out["torch.save by ckptio"] = root / "a.pt"
+    ckptio.save(sd, out["torch.save by ckptio"])
+    out["torch.save by torch"] = root / "t.pt"
+    torch.save(sd, out["torch.save by torch"])
+    out["safetensors by ckptio"] = root / "a.safetensors"
+    cst.save_file(sd, out["safetensors by ckptio"], metadata={"format": "pt"})
+    out["safetensors by safetensors"] = root / "h.safetensors"
+    st.save_file(sd, out["safetensors by safetensors"])
+    out["sharded folder"] = root / "sharded"
+    cst.save_sharded(sd, out["sharded folder"], max_shard_size=5000)
+    out["sharded index"] = out["sharded folder"] / "model.safetensors.index.json"
+    out["DCP folder"] = root / "dcp"
+    dcp.save(
+        {"model": sd, "step": 7}, storage_writer=FileSystemWriter(out["DCP folder"]), no_dist=True
+    )
+    out["DCP .metadata"] = out["DCP folder"] / ".metadata"
+    out["DCP by torch"] = root / "dcp_torch"
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(out["DCP by torch"]), no_dist=True)
+    return out
+
+
+FORMAT = {
+    "torch.save by ckptio": describe.TORCH,
+    "torch.save by torch": describe.TORCH,
+    "safetensors by ckptio": describe.SAFETENSORS,
+    "safetensors by safetensors": describe.SAFETENSORS,
+    "sharded folder": describe.SHARDED,
+    "sharded index": describe.SHARDED,
+    "DCP folder": describe.DCP,
+    "DCP .metadata": describe.DCP,
+    "DCP by torch": describe.DCP,
+}
+
+
+def run(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def failed(capsys, *argv):
+    """The command failed as every command fails: exit 1, nothing on stdout, one line."""
+    rc, out, err = run(capsys, *argv)
+    assert rc == 1, (argv, rc, out, err)
+    assert out == "", (argv, out)
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"ckptio {argv[0]}: "), err
+    return err
+
+
+@pytest.mark.parametrize("label", list(FORMAT))
+def test_ls_inspect_verify_read_every_format(ckpts, capsys, label):
+    path = ckpts[label]
+    assert describe.detect(path).format == FORMAT[label]
+    names = ["w", "b", "h"]
+    rc, out, err = run(capsys, "ls", path)
+    assert rc == 0 and err == "", err
+    assert out.startswith(f"{FORMAT[label]}: {path}\n")
+    for n in names:
+        assert any(f"{n}: " in line for line in out.splitlines()), (n, out)
+    assert "w: float32 [64x32]" in out and "h: bfloat16 [33]" in out
+
+    rc, out, err = run(capsys, "inspect", path)
+    assert rc == 0 and err == "", err
+    summary = {
+        describe.TORCH: "CRC-32 stored for",
+        describe.SAFETENSORS: "stores no CRC-32",
+        describe.SHARDED: "stores no CRC-32",
+        describe.DCP: "metadata: ",
+    }[FORMAT[label]]
+    assert summary in out, out
+
+    rc, out, err = run(capsys, "verify", path)
+    assert rc == 0 and err == "", err
+    assert ": ok: " in out.splitlines()[-1]
+    assert run(capsys, "verify", "-q", path) == (0, "", "")
+
+    for cmd in ("ls", "inspect"):
+        rc, out, _ = run(capsys, cmd, "--json", path)
+        doc = json.loads(out)
+        assert rc == 0 and doc["format"] == FORMAT[label]
+        tensors = {t["name"].split(".")[-1] for e in doc["entries"] for t in e["tensors"]}
+        assert set(names) <= tensors, tensors
+        assert all(e["offset"] >= 0 and e["nbytes"] >= 0 for e in doc["entries"])
+    rc, out, _ = run(capsys, "verify", "--json", path)
+    doc = json.loads(out)
+    assert rc == 0 and doc["ok"] and doc["error"] is None and doc["format"] == FORMAT[label]
+
+
+def test_formats_are_found_from_the_content_not_the_name(ckpts, tmp_path, capsys):
+    swapped = {
+        "model.safetensors": ckpts["torch.save by ckptio"],
+        "model.pt": ckpts["safetensors by safetensors"],
+        "weights.json": ckpts["sharded index"],
+    }
+    for name, src in swapped.items():
+        dst = tmp_path / name
+        shutil.copy(src, dst)
+        if name == "weights.json":  # an index names its shards: they come along
+            for f in os.listdir(src.parent):
+                if f.endswith(".safetensors"):
+                    shutil.copy(src.parent / f, tmp_path / f)
+        assert describe.detect(dst).format == describe.detect(src).format
+        for cmd in ("ls", "inspect", "verify"):
+            rc, out, err = run(capsys, cmd, dst)
+            assert rc == 0 and err == "", (name, cmd, err)
+            assert cmd == "verify" or "w: float32 [64x32]" in out, (name, cmd, out)
+
+
+def test_inspect_of_dcp_shows_items_per_rank_file_crc_and_shards(ckpts, capsys):
+    folder = ckpts["DCP folder"]
+    md = read_metadata(folder / ".metadata")
+    rc, out, _ = run(capsys, "inspect", folder)
+    assert rc == 0
+    data_files = {i.relative_path for i in md.storage_data.values()}
+    for f in data_files:
+        assert any(line.startswith(f"== {f} (rank 0): ") for line in out.splitlines()), out
+    for index, info in md.storage_data.items():
+        lines = [x for x in out.splitlines() if x.split()[:1] == [str(info.offset)]]
+        assert lines and index.fqn in lines[0], (index.fqn, out)
+        if index.fqn != "step":  # tensor items carry the CRC-32 of their data
+            assert "data at " in lines[0] and lines[0].split()[3] not in ("-", "unchecked")
+    assert "  model.w: float32 [64x32], 1 shard" in out
+    assert "  step: bytes " in out
+    lst = describe.listing(folder)
+    assert {s.name for s in lst.stored} == set(md.state_dict_metadata)
+
+
+def test_verify_of_dcp_checks_every_item(ckpts, tmp_path, capsys):
+    folder = tmp_path / "dcp"
+    shutil.copytree(ckpts["DCP folder"], folder)
+    rep = ckptio.verify(folder)
+    tensors = [k for k, v in read_metadata(folder / ".metadata").storage_data.items()]
+    checked = {r.name.split(" (")[0] for r in rep.records if r.state == "ok"}
+    assert checked == {k.fqn for k in tensors if k.fqn != "step"}
+    # A bit flipped inside the data of one item: that item is named, exit 1.
+    lst = describe.listing(folder)
+    entry = next(e for e in lst.entries if e.name == "model.h")
+    data = folder / entry.file
+    b = bytearray(data.read_bytes())
+    b[entry.data_offset + 5] ^= 1
+    data.write_bytes(bytes(b))
+    rc, out, err = run(capsys, "verify", folder)
+    assert rc == 1
+    bad = [line for line in out.splitlines() if line.split()[:1] == ["mismatch"]]
+    assert len(bad) == 1 and "model.h (" in bad[0], out
+    assert err.startswith("ckptio verify: ") and "BAD" in err and "model.h" in err
+    assert "model.h" in failed(capsys, "verify", "-q", folder)
+    rc, out, _ = run(capsys, "verify", "--json", folder)
+    assert rc == 1 and not json.loads(out)["ok"]
+
+
+def test_verify_names_a_bad_record_of_a_torch_file(ckpts, tmp_path, capsys):
+    p = tmp_path / "a.pt"
+    shutil.copy(ckpts["torch.save by ckptio"], p)
+    rec = next(r for r in ckptio.records(p) if r.tensors and r.tensors[0].name == "w")
+    b = bytearray(p.read_bytes())
+    b[rec.offset + 100] ^= 8
+    p.write_bytes(bytes(b))
+    rc, out, err = run(capsys, "verify", p)
+    assert rc == 1 and f"mismatch  {rec.name} (stored" in out and rec.name in err
+    assert rec.name in failed(capsys, "verify", "--quiet", p)
+    # ls reads no tensor bytes: the listing stands, the CRC-32 column still shows the stored one.
+    rc, out, _ = run(capsys, "inspect", p)
+    assert rc == 0 and f"{rec.crc32:08x}" in out
+
+
+def test_missing_path_prints_nothing_but_the_error(tmp_path, capsys):
+    missing = tmp_path / "nope.pt"
+    for argv in (
+        ["ls", missing],
+        ["inspect", missing],
+        ["verify", missing],
+        ["ls", "--json", missing],
+        ["verify", "--json", missing],
+        ["convert", missing, tmp_path / "x.safetensors"],
+        ["clean", tmp_path / "nope"],
+    ):
+        err = failed(capsys, *argv)
+        assert "FileNotFoundError" in err and "nope" in err, err
+
+
+@pytest.mark.parametrize(
+    "name, content, says",
+    [
+        ("junk.bin", b"\x93\x11 not any checkpoint format" * 3, "not a checkpoint ckptio reads"),
+        ("empty.pt", b"", "an empty file"),
+        ("bad.safetensors", b"\x05" + bytes(20), "not a usable safetensors file"),
+        ("notes.json", b'{"weights": 1}', "not a checkpoint ckptio reads"),
+        ("pickle.metadata", b"\x80\x04K\x01.", "not a checkpoint ckptio reads"),
+    ],
+)
+def test_wrong_format_is_one_line(tmp_path, capsys, name, content, says):
+    p = tmp_path / name
+    p.write_bytes(content)
+    for cmd in ("ls", "inspect", "verify"):
+        assert says in failed(capsys, cmd, p)
+    assert says in failed(capsys, "convert", p, tmp_path / "out.pt")
+
+
+def test_legacy_torch_file_and_empty_folder_are_refused(tmp_path, capsys):
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"a": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
+    (tmp_path / "empty").mkdir()
+    for cmd in ("ls", "inspect", "verify"):
+        assert "legacy torch.save file" in failed(capsys, cmd, legacy)
+        assert "no checkpoint ckptio reads" in failed(capsys, cmd, tmp_path / "empty")
+
+
+def test_bad_records_of_each_format_are_named(ckpts, tmp_path, capsys):
+    # safetensors: two tensors overlapping in the data section.
+    p = tmp_path / "overlap.safetensors"
+    header = json.dumps(
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        }
+    ).encode()
+    p.write_bytes(len(header).to_bytes(8, "little") + header + bytes(12))
+    for cmd in ("ls", "inspect", "verify"):
+        assert "overlaps tensor" in failed(capsys, cmd, p)
+    # sharded: the index puts a tensor in a shard that does not hold it.
+    folder = tmp_path / "sharded"
+    shutil.copytree(ckpts["sharded folder"], folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    wrong = next(s for s in shards if s != index["weight_map"]["w"])
+    index["weight_map"]["w"] = wrong
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    for cmd in ("ls", "inspect", "verify"):
+        assert "'w'" in failed(capsys, cmd, folder)
+    # DCP: .metadata names a data file that is gone.
+    d = tmp_path / "dcp"
+    shutil.copytree(ckpts["DCP folder"], d)
+    for f in os.listdir(d):
+        if f.endswith(".distcp"):
+            os.remove(d / f)
+    for cmd in ("ls", "inspect"):
+        failed(capsys, cmd, d)
+    assert "BAD" in failed(capsys, "verify", d)
+    # torch.save: a record whose size runs past the end of the file (a torn tail).
+    p = tmp_path / "torn.pt"
+    p.write_bytes(ckpts["torch.save by ckptio"].read_bytes()[:6000])
+    for cmd in ("ls", "inspect"):
+        assert "torn.pt" in failed(capsys, cmd, p)
+    assert "BAD" in failed(capsys, "verify", p)
+
+
+def test_convert_both_ways_and_its_errors(ckpts, tmp_path, capsys):
+    dst = tmp_path / "a.safetensors"
+    rc, out, err = run(capsys, "convert", ckpts["torch.save by torch"], dst)
+    assert rc == 0 and err == "" and "(torch) ->" in out
+    back = tmp_path / "b.pt"
+    rc, out, err = run(capsys, "convert", "--quiet", dst, back)
+    assert rc == 0 and out == "" and err == ""
+    assert torch.equal(torch.load(back)["w"], torch.load(ckpts["torch.save by torch"])["w"])
+    assert "DCP checkpoint" in failed(capsys, "convert", ckpts["DCP folder"], tmp_path / "x.pt")
+    assert "sharded safetensors" in failed(
+        capsys, "convert", ckpts["sharded folder"], tmp_path / "x.pt"
+    )
+    p = tmp_path / "nested.pt"
+    torch.save({"model": {"w": torch.ones(2)}}, p)
+    assert "nested dict" in failed(capsys, "convert", p, tmp_path / "n.safetensors")
+
+
+def test_clean_and_info(tmp_path, capsys):
+    rc, out, err = run(capsys, "clean", "--json", tmp_path)
+    assert rc == 0 and json.loads(out) == {"folder": str(tmp_path), "removed": []}
+    rc, out, err = run(capsys, "clean", "-q", tmp_path)
+    assert (rc, out, err) == (0, "", "")
+    rc, out, _ = run(capsys, "info", "--json", tmp_path)
+    assert rc == 0 and "cuda" in json.loads(out)
+
+
+def test_bad_command_line_is_exit_2(capsys):
+    for argv in (["ls"], ["frobnicate", "x"], ["verify", "--bogus", "x"], []):
+        with pytest.raises(SystemExit) as ei:
+            main(argv)
+        assert ei.value.code == 2
+    capsys.readouterr()
+
+
+def test_bench_writes_json_and_a_chart(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    rc, out, err = run(
+        capsys, "bench", "--size", "4M", "--repeat", "1", "--dir", tmp_path, "--json", js,
+        "--plot", png,
+    )  # fmt: skip
+    assert rc == 0 and err == "", err
+    assert "ckptio.save (durable)" in out and "# ckptio.save" in out
+    rows = {r["name"]: r for r in json.loads(js.read_text())}
+    assert rows["ckptio.load, cold"]["ratio"] > 0 and rows["ckptio.load, cold"]["gib_s"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 200_000
+    rc, out, err = run(capsys, "bench", "-q", "--size", "1M", "--repeat", "1", "--dir", tmp_path)
+    assert rc == 0 and err == "" and "# " not in out and "ckptio.load, cold" in out
+
+
+def test_bench_plot_without_matplotlib_fails_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    err = failed(capsys, "bench", "--size", "1M", "--dir", tmp_path, "--plot", tmp_path / "x.png")
+    assert "pip install matplotlib" in err
+    assert os.listdir(tmp_path) == []
+
+
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_draws_on_a_terminal_only():
+    tty = Tty()
+    with _progress.Progress("verifying x", 4 << 30, stream=tty, interval=0) as p:
+        p.add(1 << 30)
+        p._t0 -= 2  # as if two seconds had passed
+        p.add(1 << 30)
+        assert "2.00 GiB / 4.00 GiB (50%)" in p.line() and "GiB/s" in p.line()
+        assert "left" in p.line()
+    drawn = tty.getvalue()
+    assert "verifying x: 1.00 GiB / 4.00 GiB (25%)" in drawn
+    assert drawn.endswith("\r")  # the line is cleared at the end
+    pipe = io.StringIO()
+    with _progress.Progress("verifying x", 100, stream=pipe) as p:
+        p.add(50)
+        p.print("a result", file=pipe)
+    assert pipe.getvalue() == "a result\n"
+    with _progress.Progress("quiet", 100, stream=tty, enabled=False) as p:
+        p.add(50)
+    assert tty.getvalue() == drawn
+
+
+def test_progress_follows_a_counter():
+    tty = Tty()
+    moved = [0]
+    with _progress.Progress("converting", 1000, stream=tty, interval=0.01) as p:
+        p.follow(lambda: moved[0])
+        moved[0] = 600
+        for _ in range(200):
+            if p.done == 600:
+                break
+            time.sleep(0.01)
+        assert p.done == 600
+    assert "600 B / 1000 B (60%)" in tty.getvalue()
+    assert _progress.io_bytes() > 0
+
+
+def test_the_console_command_exits_with_the_status(ckpts, tmp_path):
+    def cli(*argv):
+        return subprocess.run(
+            [sys.executable, "-m", "ckptio", *map(str, argv)], capture_output=True, text=True
+        )
+
+    r = cli("ls", ckpts["safetensors by safetensors"])
+    assert r.returncode == 0 and "w: float32 [64x32]" in r.stdout and r.stderr == ""
+    r = cli("ls", tmp_path / "missing.pt")
+    assert r.returncode == 1 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+    r = cli("verify")
+    assert r.returncode == 2
+
+
+def test_dcp_with_compressed_items(tmp_path, capsys):
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    folder = tmp_path / "zstd"
+    writer = FileSystemWriter(folder, _extensions=[ZStandard()])
+    dcp.save(state(), storage_writer=writer, no_dist=True)
+    rc, out, _ = run(capsys, "inspect", folder)
+    assert rc == 0 and "compressed" in out and "w: float32 [64x32]" in out, out
+    rep = ckptio.verify(folder)
+    assert rep.ok and {r.state for r in rep.records} == {"unchecked"}, rep
+    assert run(capsys, "verify", "-q", folder) == (0, "", "")
