@@ -31,6 +31,11 @@
 #   scripts/gpu_check.sh memory  # issue 16 (about 7 minutes): tests/test_memory_path.py without the
 #                                # udev entry, its GPU tests with it, then benches/bench_memory.py
 #                                # (/dev/shm, page cache, staging, pinned lanes; MEMORY_ARGS), JSON to $OUT
+#   scripts/gpu_check.sh tensors # issue 23 (about 8 minutes): tests/test_many_tensors.py (GPU tests
+#                                # without then with the udev entry), then benches/bench_tensors.py
+#                                # --device cuda: 20,000 x 4 KiB and 1G in 64 / 20,000 tensors on the
+#                                # GPU vs torch.save / torch.load(map_location="cuda"), safetensors;
+#                                # async_save of 20,000 CUDA tensors (TENSORS_ARGS), JSON to $OUT
 # Several modes run in turn: scripts/gpu_check.sh tests staging
 set -uo pipefail
 PY=${PY:-python3}
@@ -154,6 +159,16 @@ zstd)
     # .whl/ must hold the zstandard wheel (torch's ZStandard extension needs it)
     $PY -m pytest tests/test_dcp_fidelity.py tests/test_fidelity.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fidelity.log" | tail -4
     $PY benches/bench_dcp_zstd.py --size ${ZSTD_SIZE:-2G} --repeat 3 2>&1 | tee "$OUT/bench_dcp_zstd.log" || rc=1
+    ;;
+tensors)
+    udev_off
+    CKPTIO_EXPECT_BACKEND=bounce timeout 240 $PY -m pytest tests/test_many_tensors.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_tensors_fallback.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    udev_on
+    CKPTIO_EXPECT_BACKEND=cufile timeout 90 $PY -m pytest tests/test_many_tensors.py -m gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_tensors_cufile.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    timeout 420 $PY benches/bench_tensors.py --device cuda --dir /tmp --rounds 2 --fixed-total 64,20000 \
+        --fixed-size 20000 --async 20000 --json "$OUT/bench_tensors_cuda.json" ${TENSORS_ARGS:-} 2>&1 | tee "$OUT/bench_tensors_cuda.log" || rc=1
     ;;
 profile)
     udev_on  # --knobs cufile needs it; "posix" forces the bounce pipeline
