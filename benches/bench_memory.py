@@ -1,47 +1,80 @@
 """Every data path at the memory and PCIe limits when storage is not the wall
-(issue 16), on the GPU machine, in one run: medians of ``--rounds`` interleaved
-rounds, every ratio against a limit measured in the same run.
+(issue 16), on the GPU machine, in one run of about 4 minutes at 8 GiB: medians
+of ``--rounds`` interleaved rounds, every ratio against a limit measured in the
+same run, and beside each target the floor that bounds it.
 
-    python benches/bench_memory.py [--size 8G] [--rounds 3] [--disk-dir /tmp] [--json OUT]
-    python benches/bench_memory.py --device cpu --size 256M --rounds 1   # a smoke test
+    python benches/bench_memory.py [--size 8G] [--rounds 2] [--budget 220] [--json OUT]
+    python benches/bench_memory.py --device cpu --size 256M --rounds 2   # a smoke test
 
-An 8 GiB bf16 state dict on the GPU (512 tensors):
+An 8 GiB bf16 state dict on the GPU (512 tensors). Each round runs staging,
+/dev/shm, page cache (and pinned lanes in the first). Rows marked (r1) run in
+the first round only (slow peers, diagnostics); the rest in every round. A
+later round's section that would overrun ``--budget`` seconds is skipped (what
+ran is kept: the JSON is written after every section, and a SIGTERM prints the
+table).
 
-- limits: the pinned H2D and D2H copy of the same bytes (one 8 GiB copy).
-- /dev/shm: ckptio.save against a raw write of the same bytes from pinned memory
-  into a fresh tmpfs file by as many threads as cores; ckptio.load to CUDA right
-  after the save ("first": freshly written pages) and again ("repeat"), copying
-  from a mapping of the page cache (CKPTIO_MEMORY_PATH=map, the default) and with
-  pread; KvikIO's POSIX path with as many threads as cores (its own write, then its
-  first read); ckptio.safetensors.load_file(device="cuda") right after save_file,
-  and safetensors.load_file(device="cuda") of the same file.
-- page cache: a checkpoint on the disk read once by another process (``cat``):
-  ckptio.load to CUDA (memory path); the same file cold: ckptio.load (disk path,
-  O_DIRECT) against the raw O_DIRECT read of the same bytes (8 threads, 64 MiB).
-- staging: DefaultStager (THREAD mode, no prepare()), private and shared buffers:
-  the first staging of a new stager and the two after it, against the pinned D2H
-  copy and the floor: fresh buffers of the same sizes faulted in (huge pages asked
-  for) and registered (``stage_pin`` on 16 threads), measured right after.
-- pinned lanes: a new engine's first load from /dev/shm with its lanes as
-  registered huge-page mappings and as cuMemHostAlloc memory (CKPTIO_PINNED_ALLOC).
+- limits: the pinned H2D and D2H copy of the same bytes (registered huge-page
+  memory, as the engine's bounce lanes are).
+- /dev/shm, in alternating order per round (raw first, then ckptio first):
+  * a raw write of the bytes from pinned memory into a fresh tmpfs file by as many
+    threads as cores (the save's limit), then on that file the floors of a load:
+    (a) the CPU copy floor: the memory path's threads copying the file from a
+    mapping into pinned slots of their own, 4 MiB at a time, no GPU
+    (``_native.memory_copy_floor``): first read after the write, then repeat
+    reads by memcpy ("map"), by non-temporal stores ("map-nt"), by pread, by
+    as many threads as cores, and in chunks 4x as large; (b) the zero-copy
+    floor: the file mapped and registered with the driver
+    (cuMemHostRegister READ_ONLY) in 64 MiB pieces
+    on 8 threads, each piece copied to the GPU from its registration, end to
+    end and by phase (page tables, registration, copy).
+  * ckptio.save, then ckptio.load to CUDA right after ("first") and again
+    ("repeat"), the repeat also with CKPTIO_MEMORY_PATH=map-nt (the A/B of the
+    memory path's copy); each load's engine read is timed alone too
+    ("[engine read]"; the rest is unpickling and allocation).
+  * (r1) CKPTIO_MEMORY_PATH=pread: save, first and repeat load; KvikIO's POSIX path
+    (its own write, then its first read), as many threads as cores.
+  * ckptio.safetensors save_file, then load_file(device="cuda") right after;
+    (r1) safetensors.load_file(device="cuda") of the same file.
+- page cache: a checkpoint on the disk read by another process (``cat``):
+  ckptio.load to CUDA (map, map-nt), and the CPU copy floor on the same file;
+  (r1) the same file cold: ckptio.load (O_DIRECT) against a raw O_DIRECT read.
+- staging, for private buffers with huge pages and with 4 KiB pages
+  (CKPTIO_HUGE_PAGES on/off: the H200 decides) and shared ones: a new
+  DefaultStager's first staging (THREAD mode, no prepare()) and a later one,
+  against the pinned D2H copy and the floor: fresh buffers of the same kind and
+  sizes faulted in (MADV_POPULATE_WRITE on the stager's threads) and registered
+  (``stage_pin``), floor and stager in alternating order per round, so that
+  first / floor compares memory of the same freshness.
+- (r1) pinned lanes: a new engine's first load with its lanes as registered
+  huge-page mappings and as cuMemHostAlloc memory (CKPTIO_PINNED_ALLOC).
 
-Huge pages: every row runs under CKPTIO_HUGE_PAGES as set (default auto), and the
-staging and floor rows run once more with it "on" where auto means off (a VM with
-free page reporting, see ``ckptio info``).
+Fresh guest memory: on a freshly started VM the host backs guest memory on its
+first touch, and huge pages come from never-touched blocks long after small
+pages are recycled (the likely reason: see docs/faststorage.md). Before
+anything else the bench faults in 4 GiB with 4 KiB and with huge pages; then
+(``--warm``, default on with CUDA) it touches and frees all the memory it can
+spare once (at most 25 s), with huge pages, and probes again: rows then measure
+ckptio on memory as a host that has been up a while has it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import mmap
 import os
+import platform
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ckptio
@@ -49,7 +82,7 @@ import ckptio.dcp
 import ckptio.safetensors as cst
 import ckptio.serialization as ser
 import torch
-from ckptio import _native, bench
+from ckptio import _hostmem, _native, bench
 from ckptio.cli import _size
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,9 +90,32 @@ from bench_gpu import kvikio_run  # noqa: E402
 
 GiB = 1 << 30
 CORES = os.cpu_count() or 8
-times: dict[str, list[float]] = {}
-notes: dict[str, str] = {}
+T0 = time.perf_counter()
 DEV = "cuda"
+ROUND = 0
+# row -> {round: seconds}; notes by row; what the run printed besides rows
+times: dict[str, dict[int, float]] = {}
+notes: dict[str, str] = {}
+probe: dict[str, Any] = {}
+sections: dict[str, dict[int, float]] = {}
+# Seconds of each section's first round spent on rows of the first round only:
+# what a later round of it will not take.
+first_only: dict[str, float] = {}
+SECTION = ""
+READS: bench.EngineReads | None = None
+
+
+@contextlib.contextmanager
+def round_one_only() -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        first_only[SECTION] = first_only.get(SECTION, 0.0) + time.perf_counter() - t0
+
+
+def stamp(what: str) -> None:
+    print(f"# [{time.perf_counter() - T0:6.1f} s] {what}", flush=True)
 
 
 def sync() -> None:
@@ -69,12 +125,19 @@ def sync() -> None:
 
 def rec(name: str, seconds: float | None, note: str = "") -> None:
     if seconds is not None:
-        times.setdefault(name, []).append(seconds)
+        times.setdefault(name, {})[ROUND] = seconds
     if note:
         notes[name] = note
 
 
+def settle() -> None:
+    """Mappings of earlier reads unmapped (off a caller's path, so they would
+    still run under the next row otherwise)."""
+    _native.host_memory()
+
+
 def timed(fn: Callable[[], Any]) -> float:
+    settle()
     sync()
     t0 = time.perf_counter()
     fn()
@@ -104,104 +167,274 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def load_row(name: str, fn: Callable[[], Any], check: dict | None = None) -> None:
+    """A timed load (its result dropped after), its engine read timed alone as
+    ``name [engine read]``, its report in the note."""
+    out: dict[str, Any] = {}
+    assert READS is not None
+    READS.reset()
+    t = timed(lambda: out.update(x=fn()))
+    io = READS.seconds
+    rep = ckptio.last_report()
+    rec(name, t, f"{rep.read_source} {rep.read_reason} {rep.device_path}" if rep else "")
+    rec(f"{name} [engine read]", io)
+    if check is not None and not same(out["x"], check):
+        raise SystemExit(f"{name}: other bytes than were saved")
+
+
 def main() -> None:
+    global DEV, ROUND, READS, SECTION
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="8G")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=220.0, help="seconds for the whole run")
     ap.add_argument("--disk-dir", default=tempfile.gettempdir())
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list: shm,cache,staging,lanes")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the bench itself")
+    ap.add_argument(
+        "--warm", default="auto", help="touch spare memory once first: on, off, auto (with CUDA)"
+    )
     a = ap.parse_args()
-    global DEV
     DEV = a.device
-    # The engines' pinned lanes stay between rounds (a minute apart): every load
-    # is timed with its lanes made, as in a process that loads often.
+    # The engines' pinned lanes stay between rounds: every load is timed with
+    # its lanes made, as in a process that loads often.
     os.environ.setdefault("CKPTIO_IDLE_RELEASE", "off")
     skip = set(filter(None, a.skip.split(",")))
     size = _size(a.size)
-    info = ckptio.info()
-    h = info["huge_pages"]
-    print(
-        f"# {CORES} cores; THP {h['enabled']}, shmem {h['shmem_enabled']}, huge pages "
-        f"asked for: {h['advice']}, free page reporting: {h['free_page_reporting']}; "
-        f"fault-in private 4K {h['private_4k_gib_s']:.1f} / huge {h['private_huge_gib_s']:.1f} "
-        f"(just freed), shared {h['shared_gib_s']:.1f} GiB/s",
-        flush=True,
-    )
-    fault_probe(min(size, 4 * GiB))
+    header()
+    fault_probe("fresh", min(size, 4 * GiB))
+    if a.warm == "on" or (a.warm == "auto" and DEV == "cuda"):
+        warm_up()
+        fault_probe("after warm-up", min(size, 4 * GiB))
+    READS = bench.EngineReads()
     sd = bench.synthetic_state_dict(size, DEV, torch.bfloat16)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    print(f"# {nbytes / GiB:.2f} GiB bf16 in {len(sd)} tensors, {a.rounds} rounds", flush=True)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEV == "cuda")
+    host, host_pin = pinned_host(nbytes)
     flat = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
     host.copy_(flat)
+    stamp(
+        f"{nbytes / GiB:.2f} GiB bf16 in {len(sd)} tensors, {a.rounds} rounds; pinned "
+        f"limit buffer: {host_pin.pinned_bytes() / GiB:.1f} GiB registered "
+        f"(torch sees it pinned: {host.is_pinned() if DEV == 'cuda' else False})"
+    )
     shm = tempfile.mkdtemp(prefix="ckptio-mem-", dir="/dev/shm")
     disk = tempfile.mkdtemp(prefix="ckptio-mem-", dir=a.disk_dir)
-    for mode in ("map", "pread"):
-        memory_path(mode)  # warm both engines' lanes on a small file
+    for mode in ("map", "map-nt", "pread"):
+        memory_path(mode)  # warm every engine's lanes on a small file
         ckptio.save({"w": torch.ones(256 << 20, dtype=torch.uint8, device=DEV)}, f"{shm}/w.pt")
         ckptio.load(f"{shm}/w.pt", map_location=DEV)
     os.unlink(f"{shm}/w.pt")
+    # A run stopped by `timeout` (SIGTERM) still prints what it measured.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    # Staging first: its second round (the other order of floor and stager)
+    # matters most when the budget cuts a round short.
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("staging", lambda: staging_round(sd)),
+        ("shm", lambda: shm_round(sd, host, flat, shm)),
+        ("cache", lambda: cache_round(sd, disk, nbytes, a.rounds)),
+        ("lanes", lambda: lanes_round(shm)),
+    ]
     try:
         for r in range(a.rounds):
-            print(f"## round {r + 1}", flush=True)
+            ROUND = r
+            stamp(f"round {r + 1}")
             rec("pinned H2D copy", timed(lambda: flat.copy_(host, non_blocking=True)))
             rec("pinned D2H copy", timed(lambda: host.copy_(flat, non_blocking=True)))
-            if "shm" not in skip:
-                shm_round(sd, host, shm, r == 0)
-            if "cache" not in skip:
-                cache_round(sd, disk, nbytes, r == 0)
-            if "staging" not in skip:
-                staging_round(sd)
-            if "lanes" not in skip and r == 0:
-                lanes_round(shm)
-            report(nbytes, a.json)  # after every round: a run cut short keeps its figures
+            for name, fn in steps:
+                if name in skip or (name == "lanes" and r > 0):
+                    continue
+                took = sections.get(name, {}).get(0, 0.0) - first_only.get(name, 0.0)
+                if r > 0 and time.perf_counter() - T0 + took > a.budget:
+                    stamp(f"{name} skipped in round {r + 1}: {took:.0f} s would pass the budget")
+                    continue
+                SECTION = name
+                t0 = time.perf_counter()
+                fn()
+                sections.setdefault(name, {})[r] = time.perf_counter() - t0
+                stamp(f"{name} done in {sections[name][r]:.1f} s")
+                report(nbytes, a.json, show=False)  # a run cut short keeps its figures
+            report(nbytes, a.json, show=True)
+    except SystemExit:
+        stamp("stopped: what was measured so far")
+        report(nbytes, a.json, show=True)
+        raise
     finally:
-        import shutil
-
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
+        del host_pin
 
 
-def fault_probe(n: int) -> None:
-    """Fresh private memory faulted in on as many threads as cores, 4 KiB and huge
-    pages, after 3 s idle (on a VM with free page reporting the host takes back
-    free 2 MiB blocks by then) and right after the same amount was freed."""
+def header() -> None:
+    info = ckptio.info()
+    h = info["huge_pages"]
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in open("/proc/cpuinfo")
+            if ln.startswith("model name")
+        ),
+        "?",
+    )
+    eng = _native.Engine()
+    probe["host"] = {
+        "cores": CORES,
+        "cpu": cpu,
+        "libc": " ".join(platform.libc_ver()),
+        "kernel": platform.release(),
+        "thp": h["enabled"],
+        "shmem_thp": h["shmem_enabled"],
+        "huge_pages_asked": h["advice"],
+        "free_page_reporting": h["free_page_reporting"],
+        "memory_threads": eng.memory_threads,
+        "memory_chunk": eng.memory_chunk_size,
+        "staging_threads": _staging_threads(),
+    }
+    stamp(f"host: {json.dumps(probe['host'])}")
+
+
+def _staging_threads() -> int:
+    from ckptio.staging import _default_threads
+
+    return _default_threads()
+
+
+def fault_probe(when: str, n: int) -> None:
+    """Fresh private memory faulted in on as many threads as cores, 4 KiB pages
+    then huge pages: the first touch, and again right after the free."""
     for kind in ("anon", "anon+thp"):
-        time.sleep(3)
-        idle = bench.fresh_memory_fault_s([n], threads=CORES, kind=kind)
+        first = bench.fresh_memory_fault_s([n], threads=CORES, kind=kind)
         again = bench.fresh_memory_fault_s([n], threads=CORES, kind=kind)
-        print(
-            f"# fault-in {n / GiB:.2f} GiB {kind:<8} on {CORES} threads: after 3 s idle "
-            f"{n / GiB / idle:.1f} GiB/s, right after a free {n / GiB / again:.1f} GiB/s",
-            flush=True,
+        probe.setdefault("fault_in_gib_s", {})[f"{when} {kind}"] = [
+            n / GiB / first,
+            n / GiB / again,
+        ]
+        stamp(
+            f"fault-in {n / GiB:.2f} GiB {kind:<8} on {CORES} threads ({when}): "
+            f"{n / GiB / first:.1f} GiB/s, again right after the free {n / GiB / again:.1f}"
         )
 
 
-def shm_round(sd: dict, host: torch.Tensor, shm: str, check: bool) -> None:
-    p = f"{shm}/c.pt"
-    for mode in ("map", "pread"):
-        memory_path(mode)
-        rec(f"ckptio.save -> /dev/shm ({mode} round)", timed(lambda: ckptio.save(sd, p)))
-        out: dict[str, Any] = {}
-        for which in ("first", "repeat"):
-            out.clear()
-            t = timed(lambda out=out: out.update(x=ckptio.load(p, map_location=DEV)))
-            rep = ckptio.last_report()
-            rec(f"ckptio.load /dev/shm {which} ({mode})", t, f"{rep.read_reason} {rep.device_path}")
-            if check and not same(out["x"], sd):
-                raise SystemExit(f"ckptio.load ({mode}) returned other bytes")
-        out.clear()
-        os.unlink(p)
-    # The raw limit of a fresh tmpfs file: the same bytes from pinned memory.
-    raw = f"{shm}/raw.bin"
-    rec(
-        "raw write, pinned -> fresh tmpfs file",
-        bench.raw_write(raw, memoryview(host.numpy()), threads=CORES)[0],
-        f"{CORES} threads, 64 MiB",
+def warm_up(limit_s: float = 25.0) -> None:
+    """Touch (huge pages) and free all the memory this run can spare, once, in
+    8 GiB steps for at most ``limit_s`` seconds: a VM backs guest memory on its
+    first touch, and huge pages come from blocks nobody touched yet as long as
+    there are any."""
+    avail = _meminfo("MemAvailable")
+    spare = (avail - max(8 * GiB, _meminfo("MemTotal") // 10)) // GiB
+    if spare < 1:
+        stamp(f"warm-up skipped: {avail / GiB:.0f} GiB available")
+        return
+    maps: list[mmap.mmap] = []
+    t0 = time.perf_counter()
+    try:
+        while len(maps) < spare and time.perf_counter() - t0 < limit_s:
+            step = [
+                mmap.mmap(-1, GiB, flags=mmap.MAP_PRIVATE) for _ in range(min(8, spare - len(maps)))
+            ]
+            for m in step:
+                m.madvise(mmap.MADV_HUGEPAGE)
+            maps += step
+            addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in step]
+            bench.madvise_s([(x, GiB) for x in addrs], CORES)
+        s = time.perf_counter() - t0
+    finally:
+        for m in maps:
+            m.close()
+    probe["warm_up"] = {"gib": len(maps), "seconds": s, "spare_gib": spare}
+    stamp(
+        f"warm-up: {len(maps)} of {spare} spare GiB touched with huge pages in {s:.1f} s "
+        f"({len(maps) / s:.1f} GiB/s), freed"
     )
-    os.unlink(raw)
+
+
+def _meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for ln in f:
+            if ln.startswith(key + ":"):
+                return int(ln.split()[1]) * 1024
+    return 0
+
+
+def pinned_host(nbytes: int) -> tuple[torch.Tensor, Any]:
+    """``nbytes`` of host memory as the bounce lanes have it: huge pages,
+    registered with the driver (cudaHostAlloc would take ~5 s for 8 GiB)."""
+    st = _hostmem.empty_storage(nbytes)
+    pin = _native.HostPin(st, st.data_ptr(), nbytes, pin=DEV == "cuda", chunk_size=64 << 20)
+    _native.stage_pin([pin], 16)
+    t = torch.empty(0, dtype=torch.uint8)
+    t.set_(st, 0, (nbytes,), (1,))
+    return t, pin
+
+
+# -- /dev/shm ---------------------------------------------------------------------------
+
+
+def shm_round(sd: dict, host: torch.Tensor, flat: torch.Tensor, shm: str) -> None:
+    first_round = ROUND == 0
+    p = f"{shm}/c.pt"
+
+    def raw_and_floors() -> None:
+        raw = f"{shm}/raw.bin"
+        settle()
+        rec(
+            "raw write, pinned -> fresh tmpfs file",
+            bench.raw_write(raw, memoryview(host.numpy()), threads=CORES)[0],
+            f"{CORES} threads, 64 MiB",
+        )
+        copy_floors(raw, "shm")
+        if DEV == "cuda":
+            attempt("floor (b) zero-copy shm, end to end", lambda: zero_copy_floor(raw, flat))
+        os.unlink(raw)
+
+    def save_and_loads() -> None:
+        memory_path("map")
+        rec("ckptio.save -> /dev/shm", timed(lambda: ckptio.save(sd, p)))
+        check = sd if first_round else None
+        load_row("ckptio.load shm first (map)", lambda: ckptio.load(p, map_location=DEV), check)
+        load_row("ckptio.load shm repeat (map)", lambda: ckptio.load(p, map_location=DEV))
+        memory_path("map-nt")
+        load_row("ckptio.load shm repeat (map-nt)", lambda: ckptio.load(p, map_location=DEV), check)
+        memory_path("map")
+        os.unlink(p)
+
+    # Alternating order: fresh tmpfs pages cost what the VM makes them cost.
+    for part in (raw_and_floors, save_and_loads)[:: 1 if ROUND % 2 == 0 else -1]:
+        part()
+    if first_round:
+        with round_one_only():
+            pread_and_kvikio(sd, p, shm)
+    sp = f"{shm}/m.safetensors"
+    rec("ckptio.safetensors.save_file -> /dev/shm", timed(lambda: cst.save_file(sd, sp)))
+    load_row(
+        "ckptio.safetensors.load_file shm first",
+        lambda: cst.load_file(sp, device=DEV),
+        sd if first_round else None,
+    )
+    if first_round:
+
+        def peer() -> None:
+            import safetensors.torch as st
+
+            got: dict[str, Any] = {}
+            rec(
+                "safetensors.load_file /dev/shm", timed(lambda: got.update(x=st.load_file(sp, DEV)))
+            )
+
+        with round_one_only():
+            attempt("safetensors.load_file /dev/shm", peer)
+    os.unlink(sp)
+
+
+def pread_and_kvikio(sd: dict, p: str, shm: str) -> None:
+    """CKPTIO_MEMORY_PATH=pread (save, first and repeat load), and KvikIO's own
+    write and first read of the same bytes."""
+    memory_path("pread")
+    rec("ckptio.save -> /dev/shm (pread round)", timed(lambda: ckptio.save(sd, p)))
+    load_row("ckptio.load shm first (pread)", lambda: ckptio.load(p, map_location=DEV))
+    load_row("ckptio.load shm repeat (pread)", lambda: ckptio.load(p, map_location=DEV))
+    os.unlink(p)
+    memory_path("map")
 
     def kv() -> None:
         w, rd, note = kvikio_run(shm, sum(t.numel() * 2 for t in sd.values()), "ON", CORES)
@@ -209,93 +442,264 @@ def shm_round(sd: dict, host: torch.Tensor, shm: str, check: bool) -> None:
         rec("KvikIO posix read /dev/shm first", rd, f"{CORES} threads {note}")
 
     attempt("KvikIO posix read /dev/shm first", kv)
-    memory_path("map")
-    sp = f"{shm}/m.safetensors"
-    rec("ckptio.safetensors.save_file -> /dev/shm", timed(lambda: cst.save_file(sd, sp)))
-    got: dict[str, Any] = {}
-    rec(
-        "ckptio.safetensors.load_file /dev/shm first",
-        timed(lambda: got.update(x=cst.load_file(sp, device=DEV))),
-        ckptio.last_report().read_reason or "",
-    )
-    if check and not same(got["x"], sd):
-        raise SystemExit("ckptio.safetensors.load_file returned other bytes")
-    got.clear()
-
-    def peer() -> None:
-        import safetensors.torch as st
-
-        rec("safetensors.load_file /dev/shm", timed(lambda: got.update(x=st.load_file(sp, DEV))))
-        got.clear()
-
-    attempt("safetensors.load_file /dev/shm", peer)
-    os.unlink(sp)
 
 
-def cache_round(sd: dict, disk: str, nbytes: int, check: bool) -> None:
-    memory_path("map")
+def copy_floors(path: str, where: str) -> None:
+    """The CPU copy floor on ``path`` (no engine, no GPU): the memory path's
+    threads and chunk; first (where the file was never read) through a mapping,
+    then repeat reads by each way of copying."""
+    eng = ENGINES["map"]
+    mt, mc = eng.memory_threads, eng.memory_chunk_size
+    runs = [("first" if where == "shm" else "cached", "map", mt)]
+    if where == "shm":
+        runs += [("repeat", "map", mt), ("repeat", "map-nt", mt), ("repeat", "pread", mt)]
+        if CORES != mt:
+            runs.append(("repeat", "map", CORES))
+    else:
+        runs.append(("cached", "map-nt", mt))
+    for which, source, threads in runs:
+        s, pinned = _native.memory_copy_floor(path, source, threads, mc)
+        rec(
+            f"floor (a) CPU copy {where} {which} ({source}, {threads} thr)",
+            s,
+            f"{mc >> 20} MiB chunks into {'pinned' if pinned else 'pageable'} slots",
+        )
+    if where == "shm":
+        s, _ = _native.memory_copy_floor(path, "map", mt, 4 * mc)
+        rec(f"floor (a) CPU copy shm repeat (map, {mt} thr, {4 * mc >> 20} MiB)", s)
+
+
+READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY
+
+
+def zero_copy_floor(path: str, flat: torch.Tensor, threads: int = 8, piece: int = 64 << 20) -> None:
+    """The zero-copy floor: ``path`` mapped read-only (shared), its pages
+    registered with the driver (cuMemHostRegister READ_ONLY) in ``piece``-byte
+    pieces on ``threads`` threads, each piece copied to the GPU from its
+    registration. End to end (each thread: page tables of its piece filled,
+    registered, copy queued), then on a second mapping by phase."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+    cu.cuCtxSetCurrent.argtypes = [vp]
+    cu.cuMemHostRegister_v2.argtypes = [vp, sz, ctypes.c_uint]
+    cu.cuMemHostUnregister.argtypes = [vp]
+    cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, sz, vp]
+    cu.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+    cu.cuStreamSynchronize.argtypes = [vp]
+    cu.cuStreamDestroy_v2.argtypes = [vp]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = vp
+    libc.mmap.argtypes = [vp, sz, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [vp, sz]
+    libc.madvise.argtypes = [vp, sz, ctypes.c_int]
+    torch.cuda.synchronize()
+    ctx = vp()
+    cu.cuCtxGetCurrent(ctypes.byref(ctx))
+    n = os.path.getsize(path)
+    dst = flat.data_ptr()
+
+    def ck(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what}: CUresult {rc}")
+
+    def on_threads(items: list[int], fn: Callable[[int, Any], None]) -> float:
+        """fn(item, stream) for every item on ``threads`` threads; seconds."""
+        todo = list(reversed(items))
+        lock = threading.Lock()
+
+        def work(stopped: Callable[[], bool]) -> None:
+            st = vp()
+            try:
+                ck(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+                ck(cu.cuStreamCreate(ctypes.byref(st), 1), "cuStreamCreate")
+                while not stopped():
+                    with lock:
+                        if not todo:
+                            break
+                        i = todo.pop()
+                    fn(i, st)
+                ck(cu.cuStreamSynchronize(st), "cuStreamSynchronize")
+            finally:
+                if st.value:
+                    cu.cuStreamDestroy_v2(st)
+
+        t0 = time.perf_counter()
+        bench.run_threads(threads, work)
+        return time.perf_counter() - t0
+
+    offs = list(range(0, n, piece))
+
+    def mapping() -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            p = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        finally:
+            os.close(fd)
+        if p in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        return int(p)
+
+    def length(o: int) -> int:
+        return min(piece, n - o)
+
+    def fill(p: int, o: int) -> None:
+        libc.madvise(p + o, length(o), bench.MADV_POPULATE_READ)
+
+    registered: set[int] = set()
+
+    def register(p: int, o: int) -> None:
+        ck(cu.cuMemHostRegister_v2(p + o, length(o), READ_ONLY), "cuMemHostRegister(READ_ONLY)")
+        registered.add(p + o)
+
+    def copy(p: int, o: int, st: Any) -> None:
+        ck(cu.cuMemcpyHtoDAsync_v2(dst + o, p + o, length(o), st), "cuMemcpyHtoDAsync")
+
+    def unregister(p: int) -> float:
+        t = on_threads(offs, lambda o, st: ck(cu.cuMemHostUnregister(p + o), "unregister"))
+        registered.clear()
+        return t
+
+    def unmap(p: int) -> None:
+        torch.cuda.synchronize()
+        for a in registered:  # after an error only
+            cu.cuMemHostUnregister(a)
+        registered.clear()
+        libc.munmap(p, n)
+
+    p = mapping()
+    try:
+        e2e = on_threads(offs, lambda o, st: (fill(p, o), register(p, o), copy(p, o, st)))
+        unreg = unregister(p)
+    finally:
+        unmap(p)
+    p = mapping()
+    try:
+        tables = on_threads(offs, lambda o, st: fill(p, o))
+        reg = on_threads(offs, lambda o, st: register(p, o))
+        cp = on_threads(offs, lambda o, st: copy(p, o, st))
+        unregister(p)
+    finally:
+        unmap(p)
+    how = f"{threads} threads, {piece >> 20} MiB pieces"
+    rec("floor (b) zero-copy shm, end to end", e2e, f"{how}; unregistering after: {unreg:.3f} s")
+    rec("floor (b) zero-copy shm: page tables", tables, how)
+    rec("floor (b) zero-copy shm: registration", reg, how)
+    rec("floor (b) zero-copy shm: copy from registrations", cp, how)
+
+
+# -- page cache -------------------------------------------------------------------------
+
+
+def cache_round(sd: dict, disk: str, nbytes: int, rounds: int) -> None:
     p = f"{disk}/c.pt"
-    ckptio.save(sd, p)
+    if not os.path.exists(p):
+        memory_path("map")
+        ckptio.save(sd, p)
     bench.drop_cache(p)
     subprocess.run(["cat", p], stdout=subprocess.DEVNULL, check=True)  # another process
-    out: dict[str, Any] = {}
-    t = timed(lambda: out.update(x=ckptio.load(p, map_location=DEV)))
-    rep = ckptio.last_report()
-    rec("ckptio.load page-cached disk file", t, f"{rep.read_reason} {rep.device_path}")
-    if check and not same(out["x"], sd):
-        raise SystemExit("ckptio.load of the cached file returned other bytes")
-    out.clear()
-    bench.drop_cache(p)
-    t = timed(lambda: out.update(x=ckptio.load(p, map_location=DEV)))
-    rep = ckptio.last_report()
-    rec("ckptio.load cold disk file", t, f"{rep.read_reason} {rep.device_path} {rep.gds_mode}")
-    out.clear()
-    ring = mmap.mmap(-1, 8 * (64 << 20), flags=mmap.MAP_PRIVATE)  # page aligned
-    ring.write(b"\0" * len(ring))  # faulted in: the disk alone
-    view = memoryview(ring)
-    rec(
-        "raw O_DIRECT read, cold",
-        bench.cold_read(p, view, os.O_DIRECT, 8, 64 << 20, nbytes & ~4095),
+    check = sd if ROUND == 0 else None
+    memory_path("map")
+    load_row(
+        "ckptio.load page-cached disk file (map)", lambda: ckptio.load(p, map_location=DEV), check
     )
-    view.release()
-    ring.close()
-    os.unlink(p)
+    memory_path("map-nt")
+    load_row("ckptio.load page-cached disk file (map-nt)", lambda: ckptio.load(p, map_location=DEV))
+    memory_path("map")
+    copy_floors(p, "disk")
+    if ROUND == 0:
+        bench.drop_cache(p)
+        load_row("ckptio.load cold disk file", lambda: ckptio.load(p, map_location=DEV))
+        ring = mmap.mmap(-1, 8 * (64 << 20), flags=mmap.MAP_PRIVATE)  # page aligned
+        ring.write(b"\0" * len(ring))  # faulted in: the disk alone
+        view = memoryview(ring)
+        rec(
+            "raw O_DIRECT read, cold",
+            bench.cold_read(p, view, os.O_DIRECT, 8, 64 << 20, nbytes & ~4095),
+        )
+        view.release()
+        ring.close()
+    if ROUND == rounds - 1:
+        os.unlink(p)
+
+
+# -- staging ----------------------------------------------------------------------------
+
+KINDS = [
+    ("private, huge pages", False, "on"),
+    ("private, 4 KiB pages", False, "off"),
+    ("shared", True, None),
+]
 
 
 def staging_round(sd: dict) -> None:
+    """Per kind of buffer, the floor and a new stager's first and a later
+    staging; floor first in odd rounds, stager first in even ones (and the
+    kinds in the other order), so that each compares like with like."""
     from ckptio.staging import DefaultStager, StagingOptions
 
-    settings = ["auto"]
-    if not ckptio.info()["huge_pages"]["advice"]:
-        settings.append("on")
     sizes = [t.untyped_storage().nbytes() for t in sd.values()]
-    for hp in settings:
-        os.environ["CKPTIO_HUGE_PAGES"] = hp
-        for shared in (False, True):
-            kind = f"{'shared' if shared else 'private'}, huge pages {hp}"
-            stager = DefaultStager(StagingOptions(use_shared_memory=shared))
+    flip = ROUND % 2 == 1
+    for label, shared, hp in KINDS[::-1] if flip else KINDS:
+        if hp is None:
+            os.environ.pop("CKPTIO_HUGE_PAGES", None)
+        else:
+            os.environ["CKPTIO_HUGE_PAGES"] = hp
+
+        def stager(label: str = label, shared: bool = shared) -> None:
+            s = DefaultStager(StagingOptions(use_shared_memory=shared))
             try:
-                for k in range(3):
-                    t = timed(lambda stager=stager: stager.stage(sd).result())
-                    rec(f"staging {'first' if k == 0 else 'later'} ({kind})", t)
+                for which in ("first", "later"):
+                    settle()
+                    rec(f"staging {which} ({label})", timed(lambda s=s: s.stage(sd).result()))
+                    st = s.last_stats
+                    notes[f"staging {which} ({label})"] = (
+                        f"{st.get('threads')} threads, {st.get('pieces')} pieces, "
+                        f"{st.get('unpinned_device_bytes', 0) >> 20} MiB unpinned"
+                    )
             finally:
-                stager.close()
-        # The floor: fresh buffers of the same sizes, faulted in and registered.
-        mems = [_native.HostMemory(n) for n in sizes]
-        pins = [_native.HostPin(m, m.addr, m.nbytes, pin=True, chunk_size=64 << 20) for m in mems]
-        t0 = time.perf_counter()
-        pinned = _native.stage_pin(pins, 16)
-        t = time.perf_counter() - t0
-        huge = sum(m.huge_bytes() or 0 for m in mems)
-        rec(
-            f"floor: fault-in + register (huge pages {hp})",
-            t,
-            f"{pinned / GiB:.1f} GiB pinned, {huge / GiB:.1f} GiB in huge pages",
-        )
-        for p in pins:
-            p.close()
-        del mems, pins
+                s.close()
+
+        def floor(label: str = label, shared: bool = shared) -> None:
+            staging_floor(sizes, shared, label)
+
+        for step in (stager, floor) if flip else (floor, stager):
+            step()
     os.environ.pop("CKPTIO_HUGE_PAGES", None)
+
+
+def staging_floor(sizes: list[int], shared: bool, label: str) -> None:
+    """Fresh buffers as the stager makes them, faulted in on its threads
+    (MADV_POPULATE_WRITE, 64 MiB calls), then registered (``stage_pin``)."""
+    from ckptio.staging import _PIN_CHUNK, _host_storage
+
+    threads = _staging_threads()
+    huge0 = _anon_huge()
+    bufs = [_host_storage(n, shared) for n in sizes]
+    ranges = [(b.data_ptr(), b.nbytes()) for b in bufs]
+    fault = bench.madvise_s(ranges, threads, _PIN_CHUNK)
+    huge = _anon_huge() - huge0
+    pins = [_native.HostPin(b, b.data_ptr(), b.nbytes(), chunk_size=_PIN_CHUNK) for b in bufs]
+    t0 = time.perf_counter()
+    pinned = _native.stage_pin(pins, threads) if DEV == "cuda" else 0
+    reg = time.perf_counter() - t0
+    for p in pins:
+        p.close()
+    del pins, bufs
+    rec(f"floor (c) staging ({label}): fault-in", fault, f"{huge / GiB:.1f} GiB in huge pages")
+    rec(f"floor (c) staging ({label}): registration", reg, f"{pinned / GiB:.1f} GiB pinned")
+    rec(f"floor (c) staging ({label})", fault + reg, f"{threads} threads")
+
+
+def _anon_huge() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        for ln in f:
+            if ln.startswith("AnonHugePages:"):
+                return int(ln.split()[1]) * 1024
+    return 0
+
+
+# -- pinned lanes -----------------------------------------------------------------------
 
 
 def lanes_round(shm: str) -> None:
@@ -304,101 +708,167 @@ def lanes_round(shm: str) -> None:
     ckptio.save({"w": torch.ones(512 << 20, dtype=torch.uint8, device=DEV)}, p)
     for alloc in ("register", "driver"):
         os.environ["CKPTIO_PINNED_ALLOC"] = alloc
-        ENGINES.pop("lanes", None)
-        eng = ENGINES.setdefault("lanes", _native.Engine(memory_path="map"))
+        eng = _native.Engine(memory_path="map")
         for mod in (ser, cst, ckptio.dcp):
-            mod._engine = lambda *a, **k: ENGINES["lanes"]  # type: ignore[attr-defined]
+            mod._engine = lambda *a, eng=eng, **k: eng  # type: ignore[attr-defined]
         for which in ("first", "second"):
             t = timed(lambda: ckptio.load(p, map_location=DEV))
-            pinned = f"pinned {eng.pinned_bytes() >> 20} MiB"
-            rec(f"new engine {which} load 512 MiB ({alloc})", t, pinned)
+            rec(
+                f"new engine {which} load 512 MiB ({alloc})",
+                t,
+                f"pinned {eng.pinned_bytes() >> 20} MiB",
+            )
         del eng
-        ENGINES.pop("lanes")
     os.environ.pop("CKPTIO_PINNED_ALLOC", None)
+    memory_path("map")
     os.unlink(p)
 
 
-def report(nbytes: int, json_path: str | None) -> None:
-    med = {k: statistics.median(v) for k, v in times.items()}
-    gib = nbytes / GiB
-    print(f"\n{'what':<52} {'median s':>9} {'GiB/s':>7}  rounds (GiB/s)  note")
-    for k, v in times.items():
-        n = gib if "512 MiB" not in k else 0.5
-        spread = " ".join(f"{n / x:.1f}" for x in v)
-        print(f"{k:<52} {med[k]:9.3f} {n / med[k]:7.2f}  {spread:<14} {notes.get(k, '')}")
-    for k in notes.keys() - times.keys():
-        print(f"{k:<52} {'-':>9} {'-':>7}  {notes[k]}")
+# -- report -----------------------------------------------------------------------------
 
-    def ratio(ours: str, base: str) -> str:
+
+def report(nbytes: int, json_path: str | None, show: bool) -> None:
+    """The JSON (every time), and with ``show`` the table and the targets."""
+    med = {k: statistics.median(v.values()) for k, v in times.items()}
+    gib = nbytes / GiB
+    if show:
+        print(f"\n{'what':<62} {'median s':>9} {'GiB/s':>7}  rounds (GiB/s)  note")
+        for k, v in times.items():
+            n = gib if "512 MiB" not in k else 0.5
+            spread = " ".join(f"{n / x:.1f}" for x in v.values())
+            print(f"{k:<62} {med[k]:9.3f} {n / med[k]:7.2f}  {spread:<14} {notes.get(k, '')}")
+        for k in notes.keys() - times.keys():
+            print(f"{k:<62} {'-':>9} {'-':>7}  {notes[k]}")
+
+    def speed(ours: str, base: str) -> str:
+        """How fast ``ours`` ran against ``base`` (base seconds / ours): ratio of
+        medians, and the median of the per-round ratios."""
         if ours not in med or base not in med:
             return "n/a"
-        both = min(len(times[ours]), len(times[base]))
-        paired = statistics.median(times[base][i] / times[ours][i] for i in range(both))
+        both = sorted(times[ours].keys() & times[base].keys())
+        paired = statistics.median(times[base][i] / times[ours][i] for i in both) if both else 0
         return f"{med[base] / med[ours]:.2f}x (paired {paired:.2f}x)"
 
+    def slower(ours: str, base: str) -> str:
+        """``ours`` seconds / ``base`` seconds, medians and paired by round."""
+        if ours not in med or base not in med:
+            return "n/a"
+        both = sorted(times[ours].keys() & times[base].keys())
+        paired = statistics.median(times[ours][i] / times[base][i] for i in both) if both else 0
+        return f"{med[ours] / med[base]:.2f}x (paired {paired:.2f}x)"
+
     h2d, d2h = "pinned H2D copy", "pinned D2H copy"
+    eng = ENGINES.get("map")
+    mt, mc = (eng.memory_threads, eng.memory_chunk_size) if eng else (0, 0)
+    fa = f"floor (a) CPU copy shm first (map, {mt} thr)"
+    fr = f"floor (a) CPU copy shm repeat (map, {mt} thr)"
+    fc = f"floor (a) CPU copy disk cached (map, {mt} thr)"
+    zc = "floor (b) zero-copy shm, end to end"
+    first, repeat = "ckptio.load shm first (map)", "ckptio.load shm repeat (map)"
+    cached = "ckptio.load page-cached disk file (map)"
+    stl = "ckptio.safetensors.load_file shm first"
+
+    def load_line(ours: str, floor: str) -> str:
+        return (
+            f"{speed(ours, h2d)}; {speed(ours, floor)} of its CPU copy floor, "
+            f"which runs at {speed(floor, h2d)} of pinned H2D; engine read alone "
+            f"{speed(ours + ' [engine read]', h2d)}"
+        )
+
     lines = [
+        ("shm first load (map) / pinned H2D, >= 0.85", load_line(first, fa)),
+        ("shm repeat load (map) / pinned H2D, >= 0.85", load_line(repeat, fr)),
+        ("  bound: zero-copy floor (b) / pinned H2D", speed(zc, h2d)),
+        ("  bound: zero-copy floor (b) / CPU copy floor (a) repeat", speed(zc, fr)),
         (
-            "shm first load (map) / pinned H2D, >= 0.85",
-            ratio("ckptio.load /dev/shm first (map)", h2d),
+            "  A/B: shm repeat load map-nt / map (> 1: map-nt wins)",
+            speed("ckptio.load shm repeat (map-nt)", repeat),
+        ),
+        ("  A/B: CPU floor repeat map-nt / map", speed(fr.replace("(map,", "(map-nt,"), fr)),
+        ("  A/B: CPU floor repeat pread / map", speed(fr.replace("(map,", "(pread,"), fr)),
+        (
+            "  A/B: CPU floor repeat, 4x the memory chunk / the memory chunk",
+            speed(f"floor (a) CPU copy shm repeat (map, {mt} thr, {4 * mc >> 20} MiB)", fr),
         ),
         (
-            "shm repeat load (map) / pinned H2D, >= 0.85",
-            ratio("ckptio.load /dev/shm repeat (map)", h2d),
+            "  A/B: CPU floor repeat on cores threads / memory threads",
+            speed(f"floor (a) CPU copy shm repeat (map, {CORES} thr)", fr),
         ),
-        ("shm first load (pread) / pinned H2D", ratio("ckptio.load /dev/shm first (pread)", h2d)),
-        ("shm repeat load (pread) / pinned H2D", ratio("ckptio.load /dev/shm repeat (pread)", h2d)),
+        ("  CPU floor first / repeat (the kernel's cost of fresh pages)", speed(fa, fr)),
+        ("shm first load (pread) / pinned H2D", speed("ckptio.load shm first (pread)", h2d)),
+        ("shm repeat load (pread) / pinned H2D", speed("ckptio.load shm repeat (pread)", h2d)),
         (
             "shm first load (map) / KvikIO posix first, >= 1.8",
-            ratio("ckptio.load /dev/shm first (map)", "KvikIO posix read /dev/shm first"),
+            speed(first, "KvikIO posix read /dev/shm first"),
         ),
+        ("page-cached disk file load / pinned H2D, >= 0.8", load_line(cached, fc)),
         (
-            "page-cached disk file load / pinned H2D, >= 0.8",
-            ratio("ckptio.load page-cached disk file", h2d),
+            "  A/B: page-cached load map-nt / map",
+            speed("ckptio.load page-cached disk file (map-nt)", cached),
         ),
         (
             "cold disk file load / raw O_DIRECT read (no regression)",
-            ratio("ckptio.load cold disk file", "raw O_DIRECT read, cold"),
+            speed("ckptio.load cold disk file", "raw O_DIRECT read, cold"),
         ),
-        (
-            "safetensors load_file shm / pinned H2D, >= 0.85",
-            ratio("ckptio.safetensors.load_file /dev/shm first", h2d),
-        ),
+        ("safetensors load_file shm / pinned H2D, >= 0.85", load_line(stl, fa)),
         (
             "safetensors load_file shm / safetensors.load_file",
-            ratio("ckptio.safetensors.load_file /dev/shm first", "safetensors.load_file /dev/shm"),
+            speed(stl, "safetensors.load_file /dev/shm"),
         ),
         (
             "save to shm / raw write into a fresh tmpfs file, >= 0.85",
-            ratio("ckptio.save -> /dev/shm (map round)", "raw write, pinned -> fresh tmpfs file"),
+            speed("ckptio.save -> /dev/shm", "raw write, pinned -> fresh tmpfs file"),
         ),
     ]
-    for hp in ("auto", "on"):
-        for kind in ("private", "shared"):
-            tag = f"({kind}, huge pages {hp})"
-            first, later = f"staging first {tag}", f"staging later {tag}"
-            if first not in med:
-                continue
-            lines += [
-                (f"staging first / later {tag}, <= 2.5", f"{med[first] / med[later]:.2f}x"),
-                (
-                    f"staging first / its floor {tag}, <= 1.2",
-                    f"{med[first] / med[f'floor: fault-in + register (huge pages {hp})']:.2f}x"
-                    if f"floor: fault-in + register (huge pages {hp})" in med
-                    else "n/a",
-                ),
-                (f"staging later / pinned D2H {tag}, >= 0.9", ratio(later, d2h)),
-            ]
-    print("\n# targets (ratios of medians, higher is better unless <=)")
-    for name, v in lines:
-        print(f"  {name:<66} {v}")
+    for label, _, _ in KINDS:
+        tag = f"({label})"
+        f, later, floor = f"staging first {tag}", f"staging later {tag}", f"floor (c) staging {tag}"
+        if f not in med:
+            continue
+        lines += [
+            (f"staging first / later {tag}, <= 2.5", slower(f, later)),
+            (f"  bound: its floor / later {tag}", slower(floor, later)),
+            (f"staging first / its floor {tag}, <= 1.2", slower(f, floor)),
+            (
+                f"  first / (floor + later) {tag} (< 1: the copy overlaps)",
+                _overlap(f, floor, later),
+            ),
+            (f"staging later / pinned D2H {tag}, >= 0.9", speed(later, d2h)),
+        ]
+    lines.append(
+        (
+            "  A/B: staging first, huge pages / 4 KiB pages (< 1: huge pages win)",
+            slower("staging first (private, huge pages)", "staging first (private, 4 KiB pages)"),
+        )
+    )
+    if show:
+        print("\n# targets (ratios of medians, paired = median of per-round ratios)")
+        for name, v in lines:
+            print(f"  {name:<72} {v}")
     if json_path:
-        with open(json_path, "w") as f:
+        with open(json_path, "w") as fh:
             json.dump(
-                {"times": times, "notes": notes, "medians": med, "targets": dict(lines)},
-                f,
+                {
+                    "times": times,
+                    "notes": notes,
+                    "medians": med,
+                    "targets": dict(lines),
+                    "probe": probe,
+                    "sections": sections,
+                },
+                fh,
                 indent=2,
             )
+
+
+def _overlap(first: str, floor: str, later: str) -> str:
+    both = sorted(
+        times.get(first, {}).keys() & times.get(floor, {}).keys() & times.get(later, {}).keys()
+    )
+    if not both:
+        return "n/a"
+    r = [times[first][i] / (times[floor][i] + times[later][i]) for i in both]
+    return f"{statistics.median(r):.2f}x"
 
 
 if __name__ == "__main__":

@@ -357,31 +357,13 @@ def bounce(n: int, threads: int, kinds: list[str], piece: int = 16 << 20) -> Non
                 libc.munmap(p, piece)
 
 
-def _time_engine_reads() -> list[float]:
-    """Time every engine read from now on: [seconds of the last one]."""
-    from ckptio import _native
-
-    io = [0.0]
-    read_segments = _native.Reader.read_segments
-
-    def timed(self, *args, **kw):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        try:
-            return read_segments(self, *args, **kw)
-        finally:
-            io[0] = time.perf_counter() - t
-
-    _native.Reader.read_segments = timed  # type: ignore[method-assign]
-    return io
-
-
 def shm_loads(n: int) -> None:
     """ckptio.load of an n-byte bf16 state dict from /dev/shm, by threads and chunk;
     ``io``: the share of the engine's read (the rest: unpickling, allocation)."""
     import ckptio
     from ckptio import bench
 
-    io = _time_engine_reads()
+    io = bench.EngineReads()
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
     p = "/dev/shm/probe-load.pt"
     ckptio.save(sd, p)
@@ -389,6 +371,7 @@ def shm_loads(n: int) -> None:
     for threads, chunk in ((None, None), (16, 16 << 20), (32, 8 << 20), (32, 4 << 20)):
         for _ in range(2):
             torch.cuda.synchronize()
+            io.reset()
             t0 = time.perf_counter()
             out = ckptio.load(p, map_location="cuda", threads=threads, chunk_size=chunk)
             torch.cuda.synchronize()
@@ -396,7 +379,7 @@ def shm_loads(n: int) -> None:
             del out
             print(
                 f"  ckptio.load shm threads={threads} chunk={chunk}: {dt:.3f} s "
-                f"{n / 2**30 / dt:.1f} GiB/s, io {io[0]:.3f} s "
+                f"{n / 2**30 / dt:.1f} GiB/s, io {io.seconds:.3f} s "
                 f"({ckptio.last_report().device_path}, {ckptio.last_report().threads} threads)",
                 flush=True,
             )
@@ -411,7 +394,7 @@ def alloc(n: int, rounds: int = 3) -> None:
     import ckptio
     from ckptio import bench
 
-    io = _time_engine_reads()
+    io = bench.EngineReads()
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
     sizes = [v.untyped_storage().nbytes() for v in sd.values()]
     total = sum(sizes)
@@ -447,6 +430,7 @@ def alloc(n: int, rounds: int = 3) -> None:
         )
         for mode in ("plain", "reserved") if r % 2 == 0 else ("reserved", "plain"):
             torch.cuda.empty_cache()
+            io.reset()
             if mode == "reserved":
                 t = timed(lambda: (reserve(), out.update(x=ckptio.load(p, map_location="cuda"))))
             else:
@@ -454,7 +438,7 @@ def alloc(n: int, rounds: int = 3) -> None:
             out.clear()
             print(
                 f"  round {r}: ckptio.load {mode:8s} {t:.3f} s {n / 2**30 / t:.1f} GiB/s "
-                f"(engine read {io[0]:.3f} s)"
+                f"(engine read {io.seconds:.3f} s)"
             )
         torch.cuda.empty_cache()
         t = timed(lambda: out.update(x=torch.load(p, map_location="cuda")))

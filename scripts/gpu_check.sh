@@ -6,7 +6,9 @@
 #                                # the GPU tests with it (cuFile compat for real)
 #   scripts/gpu_check.sh gpu     # only tests/test_gpu.py, without then with the udev entry
 #   scripts/gpu_check.sh gputests # every GPU-marked test, without then with the udev entry
-#   scripts/gpu_check.sh membench # benches/bench_memory.py (issue 16's targets) alone
+#   scripts/gpu_check.sh membench # benches/bench_memory.py (issue 16's targets and the floors
+#                                # that bound them) alone: about 4 minutes at 8 GiB (--budget
+#                                # 220 s, MEMBENCH_TIMEOUT 270 s; MEMORY_ARGS adds arguments)
 #   scripts/gpu_check.sh soundness # tests/test_soundness.py, without then with the udev entry
 #   scripts/gpu_check.sh tune    # probes/tune_gpu.py: threads/chunk/preallocation sweep
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
@@ -29,6 +31,11 @@
 #   scripts/gpu_check.sh memory  # issue 16 (about 7 minutes): tests/test_memory_path.py without the
 #                                # udev entry, its GPU tests with it, then benches/bench_memory.py
 #                                # (/dev/shm, page cache, staging, pinned lanes; MEMORY_ARGS), JSON to $OUT
+#   scripts/gpu_check.sh tensors # issue 23 (about 8 minutes): tests/test_many_tensors.py (GPU tests
+#                                # without then with the udev entry), then benches/bench_tensors.py
+#                                # --device cuda: 20,000 x 4 KiB and 1G in 64 / 20,000 tensors on the
+#                                # GPU vs torch.save / torch.load(map_location="cuda"), safetensors;
+#                                # async_save of 20,000 CUDA tensors (TENSORS_ARGS), JSON to $OUT
 #   scripts/gpu_check.sh multigpu # issues 18/19 on 2, 4 or 8 GPUs (nvidia-h200-x2/-x4/-x8), one process
 #                                # per GPU over NCCL: benches/bench_group.py (the group load from /tmp
 #                                # and /dev/shm against every rank alone and one rank alone, bytes read
@@ -99,7 +106,7 @@ membench)
     grep -H . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled \
         /sys/module/page_reporting/parameters/page_reporting_order 2>/dev/null
     udev_on
-    timeout ${MEMBENCH_TIMEOUT:-330} $PY benches/bench_memory.py --json "$OUT/bench_memory.json" ${MEMORY_ARGS:-} 2>&1 | tee "$OUT/bench_memory.log" || rc=1
+    timeout ${MEMBENCH_TIMEOUT:-270} $PY benches/bench_memory.py --json "$OUT/bench_memory.json" ${MEMORY_ARGS:-} 2>&1 | tee "$OUT/bench_memory.log" || rc=1
     ;;
 gpu)
     # Only the GPU tests, both ways (a short re-check after a change).
@@ -162,6 +169,16 @@ zstd)
     # .whl/ must hold the zstandard wheel (torch's ZStandard extension needs it)
     $PY -m pytest tests/test_dcp_fidelity.py tests/test_fidelity.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fidelity.log" | tail -4
     $PY benches/bench_dcp_zstd.py --size ${ZSTD_SIZE:-2G} --repeat 3 2>&1 | tee "$OUT/bench_dcp_zstd.log" || rc=1
+    ;;
+tensors)
+    udev_off
+    CKPTIO_EXPECT_BACKEND=bounce timeout 240 $PY -m pytest tests/test_many_tensors.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_tensors_fallback.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    udev_on
+    CKPTIO_EXPECT_BACKEND=cufile timeout 90 $PY -m pytest tests/test_many_tensors.py -m gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_tensors_cufile.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    timeout 420 $PY benches/bench_tensors.py --device cuda --dir /tmp --rounds 2 --fixed-total 64,20000 \
+        --fixed-size 20000 --async 20000 --json "$OUT/bench_tensors_cuda.json" ${TENSORS_ARGS:-} 2>&1 | tee "$OUT/bench_tensors_cuda.log" || rc=1
     ;;
 profile)
     udev_on  # --knobs cufile needs it; "posix" forces the bounce pipeline

@@ -165,11 +165,17 @@ def test_dcp_items_every_rank_reads_are_read_once(results, request):
     check_dcp(ok(request.getfixturevalue(results), "dcp"))
 
 
+def within(read: int, data: int) -> bool:
+    return data <= read <= data * 1.01
+
+
 def check_dcp(got: list[dict]) -> None:
     rep, shard, n = got[0]["rep_bytes"], got[0]["shard_bytes"], len(got)
-    assert sum(g["share"]["bytes_read"] for g in got) == rep + shard
+    # Small items (<= 1 MiB) are read whole, their zip headers with them: the
+    # bytes read are the data plus at most 1% of headers.
+    assert within(sum(g["share"]["bytes_read"] for g in got), rep + shard)
     for g in got:
-        assert g["alone"]["bytes_read"] == rep + shard // n  # share=False: as before
+        assert within(g["alone"]["bytes_read"], rep + shard // n)  # share=False: as before
         assert g["share"]["bytes_read"] < g["alone"]["bytes_read"]
         assert g["share"]["bytes_received"] > 0 and g["share"]["bytes_sent"] > 0
     sent = sum(g["share"]["bytes_sent"] for g in got)

@@ -92,7 +92,7 @@ def vm_flags(addr: int) -> list[str]:
 
 
 @needs_shm
-@pytest.mark.parametrize("memory_path", ["map", "pread", "off"])
+@pytest.mark.parametrize("memory_path", ["map", "map-nt", "pread", "off"])
 def test_memory_path_and_disk_path_give_identical_bytes(tmp_path, shm_dir, engine_env, memory_path):
     """The same checkpoint read from tmpfs, from the page cache and cold from the disk
     (O_DIRECT), whichever way memory is read, gives the saved bytes; torch.save files
@@ -138,9 +138,11 @@ def test_the_per_file_decision_and_its_report(tmp_path, engine_env):
     assert (rep.read_path, rep.read_source) == ("memory", "map"), rep
     assert rep.read_reason.startswith("page cache: 100%"), rep
     assert not rep.direct and "read from memory" in rep.direct_reason
-    engine_env(CKPTIO_MEMORY_PATH="pread")
-    assert same(ckptio.load(p), sd)
-    assert (ckptio.last_report().read_path, ckptio.last_report().read_source) == ("memory", "pread")
+    for mode in ("pread", "map-nt"):
+        engine_env(CKPTIO_MEMORY_PATH=mode)
+        assert same(ckptio.load(p), sd)
+        rep = ckptio.last_report()
+        assert (rep.read_path, rep.read_source) == ("memory", mode), rep
     engine_env(CKPTIO_MEMORY_PATH="off")
     assert same(ckptio.load(p), sd)
     rep = ckptio.last_report()
@@ -183,7 +185,7 @@ from ckptio import _native, serialization
 out = []
 device = sys.argv[1]
 for folder in sys.argv[2:]:
-    for mode in ("map", "pread", "off"):
+    for mode in ("map", "map-nt", "pread", "off"):
         os.environ["CKPTIO_MEMORY_PATH"] = mode
         serialization._engine.cache_clear()
         sd = {"w": torch.arange(8 << 20, dtype=torch.int32), "s": torch.ones(3)}
@@ -216,7 +218,7 @@ def test_a_file_truncated_while_it_is_read_is_a_typed_error(tmp_path, device):
     finally:
         for f in folders[1:]:
             shutil.rmtree(f, ignore_errors=True)
-    assert len(res) == 9 * len(folders)
+    assert len(res) == 12 * len(folders)
     for r in res:
         assert r["unfired"] == [], r
         assert r["mem"]["file_mappings"] == 0, r
@@ -280,7 +282,7 @@ def test_info_says_what_huge_pages_do_here():
 
 @pytest.mark.gpu
 @needs_shm
-@pytest.mark.parametrize("memory_path", ["map", "pread"])
+@pytest.mark.parametrize("memory_path", ["map", "map-nt", "pread"])
 def test_gpu_destinations_read_from_memory(tmp_path, shm_dir, engine_env, memory_path):
     """CUDA destinations of a file in memory (tmpfs, cached disk pages) are filled
     through the bounce lanes, whatever cuFile could do, with the saved bytes; a cold
@@ -306,3 +308,35 @@ def test_gpu_destinations_read_from_memory(tmp_path, shm_dir, engine_env, memory
         assert same(cst.load_file(folder / "g.safetensors", device="cuda"), sd)
         assert ckptio.last_report().read_path == "memory"
     assert _native.host_memory()["file_mappings"] == 0
+
+
+@pytest.mark.parametrize("source", ["map", "map-nt", "pread"])
+def test_the_copy_floor_probe_reads_a_whole_file(tmp_path, source):
+    """The benches' CPU copy floor (``memory_copy_floor``) copies a whole file,
+    short last chunk included, and refuses bad arguments with typed errors."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * (5 * 4096 + 3))
+    seconds, pinned = _native.memory_copy_floor(p, source, 3, 64 << 10)
+    assert seconds > 0 and pinned == torch.cuda.is_available()
+    assert _native.host_memory()["file_mappings"] == 0
+    for bad in (dict(source="mmap"), dict(threads=0), dict(chunk_size=1000)):
+        with pytest.raises(ValueError):
+            _native.memory_copy_floor(p, **bad)
+    with pytest.raises(OSError):
+        _native.memory_copy_floor(tmp_path / "missing.bin")
+
+
+def test_the_bench_times_the_engine_reads_of_a_load(tmp_path):
+    """bench.EngineReads: the seconds of a load spent in the engine's reads."""
+    p = tmp_path / "c.pt"
+    ckptio.save(state(5), p)
+    reads = bench.EngineReads()
+    try:
+        assert same(ckptio.load(p), state(5))
+        assert reads.calls >= 1 and reads.seconds > 0
+        reads.reset()
+        assert (reads.calls, reads.seconds) == (0, 0.0)
+    finally:
+        reads.close()
+    ckptio.load(p)
+    assert reads.calls == 0

@@ -151,13 +151,18 @@ def test_parameters_and_requires_grad(tmp_path):
     same(sd, out)
 
 
-def test_files_are_4k_aligned_and_torch_readable(tmp_path):
+def test_large_storages_4k_aligned_small_ones_packed_torch_readable(tmp_path):
+    from ckptio.serialization import PACK_BELOW
+
     sd = {f"t{i}": torch.randn(i * 100 + 1) for i in range(10)}
+    sd["large"] = torch.randn(PACK_BELOW // 4)
+    sd["larger"] = torch.randn(PACK_BELOW // 4 + 1)
     p = tmp_path / "aligned.pt"
     ckptio.save(sd, p)
     recs = [r for r in ckptio.records(p) if "/data/" in r.name]
-    assert len(recs) == 10
-    assert all(r.offset % 4096 == 0 for r in recs)
+    assert len(recs) == 12
+    assert all(r.offset % (4096 if r.nbytes >= PACK_BELOW else 64) == 0 for r in recs)
+    assert sum(r.offset % 4096 != 0 for r in recs) >= 9, "small storages are packed"
     names = sorted(t.name for r in recs for t in r.tensors)
     assert names == sorted(sd)
     same(sd, torch.load(p, weights_only=True))

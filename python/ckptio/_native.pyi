@@ -1,6 +1,7 @@
 """Type stubs of the Rust extension ``ckptio._native`` (checked by mypy.stubtest in CI)."""
 
 import os
+from collections.abc import Callable
 from typing import Any, final
 
 from typing_extensions import Self
@@ -19,11 +20,15 @@ __all__ = [
     "env_threads",
     "info",
     "map_archive",
+    "map_archives",
+    "memory_copy_floor",
+    "safetensors_header",
     "pinned_memory",
     "release_buffers",
     "stage_copy",
     "stage_device_copy",
     "stage_pin",
+    "unpickle",
     "AtomicWriter",
     "BufferRegistration",
     "DeviceFile",
@@ -31,6 +36,8 @@ __all__ = [
     "HostMemory",
     "HostPin",
     "Reader",
+    "StateDictPickler",
+    "Unpickled",
     "CkptioError",
     "FormatError",
     "BackendUnavailableError",
@@ -74,7 +81,8 @@ class Engine:
     CKPTIO_MEMORY_THREADS and CKPTIO_MEMORY_CHUNK_SIZE ("4M"). ``threads`` and
     ``chunk_size`` set both kinds; ``memory_threads`` then sets the memory one.
     ``memory_path`` (CKPTIO_MEMORY_PATH): how files in memory are read, "map"
-    (default, "auto"), "pread", or "off" (no page-cache check).
+    (default, "auto"), "map-nt" (the same with non-temporal stores), "pread", or
+    "off" (no page-cache check).
     """
 
     def __new__(
@@ -118,6 +126,11 @@ def pinned_memory() -> dict[str, Any]:
 def env_threads() -> int | None:
     """CKPTIO_THREADS as the engine reads it (ValueError when malformed), None where unset."""
 
+def map_archives(
+    addr: int, len: int, spans: list[tuple[int, int]]
+) -> list[tuple[int, int, list[tuple[str, int, int]]] | None]:
+    """Archives held in host memory: (data.pkl offset, size, [(key, offset, size)]) each."""
+
 def map_archive(path: _Path) -> list[tuple[str, int, int]]:
     """[(record name, data offset, size)] of a torch.save zip archive."""
 
@@ -145,6 +158,16 @@ class AtomicWriter:
         streams: _Streams,
     ) -> dict[str, Any]:
         """Write (key, address, nbytes, device) storages into records ``<prefix>/data/<key>``."""
+    def write_archive(
+        self,
+        engine: Engine,
+        entries: list[tuple[str, bytes | tuple[int, int, int], int]],
+        prefix: str,
+        owners: _Owners,
+        streams: _Streams,
+    ) -> dict[str, Any]:
+        """Write a whole torch.save archive: (record name, bytes or (address, nbytes,
+        device), alignment) in file order, headers and data in one engine pass."""
     def write_segments(
         self,
         engine: Engine,
@@ -153,9 +176,11 @@ class AtomicWriter:
         streams: _Streams,
         file_len: int | None = None,
         checksum: bool = False,
+        patches: list[tuple[int, int]] | None = None,
     ) -> dict[str, Any]:
         """Write (file offset, address, nbytes, device) ranges; preallocate ``file_len``;
-        with ``checksum``, "crc32" lists each segment's CRC-32 (None: not via host)."""
+        with ``checksum``, "crc32" lists each segment's CRC-32 (None: not via host);
+        ``patches``: (segment, file offset) where to store a segment's CRC-32."""
     def write_zstd(
         self,
         engine: Engine,
@@ -282,6 +307,15 @@ def host_memory() -> dict[str, int]:
     """{"file_mappings": file mappings alive, "anon_bytes": bytes of ckptio's anonymous
     mappings}, once mappings waiting to be unmapped are gone."""
 
+def memory_copy_floor(
+    path: str | os.PathLike[str],
+    source: str = "map",
+    threads: int = 8,
+    chunk_size: int = 4194304,
+) -> tuple[float, bool]:
+    """(seconds, pinned): the file copied by ``threads`` threads, ``chunk_size`` at a
+    time, into two pinned slots each ("map", "map-nt" or "pread"), without the engine."""
+
 @final
 class HostPin:
     """Pinning state of host memory of ``owner`` (held), page-locked whole by the first copy."""
@@ -307,6 +341,50 @@ def stage_device_copy(
 ) -> None:
     """Queue (dst, src, nbytes) device-to-device copies on a raw CUstream; returns at once
     (the caller keeps both ranges alive until the stream has run them)."""
+
+@final
+class Unpickled:
+    """A torch.save pickle read natively, waiting for its storages."""
+
+    def storages(self) -> list[tuple[str, str, str, int]]:
+        """(key, storage class name in module torch, location, numel), first use first."""
+    def tensors(self) -> int: ...
+    def build(
+        self,
+        rebuild_tensor: Callable[..., Any],
+        rebuild_parameter: Callable[..., Any],
+        ordered_dict: Callable[[], Any],
+    ) -> Any:
+        """Make the object: ``rebuild_tensor(storage index, offset, size, stride,
+        requires_grad, hooks)`` per tensor, ``rebuild_parameter(tensor, requires_grad,
+        hooks)`` per Parameter."""
+
+def safetensors_header(
+    json: bytes, data_len: int, itemsizes: dict[str, int]
+) -> tuple[list[tuple[str, str]] | None, list[tuple[str, str, list[int], int, int]]] | None:
+    """A safetensors header read and checked natively; None: the Python reader must."""
+
+def unpickle(data: bytes) -> Unpickled | None:
+    """Read a state-dict pickle natively; None where torch.load must read it."""
+
+@final
+class StateDictPickler:
+    """Writes torch.save's pickle of a state dict natively (None outside its subset)."""
+
+    def __new__(
+        cls,
+        tensor: type,
+        parameter: type,
+        ordered_dict: type,
+        strided: Any,
+        storage_classes: dict[Any, Any],
+        tensor_metadata: Callable[[Any], Any],
+        location_tag: Callable[[Any], str],
+        rebuild_tensor: Callable[..., Any],
+        rebuild_parameter: Callable[..., Any],
+    ) -> Self: ...
+    def dump(self, obj: Any) -> tuple[bytes, list[tuple[str, int, int, int, Any]]] | None:
+        """(data.pkl's bytes, [(storage key, address, nbytes, device or -1, storage)]) or None."""
 
 def clean_temps(folder: _Path) -> list[str]:
     """Remove the temp files of dead saves in ``folder``; the names removed."""

@@ -153,13 +153,34 @@ def write(
     *,
     file_len: int | None = None,
     checksum: bool = False,
+    patches: list[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """Write ``segments`` (memory owned by ``owners``) into ``target``, after the
     work queued on the current streams; ``file_len`` is preallocated first, and
-    ``checksum`` adds "crc32" (each segment's CRC-32, None where cuFile moved it)."""
-    return target.write_segments(
-        engine, segments, owners, _streams_of(segments), file_len, checksum
-    )
+    ``checksum`` adds "crc32" (each segment's CRC-32, None where cuFile moved it).
+    ``patches`` (an ``AtomicWriter``): [(segment index, file offset)] where the
+    engine stores a segment's CRC-32 as its bytes pass (a zip data descriptor)."""
+    streams = _streams_of(segments)
+    if patches:
+        return target.write_segments(  # type: ignore[call-arg]
+            engine, segments, owners, streams, file_len, checksum, patches
+        )
+    return target.write_segments(engine, segments, owners, streams, file_len, checksum)
+
+
+def write_archive(
+    writer: _native.AtomicWriter,
+    engine: _native.Engine,
+    entries: list[tuple[str, Any, int]],
+    prefix: str,
+    owners: list[Any],
+) -> dict[str, Any]:
+    """Write a whole torch.save archive into ``writer``: ``entries`` = [(record
+    name, bytes or (address, nbytes, device), alignment)] in file order, the
+    storages' memory owned by ``owners``, after the work queued on the current
+    streams; headers and data in one engine pass, then the central directory."""
+    devices = (e[1][2] for e in entries if isinstance(e[1], tuple))
+    return writer.write_archive(engine, entries, prefix, owners, streams(devices))
 
 
 def write_storages(

@@ -18,6 +18,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -118,31 +119,39 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _parallel(n_threads: int, nbytes: int, chunk: int, fn: Callable[[int, int], None]) -> None:
-    offsets = list(range(0, nbytes, chunk))
-    lock = threading.Lock()
+def run_threads(n_threads: int, work: Callable[[Callable[[], bool]], None]) -> None:
+    """Run ``work(stopped)`` on ``n_threads`` threads at once; the first error
+    makes ``stopped()`` true for the others and is raised once all are done."""
     errors: list[BaseException] = []
 
-    def work() -> None:
-        while True:
-            with lock:
-                if not offsets or errors:
-                    return
-                off = offsets.pop(0)
-            try:
-                fn(off, min(chunk, nbytes - off))
-            except BaseException as e:  # report, stop the others
-                with lock:
-                    errors.append(e)
-                return
+    def run() -> None:
+        try:
+            work(lambda: bool(errors))
+        except BaseException as e:  # report, stop the others
+            errors.append(e)
 
-    ts = [threading.Thread(target=work) for _ in range(n_threads)]
+    ts = [threading.Thread(target=run) for _ in range(n_threads)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
     if errors:
         raise errors[0]
+
+
+def _parallel(n_threads: int, nbytes: int, chunk: int, fn: Callable[[int, int], None]) -> None:
+    offsets = list(range(0, nbytes, chunk))
+    lock = threading.Lock()
+
+    def work(stopped: Callable[[], bool]) -> None:
+        while not stopped():
+            with lock:
+                if not offsets:
+                    return
+                off = offsets.pop(0)
+            fn(off, min(chunk, nbytes - off))
+
+    run_threads(n_threads, work)
 
 
 @dataclasses.dataclass
@@ -232,6 +241,36 @@ def buffered_cold_read(path: str, nbytes: int, threads: int = 8, chunk: int = 64
     return cold_read(path, ring, 0, threads, chunk, nbytes)
 
 
+MADV_POPULATE_READ = 22  # Linux 5.14: page tables filled, pages read
+MADV_POPULATE_WRITE = 23  # Linux 5.14: pages faulted in writable
+
+
+def madvise_s(
+    ranges: list[tuple[int, int]],
+    threads: int = 16,
+    piece: int = 64 << 20,
+    advice: int = MADV_POPULATE_WRITE,
+) -> float:
+    """Seconds for ``madvise(advice)`` over every (address, length) of ``ranges``,
+    in ``piece``-byte calls on ``threads`` threads (ctypes releases the GIL):
+    fault in fresh memory (MADV_POPULATE_WRITE) or fill the page tables of a
+    file mapping (MADV_POPULATE_READ) as several threads would."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    jobs = [(b + o, min(piece, n - o)) for b, n in ranges for o in range(0, n, piece)]
+
+    def one(i: int, _: int) -> None:
+        addr, n = jobs[i]
+        if libc.madvise(addr, n, advice) != 0:
+            raise OSError(ctypes.get_errno(), f"madvise({advice})")
+
+    t0 = time.perf_counter()
+    _parallel(threads, len(jobs), 1, one)
+    return time.perf_counter() - t0
+
+
 def fresh_memory_fault_s(
     sizes: list[int], threads: int = 16, piece: int = 64 << 20, kind: str = "memfd"
 ) -> float:
@@ -243,9 +282,6 @@ def fresh_memory_fault_s(
     MADV_HUGEPAGE first)."""
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    populate_write = 23  # MADV_POPULATE_WRITE, Linux 5.14
     maps, bases = [], []
     for n in sizes:
         if kind == "memfd":
@@ -260,17 +296,45 @@ def fresh_memory_fault_s(
             if kind == "anon+thp":
                 maps[-1].madvise(mmap.MADV_HUGEPAGE)
         bases.append(ctypes.addressof(ctypes.c_char.from_buffer(maps[-1])))
-    pairs = zip(bases, sizes, strict=True)
-    jobs = [(b + o, min(piece, n - o)) for b, n in pairs for o in range(0, n, piece)]
+    return madvise_s(list(zip(bases, sizes, strict=True)), threads, piece)
 
-    def populate(i: int, _: int) -> None:
-        addr, n = jobs[i]
-        if libc.madvise(addr, n, populate_write) != 0:
-            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
 
-    t0 = time.perf_counter()
-    _parallel(threads, len(jobs), 1, populate)
-    return time.perf_counter() - t0
+class EngineReads:
+    """Seconds the native reads took (every ``read_segments`` call, summed) since
+    :meth:`reset`: the engine's share of a load; the rest is Python, unpickling
+    and allocating the destinations. One at a time, until :meth:`close`."""
+
+    def __init__(self) -> None:
+        from ckptio import _native
+
+        self.seconds = 0.0
+        self.calls = 0
+        self._inner: list[tuple[type, Any]] = []
+        for cls in (_native.Reader, _native.DeviceFile):
+            self._wrap(cls)
+
+    def _wrap(self, cls: type) -> None:
+        inner = cls.read_segments  # type: ignore[attr-defined]
+        self._inner.append((cls, inner))
+
+        def timed(obj: object, *args: object, **kw: object) -> object:
+            t = time.perf_counter()
+            try:
+                return inner(obj, *args, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+
+        cls.read_segments = timed  # type: ignore[attr-defined]
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def close(self) -> None:
+        """Put the native methods back."""
+        for cls, inner in self._inner:
+            cls.read_segments = inner  # type: ignore[attr-defined]
+        self._inner.clear()
 
 
 def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:

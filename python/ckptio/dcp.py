@@ -96,11 +96,15 @@ from ckptio import group as _group
 from ckptio._paths import inside
 from ckptio.serialization import (
     _CONFIG_LOCK,
+    PACK_BELOW,
     STORAGE_ALIGNMENT,
+    TORCH_ALIGNMENT,
     _device_code,
     _direct_arg,
     _engine,
+    _rebuild,
     _storage_alignment,
+    _storage_dtype,
 )
 from ckptio.staging import BlockingAsyncStager
 
@@ -127,8 +131,8 @@ _METADATA = ".metadata"
 DATA_FILE = re.compile(r"__(?P<rank>\d+)_(?:[0-9a-f]{8}_)?\d+" + re.escape(DEFAULT_SUFFIX))
 
 
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+def _align(n: int, to: int = _ALIGN) -> int:
+    return -(-n // to) * to
 
 
 def _torch_args(accepted: Any, **given: Any) -> dict[str, Any]:
@@ -199,14 +203,14 @@ def _crc_fields(tail: bytes, name: bytes) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _item_zip(dtype: torch.dtype, shape: tuple[int, ...]) -> _Item:
+def _item_zip(dtype: torch.dtype, shape: tuple[int, ...], align: int = _ALIGN) -> _Item:
     """The torch.save zip of a contiguous CPU tensor of this dtype and shape, at
-    4 KiB storage alignment: byte for byte what torch.save writes, but for the
-    data and its CRC-32 (filled in by the writer). The same for every tensor of
-    that dtype and shape, hence the cache."""
+    ``align`` storage alignment: byte for byte what torch.save writes, but for
+    the data and its CRC-32 (filled in by the writer). The same for every
+    tensor of that dtype and shape, hence the cache."""
     shell = torch.empty(shape, dtype=dtype)  # untouched pages: costs nothing
     sink = _SparseSink()
-    with _CONFIG_LOCK, _storage_alignment(_ALIGN), torch.serialization.skip_data():
+    with _CONFIG_LOCK, _storage_alignment(align), torch.serialization.skip_data():
         torch.save(shell, sink)
     nbytes = shell.numel() * shell.element_size()
     head, tail = bytearray(), bytearray()
@@ -222,6 +226,59 @@ def _item_zip(dtype: torch.dtype, shape: tuple[int, ...]) -> _Item:
         raise AssertionError("unexpected torch.save layout under skip_data")
     crc_at = _crc_fields(bytes(tail), b"archive/data/0")
     return _Item(bytes(head), data_off, bytes(tail), data_off + nbytes + len(tail), crc_at)
+
+
+#: Items of this many bytes or more start on a 4 KiB boundary of their file,
+#: their data too (O_DIRECT and cuFile move them in place); smaller ones are
+#: packed 64 bytes apart with torch's 64-byte alignment inside, as
+#: ckptio.save packs small storages.
+_PACK_ITEMS = PACK_BELOW
+#: Items read whole into one host buffer (then copied into their tensors),
+#: parsed natively: up to this size. Larger ones are read straight into the
+#: destination tensors.
+_SMALL_ITEM = 1 << 20
+
+
+class _FileImage:
+    """A DCP data file laid out in memory: items' zip headers and tails, BYTE_IO
+    items and padding in one buffer, tensor data as segments of its own memory,
+    so that the engine writes the whole file in one pass (neighbouring small
+    items share I/Os) and stores each item's CRC-32s where its zip wants them."""
+
+    def __init__(self) -> None:
+        self.blob = bytearray()
+        # (file offset, offset in blob or -1, address, nbytes, device)
+        self.parts: list[tuple[int, int, int, int, int]] = []
+        self.patches: list[tuple[int, int]] = []  # (index in parts, file offset)
+        self.end = 0
+
+    def bytes_at(self, offset: int, data: bytes) -> None:
+        if offset > self.end:  # padding before an aligned item
+            self._blob(self.end, b"\0" * (offset - self.end))
+        self._blob(offset, data)
+
+    def _blob(self, offset: int, data: bytes) -> None:
+        if not data:
+            return
+        last = self.parts[-1] if self.parts else None
+        if last is not None and last[1] >= 0 and last[0] + last[3] == offset:
+            # Extend the previous blob part: one segment for consecutive header bytes.
+            self.parts[-1] = (last[0], last[1], 0, last[3] + len(data), -1)
+        else:
+            self.parts.append((offset, len(self.blob), 0, len(data), -1))
+        self.blob += data
+        self.end = offset + len(data)
+
+    def memory_at(self, offset: int, addr: int, n: int, dev: int, crc_at: list[int]) -> None:
+        self.parts.append((offset, -1, addr, n, dev))
+        self.patches += [(len(self.parts) - 1, at) for at in crc_at]
+        self.end = offset + n
+
+    def segments(self, base: int) -> list[tuple[int, int, int, int]]:
+        """The engine's segments, blob parts at ``base`` (the blob's address)."""
+        return [
+            (off, base + pos if pos >= 0 else addr, n, dev) for off, pos, addr, n, dev in self.parts
+        ]
 
 
 class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[misc]
@@ -358,30 +415,33 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         engine = _engine(threads, chunk_size, direct)
         writer = _native.AtomicWriter(path, direct, backend, sweep)
         try:
-            offset = 0
-            segments: list[tuple[int, int, int, int]] = []
-            tails: list[tuple[int, _Item]] = []  # written after the data, with its CRC
+            image = _FileImage()
             results = []
             keep = []  # tensors made contiguous here live until the write is done
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                    writer.write_bytes(offset, blob)
+                    offset = _align(image.end, TORCH_ALIGNMENT)
+                    image.bytes_at(offset, blob)
                     length = len(blob)
                 else:
                     t = data.detach()
                     if not t.is_contiguous() or t.is_conj() or t.is_neg():
                         t = t.contiguous().resolve_conj().resolve_neg()
                     keep.append(t)
-                    z = _item_zip(t.dtype, tuple(t.shape))
                     nbytes = t.numel() * t.element_size()
-                    writer.write_bytes(offset, z.head)
+                    align = _ALIGN if nbytes >= _PACK_ITEMS else TORCH_ALIGNMENT
+                    z = _item_zip(t.dtype, tuple(t.shape), align)
+                    offset = _align(image.end, align)
+                    image.bytes_at(offset, z.head)
                     length = z.length
                     if nbytes:
                         dev = _device_code(t.untyped_storage(), f"item {item.index.fqn}")
-                        segments.append((offset + z.data_off, t.data_ptr(), nbytes, dev))
-                        tails.append((offset + z.data_off + nbytes, z))
+                        tail = offset + z.data_off + nbytes
+                        crc_at = [tail + at for at in z.crc_at]
+                        image.memory_at(offset + z.data_off, t.data_ptr(), nbytes, dev, crc_at)
+                        image.bytes_at(tail, z.tail)
                 results.append(
                     WriteResult(
                         index=item.index,
@@ -389,20 +449,22 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                         storage_data=_StorageInfo(name, offset, length),
                     )
                 )
-                offset = _align(offset + length)
-            stats = _transfer.write(writer, engine, segments, keep, file_len=offset, checksum=True)
-            # Each item's tail follows its data in the same page: write it once the
-            # data is down (never a buffered and a direct write of one page at once),
-            # with the CRC-32 computed as the bytes went (0, "unchecked", where
-            # cuFile moved them without touching host memory).
-            for (at, z), crc in zip(tails, stats.pop("crc32"), strict=True):
-                tail = bytearray(z.tail)
-                for pos in z.crc_at if crc is not None else ():
-                    struct.pack_into("<I", tail, pos, crc)
-                writer.write_bytes(at, bytes(tail))
+            buf = torch.frombuffer(image.blob, dtype=torch.uint8) if image.blob else None
+            segments = image.segments(buf.data_ptr() if buf is not None else 0)
+            # One pass: headers, data and tails; each item's CRC-32 goes into its
+            # data descriptor and central directory entry as its bytes pass (0,
+            # "unchecked", where cuFile moved them without touching host memory).
+            stats = _transfer.write(
+                writer,
+                engine,
+                segments,
+                [*keep, buf],
+                file_len=image.end,
+                patches=image.patches,
+            )
             writer.commit()
             self.last_stats.append(dict(stats, path=path))
-            del keep
+            del keep, buf
             return results
         except BaseException:
             writer.abort()
@@ -554,6 +616,9 @@ class FileSystemReader(_TorchReader):
         self.verify = verify
         self.trusted_metadata = trusted_metadata
         self._layouts: dict[Any, tuple[torch.Tensor, int, int | None]] = {}
+        # An item's pickle -> (its meta tensor, storage key): DCP items of one
+        # dtype and shape pickle alike.
+        self._metas: dict[bytes, tuple[torch.Tensor | None, str | None]] = {}
         self.last_stats: list[dict[str, Any]] = []
         self.share = share
         self.process_group = process_group
@@ -565,6 +630,7 @@ class FileSystemReader(_TorchReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().reset(checkpoint_id)
         self._layouts = {}
+        self._metas = {}
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -807,6 +873,7 @@ class FileSystemReader(_TorchReader):
         segments: list[tuple[int, int, int, int]] = []
         owners: list[torch.Tensor] = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
+        small: list[tuple[Any, _StorageInfo]] = []
         # (segment index, stored CRC-32 or None, request, item offset) when verifying
         checks: list[tuple[int, int | None, Any, int]] = []
         with open(path, "rb") as f:
@@ -818,52 +885,22 @@ class FileSystemReader(_TorchReader):
                     planner.load_bytes(req, io.BytesIO(blob))
                     if kept is not None:
                         kept[id(req)] = blob
-                    continue
-                meta, data_off, crc = self._layout(f, path, info)
-                target = planner.resolve_tensor(req).detach()
-                src = narrow_tensor_by_index(meta, req.storage_offsets, req.lengths)
-                if tuple(target.shape) != tuple(src.shape):
-                    raise _native.FormatError(
-                        f"{path}: item {req.storage_index} has shape {tuple(src.shape)}, "
-                        f"the destination {tuple(target.shape)}"
-                    )
-                if target.dtype != src.dtype:
-                    raise _native.FormatError(
-                        f"{path}: item {req.storage_index} is {src.dtype}, "
-                        f"the destination {target.dtype}"
-                    )
-                isz = src.element_size()
-                nbytes = meta.untyped_storage().nbytes()
-                # A CRC-32 covers the whole storage: checked reads take all of it.
-                whole = src.storage_offset() == 0 and target.numel() * isz == nbytes
-                dev = _device_code(target.untyped_storage(), f"destination of {req.storage_index}")
-                if target.numel() == 0:
-                    commits.append((req, target, None, None))
-                    continue
-                if self.verify:
-                    checks.append((len(segments), crc, req, info.offset))
-                if src.is_contiguous() and target.is_contiguous() and (whole or not self.verify):
-                    # Straight into the destination.
-                    start = data_off + src.storage_offset() * isz
-                    segments.append((start, target.data_ptr(), target.numel() * isz, dev))
-                    owners.append(target)
-                    commits.append((req, target, None, None))
+                elif info.length <= _SMALL_ITEM and not self.verify:
+                    small.append((req, info))
                 else:
-                    # A strided (or, verifying, partial) request: read the item's
-                    # storage once into a temporary on the destination device,
-                    # then copy the slice.
-                    tmp = torch.empty(nbytes, dtype=torch.uint8, device=target.device)
-                    segments.append((data_off, tmp.data_ptr(), nbytes, dev))
-                    owners.append(tmp)
-                    commits.append((req, target, tmp, src))
-            # The destinations may still be in use by work queued on the current
-            # streams: the engine's copies are ordered after it. Verifying, the
-            # I/O threads also return each segment's CRC-32.
-            stats = (
-                _transfer.read(dev_file, engine, segments, owners, verify=self.verify)
-                if segments
-                else {}
-            )
+                    meta, data_off, crc = self._layout(f, path, info)
+                    seg = self._plan_read(
+                        path, req, planner, meta, data_off, segments, owners, commits
+                    )
+                    if self.verify and seg is not None:
+                        checks.append((seg, crc, req, info.offset))
+            copies, stats = self._read_small(path, f, dev_file, engine, small, planner)
+            if segments:
+                # The destinations may still be in use by work queued on the
+                # current streams: the engine's copies are ordered after it.
+                # Verifying, the I/O threads also return each segment's CRC-32.
+                big = _transfer.read(dev_file, engine, segments, owners, verify=self.verify)
+                stats = dict(big, bytes=big["bytes"] + stats.get("bytes", 0))
         if self.verify:
             verified, unchecked = [], []
             crcs = stats.pop("crc32", [])
@@ -880,6 +917,14 @@ class FileSystemReader(_TorchReader):
                     verified.append(name)
             stats = dict(stats, verified=verified, unchecked=unchecked)
         self.last_stats.append(dict(stats, path=path))
+        # On the current stream, as the destinations' other users run: from a
+        # pinned buffer (its allocator keeps it until the copies have run).
+        for _, target, src in copies:
+            target.copy_(src, non_blocking=True)
+        for req, target, _ in copies:
+            planner.commit_tensor(req, target)
+            if kept is not None:
+                kept[id(req)] = target
         for req, target, tmp, src in commits:
             if tmp is not None:
                 view = tmp.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
@@ -887,6 +932,118 @@ class FileSystemReader(_TorchReader):
             planner.commit_tensor(req, target)
             if kept is not None:
                 kept[id(req)] = target
+
+    def _plan_read(
+        self,
+        path: str,
+        req: Any,
+        planner: LoadPlanner,
+        meta: torch.Tensor,
+        data_off: int,
+        segments: list[tuple[int, int, int, int]],
+        owners: list[torch.Tensor],
+        commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]],
+    ) -> int | None:
+        """The engine's read of one item into its destination (or a temporary
+        on the destination's device, for a strided request, or a partial one
+        when verifying: a CRC-32 covers the whole storage). Returns the index
+        of the segment added, None for an empty request."""
+        target = planner.resolve_tensor(req).detach()
+        src = _checked(
+            path, req, narrow_tensor_by_index(meta, req.storage_offsets, req.lengths), target
+        )
+        if target.numel() == 0:
+            commits.append((req, target, None, None))
+            return None
+        isz = src.element_size()
+        nbytes = meta.untyped_storage().nbytes()
+        whole = src.storage_offset() == 0 and target.numel() * isz == nbytes
+        dev = _device_code(target.untyped_storage(), f"destination of {req.storage_index}")
+        if src.is_contiguous() and target.is_contiguous() and (whole or not self.verify):
+            # Straight into the destination.
+            start = data_off + src.storage_offset() * isz
+            segments.append((start, target.data_ptr(), target.numel() * isz, dev))
+            owners.append(target)
+            commits.append((req, target, None, None))
+        else:
+            # Read the item's storage once into a temporary on the destination
+            # device, then copy the slice.
+            tmp = torch.empty(nbytes, dtype=torch.uint8, device=target.device)
+            segments.append((data_off, tmp.data_ptr(), nbytes, dev))
+            owners.append(tmp)
+            commits.append((req, target, tmp, src))
+        return len(segments) - 1
+
+    def _read_small(
+        self,
+        path: str,
+        f: io.BufferedReader,
+        dev_file: _native.DeviceFile,
+        engine: _native.Engine,
+        small: list[tuple[Any, _StorageInfo]],
+        planner: LoadPlanner,
+    ) -> tuple[list[tuple[Any, torch.Tensor, torch.Tensor]], dict[str, Any]]:
+        """Small items read whole into one host buffer in one engine pass (items
+        side by side share I/Os), their zips mapped and pickles read natively
+        (one read per distinct pickle: items of one dtype and shape share it):
+        ([(request, destination, source view in the buffer)] to copy, the
+        read's report)."""
+        if not small:
+            return [], {}
+        targets = [planner.resolve_tensor(req).detach() for req, _ in small]
+        spans = sorted({(info.offset, info.length) for _, info in small})
+        place, at = {}, 0
+        for span in spans:
+            at = _align(at, TORCH_ALIGNMENT)  # every item's bytes aligned as in the file
+            place[span] = at
+            at += span[1]
+        # Pinned when copies go to a GPU: they then run asynchronously.
+        buf = torch.empty(at, dtype=torch.uint8, pin_memory=any(t.is_cuda for t in targets))
+        base = buf.data_ptr()
+        segs = [(off, base + place[(off, n)], n, -1) for off, n in spans]
+        stats = _transfer.read(dev_file, engine, segs, [buf])
+        maps = _native.map_archives(base, at, [(place[s], s[1]) for s in spans])
+        items = {}
+        for span, got in zip(spans, maps, strict=True):
+            items[span] = self._small_item(path, f, buf, place[span], span, got)
+        out = []
+        for (req, info), target in zip(small, targets, strict=True):
+            item = items[(info.offset, info.length)]
+            src = narrow_tensor_by_index(item, req.storage_offsets, req.lengths)
+            out.append((req, target, _checked(path, req, src, target)))
+        return out, stats
+
+    def _small_item(
+        self,
+        path: str,
+        f: io.BufferedReader,
+        buf: torch.Tensor,
+        at: int,
+        span: tuple[int, int],
+        got: tuple[int, int, list[tuple[str, int, int]]] | None,
+    ) -> torch.Tensor:
+        """The tensor an item holds, as a view of its bytes in ``buf`` (read at ``at``)."""
+        meta = key = rec = None
+        if got is not None:
+            pkl_off, pkl_n, data = got
+            pkl = buf[pkl_off : pkl_off + pkl_n].numpy().tobytes()
+            found = self._metas.get(pkl)
+            if found is None:
+                found = self._metas[pkl] = _meta_of_pickle(path, pkl)
+            meta, key = found
+            rec = next((r for r in data if r[0] == key), None) if key is not None else None
+        if meta is None or rec is None or rec[2] != meta.untyped_storage().nbytes():
+            # Not a zip of one plain tensor read here: torch reads it (and refuses what is bad).
+            meta, data_off, _ = self._layout(f, path, _StorageInfo(path, span[0], span[1]))
+            rec = (None, at + data_off - span[0], meta.untyped_storage().nbytes())
+        start, nbytes = rec[1], rec[2]
+        raw = buf[start : start + nbytes]
+        if start % max(meta.element_size(), 1):
+            raw = raw.clone()  # an archive not aligned as torch aligns: realign its bytes
+        typed = raw.view(meta.dtype)
+        # as_strided's offset counts from the buffer's start, not the view's.
+        offset = typed.storage_offset() + meta.storage_offset()
+        return typed.as_strided(meta.shape, meta.stride(), offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -976,6 +1133,38 @@ def _received(
     return _group.Piece(
         None, i, nbytes, t.device, None, finish_t, splittable=False, owner=owner, done=done
     )
+
+
+def _checked(path: str, req: Any, src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``src`` (the requested slice of a saved tensor), refused where it does
+    not fit ``target``."""
+    if tuple(target.shape) != tuple(src.shape):
+        raise _native.FormatError(
+            f"{path}: item {req.storage_index} has shape {tuple(src.shape)}, "
+            f"the destination {tuple(target.shape)}"
+        )
+    if target.dtype != src.dtype:
+        raise _native.FormatError(
+            f"{path}: item {req.storage_index} is {src.dtype}, the destination {target.dtype}"
+        )
+    return src
+
+
+def _meta_of_pickle(path: str, pkl: bytes) -> tuple[torch.Tensor | None, str | None]:
+    """(the meta tensor of an item's pickle, its storage key), read natively;
+    (None, None) where the pickle is not one plain tensor over one storage."""
+    parsed = _native.unpickle(pkl)
+    if parsed is None or len(parsed.storages()) != 1:
+        return None, None
+    key, cls, _, numel = parsed.storages()[0]
+    dtype = _storage_dtype(cls)
+    if dtype is None:
+        return None, None
+    storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+    meta = _rebuild(parsed, [storage], [dtype], path)
+    if type(meta) is not torch.Tensor:
+        return None, None
+    return meta, key
 
 
 def _check_item(path: str, info: _StorageInfo, engine: _native.Engine) -> int | None:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from ckptio import _hostmem, _native
-from ckptio.serialization import _cuda_room, load, save
+from ckptio.serialization import _cuda_room, _gc_paused, load, save
 
 __all__ = [
     "StagingOptions",
@@ -142,16 +142,20 @@ class _Buffer:
                     storage = self.storage
             assert storage is not None
             out = torch.empty((0,), dtype=vkey[0], device=self.device)
-            out.set_(storage, vkey[1], vkey[2], vkey[3])
+            out.set_(storage, self._offset(vkey), vkey[2], vkey[3])
             self.views[vkey] = out
         return out
+
+    def _offset(self, vkey: tuple[torch.dtype, int, Any, Any]) -> int:
+        """A view's storage offset in the buffer's storage, in elements of its dtype."""
+        return vkey[1]
 
     def materialize(self) -> None:
         if self.storage is not None:
             return
         self.storage = self._allocate()
-        for (_, offset, size, stride), v in self.views.items():
-            v.set_(self.storage, offset, size, stride)
+        for vkey, v in self.views.items():
+            v.set_(self.storage, self._offset(vkey), vkey[2], vkey[3])
 
     def _allocate(self) -> torch.UntypedStorage:
         raise NotImplementedError
@@ -239,6 +243,81 @@ def _host_storage(nbytes: int, shared: bool) -> torch.UntypedStorage:
     return st
 
 
+#: Host staging buffers of smaller storages share slabs: one memfd, one
+#: mapping and one pin registration for many storages (20,000 small tensors
+#: would otherwise take 20,000 of each: descriptors and mappings run out, and
+#: each registration costs tens of microseconds).
+_SLAB_BELOW = 1 << 20
+#: The largest slab (a slab is pinned whole, by one copy thread).
+_SLAB_MAX = 256 << 20
+#: Slots in a slab start this far apart: any dtype's alignment (complex128).
+_SLOT_ALIGN = 16
+
+
+class _Slab:
+    """A host buffer holding the staged copies of many small storages; freed
+    when the last of its slots goes."""
+
+    __slots__ = ("buffer", "live")
+
+    def __init__(self, nbytes: int, shared: bool, pinned: bool) -> None:
+        self.buffer = _HostBuffer(nbytes, shared, pinned)
+        self.live = 0
+
+
+class _HostSlot(_Buffer):
+    """A small storage's staged copy: ``nbytes`` at ``offset`` in a slab (both
+    set when the walk that met the storage is over). Its views are views of
+    the slab's storage."""
+
+    __slots__ = ("offset", "slab")
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes, _CPU)
+        self.slab: _Slab | None = None
+        self.offset = 0
+
+    @property
+    def pin(self) -> Any:
+        return self.slab.buffer.pin if self.slab is not None else None
+
+    def _offset(self, vkey: tuple[torch.dtype, int, Any, Any]) -> int:
+        return self.offset // vkey[0].itemsize + vkey[1]
+
+    def _allocate(self) -> torch.UntypedStorage:
+        assert self.slab is not None
+        self.slab.buffer.materialize()
+        assert self.slab.buffer.storage is not None
+        return self.slab.buffer.storage
+
+    def close(self) -> None:
+        slab, self.slab = self.slab, None
+        if slab is not None:
+            slab.live -= 1
+            if slab.live == 0:
+                slab.buffer.close()
+        super().close()
+
+
+def _fill_slabs(slots: list[_HostSlot], shared: bool, pinned: bool) -> None:
+    """Place new slots side by side in new slabs of at most ``_SLAB_MAX`` bytes."""
+    group: list[_HostSlot] = []
+    at = 0
+    for slot in [*slots, None]:
+        if slot is not None and (not group or at + slot.nbytes <= _SLAB_MAX):
+            slot.offset = at
+            group.append(slot)
+            at = -(-(at + slot.nbytes) // _SLOT_ALIGN) * _SLOT_ALIGN
+            continue
+        if group:
+            slab = _Slab(max(at, 1), shared, pinned)
+            for g in group:
+                g.slab = slab
+            slab.live = len(group)
+        if slot is not None:
+            slot.offset, group, at = 0, [slot], -(-slot.nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+
+
 class _DeviceBuffer(_Buffer):
     """A device snapshot buffer; ``ptr`` is its address once allocated."""
 
@@ -266,7 +345,7 @@ class _Cache:
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[_Key, _HostBuffer | _DeviceBuffer] = {}
+        self.buffers: dict[_Key, _Buffer] = {}
 
     def sweep(self, used: Any) -> None:
         for k in [k for k in self.buffers if k not in used]:
@@ -287,14 +366,32 @@ class _Cache:
         held = list(self.buffers.values())
         return [b for b in held if isinstance(b, kind) and b.storage is not None]
 
+    def _host_buffers(self) -> list[_HostBuffer]:
+        """Allocated host buffers, each slab once."""
+        out: dict[int, _HostBuffer] = {}
+        for b in list(self.buffers.values()):
+            if isinstance(b, _HostSlot) and b.slab is not None:
+                b = b.slab.buffer
+            if isinstance(b, _HostBuffer) and b.storage is not None:
+                out[id(b)] = b
+        return list(out.values())
+
     def host_bytes(self) -> int:
-        return sum(b.nbytes for b in self._allocated(_HostBuffer))
+        """Bytes of the staged copies (slabs counted by their slots, without the
+        few bytes of alignment between them)."""
+        held = list(self.buffers.values())
+        return sum(
+            b.nbytes
+            for b in held
+            if (isinstance(b, _HostBuffer) and b.storage is not None)
+            or (isinstance(b, _HostSlot) and b.slab is not None and b.storage is not None)
+        )
 
     def device_bytes(self) -> int:
         return sum(b.nbytes for b in self._allocated(_DeviceBuffer))
 
     def pinned_bytes(self) -> int:
-        return sum(b.pin.pinned_bytes() for b in self._allocated(_HostBuffer))
+        return sum(b.pin.pinned_bytes() for b in self._host_buffers())
 
 
 class _NoRoom(Exception):
@@ -311,13 +408,15 @@ class _Plan:
     def __init__(self, headroom: int = 0) -> None:
         # Source storage key -> its buffer; also what keeps views of one storage
         # views of one staged storage.
-        self.memo: dict[_Key, _HostBuffer | _DeviceBuffer] = {}
+        self.memo: dict[_Key, _Buffer] = {}
         # The copies run later, from raw addresses: the plan keeps every source
         # storage alive until they are done (the caller may drop its dict at once).
         self.sources: list[torch.UntypedStorage] = []
         # Per device: bytes new snapshot buffers may still take (see claim_device_bytes).
         self.room: dict[int, int] = {}
         self.headroom = headroom
+        # Slots met for the first time, placed in slabs once the walk is over.
+        self.new_slots: list[_HostSlot] = []
 
     def devices(self) -> set[int]:
         """CUDA devices whose memory this stage copies."""
@@ -327,9 +426,9 @@ class _Plan:
         return sum(k[2] for k in self.memo)
 
     def host_copies(self) -> list[tuple[int, int, Any, int, int]]:
-        """stage_copy's jobs: (source address, source device or -1, pin, 0, nbytes)."""
+        """stage_copy's jobs: (source address, source device or -1, pin, offset, nbytes)."""
         return [
-            (k[1], k[0], b.pin, 0, k[2])  # type: ignore[union-attr]
+            (k[1], k[0], b.pin, b.offset if isinstance(b, _HostSlot) else 0, k[2])
             for k, b in self.memo.items()
             if not k[3]
         ]
@@ -404,6 +503,9 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         self._closed = False
         self._snapshot = False
         self._pinned = self._opts.use_pinned_memory and torch.cuda.is_available()
+        # Small storages staged in shared slabs (their staged tensors are then
+        # views of one storage per slab; see _SLAB_BELOW).
+        self._slabs = True
         if self._pinned:  # a malformed CKPTIO_PINNED_LIMIT is an error here too
             _native.pinned_memory()
         #: Seconds the caller was blocked in the last ``stage()`` call.
@@ -434,10 +536,23 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 events = _mark_streams()
                 if self._executor is None:
                     return self._stage_now(state_dict, events)
-                self._future = self._executor.submit(self._stage_now, state_dict, events)
-                return self._future
+                staged = _Staged()
+                self._executor.submit(self._held_stage, staged, state_dict, events)
+                self._future = staged
+                return staged
         finally:
             self.last_stage_call_s = time.perf_counter() - t0
+
+    def _held_stage(self, staged: _Staged, state_dict: Any, events: dict[int, Any]) -> None:
+        """The staging thread's job: :meth:`_stage_now` once ``staged`` is waited
+        on or ``_HOLD_S`` has passed, its outcome set on ``staged``."""
+        staged.waited.wait(_HOLD_S)
+        if not staged.set_running_or_notify_cancel():
+            return
+        try:
+            staged.set_result(self._stage_now(state_dict, events))
+        except BaseException as e:  # noqa: BLE001 - the future carries it to the waiter
+            staged.set_exception(e)
 
     def _stage_now(self, state_dict: Any, events: dict[int, Any]) -> Any:
         """Walk, allocate, copy: the staging thread's job (the caller's when blocking)."""
@@ -445,7 +560,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         # copies) runs on this thread's streams: after the caller's work too.
         for dev, event in events.items():
             torch.cuda.current_stream(dev).wait_event(event)
-        with self._work_lock:
+        with self._work_lock, _gc_paused():
             plan, staged = self._plan(state_dict)
             if self._opts.device_snapshot and not self._snapshot:
                 warnings.warn(
@@ -473,7 +588,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             with self._work_lock:
                 plan, _ = self._plan(state_dict)
                 plan.materialize()
-                pins = [c[2] for c in plan.host_copies()]
+                pins = list({id(c[2]): c[2] for c in plan.host_copies()}.values())
                 return _native.stage_pin(pins, self._threads) if self._pinned and pins else 0
 
         with self._lock:
@@ -490,15 +605,19 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         """(plan, staged structure) of ``state_dict``; under the work lock, after
         the previous staging (its buffers are reused)."""
         self._snapshot = self._opts.device_snapshot
+        staged: Any = None
         if self._snapshot:
             plan = _Plan(self._opts.device_headroom)
             try:
-                return plan, self._walk(state_dict, plan, {})
+                staged = self._walk(state_dict, plan, {})
             except _NoRoom:
                 self._snapshot = False
                 self._cache.drop_unallocated(device=True)
-        plan = _Plan()
-        return plan, self._walk(state_dict, plan, {})
+        if not self._snapshot:
+            plan = _Plan()
+            staged = self._walk(state_dict, plan, {})
+        _fill_slabs(plan.new_slots, self._opts.use_shared_memory, self._pinned)
+        return plan, staged
 
     def synchronize_staging(self) -> None:
         """Wait until the last snapshot is complete (a no-op for blocking staging)."""
@@ -621,16 +740,19 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         out = buf.views.get(vkey)
         return out if out is not None else buf.view(vkey)
 
-    def _unallocated(
-        self, t: torch.Tensor, key: _Key, plan: _Plan, buf: _HostBuffer | _DeviceBuffer | None
-    ) -> _HostBuffer | _DeviceBuffer:
+    def _unallocated(self, t: torch.Tensor, key: _Key, plan: _Plan, buf: _Buffer | None) -> _Buffer:
         """The buffer of a source storage whose buffer is new or not allocated yet
         (the staging thread allocates it); a device one counts against the room."""
         if key[3]:
             plan.claim_device_bytes(key[0], key[2])
+        if isinstance(buf, _HostSlot) and buf.slab is None:
+            plan.new_slots.append(buf)  # met by a walk that gave up: not placed yet
         if buf is None:
             if key[3]:
                 buf = _DeviceBuffer(key[2], t.device)
+            elif key[2] < _SLAB_BELOW and self._slabs:
+                buf = _HostSlot(key[2])
+                plan.new_slots.append(buf)
             else:
                 buf = _HostBuffer(key[2], self._opts.use_shared_memory, self._pinned)
             self._cache.buffers[key] = buf
@@ -666,6 +788,36 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             for side in sides:
                 side.synchronize()
             plan.sources.clear()
+
+
+#: Most seconds the staging thread holds back its walk of the state dict until
+#: the stage() future is waited on (see :class:`_Staged`).
+_HOLD_S = 0.02
+
+
+class _Staged(Future):  # type: ignore[type-arg]
+    """stage()'s future. The staging thread starts its walk of the state dict
+    (Python, holding the GIL ~2-5 us per tensor) once someone waits on this
+    future, or after ``_HOLD_S``: dcp.async_save waits on it from its upload
+    thread, by which time the caller has little left to do before async_save
+    returns. A walk started at once takes the GIL from the caller at each of
+    its handoffs (starting the upload thread, ...): async_save of 20,000 small
+    tensors, 28 saves alternating on the loaded 2-core development machine,
+    returned in 2.1 ms (median; 4.4 ms p75, 8.7 ms max) with the hold, 3.3 ms
+    (6.2 p75, 14.3 max) without; a second run 4.6 / 5.9 / 10.8 ms against
+    5.5 / 8.8 / 21.2 ms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = threading.Event()
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.waited.set()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.waited.set()
+        return super().exception(timeout)
 
 
 def _mark_streams() -> dict[int, Any]:
@@ -773,6 +925,8 @@ class ReplicationStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         self._local = DefaultStager(
             StagingOptions(use_shared_memory=False, use_async_staging=False)
         )
+        # PGTransport sends each tensor's whole storage: no shared slabs here.
+        self._local._slabs = False
 
     @property
     def storage_dir(self) -> str:

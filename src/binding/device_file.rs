@@ -152,6 +152,7 @@ impl DeviceFile {
             streams,
             file_len,
             checksum,
+            ..Ask::default()
         };
         // SAFETY: as in read_segments, for sources.
         let rep = detached(py, engine, segments, owners, ask, |e, s, r| unsafe {

@@ -16,15 +16,17 @@ mod engine;
 mod errors;
 mod faults;
 mod hostmem;
+mod pickled;
 mod probe;
 mod reader;
+mod safetensors;
 mod staging;
 mod writer;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::engine::{EngineConfig, Memory, Report, Request, Segment};
+use crate::engine::{EngineConfig, Memory, Patch, Report, Request, Segment};
 use crate::gpu::Backend;
 use crate::io::file::DirectMode;
 
@@ -32,9 +34,11 @@ use device_file::{cufile_register_buffer, BufferRegistration, DeviceFile};
 use engine::{env_threads, pinned_memory, release_buffers, Engine};
 use errors::{BackendUnavailableError, CkptioError, CuFileError, CudaError, FormatError};
 use faults::{_clear_faults, _op_log, _record_ops, _set_fault, _set_truncation};
-use hostmem::{advise_huge, host_memory, HostMemory};
+use hostmem::{advise_huge, host_memory, memory_copy_floor, HostMemory};
+use pickled::{unpickle, StateDictPickler, Unpickled};
 use probe::info;
-use reader::{map_archive, Reader};
+use reader::{map_archive, map_archives, Reader};
+use safetensors::safetensors_header;
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
 use writer::{clean_temps, AtomicWriter};
 
@@ -93,6 +97,8 @@ struct Ask {
     streams: Streams,
     file_len: Option<u64>,
     checksum: bool,
+    /// Segments' CRC-32s to store in the file (writes).
+    patches: Vec<Patch>,
 }
 
 /// Run one transfer of `segments` detached: `run` gets the core engine, the
@@ -112,6 +118,7 @@ fn detached<T: Send>(
         checksum: ask.checksum,
         streams: &ask.streams,
         file_len: ask.file_len,
+        patches: &ask.patches,
     };
     let out = py.detach(|| run(&engine, &segs, req));
     drop(owners);
@@ -154,9 +161,10 @@ mod _native {
     #[pymodule_export]
     use super::{
         _clear_faults, _op_log, _record_ops, _set_fault, _set_truncation, advise_huge, clean_temps,
-        cufile_register_buffer, env_threads, host_memory, info, map_archive, pinned_memory,
-        release_buffers, stage_copy, stage_device_copy, stage_pin, AtomicWriter,
-        BufferRegistration, DeviceFile, Engine, HostMemory, HostPin, Reader,
+        cufile_register_buffer, env_threads, host_memory, info, map_archive, map_archives,
+        memory_copy_floor, pinned_memory, release_buffers, safetensors_header, stage_copy,
+        stage_device_copy, stage_pin, unpickle, AtomicWriter, BufferRegistration, DeviceFile,
+        Engine, HostMemory, HostPin, Reader, StateDictPickler, Unpickled,
     };
 
     use super::*;

@@ -1,5 +1,6 @@
 //! `Reader`: an existing torch.save checkpoint, mapped and opened for reading;
-//! and `map_archive`, the mapping alone.
+//! `map_archive`, the mapping alone; `map_archives`, archives held in memory
+//! (DCP items).
 
 use std::path::PathBuf;
 
@@ -31,6 +32,58 @@ pub(super) fn map_archive(py: Python<'_>, path: PathBuf) -> PyResult<Vec<(String
         let a = zipmap::map_file(f.file(), Some(&path))?;
         Ok(records_list(&a))
     })
+}
+
+/// Where a torch.save archive held in memory keeps its pickle and storages.
+type ArchiveLayout = (u64, u64, Vec<(String, u64, u64)>);
+
+/// Map torch.save archives held in host memory (DCP items read whole):
+/// `spans` = [(offset, length)] of each archive in `[addr, addr+len)`. For
+/// each: (offset of `data.pkl`, its size, [(storage key, offset, size)])
+/// with offsets in the same memory, or None where the span is no usable
+/// archive (the caller lets torch read it and say why).
+///
+/// The caller keeps `[addr, addr+len)` alive and unmodified until this returns.
+#[pyfunction]
+pub(super) fn map_archives(
+    py: Python<'_>,
+    addr: u64,
+    len: u64,
+    spans: Vec<(u64, u64)>,
+) -> PyResult<Vec<Option<ArchiveLayout>>> {
+    if addr == 0 || usize::try_from(len).is_err() {
+        return Err(PyValueError::new_err("map_archives needs a host buffer"));
+    }
+    for &(off, n) in &spans {
+        if off.checked_add(n).is_none_or(|e| e > len) {
+            return Err(PyValueError::new_err(format!(
+                "span {off}..+{n} lies outside the {len}-byte buffer"
+            )));
+        }
+    }
+    Ok(py.detach(|| {
+        // SAFETY: the caller keeps the buffer alive and unmodified for the call
+        // (documented contract); every span lies inside it (checked above).
+        let mem = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
+        spans
+            .iter()
+            .map(|&(off, n)| {
+                let bytes = &mem[off as usize..(off + n) as usize];
+                let a = zipmap::map_bytes(bytes).ok()?;
+                let prefix = a.prefix().to_owned();
+                let pkl = a.get(&format!("{prefix}/data.pkl"))?;
+                let data = a
+                    .records
+                    .iter()
+                    .filter_map(|r| {
+                        let key = r.name.strip_prefix(&prefix)?.strip_prefix("/data/")?;
+                        Some((key.to_owned(), off + r.data_offset, r.size))
+                    })
+                    .collect();
+                Some((off + pkl.data_offset, pkl.size, data))
+            })
+            .collect()
+    }))
 }
 
 /// An existing checkpoint opened for reading.

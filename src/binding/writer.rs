@@ -6,10 +6,11 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
-use crate::engine::TransferFile;
+use crate::engine::{Patch, TransferFile};
 use crate::format::integrity::{self, Storage};
+use crate::format::zipwrite::{self, Body, Entry};
 use crate::format::zstd;
 use crate::io::file::IoFile;
 use crate::io::persist::{self, AtomicFile};
@@ -41,6 +42,15 @@ pub struct AtomicWriter {
 
 /// (zip head, data address, data length, zip tail, CRC-32 offsets in the tail).
 type ZstdItem = (Vec<u8>, u64, u64, Vec<u8>, Vec<usize>);
+
+/// A record's bytes as Python hands them: (address, nbytes, device), or a
+/// bytes object. (Storages first: the variants are tried in order, and a
+/// failed try costs an exception object.)
+#[derive(FromPyObject)]
+enum RawBody<'py> {
+    Memory((u64, u64, i32)),
+    Bytes(Bound<'py, PyBytes>),
+}
 
 /// What a call on a committed or aborted writer meets.
 fn done_error() -> Error {
@@ -156,6 +166,50 @@ impl AtomicWriter {
         report_dict(py, &rep)
     }
 
+    /// Write a whole torch.save archive into the (empty) temp file, laid out
+    /// with an alignment per record: `entries` = [(full record name, bytes or
+    /// (address, nbytes, device), alignment)] in file order, device -1 for
+    /// host memory. Headers and data go in one engine pass (small records
+    /// gathered into shared I/Os, CRC-32s stored as the bytes pass), then the
+    /// central directory. `prefix` is the archive's folder (`<prefix>/data/*`
+    /// are its data records); `owners` and `streams` as for `write_segments`.
+    fn write_archive<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        entries: Vec<(String, RawBody<'py>, u64)>,
+        prefix: String,
+        owners: Owners,
+        streams: Streams,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let entries: Vec<Entry> = entries
+            .into_iter()
+            .map(|(name, body, align)| Entry {
+                name,
+                body: match body {
+                    RawBody::Bytes(b) => Body::Bytes(b.as_bytes().to_vec()),
+                    RawBody::Memory((addr, len, dev)) => Body::Memory {
+                        addr,
+                        len,
+                        memory: memory(dev),
+                    },
+                },
+                align,
+            })
+            .collect();
+        let ask = Ask {
+            streams,
+            ..Ask::default()
+        };
+        let rep = detached(py, engine, Vec::new(), owners, ask, |e, _, r| {
+            // SAFETY: the owners keep every storage allocated until this
+            // returns; the caller leaves them unmodified (documented contract)
+            // and hands its own streams.
+            self.locked(|st| unsafe { zipwrite::write(e, &st.file, &entries, &prefix, r.streams) })
+        })?;
+        report_dict(py, &rep.report)
+    }
+
     /// Write memory ranges at given file offsets: `segments` =
     /// [(file offset, address, nbytes, device)], device -1 for host memory,
     /// after the work queued on `streams` ([(device, CUstream)]). `owners`
@@ -165,8 +219,12 @@ impl AtomicWriter {
     /// disk fails before any data moves.
     ///
     /// `checksum`: also return each segment's CRC-32 (`"crc32"`, None where
-    /// cuFile moved the bytes), computed in the I/O threads.
-    #[pyo3(signature = (engine, segments, owners, streams, file_len=None, checksum=false))]
+    /// cuFile moved the bytes), computed in the I/O threads. `patches`:
+    /// [(segment index, file offset)]: store that segment's CRC-32 (4 bytes,
+    /// little-endian) at that offset, outside the segment (a zip data
+    /// descriptor or central directory entry), in the same I/O where the
+    /// engine can; nothing where cuFile moved the bytes.
+    #[pyo3(signature = (engine, segments, owners, streams, file_len=None, checksum=false, patches=None))]
     #[allow(clippy::too_many_arguments)] // the Python signature
     fn write_segments<'py>(
         &self,
@@ -177,11 +235,17 @@ impl AtomicWriter {
         streams: Streams,
         file_len: Option<u64>,
         checksum: bool,
+        patches: Option<Vec<(usize, u64)>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let ask = Ask {
             streams,
             file_len,
             checksum,
+            patches: patches
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(seg, at)| Patch { seg, at })
+                .collect(),
         };
         let rep = detached(py, engine, segments, owners, ask, |e, s, r| {
             // SAFETY: as in write_storages.

@@ -21,7 +21,7 @@ use crate::gpu::{open_device_path, Backend, DevicePath, Memory};
 use crate::io::file::IoFile;
 use crate::{Error, Result};
 
-use super::{Engine, Options, Segment, Stats};
+use super::{Engine, Options, Patch, Segment, Stats};
 
 /// The device path's state.
 enum Slot {
@@ -54,6 +54,8 @@ pub struct Request<'a> {
     /// Writes: the file's final length, preallocated first when the engine
     /// preallocates, so that a full disk fails before any data moves.
     pub file_len: Option<u64>,
+    /// Writes: segments' CRC-32s to store in the file (see [`Options::patches`]).
+    pub patches: &'a [Patch],
 }
 
 /// What a transfer did, and along which paths.
@@ -230,6 +232,7 @@ impl TransferFile {
             path: path.as_deref(),
             checksum: req.checksum,
             streams: req.streams,
+            patches: req.patches,
         };
         // SAFETY: forwarded from the caller's contract.
         let stats = unsafe {

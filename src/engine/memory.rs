@@ -26,6 +26,11 @@ pub enum MemoryPath {
     /// the kernel's LRU bookkeeping ("auto", "map").
     #[default]
     Map,
+    /// As `Map`, the copies written with non-temporal stores ("map-nt"): no
+    /// read of the destination before it is written, no cache evicted
+    /// ([`crate::io::mapped::copy_stream`]). Which is faster depends on the
+    /// host's memory system and libc (benches/bench_memory.py measures both).
+    MapNt,
     /// Files in memory read with pread ("pread").
     Pread,
     /// No page-cache check: tmpfs files read with pread, others from the disk
@@ -38,10 +43,11 @@ impl std::str::FromStr for MemoryPath {
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" | "map" | "" => Ok(MemoryPath::Map),
+            "map-nt" => Ok(MemoryPath::MapNt),
             "pread" => Ok(MemoryPath::Pread),
             "off" | "0" | "no" | "false" => Ok(MemoryPath::Off),
             other => Err(Error::invalid(format!(
-                "memory path must be auto, map, pread or off, not {other:?}"
+                "memory path must be auto, map, map-nt, pread or off, not {other:?}"
             ))),
         }
     }
@@ -51,6 +57,7 @@ impl MemoryPath {
     pub fn name(self) -> &'static str {
         match self {
             MemoryPath::Map => "map",
+            MemoryPath::MapNt => "map-nt",
             MemoryPath::Pread => "pread",
             MemoryPath::Off => "off",
         }
@@ -66,7 +73,8 @@ pub const RESIDENT_MIN: f64 = 0.9;
 pub struct ReadPath {
     /// From memory (the page cache, tmpfs) rather than from the disk.
     pub memory: bool,
-    /// "map" (copied from a mapping), "pread", "direct" (O_DIRECT) or "buffered".
+    /// "map" (copied from a mapping), "map-nt" (the same with non-temporal
+    /// stores), "pread", "direct" (O_DIRECT) or "buffered".
     pub source: &'static str,
     /// Why, in words: "tmpfs", "page cache: 100% of 2048 sampled pages
     /// resident", "cold: 0% of ... resident", ...
@@ -103,7 +111,8 @@ pub(super) fn choose(file: &IoFile, segments: &[Segment], mode: MemoryPath) -> R
             },
         });
     }
-    let map_it = mode == MemoryPath::Map || !file.is_in_memory();
+    let mapped = matches!(mode, MemoryPath::Map | MemoryPath::MapNt);
+    let map_it = mapped || !file.is_in_memory();
     let map = if map_it {
         FileMap::new(file.file(), file.path())?
     } else {
@@ -145,8 +154,13 @@ pub(super) fn choose(file: &IoFile, segments: &[Segment], mode: MemoryPath) -> R
         }
         format!("page cache: {what}")
     };
-    let map = map.filter(|_| mode == MemoryPath::Map);
-    let source = if map.is_some() { "map" } else { "pread" };
+    let map = map
+        .filter(|_| mapped)
+        .map(|m| m.streaming(mode == MemoryPath::MapNt));
+    let source = match &map {
+        Some(_) => mode.name(),
+        None => "pread",
+    };
     let view = file.memory_view(map, &format!("read from memory ({reason})"))?;
     Ok(Choice {
         view: Some(view),
@@ -201,7 +215,12 @@ mod tests {
                 continue;
             }
             let (path, data) = written(dir, n);
-            for mode in [MemoryPath::Map, MemoryPath::Pread, MemoryPath::Off] {
+            for mode in [
+                MemoryPath::Map,
+                MemoryPath::MapNt,
+                MemoryPath::Pread,
+                MemoryPath::Off,
+            ] {
                 let e = Engine::new(EngineConfig {
                     memory_path: mode,
                     chunk_size: 1 << 20,
@@ -234,7 +253,7 @@ mod tests {
                     let memory = tmpfs || (cached && mode != MemoryPath::Off);
                     assert_eq!(rp.memory, memory, "{rp:?}");
                     let source = match (memory, mode) {
-                        (true, MemoryPath::Map) => "map",
+                        (true, MemoryPath::Map | MemoryPath::MapNt) => mode.name(),
                         (true, _) => "pread",
                         (false, _) if f.is_direct() => "direct",
                         (false, _) => "buffered",
@@ -260,6 +279,8 @@ mod tests {
     fn modes_parse() {
         assert_eq!("AUTO".parse::<MemoryPath>().unwrap(), MemoryPath::Map);
         assert_eq!("pread".parse::<MemoryPath>().unwrap(), MemoryPath::Pread);
+        assert_eq!("map-nt".parse::<MemoryPath>().unwrap(), MemoryPath::MapNt);
+        assert_eq!(MemoryPath::MapNt.name(), "map-nt");
         assert_eq!("off".parse::<MemoryPath>().unwrap(), MemoryPath::Off);
         assert!("sometimes".parse::<MemoryPath>().is_err());
         assert_eq!(MemoryPath::default().name(), "map");

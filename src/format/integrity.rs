@@ -369,7 +369,7 @@ pub unsafe fn read_records(
     let req = Request {
         checksum: verify,
         streams,
-        file_len: None,
+        ..Request::default()
     };
     // SAFETY: forwarded from the caller's contract.
     let rep = unsafe { file.read(engine, segments, req)? };
@@ -444,6 +444,7 @@ pub unsafe fn write_storages(
         checksum: true,
         streams,
         file_len: Some(a.file_len),
+        ..Request::default()
     };
     // SAFETY: forwarded from the caller's contract.
     let rep = unsafe { file.write(engine, &segs, req)? };

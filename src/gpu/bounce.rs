@@ -5,7 +5,9 @@
 //! load) overlaps the file I/O of chunk i. Every copy is queued behind the
 //! caller's stream ([`crate::gpu::order`]). Where the pinned-memory cap
 //! ([`crate::gpu::budget`]) has no room, a lane runs on pageable buffers:
-//! slower copies, same results.
+//! slower copies, same results. A chunk may also be gathered from (or
+//! scattered to) many pieces of host and device memory around one file I/O
+//! (`*_gathered`): many small tensors, one request.
 
 use crate::gpu::cuda::{self, Event, PinnedBuffer, Stream};
 use crate::io::align::{AlignedBuf, DEFAULT_ALIGN};
@@ -59,6 +61,20 @@ pub struct InFlight {
     slot: usize,
     file_offset: u64,
     len: usize,
+    /// Where the chunk's first byte sits in the slot (gathered chunks are
+    /// placed so that their aligned middle is aligned in memory too).
+    skip: usize,
+}
+
+/// Where one piece of a gathered chunk comes from or goes to.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotPiece {
+    /// Offset of the piece in the chunk.
+    pub at: usize,
+    pub addr: u64,
+    pub len: usize,
+    /// Device memory of the lane's device (else host memory).
+    pub device: bool,
 }
 
 /// One thread's double-buffered pipeline for one device.
@@ -159,6 +175,7 @@ impl BounceLane {
             slot,
             file_offset,
             len,
+            skip: 0,
         })
     }
 
@@ -227,9 +244,146 @@ impl BounceLane {
                 slot,
                 file_offset,
                 len,
+                skip: 0,
             },
             sum,
         ))
+    }
+
+    /// Save, first half, of a gathered chunk of `len` bytes at `file_offset`:
+    /// in a free slot from byte `skip` on, copy each host piece and queue the
+    /// D2H copy of each device piece behind `after` (the caller's stream).
+    /// Bytes no piece covers are left as they are.
+    ///
+    /// # Safety
+    /// Each piece's memory must be readable memory of its kind (device memory
+    /// of this lane's device), `at + len` within the chunk for each piece,
+    /// and the slot taken must not hold a chunk in flight.
+    pub unsafe fn start_save_gathered(
+        &mut self,
+        file_offset: u64,
+        len: usize,
+        skip: usize,
+        pieces: &[SlotPiece],
+        after: Option<&Event>,
+    ) -> Result<InFlight> {
+        let cuda = cuda::driver()?;
+        cuda.make_current(self.device)?;
+        let slot = self.take_slot();
+        let s = &mut self.slots[slot];
+        if skip + len > s.buf.len() {
+            return Err(Error::invalid(format!(
+                "chunk of {len} bytes exceeds the bounce buffer ({})",
+                s.buf.len()
+            )));
+        }
+        if let Some(e) = after {
+            s.stream.wait(e)?;
+        }
+        let base = s.buf.as_mut_slice()[skip..skip + len].as_mut_ptr();
+        for p in pieces {
+            if p.at + p.len > len {
+                return Err(Error::invalid("a piece lies outside its chunk"));
+            }
+            // SAFETY: [at, at+len) lies in the chunk's part of the slot (checked
+            // above); the source is valid per the caller.
+            unsafe {
+                let dst = base.add(p.at);
+                if p.device {
+                    cuda.memcpy_dtoh_async(dst, p.addr, p.len, &s.stream)?;
+                } else {
+                    std::ptr::copy_nonoverlapping(p.addr as *const u8, dst, p.len);
+                }
+            }
+        }
+        Ok(InFlight {
+            slot,
+            file_offset,
+            len,
+            skip,
+        })
+    }
+
+    /// Save of a gathered chunk: wait for its copies and hand its bytes over
+    /// (to checksum and patch them before [`Self::write_gathered`]).
+    pub fn wait_gathered(&mut self, f: &InFlight) -> Result<&mut [u8]> {
+        let s = &mut self.slots[f.slot];
+        s.stream.synchronize()?;
+        Ok(&mut s.buf.as_mut_slice()[f.skip..f.skip + f.len])
+    }
+
+    /// Save of a gathered chunk, second half: write its bytes.
+    pub fn write_gathered(&self, f: InFlight, file: &IoFile) -> Result<()> {
+        let s = &self.slots[f.slot];
+        file.write_at(&s.buf.as_slice()[f.skip..f.skip + f.len], f.file_offset)
+    }
+
+    /// Load, first half, of a gathered chunk: read `[file_offset,
+    /// file_offset+len)` into a free slot (O_DIRECT over its aligned superset)
+    /// and order the slot's stream behind `after` (the caller's stream: work
+    /// queued there may still use the destinations). Its bytes are then
+    /// [`Self::slot_bytes`]; device pieces are queued with
+    /// [`Self::queue_htod`], and [`Self::finish_load`] waits for them.
+    ///
+    /// # Safety
+    /// The slot taken must not hold a chunk in flight.
+    pub unsafe fn read_gathered(
+        &mut self,
+        file_offset: u64,
+        len: usize,
+        file: &IoFile,
+        after: Option<&Event>,
+    ) -> Result<InFlight> {
+        let slot = self.take_slot();
+        let s = &mut self.slots[slot];
+        let (start, span) = if file.is_direct() {
+            let a = file.alignment().offset as u64;
+            let start = crate::io::align::align_down(file_offset, a);
+            let end = crate::io::align::align_up(file_offset + len as u64, a);
+            (start, (end - start) as usize)
+        } else {
+            (file_offset, len)
+        };
+        let skip = (file_offset - start) as usize;
+        if span > s.buf.len() {
+            return Err(Error::invalid(format!(
+                "chunk of {span} bytes exceeds the bounce buffer ({})",
+                s.buf.len()
+            )));
+        }
+        file.read_blocks_needed(&mut s.buf.as_mut_slice()[..span], start, skip + len)?;
+        if let Some(e) = after {
+            cuda::driver()?.make_current(self.device)?;
+            s.stream.wait(e)?;
+        }
+        Ok(InFlight {
+            slot,
+            file_offset,
+            len,
+            skip,
+        })
+    }
+
+    /// The bytes of a gathered chunk read by [`Self::read_gathered`].
+    pub fn slot_bytes(&self, f: &InFlight) -> &[u8] {
+        &self.slots[f.slot].buf.as_slice()[f.skip..f.skip + f.len]
+    }
+
+    /// Queue the H2D copy of `len` bytes from offset `at` of a gathered chunk
+    /// (read by [`Self::read_gathered`]) to `dst`.
+    ///
+    /// # Safety
+    /// `[dst, dst+len)` must be writable device memory of this lane's device
+    /// that nobody else touches until [`Self::finish_load`], and `at + len`
+    /// at most the chunk's length.
+    pub unsafe fn queue_htod(&self, f: &InFlight, at: usize, dst: u64, len: usize) -> Result<()> {
+        let cuda = cuda::driver()?;
+        cuda.make_current(self.device)?;
+        let s = &self.slots[f.slot];
+        let src = s.buf.as_slice()[f.skip + at..f.skip + at + len].as_ptr();
+        // SAFETY: the slot holds the chunk's bytes and stays untouched until
+        // `finish_load` synchronizes; the destination is valid per the caller.
+        unsafe { cuda.memcpy_htod_async(dst, src, len, &s.stream) }
     }
 
     /// Load, second half: wait for the H2D copy.

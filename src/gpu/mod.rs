@@ -18,7 +18,7 @@ pub mod order;
 pub mod path;
 pub mod staging;
 
-pub use bounce::{BounceLane, InFlight};
+pub use bounce::{BounceLane, InFlight, SlotPiece};
 pub use path::{open_device_path, Backend, DevicePath};
 
 /// Where a segment's memory lives.

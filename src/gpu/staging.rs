@@ -135,6 +135,11 @@ pub fn pin_all(pins: &[&HostPin], threads: usize) -> u64 {
     pins.iter().map(|p| p.pinned_bytes()).sum()
 }
 
+/// Device copies a thread queues before it waits for them (small tensors:
+/// one wait for many), or bytes: whichever comes first.
+const QUEUED_COPIES: usize = 256;
+const QUEUED_BYTES: usize = 256 << 20;
+
 /// Copy `len` bytes from `src` (host or device memory) into `pins[dst]` at `dst_offset`.
 #[derive(Clone, Copy, Debug)]
 pub struct CopyJob {
@@ -211,8 +216,9 @@ fn plan(pins: &[&HostPin], jobs: &[CopyJob]) -> Result<Vec<Piece>> {
 }
 
 /// Runs `jobs` on `threads` threads: device pieces as async copies on a stream
-/// per thread and device (into pinned buffers where the driver allows), host
-/// pieces as memcpy. Returns when every byte has landed; the first error wins.
+/// per thread and device (into pinned buffers where the driver allows; waited
+/// for every [`QUEUED_COPIES`] copies or [`QUEUED_BYTES`] bytes), host pieces
+/// as memcpy. Returns when every byte has landed; the first error wins.
 ///
 /// # Safety
 /// Each source range must be readable memory of its kind that nobody frees or
@@ -247,6 +253,9 @@ pub unsafe fn copy_to_host(
         for _ in 0..threads {
             s.spawn(|| {
                 let mut streams: Vec<Stream> = Vec::new();
+                // Device copies queued on this thread's streams since the last
+                // wait: many small tensors cost a queued copy each, not a round trip.
+                let mut queued = (0usize, 0usize);
                 let r = (|| -> Result<()> {
                     while !failed.load(Ordering::Relaxed) {
                         let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
@@ -287,12 +296,22 @@ pub unsafe fn copy_to_host(
                                         st,
                                     )?
                                 };
-                                st.synchronize()?;
+                                queued = (queued.0 + 1, queued.1 + p.len);
+                                if queued.0 >= QUEUED_COPIES || queued.1 >= QUEUED_BYTES {
+                                    for st in &streams {
+                                        st.synchronize()?;
+                                    }
+                                    queued = (0, 0);
+                                }
                             }
                         }
                     }
                     Ok(())
                 })();
+                // Every copy queued has landed (or failed) before the thread ends:
+                // none may outlive the call.
+                let waited = streams.iter().try_for_each(Stream::synchronize);
+                let r = r.and(waited);
                 if let Err(e) = r {
                     failed.store(true, Ordering::Relaxed);
                     let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());

@@ -468,6 +468,19 @@ pub fn pwrite_all(fd: RawFd, buf: &[u8], off: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// A new, empty file opened for reading and writing (for tests).
+#[cfg(test)]
+pub(crate) fn scratch(path: &Path, mode: DirectMode) -> IoFile {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .unwrap();
+    IoFile::from_writable(f, path, mode).unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

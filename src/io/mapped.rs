@@ -23,6 +23,14 @@
 //! [`FileMap::residency`] says which pages of the ranges to read are in the
 //! page cache (mincore over the mapping, sampled for large ranges).
 //!
+//! [`FileMap::streaming`] makes its copies write with non-temporal stores
+//! ([`copy_stream`], `CKPTIO_MEMORY_PATH=map-nt`): the destination (a pinned
+//! bounce slot the GPU reads next) is written without being read first, one
+//! memory pass less per byte, and does not evict the cache. Which copy is
+//! faster depends on the host's memory system and its libc's memcpy (which
+//! streams too above a size it picks); [`copy_floor`] measures both, without
+//! the engine, for the benches.
+//!
 //! Unmapping a large mapping zaps every page-table entry the copies made
 //! (about 0.06 s for 2 GiB on a 2-core VM): a mapping of more than
 //! [`DEFER_UNMAP_MIN`] bytes is unmapped by a background thread once dropped,
@@ -66,6 +74,8 @@ pub struct FileMap {
     len: usize,
     slot: usize,
     path: PathBuf,
+    /// Copies out of the mapping use non-temporal stores ([`copy_stream`]).
+    stream: bool,
 }
 
 impl std::fmt::Debug for FileMap {
@@ -125,7 +135,14 @@ impl FileMap {
             len,
             slot,
             path: path.to_path_buf(),
+            stream: false,
         }))
+    }
+
+    /// Copy out with non-temporal stores ([`copy_stream`]) when `on`.
+    pub fn streaming(mut self, on: bool) -> Self {
+        self.stream = on;
+        self
     }
 
     /// The file's length when it was mapped.
@@ -151,7 +168,13 @@ impl FileMap {
         // SAFETY: [off, off+n) lies inside the mapping, which lives as long as
         // `self`; a page the file lost meanwhile reads as zeros (the guard maps
         // them) and is reported below. `dst` is the caller's writable memory.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), n) };
+        unsafe {
+            if self.stream {
+                copy_stream(self.ptr.add(off), dst.as_mut_ptr(), n);
+            } else {
+                std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), n);
+            }
+        }
         if guard::hit(self.slot) {
             let now = std::fs::metadata(&self.path).map_or(0, |m| m.len());
             return Err(Error::format(
@@ -228,6 +251,164 @@ impl FileMap {
         }
         r
     }
+}
+
+/// Copy `n` bytes from `src` to `dst` with non-temporal (streaming) stores
+/// where the CPU has them (x86-64: SSE2, always there): every destination line
+/// is written whole without being read first, and bypasses the cache. Other
+/// CPUs: a plain copy.
+///
+/// # Safety
+/// As [`std::ptr::copy_nonoverlapping`]: `src` readable and `dst` writable for
+/// `n` bytes, not overlapping.
+pub unsafe fn copy_stream(src: *const u8, dst: *mut u8, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        // Streaming stores need 16-byte aligned destinations: the head up to
+        // the first one, and the tail past the last whole 64 bytes, are plain.
+        let head = (dst as usize).wrapping_neg() & 15;
+        if n < head + 64 {
+            // SAFETY: the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+            return;
+        }
+        let body = (n - head) & !63;
+        // SAFETY: every access lies in [0, n) of the caller's ranges; the
+        // stores start at a 16-byte aligned address (`head` skipped it), and
+        // the fence orders the streamed lines before anything that follows
+        // (the bounce lane's DMA is queued after this returns).
+        unsafe {
+            std::ptr::copy_nonoverlapping(src, dst, head);
+            let (s, d) = (src.add(head), dst.add(head));
+            let mut i = 0;
+            while i < body {
+                let a = _mm_loadu_si128(s.add(i).cast::<__m128i>());
+                let b = _mm_loadu_si128(s.add(i + 16).cast::<__m128i>());
+                let c = _mm_loadu_si128(s.add(i + 32).cast::<__m128i>());
+                let e = _mm_loadu_si128(s.add(i + 48).cast::<__m128i>());
+                _mm_stream_si128(d.add(i).cast::<__m128i>(), a);
+                _mm_stream_si128(d.add(i + 16).cast::<__m128i>(), b);
+                _mm_stream_si128(d.add(i + 32).cast::<__m128i>(), c);
+                _mm_stream_si128(d.add(i + 48).cast::<__m128i>(), e);
+                i += 64;
+            }
+            _mm_sfence();
+            std::ptr::copy_nonoverlapping(s.add(body), d.add(body), n - head - body);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, n)
+    }
+}
+
+/// How [`copy_floor`] reads the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FloorSource {
+    /// Copied from a [`FileMap`] (memcpy), as `CKPTIO_MEMORY_PATH=map`.
+    Map,
+    /// Copied from a [`FileMap`] with [`copy_stream`], as `map-nt`.
+    MapNt,
+    /// pread, as `CKPTIO_MEMORY_PATH=pread`.
+    Pread,
+}
+
+impl std::str::FromStr for FloorSource {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "map" => Ok(FloorSource::Map),
+            "map-nt" => Ok(FloorSource::MapNt),
+            "pread" => Ok(FloorSource::Pread),
+            other => Err(Error::invalid(format!(
+                "copy floor source must be map, map-nt or pread, not {other:?}"
+            ))),
+        }
+    }
+}
+
+/// The memory path's CPU floor, for the benches: the whole of `file` copied
+/// into `ring` by `threads` threads, `chunk` bytes at a time, the chunks taken
+/// in file order from a shared counter as the engine's lanes take them, each
+/// thread filling its own two slots of `ring` in turn (as a lane fills its two
+/// bounce buffers). No GPU, no engine. Returns the seconds, the mapping
+/// included (its unmapping, as the engine's, runs off the caller's thread).
+/// `ring` must hold `threads * 2 * chunk` bytes.
+pub fn copy_floor(
+    file: &File,
+    path: &Path,
+    source: FloorSource,
+    threads: usize,
+    chunk: usize,
+    ring: &mut [u8],
+) -> Result<f64> {
+    if threads == 0 || chunk == 0 || ring.len() < threads * 2 * chunk {
+        return Err(Error::invalid(format!(
+            "copy floor: {threads} threads of two {chunk}-byte slots need more than {} bytes",
+            ring.len()
+        )));
+    }
+    let t0 = std::time::Instant::now();
+    let map = match source {
+        FloorSource::Pread => None,
+        _ => Some(
+            FileMap::new(file, path)?
+                .ok_or_else(|| Error::invalid(format!("{}: cannot be mapped", path.display())))?
+                .streaming(source == FloorSource::MapNt),
+        ),
+    };
+    let len = file
+        .metadata()
+        .map_err(|e| Error::io_at("stat", path, e))?
+        .len();
+    let next = AtomicUsize::new(0);
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for slots in ring.chunks_mut(2 * chunk).take(threads) {
+            let (map, next, failed) = (map.as_ref(), &next, &failed);
+            let copier = std::thread::Builder::new().spawn_scoped(s, move || {
+                let mut turn = 0;
+                loop {
+                    let off = (next.fetch_add(1, Ordering::Relaxed) * chunk) as u64;
+                    if off >= len {
+                        break;
+                    }
+                    let n = chunk.min((len - off) as usize);
+                    let slot = &mut slots[(turn % 2) * chunk..][..n];
+                    turn += 1;
+                    let r = match map {
+                        Some(m) => m.read_upto(slot, off).map(drop),
+                        None => {
+                            use std::os::unix::fs::FileExt;
+                            file.read_exact_at(slot, off)
+                                .map_err(|e| Error::io_at("pread", path, e))
+                        }
+                    };
+                    if let Err(e) = r {
+                        failed
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
+                        break;
+                    }
+                }
+            });
+            if let Err(e) = copier {
+                let e = Error::io("start a copy thread", None, e);
+                failed
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
+            }
+        }
+    });
+    drop(map);
+    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(t0.elapsed().as_secs_f64())
 }
 
 impl Drop for FileMap {
@@ -486,15 +667,56 @@ mod tests {
     }
 
     #[test]
+    fn streaming_copies_match_plain_ones_at_any_alignment() {
+        let src: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut dst = vec![0u8; 10_100];
+        for (so, dof) in [(0, 0), (1, 0), (0, 3), (5, 17), (16, 15), (63, 1)] {
+            for n in [0, 1, 15, 63, 64, 65, 127, 1000, 4097, 9_000] {
+                dst.fill(0xEE);
+                // SAFETY: both ranges lie inside their vectors, which do not overlap.
+                unsafe { copy_stream(src.as_ptr().add(so), dst.as_mut_ptr().add(dof), n) };
+                assert_eq!(&dst[dof..dof + n], &src[so..so + n], "{so} {dof} {n}");
+                assert!(dst[..dof].iter().all(|&b| b == 0xEE));
+                assert!(dst[dof + n..].iter().all(|&b| b == 0xEE));
+            }
+        }
+    }
+
+    #[test]
+    fn the_copy_floor_reads_every_chunk_into_its_ring() {
+        let d = tempfile::tempdir().unwrap();
+        let chunk = 2 * PAGE;
+        let (path, data) = file_with(d.path(), 3 * chunk + 100);
+        let f = File::open(&path).unwrap();
+        for source in ["map", "map-nt", "pread"] {
+            let source: FloorSource = source.parse().unwrap();
+            // One thread: chunk j lands in slot j % 2, so the last two stay there.
+            let mut ring = vec![0u8; 2 * chunk];
+            let s = copy_floor(&f, &path, source, 1, chunk, &mut ring).unwrap();
+            assert!(s >= 0.0);
+            assert_eq!(&ring[..chunk], &data[2 * chunk..3 * chunk], "{source:?}");
+            assert_eq!(&ring[chunk..chunk + 100], &data[3 * chunk..], "{source:?}");
+            let mut four = vec![0u8; 4 * chunk];
+            copy_floor(&f, &path, source, 2, chunk, &mut four).unwrap();
+        }
+        let mut small = vec![0u8; chunk];
+        let e = copy_floor(&f, &path, FloorSource::Map, 1, chunk, &mut small).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!("mmap".parse::<FloorSource>().is_err());
+        flush_unmaps();
+    }
+
+    #[test]
     fn a_file_truncated_under_its_mapping_is_an_error_not_a_sigbus() {
-        for dir in [std::env::temp_dir(), PathBuf::from("/dev/shm")] {
+        let dirs = [std::env::temp_dir(), PathBuf::from("/dev/shm")];
+        for (dir, stream) in dirs.iter().flat_map(|d| [(d, false), (d, true)]) {
             if !dir.is_dir() {
                 continue;
             }
-            let d = tempfile::tempdir_in(&dir).unwrap();
+            let d = tempfile::tempdir_in(dir).unwrap();
             let (path, data) = file_with(d.path(), 64 * PAGE);
             let f = File::open(&path).unwrap();
-            let m = FileMap::new(&f, &path).unwrap().unwrap();
+            let m = FileMap::new(&f, &path).unwrap().unwrap().streaming(stream);
             let mut buf = vec![0u8; 64 * PAGE];
             assert_eq!(m.read_upto(&mut buf, 0).unwrap(), 64 * PAGE);
             assert_eq!(buf, data);
