@@ -78,6 +78,25 @@ def drop_dir(d: str) -> None:
         drop_cache(os.path.join(d, n))
 
 
+def timed_async_save(sd: Any, writer: Any, stager: Any, **kw: Any) -> dict[str, float]:
+    """One ``dcp.async_save``: seconds until it returned (training blocked), until
+    staging completed and until the upload completed."""
+    sync()
+    t0 = time.perf_counter()
+    if stager is not None:
+        kw["async_stager"] = stager
+    r = dcp.async_save(sd, storage_writer=writer, **kw)
+    t_ret = time.perf_counter() - t0
+    if hasattr(r, "staging_completion"):
+        r.staging_completion.result()
+        t_stage = time.perf_counter() - t0
+        r.upload_completion.result()
+    else:
+        t_stage = t_ret  # staging ran inside async_save
+        r.result()
+    return {"return_s": t_ret, "staged_s": t_stage, "upload_s": time.perf_counter() - t0}
+
+
 def run_saves(name: str, sd: dict, d: str, saves: int, make: Any) -> dict[str, Any]:
     """``make(i)`` -> (storage_writer, async_stager or None); ``sd`` as handed to async_save."""
     rows = []
@@ -89,23 +108,10 @@ def run_saves(name: str, sd: dict, d: str, saves: int, make: Any) -> dict[str, A
         writer, stager = make(i)
         if stager is not None and stager not in closers:
             closers.append(stager)
-        sync()
-        t0 = time.perf_counter()
-        kw = {"async_stager": stager} if stager is not None else {}
-        r = dcp.async_save(sd, storage_writer=writer, no_dist=True, **kw)
-        t_ret = time.perf_counter() - t0
-        if hasattr(r, "staging_completion"):
-            r.staging_completion.result()
-            t_stage = time.perf_counter() - t0
-            r.upload_completion.result()
-        else:
-            t_stage = t_ret  # staging ran inside async_save
-            r.result()
-        t_up = time.perf_counter() - t0
+        row = timed_async_save(sd, writer, stager, no_dist=True)
+        t_ret, t_stage, t_up = row["return_s"], row["staged_s"], row["upload_s"]
         stage_call = getattr(stager, "last_stage_call_s", None)
-        rows.append(
-            {"return_s": t_ret, "staged_s": t_stage, "upload_s": t_up, "stage_call_s": stage_call}
-        )
+        rows.append(dict(row, stage_call_s=stage_call))
         inside = f" (stage() {stage_call * 1e3:5.1f} ms)" if stage_call is not None else ""
         print(
             f"  {name:<34} save {i + 1}: return {t_ret * 1e3:8.1f} ms{inside}  "

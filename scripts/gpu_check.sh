@@ -36,6 +36,16 @@
 #                                # --device cuda: 20,000 x 4 KiB and 1G in 64 / 20,000 tensors on the
 #                                # GPU vs torch.save / torch.load(map_location="cuda"), safetensors;
 #                                # async_save of 20,000 CUDA tensors (TENSORS_ARGS), JSON to $OUT
+#   scripts/gpu_check.sh multigpu # issues 18/19 on 2, 4 or 8 GPUs (nvidia-h200-x2/-x4/-x8), one process
+#                                # per GPU over NCCL: benches/bench_group.py (the group load from /tmp
+#                                # and /dev/shm against every rank alone and one rank alone, bytes read
+#                                # per rank, bit-exact; the same for load_sharded and load_state_dict;
+#                                # DCP async_save x5 per rank with ckptio's stagers and writer against
+#                                # torch's FileSystemWriter(cache_staged_state_dict=True), dcp.load ours
+#                                # vs torch's, a resharding load on half the ranks), then the NCCL tests
+#                                # (tests/test_dcp.py -k nccl, tests/test_group.py -k gpus). MULTIGPU_SIZE
+#                                # (default 8G), MULTIGPU_DIRS (/tmp,/dev/shm), MULTIGPU_PARTS (all:
+#                                # load,sharded,state_dict,dcp,tests), MULTIGPU_ARGS (more arguments)
 # Several modes run in turn: scripts/gpu_check.sh tests staging
 set -uo pipefail
 PY=${PY:-python3}
@@ -183,6 +193,14 @@ inplace)
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     timeout 150 $PY benches/bench_inplace.py --device cuda --size "${INPLACE_SIZE:-8G}" --dir /tmp \
         --json "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.json" 2>&1 | tee "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.log" || rc=1
+    ;;
+multigpu)
+    udev_on
+    nvidia-smi topo -m 2>/dev/null | head -12
+    timeout ${MULTIGPU_TIMEOUT:-570} $PY benches/bench_group.py --device cuda --size "${MULTIGPU_SIZE:-8G}" \
+        --dirs "${MULTIGPU_DIRS:-/tmp,/dev/shm}" --parts "${MULTIGPU_PARTS:-load,sharded,state_dict,dcp,tests}" \
+        --json "$OUT/bench_group_$(nvidia-smi -L | wc -l)gpu.json" ${MULTIGPU_ARGS:-} 2>&1 |
+        tee "$OUT/bench_group_$(nvidia-smi -L | wc -l)gpu.log" || rc=1
     ;;
 *)
     echo "unknown mode $mode"; rc=1

@@ -448,7 +448,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(world: int, scenario: str, ckpt, backend: str = "gloo", **extra: str) -> None:
+def _run_ranks(
+    world: int, scenario: str, ckpt, backend: str = "gloo", argv: list | None = None, **extra: str
+) -> None:
+    """``world`` processes of dist_worker.py (or ``argv``: another script and its
+    arguments), each given its rank in the environment; fails if any fails."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -465,7 +469,7 @@ def _run_ranks(world: int, scenario: str, ckpt, backend: str = "gloo", **extra: 
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "dist_worker.py"), scenario, str(ckpt)],
+                [sys.executable, *(argv or [os.path.join(HERE, "dist_worker.py"), scenario, ckpt])],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

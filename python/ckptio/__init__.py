@@ -30,6 +30,7 @@ from ckptio._native import (
 from ckptio._native import __version__ as __version__
 from ckptio._transfer import release_buffers
 from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
+from ckptio.group import GroupLoadError, GroupMismatchError, PeerLoadError
 from ckptio.inplace import (
     DestinationError,
     DtypeMismatchError,
@@ -80,4 +81,7 @@ __all__ = [
     "DtypeMismatchError",
     "DestinationError",
     "PartialLoadError",
+    "GroupLoadError",
+    "GroupMismatchError",
+    "PeerLoadError",
 ]

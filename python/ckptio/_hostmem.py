@@ -15,6 +15,7 @@ does. ``CKPTIO_HUGE_PAGES=0`` turns the advice off (4 KiB pages, as before).
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -37,3 +38,29 @@ def advise_shared(storage: torch.UntypedStorage) -> bool:
     """Ask for huge pages on a shared storage not touched yet (a memfd mapped by
     torch), where the host hands them to shared memory; whether it asked."""
     return bool(_native.advise_huge(storage.data_ptr(), storage.nbytes(), True))
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_populate_works = True
+
+
+def populate(addr: int, nbytes: int) -> bool:
+    """Fault in the whole pages of ``[addr, addr + nbytes)`` (writable memory of
+    this process) in one call, the kernel's fast path (no trap per page); their
+    contents stay as they are, so another thread may be writing them. Best
+    effort: False where the kernel lacks MADV_POPULATE_WRITE (then never again)."""
+    global _populate_works
+    lo = -(-addr // 4096) * 4096
+    hi = (addr + nbytes) // 4096 * 4096
+    if not _populate_works or hi <= lo:
+        return False
+    if _libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0:
+        return True
+    if ctypes.get_errno() == getattr(os, "EINVAL", 22):
+        _populate_works = False
+    return False
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int

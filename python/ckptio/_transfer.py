@@ -74,6 +74,10 @@ class IOReport:
     read_path: str | None = None
     read_source: str | None = None
     read_reason: str | None = None
+    #: Loads: bytes this process read from storage, and (``group=``, read once
+    #: and shared) bytes it received from the other ranks of the group.
+    bytes_read: int = 0
+    bytes_received: int = 0
 
     @property
     def gib_per_s(self) -> float:
@@ -115,6 +119,8 @@ def report(
         read_path=stats.get("read_path"),
         read_source=stats.get("read_source"),
         read_reason=stats.get("read_reason"),
+        bytes_read=stats.get("bytes_read", 0),
+        bytes_received=stats.get("bytes_received", 0),
     )
     _last.report = rep
     return rep
@@ -202,8 +208,11 @@ def read(
     each whole record read against its CRC-32; (a ``DeviceFile``) return each
     segment's CRC-32 as "crc32", for the caller to check."""
     if verify:
-        return source.read_segments(engine, segments, owners, _streams_of(segments), True)  # type: ignore[call-arg]
-    return source.read_segments(engine, segments, owners, _streams_of(segments))
+        stats = source.read_segments(engine, segments, owners, _streams_of(segments), True)  # type: ignore[call-arg]
+    else:
+        stats = source.read_segments(engine, segments, owners, _streams_of(segments))
+    stats["bytes_read"] = stats["bytes"]
+    return stats
 
 
 def release_buffers() -> int:

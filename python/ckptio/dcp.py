@@ -92,6 +92,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptio import _native, _transfer
+from ckptio import group as _group
 from ckptio._paths import inside
 from ckptio.serialization import (
     _CONFIG_LOCK,
@@ -578,6 +579,15 @@ class FileSystemReader(_TorchReader):
     ``trusted_metadata=True``: unpickle ``.metadata`` without the allow-list,
     as torch's reader does (only for folders you trust: a crafted ``.metadata``
     then runs code).
+
+    Read once, share: in a load over a process group (``process_group``: the
+    group given to ``dcp.load``, default the world), an item that every rank of
+    the group reads in the same plan (a replicated tensor, unsharded state, a
+    bytes item) is read from storage by one of them (balanced by bytes) and
+    broadcast to the others over the group's collectives (see
+    ``ckptio.group``); items that only some ranks read (shards) are read by
+    each, as before. ``share=False`` reads every item on every rank that needs
+    it. ``last_share`` says per load what this rank sent and received.
     """
 
     def __init__(
@@ -591,9 +601,15 @@ class FileSystemReader(_TorchReader):
         backend: str | None = None,
         verify: bool = False,
         trusted_metadata: bool = False,
+        share: bool = True,
+        process_group: Any = None,
     ) -> None:
         super().__init__(path, **_torch_args(_READER_ARGS, _extension_registry=_extension_registry))
-        for name, v in (("verify", verify), ("trusted_metadata", trusted_metadata)):
+        for name, v in (
+            ("verify", verify),
+            ("trusted_metadata", trusted_metadata),
+            ("share", share),
+        ):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, not {type(v).__name__}")
         self._io = (threads, chunk_size, _direct_arg(direct), backend)
@@ -604,11 +620,119 @@ class FileSystemReader(_TorchReader):
         # dtype and shape pickle alike.
         self._metas: dict[bytes, tuple[torch.Tensor | None, str | None]] = {}
         self.last_stats: list[dict[str, Any]] = []
+        self.share = share
+        self.process_group = process_group
+        self._sizes: dict[str, tuple[torch.dtype, int]] = {}
+        #: The last load's sharing: items (and bytes) this rank read for the
+        #: others, and received from them.
+        self.last_share: dict[str, int] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().reset(checkpoint_id)
         self._layouts = {}
         self._metas = {}
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._sizes = {
+            fqn: (md.properties.dtype, 0)
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, _md.TensorStorageMetadata)
+        }
+
+    def _group(self) -> Any:
+        import torch.distributed as dist
+
+        if not (self.share and dist.is_available() and dist.is_initialized()):
+            return None
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan = super().prepare_local_plan(plan)
+        if self._group() is not None:  # the coordinator learns who asks for what
+            import torch.distributed as dist
+
+            plan = dataclasses.replace(plan, storage_data=_Asker(dist.get_rank()))
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = super().prepare_global_plan(plans)
+        schedule = self._schedule(plans)
+        return [
+            dataclasses.replace(p, storage_data=schedule)
+            if isinstance(p.storage_data, _Asker)
+            else p
+            for p in plans
+        ]
+
+    def _share_key(self, req: Any) -> tuple[Any, ...] | None:
+        """What identifies the bytes a request reads (None: not shared: items
+        with stream transforms, which torch's code reads)."""
+        info: _StorageInfo = self.storage_data[req.storage_index]
+        if getattr(info, "transform_descriptors", None):
+            return None
+        idx = req.storage_index
+        offset = None if idx.offset is None else tuple(idx.offset)
+        return (
+            int(req.type.value),
+            idx.fqn,
+            offset,
+            idx.index,
+            tuple(req.storage_offsets),
+            tuple(req.lengths),
+        )
+
+    def _nbytes(self, req: Any) -> int:
+        if req.type == LoadItemType.BYTE_IO:
+            return int(self.storage_data[req.storage_index].length)
+        dtype = self._sizes[req.storage_index.fqn][0]
+        n = 1
+        for d in req.lengths:
+            n *= int(d)
+        return n * dtype.itemsize
+
+    def _schedule(self, plans: list[LoadPlan]) -> _Shares | None:
+        """On the coordinator: the items every rank of the group reads, each
+        given to one of them (the least loaded so far, items largest first)."""
+        import torch.distributed as dist
+
+        group = self._group()
+        if group is None or len(plans) < 2:
+            return None
+        askers = [p.storage_data for p in plans]
+        if not all(isinstance(a, _Asker) for a in askers):
+            return None
+        if [a.rank for a in askers] != dist.get_process_group_ranks(group):
+            return None  # dcp.load runs over another group than this reader's
+        counts: dict[tuple[Any, ...], list[int]] = {}
+        load = [0] * len(plans)
+        sizes: dict[tuple[Any, ...], int] = {}
+        for i, p in enumerate(plans):
+            for req in p.items:
+                key = self._share_key(req)
+                if key is None:
+                    continue
+                if key not in sizes:
+                    sizes[key] = self._nbytes(req)
+                ranks = counts.setdefault(key, [])
+                if not ranks or ranks[-1] != i:
+                    ranks.append(i)
+        everyone = list(range(len(plans)))
+        shared = []
+        for key, ranks in counts.items():
+            if ranks == everyone:
+                shared.append(key)
+            else:
+                for i in ranks:
+                    load[i] += sizes[key]
+        entries = []
+        for key in sorted(shared, key=lambda k: (-sizes[k], repr(k))):
+            owner = min(everyone, key=lambda i: (load[i], i))
+            load[owner] += sizes[key]
+            entries.append((key, owner, sizes[key]))
+        return _Shares(tuple(a.rank for a in askers), tuple(entries)) if entries else None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata`` (``__{rank}.metadata`` with ``rank=``), unpickled with the
@@ -621,9 +745,78 @@ class FileSystemReader(_TorchReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        shares = plan.storage_data
+        self.last_share = {}
+        if isinstance(shares, _Shares) and self._group() is not None:
+            what = f"ckptio.dcp.FileSystemReader({os.fspath(self.path)!r}).read_data"
+            _group.run(self._group(), what, lambda: self._read_shared(plan, planner, shares))
+        else:
+            self._read_items(plan.items, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_shared(self, plan: LoadPlan, planner: LoadPlanner, shares: _Shares) -> None:
+        """This rank's items, those it reads for every rank among them; then the
+        shared items broadcast from their readers."""
+        import torch.distributed as dist
+
+        session = _group.current()
+        assert session is not None
+        me = dist.get_rank(session.group)
+        if shares.ranks != tuple(dist.get_process_group_ranks(session.group)):
+            raise _native.FormatError("the load plan's sharing was made for another group")
+        mine: dict[tuple[Any, ...], list[Any]] = {}
+        for req in plan.items:
+            key = self._share_key(req)
+            if key is not None:
+                mine.setdefault(key, []).append(req)
+        shared = {key for key, _, _ in shares.entries}
+        own = {key for key, owner, _ in shares.entries if owner == me}
+        missing = [key for key in shared if key not in mine]
+        if missing:
+            raise _native.FormatError(
+                f"the load plan shares item {missing[0][1]!r}, which this rank does not read"
+            )
+        kept: dict[int, Any] = {}
+        self._read_items(
+            [
+                r
+                for r in plan.items
+                if self._share_key(r) not in shared or self._share_key(r) in own
+            ],
+            planner,
+            kept,
+        )
+        pieces = []
+        sent = received = 0
+        for i, (key, owner, nbytes) in enumerate(shares.entries):
+            reqs = mine[key]
+            if owner == me:
+                sent += nbytes
+                pieces.append(_owned(i, owner, nbytes, kept[id(reqs[0])]))
+                continue
+            received += nbytes
+            dtype = self._sizes.get(key[1], (None, 0))[0]
+            pieces.append(_received(i, owner, nbytes, reqs, planner, dtype))
+        from ckptio.inplace import IoOptions
+
+        session.read([], pieces, IoOptions(*self._io))
+        self.last_share = {
+            "items_sent": sum(1 for _, o, _ in shares.entries if o == me),
+            "bytes_sent": sent,
+            "items_received": sum(1 for _, o, _ in shares.entries if o != me),
+            "bytes_received": received,
+        }
+
+    def _read_items(
+        self, items: list[Any], planner: LoadPlanner, kept: dict[int, Any] | None = None
+    ) -> None:
+        """Read ``items`` (each request's bytes into its destination, committed);
+        ``kept``: id(request) -> the destination filled (bytes for BYTE_IO)."""
         per_file: dict[str, list[Any]] = {}
         transformed = []
-        for req in plan.items:
+        for req in items:
             info: _StorageInfo = self.storage_data[req.storage_index]
             if getattr(info, "transform_descriptors", None):
                 transformed.append(req)
@@ -632,13 +825,10 @@ class FileSystemReader(_TorchReader):
         self.last_stats = []
         folder = os.fspath(self.path)
         if transformed:  # decoded by torch's reader code (its extension registry)
-            super().read_data(dataclasses.replace(plan, items=transformed), planner).wait()
+            super().read_data(LoadPlan(transformed), planner).wait()
         for rel, reqs in per_file.items():
             where = os.path.join(folder, _METADATA)
-            self._read_file(inside(folder, rel, where), reqs, planner)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+            self._read_file(inside(folder, rel, where), reqs, planner, kept)
 
     def _layout(
         self, f: io.BufferedReader, path: str, info: _StorageInfo
@@ -674,7 +864,9 @@ class FileSystemReader(_TorchReader):
         threads, chunk_size, direct, _ = self._io
         return _engine(threads, chunk_size, direct)
 
-    def _read_file(self, path: str, reqs: list[Any], planner: LoadPlanner) -> None:
+    def _read_file(
+        self, path: str, reqs: list[Any], planner: LoadPlanner, kept: dict[int, Any] | None
+    ) -> None:
         threads, chunk_size, direct, backend = self._io
         engine = _engine(threads, chunk_size, direct)
         dev_file = _native.DeviceFile(path, False, direct, backend)
@@ -689,7 +881,10 @@ class FileSystemReader(_TorchReader):
                 info: _StorageInfo = self.storage_data[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
                     f.seek(info.offset)
-                    planner.load_bytes(req, io.BytesIO(f.read(info.length)))
+                    blob = f.read(info.length)
+                    planner.load_bytes(req, io.BytesIO(blob))
+                    if kept is not None:
+                        kept[id(req)] = blob
                 elif info.length <= _SMALL_ITEM and not self.verify:
                     small.append((req, info))
                 else:
@@ -728,11 +923,15 @@ class FileSystemReader(_TorchReader):
             target.copy_(src, non_blocking=True)
         for req, target, _ in copies:
             planner.commit_tensor(req, target)
+            if kept is not None:
+                kept[id(req)] = target
         for req, target, tmp, src in commits:
             if tmp is not None:
                 view = tmp.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
                 target.copy_(view)
             planner.commit_tensor(req, target)
+            if kept is not None:
+                kept[id(req)] = target
 
     def _plan_read(
         self,
@@ -845,6 +1044,95 @@ class FileSystemReader(_TorchReader):
         # as_strided's offset counts from the buffer's start, not the view's.
         offset = typed.storage_offset() + meta.storage_offset()
         return typed.as_strided(meta.shape, meta.stride(), offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Asker:
+    """A local load plan's ``storage_data``: the global rank that made it."""
+
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shares:
+    """A final load plan's ``storage_data``: the group's global ranks, and the
+    items every rank reads: (share key, reader (group rank), bytes), in the
+    order every rank moves them."""
+
+    ranks: tuple[int, ...]
+    entries: tuple[tuple[tuple[Any, ...], int, int], ...]
+
+
+def _owned(i: int, owner: int, nbytes: int, have: Any) -> _group.Piece:
+    """A shared item this rank read (``have``: its destination, or its bytes)."""
+    if isinstance(have, bytes):
+        t = (
+            torch.frombuffer(bytearray(have), dtype=torch.uint8)
+            if have
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        return _group.Piece(None, i, nbytes, torch.device("cpu"), t, splittable=False, owner=owner)
+    if have.is_contiguous() and nbytes:
+        target = _group.as_bytes(have, have.data_ptr(), nbytes)
+        return _group.Piece(None, i, nbytes, have.device, target, splittable=False, owner=owner)
+
+    def fill(mem: torch.Tensor) -> None:
+        mem.view(have.dtype).view(have.shape).copy_(have)
+
+    return _group.Piece(None, i, nbytes, have.device, fill=fill, splittable=False, owner=owner)
+
+
+def _received(
+    i: int,
+    owner: int,
+    nbytes: int,
+    reqs: list[Any],
+    planner: LoadPlanner,
+    dtype: torch.dtype | None,
+) -> _group.Piece:
+    """A shared item another rank reads: where its bytes land here, and what
+    then commits them to the planner."""
+    cpu = torch.device("cpu")
+    if reqs[0].type == LoadItemType.BYTE_IO:
+
+        def finish(mem: torch.Tensor) -> None:
+            blob = mem.cpu().numpy().tobytes()
+            for r in reqs:
+                planner.load_bytes(r, io.BytesIO(blob))
+
+        if not nbytes:
+            finish(torch.empty(0, dtype=torch.uint8))
+        return _group.Piece(None, i, nbytes, cpu, None, finish, splittable=False, owner=owner)
+    targets = [planner.resolve_tensor(r).detach() for r in reqs]
+    t = targets[0]
+    for r, x in zip(reqs, targets, strict=True):
+        if tuple(x.shape) != tuple(r.lengths) or x.dtype != dtype:
+            raise _native.FormatError(
+                f"item {r.storage_index.fqn!r} is {dtype} of shape {tuple(r.lengths)}, "
+                f"the destination {x.dtype} of shape {tuple(x.shape)}"
+            )
+
+    def done() -> None:
+        for r, x in zip(reqs, targets, strict=True):
+            if x is not t:
+                x.copy_(t)
+            planner.commit_tensor(r, x)
+
+    if not nbytes:
+        done()
+        return _group.Piece(None, i, 0, t.device, splittable=False, owner=owner)
+    if t.is_contiguous():
+        target = _group.as_bytes(t, t.data_ptr(), nbytes)
+        return _group.Piece(
+            None, i, nbytes, t.device, target, splittable=False, owner=owner, done=done
+        )
+
+    def finish_t(mem: torch.Tensor) -> None:
+        t.copy_(mem.view(t.dtype).view(t.shape))
+
+    return _group.Piece(
+        None, i, nbytes, t.device, None, finish_t, splittable=False, owner=owner, done=done
+    )
 
 
 def _checked(path: str, req: Any, src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 import torch
 
 from ckptio import _native, _transfer
+from ckptio import group as _group
 from ckptio._native import CkptioError
 from ckptio.serialization import (
     _device_code,
@@ -662,7 +663,15 @@ def execute(
     copies = [it for it in todo if it.file is None]
     stats: list[dict[str, Any]] = []
     started = False
+    shared = _group.current()
+    if shared is not None:  # read once over the group: every rank agrees first
+        pieces = [_piece(it, verify) for it in reads]
+        shared.agree(p.files, pieces)
+        reads = []
     try:
+        if shared is not None:
+            started = True
+            stats.append(shared.share(p.files, pieces, io, verify))
         for batch in _batches(reads, temp_budget):
             per_file: dict[int, tuple[list[_transfer.Segment], list[Any]]] = {}
             temps: list[tuple[Item, torch.Tensor]] = []
@@ -698,6 +707,24 @@ def execute(
         # The engine wrote through the data pointers: tell autograd, as copy_ would.
         torch.autograd.graph.increment_version([d for d in direct if not d.is_inference()])
     return stats
+
+
+def _piece(it: Item, verify: bool) -> _group.Piece:
+    """An item as the group's read takes it: straight into its destination,
+    or through a buffer that is then copied into it."""
+    assert it.file is not None
+    if it.direct:
+        target = _group.as_bytes(it.dest, it.dest.data_ptr(), it.nbytes)
+        return _group.Piece(
+            it.file, it.offset, it.nbytes, it.dest.device, target, splittable=not verify
+        )
+
+    def finish(tmp: torch.Tensor) -> None:
+        it.dest.copy_(tmp.view(it.src.dtype).as_strided(it.src.shape, it.src.stride()))
+
+    return _group.Piece(
+        it.file, it.offset, it.nbytes, _temp_device(it.dest), None, finish, splittable=False
+    )
 
 
 def _read_files(
@@ -739,6 +766,8 @@ def _merged(stats: list[dict[str, Any]], io: IoOptions) -> dict[str, Any]:
     out["direct_reason"] = next((s["direct_reason"] for s in stats if s["direct_reason"]), None)
     out["threads"] = max(s["threads"] for s in stats)
     out["pinned_bytes"] = stats[-1].get("pinned_bytes", 0)
+    out["bytes_read"] = sum(s.get("bytes_read", 0) for s in stats)
+    out["bytes_received"] = sum(s.get("bytes_received", 0) for s in stats)
     return out
 
 

@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ckptio import _native, _transfer
+from ckptio import group as _group
 from ckptio._paths import inside
 from ckptio.serialization import (
     STORAGE_ALIGNMENT,
@@ -650,6 +651,7 @@ def _finish(
     return tensors
 
 
+@_group.groupable("ckptio.safetensors.load_file")
 def load_file(
     filename: str | os.PathLike[str],
     device: Device = "cpu",
@@ -662,6 +664,7 @@ def load_file(
     out: Mapping[str, torch.Tensor] | None = None,
     strict: bool = True,
     cast: bool = False,
+    group: Any = None,
 ) -> dict[str, torch.Tensor]:
     """Load a safetensors file like ``safetensors.torch.load_file(filename, device,
     backend=...)``: a dict of tensors in file order, each with its own storage on
@@ -680,6 +683,10 @@ def load_file(
     the host or any CUDA device, ``device`` not given), as ``ckptio.load``'s
     ``out`` does (``strict``, ``cast``, errors): returns {name: the filled
     tensor of ``out``} in file order.
+
+    ``group``: a ``torch.distributed`` process group whose ranks all load the
+    file together, each byte read by one rank and shared (``ckptio.load``'s
+    ``group``).
     """
     dev_backend = _device_backend(backend, device_backend, "load_file")
     t0 = time.perf_counter()
@@ -691,6 +698,10 @@ def load_file(
     want, fill = _devices(device)
     d = _direct_arg(direct)
     plan = _plan(path, fill or torch.device("cpu"), d, dev_backend)
+    shared = _group.current()
+    if shared is not None:
+        _read_shared(shared, path, t0, [plan], threads, chunk_size, d, dev_backend)
+        return _finish(plan.tensors, want, fill)
     stats = _read(plan, _engine(threads, chunk_size, d))
     _report(path, t0, stats, len(plan.tensors))
     return _finish(plan.tensors, want, fill)
@@ -895,6 +906,8 @@ def _merge(path: str, t0: float, reps: list[IOReport]) -> IOReport:
         threads=max(r.threads for r in reps),
         storages=sum(r.storages for r in reps),
         pinned_bytes=reps[-1].pinned_bytes,
+        bytes_read=sum(r.bytes_read for r in reps),
+        bytes_received=sum(r.bytes_received for r in reps),
     )
 
 
@@ -954,6 +967,7 @@ def _shared_engine(
     return _engine(per_worker[0], chunk_size, d, per_worker[1]), workers
 
 
+@_group.groupable("ckptio.safetensors.load_sharded")
 def load_sharded(
     index_path_or_folder: str | os.PathLike[str],
     device: Device = "cpu",
@@ -966,6 +980,7 @@ def load_sharded(
     out: Mapping[str, torch.Tensor] | None = None,
     strict: bool = True,
     cast: bool = False,
+    group: Any = None,
 ) -> dict[str, torch.Tensor]:
     """Load a sharded checkpoint (``*.safetensors.index.json`` + shards, or a folder
     holding one, or a folder with a single ``model.safetensors``) to ``device``
@@ -974,7 +989,8 @@ def load_sharded(
     weight_map names must be in the shard it names (FormatError otherwise); a
     tensor name in two shards is a FormatError. Returns all tensors of the
     shards, shard by shard in file order. The keywords are ``load_file``'s
-    (``out``, ``strict``, ``cast``: load in place).
+    (``out``, ``strict``, ``cast``: load in place; ``group``: read once, share
+    over a process group).
     """
     dev_backend = _device_backend(backend, device_backend, "load_sharded")
     t0 = time.perf_counter()
@@ -992,12 +1008,39 @@ def load_sharded(
         _plan(os.path.join(folder, f), fill or torch.device("cpu"), d, dev_backend) for f in files
     ]
     tensors = _gather(src, files, [p.tensors for p in plans], wm)
+    shared = _group.current()
+    if shared is not None:
+        _read_shared(shared, src, t0, plans, threads, chunk_size, d, dev_backend)
+        return _finish(tensors, want, fill)
     engine, workers = _shared_engine(threads, chunk_size, d, len(plans))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         stats = list(pool.map(lambda p: _read(p, engine), plans))
     reps = [_report(p.path, t0, s, len(p.tensors)) for p, s in zip(plans, stats, strict=True)]
     _last.report = _merge(src, t0, reps)
     return _finish(tensors, want, fill)
+
+
+def _read_shared(
+    shared: _group.Session,
+    name: str,
+    t0: float,
+    plans: list[_Plan],
+    threads: int | None,
+    chunk_size: int | None,
+    direct: str | None,
+    backend: str | None,
+) -> None:
+    """The reads of ``plans`` (their files' data), once over the group."""
+    from ckptio.inplace import IoOptions
+
+    files = [_group.Source(p.path, p.file, os.fstat(p.file.fileno()).st_size) for p in plans]
+    pieces = [
+        _group.Piece(i, seg[0], seg[2], t.device, _group.as_bytes(t, seg[1], seg[2]))
+        for i, p in enumerate(plans)
+        for seg, t in zip(p.segments, p.owners, strict=True)
+    ]
+    stats = shared.read(files, pieces, IoOptions(threads, chunk_size, direct, backend))
+    _report(name, t0, stats, sum(len(p.tensors) for p in plans))
 
 
 def _gather(

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ckptio import _hostmem, _native, _transfer
+from ckptio import group as _group
 from ckptio._transfer import IOReport as IOReport
 from ckptio._transfer import _last as _last
 from ckptio._transfer import device_code as _device_code
@@ -863,6 +864,7 @@ def _file_offsets(
     raise _native.FormatError(f"{path}: storages in the pickle do not match the archive's records")
 
 
+@_group.groupable("ckptio.load")
 def load(
     f: str | os.PathLike[str] | Any,
     map_location: MapLocation = None,
@@ -878,6 +880,7 @@ def load(
     out: Any = None,
     strict: bool = True,
     cast: bool = False,
+    group: Any = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load a torch.save zip checkpoint like ``torch.load``, bytes read in parallel.
@@ -925,6 +928,16 @@ def load(
     ``PartialLoadError`` (the destinations are partially filled).
     ``map_location`` and ``mmap`` do not apply (the destinations decide); ``f``
     is a path or a file object over a regular file.
+
+    ``group``: a ``torch.distributed`` process group whose ranks all call
+    ``load`` of the same checkpoint together (with ``out=`` too): each byte is
+    read from storage by one rank (the storages split between the ranks by
+    bytes) and shared over the group's collectives (NCCL for CUDA memory,
+    gloo for host memory), every rank getting the whole result. Ranks that
+    see a different file raise ``ckptio.GroupMismatchError`` together; a rank
+    whose load fails raises its error, every other rank
+    ``ckptio.PeerLoadError``. ``last_report().bytes_read`` / ``bytes_received``
+    say what came from storage and from the other ranks. See docs/group.md.
     """
     t0 = time.perf_counter()
     if not isinstance(verify, bool):
@@ -1031,7 +1044,20 @@ def load(
         segments, owners = _restored_segments(restorer, data, path)
     # Memory handed out by the caching allocator may still be in use by work
     # queued on the current stream: the engine's copies are ordered after it.
-    stats = _transfer.read(reader, engine, segments, owners, verify=verify)
+    shared = _group.current()
+    if shared is not None:  # read once over the group
+        from ckptio.inplace import IoOptions
+
+        src = _group.Source(shown, reader, os.fstat(reader.fileno()).st_size)
+        pieces = [
+            _group.Piece(0, seg[0], seg[2], dest.device, _group.as_bytes(dest, seg[1], seg[2]))
+            for seg, dest in zip(segments, owners, strict=True)
+        ]
+        for piece in pieces:
+            piece.splittable = not verify  # a CRC-32 is checked over a whole record read
+        stats = shared.read([src], pieces, IoOptions(threads, chunk_size, d, backend), verify)
+    else:
+        stats = _transfer.read(reader, engine, segments, owners, verify=verify)
     if fast is not None:
         obj = build()
     if verify:
@@ -1302,7 +1328,7 @@ def _by_torch(t0: float, src: Any, why: str, *args: Any, **kwargs: Any) -> Any:
         n = os.path.getsize(src) if _is_path(src) else 0
     except OSError:
         n = 0
-    _report(name, t0, _torch_stats(n, f"torch.load read it: {why}"), 0)
+    _report(name, t0, dict(_torch_stats(n, f"torch.load read it: {why}"), bytes_read=n), 0)
     return obj
 
 

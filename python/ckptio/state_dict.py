@@ -30,6 +30,7 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
+from ckptio import group as _group
 from ckptio.inplace import (
     IoOptions,
     Mapped,
@@ -550,6 +551,7 @@ def _no_verify(verify: bool, path: str) -> None:
         )
 
 
+@_group.groupable("ckptio.load_state_dict", path_arg=1)
 def load_state_dict(
     obj: torch.nn.Module | torch.optim.Optimizer,
     f: str | os.PathLike[str],
@@ -563,6 +565,7 @@ def load_state_dict(
     direct: bool | str | None = None,
     backend: str | None = None,
     verify: bool = False,
+    group: Any = None,
 ) -> Any:
     """``obj.load_state_dict(torch.load(f))``, with every tensor of the checkpoint
     read straight into ``obj``'s own tensors: no second copy of the checkpoint
@@ -585,7 +588,9 @@ def load_state_dict(
     has one) says "no destination was written"; only where a module has
     load_state_dict post-hooks (which must see the data loaded before them)
     can an error come after some were, and then says so. ``verify``,
-    ``weights_only`` and the engine knobs are ``ckptio.load``'s.
+    ``weights_only`` and the engine knobs are ``ckptio.load``'s; so is
+    ``group`` (every rank of a process group loads the same checkpoint into
+    its own ``obj``, each byte read from storage by one rank and shared).
     """
     t0 = time.perf_counter()
     _check_flags(strict=strict, cast=cast, verify=verify)
