@@ -1,0 +1,65 @@
+"""Loads from /dev/shm to CUDA, new tensors against in place, with what each
+report says (read path, device path, threads): where the in-place load from
+memory loses against ckptio.load (bench_inplace: 0.39x the pinned copy).
+
+Usage: python probes/probe_inplace_shm.py [--size 8G] [--tensors 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import ckptio
+import torch
+
+GiB = 2**30
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", type=float, default=8.0, help="GiB")
+    p.add_argument("--tensors", type=int, default=512)
+    a = p.parse_args()
+    n = int(a.size * GiB) // a.tensors // 2
+    sd = {f"w{i}": torch.ones(n, dtype=torch.bfloat16, device="cuda") for i in range(a.tensors)}
+    nbytes = sum(t.nbytes for t in sd.values())
+    folder = tempfile.mkdtemp(dir="/dev/shm")
+    path = os.path.join(folder, "m.pt")
+    ckptio.save(sd, path)
+    model = torch.nn.Module()
+    for k, v in sd.items():
+        model.register_buffer(k, torch.empty_like(v))
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    cases = {
+        "pinned H2D copy": lambda: dev.copy_(host, non_blocking=True),
+        "ckptio.load cuda": lambda: ckptio.load(path, map_location="cuda"),
+        "ckptio.load out=": lambda: ckptio.load(path, out=model.state_dict()),
+        "ckptio.load_state_dict": lambda: ckptio.load_state_dict(model, path),
+        "load_state_dict bounce": lambda: ckptio.load_state_dict(model, path, backend="bounce"),
+    }
+    for rnd in range(3):
+        for name, fn in cases.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            s = time.perf_counter() - t0
+            del out
+            r = ckptio.last_report() if name != "pinned H2D copy" else None
+            how = (
+                f"read_path={r.read_path} src={r.read_source} dev={r.device_path} "
+                f"pinned={r.pinned_bytes >> 20}MiB"
+                if r
+                else ""
+            )
+            print(f"{rnd} {name:<24} {s:7.3f} s {nbytes / GiB / s:6.2f} GiB/s {how}", flush=True)
+    os.remove(path)
+    os.rmdir(folder)
+
+
+if __name__ == "__main__":
+    main()
