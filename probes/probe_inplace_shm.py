@@ -29,17 +29,33 @@ def main() -> None:
     folder = tempfile.mkdtemp(dir="/dev/shm")
     path = os.path.join(folder, "m.pt")
     ckptio.save(sd, path)
+    del sd
+    torch.cuda.empty_cache()
+    # The model's tensors each their own cudaMalloc (as a model built layer by
+    # layer), and the same tensors carved from one segment (as ckptio.load's).
     model = torch.nn.Module()
-    for k, v in sd.items():
-        model.register_buffer(k, torch.empty_like(v))
+    for i in range(a.tensors):
+        model.register_buffer(f"w{i}", torch.empty(n, dtype=torch.bfloat16, device="cuda"))
+    seg = torch.empty(a.tensors * n, dtype=torch.bfloat16, device="cuda")
+    carved = torch.nn.Module()
+    for i, t in enumerate(seg.split(n)):
+        carved.register_buffer(f"w{i}", t)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    parts = host.split(2 * n)
+
+    def into_model() -> None:
+        for src, t in zip(parts, model.buffers(), strict=True):
+            t.view(torch.uint8).copy_(src, non_blocking=True)
+
     cases = {
         "pinned H2D copy": lambda: dev.copy_(host, non_blocking=True),
+        "pinned H2D into model": into_model,
+        "ckptio.load out= carved": lambda: ckptio.load(path, out=carved.state_dict()),
         "ckptio.load cuda": lambda: ckptio.load(path, map_location="cuda"),
         "ckptio.load out=": lambda: ckptio.load(path, out=model.state_dict()),
         "ckptio.load_state_dict": lambda: ckptio.load_state_dict(model, path),
-        "load_state_dict bounce": lambda: ckptio.load_state_dict(model, path, backend="bounce"),
+        "ckptio.lsd bounce": lambda: ckptio.load_state_dict(model, path, backend="bounce"),
     }
     for rnd in range(3):
         for name, fn in cases.items():
@@ -49,7 +65,7 @@ def main() -> None:
             torch.cuda.synchronize()
             s = time.perf_counter() - t0
             del out
-            r = ckptio.last_report() if name != "pinned H2D copy" else None
+            r = ckptio.last_report() if name.startswith("ckptio") else None
             how = (
                 f"read_path={r.read_path} src={r.read_source} dev={r.device_path} "
                 f"pinned={r.pinned_bytes >> 20}MiB"
