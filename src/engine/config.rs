@@ -24,11 +24,13 @@ pub const DEFAULT_CHUNK_SIZE: usize = 16 << 20;
 pub const DEFAULT_MEMORY_CHUNK_SIZE: usize = 4 << 20;
 
 /// Threads for a file in memory (tmpfs): its reads and writes are CPU copies
-/// that scale with cores (on the H200 host, /dev/shm to GPU: 17.7 GiB/s on 8
-/// threads, 24.0 on 16, 25.5 on 32), not requests that a device queue absorbs.
+/// that scale with cores, not requests that a device queue absorbs. One per
+/// core: on the H200 host (16 cores) 32 threads copied the page cache at 0.82x
+/// the rate of 16 (memory_copy_floor), and 8 GiB loads in place from /dev/shm
+/// to the GPU ran 1.1-1.2x faster on 16 than on 32 (2026-12-01).
 pub fn default_memory_threads() -> usize {
     let cores = std::thread::available_parallelism().map_or(DEFAULT_THREADS, |n| n.get());
-    (2 * cores).clamp(DEFAULT_THREADS, 32)
+    cores.clamp(DEFAULT_THREADS, 32)
 }
 
 /// How long an engine keeps an idle thread's buffers (its pinned bounce

@@ -608,60 +608,102 @@ fn zip64_extra(mut extra: &[u8]) -> Option<&[u8]> {
     None
 }
 
+/// Local headers closer than this to the previous one are read in the same
+/// read: one read of the gap costs less than a read of its own on a cold disk
+/// (about one seek: 100,000 records 10 KiB apart took 5.6 s header by header on
+/// the development VM's disk).
+const HEADER_GAP: u64 = 64 << 10;
+/// At most this many bytes in one read of neighbouring local headers.
+const HEADER_WINDOW: u64 = 1 << 20;
+
 /// Reads each local header for its name and extra lengths: data starts right after.
+/// Headers close together (small records) are read together, in file order.
 fn resolve_data_offsets<S: Source>(
     src: &S,
     records: &mut [Record],
     bad: &impl Fn(String) -> Error,
 ) -> Result<()> {
     let len = src.size();
-    let mut buf = Vec::new();
-    for r in records.iter_mut() {
-        // Header and name in one read: names are at most 64 KiB.
-        let want = LH_LEN + r.name.len();
-        if r.header_offset
-            .checked_add(want as u64)
-            .is_none_or(|e| e > len)
-        {
+    let want = |r: &Record| (LH_LEN + r.name.len()) as u64;
+    for r in records.iter() {
+        // Header and name: names are at most 64 KiB.
+        if r.header_offset.checked_add(want(r)).is_none_or(|e| e > len) {
             return Err(bad(format!(
                 "record {:?}: local header at offset {} lies past the end of the file \
                  ({len} bytes)",
                 r.name, r.header_offset
             )));
         }
-        buf.resize(want, 0);
-        src.read_at(&mut buf, r.header_offset)?;
-        if le32(&buf, 0) != LH_SIG {
-            return Err(bad(format!(
-                "record {:?}: no local header at offset {} (found {:#010x})",
-                r.name,
-                r.header_offset,
-                le32(&buf, 0)
-            )));
-        }
-        let name_len = le16(&buf, 26);
-        let extra_len = le16(&buf, 28);
-        if usize::from(name_len) != r.name.len() || &buf[LH_LEN..] != r.name.as_bytes() {
-            return Err(bad(format!(
-                "record {:?}: the local header at offset {} names another record",
-                r.name, r.header_offset
-            )));
-        }
-        let data_offset = r
-            .header_offset
-            .checked_add((LH_LEN + usize::from(name_len) + usize::from(extra_len)) as u64);
-        let data_end = data_offset.and_then(|d| d.checked_add(r.size));
-        match (data_offset, data_end) {
-            (Some(d), Some(e)) if e <= len => r.data_offset = d,
-            _ => {
-                return Err(bad(format!(
-                    "record {:?}: {} bytes of data at offset {} run past the end of the \
-                     file ({len} bytes); is it truncated?",
-                    r.name,
-                    r.size,
-                    data_offset.map_or_else(|| "(overflow)".to_owned(), |d| d.to_string())
-                )))
+    }
+    let mut order: Vec<usize> = (0..records.len()).collect();
+    order.sort_unstable_by_key(|&i| records[i].header_offset);
+    let mut buf = Vec::new();
+    let mut i = 0;
+    while i < order.len() {
+        // One read from this header to the last of its close neighbours.
+        let first = records[order[i]].header_offset;
+        let mut end = first + want(&records[order[i]]);
+        let mut j = i + 1;
+        while let Some(&k) = order.get(j) {
+            let (at, stop) = (
+                records[k].header_offset,
+                records[k].header_offset + want(&records[k]),
+            );
+            if at > end.saturating_add(HEADER_GAP) || stop - first > HEADER_WINDOW {
+                break;
             }
+            end = end.max(stop);
+            j += 1;
+        }
+        buf.resize((end - first) as usize, 0);
+        src.read_at(&mut buf, first)?;
+        for &k in &order[i..j] {
+            let r = &mut records[k];
+            let at = (r.header_offset - first) as usize;
+            resolve_one(r, &buf[at..at + want(r) as usize], len, bad)?;
+        }
+        i = j;
+    }
+    Ok(())
+}
+
+/// A record's data offset from its local header (`head`: the fixed part and the name).
+fn resolve_one(
+    r: &mut Record,
+    head: &[u8],
+    len: u64,
+    bad: &impl Fn(String) -> Error,
+) -> Result<()> {
+    if le32(head, 0) != LH_SIG {
+        return Err(bad(format!(
+            "record {:?}: no local header at offset {} (found {:#010x})",
+            r.name,
+            r.header_offset,
+            le32(head, 0)
+        )));
+    }
+    let name_len = le16(head, 26);
+    let extra_len = le16(head, 28);
+    if usize::from(name_len) != r.name.len() || &head[LH_LEN..] != r.name.as_bytes() {
+        return Err(bad(format!(
+            "record {:?}: the local header at offset {} names another record",
+            r.name, r.header_offset
+        )));
+    }
+    let data_offset = r
+        .header_offset
+        .checked_add((LH_LEN + usize::from(name_len) + usize::from(extra_len)) as u64);
+    let data_end = data_offset.and_then(|d| d.checked_add(r.size));
+    match (data_offset, data_end) {
+        (Some(d), Some(e)) if e <= len => r.data_offset = d,
+        _ => {
+            return Err(bad(format!(
+                "record {:?}: {} bytes of data at offset {} run past the end of the \
+                 file ({len} bytes); is it truncated?",
+                r.name,
+                r.size,
+                data_offset.map_or_else(|| "(overflow)".to_owned(), |d| d.to_string())
+            )))
         }
     }
     Ok(())
@@ -1121,6 +1163,45 @@ mod tests {
     }
 
     // ---- accepted archives ----
+
+    /// Counts the reads made through it.
+    struct Counted<'a>(BytesSource<'a>, std::cell::Cell<usize>);
+
+    impl Source for Counted<'_> {
+        fn size(&self) -> u64 {
+            self.0.size()
+        }
+
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+            self.1.set(self.1.get() + 1);
+            self.0.read_at(buf, offset)
+        }
+    }
+
+    #[test]
+    fn close_local_headers_are_read_together_far_ones_alone() {
+        // 300 records of 1 KiB: their headers in a few reads (a window is at
+        // most 1 MiB), not one each; 3 records 200 KiB apart: one read each.
+        for (count, size, most) in [(300usize, 1024usize, 6usize), (3, 200 << 10, 3)] {
+            let data = vec![5u8; size];
+            let mut b = Builder::new(64);
+            b.add("archive/data.pkl", Data::Bytes(&PKL));
+            for i in 0..count {
+                b.add(format!("archive/data/{i}"), Data::Bytes(&data));
+            }
+            let img = b.finish(false);
+            let bytes = img.to_vec();
+            let src = Counted(BytesSource(&bytes), std::cell::Cell::new(0));
+            let a = map(&src, None).unwrap();
+            img.check(&a);
+            // The end records and the central directory take their own reads.
+            let header_reads = src.1.get() - 3;
+            assert!(
+                header_reads <= most,
+                "{count} records: {header_reads} header reads"
+            );
+        }
+    }
 
     #[test]
     fn torch_layout_alignment_64() {
