@@ -1339,7 +1339,12 @@ mod tests {
         tf.close_device_path();
         assert_eq!(tf.path_state(), None);
     }
+
     /// A write storing each patch's CRC-32 (checksums on).
+    ///
+    /// # Safety
+    /// As [`Engine::write`]: every segment's memory stays valid and unchanged
+    /// until the call returns.
     unsafe fn write_patched(
         e: &Engine,
         f: &IoFile,
