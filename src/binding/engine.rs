@@ -141,10 +141,14 @@ impl Engine {
 }
 
 /// Give back the idle buffers of every engine in the process (staging and
-/// pinned bounce buffers); returns the bytes given back.
+/// pinned bounce buffers) and the file mapping kept for the next read;
+/// returns the buffer bytes given back.
 #[pyfunction]
 pub(super) fn release_buffers(py: Python<'_>) -> usize {
-    py.detach(crate::engine::release_buffers)
+    py.detach(|| {
+        crate::io::mapped::release_kept();
+        crate::engine::release_buffers()
+    })
 }
 
 /// Pinned host memory: what ckptio holds now (every engine's bounce buffers
