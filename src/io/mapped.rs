@@ -442,9 +442,10 @@ impl Drop for FileMap {
             len: self.len,
             slot: self.slot,
         };
+        // A mapping the guard zero-filled (the file shrank) is never reused.
         match self.keep {
-            Some(id) => keeper::keep(id, m),
-            None => m.release(),
+            Some(id) if !guard::hit(self.slot) => keeper::keep(id, m),
+            _ => m.release(),
         }
     }
 }
