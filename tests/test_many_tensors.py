@@ -269,7 +269,10 @@ def test_sigkill_during_a_save_of_many_small_tensors_leaves_a_whole_file(tmp_pat
     ckptio.save({"gen": torch.tensor(-1), **ws}, target)
     save_s = max(time.perf_counter() - t0, 0.05)
     rng = random.Random(23)
-    fractions = [0.1, 0.5, 0.9, 1.3, 0.3, 0.7]
+    # A fraction of a save's time after "go"; None: once the child's temp file
+    # is there (the write phase: 20,000 small tensors are pickled and laid
+    # out before the temp file opens, so timed kills often land outside it).
+    fractions = [0.1, None, 0.9, 1.3, None, 0.7]
     children = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD_PRELUDE + KILL_MANY, str(target)],
@@ -286,8 +289,17 @@ def test_sigkill_during_a_save_of_many_small_tensors_leaves_a_whole_file(tmp_pat
         for child, frac in zip(children, fractions, strict=True):
             child.stdin.write("go\n")
             child.stdin.flush()
-            time.sleep(save_s * frac * rng.uniform(0.8, 1.2))
-            mid_save += any(int(TEMP_RE.match(t)["pid"]) == child.pid for t in temps(tmp_path))
+
+            def writing(pid: int = child.pid) -> bool:
+                return any(int(TEMP_RE.match(t)["pid"]) == pid for t in temps(tmp_path))
+
+            if frac is None:
+                deadline = time.monotonic() + 30
+                while not writing() and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+            else:
+                time.sleep(save_s * frac * rng.uniform(0.8, 1.2))
+            mid_save += writing()
             child.send_signal(signal.SIGKILL)
             assert child.wait(timeout=60) == -signal.SIGKILL
             before = sha256(target)
