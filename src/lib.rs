@@ -22,6 +22,7 @@ pub mod error;
 pub mod format;
 pub mod gpu;
 pub mod io;
+mod sync;
 
 #[cfg(feature = "python")]
 mod binding;

@@ -48,10 +48,12 @@ from ckptio.serialization import (
     _engine,
     _file_offsets,
     _last,
+    _native_pickle,
     _open,
     _report,
     _unpickling,
 )
+from ckptio.serialization import _rebuild as _build_unpickled
 
 __all__ = [
     "InPlaceLoadError",
@@ -281,11 +283,9 @@ def _native_open(
     it. None where torch.load must decode it (another pickle, other torch.load
     arguments, byte-swapped storages). At 512 tensors torch's unpickler took
     a fifth of an in-place load from /dev/shm to the GPU."""
-    from ckptio.serialization import _native_pickle, _rebuild
-
     kw = dict(torch_kw or {})
     kw.pop("weights_only", None)  # the native subset is what weights_only allows
-    if not exact or kw.get("pickle_module") is not None or any(v for v in kw.values()):
+    if not exact or any(kw.values()):  # a pickle_module, pickle arguments
         return None
     got = _native_pickle(reader, records, prefix)
     if got is None:
@@ -294,7 +294,7 @@ def _native_open(
     whole = torch.UntypedStorage.from_file(f"/proc/self/fd/{reader.fileno()}", False, size)
     storages = [whole[off : off + n] for off, n, _, _ in found]
     with _unpickling(name):
-        obj = _rebuild(parsed, storages, [dtype for _, _, dtype, _ in found], name)
+        obj = _build_unpickled(parsed, storages, [dtype for _, _, dtype, _ in found], name)
     locations = {st.data_ptr(): loc for st, (_, _, _, loc) in zip(storages, found, strict=True)}
     return obj, Mapped(name, reader, whole.data_ptr(), size, exact, locations)
 

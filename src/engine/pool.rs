@@ -10,10 +10,11 @@
 //! every engine's idle lanes before the new lane falls back to pageable memory.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::io::align::AlignedBuf;
+use crate::sync::{ensure_thread, lock};
 use crate::Result;
 
 use super::Lane;
@@ -30,10 +31,6 @@ pub(super) struct Pool {
 
 /// Every live engine's pool, for [`release_buffers`] and the reaper.
 static POOLS: Mutex<Vec<Weak<Pool>>> = Mutex::new(Vec::new());
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 impl Pool {
     pub(super) fn new(keep: usize, idle_release: Option<Duration>) -> Arc<Pool> {
@@ -175,18 +172,8 @@ mod reaper {
     static RUNNING: Mutex<Option<u32>> = Mutex::new(None);
 
     pub(super) fn ensure_running() {
-        let pid = std::process::id();
-        let mut running = lock(&RUNNING);
-        if *running == Some(pid) {
-            return;
-        }
-        let spawned = std::thread::Builder::new()
-            .name("ckptio-release".into())
-            .spawn(run);
         // No thread (a pid limit): idle lanes then stay until released by hand.
-        if spawned.is_ok() {
-            *running = Some(pid);
-        }
+        ensure_thread(&RUNNING, "ckptio-release", run);
     }
 
     fn run() {

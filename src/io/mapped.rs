@@ -492,6 +492,7 @@ impl Kept {
 /// releases it [`KEEP_FOR`] after its read (started again in a forked child).
 mod keeper {
     use super::*;
+    use crate::sync::{ensure_thread, lock};
 
     struct Slot {
         id: Identity,
@@ -503,10 +504,6 @@ mod keeper {
     static CHANGED: Condvar = Condvar::new();
     /// The pid of the process whose releasing thread runs, if one does.
     static RUNNING: Mutex<Option<u32>> = Mutex::new(None);
-
-    fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-        m.lock().unwrap_or_else(|p| p.into_inner())
-    }
 
     /// The kept mapping of the file `id`, if it is the one kept.
     pub(super) fn take(id: Identity) -> Option<Kept> {
@@ -520,7 +517,7 @@ mod keeper {
     /// Keep `map` of the file `id` (the one kept before goes), or release it
     /// where no thread can release it later.
     pub(super) fn keep(id: Identity, map: Kept) {
-        if !running() {
+        if !ensure_thread(&RUNNING, "ckptio-keep-map", expire) {
             map.release();
             return;
         }
@@ -537,48 +534,34 @@ mod keeper {
 
     /// Release the kept mapping now.
     pub(crate) fn release() {
-        let old = lock(&KEPT).take();
+        release_from(lock(&KEPT));
+    }
+
+    /// Release the mapping `kept` holds, once the lock is given back.
+    fn release_from(mut kept: std::sync::MutexGuard<'_, Option<Slot>>) {
+        let old = kept.take();
+        drop(kept);
         if let Some(old) = old {
             old.map.release();
         }
     }
 
-    fn running() -> bool {
-        let pid = std::process::id();
-        let mut running = lock(&RUNNING);
-        if *running == Some(pid) {
-            return true;
-        }
-        let spawned = std::thread::Builder::new()
-            .name("ckptio-keep-map".into())
-            .spawn(expire);
-        if spawned.is_ok() {
-            *running = Some(pid);
-        }
-        spawned.is_ok()
-    }
-
     fn expire() {
         let mut kept = lock(&KEPT);
         loop {
-            let wait = match kept.as_ref() {
-                None => None,
-                Some(s) => KEEP_FOR.checked_sub(s.since.elapsed()),
-            };
-            kept = match (kept.is_some(), wait) {
-                (false, _) => CHANGED.wait(kept).unwrap_or_else(|p| p.into_inner()),
-                (true, Some(w)) if !w.is_zero() => {
+            let left = kept
+                .as_ref()
+                .map(|s| KEEP_FOR.saturating_sub(s.since.elapsed()));
+            kept = match left {
+                None => CHANGED.wait(kept).unwrap_or_else(|p| p.into_inner()),
+                Some(w) if !w.is_zero() => {
                     CHANGED
                         .wait_timeout(kept, w)
                         .unwrap_or_else(|p| p.into_inner())
                         .0
                 }
-                (true, _) => {
-                    let old = kept.take();
-                    drop(kept);
-                    if let Some(old) = old {
-                        old.map.release();
-                    }
+                Some(_) => {
+                    release_from(kept);
                     lock(&KEPT)
                 }
             };
