@@ -98,10 +98,10 @@ gputests)
     # cuFile (with it); GPUTESTS_ARGS adds pytest arguments (e.g. -k), GPUTESTS_PATHS
     # picks test files or node ids (default: tests).
     udev_off
-    CKPTIO_EXPECT_BACKEND=bounce timeout 270 $PY -m pytest ${GPUTESTS_PATHS:-tests} -m gpu -q -p no:cacheprovider -rfE ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_bounce.log" | tail -25
+    CKPTIO_EXPECT_BACKEND=bounce timeout 270 $PY -m pytest ${GPUTESTS_PATHS:-tests} -m gpu -q -p no:cacheprovider -rfEs ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_bounce.log" | tail -25
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     udev_on
-    CKPTIO_EXPECT_BACKEND=cufile timeout 270 $PY -m pytest ${GPUTESTS_PATHS:-tests} -m gpu -q -p no:cacheprovider -rfE ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_cufile.log" | tail -25
+    CKPTIO_EXPECT_BACKEND=cufile timeout 270 $PY -m pytest ${GPUTESTS_PATHS:-tests} -m gpu -q -p no:cacheprovider -rfEs ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_cufile.log" | tail -25
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     ;;
 rust)

@@ -784,6 +784,10 @@ mod tests {
         .unwrap()
     }
 
+    /// Held by tests that count a pool's bytes exactly and by the one that calls
+    /// the process-wide [`release_buffers`], which empties every engine's pool.
+    static EXACT_POOLS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     fn crc() -> Options<'static> {
         Options {
             checksum: true,
@@ -966,6 +970,7 @@ mod tests {
         if !shm.is_dir() {
             return;
         }
+        let _exact = crate::sync::lock(&EXACT_POOLS);
         let e = disk_and_memory_engine(16384, 4096);
         let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
         let data = vec![5u8; 64 * 4096];
@@ -1235,6 +1240,7 @@ mod tests {
         let data = vec![9u8; 256 << 10];
         let write = |e: &Engine| unsafe { e.write(&f, &[host(0, &data)]) }.unwrap();
         // On request: this engine, then every engine at once.
+        let _exact = crate::sync::lock(&EXACT_POOLS);
         let (a, b) = (engine(3, 64 << 10), engine(2, 64 << 10));
         write(&a);
         write(&b);
