@@ -257,6 +257,18 @@ def gpu(args: argparse.Namespace) -> dict:
         # Loads from memory vary by round on the H200 host: every round shown, the median kept.
         shm_all = [timed_gpu(lambda: ckptio.load_state_dict(model, spath))[0] for _ in range(5)]
         shm_s = statistics.median(shm_all)
+        if args.profile:  # where an in-place load's time outside the engine goes
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(3):
+                ckptio.load_state_dict(model, spath)
+            torch.cuda.synchronize()
+            prof.disable()
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(prof).sort_stats(key).print_stats(20)
         h2d = pinned_copy_s(nbytes, timed_gpu)
         print(
             f"{'ckptio.load_state_dict, /dev/shm':<44} {shm_s:8.3f} {nbytes / GiB / shm_s:7.2f}"
@@ -296,6 +308,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--size", default=None, help="default 1G (cpu), 8G (cuda)")
     p.add_argument("--rounds", type=int, default=None, help="default 3 (cpu), 1 (cuda)")
+    p.add_argument("--profile", action="store_true", help="cuda: cProfile 3 loads from /dev/shm")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()

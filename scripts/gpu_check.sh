@@ -28,7 +28,9 @@
 #   scripts/gpu_check.sh inplace # loads in place (issue 17): the GPU tests of tests/test_inplace.py
 #                                # (bounce, then cuFile), then benches/bench_inplace.py --device cuda:
 #                                # 8 GiB bf16 model (INPLACE_SIZE), cold from /tmp and from /dev/shm;
-#                                # under 5 minutes (INPLACE_SKIP_TESTS=1: the bench only)
+#                                # under 5 minutes (INPLACE_SKIP_TESTS=1: the bench only;
+#                                # INPLACE_ROUNDS cold rounds, default 1; INPLACE_TIMEOUT, 150 s;
+#                                # INPLACE_ARGS more arguments, e.g. --profile)
 #   scripts/gpu_check.sh memory  # issue 16 (about 7 minutes): tests/test_memory_path.py without the
 #                                # udev entry, its GPU tests with it, then benches/bench_memory.py
 #                                # (/dev/shm, page cache, staging, pinned lanes; MEMORY_ARGS), JSON to $OUT
@@ -205,8 +207,8 @@ inplace)
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     fi
     udev_on
-    timeout 150 $PY benches/bench_inplace.py --device cuda --size "${INPLACE_SIZE:-8G}" --dir /tmp \
-        --json "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.json" 2>&1 | tee "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.log" || rc=1
+    timeout ${INPLACE_TIMEOUT:-150} $PY benches/bench_inplace.py --device cuda --size "${INPLACE_SIZE:-8G}" --dir /tmp \
+        --rounds "${INPLACE_ROUNDS:-1}" ${INPLACE_ARGS:-} --json "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.json" 2>&1 | tee "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.log" || rc=1
     ;;
 multigpu)
     udev_on

@@ -184,6 +184,112 @@ def test_dtype_mismatch_is_an_error_unless_cast(tmp_path):
     same_tensors(m.state_dict(), src.state_dict())
 
 
+class Plain(nn.Module):
+    """Modules that load with torch's default steps alone (no BatchNorm, whose
+    _load_from_state_dict is an override): ckptio's own walk runs for them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(3)]
+        )
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("steps", torch.tensor(3))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+        self.register_parameter("absent", None)
+        self.add_module("unused", None)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+
+def plain_checkpoints(tmp_path):
+    """(name, path) of checkpoints of Plain: whole, and with every kind of key
+    torch's walk sorts out (missing, unexpected at each depth, under a None
+    child, _extra_state, a 0-dim parameter saved as shape (1,), a wrong shape,
+    a value that is not a tensor)."""
+    torch.manual_seed(1)
+    good = Plain().state_dict()
+    variants = {"whole": dict(good)}
+    bad = dict(good)
+    del bad["blocks.1.0.bias"]
+    bad["blocks.1.0.extra"] = torch.ones(2)
+    bad["blocks.9.0.weight"] = torch.ones(2)
+    bad["nothing.weight"] = torch.ones(2)
+    bad["unused.weight"] = torch.ones(2)
+    bad["blocks.0._extra_state"] = torch.ones(1)
+    bad["toplevel"] = torch.ones(1)
+    bad["scale"] = torch.ones(1)  # 0-dim parameter, saved as (1,): torch takes its [0]
+    variants["keys"] = bad
+    variants["shape"] = dict(good, **{"blocks.2.1.weight": torch.ones(15)})
+    variants["not a tensor"] = dict(good, **{"steps": 7})
+    out = []
+    for name, sd in variants.items():
+        p = tmp_path / f"{name.replace(' ', '_')}.pt"
+        torch.save(sd, p)
+        out.append((name, p))
+    return out
+
+
+def test_plain_modules_take_ckptios_walk_with_torchs_results(tmp_path, monkeypatch):
+    from ckptio import state_dict as sdmod
+
+    walks = []
+    real = sdmod._plain_walk
+    monkeypatch.setattr(sdmod, "_plain_walk", lambda *a: walks.append(r := real(*a)) or r)
+    for name, p in plain_checkpoints(tmp_path):
+        for strict in (False, True):
+            torch.manual_seed(7)
+            a = Plain()
+            torch.manual_seed(7)
+            b = Plain()
+            try:
+                want = a.load_state_dict(torch.load(p, weights_only=False), strict=strict)
+            except RuntimeError as e:
+                want = e
+            walks.clear()
+            try:
+                got = ckptio.load_state_dict(b, p, strict=strict, weights_only=False)
+            except ckptio.InPlaceLoadError as e:
+                got = e
+            assert walks and walks[0] is not None, name  # ckptio's walk, not torch's
+            if isinstance(want, Exception):
+                assert isinstance(got, Exception), (name, strict)
+                assert str(got).startswith(str(want)), (name, strict)
+                continue
+            assert got == want, (name, strict)
+            same_tensors(a.state_dict(), b.state_dict())
+            assert b.head.weight is b.embed.weight
+
+
+def test_modules_with_overrides_or_hooks_take_torchs_walk(tmp_path):
+    from ckptio import state_dict as sdmod
+    from ckptio.inplace import _Files
+
+    p = tmp_path / "m.pt"
+    ckptio.save(Plain().state_dict(), p)
+    sd, files = sdmod.open_source(
+        str(p), weights_only=True, io=inplace.IoOptions.of(None, None, None, None), verify=False
+    )
+
+    def walks(m, metadata=None):
+        return sdmod._plain_walk(m, sd, metadata, _Files(files)) is not None
+
+    assert walks(Plain())
+    assert all(sdmod._plain_module(m) for m in Plain().modules())
+    assert not sdmod._plain_module(nn.BatchNorm1d(4))  # overrides _load_from_state_dict
+    m = Plain()
+    m.blocks[0].register_load_state_dict_post_hook(lambda *a: None)
+    assert not walks(m)
+    m = Plain()
+    m.blocks[1]._register_load_state_dict_pre_hook(lambda *a: None)
+    assert not walks(m)
+    assert not walks(Plain(), {"": {"assign_to_params_buffers": True}})
+    m = Plain()
+    m.head = nn.LazyLinear(4)
+    assert not walks(m)
+
+
 def test_hooks_and_overrides_run_as_with_torch(tmp_path):
     calls = []
 

@@ -207,14 +207,18 @@ def _load_module(
 
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
-    names: dict[int, str] = {}
-    for n, t in itertools.chain(
-        module.named_parameters(remove_duplicate=False),
-        module.named_buffers(remove_duplicate=False),
-    ):
-        names.setdefault(id(t), n)
+    names: dict[int, str] = {}  # a destination's first name, for messages
+
+    def name_all() -> None:
+        for n, t in itertools.chain(
+            module.named_parameters(remove_duplicate=False),
+            module.named_buffers(remove_duplicate=False),
+        ):
+            names.setdefault(id(t), n)
 
     if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
+        name_all()
+
         # An override of load_state_dict: it runs as is, each copy read at once.
         def now(key: str, src: torch.Tensor, dest: torch.Tensor) -> None:
             mode.passthrough = True
@@ -290,8 +294,13 @@ def _load_module(
                         "it should be done inplace."
                     )
 
-    with mode:
-        load(module, state_dict)
+    fast = _plain_walk(module, state_dict, metadata, run.located)
+    if fast is not None:
+        mode.pending, missing, unexpected, error_msgs = fast
+    else:
+        name_all()
+        with mode:
+            load(module, state_dict)
     if strict:
         if unexpected:
             error_msgs.insert(
@@ -327,6 +336,99 @@ def _load_module(
         )
     run.report(t0, missing, unexpected)
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _plain_module(m: torch.nn.Module) -> bool:
+    """Whether ``m`` loads with torch's default steps alone: no
+    ``_load_from_state_dict`` or ``set_extra_state`` override, no load hooks,
+    no lazy or meta tensors."""
+    cls, base = type(m), torch.nn.Module
+    if (
+        cls._load_from_state_dict is not base._load_from_state_dict
+        or getattr(cls, "set_extra_state", base.set_extra_state) is not base.set_extra_state
+        or m._load_state_dict_pre_hooks
+        or m._load_state_dict_post_hooks
+    ):
+        return False
+    return not any(
+        t is not None and (torch.nn.parameter.is_lazy(t) or t.is_meta)
+        for t in itertools.chain(m._parameters.values(), m._buffers.values())
+    )
+
+
+def _plain_walk(
+    module: torch.nn.Module, state_dict: Mapping[str, Any], metadata: Any, files: _Files
+) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], list[str], list[str], list[str]] | None:
+    """(copies, missing, unexpected, error messages) of ``Module.load_state_dict``
+    where every submodule is :func:`_plain_module` (and no swap or assign):
+    torch's walk and default ``_load_from_state_dict`` (called with strict=True
+    whatever the caller's, as torch does) in the same order, each child's keys
+    bucketed once instead of filtered from its parent's per child, and no torch
+    function mode around every call (together 50 ms per 512 tensors on the H200
+    host). Copies are named by a destination's first name, as ``names`` in
+    :func:`_load_module`. None where it does not apply (then torch's walk runs)."""
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return None
+    if isinstance(metadata, Mapping) and any(
+        isinstance(m, Mapping) and m.get("assign_to_params_buffers") for m in metadata.values()
+    ):
+        return None
+    copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    missing: list[str] = []
+    unexpected: list[str] = []
+    errors: list[str] = []
+    first: dict[int, str] = {}
+
+    def walk(mod: torch.nn.Module, local: Mapping[str, Any], prefix: str) -> bool:
+        if not _plain_module(mod):
+            return False
+        persistent = (
+            (k, v) for k, v in mod._buffers.items() if k not in mod._non_persistent_buffers_set
+        )
+        pairs = itertools.chain(mod._parameters.items(), persistent)
+        own = {k: v for k, v in pairs if v is not None}
+        for name, dest in own.items():
+            key = prefix + name
+            first.setdefault(id(dest), key)
+            if key not in local:
+                missing.append(key)
+                continue
+            src = local[key]
+            if not torch.overrides.is_tensor_like(src):
+                errors.append(
+                    f'While copying the parameter named "{key}", expected torch.Tensor or '
+                    f"Tensor-like object from checkpoint but received {type(src)}"
+                )
+                continue
+            if len(dest.shape) == 0 and len(src.shape) == 1 and src.shape[0] == 1:
+                src = src[0]
+            if src.shape != dest.shape:
+                errors.append(
+                    f"size mismatch for {key}: copying a param with shape {src.shape} from "
+                    f"checkpoint, the shape in current model is {dest.shape}."
+                )
+                continue
+            if files.locate(src) is None:
+                return False  # not from the checkpoint's mapping: torch's walk copies it
+            copies.append((first[id(dest)], src, dest))
+        extra = prefix + _EXTRA_STATE_KEY_SUFFIX
+        children: dict[str, dict[str, Any]] = {}
+        if extra in local:
+            unexpected.append(extra)
+        for key, value in local.items():
+            if not key.startswith(prefix):
+                continue
+            head, dot, _ = key[len(prefix) :].partition(".")
+            if dot:
+                children.setdefault(head, {})[key] = value
+            if key != extra and head not in (mod._modules if dot else own):
+                unexpected.append(key)
+        for name, child in mod._modules.items():
+            if child is not None and not walk(child, children.get(name, {}), prefix + name + "."):
+                return False
+        return True
+
+    return (copies, missing, unexpected, errors) if walk(module, state_dict, "") else None
 
 
 def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t0: float) -> None:
