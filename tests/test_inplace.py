@@ -262,18 +262,41 @@ def test_plain_modules_take_ckptios_walk_with_torchs_results(tmp_path, monkeypat
             assert b.head.weight is b.embed.weight
 
 
+def test_plain_walk_copies_sources_outside_the_mapping(tmp_path):
+    # A safetensors entry at an offset its dtype's size does not divide is read
+    # into a tensor of its own (not a view of the mapping): ckptio's walk still
+    # fills its destination, after the reads, as torch's copy would.
+    import json
+    import struct
+
+    m = nn.Linear(3, 2)
+    w, b = torch.arange(6.0).reshape(2, 3), torch.tensor([7.0, 8.0])
+    header = {
+        "pad": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        "weight": {"dtype": "F32", "shape": [2, 3], "data_offsets": [1, 25]},
+        "bias": {"dtype": "F32", "shape": [2], "data_offsets": [25, 33]},
+    }
+    raw = json.dumps(header).encode()
+    p = tmp_path / "odd.safetensors"
+    p.write_bytes(
+        struct.pack("<Q", len(raw)) + raw + b"\x00" + w.numpy().tobytes() + b.numpy().tobytes()
+    )
+    res = ckptio.load_state_dict(m, p, strict=False)
+    assert res.unexpected_keys == ["pad"] and res.missing_keys == []
+    assert torch.equal(m.weight.detach(), w) and torch.equal(m.bias.detach(), b)
+
+
 def test_modules_with_overrides_or_hooks_take_torchs_walk(tmp_path):
     from ckptio import state_dict as sdmod
-    from ckptio.inplace import _Files
 
     p = tmp_path / "m.pt"
     ckptio.save(Plain().state_dict(), p)
-    sd, files = sdmod.open_source(
+    sd, _ = sdmod.open_source(
         str(p), weights_only=True, io=inplace.IoOptions.of(None, None, None, None), verify=False
     )
 
     def walks(m, metadata=None):
-        return sdmod._plain_walk(m, sd, metadata, _Files(files)) is not None
+        return sdmod._plain_walk(m, sd, metadata) is not None
 
     assert walks(Plain())
     assert all(sdmod._plain_module(m) for m in Plain().modules())

@@ -294,7 +294,7 @@ def _load_module(
                         "it should be done inplace."
                     )
 
-    fast = _plain_walk(module, state_dict, metadata, run.located)
+    fast = _plain_walk(module, state_dict, metadata)
     if fast is not None:
         mode.pending, missing, unexpected, error_msgs = fast
     else:
@@ -357,7 +357,7 @@ def _plain_module(m: torch.nn.Module) -> bool:
 
 
 def _plain_walk(
-    module: torch.nn.Module, state_dict: Mapping[str, Any], metadata: Any, files: _Files
+    module: torch.nn.Module, state_dict: Mapping[str, Any], metadata: Any
 ) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], list[str], list[str], list[str]] | None:
     """(copies, missing, unexpected, error messages) of ``Module.load_state_dict``
     where every submodule is :func:`_plain_module` (and no swap or assign):
@@ -366,7 +366,10 @@ def _plain_walk(
     bucketed once instead of filtered from its parent's per child, and no torch
     function mode around every call (together 50 ms per 512 tensors on the H200
     host). Copies are named by a destination's first name, as ``names`` in
-    :func:`_load_module`. None where it does not apply (then torch's walk runs)."""
+    :func:`_load_module`; a source that is not a view of the checkpoint's mapping
+    is copied after the reads (the plan keeps the last copy into a destination,
+    as torch's copies leave it). None where it does not apply (then torch's walk
+    runs)."""
     if torch.__future__.get_swap_module_params_on_conversion():
         return None
     if isinstance(metadata, Mapping) and any(
@@ -408,8 +411,6 @@ def _plain_walk(
                     f"checkpoint, the shape in current model is {dest.shape}."
                 )
                 continue
-            if files.locate(src) is None:
-                return False  # not from the checkpoint's mapping: torch's walk copies it
             copies.append((first[id(dest)], src, dest))
         extra = prefix + _EXTRA_STATE_KEY_SUFFIX
         children: dict[str, dict[str, Any]] = {}
