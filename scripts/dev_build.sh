@@ -8,4 +8,6 @@ cd "$(dirname "$0")/.."
 cargo build --features python "$@"
 profile=debug
 for a in "$@"; do [ "$a" = "--release" ] && profile=release; done
-cp "target/$profile/libckptio.so" python/ckptio/_native.abi3.so
+# A new file renamed over the old: a process that has the old one loaded keeps it.
+cp "target/$profile/libckptio.so" python/ckptio/_native.abi3.so.tmp
+mv -f python/ckptio/_native.abi3.so.tmp python/ckptio/_native.abi3.so

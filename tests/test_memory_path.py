@@ -340,3 +340,38 @@ def test_the_bench_times_the_engine_reads_of_a_load(tmp_path):
         reads.close()
     ckptio.load(p)
     assert reads.calls == 0
+
+
+FORKED_LOADS = """
+import os, sys, torch, ckptio
+from ckptio import _native
+path = sys.argv[1]
+ckptio.save({"w": torch.ones(80 << 18)}, path)  # 80 MiB: its mapping is unmapped off-thread
+ckptio.load(path)
+ckptio.release_buffers()  # the kept mapping goes to the unmapping thread
+pid = os.fork()
+if pid == 0:  # the child's copies of the parent's mappings, and its own, are unmapped
+    ckptio.load(path)
+    ckptio.release_buffers()
+    os._exit(0 if _native.host_memory()["file_mappings"] == 0 else 3)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+assert _native.host_memory()["file_mappings"] == 0
+print("ok")
+"""
+
+
+@needs_shm
+def test_a_forked_child_unmaps_its_file_mappings(shm_dir):
+    # The thread that unmaps large mappings does not exist in a forked child:
+    # the child starts its own, and waiting for its unmaps ends.
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", FORKED_LOADS, str(shm_dir / "big.pt")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

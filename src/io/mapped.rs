@@ -48,8 +48,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Sender};
-use std::sync::{Condvar, Mutex, OnceLock};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::{Error, Result};
@@ -574,14 +573,12 @@ pub fn release_kept() {
     keeper::release();
 }
 
-/// Mappings dropped but not unmapped yet (large ones go to a background thread).
-static PENDING: AtomicUsize = AtomicUsize::new(0);
 /// Mappings alive or waiting to be unmapped.
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 
 /// How many dropped mappings the background thread has not unmapped yet.
 pub fn pending_unmaps() -> usize {
-    PENDING.load(Ordering::SeqCst)
+    unmapper::pending()
 }
 
 /// How many file mappings exist (in use, or dropped and not unmapped yet).
@@ -593,46 +590,89 @@ pub fn live_mappings() -> usize {
 /// measure memory).
 pub fn flush_unmaps() {
     keeper::release();
-    while PENDING.load(Ordering::SeqCst) > 0 {
+    while unmapper::pending() > 0 {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 
-/// The channel to the background thread that unmaps large mappings (None
-/// where the thread could not start).
-type Reaper = Mutex<Option<Sender<(usize, usize)>>>;
-
 fn unmap(addr: usize, len: usize) {
-    static REAPER: OnceLock<Reaper> = OnceLock::new();
-    let munmap = |addr: usize, len: usize| {
+    if len < DEFER_UNMAP_MIN || !unmapper::queue(addr, len) {
+        unmapper::munmap(addr, len);
+    }
+}
+
+/// The background thread that unmaps large mappings (tearing down the page
+/// tables of gigabytes takes a while), started again in a forked child: the
+/// child's copies of the mappings queued at the fork are unmapped there.
+mod unmapper {
+    use super::*;
+    use crate::sync::{ensure_thread, lock};
+
+    struct Queue {
+        maps: std::collections::VecDeque<(usize, usize)>,
+        /// Being unmapped by the thread of process `pid`.
+        busy: usize,
+        pid: u32,
+    }
+
+    static QUEUE: Mutex<Queue> = Mutex::new(Queue {
+        maps: std::collections::VecDeque::new(),
+        busy: 0,
+        pid: 0,
+    });
+    static QUEUED: Condvar = Condvar::new();
+    /// The pid of the process whose unmapping thread runs, if one does.
+    static RUNNING: Mutex<Option<u32>> = Mutex::new(None);
+
+    /// `QUEUE` as this process sees it: a mapping the parent's thread was
+    /// unmapping at a fork stays mapped in the child, and is not waited for.
+    fn ours() -> std::sync::MutexGuard<'static, Queue> {
+        let mut q = lock(&QUEUE);
+        let pid = std::process::id();
+        if q.pid != pid {
+            q.pid = pid;
+            q.busy = 0;
+        }
+        q
+    }
+
+    pub(super) fn munmap(addr: usize, len: usize) {
         // SAFETY: a mapping made by FileMap::new, no longer guarded nor read,
         // unmapped once.
         unsafe { libc::munmap(addr as *mut libc::c_void, len) };
         LIVE.fetch_sub(1, Ordering::SeqCst);
-    };
-    if len >= DEFER_UNMAP_MIN {
-        let reaper = REAPER.get_or_init(|| {
-            let (tx, rx) = channel::<(usize, usize)>();
-            let spawned = std::thread::Builder::new()
-                .name("ckptio-unmap".into())
-                .spawn(move || {
-                    for (a, n) in rx {
-                        munmap(a, n);
-                        PENDING.fetch_sub(1, Ordering::SeqCst);
-                    }
-                });
-            Mutex::new(spawned.ok().map(|_| tx))
-        });
-        let tx = reaper.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(tx) = tx.as_ref() {
-            PENDING.fetch_add(1, Ordering::SeqCst);
-            if tx.send((addr, len)).is_ok() {
-                return;
-            }
-            PENDING.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Hand the mapping to the thread; false where no thread can run.
+    pub(super) fn queue(addr: usize, len: usize) -> bool {
+        if !ensure_thread(&RUNNING, "ckptio-unmap", run) {
+            return false;
+        }
+        ours().maps.push_back((addr, len));
+        QUEUED.notify_one();
+        true
+    }
+
+    pub(super) fn pending() -> usize {
+        let q = ours();
+        q.maps.len() + q.busy
+    }
+
+    fn run() {
+        loop {
+            let mut q = ours();
+            let (addr, len) = loop {
+                match q.maps.pop_front() {
+                    Some(m) => break m,
+                    None => q = QUEUED.wait(q).unwrap_or_else(|p| p.into_inner()),
+                }
+            };
+            q.busy += 1;
+            drop(q);
+            munmap(addr, len);
+            ours().busy -= 1;
         }
     }
-    munmap(addr, len);
 }
 
 /// The SIGBUS guard: slots of guarded ranges and the handler that reads them.
