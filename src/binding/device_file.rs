@@ -175,7 +175,7 @@ pub struct BufferRegistration {
 impl BufferRegistration {
     /// Deregister, then let go of the owner. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let taken = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let taken = crate::sync::lock(&self.inner).take();
         if let Some((reg, owner)) = taken {
             py.detach(move || drop(reg));
             drop(owner);

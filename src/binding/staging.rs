@@ -27,9 +27,7 @@ pub struct HostPin {
 
 impl HostPin {
     fn get(&self) -> PyResult<Arc<crate::gpu::staging::HostPin>> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.inner)
             .as_ref()
             .map(|(p, _)| p.clone())
             .ok_or_else(|| PyValueError::new_err("the HostPin is closed"))
@@ -58,9 +56,7 @@ impl HostPin {
 
     /// Bytes page-locked so far (0 once closed).
     fn pinned_bytes(&self) -> u64 {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.inner)
             .as_ref()
             .map_or(0, |(p, _)| p.pinned_bytes())
     }
@@ -68,7 +64,7 @@ impl HostPin {
     /// Unlock the memory (after copies in flight finish), then let go of the
     /// owner. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let taken = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let taken = crate::sync::lock(&self.inner).take();
         if let Some((pin, owner)) = taken {
             py.detach(move || drop(pin));
             drop(owner);

@@ -61,13 +61,13 @@ impl AtomicWriter {
     /// Run `f` on the open state under the writer's lock. Only ever called
     /// detached: the lock may be held for a whole write.
     fn locked<T>(&self, f: impl FnOnce(&WriterState) -> Result<T, Error>) -> Result<T, Error> {
-        let g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let g = crate::sync::lock(&self.state);
         f(g.as_ref().ok_or_else(done_error)?)
     }
 
     /// Take the state out (commit, abort), detached.
     fn take_state(&self, py: Python<'_>) -> Option<WriterState> {
-        py.detach(|| self.state.lock().unwrap_or_else(|p| p.into_inner()).take())
+        py.detach(|| crate::sync::lock(&self.state).take())
     }
 }
 

@@ -113,7 +113,7 @@ impl TransferFile {
     }
 
     fn slot(&self) -> MutexGuard<'_, Slot> {
-        self.device.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.device)
     }
 
     /// The device path in use; None before it is opened or once closed.
@@ -148,7 +148,7 @@ impl TransferFile {
         if let Some(p) = current(&self.slot()) {
             return Ok(p);
         }
-        let _one = self.opening.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = crate::sync::lock(&self.opening);
         if let Some(p) = current(&self.slot()) {
             return Ok(p);
         }

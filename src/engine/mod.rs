@@ -418,13 +418,10 @@ impl Engine {
                     // (see `plan`), whose validity the caller guarantees.
                     let r = unsafe { lane.run(ctx, take, out) };
                     match r {
-                        Ok(()) => crcs
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .append(&mut mine),
+                        Ok(()) => crate::sync::lock(crcs).append(&mut mine),
                         Err(e) => {
                             failed.store(true, Ordering::Relaxed);
-                            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                            let mut slot = crate::sync::lock(first_error);
                             slot.get_or_insert(e);
                         }
                     }
@@ -715,7 +712,7 @@ impl PageLocks {
     /// a thread never waits while holding one).
     pub(crate) fn hold(&self, pages: [Option<u64>; 2]) -> PageGuard<'_> {
         if pages != [None, None] {
-            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            let mut held = crate::sync::lock(&self.held);
             while pages.iter().flatten().any(|p| held.contains(p)) {
                 held = self.freed.wait(held).unwrap_or_else(|p| p.into_inner());
             }
@@ -730,7 +727,7 @@ impl Drop for PageGuard<'_> {
         if self.pages == [None, None] {
             return;
         }
-        let mut held = self.locks.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = crate::sync::lock(&self.locks.held);
         for p in self.pages.iter().flatten() {
             held.remove(p);
         }

@@ -130,7 +130,7 @@ fn compress_window(items: &[Item<'_>], level: i32, threads: usize) -> Result<Vec
                 let k = next.fetch_add(1, Ordering::Relaxed);
                 let Some(item) = items.get(k) else { break };
                 let r = compress(item, level, 1);
-                done.lock().unwrap_or_else(|p| p.into_inner())[k] = Some(r);
+                crate::sync::lock(&done)[k] = Some(r);
             });
         }
     });

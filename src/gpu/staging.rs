@@ -314,7 +314,7 @@ pub unsafe fn copy_to_host(
                 let r = r.and(waited);
                 if let Err(e) = r {
                     failed.store(true, Ordering::Relaxed);
-                    let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut slot = crate::sync::lock(&first_error);
                     slot.get_or_insert(e);
                 }
             });

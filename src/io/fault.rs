@@ -108,7 +108,7 @@ pub fn latch_env() -> bool {
 }
 
 fn state() -> std::sync::MutexGuard<'static, State> {
-    STATE.lock().unwrap_or_else(|p| p.into_inner())
+    crate::sync::lock(&STATE)
 }
 
 fn rearm(s: &State) {

@@ -410,20 +410,14 @@ pub fn copy_floor(
                         }
                     };
                     if let Err(e) = r {
-                        failed
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get_or_insert(e);
+                        crate::sync::lock(failed).get_or_insert(e);
                         break;
                     }
                 }
             });
             if let Err(e) = copier {
                 let e = Error::io("start a copy thread", None, e);
-                failed
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get_or_insert(e);
+                crate::sync::lock(failed).get_or_insert(e);
             }
         }
     });
@@ -727,7 +721,7 @@ mod guard {
     /// Install the handler unless it is the current one (someone may have
     /// replaced it since: faulthandler.enable() does). False when sigaction fails.
     pub(super) fn install() -> bool {
-        let _one = INSTALL.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = crate::sync::lock(&INSTALL);
         // SAFETY: sigaction with a null new action only reads the current one
         // into plain old data.
         let mut cur: libc::sigaction = unsafe { std::mem::zeroed() };
