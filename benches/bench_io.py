@@ -29,10 +29,14 @@ def main() -> None:
         raw_w = next(v for k, v in ratio.items() if k.startswith("raw write"))
         raw_r = next(v for k, v in ratio.items() if k.startswith("raw read"))
         fresh = ratio[bench.RAW_FRESH]
+        tl = ratio["torch.load, cold"]
         print(
             f"targets: ckptio.save/raw write = {ratio['ckptio.save (durable)'] / raw_w:.2f} "
             f"(>= 0.85), ckptio.load/raw read = {ratio['ckptio.load, cold'] / raw_r:.2f} "
-            f"(>= 0.85); ckptio.load/raw read into fresh memory = "
+            f"(>= 0.85); ckptio.load/torch.load = {ratio['ckptio.load, cold'] / tl:.2f} "
+            f"(>= 1.5)\nbounds: raw read/torch.load = {raw_r / tl:.2f} (no loader beats the "
+            f"raw read); a read into fresh memory (what a load into new tensors pays) = "
+            f"{fresh / raw_r:.2f}x the raw read; ckptio.load/that read = "
             f"{ratio['ckptio.load, cold'] / fresh:.2f}\n",
             flush=True,
         )
