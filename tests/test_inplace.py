@@ -311,6 +311,9 @@ def test_modules_with_overrides_or_hooks_take_torchs_walk(tmp_path):
     m = Plain()
     m.head = nn.LazyLinear(4)
     assert not walks(m)
+    m = Plain()  # an override set on one instance, as torch's walk would call it
+    m.blocks[2][0]._load_from_state_dict = lambda *a: None
+    assert not walks(m)
 
 
 def test_hooks_and_overrides_run_as_with_torch(tmp_path):

@@ -345,8 +345,11 @@ def _plain_module(m: torch.nn.Module) -> bool:
     ``_load_from_state_dict`` or ``set_extra_state`` override, no load hooks,
     no lazy or meta tensors."""
     cls, base = type(m), torch.nn.Module
+    # torch's walk calls the instance's method (an override may be set on the
+    # instance); it looks set_extra_state up on the class.
+    own = getattr(m._load_from_state_dict, "__func__", None)
     if (
-        cls._load_from_state_dict is not base._load_from_state_dict
+        own is not base._load_from_state_dict
         or getattr(cls, "set_extra_state", base.set_extra_state) is not base.set_extra_state
         or m._load_state_dict_pre_hooks
         or m._load_state_dict_post_hooks
