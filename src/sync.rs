@@ -1,11 +1,16 @@
 //! Locks and background threads shared by the layers.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 /// `m` locked, also after a thread panicked while holding it: the data the
 /// core guards this way stays consistent at every step (counters, lists).
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `cv` waited on with `g`, also after a thread panicked holding its lock (as [`lock`]).
+pub(crate) fn wait<'a, T>(cv: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    cv.wait(g).unwrap_or_else(|p| p.into_inner())
 }
 
 /// Starts `run` on a thread named `name` unless `running` holds this

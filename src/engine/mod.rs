@@ -714,7 +714,7 @@ impl PageLocks {
         if pages != [None, None] {
             let mut held = crate::sync::lock(&self.held);
             while pages.iter().flatten().any(|p| held.contains(p)) {
-                held = self.freed.wait(held).unwrap_or_else(|p| p.into_inner());
+                held = crate::sync::wait(&self.freed, held);
             }
             held.extend(pages.iter().flatten());
         }

@@ -485,7 +485,7 @@ impl Kept {
 /// releases it [`KEEP_FOR`] after its read (started again in a forked child).
 mod keeper {
     use super::*;
-    use crate::sync::{ensure_thread, lock};
+    use crate::sync::{ensure_thread, lock, wait};
 
     struct Slot {
         id: Identity,
@@ -546,7 +546,7 @@ mod keeper {
                 .as_ref()
                 .map(|s| KEEP_FOR.saturating_sub(s.since.elapsed()));
             kept = match left {
-                None => CHANGED.wait(kept).unwrap_or_else(|p| p.into_inner()),
+                None => wait(&CHANGED, kept),
                 Some(w) if !w.is_zero() => {
                     CHANGED
                         .wait_timeout(kept, w)
@@ -600,7 +600,7 @@ fn unmap(addr: usize, len: usize) {
 /// child's copies of the mappings queued at the fork are unmapped there.
 mod unmapper {
     use super::*;
-    use crate::sync::{ensure_thread, lock};
+    use crate::sync::{ensure_thread, lock, wait};
 
     struct Queue {
         maps: std::collections::VecDeque<(usize, usize)>,
@@ -658,7 +658,7 @@ mod unmapper {
             let (addr, len) = loop {
                 match q.maps.pop_front() {
                     Some(m) => break m,
-                    None => q = QUEUED.wait(q).unwrap_or_else(|p| p.into_inner()),
+                    None => q = wait(&QUEUED, q),
                 }
             };
             q.busy += 1;
