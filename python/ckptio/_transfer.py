@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
 from ckptio import _native
+
+T = TypeVar("T")
 
 #: (file offset, address, nbytes, device); device -1 is host memory.
 Segment = tuple[int, int, int, int]
@@ -207,10 +209,55 @@ def read(
     the data is ready for any stream on return. ``verify`` (a ``Reader``): check
     each whole record read against its CRC-32; (a ``DeviceFile``) return each
     segment's CRC-32 as "crc32", for the caller to check."""
+    return _read(source, engine, segments, owners, _streams_of(segments), verify)
+
+
+def read_while(
+    source: _native.Reader,
+    engine: _native.Engine,
+    segments: list[Segment],
+    owners: list[Any],
+    meanwhile: Callable[[], T],
+    *,
+    verify: bool = False,
+) -> tuple[dict[str, Any], T]:
+    """:func:`read`, with ``meanwhile()`` run on the calling thread while the
+    engine reads on another (the native read holds no GIL): (the read's stats,
+    ``meanwhile``'s result). ``meanwhile`` must not touch the destinations'
+    bytes: making the tensors of a load over its storages is what it is for.
+    An error of the read comes first, then one of ``meanwhile``."""
+    streams = _streams_of(segments)  # the caller's current streams (thread-local)
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["stats"] = _read(source, engine, segments, owners, streams, verify)
+        except BaseException as e:  # re-raised on the calling thread
+            done["error"] = e
+
+    reader = threading.Thread(target=run, name="ckptio-read", daemon=True)
+    reader.start()
+    try:
+        result = meanwhile()
+    finally:
+        reader.join()
+        if "error" in done:
+            raise done["error"]
+    return done["stats"], result
+
+
+def _read(
+    source: _native.Reader | _native.DeviceFile,
+    engine: _native.Engine,
+    segments: list[Segment],
+    owners: list[Any],
+    streams: list[tuple[int, int]],
+    verify: bool,
+) -> dict[str, Any]:
     if verify:
-        stats = source.read_segments(engine, segments, owners, _streams_of(segments), True)  # type: ignore[call-arg]
+        stats = source.read_segments(engine, segments, owners, streams, True)  # type: ignore[call-arg]
     else:
-        stats = source.read_segments(engine, segments, owners, _streams_of(segments))
+        stats = source.read_segments(engine, segments, owners, streams)
     stats["bytes_read"] = stats["bytes"]
     return stats
 

@@ -1056,9 +1056,11 @@ def load(
         for piece in pieces:
             piece.splittable = not verify  # a CRC-32 is checked over a whole record read
         stats = shared.read([src], pieces, IoOptions(threads, chunk_size, d, backend), verify)
+    elif fast is not None:  # the tensors are made while the engine reads
+        stats, obj = _transfer.read_while(reader, engine, segments, owners, build, verify=verify)
     else:
         stats = _transfer.read(reader, engine, segments, owners, verify=verify)
-    if fast is not None:
+    if fast is not None and shared is not None:
         obj = build()
     if verify:
         done = set(stats["verified"]) | set(stats["unchecked"])
@@ -1186,11 +1188,21 @@ def _rebuild(
             proto = protos[(dtype, st.device)] = torch.empty((0,), dtype=dtype, device=st.device)
         news.append(proto.new)
     sizes = [st.nbytes() for st in storages]
+    itemsizes = [dtype.itemsize for dtype in dtypes]
     param = torch.nn.Parameter
 
     def rebuild_tensor(
         i: int, offset: int, size: Any, stride: Any, requires_grad: bool, hooks: Any
     ) -> torch.Tensor:
+        if _storage_nbytes(offset, size, stride, itemsizes[i]) > sizes[i]:
+            # set_ would grow (reallocate) the storage, which the engine may be
+            # filling at this moment (ckptio.load makes the tensors during the
+            # read); torch.load's storages cannot grow and it raises.
+            raise _native.FormatError(
+                f"{path}: a tensor reaches past its storage's record "
+                f"({_storage_nbytes(offset, size, stride, itemsizes[i])} bytes needed, "
+                f"the record holds {sizes[i]})"
+            )
         t = news[i]().set_(storages[i], offset, size, stride)
         t.requires_grad = requires_grad
         t._backward_hooks = hooks
@@ -1202,16 +1214,28 @@ def _rebuild(
         return p
 
     obj = parsed.build(rebuild_tensor, rebuild_parameter, collections.OrderedDict)
-    # set_ grows a resizable storage to fit a view that reaches past it (a
-    # corrupt or hostile pickle); torch.load's storages cannot grow and it
-    # raises. Refuse the same.
-    for st, n in zip(storages, sizes, strict=True):
+    for st, n in zip(storages, sizes, strict=True):  # what the check above prevents
         if st.nbytes() != n:
             raise _native.FormatError(
                 f"{path}: a tensor reaches past its storage's record "
                 f"({st.nbytes()} bytes needed, the record holds {n})"
             )
     return obj
+
+
+def _storage_nbytes(offset: Any, size: Any, stride: Any, itemsize: int) -> int:
+    """The storage bytes ``set_(storage, offset, size, stride)`` needs, as torch
+    computes them (``computeStorageNbytes``); 0 where set_ refuses the
+    arguments itself (not ints, mismatched lengths)."""
+    try:
+        if len(size) != len(stride):
+            return 0
+        if any(s == 0 for s in size):
+            return 0
+        span = sum((s - 1) * st for s, st in zip(size, stride, strict=True))
+        return itemsize * (offset + 1 + span)
+    except TypeError:
+        return 0
 
 
 @_gc_paused()  # a storage and a tensor per record: see _gc_paused
