@@ -1228,13 +1228,13 @@ def _storage_nbytes(offset: Any, size: Any, stride: Any, itemsize: int) -> int:
     computes them (``computeStorageNbytes``); 0 where set_ refuses the
     arguments itself (not ints, mismatched lengths)."""
     try:
-        if len(size) != len(stride):
-            return 0
-        if any(s == 0 for s in size):
-            return 0
-        span = sum((s - 1) * st for s, st in zip(size, stride, strict=True))
-        return itemsize * (offset + 1 + span)
-    except TypeError:
+        n = offset + 1
+        for s, st in zip(size, stride, strict=True):
+            if s == 0:
+                return 0
+            n += (s - 1) * st
+        return n * itemsize
+    except (TypeError, ValueError):
         return 0
 
 
