@@ -130,6 +130,11 @@ def report(
 
 def device_code(storage: torch.UntypedStorage | torch.Tensor, what: str) -> int:
     """-1 for host memory, the CUDA ordinal for device memory."""
+    if isinstance(storage, torch.Tensor):  # 40 ns each, where .device costs 0.5 us
+        if storage.is_cpu:
+            return -1
+        if storage.is_cuda:
+            return storage.get_device()
     dev = storage.device
     if dev.type == "cpu":
         return -1
