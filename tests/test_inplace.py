@@ -221,6 +221,18 @@ def plain_checkpoints(tmp_path):
     bad["toplevel"] = torch.ones(1)
     bad["scale"] = torch.ones(1)  # 0-dim parameter, saved as (1,): torch takes its [0]
     variants["keys"] = bad
+    # Unexpected leaves and unknown subtrees interleaved: torch lists them in the
+    # dict's order, per module.
+    one = torch.ones(1)
+    variants["order"] = {
+        "ghost.a": one,
+        **good,
+        "stray": one,
+        "blocks.0.ghost.x": one,
+        "ghost2.b": one,
+        "blocks.0.stray": one,
+        "ghost.c": one,
+    }
     variants["shape"] = dict(good, **{"blocks.2.1.weight": torch.ones(15)})
     variants["not a tensor"] = dict(good, **{"steps": 7})
     out = []
