@@ -47,6 +47,7 @@ from ckptio.serialization import (
     _direct_arg,
     _engine,
     _file_offsets,
+    _gc_paused,
     _last,
     _native_pickle,
     _open,
@@ -895,6 +896,7 @@ def _report_plan(
 # --------------------------------------------------------------------------- load(out=)
 
 
+@_gc_paused()  # objects per tensor, no cycles: see _gc_paused
 def load_into(
     path: str,
     out: Any,

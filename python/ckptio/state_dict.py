@@ -50,7 +50,7 @@ from ckptio.inplace import (
     open_torch,
     plan,
 )
-from ckptio.serialization import _engine_device, _path
+from ckptio.serialization import _engine_device, _gc_paused, _path
 
 __all__ = ["load_state_dict"]
 
@@ -706,6 +706,7 @@ def _no_verify(verify: bool, path: str) -> None:
 
 
 @_group.groupable("ckptio.load_state_dict", path_arg=1)
+@_gc_paused()  # objects per tensor and per module, no cycles: see _gc_paused
 def load_state_dict(
     obj: torch.nn.Module | torch.optim.Optimizer,
     f: str | os.PathLike[str],
