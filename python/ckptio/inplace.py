@@ -42,6 +42,7 @@ import torch
 from ckptio import _native, _transfer
 from ckptio import group as _group
 from ckptio._native import CkptioError
+from ckptio.safetensors import _extent
 from ckptio.serialization import (
     _device_code,
     _direct_arg,
@@ -479,12 +480,6 @@ def _device_key(t: torch.Tensor) -> tuple[str, int]:
     if t.is_cuda:
         return ("cuda", t.get_device())
     return (t.device.type, t.get_device())
-
-
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    from ckptio.safetensors import _extent as extent
-
-    return extent(t)
 
 
 def _check(key: str, src: torch.Tensor, dest: Any, cast: bool, exact_shape: bool) -> Problem | None:

@@ -355,10 +355,14 @@ def _plain_module(m: torch.nn.Module) -> bool:
         or m._load_state_dict_post_hooks
     ):
         return False
-    return not any(
-        t is not None and (t.is_meta or torch.nn.parameter.is_lazy(t))
-        for t in itertools.chain(m._parameters.values(), m._buffers.values())
-    )
+    for tensors in (m._parameters, m._buffers):
+        for t in tensors.values():
+            if t is not None and (t.is_meta or isinstance(t, _LAZY)):
+                return False
+    return True
+
+
+_LAZY = torch.nn.parameter.UninitializedTensorMixin  # what is_lazy() tests
 
 
 class _Keys:
