@@ -574,7 +574,10 @@ def _overlaps(items: list[Item], problems: list[Problem]) -> tuple[list[Item], l
     spans = []
     for i, it in enumerate(items):
         d = it.dest
-        if d.numel() and _plain(d):
+        if it.direct:  # plain and contiguous: its bytes are the ones read
+            lo = d.data_ptr()
+            spans.append((_device_key(d), lo, lo + it.nbytes, i))
+        elif d.numel() and _plain(d):
             lo, hi = _extent(d)
             spans.append((_device_key(d), lo, hi, i))
     spans.sort()
@@ -616,9 +619,11 @@ def _read_only(items: list[Item]) -> list[Problem]:
     read-only mapping). The kernel would refuse the reads (EFAULT), a copy
     would crash."""
     ranges = sorted(
-        (*_extent(it.dest), it.key)
+        (it.dest.data_ptr(), it.dest.data_ptr() + it.nbytes, it.key)
+        if it.direct
+        else (*_extent(it.dest), it.key)
         for it in items
-        if it.dest.is_cpu and _plain(it.dest) and it.dest.numel()
+        if it.dest.is_cpu and (it.direct or (_plain(it.dest) and it.dest.numel()))
     )
     if not ranges:
         return []
