@@ -8,6 +8,7 @@ and (c) that no temp file ``.<name>.ckptio-<pid>-<nonce>.tmp`` is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +187,41 @@ def fork_trial(server: subprocess.Popen, args: str, killed: set[int]) -> dict:
     if r["killed"]:
         killed.add(r["pid"])
     return r
+
+
+@contextlib.contextmanager
+def ready_children(script: str, n: int, *args: Any) -> Iterator[list[subprocess.Popen]]:
+    """``n`` interpreters running CHILD_PRELUDE + ``script`` with ``args``, each
+    started and waiting (it printed "ready") for :func:`go`; any still alive at
+    the end is killed."""
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD_PRELUDE + script, *map(str, args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(n)
+    ]
+    try:
+        for child in children:
+            assert child.stdout.readline().strip() == "ready"
+        yield children
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def go(child: subprocess.Popen) -> None:
+    child.stdin.write("go\n")
+    child.stdin.flush()
+
+
+def sigkill(child: subprocess.Popen) -> None:
+    child.send_signal(signal.SIGKILL)
+    assert child.wait(timeout=60) == -signal.SIGKILL
 
 
 def run_child(script: str, *args: Any, timeout: float = 120) -> Any:
@@ -990,27 +1027,14 @@ def test_sigkill_mid_save_keeps_previous_and_next_save_cleans_up(tmp_path):
     # below usually has a stale temp to remove.
     fractions = [0.02, 1.5, 0.2, 1.0, 0.8, 0.4, 0.6]
     rng = random.Random(1234)
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-c", CHILD_PRELUDE + KILL_SCRIPT, str(target), str(n)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in fractions
-    ]
     hits, left_behind, dead, log = 0, 0, set(), [f"one save takes {save_s:.2f} s"]
-    try:
-        for child in children:
-            assert child.stdout.readline().strip() == "ready"
+    with ready_children(KILL_SCRIPT, len(fractions), target, n) as children:
         for child, frac in zip(children, fractions, strict=True):
-            child.stdin.write("go\n")
-            child.stdin.flush()
+            go(child)
             delay = save_s * frac * rng.uniform(0.8, 1.2)
             time.sleep(delay)
             now = temps(tmp_path)
-            child.send_signal(signal.SIGKILL)
-            assert child.wait(timeout=60) == -signal.SIGKILL
+            sigkill(child)
             mine = [t for t in now if pid_of(t) == child.pid]
             older = [t for t in now if pid_of(t) in dead]
             dead.add(child.pid)
@@ -1031,11 +1055,6 @@ def test_sigkill_mid_save_keeps_previous_and_next_save_cleans_up(tmp_path):
                 assert torch.equal(got["w"], base + 1)
                 digest, gen_of_file = sha256(target), int(got["gen"])
                 log.append(f"  the file is now the child's save #{gen_of_file}")
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
     assert hits >= 2, f"only {hits} of {len(fractions)} kills hit a save in progress: {log}"
     assert left_behind >= 1, f"no kill left a temp file behind: {log}"
 

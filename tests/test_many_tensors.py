@@ -12,9 +12,6 @@ import collections
 import io
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
 import zipfile
 from typing import Any
@@ -25,7 +22,7 @@ import torch
 from ckptio import serialization as S
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_faults import CHILD_PRELUDE, TEMP_RE, sha256, temps
+from test_faults import TEMP_RE, go, ready_children, sha256, sigkill, temps
 
 PACK = S.PACK_BELOW
 
@@ -273,22 +270,10 @@ def test_sigkill_during_a_save_of_many_small_tensors_leaves_a_whole_file(tmp_pat
     # is there (the write phase: 20,000 small tensors are pickled and laid
     # out before the temp file opens, so timed kills often land outside it).
     fractions = [0.1, None, 0.9, 1.3, None, 0.7]
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-c", CHILD_PRELUDE + KILL_MANY, str(target)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in fractions
-    ]
     mid_save = 0
-    try:
-        for child in children:
-            assert child.stdout.readline().strip() == "ready"
+    with ready_children(KILL_MANY, len(fractions), target) as children:
         for child, frac in zip(children, fractions, strict=True):
-            child.stdin.write("go\n")
-            child.stdin.flush()
+            go(child)
 
             def writing(pid: int = child.pid) -> bool:
                 return any(int(TEMP_RE.match(t)["pid"]) == pid for t in temps(tmp_path))
@@ -300,19 +285,13 @@ def test_sigkill_during_a_save_of_many_small_tensors_leaves_a_whole_file(tmp_pat
             else:
                 time.sleep(save_s * frac * rng.uniform(0.8, 1.2))
             mid_save += writing()
-            child.send_signal(signal.SIGKILL)
-            assert child.wait(timeout=60) == -signal.SIGKILL
+            sigkill(child)
             before = sha256(target)
             got = ckptio.load(target, verify=True)  # whole: every CRC-32 matches
             assert int(got["gen"]) >= -1
             for k, w in ws.items():
                 assert torch.equal(got[k], w), k
             assert sha256(target) == before
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
     assert mid_save >= 1, f"no kill landed while a temp file existed ({fractions})"
     ckptio.save({"gen": torch.tensor(99), **ws}, target)
     assert temps(tmp_path) == []
