@@ -429,12 +429,12 @@ impl Engine {
             }
         });
         self.pool.give_back(lanes);
-        if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        if let Some(e) = crate::sync::into_inner(first_error) {
             // Errors of layers that do not know the file (cuFile's) name it here.
             return Err(e.with_path(file.path()));
         }
         if checksum {
-            let per_piece = crcs.into_inner().unwrap_or_else(|p| p.into_inner());
+            let per_piece = crate::sync::into_inner(crcs);
             stats.crc32 = combine(segments.len(), &plan.pieces, per_piece);
             for p in &plan.late {
                 if let Some(crc) = stats.crc32[p.seg] {

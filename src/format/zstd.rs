@@ -134,8 +134,7 @@ fn compress_window(items: &[Item<'_>], level: i32, threads: usize) -> Result<Vec
             });
         }
     });
-    done.into_inner()
-        .unwrap_or_else(|p| p.into_inner())
+    crate::sync::into_inner(done)
         .into_iter()
         .map(|r| r.unwrap_or_else(|| Err(Error::invalid("an item was not compressed"))))
         .collect()

@@ -320,7 +320,7 @@ pub unsafe fn copy_to_host(
             });
         }
     });
-    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+    if let Some(e) = crate::sync::into_inner(first_error) {
         return Err(e);
     }
     stats.unpinned_device_bytes = unpinned.into_inner() as u64;

@@ -422,7 +422,7 @@ pub fn copy_floor(
         }
     });
     drop(map);
-    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+    if let Some(e) = crate::sync::into_inner(failed) {
         return Err(e);
     }
     Ok(t0.elapsed().as_secs_f64())
@@ -485,7 +485,7 @@ impl Kept {
 /// releases it [`KEEP_FOR`] after its read (started again in a forked child).
 mod keeper {
     use super::*;
-    use crate::sync::{ensure_thread, lock, wait};
+    use crate::sync::{ensure_thread, lock, wait, wait_timeout};
 
     struct Slot {
         id: Identity,
@@ -547,12 +547,7 @@ mod keeper {
                 .map(|s| KEEP_FOR.saturating_sub(s.since.elapsed()));
             kept = match left {
                 None => wait(&CHANGED, kept),
-                Some(w) if !w.is_zero() => {
-                    CHANGED
-                        .wait_timeout(kept, w)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0
-                }
+                Some(w) if !w.is_zero() => wait_timeout(&CHANGED, kept, w),
                 Some(_) => {
                     release_from(kept);
                     lock(&KEPT)
