@@ -573,13 +573,9 @@ def plan(
 def _overlaps(items: list[Item], problems: list[Problem]) -> tuple[list[Item], list[str]]:
     spans = []
     for i, it in enumerate(items):
-        d = it.dest
-        if it.direct:  # plain and contiguous: its bytes are the ones read
-            lo = d.data_ptr()
-            spans.append((_device_key(d), lo, lo + it.nbytes, i))
-        elif d.numel() and _plain(d):
-            lo, hi = _extent(d)
-            spans.append((_device_key(d), lo, hi, i))
+        span = _dest_span(it)
+        if span is not None:
+            spans.append((_device_key(it.dest), *span, i))
     spans.sort()
     drop: set[int] = set()
     cur: tuple[str, int, int] | None = None  # device, end, index
@@ -604,6 +600,18 @@ def _overlaps(items: list[Item], problems: list[Problem]) -> tuple[list[Item], l
     return kept, [items[i].key for i in sorted(drop)]
 
 
+def _dest_span(it: Item) -> tuple[int, int] | None:
+    """[first byte, last byte + 1) of a plain destination's elements; None for
+    others and for empty ones."""
+    d = it.dest
+    if it.direct:  # plain and contiguous: its bytes are the ones read
+        lo = d.data_ptr()
+        return lo, lo + it.nbytes
+    if d.numel() and _plain(d):
+        return _extent(d)
+    return None
+
+
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr(), a.dtype, a.shape, a.stride()) == (
         b.data_ptr(),
@@ -618,13 +626,8 @@ def _read_only(items: list[Item]) -> list[Problem]:
     process (a tensor over read-only memory: torch.frombuffer of bytes, a
     read-only mapping). The kernel would refuse the reads (EFAULT), a copy
     would crash."""
-    ranges = sorted(
-        (it.dest.data_ptr(), it.dest.data_ptr() + it.nbytes, it.key)
-        if it.direct
-        else (*_extent(it.dest), it.key)
-        for it in items
-        if it.dest.is_cpu and (it.direct or (_plain(it.dest) and it.dest.numel()))
-    )
+    spans = ((_dest_span(it), it.key) for it in items if it.dest.is_cpu)
+    ranges = sorted((*span, key) for span, key in spans if span is not None)
     if not ranges:
         return []
     try:

@@ -1059,12 +1059,12 @@ def load(
         for piece in pieces:
             piece.splittable = not verify  # a CRC-32 is checked over a whole record read
         stats = shared.read([src], pieces, IoOptions(threads, chunk_size, d, backend), verify)
+        if fast is not None:
+            obj = build()
     elif fast is not None:  # the tensors are made while the engine reads
         stats, obj = _transfer.read_while(reader, engine, segments, owners, build, verify=verify)
     else:
         stats = _transfer.read(reader, engine, segments, owners, verify=verify)
-    if fast is not None and shared is not None:
-        obj = build()
     if verify:
         done = set(stats["verified"]) | set(stats["unchecked"])
         unchecked += stats["unchecked"]
@@ -1197,14 +1197,14 @@ def _rebuild(
     def rebuild_tensor(
         i: int, offset: int, size: Any, stride: Any, requires_grad: bool, hooks: Any
     ) -> torch.Tensor:
-        if _storage_nbytes(offset, size, stride, itemsizes[i]) > sizes[i]:
+        need = _storage_nbytes(offset, size, stride, itemsizes[i])
+        if need > sizes[i]:
             # set_ would grow (reallocate) the storage, which the engine may be
             # filling at this moment (ckptio.load makes the tensors during the
             # read); torch.load's storages cannot grow and it raises.
             raise _native.FormatError(
                 f"{path}: a tensor reaches past its storage's record "
-                f"({_storage_nbytes(offset, size, stride, itemsizes[i])} bytes needed, "
-                f"the record holds {sizes[i]})"
+                f"({need} bytes needed, the record holds {sizes[i]})"
             )
         t = news[i]().set_(storages[i], offset, size, stride)
         t.requires_grad = requires_grad
