@@ -363,6 +363,19 @@ def _plain_module(m: torch.nn.Module) -> bool:
 
 
 _LAZY = torch.nn.parameter.UninitializedTensorMixin  # what is_lazy() tests
+Tensor = torch.Tensor
+
+
+def _own_state(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What ``m``'s default ``_load_from_state_dict`` loads: its parameters,
+    then its persistent buffers, by name."""
+    own = {k: v for k, v in m._parameters.items() if v is not None}
+    if m._buffers:
+        skip = m._non_persistent_buffers_set
+        for k, v in m._buffers.items():
+            if v is not None and k not in skip:
+                own[k] = v
+    return own
 
 
 class _Keys:
@@ -436,48 +449,51 @@ def _plain_walk(
     def walk(mod: torch.nn.Module, node: _Keys, prefix: str) -> bool:
         if not _plain_module(mod):
             return False
-        own = {k: v for k, v in mod._parameters.items() if v is not None}
-        skip = mod._non_persistent_buffers_set
-        for k, v in mod._buffers.items():
-            if v is not None and k not in skip:
-                own[k] = v
         leaves = node.leaves
+        found = 0  # own tensors the checkpoint has: fewer than leaves means unexpected ones
+        own = _own_state(mod)
         for name, dest in own.items():
             key = prefix + name
-            first.setdefault(id(dest), key)
+            named = first.setdefault(id(dest), key)
             leaf = leaves.get(name)
             if leaf is None:
                 missing.append(key)
                 continue
+            found += 1
             src = leaf[2]
-            if not is_tensor_like(src):
+            if type(src) is not Tensor and not is_tensor_like(src):
                 errors.append(
                     f'While copying the parameter named "{key}", expected torch.Tensor or '
                     f"Tensor-like object from checkpoint but received {type(src)}"
                 )
                 continue
-            if len(dest.shape) == 0 and len(src.shape) == 1 and src.shape[0] == 1:
-                src = src[0]
-            if src.shape != dest.shape:
-                errors.append(
-                    f"size mismatch for {key}: copying a param with shape {src.shape} from "
-                    f"checkpoint, the shape in current model is {dest.shape}."
-                )
-                continue
-            copies.append((first[id(dest)], src, dest))
+            shape = dest.shape
+            if src.shape != shape:
+                if not shape and src.shape == (1,):
+                    src = src[0]
+                else:
+                    errors.append(
+                        f"size mismatch for {key}: copying a param with shape {src.shape} "
+                        f"from checkpoint, the shape in current model is {shape}."
+                    )
+                    continue
+            copies.append((named, src, dest))
         # torch lists the extra state first, then the others in the dict's order.
+        odd = []
         if _EXTRA in leaves:
             unexpected.append(leaves[_EXTRA][1])
-        odd = [v for k, v in leaves.items() if k not in own and k != _EXTRA]
+            found += _EXTRA not in own  # (a parameter may bear that name)
+        if found < len(leaves):
+            odd = [v for k, v in leaves.items() if k not in own and k != _EXTRA]
         children = mod._modules
-        for head, kid in node.kids.items():
+        kids = node.kids
+        for head, kid in kids.items():
             if head not in children:
                 odd.extend(kid.all())
         if odd:
             unexpected.extend(key for _, key, _ in sorted(odd, key=lambda leaf: leaf[0]))
         for name, child in children.items():
-            kid = node.kids.get(name, _NO_KEYS)
-            if child is not None and not walk(child, kid, prefix + name + "."):
+            if child is not None and not walk(child, kids.get(name, _NO_KEYS), f"{prefix}{name}."):
                 return False
         return True
 
