@@ -344,37 +344,45 @@ def _plain_module(m: torch.nn.Module) -> bool:
     """Whether ``m`` loads with torch's default steps alone: no
     ``_load_from_state_dict`` or ``set_extra_state`` override, no load hooks,
     no lazy or meta tensors."""
-    cls, base = type(m), torch.nn.Module
-    # torch's walk calls the instance's method (an override may be set on the
-    # instance); it looks set_extra_state up on the class.
-    if (
-        "_load_from_state_dict" in m.__dict__
-        or cls._load_from_state_dict is not base._load_from_state_dict
-        or getattr(cls, "set_extra_state", base.set_extra_state) is not base.set_extra_state
-        or m._load_state_dict_pre_hooks
-        or m._load_state_dict_post_hooks
-    ):
-        return False
-    for tensors in (m._parameters, m._buffers):
-        for t in tensors.values():
-            if t is not None and (t.is_meta or isinstance(t, _LAZY)):
-                return False
-    return True
+    return _plain_state(m) is not None
 
 
+_Module = torch.nn.Module
+_DEFAULT_LOAD = _Module._load_from_state_dict
+_DEFAULT_EXTRA = _Module.set_extra_state
 _LAZY = torch.nn.parameter.UninitializedTensorMixin  # what is_lazy() tests
 Tensor = torch.Tensor
 
 
-def _own_state(m: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What ``m``'s default ``_load_from_state_dict`` loads: its parameters,
-    then its persistent buffers, by name."""
-    own = {k: v for k, v in m._parameters.items() if v is not None}
+def _plain_state(m: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """What a :func:`_plain_module` ``m``'s default ``_load_from_state_dict``
+    loads (its parameters, then its persistent buffers, by name); None where
+    ``m`` is not plain."""
+    cls = type(m)
+    # torch's walk calls the instance's method (an override may be set on the
+    # instance); it looks set_extra_state up on the class.
+    if (
+        cls._load_from_state_dict is not _DEFAULT_LOAD
+        or "_load_from_state_dict" in m.__dict__
+        or getattr(cls, "set_extra_state", _DEFAULT_EXTRA) is not _DEFAULT_EXTRA
+        or m._load_state_dict_pre_hooks
+        or m._load_state_dict_post_hooks
+    ):
+        return None
+    own = {}
+    for k, t in m._parameters.items():
+        if t is not None:
+            if t.is_meta or isinstance(t, _LAZY):
+                return None
+            own[k] = t
     if m._buffers:
         skip = m._non_persistent_buffers_set
-        for k, v in m._buffers.items():
-            if v is not None and k not in skip:
-                own[k] = v
+        for k, t in m._buffers.items():
+            if t is not None:
+                if t.is_meta or isinstance(t, _LAZY):
+                    return None
+                if k not in skip:
+                    own[k] = t
     return own
 
 
@@ -447,11 +455,11 @@ def _plain_walk(
     is_tensor_like = torch.overrides.is_tensor_like
 
     def walk(mod: torch.nn.Module, node: _Keys, prefix: str) -> bool:
-        if not _plain_module(mod):
+        own = _plain_state(mod)
+        if own is None:
             return False
         leaves = node.leaves
         found = 0  # own tensors the checkpoint has: fewer than leaves means unexpected ones
-        own = _own_state(mod)
         for name, dest in own.items():
             key = prefix + name
             named = first.setdefault(id(dest), key)
