@@ -414,22 +414,32 @@ def run(
                 lambda: ckptio.save(sd, p_ck, threads=threads, chunk_size=chunk_size),
             )
             rep = ckptio.last_report()
-            drop_cache(p_torch)
-            timed(
-                "torch.load, cold",
-                lambda: torch.load(p_torch, map_location=device, weights_only=True),
-            )
-            drop_cache(p_ck)
-            timed(
-                "ckptio.load, cold",
-                lambda: ckptio.load(
-                    p_ck, map_location=device, threads=threads, chunk_size=chunk_size
+            loads: list[tuple[str, str, Callable[[], object]]] = [
+                (
+                    "torch.load, cold",
+                    p_torch,
+                    lambda: torch.load(p_torch, map_location=device, weights_only=True),
                 ),
-            )
+                (
+                    "ckptio.load, cold",
+                    p_ck,
+                    lambda: ckptio.load(
+                        p_ck, map_location=device, threads=threads, chunk_size=chunk_size
+                    ),
+                ),
+            ]
+            # The loads take turns going first, so that neither always runs
+            # right after the other's memory was freed (a VM may hand freed
+            # memory back to its host, to be backed again on the next fault).
+            for name, p, fn in loads if rnd % 2 == 0 else loads[::-1]:
+                drop_cache(p)
+                timed(name, fn)
         log(
             f"# ckptio.save: backend={rep.backend} direct={rep.direct} "  # type: ignore[union-attr]
             f"threads={rep.threads}"
         )  # type: ignore[union-attr]
+        for name in ("torch.load, cold", "ckptio.load, cold"):
+            log(f"# {name} by round (s): {' '.join(f'{t:.3f}' for t in times[name])}")
         base = {
             raw_w: "",
             raw_r: "",

@@ -1,0 +1,146 @@
+"""The Python side of an in-place load, per load: ckptio.load_state_dict of a
+model of many small tensors (86 layers of 6 tensors of 1 KiB in 690 modules,
+the module tree of bench_inplace.py) from /dev/shm to the host, where the
+engine's read is a small part. With --against REF, the same loads by the
+ckptio Python package at git REF (imported as ckptio_ref, sharing this tree's
+native module) alternate with this tree's in one process: the dev VMs' speed
+drifts by 2x between processes, a ratio in one process does not.
+
+usage: PYTHONPATH=python python probes/probe_inplace_python.py [--against REF]
+       [--rounds 40] [--phases]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import ckptio
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "benches"))
+from bench_inplace import module_of  # noqa: E402
+
+
+def ref_package(ref: str, into: str) -> None:
+    """python/ckptio at ``ref`` as package ckptio_ref under ``into``."""
+    root = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    tar = subprocess.run(
+        ["git", "archive", ref, "python/ckptio"], cwd=root, capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", into], input=tar, check=True)
+    pkg = os.path.join(into, "ckptio_ref")
+    os.rename(os.path.join(into, "python", "ckptio"), pkg)
+    native = os.path.dirname(ckptio._native.__file__)
+    for name in os.listdir(native):
+        if name.startswith("_native") and name.endswith(".so"):
+            shutil.copy(os.path.join(native, name), pkg)
+    for dirpath, _, names in os.walk(pkg):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    text = f.read()
+                text = re.sub(r"\bfrom ckptio\b", "from ckptio_ref", text)
+                text = re.sub(r"\bimport ckptio\b", "import ckptio_ref as ckptio", text)
+                text = text.replace('"ckptio.', '"ckptio_ref.')
+                with open(path, "w") as f:
+                    f.write(text)
+
+
+def phases(mod) -> dict[str, float]:
+    """Wrap the steps of an in-place load; seconds spent in each."""
+    acc: dict[str, float] = {}
+    owner = sys.modules[f"{mod.__name__}.state_dict"]
+    for name in ("open_source", "_plain_walk", "plan", "execute"):
+        f = getattr(owner, name)
+
+        @functools.wraps(f)
+        def timed(*a, _f=f, _name=name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                acc[_name] = acc.get(_name, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+    return acc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--against", default=None, help="a git ref to compare with")
+    p.add_argument("--rounds", type=int, default=40, help="rounds of 5 loads each")
+    p.add_argument("--phases", action="store_true", help="time open/walk/plan/execute")
+    args = p.parse_args()
+    shapes = {
+        f"layers.{layer}.{name}": [256]
+        for layer in range(86)
+        for name in (
+            "attn.qkv.weight",
+            "attn.out.weight",
+            "mlp.up.weight",
+            "mlp.down.weight",
+            "norm.weight",
+            "norm.bias",
+        )
+    }
+    model = module_of(shapes, torch.float32, "cpu")
+    tmp = tempfile.mkdtemp(prefix="ckptio-probe-")
+    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tmp, "probe-inplace-python.pt")
+    try:
+        ckptio.save(model.state_dict(), path)
+        mods = {"this tree": ckptio}
+        if args.against:
+            ref_package(args.against, tmp)
+            sys.path.insert(0, tmp)
+            import ckptio_ref
+
+            mods[f"at {args.against}"] = ckptio_ref
+        acc = {k: phases(m) for k, m in mods.items()} if args.phases else {}
+        for m in mods.values():
+            for _ in range(10):
+                m.load_state_dict(model, path)
+        for a in acc.values():
+            a.clear()
+        times: dict[str, list[float]] = {k: [] for k in mods}
+        for _ in range(args.rounds):
+            for k, m in mods.items():
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    m.load_state_dict(model, path)
+                times[k].append((time.perf_counter() - t0) / 5)
+        print(f"# in-place loads of {len(shapes)} tensors in {len(list(model.modules()))} modules")
+        for k, v in times.items():
+            v.sort()
+            line = f"{k:>16}: median {statistics.median(v) * 1e3:.2f} ms, best {v[0] * 1e3:.2f} ms"
+            if k in acc:
+                n = 5 * args.rounds
+                line += "; " + ", ".join(f"{s} {t / n * 1e3:.2f}" for s, t in acc[k].items())
+            print(line)
+        if args.against:
+            a, b = (statistics.median(v) for v in times.values())
+            print(f"this tree / {args.against}: {a / b:.3f} (ratio of medians)")
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
