@@ -210,6 +210,7 @@ def main() -> None:
     # with "terminate called without an active exception" and no Python stack,
     # which points at torch's gloo objects torn down there (ckptio's threads are
     # joined before its calls return); not what these tests check.
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 

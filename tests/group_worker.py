@@ -9,6 +9,7 @@ writes ``DIR/result_RANK.json``: {case: {"ok": bool, ...}}.
 
 import datetime
 import errno
+import faulthandler
 import json
 import os
 import sys
@@ -343,6 +344,7 @@ def describe(e: BaseException) -> dict:
 
 
 def main() -> None:
+    faulthandler.enable(all_threads=True)  # as dist_worker.py
     folder, names = sys.argv[1], sys.argv[2:]
     backend = os.environ.get("CKPTIO_DIST_BACKEND", "gloo")
     if backend == "nccl":
@@ -367,6 +369,9 @@ def main() -> None:
     with open(os.path.join(folder, f"result_{c.rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalization: see the end of dist_worker.py
 
 
 if __name__ == "__main__":
