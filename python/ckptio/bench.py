@@ -411,12 +411,18 @@ def run(
             times.setdefault(raw_w, []).append(raw.write)
             times.setdefault(raw_r, []).append(raw.read)
             times.setdefault(RAW_FRESH, []).append(raw.read_fresh)
-            timed("torch.save + fsync", lambda: (torch.save(sd, p_torch), fsync_path(p_torch)))
-            timed(
-                "ckptio.save (durable)",
-                lambda: ckptio.save(sd, p_ck, threads=threads, chunk_size=chunk_size),
-            )
-            rep = ckptio.last_report()
+            saves: list[tuple[str, Callable[[], object]]] = [
+                ("torch.save + fsync", lambda: (torch.save(sd, p_torch), fsync_path(p_torch))),
+                (
+                    "ckptio.save (durable)",
+                    lambda: ckptio.save(sd, p_ck, threads=threads, chunk_size=chunk_size),
+                ),
+            ]
+            # Saves and loads take turns going first (see the loads below).
+            for name, fn in saves if rnd % 2 == 0 else saves[::-1]:
+                timed(name, fn)
+                if name.startswith("ckptio"):
+                    rep = ckptio.last_report()
             loads: list[tuple[str, str, Callable[[], object]]] = [
                 (
                     "torch.load, cold",
@@ -441,7 +447,12 @@ def run(
             f"# ckptio.save: backend={rep.backend} direct={rep.direct} "  # type: ignore[union-attr]
             f"threads={rep.threads}"
         )  # type: ignore[union-attr]
-        for name in ("torch.load, cold", "ckptio.load, cold"):
+        for name in (
+            "torch.save + fsync",
+            "ckptio.save (durable)",
+            "torch.load, cold",
+            "ckptio.load, cold",
+        ):
             log(f"# {name} by round (s): {' '.join(f'{t:.3f}' for t in times[name])}")
         base = {
             raw_w: "",
