@@ -324,11 +324,14 @@ def test_bench_writes_json_and_a_chart(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     js, png = tmp_path / "b.json", tmp_path / "b.png"
     rc, out, err = run(
-        capsys, "bench", "--size", "4M", "--repeat", "1", "--dir", tmp_path, "--json", js,
+        capsys, "bench", "--size", "4M", "--repeat", "2", "--dir", tmp_path, "--json", js,
         "--plot", png,
     )  # fmt: skip
     assert rc == 0 and err == "", err
     assert "ckptio.save (durable)" in out and "# ckptio.save" in out
+    # Two rounds, each order of the saves and of the loads once, every time printed.
+    by_round = [line for line in out.splitlines() if " by round (s): " in line]
+    assert len(by_round) == 4 and all(len(line.split(": ")[1].split()) == 2 for line in by_round)
     rows = {r["name"]: r for r in json.loads(js.read_text())}
     assert rows["ckptio.load, cold"]["ratio"] > 0 and rows["ckptio.load, cold"]["gib_s"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 200_000
