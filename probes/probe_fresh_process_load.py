@@ -7,7 +7,9 @@ usage: PYTHONPATH=python python probes/probe_fresh_process_load.py [--size 1]
        [--rounds 3] [--dir DIR] [--variants default,buffered,t2]
 
 variants: default (ckptio.load as a user calls it), buffered (direct=False),
-tN (threads=N), bNxM (N threads, M MiB chunks, buffered), dNxM (the same, O_DIRECT).
+tN (threads=N), bNxM (N threads, M MiB chunks, buffered), dNxM (the same, O_DIRECT),
+recordsN (not ckptio.load: the data records read as torch.load reads them, one
+buffered read each, on N threads, into ckptio's host memory; no tensors made).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys, time, torch, ckptio
 from ckptio.bench import drop_cache
 kind, path = sys.argv[1], sys.argv[2]
 kw = {}
-if kind in ("torch.load", "default"):
+if kind in ("torch.load", "default") or kind.startswith("records"):
     pass
 elif kind == "buffered":
     kw = dict(direct=False)
@@ -36,7 +38,28 @@ elif kind[0] in "bd":
     kw = dict(threads=int(n), chunk_size=int(mib) << 20, direct=kind[0] == "d")
 drop_cache(path)
 t0 = time.perf_counter()
-x = torch.load(path, weights_only=True) if kind == "torch.load" else ckptio.load(path, **kw)
+if kind.startswith("records"):  # torch's pattern: one buffered read per record
+    import ctypes
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    from ckptio import _hostmem, _native
+    reader = _native.Reader(path, "off", None)
+    data = [(o, n) for name, o, n in reader.records() if "/data/" in name]
+    fd = os.open(path, os.O_RDONLY)
+    def one(rec):
+        o, n = rec
+        st = _hostmem.empty_storage(n, o % 4096)
+        mv = memoryview((ctypes.c_ubyte * n).from_address(st.data_ptr())).cast("B")
+        while len(mv):
+            k = os.preadv(fd, [mv], o)
+            mv, o = mv[k:], o + k
+        return st
+    with ThreadPoolExecutor(int(kind[len("records"):] or 1)) as pool:
+        x = list(pool.map(one, data))
+elif kind == "torch.load":
+    x = torch.load(path, weights_only=True)
+else:
+    x = ckptio.load(path, **kw)
 print(time.perf_counter() - t0)
 """
 
