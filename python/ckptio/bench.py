@@ -18,7 +18,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -357,6 +357,17 @@ def _pread_all(fd: int, mv: memoryview, off: int) -> None:
 RAW_FRESH = "raw read, cold, fresh memory"
 
 
+T = TypeVar("T")
+
+
+def _in_turn(rows: list[T], rnd: int) -> list[T]:
+    """``rows`` (two measurements) in round ``rnd``'s order, reversed every other
+    round: neither always runs right after the other freed its memory or wrote
+    its file (a VM may hand freed memory back to its host, to be backed again
+    on the next fault)."""
+    return rows if rnd % 2 == 0 else rows[::-1]
+
+
 def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
@@ -418,8 +429,7 @@ def run(
                     lambda: ckptio.save(sd, p_ck, threads=threads, chunk_size=chunk_size),
                 ),
             ]
-            # Saves and loads take turns going first (see the loads below).
-            for name, fn in saves if rnd % 2 == 0 else saves[::-1]:
+            for name, fn in _in_turn(saves, rnd):
                 timed(name, fn)
                 if name.startswith("ckptio"):
                     rep = ckptio.last_report()
@@ -437,10 +447,7 @@ def run(
                     ),
                 ),
             ]
-            # The loads take turns going first, so that neither always runs
-            # right after the other's memory was freed (a VM may hand freed
-            # memory back to its host, to be backed again on the next fault).
-            for name, p, fn in loads if rnd % 2 == 0 else loads[::-1]:
+            for name, p, fn in _in_turn(loads, rnd):
                 drop_cache(p)
                 timed(name, fn)
         log(

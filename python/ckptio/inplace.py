@@ -184,7 +184,7 @@ class Mapped:
     locations: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def location(self, t: torch.Tensor) -> str:
-        return self.locations.get(t.untyped_storage().data_ptr() - self.base, "cpu")
+        return self.locations.get(_storage_address(t) - self.base, "cpu")
 
 
 class _Files:
@@ -202,9 +202,9 @@ class _Files:
         if not isinstance(t, torch.Tensor) or not t.is_cpu or not _plain(t):
             return None
         try:
-            # The storage's address (an element's would do for a view within the
-            # mapping, not for one outside it), without making its storage object.
-            sp = t.data_ptr() - t.storage_offset() * t.element_size()
+            # The storage's: an element's would do for a view within the mapping,
+            # not for one outside it.
+            sp = _storage_address(t)
         except (RuntimeError, NotImplementedError):
             return None
         i = bisect.bisect_right(self._bases, sp) - 1
@@ -215,6 +215,12 @@ class _Files:
         if not (m.base <= sp < m.base + m.size) or not m.exact:
             return None
         return fi, t.data_ptr() - m.base
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    """The address of a strided tensor's storage, without making the storage's
+    Python object (``untyped_storage()``: 0.5 us a tensor)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 def _keep_mapped(found: list[tuple[int, int, str]]) -> Callable[[torch.UntypedStorage, str], Any]:
