@@ -350,52 +350,59 @@ def _rebuild(
     """``obj`` with every tensor ``t`` at key path ``p`` replaced by ``fn(p, t)``:
     dicts, lists and objects' ``__dict__`` changed in place, tuples rebuilt
     (named tuples too). Shared containers are walked once."""
-    memo: dict[int, Any] = {}
-
-    def walk(o: Any, p: tuple[Any, ...]) -> Any:
-        if isinstance(o, torch.Tensor):
-            return fn(p, o)
-        if id(o) in memo:
-            return memo[id(o)]
-        if isinstance(o, dict):
-            memo[id(o)] = o
-            for k in list(o):
-                v = walk(o[k], (*p, k))
-                if v is _DROP:
-                    del o[k]
-                else:
-                    o[k] = v
-            return o
-        if isinstance(o, list):
-            memo[id(o)] = o
-            for i, v in enumerate(o):
-                r = walk(v, (*p, i))
-                o[i] = None if r is _DROP else r
-            return o
-        if isinstance(o, tuple):
-            items = [walk(v, (*p, i)) for i, v in enumerate(o)]
-            items = [None if r is _DROP else r for r in items]
-            if all(a is b for a, b in zip(items, o, strict=True)):
-                new: Any = o
-            elif hasattr(o, "_fields"):
-                new = type(o)(*items)
-            else:
-                new = type(o)(items)
-            memo[id(o)] = new
-            return new
-        if hasattr(o, "__dict__") and not isinstance(
-            o, (type, types.ModuleType, types.FunctionType, types.MethodType)
-        ):
-            memo[id(o)] = o
-            attrs = vars(o)
-            for k in list(attrs):
-                v = walk(attrs[k], (*p, k))
-                attrs[k] = None if v is _DROP else v
-            return o
-        return o
-
-    r = walk(obj, path)
+    r = _walk(obj, path, fn, {})
     return None if r is _DROP else r
+
+
+def _walk(
+    o: Any,
+    p: tuple[Any, ...],
+    fn: Callable[[tuple[Any, ...], torch.Tensor], Any],
+    memo: dict[int, Any],
+) -> Any:
+    """:func:`_rebuild` of ``o`` at key path ``p`` (``memo``: the containers seen).
+    A function of the module, not a closure: a recursive closure is a cycle,
+    which would keep a load's tensors alive until the next garbage collection."""
+    if isinstance(o, torch.Tensor):
+        return fn(p, o)
+    if id(o) in memo:
+        return memo[id(o)]
+    if isinstance(o, dict):
+        memo[id(o)] = o
+        for k in list(o):
+            v = _walk(o[k], (*p, k), fn, memo)
+            if v is _DROP:
+                del o[k]
+            else:
+                o[k] = v
+        return o
+    if isinstance(o, list):
+        memo[id(o)] = o
+        for i, v in enumerate(o):
+            r = _walk(v, (*p, i), fn, memo)
+            o[i] = None if r is _DROP else r
+        return o
+    if isinstance(o, tuple):
+        items = [_walk(v, (*p, i), fn, memo) for i, v in enumerate(o)]
+        items = [None if r is _DROP else r for r in items]
+        if all(a is b for a, b in zip(items, o, strict=True)):
+            new: Any = o
+        elif hasattr(o, "_fields"):
+            new = type(o)(*items)
+        else:
+            new = type(o)(items)
+        memo[id(o)] = new
+        return new
+    if hasattr(o, "__dict__") and not isinstance(
+        o, (type, types.ModuleType, types.FunctionType, types.MethodType)
+    ):
+        memo[id(o)] = o
+        attrs = vars(o)
+        for k in list(attrs):
+            v = _walk(attrs[k], (*p, k), fn, memo)
+            attrs[k] = None if v is _DROP else v
+        return o
+    return o
 
 
 def _name(path: tuple[Any, ...]) -> str:

@@ -102,27 +102,39 @@ class _Deferred(TorchFunctionMode):
     """While active, ``dest.copy_(src)`` from a view of a checkpoint mapping is
     recorded instead of run (``eager``: read at once through the engine); any
     other call that uses a destination with a recorded copy runs the recorded
-    copies first (``flush``), so code that reads what it copied sees the data."""
+    copies first (:meth:`flush`, through ``read``), so code that reads what it
+    copied sees the data. ``read`` and ``eager`` run with the mode passing every
+    call through; they must not refer to the mode (a cycle would keep the
+    load's tensors and mappings alive until the next garbage collection)."""
 
     def __init__(
         self,
         files: _Files,
         names: dict[int, str],
-        flush: Callable[[], None],
+        read: Callable[[list[tuple[str, torch.Tensor, torch.Tensor]]], None],
         eager: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
         super().__init__()
         self.files = files
         self.names = names
-        self.flush = flush
+        self.read = read
         self.eager = eager
         self.pending: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self.storages: set[Any] = set()
         self.passthrough = False
 
-    def take(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    def flush(self) -> None:
+        """Read the recorded copies (if any)."""
         pending, self.pending, self.storages = self.pending, [], set()
-        return pending
+        if pending:
+            self._through(self.read, pending)
+
+    def _through(self, fn: Callable[..., None], *args: Any) -> None:
+        self.passthrough = True
+        try:
+            fn(*args)
+        finally:
+            self.passthrough = False
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -140,7 +152,7 @@ class _Deferred(TorchFunctionMode):
             dest, src = args
             key = self.names.get(id(dest), "<tensor>")
             if self.eager is not None:
-                self.eager(key, src, dest)
+                self._through(self.eager, key, src, dest)
                 return dest
             self.pending.append((key, src, dest))
             k = _storage_key(dest)
@@ -150,6 +162,55 @@ class _Deferred(TorchFunctionMode):
         if self.storages and not _inert(func) and _touches((args, kwargs), self.storages):
             self.flush()
         return func(*args, **kwargs)
+
+
+def _replay(
+    mod: torch.nn.Module,
+    local_state_dict: Mapping[str, Any],
+    prefix: str,
+    metadata: Any,
+    mode: _Deferred,
+    missing: list[str],
+    unexpected: list[str],
+    error_msgs: list[str],
+) -> None:
+    """torch's walk of ``load_state_dict`` (its ``load``), under ``mode``: each
+    submodule's ``_load_from_state_dict`` and post hooks run as torch runs them.
+    A function of the module, not a closure: a recursive closure is a cycle."""
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    local_metadata = {} if metadata is None else metadata.get(prefix[:-1], {})
+    mod._load_from_state_dict(
+        local_state_dict, prefix, local_metadata, True, missing, unexpected, error_msgs
+    )
+    for name, child in mod._modules.items():
+        if child is not None:
+            child_prefix = prefix + name + "."
+            child_state_dict = {
+                k: v for k, v in local_state_dict.items() if k.startswith(child_prefix)
+            }
+            _replay(
+                child,
+                child_state_dict,
+                child_prefix,
+                metadata,
+                mode,
+                missing,
+                unexpected,
+                error_msgs,
+            )
+    hooks = list(mod._load_state_dict_post_hooks.values())
+    if hooks:
+        mode.flush()  # a post hook sees the data, as after torch's copies
+        incompatible_keys = _IncompatibleKeys(missing, unexpected)
+        for hook in hooks:
+            out = hook(mod, incompatible_keys)
+            if out is not None:
+                raise AssertionError(
+                    "Hooks registered with ``register_load_state_dict_post_hook`` are not "
+                    "expected to return new values, if incompatible_keys need to be modified, "
+                    "it should be done inplace."
+                )
 
 
 _SIZE_MISMATCH = re.compile(r"size mismatch for (\S+?):")
@@ -223,15 +284,11 @@ def _load_module(
 
         # An override of load_state_dict: it runs as is, each copy read at once.
         def now(key: str, src: torch.Tensor, dest: torch.Tensor) -> None:
-            mode.passthrough = True
-            try:
-                if not run.run([(key, src, dest)], exact_shape=False):
-                    p = run.problems[-1]
-                    _raise("", [p[2]], [p], partial=run.wrote)
-            finally:
-                mode.passthrough = False
+            if not run.run([(key, src, dest)], exact_shape=False):
+                p = run.problems[-1]
+                _raise("", [p[2]], [p], partial=run.wrote)
 
-        mode = _Deferred(run.located, names, lambda: None, eager=now)
+        mode = _Deferred(run.located, names, lambda _: None, eager=now)
         with mode:
             result = module.load_state_dict(state_dict, strict)
         run.report(t0, result.missing_keys, result.unexpected_keys)
@@ -241,16 +298,11 @@ def _load_module(
     unexpected: list[str] = []
     error_msgs: list[str] = []
 
-    def flush() -> None:
-        pending = mode.take()
-        if pending and not error_msgs and not run.problems:
-            mode.passthrough = True
-            try:
-                run.run(pending, exact_shape=False)
-            finally:
-                mode.passthrough = False
+    def read(pending: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        if not error_msgs and not run.problems:
+            run.run(pending, exact_shape=False)
 
-    mode = _Deferred(run.located, names, flush)
+    mode = _Deferred(run.located, names, read)
 
     # torch.nn.Module.load_state_dict, without assign: a copy so that
     # _load_from_state_dict may change it; children get the keys under their prefix.
@@ -271,38 +323,13 @@ def _load_module(
             partial=False,
         )
 
-    def load(mod: torch.nn.Module, local_state_dict: Mapping[str, Any], prefix: str = "") -> None:
-        local_metadata = {} if metadata is None else metadata.get(prefix[:-1], {})
-        mod._load_from_state_dict(
-            local_state_dict, prefix, local_metadata, True, missing, unexpected, error_msgs
-        )
-        for name, child in mod._modules.items():
-            if child is not None:
-                child_prefix = prefix + name + "."
-                child_state_dict = {
-                    k: v for k, v in local_state_dict.items() if k.startswith(child_prefix)
-                }
-                load(child, child_state_dict, child_prefix)
-        hooks = list(mod._load_state_dict_post_hooks.values())
-        if hooks:
-            flush()  # a post hook sees the data, as after torch's copies
-            incompatible_keys = _IncompatibleKeys(missing, unexpected)
-            for hook in hooks:
-                out = hook(mod, incompatible_keys)
-                if out is not None:
-                    raise AssertionError(
-                        "Hooks registered with ``register_load_state_dict_post_hook`` are not "
-                        "expected to return new values, if incompatible_keys need to be modified, "
-                        "it should be done inplace."
-                    )
-
     fast = _plain_walk(module, state_dict, metadata)
     if fast is not None:
         mode.pending, missing, unexpected, error_msgs = fast
     else:
         name_all()
         with mode:
-            load(module, state_dict)
+            _replay(module, state_dict, "", metadata, mode, missing, unexpected, error_msgs)
     if strict:
         if unexpected:
             error_msgs.insert(
@@ -317,7 +344,7 @@ def _load_module(
                 "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)),
             )
     if not error_msgs and not run.problems:
-        flush()
+        mode.flush()
     if error_msgs or run.problems:
         problems: list[Problem] = []
         keyed = 0  # the key lines inserted above
@@ -447,65 +474,77 @@ def _plain_walk(
     keys = _Keys.of(state_dict)
     if keys is None:
         return None
-    copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    missing: list[str] = []
-    unexpected: list[str] = []
-    errors: list[str] = []
-    first: dict[int, str] = {}
-    is_tensor_like = torch.overrides.is_tensor_like
+    found: _Found = ([], [], [], [], {})
+    if not _walk_plain(module, keys, "", found):
+        return None
+    copies, missing, unexpected, errors, _ = found
+    return copies, missing, unexpected, errors
 
-    def walk(mod: torch.nn.Module, node: _Keys, prefix: str) -> bool:
-        own = _plain_state(mod)
-        if own is None:
-            return False
-        leaves = node.leaves
-        found = 0  # own tensors the checkpoint has: fewer than leaves means unexpected ones
-        for name, dest in own.items():
-            key = prefix + name
-            named = first.setdefault(id(dest), key)
-            leaf = leaves.get(name)
-            if leaf is None:
-                missing.append(key)
-                continue
-            found += 1
-            src = leaf[2]
-            if type(src) is not _Tensor and not is_tensor_like(src):
+
+#: What :func:`_walk_plain` finds: copies, missing keys, unexpected keys, error
+#: messages, and each destination's first name (by id).
+_Found = tuple[
+    list[tuple[str, torch.Tensor, torch.Tensor]], list[str], list[str], list[str], dict[int, str]
+]
+
+
+def _walk_plain(mod: torch.nn.Module, node: _Keys, prefix: str, found: _Found) -> bool:
+    """:func:`_plain_walk`'s visit of ``mod`` and its children (False: a child
+    is not plain). A function of the module, not a closure: a recursive closure
+    is a cycle, which would keep the load's tensors alive until the next
+    garbage collection."""
+    copies, missing, unexpected, errors, first = found
+    own = _plain_state(mod)
+    if own is None:
+        return False
+    leaves = node.leaves
+    hits = 0  # own tensors the checkpoint has: fewer than leaves means unexpected ones
+    for name, dest in own.items():
+        key = prefix + name
+        named = first.setdefault(id(dest), key)
+        leaf = leaves.get(name)
+        if leaf is None:
+            missing.append(key)
+            continue
+        hits += 1
+        src = leaf[2]
+        if type(src) is not _Tensor and not torch.overrides.is_tensor_like(src):
+            errors.append(
+                f'While copying the parameter named "{key}", expected torch.Tensor or '
+                f"Tensor-like object from checkpoint but received {type(src)}"
+            )
+            continue
+        shape = dest.shape
+        if src.shape != shape:
+            if not shape and src.shape == (1,):
+                src = src[0]
+            else:
                 errors.append(
-                    f'While copying the parameter named "{key}", expected torch.Tensor or '
-                    f"Tensor-like object from checkpoint but received {type(src)}"
+                    f"size mismatch for {key}: copying a param with shape {src.shape} "
+                    f"from checkpoint, the shape in current model is {shape}."
                 )
                 continue
-            shape = dest.shape
-            if src.shape != shape:
-                if not shape and src.shape == (1,):
-                    src = src[0]
-                else:
-                    errors.append(
-                        f"size mismatch for {key}: copying a param with shape {src.shape} "
-                        f"from checkpoint, the shape in current model is {shape}."
-                    )
-                    continue
-            copies.append((named, src, dest))
-        # torch lists the extra state first, then the others in the dict's order.
-        odd = []
-        if _EXTRA in leaves:
-            unexpected.append(leaves[_EXTRA][1])
-            found += _EXTRA not in own  # (a parameter may bear that name)
-        if found < len(leaves):
-            odd = [v for k, v in leaves.items() if k not in own and k != _EXTRA]
-        children = mod._modules
-        kids = node.kids
-        for head, kid in kids.items():
-            if head not in children:
-                odd.extend(kid.all())
-        if odd:
-            unexpected.extend(key for _, key, _ in sorted(odd, key=lambda leaf: leaf[0]))
-        for name, child in children.items():
-            if child is not None and not walk(child, kids.get(name, _NO_KEYS), f"{prefix}{name}."):
-                return False
-        return True
-
-    return (copies, missing, unexpected, errors) if walk(module, keys, "") else None
+        copies.append((named, src, dest))
+    # torch lists the extra state first, then the others in the dict's order.
+    odd = []
+    if _EXTRA in leaves:
+        unexpected.append(leaves[_EXTRA][1])
+        hits += _EXTRA not in own  # (a parameter may bear that name)
+    if hits < len(leaves):
+        odd = [v for k, v in leaves.items() if k not in own and k != _EXTRA]
+    children = mod._modules
+    kids = node.kids
+    for head, kid in kids.items():
+        if head not in children:
+            odd.extend(kid.all())
+    if odd:
+        unexpected.extend(key for _, key, _ in sorted(odd, key=lambda leaf: leaf[0]))
+    for name, child in children.items():
+        if child is not None and not _walk_plain(
+            child, kids.get(name, _NO_KEYS), f"{prefix}{name}.", found
+        ):
+            return False
+    return True
 
 
 _EXTRA = _EXTRA_STATE_KEY_SUFFIX
@@ -612,35 +651,13 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
         pairs.append((name, value, dest))
         return dest
 
-    def _cast(
-        param: torch.Tensor,
-        value: Any,
-        param_id: Any,
-        param_groups: list[dict[str, Any]],
-        key: Any = None,
-        path: tuple[Any, ...] = (),
-    ) -> Any:
-        # Optimizer.load_state_dict's _cast, with the destinations above.
-        if isinstance(value, torch.Tensor):
-            return destination(param, value, param_id, param_groups, key, path)
-        elif isinstance(value, dict):
-            return {
-                k: _cast(param, v, param_id, param_groups, key=k, path=(*path, k))
-                for k, v in value.items()
-            }
-        elif isinstance(value, Iterable):
-            return type(value)(  # type: ignore[call-arg]
-                _cast(param, v, param_id, param_groups, path=(*path, i))
-                for i, v in enumerate(value)
-            )
-        else:
-            return value
-
     state: defaultdict[Any, Any] = defaultdict(dict)
     for k, v in state_dict["state"].items():
         if k in id_map:
             param = id_map[k]
-            state[param] = _cast(param, v, k, state_dict["param_groups"], path=("state", k))
+            state[param] = _cast(
+                destination, param, v, k, state_dict["param_groups"], path=("state", k)
+            )
         else:  # kept as loaded
             state[k] = _rebuild(v, _fresh_into(run, pairs, ("state", k)))
     run.problems += shapes
@@ -658,6 +675,34 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
     run.report(t0)
+
+
+def _cast(
+    destination: Callable[..., torch.Tensor],
+    param: torch.Tensor,
+    value: Any,
+    param_id: Any,
+    param_groups: list[dict[str, Any]],
+    key: Any = None,
+    path: tuple[Any, ...] = (),
+) -> Any:
+    """Optimizer.load_state_dict's _cast, each tensor's destination from
+    ``destination`` (:func:`_load_optimizer`'s). A function of the module, not
+    a closure: a recursive closure is a cycle."""
+    if isinstance(value, torch.Tensor):
+        return destination(param, value, param_id, param_groups, key, path)
+    elif isinstance(value, dict):
+        return {
+            k: _cast(destination, param, v, param_id, param_groups, key=k, path=(*path, k))
+            for k, v in value.items()
+        }
+    elif isinstance(value, Iterable):
+        return type(value)(  # type: ignore[call-arg]
+            _cast(destination, param, v, param_id, param_groups, path=(*path, i))
+            for i, v in enumerate(value)
+        )
+    else:
+        return value
 
 
 def _raise_optimizer(opt: torch.optim.Optimizer, run: _Run) -> NoReturn:
