@@ -54,6 +54,23 @@ impl HostBuf {
 struct Slot {
     buf: HostBuf,
     stream: Stream,
+    /// The serial of the event the stream last waited for (0: none).
+    waited: u64,
+}
+
+impl Slot {
+    /// Queue the stream behind `after` (the caller's stream), once per
+    /// transfer: a stream runs its work in order, so every copy queued after
+    /// the wait is behind it too. One driver call less per chunk.
+    fn wait_for(&mut self, after: Option<&Event>) -> Result<()> {
+        if let Some(e) = after {
+            if self.waited != e.serial() {
+                self.stream.wait(e)?;
+                self.waited = e.serial();
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A chunk whose copy is in flight on one slot.
@@ -113,10 +130,12 @@ impl BounceLane {
                 Slot {
                     stream: Stream::new(device)?,
                     buf: a,
+                    waited: 0,
                 },
                 Slot {
                     stream: Stream::new(device)?,
                     buf: b,
+                    waited: 0,
                 },
             ],
             next: 0,
@@ -164,9 +183,7 @@ impl BounceLane {
         cuda.make_current(self.device)?;
         let slot = self.take_slot();
         let s = &mut self.slots[slot];
-        if let Some(e) = after {
-            s.stream.wait(e)?;
-        }
+        s.wait_for(after)?;
         let dst = s.buf.as_mut_slice()[..len].as_mut_ptr();
         // SAFETY: the buffer holds `len` bytes (the slice above checked) and is
         // not in use (the caller finished this slot); the source is valid per the caller.
@@ -232,9 +249,7 @@ impl BounceLane {
         let sum = crc.then(|| crc32fast::hash(&s.buf.as_slice()[skip..skip + len]));
         let cuda = cuda::driver()?;
         cuda.make_current(self.device)?;
-        if let Some(e) = after {
-            s.stream.wait(e)?;
-        }
+        s.wait_for(after)?;
         let src = s.buf.as_slice()[skip..skip + len].as_ptr();
         // SAFETY: the slot holds the bytes just read and stays untouched until
         // `finish_load` synchronizes; the destination is valid per the caller.
@@ -277,9 +292,7 @@ impl BounceLane {
                 s.buf.len()
             )));
         }
-        if let Some(e) = after {
-            s.stream.wait(e)?;
-        }
+        s.wait_for(after)?;
         let base = s.buf.as_mut_slice()[skip..skip + len].as_mut_ptr();
         for p in pieces {
             if p.at + p.len > len {
@@ -352,9 +365,9 @@ impl BounceLane {
             )));
         }
         file.read_blocks_needed(&mut s.buf.as_mut_slice()[..span], start, skip + len)?;
-        if let Some(e) = after {
+        if after.is_some() {
             cuda::driver()?.make_current(self.device)?;
-            s.stream.wait(e)?;
+            s.wait_for(after)?;
         }
         Ok(InFlight {
             slot,

@@ -368,11 +368,32 @@ impl Cuda {
     /// Makes `device`'s primary context current on the calling thread (the
     /// context PyTorch uses). Call it on each thread before touching that
     /// device. The context is retained on the first call for a device.
+    ///
+    /// The engine's threads call it once per chunk: the context is looked up
+    /// in a per-thread cache (a device's primary context never changes once
+    /// retained) and set only when another one is current, so the common call
+    /// takes no lock of ours or the driver's.
     pub fn make_current(&self, device: i32) -> Result<()> {
-        let ctx = self.primary_context(device)?;
+        thread_local! {
+            static LAST: std::cell::Cell<(i32, CUcontext)> =
+                const { std::cell::Cell::new((-1, ptr::null_mut())) };
+        }
+        let (d, cached) = LAST.with(|c| c.get());
+        let ctx = if d == device && !cached.is_null() {
+            cached
+        } else {
+            let ctx = self.primary_context(device)?.0;
+            LAST.with(|c| c.set((device, ctx)));
+            ctx
+        };
+        let mut now: CUcontext = ptr::null_mut();
+        // SAFETY: writes one CUcontext (null if none is current).
+        if unsafe { (self.api.ctx_get_current)(&mut now) } == CUDA_SUCCESS && now == ctx {
+            return Ok(());
+        }
         // SAFETY: `ctx` is a retained context that is never released, so it is alive.
         self.check("cuCtxSetCurrent", unsafe {
-            (self.api.ctx_set_current)(ctx.0)
+            (self.api.ctx_set_current)(ctx)
         })
     }
 
@@ -558,8 +579,13 @@ unsafe impl Send for Stream {}
 pub struct Event {
     raw: Handle,
     device: i32,
+    /// Unique in the process: which event a stream last waited for (a freed
+    /// event's handle or address may be reused, its serial never is).
+    serial: u64,
     cuda: &'static Cuda,
 }
+
+static EVENT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Event {
     /// Records an event on `stream` of `device`: it completes once every piece
@@ -583,6 +609,7 @@ impl Event {
         let event = Event {
             raw: Handle(raw),
             device,
+            serial: EVENT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             cuda,
         };
         // SAFETY: the event is ours and alive; the caller vouches for the stream.
@@ -593,6 +620,11 @@ impl Event {
     /// The device whose stream the event was recorded on.
     pub fn device(&self) -> i32 {
         self.device
+    }
+
+    /// This event's serial number, unique in the process (never 0).
+    pub fn serial(&self) -> u64 {
+        self.serial
     }
 
     /// Blocks the calling thread until the event has completed.
@@ -1164,8 +1196,38 @@ mod tests {
         // SAFETY: as above.
         let e = unsafe { Event::record(0, s.as_raw()) }.unwrap();
         other.wait(&e).unwrap();
+        // Serials tell events apart (a bounce slot's stream waits once per event).
+        assert!(on_s.serial() > 0 && on_legacy.serial() > on_s.serial());
+        assert!(e.serial() > on_legacy.serial());
         drop(e);
         other.synchronize().unwrap();
+    }
+
+    #[test]
+    fn gpu_make_current_sets_a_context_it_finds_unset() {
+        let Some(cuda) = gpu() else { return };
+        std::thread::spawn(move || {
+            let current = || {
+                let mut c: CUcontext = ptr::null_mut();
+                // SAFETY: writes one CUcontext.
+                assert_eq!(unsafe { (cuda.api.ctx_get_current)(&mut c) }, CUDA_SUCCESS);
+                c
+            };
+            assert!(current().is_null(), "a fresh thread has no context");
+            cuda.make_current(0).unwrap();
+            let primary = current();
+            assert!(!primary.is_null());
+            cuda.make_current(0).unwrap(); // the cached path
+            assert_eq!(current(), primary);
+            // Someone else unbinds it (as torch may on its threads): the next
+            // call must notice, not trust its cache.
+            // SAFETY: null unbinds the thread's context.
+            unsafe { (cuda.api.ctx_set_current)(ptr::null_mut()) };
+            cuda.make_current(0).unwrap();
+            assert_eq!(current(), primary);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
