@@ -586,6 +586,24 @@ def test_load_out_nested_structure(tmp_path):
     assert torch.equal(big[:, 1::2], torch.zeros(4, 3))
 
 
+def test_load_out_conjugate_and_negative_views_get_the_values(tmp_path):
+    """Destinations whose memory holds other values than they show (a lazy
+    conjugate or negative view) take the copy, not the direct read."""
+    p = tmp_path / "c.pt"
+    c = torch.complex(torch.arange(4.0), torch.ones(4))
+    ckptio.save({"c": c, "n": torch.arange(3.0), "plain": torch.arange(5.0)}, p)
+    base_c = torch.zeros(4, dtype=torch.complex64)
+    base_n = torch.zeros(3)
+    out = {"c": base_c.conj(), "n": torch._neg_view(base_n), "plain": torch.zeros(5)}
+    assert out["c"].is_conj() and out["n"].is_neg()
+    ckptio.load(p, out=out)
+    assert torch.equal(out["c"].resolve_conj(), c)
+    assert torch.equal(base_c, c.conj())
+    assert torch.equal(out["n"].resolve_neg(), torch.arange(3.0))
+    assert torch.equal(base_n, -torch.arange(3.0))
+    assert torch.equal(out["plain"], torch.arange(5.0))
+
+
 def test_load_out_mismatches_each_with_its_error(tmp_path):
     p = tmp_path / "c.pt"
     ckptio.save({"a": torch.ones(4), "b": torch.ones(2, 2)}, p)

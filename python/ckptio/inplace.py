@@ -216,6 +216,47 @@ class _Files:
             return None
         return fi, t.data_ptr() - m.base
 
+    def direct(self, key: str, src: Any, dest: Any) -> Item | None:
+        """The usual pair, checked and placed in one step (a tenth of the calls
+        of :func:`_check` and :func:`_item`, a third of a plan's time): a plain
+        contiguous source viewing one of the mappings, and a plain contiguous
+        CPU or CUDA destination of its dtype and shape, writable here. None:
+        ask :func:`_check` and :func:`_item`."""
+        if (
+            type(src) not in _PLAIN_TYPES
+            or type(dest) not in _PLAIN_TYPES
+            or not src.is_cpu
+            or not (dest.is_cpu or dest.is_cuda)
+            or src.dtype != dest.dtype
+            or src.shape != dest.shape
+            or src.layout != _STRIDED
+            or dest.layout != _STRIDED
+            or src.is_conj()
+            or src.is_neg()
+            or dest.is_conj()
+            or dest.is_neg()
+            or dest.is_inference()
+            or not src.is_contiguous()
+            or not dest.is_contiguous()
+        ):
+            return None
+        nbytes = src.numel() * src.element_size()
+        if not nbytes:
+            return None
+        ptr = src.data_ptr()
+        sp = ptr - src.storage_offset() * src.element_size()
+        i = bisect.bisect_right(self._bases, sp) - 1
+        if i < 0:
+            return None
+        fi = self._order[i]
+        m = self.files[fi]
+        if not (m.base <= sp < m.base + m.size) or not m.exact:
+            return None
+        return Item(key, dest, src, fi, ptr - m.base, nbytes, True)
+
+
+_STRIDED = torch.strided
+
 
 def _storage_address(t: torch.Tensor) -> int:
     """The address of a strided tensor's storage, without making the storage's
@@ -577,6 +618,10 @@ def plan(
     problems: list[Problem] = []
     items: list[Item] = []
     for key, src, dest in pairs:
+        it = located.direct(key, src, dest)
+        if it is not None:
+            items.append(it)
+            continue
         p = _check(key, src, dest, cast, exact_shape)
         if p is not None:
             problems.append(p)
