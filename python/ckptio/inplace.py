@@ -207,14 +207,20 @@ class _Files:
             sp = _storage_address(t)
         except (RuntimeError, NotImplementedError):
             return None
-        i = bisect.bisect_right(self._bases, sp) - 1
+        fi = self._file_at(sp)
+        return None if fi is None else (fi, t.data_ptr() - self.files[fi].base)
+
+    def _file_at(self, storage_address: int) -> int | None:
+        """The index of the mapping holding a storage at that address, if its
+        bytes are the file's as stored (not byte-swapped)."""
+        i = bisect.bisect_right(self._bases, storage_address) - 1
         if i < 0:
             return None
         fi = self._order[i]
         m = self.files[fi]
-        if not (m.base <= sp < m.base + m.size) or not m.exact:
+        if not (m.base <= storage_address < m.base + m.size) or not m.exact:
             return None
-        return fi, t.data_ptr() - m.base
+        return fi
 
     def direct(self, key: str, src: Any, dest: Any) -> Item | None:
         """The usual pair, checked and placed in one step (a tenth of the calls
@@ -244,15 +250,10 @@ class _Files:
         if not nbytes:
             return None
         ptr = src.data_ptr()
-        sp = ptr - src.storage_offset() * src.element_size()
-        i = bisect.bisect_right(self._bases, sp) - 1
-        if i < 0:
+        fi = self._file_at(ptr - src.storage_offset() * src.element_size())
+        if fi is None:
             return None
-        fi = self._order[i]
-        m = self.files[fi]
-        if not (m.base <= sp < m.base + m.size) or not m.exact:
-            return None
-        return Item(key, dest, src, fi, ptr - m.base, nbytes, True)
+        return Item(key, dest, src, fi, ptr - self.files[fi].base, nbytes, True)
 
 
 _STRIDED = torch.strided
