@@ -18,7 +18,7 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use libloading::Library;
 
 use crate::error::{Error, Result};
-use crate::gpu::budget;
+use crate::gpu::{budget, symbol};
 use crate::io::hugepage::{self, AnonMap};
 
 type CUresult = c_int;
@@ -92,19 +92,6 @@ struct Api {
     event_synchronize: Option<unsafe extern "C" fn(CUevent) -> CUresult>,
     event_destroy: Option<unsafe extern "C" fn(CUevent) -> CUresult>,
     stream_wait_event: Option<unsafe extern "C" fn(CUstream, CUevent, c_uint) -> CUresult>,
-}
-
-/// Resolves `name` in `lib` and copies the function pointer out.
-///
-/// # Safety
-/// `T` must be the exact C type of the symbol `name`. The pointer must not be
-/// called after `lib` is unloaded. Here the library is owned by a `static` and
-/// never unloaded.
-unsafe fn symbol<T: Copy>(lib: &Library, name: &str) -> std::result::Result<T, String> {
-    // SAFETY: the caller guarantees that `T` is the symbol's type.
-    let sym = unsafe { lib.get::<T>(name.as_bytes()) };
-    sym.map(|s| *s)
-        .map_err(|e| format!("symbol {name} not found: {e}"))
 }
 
 impl Api {

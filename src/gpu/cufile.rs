@@ -22,6 +22,7 @@ use std::sync::OnceLock;
 use libloading::Library;
 
 use crate::error::{Error, Result};
+use crate::gpu::symbol;
 
 /// `CUfileError_t`: the cuFile status and, for CU_FILE_CUDA_DRIVER_ERROR, the CUresult.
 #[repr(C)]
@@ -236,19 +237,6 @@ struct Api {
     /// cuFileDriverClose_v2 (what cufile.h's macro selects), else cuFileDriverClose.
     /// Resolved only so that `probe` can report it. We never call it (module doc).
     driver_close: Option<unsafe extern "C" fn() -> CUfileError>,
-}
-
-/// Resolves `name` in `lib` and copies the function pointer out.
-///
-/// # Safety
-/// `T` must be the exact C type of the symbol `name`. The pointer must not be
-/// called after `lib` is unloaded. Here the library is owned by a `static` and
-/// never unloaded.
-unsafe fn symbol<T: Copy>(lib: &Library, name: &str) -> std::result::Result<T, String> {
-    // SAFETY: the caller guarantees that `T` is the symbol's type.
-    let sym = unsafe { lib.get::<T>(name.as_bytes()) };
-    sym.map(|s| *s)
-        .map_err(|e| format!("symbol {name} not found: {e}"))
 }
 
 impl Api {

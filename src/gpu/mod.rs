@@ -19,6 +19,20 @@ pub mod path;
 pub mod staging;
 
 pub use bounce::{BounceLane, InFlight, SlotPiece};
+
+/// Resolves `name` in `lib` (libcuda or libcufile, opened with dlopen) and
+/// copies the function pointer out.
+///
+/// # Safety
+/// `T` must be the exact C type of the symbol `name`. The pointer must not be
+/// called after `lib` is unloaded. Here the libraries are owned by `static`s
+/// and never unloaded.
+unsafe fn symbol<T: Copy>(lib: &libloading::Library, name: &str) -> std::result::Result<T, String> {
+    // SAFETY: the caller guarantees that `T` is the symbol's type.
+    let sym = unsafe { lib.get::<T>(name.as_bytes()) };
+    sym.map(|s| *s)
+        .map_err(|e| format!("symbol {name} not found: {e}"))
+}
 pub use path::{open_device_path, Backend, DevicePath};
 
 /// Where a segment's memory lives.
