@@ -59,6 +59,28 @@ struct Slot {
 }
 
 impl Slot {
+    /// Read `len` bytes at `file_offset` into the buffer (with O_DIRECT, the
+    /// aligned blocks around them); returns where the first byte landed.
+    fn read(&mut self, file: &IoFile, file_offset: u64, len: usize) -> Result<usize> {
+        let (start, span) = if file.is_direct() {
+            let a = file.alignment().offset as u64;
+            let start = crate::io::align::align_down(file_offset, a);
+            let end = crate::io::align::align_up(file_offset + len as u64, a);
+            (start, (end - start) as usize)
+        } else {
+            (file_offset, len)
+        };
+        let skip = (file_offset - start) as usize;
+        if span > self.buf.len() {
+            return Err(Error::invalid(format!(
+                "chunk of {span} bytes exceeds the bounce buffer ({})",
+                self.buf.len()
+            )));
+        }
+        file.read_blocks_needed(&mut self.buf.as_mut_slice()[..span], start, skip + len)?;
+        Ok(skip)
+    }
+
     /// Queue the stream behind `after` (the caller's stream), once per
     /// transfer: a stream runs its work in order, so every copy queued after
     /// the wait is behind it too. One driver call less per chunk.
@@ -227,25 +249,7 @@ impl BounceLane {
     ) -> Result<(InFlight, Option<u32>)> {
         let slot = self.take_slot();
         let s = &mut self.slots[slot];
-        let a = file.alignment().offset as u64;
-        let start = if file.is_direct() {
-            crate::io::align::align_down(file_offset, a)
-        } else {
-            file_offset
-        };
-        let skip = (file_offset - start) as usize;
-        let span = if file.is_direct() {
-            (crate::io::align::align_up(file_offset + len as u64, a) - start) as usize
-        } else {
-            len
-        };
-        if span > s.buf.len() {
-            return Err(Error::invalid(format!(
-                "chunk of {span} bytes exceeds the pinned buffer ({})",
-                s.buf.len()
-            )));
-        }
-        file.read_blocks_needed(&mut s.buf.as_mut_slice()[..span], start, skip + len)?;
+        let skip = s.read(file, file_offset, len)?;
         let sum = crc.then(|| crc32fast::hash(&s.buf.as_slice()[skip..skip + len]));
         let cuda = cuda::driver()?;
         cuda.make_current(self.device)?;
@@ -349,22 +353,7 @@ impl BounceLane {
     ) -> Result<InFlight> {
         let slot = self.take_slot();
         let s = &mut self.slots[slot];
-        let (start, span) = if file.is_direct() {
-            let a = file.alignment().offset as u64;
-            let start = crate::io::align::align_down(file_offset, a);
-            let end = crate::io::align::align_up(file_offset + len as u64, a);
-            (start, (end - start) as usize)
-        } else {
-            (file_offset, len)
-        };
-        let skip = (file_offset - start) as usize;
-        if span > s.buf.len() {
-            return Err(Error::invalid(format!(
-                "chunk of {span} bytes exceeds the bounce buffer ({})",
-                s.buf.len()
-            )));
-        }
-        file.read_blocks_needed(&mut s.buf.as_mut_slice()[..span], start, skip + len)?;
+        let skip = s.read(file, file_offset, len)?;
         if after.is_some() {
             cuda::driver()?.make_current(self.device)?;
             s.wait_for(after)?;
