@@ -1,7 +1,36 @@
 //! Locks and background threads shared by the layers.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
+
+use crate::Error;
+
+/// The first error of the threads of one parallel step, kept (the later ones
+/// are dropped), and a flag the others poll to stop taking work.
+#[derive(Default)]
+pub(crate) struct FirstError {
+    failed: AtomicBool,
+    error: Mutex<Option<Error>>,
+}
+
+impl FirstError {
+    /// Whether a thread has failed: stop taking work.
+    pub(crate) fn failed(&self) -> bool {
+        self.failed.load(Ordering::Relaxed)
+    }
+
+    /// Record `e` (kept only if it is the first).
+    pub(crate) fn set(&self, e: Error) {
+        self.failed.store(true, Ordering::Relaxed);
+        lock(&self.error).get_or_insert(e);
+    }
+
+    /// The first error, once every thread has ended.
+    pub(crate) fn into_inner(self) -> Option<Error> {
+        into_inner(self.error)
+    }
+}
 
 /// `m` locked, also after a thread panicked while holding it: the data the
 /// core guards this way stays consistent at every step (counters, lists).
@@ -49,4 +78,26 @@ pub(crate) fn ensure_thread(running: &Mutex<Option<u32>>, name: &str, run: fn())
         *now = Some(pid);
     }
     spawned
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_error_of_many_threads_is_kept() {
+        let first = FirstError::default();
+        assert!(!first.failed());
+        first.set(Error::invalid("first"));
+        std::thread::scope(|s| {
+            for i in 0..4 {
+                let first = &first;
+                s.spawn(move || first.set(Error::invalid(format!("later {i}"))));
+            }
+        });
+        assert!(first.failed());
+        let e = first.into_inner().unwrap();
+        assert!(e.to_string().contains("first"), "{e}");
+        assert!(FirstError::default().into_inner().is_none());
+    }
 }

@@ -50,7 +50,7 @@ mod pool;
 
 use std::collections::HashSet;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use crc32fast::Hasher;
@@ -385,8 +385,7 @@ impl Engine {
             file.alignment().memory.max(align::DEFAULT_ALIGN),
         )?;
         let next = AtomicUsize::new(0);
-        let failed = AtomicBool::new(false);
-        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        let first_error = crate::sync::FirstError::default();
         let locks = PageLocks::default();
         let ctx = lane::Ctx {
             file,
@@ -402,11 +401,11 @@ impl Engine {
 
         std::thread::scope(|s| {
             for lane in lanes.iter_mut() {
-                let (chunks, next, failed, first_error, crcs, ctx) =
-                    (&plan.chunks, &next, &failed, &first_error, &crcs, &ctx);
+                let (chunks, next, first_error, crcs, ctx) =
+                    (&plan.chunks, &next, &first_error, &crcs, &ctx);
                 s.spawn(move || {
                     let take = || {
-                        if failed.load(Ordering::Relaxed) {
+                        if first_error.failed() {
                             return None;
                         }
                         let i = next.fetch_add(1, Ordering::Relaxed);
@@ -419,17 +418,13 @@ impl Engine {
                     let r = unsafe { lane.run(ctx, take, out) };
                     match r {
                         Ok(()) => crate::sync::lock(crcs).append(&mut mine),
-                        Err(e) => {
-                            failed.store(true, Ordering::Relaxed);
-                            let mut slot = crate::sync::lock(first_error);
-                            slot.get_or_insert(e);
-                        }
+                        Err(e) => first_error.set(e),
                     }
                 });
             }
         });
         self.pool.give_back(lanes);
-        if let Some(e) = crate::sync::into_inner(first_error) {
+        if let Some(e) = first_error.into_inner() {
             // Errors of layers that do not know the file (cuFile's) name it here.
             return Err(e.with_path(file.path()));
         }

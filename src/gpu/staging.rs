@@ -19,8 +19,8 @@
 //! anonymous or shared memory); a [`HostPin`] only holds the registration and
 //! drops it when it goes.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use crate::gpu::cuda::{self, HostRegistration, Stream};
 use crate::gpu::Memory;
@@ -247,8 +247,7 @@ pub unsafe fn copy_to_host(
     }
     let next = AtomicUsize::new(0);
     let unpinned = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    let first_error = crate::sync::FirstError::default();
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| {
@@ -257,7 +256,7 @@ pub unsafe fn copy_to_host(
                 // wait: many small tensors cost a queued copy each, not a round trip.
                 let mut queued = (0usize, 0usize);
                 let r = (|| -> Result<()> {
-                    while !failed.load(Ordering::Relaxed) {
+                    while !first_error.failed() {
                         let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
                             break;
                         };
@@ -313,14 +312,12 @@ pub unsafe fn copy_to_host(
                 let waited = streams.iter().try_for_each(Stream::synchronize);
                 let r = r.and(waited);
                 if let Err(e) = r {
-                    failed.store(true, Ordering::Relaxed);
-                    let mut slot = crate::sync::lock(&first_error);
-                    slot.get_or_insert(e);
+                    first_error.set(e);
                 }
             });
         }
     });
-    if let Some(e) = crate::sync::into_inner(first_error) {
+    if let Some(e) = first_error.into_inner() {
         return Err(e);
     }
     stats.unpinned_device_bytes = unpinned.into_inner() as u64;

@@ -387,7 +387,7 @@ pub fn copy_floor(
         .map_err(|e| Error::io_at("stat", path, e))?
         .len();
     let next = AtomicUsize::new(0);
-    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    let failed = crate::sync::FirstError::default();
     std::thread::scope(|s| {
         for slots in ring.chunks_mut(2 * chunk).take(threads) {
             let (map, next, failed) = (map.as_ref(), &next, &failed);
@@ -410,19 +410,18 @@ pub fn copy_floor(
                         }
                     };
                     if let Err(e) = r {
-                        crate::sync::lock(failed).get_or_insert(e);
+                        failed.set(e);
                         break;
                     }
                 }
             });
             if let Err(e) = copier {
-                let e = Error::io("start a copy thread", None, e);
-                crate::sync::lock(failed).get_or_insert(e);
+                failed.set(Error::io("start a copy thread", None, e));
             }
         }
     });
     drop(map);
-    if let Some(e) = crate::sync::into_inner(failed) {
+    if let Some(e) = failed.into_inner() {
         return Err(e);
     }
     Ok(t0.elapsed().as_secs_f64())
