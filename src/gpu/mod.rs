@@ -19,6 +19,7 @@ pub mod path;
 pub mod staging;
 
 pub use bounce::{BounceLane, InFlight, SlotPiece};
+pub use path::{open_device_path, Backend, DevicePath};
 
 /// Resolves `name` in `lib` (libcuda or libcufile, opened with dlopen) and
 /// copies the function pointer out.
@@ -33,7 +34,6 @@ unsafe fn symbol<T: Copy>(lib: &libloading::Library, name: &str) -> std::result:
     sym.map(|s| *s)
         .map_err(|e| format!("symbol {name} not found: {e}"))
 }
-pub use path::{open_device_path, Backend, DevicePath};
 
 /// Where a segment's memory lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
