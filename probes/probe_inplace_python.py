@@ -7,7 +7,12 @@ native module) alternate with this tree's in one process: the dev VMs' speed
 drifts by 2x between processes, a ratio in one process does not.
 
 usage: PYTHONPATH=python python probes/probe_inplace_python.py [--against REF]
-       [--rounds 40] [--phases]
+       [--rounds 40] [--phases] [--device cuda]
+
+--phases also times the native reads (read_segments) and prints what is left
+("rest": the load's own steps outside the phases, its report, the walk's
+setup). --device cuda puts the model on the GPU (the same Python steps, with
+CUDA destinations: streams, device codes).
 """
 
 from __future__ import annotations
@@ -79,6 +84,17 @@ def phases(mod) -> dict[str, float]:
                 acc[_name] = acc.get(_name, 0.0) + time.perf_counter() - t0
 
         setattr(owner, name, timed)
+    for cls in (mod._native.Reader, mod._native.DeviceFile):
+        inner = cls.read_segments
+
+        def native(obj, *a, _f=inner, **k):
+            t0 = time.perf_counter()
+            try:
+                return _f(obj, *a, **k)
+            finally:
+                acc["(read_segments)"] = acc.get("(read_segments)", 0.0) + time.perf_counter() - t0
+
+        cls.read_segments = native
     return acc
 
 
@@ -87,6 +103,7 @@ def main() -> None:
     p.add_argument("--against", default=None, help="a git ref to compare with")
     p.add_argument("--rounds", type=int, default=40, help="rounds of 5 loads each")
     p.add_argument("--phases", action="store_true", help="time open/walk/plan/execute")
+    p.add_argument("--device", default="cpu", help="where the model lives (cpu, cuda)")
     args = p.parse_args()
     shapes = {
         f"layers.{layer}.{name}": [256]
@@ -100,7 +117,7 @@ def main() -> None:
             "norm.bias",
         )
     }
-    model = module_of(shapes, torch.float32, "cpu")
+    model = module_of(shapes, torch.float32, args.device)
     tmp = tempfile.mkdtemp(prefix="ckptio-probe-")
     path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tmp, "probe-inplace-python.pt")
     try:
@@ -124,14 +141,22 @@ def main() -> None:
                 t0 = time.perf_counter()
                 for _ in range(5):
                     m.load_state_dict(model, path)
+                if args.device != "cpu":
+                    torch.cuda.synchronize()
                 times[k].append((time.perf_counter() - t0) / 5)
-        print(f"# in-place loads of {len(shapes)} tensors in {len(list(model.modules()))} modules")
+        print(
+            f"# in-place loads of {len(shapes)} tensors in {len(list(model.modules()))} "
+            f"modules on {args.device}"
+        )
         for k, v in times.items():
             v.sort()
             line = f"{k:>16}: median {statistics.median(v) * 1e3:.2f} ms, best {v[0] * 1e3:.2f} ms"
             if k in acc:
                 n = 5 * args.rounds
                 line += "; " + ", ".join(f"{s} {t / n * 1e3:.2f}" for s, t in acc[k].items())
+                whole = sum(v) / len(v) * 1e3
+                inside = sum(t for s, t in acc[k].items() if s != "(read_segments)") / n * 1e3
+                line += f", rest {whole - inside:.2f} (mean {whole:.2f})"
             print(line)
         if args.against:
             a, b = (statistics.median(v) for v in times.values())

@@ -50,6 +50,8 @@
 #                                # (tests/test_dcp.py -k nccl, tests/test_group.py -k gpus). MULTIGPU_SIZE
 #                                # (default 8G), MULTIGPU_DIRS (/tmp,/dev/shm), MULTIGPU_PARTS (all:
 #                                # load,sharded,state_dict,dcp,tests), MULTIGPU_ARGS (more arguments)
+#   scripts/gpu_check.sh probe   # PROBE="probes/x.py --args" (with the udev entry), output to $OUT/probe.log;
+#                                # PROBE_TIMEOUT, default 180 s
 # Several modes run in turn: scripts/gpu_check.sh tests staging
 set -uo pipefail
 PY=${PY:-python3}
@@ -109,6 +111,11 @@ gputests)
 rust)
     udev_on
     timeout 240 dist/ckptio-test-lib 2>&1 | tee "$OUT/rust_tests.log" | grep -E 'FAILED|panicked|failures:|test result' | head -40
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    ;;
+probe)
+    udev_on
+    timeout ${PROBE_TIMEOUT:-180} $PY $PROBE 2>&1 | tee -a "$OUT/probe.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     ;;
 membench)

@@ -1,0 +1,100 @@
+"""Does the size of each host-to-device copy cap the memory path?
+
+The memory path copies a file into pinned 4 MiB slots and queues one
+host-to-device copy per slot; its read runs at 0.87-0.92x one large pinned
+copy on every H200 host, whatever the host's CPU copy floor. This times the
+DMA alone: 8 GiB from a pinned buffer (1 GiB, reused) to the GPU in pieces of
+1-64 MiB, queued by 1 or 16 threads each on a stream of its own (as the
+lanes queue them), with no CPU copy, against one copy per GiB. Rounds
+alternate; medians, as ratios to the one-copy time.
+
+Usage: python probes/probe_dma_pieces.py [--size 8] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import threading
+import time
+
+import torch
+from ckptio import bench
+
+GiB = 2**30
+MiB = 2**20
+vp, sz = ctypes.c_void_p, ctypes.c_size_t
+cu = ctypes.CDLL("libcuda.so.1")
+cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+cu.cuCtxSetCurrent.argtypes = [vp]
+cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, sz, vp]
+cu.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+cu.cuStreamSynchronize.argtypes = [vp]
+cu.cuStreamDestroy_v2.argtypes = [vp]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", type=float, default=8.0, help="GiB")
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    n = int(a.size * GiB) // GiB * GiB
+    src = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    ctx = vp()
+    cu.cuCtxGetCurrent(ctypes.byref(ctx))
+
+    def one_copy() -> float:
+        t0 = time.perf_counter()
+        for o in range(0, n, GiB):
+            dst[o : o + GiB].copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def pieces(piece: int, threads: int) -> float:
+        todo = list(reversed(range(0, n, piece)))
+        lock = threading.Lock()
+        base, dbase = src.data_ptr(), dst.data_ptr()
+
+        def work(stopped) -> None:
+            st = vp()
+            cu.cuCtxSetCurrent(ctx)
+            cu.cuStreamCreate(ctypes.byref(st), 1)
+            try:
+                while not stopped():
+                    with lock:
+                        if not todo:
+                            break
+                        o = todo.pop()
+                    rc = cu.cuMemcpyHtoDAsync_v2(dbase + o, base + o % GiB, piece, st)
+                    if rc:
+                        raise RuntimeError(f"cuMemcpyHtoDAsync: {rc}")
+                cu.cuStreamSynchronize(st)
+            finally:
+                cu.cuStreamDestroy_v2(st)
+
+        t0 = time.perf_counter()
+        bench.run_threads(threads, work)
+        return time.perf_counter() - t0
+
+    cases = [(pc * MiB, t) for t in (16, 1) for pc in (1, 2, 4, 8, 16, 64)]
+    times: dict = {c: [] for c in cases}
+    ref: list[float] = []
+    one_copy()
+    for r in range(a.rounds):
+        ref.append(one_copy())
+        for c in cases if r % 2 == 0 else cases[::-1]:
+            times[c].append(pieces(*c))
+    h = statistics.median(ref)
+    print(f"# {n / GiB:.0f} GiB pinned -> GPU: one copy per GiB {n / h / GiB:.2f} GiB/s (median)")
+    print("piece MiB  threads  GiB/s  vs one copy  rounds")
+    for (pc, t), ts in times.items():
+        m = statistics.median(ts)
+        each = " ".join(f"{h / x:.3f}" for x in ts)
+        print(f"{pc // MiB:9d} {t:8d} {n / m / GiB:6.2f} {h / m:11.3f}  {each}")
+
+
+if __name__ == "__main__":
+    main()
