@@ -566,7 +566,7 @@ def save(
 
     threads / chunk_size: I/O threads and bytes per chunk (defaults from
     CKPTIO_THREADS / CKPTIO_CHUNK_SIZE, else 8 and 16 MiB; files on tmpfs get
-    CKPTIO_MEMORY_THREADS / CKPTIO_MEMORY_CHUNK_SIZE, else 3 per 4 cores within 8-32
+    CKPTIO_MEMORY_THREADS / CKPTIO_MEMORY_CHUNK_SIZE, else one per core within 8-32
     and 4 MiB, unless given here or by CKPTIO_THREADS / CKPTIO_CHUNK_SIZE: there
     I/O is memory copies, which scale with cores).
     direct: O_DIRECT "auto" (default: where the filesystem takes it), True/"on"

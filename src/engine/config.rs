@@ -24,16 +24,15 @@ pub const DEFAULT_CHUNK_SIZE: usize = 16 << 20;
 pub const DEFAULT_MEMORY_CHUNK_SIZE: usize = 4 << 20;
 
 /// Threads for a file in memory (tmpfs): its reads and writes are CPU copies
-/// that share the memory bus with each other and, on a load to a GPU, with the
-/// DMA reading the pinned slots. Three per four cores: on the H200 host (16
-/// cores) 32 threads copied the page cache at 0.82x the rate of 16
-/// (memory_copy_floor) and 8 GiB loads in place from /dev/shm to the GPU ran
-/// 1.1-1.2x faster on 16 than on 32 (2026-12-01); on 12 they ran 1.04x faster
-/// than on 16, their engine read 0.90x the pinned copy against 0.87x (every
-/// one of 5 alternating rounds; `probe_memory_lanes.py`, 2026-12-02).
+/// that scale with cores, not requests that a device queue absorbs. One per
+/// core: on the H200 host (16 cores) 32 threads copied the page cache at 0.82x
+/// the rate of 16 (memory_copy_floor), and 8 GiB loads in place from /dev/shm
+/// to the GPU ran 1.1-1.2x faster on 16 than on 32 (2026-12-01). 12 against
+/// 16 (2026-12-02, `probe_memory_lanes.py`): 1.04x on one host, 1.00x on
+/// another, where the copy floor ran 1.12x faster on 16: one per core stays.
 pub fn default_memory_threads() -> usize {
     let cores = std::thread::available_parallelism().map_or(DEFAULT_THREADS, |n| n.get());
-    (cores * 3 / 4).clamp(DEFAULT_THREADS, 32)
+    cores.clamp(DEFAULT_THREADS, 32)
 }
 
 /// How long an engine keeps an idle thread's buffers (its pinned bounce
