@@ -735,6 +735,13 @@ def test_tensor_beyond_its_storage_is_refused(tmp_path, n, field, value):
         torch.load(p, weights_only=True)
     with pytest.raises(ckptio.FormatError, match=f"reaches past its storage's record.*{n * 8}"):
         ckptio.load(p)
+    # In place, where the tensors are never made (placeholders): refused too, nothing written.
+    m = torch.nn.Module()
+    m.register_buffer("t", torch.zeros(n, dtype=torch.int64))
+    m.register_buffer("u", torch.zeros(3))
+    with pytest.raises(ckptio.FormatError, match=f"reaches past its storage's record.*{n * 8}"):
+        ckptio.load_state_dict(m, p)
+    assert not m.t.any() and not m.u.any()
 
 
 def test_missing_data_record_is_torch_runtimeerror(tmp_path, good):

@@ -1066,3 +1066,121 @@ def test_loads_leave_no_reference_cycles(tmp_path):
         finally:
             gc.enable()
         assert left == 0, f"{what}: {left} objects in reference cycles"
+
+
+def _native_parts(path):
+    """(parsed pickle, storages, dtypes) of a torch.save file, as the native open reads it."""
+    from ckptio import serialization
+
+    reader = inplace._open(str(path), None, None)
+    records = reader.records()
+    parsed, found = serialization._native_pickle(reader, records, reader.prefix)
+    whole = torch.UntypedStorage.from_file(
+        f"/proc/self/fd/{reader.fileno()}", False, os.fstat(reader.fileno()).st_size
+    )
+    storages = [whole[off : off + n] for off, n, _, _ in found]
+    return reader, parsed, storages, [d for _, _, d, _ in found]
+
+
+def test_sources_not_made_yet_make_what_the_eager_build_makes(tmp_path):
+    # ckptio.load_state_dict decodes a checkpoint into placeholders (Source) that
+    # make their tensor on demand; made, the object must be the one the eager
+    # build (ckptio.load's) makes: values, types, views, sharing, containers.
+    from collections import OrderedDict
+
+    from ckptio import _unpickled
+
+    base = torch.arange(24.0).reshape(4, 6)
+    shared = torch.ones(5, dtype=torch.bfloat16)
+    inner = OrderedDict(w=base.t(), b=base[1, 2:5])
+    inner._metadata = OrderedDict({"": {"version": 3}})
+    obj = {
+        "inner": inner,
+        "list": [shared, shared, torch.tensor(7, dtype=torch.int64), torch.empty(0, 3)],
+        "tuple": (torch.zeros(2, 3, 4).transpose(1, 2), torch.zeros(2, 1, 3).transpose(0, 1), 3),
+        "param": nn.Parameter(torch.full((2, 2), 3.0), requires_grad=False),
+        "grad": torch.ones(3).requires_grad_(),
+        "scalar": torch.tensor(2.5),
+    }
+    p = tmp_path / "mix.pt"
+    torch.save(obj, p)
+    reader, parsed, storages, dtypes = _native_parts(p)
+    eager = _unpickled.build(parsed, storages, dtypes, str(p))
+    lazy = _unpickled.build(parsed, storages, dtypes, str(p), lazy=True)
+    assert lazy["list"][0] is lazy["list"][1]  # one placeholder per pickled tensor
+
+    def leaves(a, b):
+        if isinstance(b, torch.Tensor):
+            yield a, b
+        elif isinstance(b, dict):
+            for k in b:
+                yield from leaves(a[k], b[k])
+        elif isinstance(b, (list, tuple)):
+            for x, y in zip(a, b, strict=True):
+                yield from leaves(x, y)
+
+    found = list(leaves(lazy, eager))
+    assert len(found) == 11
+    for s, t in found:  # what the plan reads of a placeholder is the tensor's
+        assert type(s) is _unpickled.Source
+        assert (s.shape, s.dtype, s.contiguous) == (t.shape, t.dtype, t.is_contiguous())
+        assert s.nbytes == t.numel() * t.element_size()
+        if s.nbytes:  # (an empty tensor's data_ptr is 0)
+            assert s.address == t.data_ptr()
+            assert s.storage_address == t.untyped_storage().data_ptr()
+    assert not lazy["tuple"][0].contiguous and lazy["tuple"][1].contiguous
+    made = _unpickled.materialize(lazy)
+    assert made is lazy and made["inner"]._metadata == inner._metadata
+
+    def same(a, b):
+        assert type(a) is type(b)
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b) and a.dtype == b.dtype
+            assert (a.stride(), a.storage_offset(), a.data_ptr()) == (
+                b.stride(),
+                b.storage_offset(),
+                b.data_ptr(),
+            )
+            assert a.requires_grad == b.requires_grad
+        elif isinstance(a, dict):
+            assert list(a) == list(b)
+            for k in a:
+                same(a[k], b[k])
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b)
+            for x, y in zip(a, b, strict=True):
+                same(x, y)
+        else:
+            assert a == b
+
+    same(eager, made)
+    assert made["list"][0] is made["list"][1]
+    assert made["param"] is made["param"] and isinstance(made["param"], nn.Parameter)
+    assert _unpickled.materialize(made)["param"] is made["param"]  # made once
+    del reader
+
+
+def test_plain_loads_in_place_never_make_the_source_tensors(tmp_path, monkeypatch):
+    # The point of the placeholders: a plain module's load reads every tensor
+    # straight from the file, no tensor object of the checkpoint made. A
+    # source that cannot be read straight (a transposed view) is made, and copied.
+    from ckptio import _unpickled
+
+    made = []
+    real = _unpickled.Source.tensor
+    monkeypatch.setattr(_unpickled.Source, "tensor", lambda s: made.append(s) or real(s))
+    torch.manual_seed(0)
+    src = Plain()
+    p = tmp_path / "plain.pt"
+    torch.save(src.state_dict(), p)
+    dst = Plain()
+    ckptio.load_state_dict(dst, p)
+    same_tensors(src.state_dict(), dst.state_dict())
+    assert made == []
+    sd = src.state_dict()
+    sd["head.weight"] = sd["head.weight"].t().contiguous().t()  # same values, strided
+    torch.save(sd, p)
+    dst = Plain()
+    ckptio.load_state_dict(dst, p)
+    same_tensors(src.state_dict(), dst.state_dict())
+    assert len(made) == 1 and made[0].shape == (32, 16)

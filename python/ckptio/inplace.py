@@ -11,7 +11,10 @@ torch.distributed) reuse them:
    reads (``torch.load(mmap=True)`` with a ``map_location`` that keeps the
    mapped storages). Every tensor of the result is a view of the mapping: its
    address, less the mapping's base (:class:`Mapped`), is the file offset of
-   its bytes. Non-tensor values are what torch.load returns.
+   its bytes. Non-tensor values are what torch.load returns. For
+   ``load_state_dict`` a natively read pickle gives placeholders instead
+   (:class:`ckptio._unpickled.Source`: dtype, shape, address), made into
+   those views only where a step needs the tensor.
 2. **Pairs** ``(key, source view, destination)``: by walking the checkpoint
    and ``out`` together (:func:`pair_structure`), or, for ``load_state_dict``
    (:mod:`ckptio.state_dict`), by running torch's own
@@ -39,9 +42,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from ckptio import _native, _transfer
+from ckptio import _native, _transfer, _unpickled
 from ckptio import group as _group
 from ckptio._native import CkptioError
+from ckptio._unpickled import Source
 from ckptio.safetensors import _extent
 from ckptio.serialization import (
     _device_code,
@@ -225,32 +229,42 @@ class _Files:
     def direct(self, key: str, src: Any, dest: Any) -> Item | None:
         """The usual pair, checked and placed in one step (a tenth of the calls
         of :func:`_check` and :func:`_item`, a third of a plan's time): a plain
-        contiguous source viewing one of the mappings, and a plain contiguous
-        CPU or CUDA destination of its dtype and shape, writable here. None:
-        ask :func:`_check` and :func:`_item`."""
+        contiguous source viewing one of the mappings (a tensor, or a
+        :class:`Source` not made yet), and a plain contiguous CPU or CUDA
+        destination of its dtype and shape, writable here. None: ask
+        :func:`_check` and :func:`_item`."""
         if (
-            type(src) not in _PLAIN_TYPES
-            or type(dest) not in _PLAIN_TYPES
-            or not src.is_cpu
+            type(dest) not in _PLAIN_TYPES
             or not (dest.is_cpu or dest.is_cuda)
-            or src.dtype != dest.dtype
-            or src.shape != dest.shape
-            or src.layout != _STRIDED
             or dest.layout != _STRIDED
-            or src.is_conj()
-            or src.is_neg()
             or dest.is_conj()
             or dest.is_neg()
             or dest.is_inference()
-            or not src.is_contiguous()
             or not dest.is_contiguous()
         ):
             return None
-        nbytes = src.numel() * src.element_size()
+        if type(src) is Source:
+            if not src.contiguous or src.dtype != dest.dtype or src.shape != dest.shape:
+                return None
+            nbytes, ptr, storage = src.nbytes, src.address, src.storage_address
+        elif (
+            type(src) not in _PLAIN_TYPES
+            or not src.is_cpu
+            or src.dtype != dest.dtype
+            or src.shape != dest.shape
+            or src.layout != _STRIDED
+            or src.is_conj()
+            or src.is_neg()
+            or not src.is_contiguous()
+        ):
+            return None
+        else:
+            nbytes = src.numel() * src.element_size()
+            ptr = src.data_ptr()
+            storage = ptr - src.storage_offset() * src.element_size()
         if not nbytes:
             return None
-        ptr = src.data_ptr()
-        fi = self._file_at(ptr - src.storage_offset() * src.element_size())
+        fi = self._file_at(storage)
         if fi is None:
             return None
         return Item(key, dest, src, fi, ptr - self.files[fi].base, nbytes, True)
@@ -281,12 +295,15 @@ def open_torch(
     backend: str | None = None,
     verify_engine: _native.Engine | None = None,
     torch_kw: Mapping[str, Any] | None = None,
+    lazy: bool = False,
 ) -> tuple[Any, Mapped]:
     """Decode a torch.save archive over a lazy mapping: (the object as torch.load
     returns it, with every tensor a view of the mapping; the mapping).
     ``name``: the file's name in messages and reports (default ``path``).
     ``verify_engine``: check the pickle's and the small records' CRC-32s first.
-    ``torch_kw``: torch.load's own arguments (weights_only, pickle_module...)."""
+    ``torch_kw``: torch.load's own arguments (weights_only, pickle_module...).
+    ``lazy``: where the pickle is read natively, an ``_unpickled.Source`` in
+    place of each tensor (made on demand: ``_unpickled.materialize``)."""
     reader = _open(path, direct, backend)
     records = reader.records()
     prefix = reader.prefix
@@ -299,7 +316,7 @@ def open_torch(
         small = [n for n, _, _ in records if not n.startswith(data_prefix)]
         reader.verify(verify_engine, small, strict=True)
     size = os.fstat(reader.fileno()).st_size
-    native = _native_open(reader, records, prefix, name or path, size, exact, torch_kw)
+    native = _native_open(reader, records, prefix, name or path, size, exact, torch_kw, lazy)
     if native is not None:
         return native
     found: list[tuple[int, int, str]] = []
@@ -328,6 +345,7 @@ def _native_open(
     size: int,
     exact: bool,
     torch_kw: Mapping[str, Any] | None,
+    lazy: bool = False,
 ) -> tuple[Any, Mapped] | None:
     """:func:`open_torch` without torch.load: the pickle read natively (the
     state-dict subset, as ``ckptio.load`` reads it) and the object made over
@@ -348,7 +366,8 @@ def _native_open(
     cut = torch._C.StorageBase.__getitem__
     storages = [cut(whole, slice(off, off + n)) for off, n, _, _ in found]
     with _unpickling(name):
-        obj = _build_unpickled(parsed, storages, [dtype for _, _, dtype, _ in found], name)
+        dtypes = [dtype for _, _, dtype, _ in found]
+        obj = _build_unpickled(parsed, storages, dtypes, name, lazy=lazy)
     locations = {off: loc for off, _, _, loc in found}
     return obj, Mapped(name, reader, whole.data_ptr(), size, exact, locations)
 
@@ -496,7 +515,9 @@ class Item:
 
     key: str
     dest: torch.Tensor
-    src: torch.Tensor
+    #: A :class:`Source` only in a direct item (its bytes are read, its tensor
+    #: never needed).
+    src: torch.Tensor | Source
     #: Index of the file in ``Plan.files`` the bytes come from; None: the
     #: destination is copied from ``src`` (not a view of the mapping's bytes).
     file: int | None
@@ -623,6 +644,7 @@ def plan(
         if it is not None:
             items.append(it)
             continue
+        src = _unpickled.tensor(src)
         p = _check(key, src, dest, cast, exact_shape)
         if p is not None:
             problems.append(p)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ckptio import _hostmem, _native, _transfer
+from ckptio import _hostmem, _native, _transfer, _unpickled
 from ckptio import group as _group
 from ckptio._transfer import IOReport as IOReport
 from ckptio._transfer import _last as _last
@@ -1178,67 +1178,14 @@ def _rebuild(
     storages: list[torch.UntypedStorage],
     dtypes: list[torch.dtype],
     path: str,
+    *,
+    lazy: bool = False,
 ) -> Any:
     """Make the object of a natively read pickle over its storages, with the
-    calls torch's unpickler makes (``_rebuild_tensor_v2``, ``_rebuild_parameter``)."""
-    # An empty tensor of each (dtype, device): ``proto.new()`` makes another,
-    # as torch.empty((0,), dtype=, device=) does, in a third of the time.
-    protos: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-    news = []
-    for st, dtype in zip(storages, dtypes, strict=True):
-        proto = protos.get((dtype, st.device))
-        if proto is None:
-            proto = protos[(dtype, st.device)] = torch.empty((0,), dtype=dtype, device=st.device)
-        news.append(proto.new)
-    sizes = [st.nbytes() for st in storages]
-    itemsizes = [dtype.itemsize for dtype in dtypes]
-    param = torch.nn.Parameter
-
-    def rebuild_tensor(
-        i: int, offset: int, size: Any, stride: Any, requires_grad: bool, hooks: Any
-    ) -> torch.Tensor:
-        need = _storage_nbytes(offset, size, stride, itemsizes[i])
-        if need > sizes[i]:
-            # set_ would grow (reallocate) the storage, which the engine may be
-            # filling at this moment (ckptio.load makes the tensors during the
-            # read); torch.load's storages cannot grow and it raises.
-            raise _native.FormatError(
-                f"{path}: a tensor reaches past its storage's record "
-                f"({need} bytes needed, the record holds {sizes[i]})"
-            )
-        t = news[i]().set_(storages[i], offset, size, stride)
-        t.requires_grad = requires_grad
-        t._backward_hooks = hooks
-        return t
-
-    def rebuild_parameter(data: torch.Tensor, requires_grad: bool, hooks: Any) -> Any:
-        p = param(data, requires_grad)
-        p._backward_hooks = hooks
-        return p
-
-    obj = parsed.build(rebuild_tensor, rebuild_parameter, collections.OrderedDict)
-    for st, n in zip(storages, sizes, strict=True):  # what the check above prevents
-        if st.nbytes() != n:
-            raise _native.FormatError(
-                f"{path}: a tensor reaches past its storage's record "
-                f"({st.nbytes()} bytes needed, the record holds {n})"
-            )
-    return obj
-
-
-def _storage_nbytes(offset: Any, size: Any, stride: Any, itemsize: int) -> int:
-    """The storage bytes ``set_(storage, offset, size, stride)`` needs, as torch
-    computes them (``computeStorageNbytes``); 0 where set_ refuses the
-    arguments itself (not ints, mismatched lengths)."""
-    try:
-        n = offset + 1
-        for s, st in zip(size, stride, strict=True):
-            if s == 0:
-                return 0
-            n += (s - 1) * st
-        return n * itemsize
-    except (TypeError, ValueError):
-        return 0
+    calls torch's unpickler makes (``_rebuild_tensor_v2``, ``_rebuild_parameter``);
+    ``lazy``: placeholders that make their tensor on demand (see
+    :mod:`ckptio._unpickled`)."""
+    return _unpickled.build(parsed, storages, dtypes, path, lazy=lazy)
 
 
 @_gc_paused()  # a storage and a tensor per record: see _gc_paused

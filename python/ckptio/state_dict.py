@@ -32,7 +32,9 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
+from ckptio import _unpickled
 from ckptio import group as _group
+from ckptio._unpickled import Source as _Source
 from ckptio.inplace import (
     IoOptions,
     Mapped,
@@ -280,6 +282,7 @@ def _load_module(
             names.setdefault(id(t), n)
 
     if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
+        state_dict = _unpickled.materialize(state_dict)
         name_all()
 
         # An override of load_state_dict: it runs as is, each copy read at once.
@@ -314,7 +317,8 @@ def _load_module(
     extra: list[tuple[str, torch.Tensor, Any]] = []
     for k in state_dict:
         if k.endswith(_EXTRA_STATE_KEY_SUFFIX):
-            state_dict[k] = _rebuild(state_dict[k], _fresh_into(run, extra, (k,)))
+            value = _unpickled.materialize(state_dict[k])
+            state_dict[k] = _rebuild(value, _fresh_into(run, extra, (k,)))
     if not run.run(extra, exact_shape=True):
         _raise(
             f"Error(s) in loading state_dict for {module.__class__.__name__}:",
@@ -327,6 +331,7 @@ def _load_module(
     if fast is not None:
         mode.pending, missing, unexpected, error_msgs = fast
     else:
+        _unpickled.materialize(state_dict)  # (its values, in place)
         name_all()
         with mode:
             _replay(module, state_dict, "", metadata, mode, missing, unexpected, error_msgs)
@@ -508,7 +513,8 @@ def _walk_plain(mod: torch.nn.Module, node: _Keys, prefix: str, found: _Found) -
             continue
         hits += 1
         src = leaf[2]
-        if type(src) is not _Tensor and not torch.overrides.is_tensor_like(src):
+        kind = type(src)
+        if kind is not _Source and kind is not _Tensor and not torch.overrides.is_tensor_like(src):
             errors.append(
                 f'While copying the parameter named "{key}", expected torch.Tensor or '
                 f"Tensor-like object from checkpoint but received {type(src)}"
@@ -517,7 +523,7 @@ def _walk_plain(mod: torch.nn.Module, node: _Keys, prefix: str, found: _Found) -
         shape = dest.shape
         if src.shape != shape:
             if not shape and src.shape == (1,):
-                src = src[0]
+                src = _unpickled.tensor(src)[0]
             else:
                 errors.append(
                     f"size mismatch for {key}: copying a param with shape {src.shape} "
@@ -555,6 +561,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     its state tensors filled in place: a state tensor the optimizer has already
     (same shape, and the dtype and device torch's rules give it) is filled;
     others are made as torch makes them, then filled."""
+    state_dict = _unpickled.materialize(state_dict)
     if type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict:
         # An override: it gets the checkpoint's tensors, read first (as
         # torch.load would give them).
@@ -764,6 +771,7 @@ def open_source(
             backend=io.backend,
             verify_engine=io.engine() if verify else None,
             torch_kw={"weights_only": weights_only},
+            lazy=True,
         )
         return obj, [m]
     tensors, _, m = open_safetensors(path, direct=io.direct, backend=io.backend)
@@ -831,7 +839,7 @@ def load_state_dict(
     io = IoOptions.of(threads, chunk_size, direct, backend)
     state_dict, files = open_source(path, weights_only=weights_only, io=io, verify=verify)
     for k in () if key is None else key if isinstance(key, tuple) else (key,):
-        state_dict = state_dict[k]
+        state_dict = _unpickled.tensor(state_dict[k])
     run = _Run(files, io, cast, verify)
     if isinstance(obj, torch.nn.Module):
         return _load_module(obj, state_dict, run, strict=strict, t0=t0)
