@@ -249,6 +249,9 @@ def test_plain_modules_take_ckptios_walk_with_torchs_results(tmp_path, monkeypat
     walks = []
     real = sdmod._plain_walk
     monkeypatch.setattr(sdmod, "_plain_walk", lambda *a: walks.append(r := real(*a)) or r)
+    trees = []  # the key tree is built only where some key is no module's own tensor
+    of = sdmod._Keys.of
+    monkeypatch.setattr(sdmod._Keys, "of", staticmethod(lambda sd: trees.append(1) or of(sd)))
     for name, p in plain_checkpoints(tmp_path):
         for strict in (False, True):
             torch.manual_seed(7)
@@ -260,11 +263,13 @@ def test_plain_modules_take_ckptios_walk_with_torchs_results(tmp_path, monkeypat
             except RuntimeError as e:
                 want = e
             walks.clear()
+            trees.clear()
             try:
                 got = ckptio.load_state_dict(b, p, strict=strict, weights_only=False)
             except ckptio.InPlaceLoadError as e:
                 got = e
             assert walks and walks[0] is not None, name  # ckptio's walk, not torch's
+            assert bool(trees) == (name in ("keys", "order")), name
             if isinstance(want, Exception):
                 assert isinstance(got, Exception), (name, strict)
                 assert str(got).startswith(str(want)), (name, strict)
