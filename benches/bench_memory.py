@@ -72,7 +72,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -478,55 +477,14 @@ def zero_copy_floor(path: str, flat: torch.Tensor, threads: int = 8, piece: int 
     pieces on ``threads`` threads, each piece copied to the GPU from its
     registration. End to end (each thread: page tables of its piece filled,
     registered, copy queued), then on a second mapping by phase."""
-    cu = ctypes.CDLL("libcuda.so.1")
-    vp, sz = ctypes.c_void_p, ctypes.c_size_t
-    cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
-    cu.cuCtxSetCurrent.argtypes = [vp]
-    cu.cuMemHostRegister_v2.argtypes = [vp, sz, ctypes.c_uint]
-    cu.cuMemHostUnregister.argtypes = [vp]
-    cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, sz, vp]
-    cu.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
-    cu.cuStreamSynchronize.argtypes = [vp]
-    cu.cuStreamDestroy_v2.argtypes = [vp]
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = vp
-    libc.mmap.argtypes = [vp, sz, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [vp, sz]
-    libc.madvise.argtypes = [vp, sz, ctypes.c_int]
+    cu, libc = bench.libcuda(), bench.libc()
     torch.cuda.synchronize()
-    ctx = vp()
-    cu.cuCtxGetCurrent(ctypes.byref(ctx))
     n = os.path.getsize(path)
     dst = flat.data_ptr()
-
-    def ck(rc: int, what: str) -> None:
-        if rc != 0:
-            raise RuntimeError(f"{what}: CUresult {rc}")
+    ck = bench.cuda_check
 
     def on_threads(items: list[int], fn: Callable[[int, Any], None]) -> float:
-        """fn(item, stream) for every item on ``threads`` threads; seconds."""
-        todo = list(reversed(items))
-        lock = threading.Lock()
-
-        def work(stopped: Callable[[], bool]) -> None:
-            st = vp()
-            try:
-                ck(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-                ck(cu.cuStreamCreate(ctypes.byref(st), 1), "cuStreamCreate")
-                while not stopped():
-                    with lock:
-                        if not todo:
-                            break
-                        i = todo.pop()
-                    fn(i, st)
-                ck(cu.cuStreamSynchronize(st), "cuStreamSynchronize")
-            finally:
-                if st.value:
-                    cu.cuStreamDestroy_v2(st)
-
-        t0 = time.perf_counter()
-        bench.run_threads(threads, work)
-        return time.perf_counter() - t0
+        return bench.on_streams(threads, items, fn)
 
     offs = list(range(0, n, piece))
 

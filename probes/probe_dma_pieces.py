@@ -14,9 +14,7 @@ Usage: python probes/probe_dma_pieces.py [--size 8] [--rounds 3]
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import threading
 import time
 
 import torch
@@ -24,14 +22,7 @@ from ckptio import bench
 
 GiB = 2**30
 MiB = 2**20
-vp, sz = ctypes.c_void_p, ctypes.c_size_t
-cu = ctypes.CDLL("libcuda.so.1")
-cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
-cu.cuCtxSetCurrent.argtypes = [vp]
-cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, sz, vp]
-cu.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
-cu.cuStreamSynchronize.argtypes = [vp]
-cu.cuStreamDestroy_v2.argtypes = [vp]
+cu = bench.libcuda()
 
 
 def main() -> None:
@@ -43,8 +34,6 @@ def main() -> None:
     src = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(n, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
-    ctx = vp()
-    cu.cuCtxGetCurrent(ctypes.byref(ctx))
 
     def one_copy() -> float:
         t0 = time.perf_counter()
@@ -54,30 +43,14 @@ def main() -> None:
         return time.perf_counter() - t0
 
     def pieces(piece: int, threads: int) -> float:
-        todo = list(reversed(range(0, n, piece)))
-        lock = threading.Lock()
         base, dbase = src.data_ptr(), dst.data_ptr()
 
-        def work(stopped) -> None:
-            st = vp()
-            cu.cuCtxSetCurrent(ctx)
-            cu.cuStreamCreate(ctypes.byref(st), 1)
-            try:
-                while not stopped():
-                    with lock:
-                        if not todo:
-                            break
-                        o = todo.pop()
-                    rc = cu.cuMemcpyHtoDAsync_v2(dbase + o, base + o % GiB, piece, st)
-                    if rc:
-                        raise RuntimeError(f"cuMemcpyHtoDAsync: {rc}")
-                cu.cuStreamSynchronize(st)
-            finally:
-                cu.cuStreamDestroy_v2(st)
+        def one(o: int, st) -> None:
+            bench.cuda_check(
+                cu.cuMemcpyHtoDAsync_v2(dbase + o, base + o % GiB, piece, st), "cuMemcpyHtoDAsync"
+            )
 
-        t0 = time.perf_counter()
-        bench.run_threads(threads, work)
-        return time.perf_counter() - t0
+        return bench.on_streams(threads, list(range(0, n, piece)), one)
 
     cases = [(pc * MiB, t) for t in (16, 1) for pc in (1, 2, 4, 8, 16, 64)]
     times: dict = {c: [] for c in cases}

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
+import shutil
 import time
 
 import ckptio
 import torch
+from ckptio import bench
 
 GiB = 2**30
 
@@ -23,19 +24,10 @@ def main() -> None:
     p.add_argument("--size", type=float, default=8.0, help="GiB")
     p.add_argument("--tensors", type=int, default=512)
     a = p.parse_args()
-    n = int(a.size * GiB) // a.tensors // 2
-    sd = {f"w{i}": torch.ones(n, dtype=torch.bfloat16, device="cuda") for i in range(a.tensors)}
-    nbytes = sum(t.nbytes for t in sd.values())
-    folder = tempfile.mkdtemp(dir="/dev/shm")
-    path = os.path.join(folder, "m.pt")
-    ckptio.save(sd, path)
-    del sd
-    torch.cuda.empty_cache()
     # The model's tensors each their own cudaMalloc (as a model built layer by
     # layer), and the same tensors carved from one segment (as ckptio.load's).
-    model = torch.nn.Module()
-    for i in range(a.tensors):
-        model.register_buffer(f"w{i}", torch.empty(n, dtype=torch.bfloat16, device="cuda"))
+    path, model, nbytes = bench.shm_checkpoint(a.size, a.tensors, "cuda")
+    n = nbytes // a.tensors // 2
     seg = torch.empty(a.tensors * n, dtype=torch.bfloat16, device="cuda")
     carved = torch.nn.Module()
     for i, t in enumerate(seg.split(n)):
@@ -73,8 +65,7 @@ def main() -> None:
                 else ""
             )
             print(f"{rnd} {name:<24} {s:7.3f} s {nbytes / GiB / s:6.2f} GiB/s {how}", flush=True)
-    os.remove(path)
-    os.rmdir(folder)
+    shutil.rmtree(os.path.dirname(path))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
-import tempfile
 import time
 
 import ckptio
 import torch
-from ckptio import _native
+from ckptio import _native, bench
 from ckptio.cli import _size
 from ckptio.serialization import _engine
 
@@ -40,16 +40,7 @@ def main() -> None:
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
-    n = int(a.size * GiB) // a.tensors // 2
-    sd = {f"w{i}": torch.ones(n, dtype=torch.bfloat16, device=dev) for i in range(a.tensors)}
-    nbytes = sum(t.nbytes for t in sd.values())
-    folder = tempfile.mkdtemp(dir="/dev/shm")
-    path = os.path.join(folder, "m.pt")
-    ckptio.save(sd, path)
-    model = torch.nn.Module()
-    for k, t in sd.items():
-        model.register_buffer(k, torch.empty_like(t))
-    del sd
+    path, model, nbytes = bench.shm_checkpoint(a.size, a.tensors, dev)
 
     def timed(fn) -> float:
         if cuda:
@@ -86,8 +77,7 @@ def main() -> None:
         s = statistics.median(ts)
         ratio = f"  {h2d / s:.2f}x pinned" if h2d else ""
         print(f"{what:<26} {c >> 10:>6} KiB  {nbytes / GiB / s:6.2f} GiB/s{ratio}", flush=True)
-    os.remove(path)
-    os.rmdir(folder)
+    shutil.rmtree(os.path.dirname(path))
 
 
 if __name__ == "__main__":

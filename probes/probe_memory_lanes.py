@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
-import tempfile
 import time
 
 import ckptio
@@ -38,16 +38,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--configs", default="16x4M,12x8M,8x8M,12x4M")
     a = p.parse_args()
-    n = int(a.size * GiB) // a.tensors // 2
-    sd = {f"w{i}": torch.ones(n, dtype=torch.bfloat16, device="cuda") for i in range(a.tensors)}
-    nbytes = sum(t.nbytes for t in sd.values())
-    folder = tempfile.mkdtemp(dir="/dev/shm")
-    path = os.path.join(folder, "m.pt")
-    ckptio.save(sd, path)
-    model = torch.nn.Module()
-    for k, t in sd.items():
-        model.register_buffer(k, torch.empty_like(t))
-    del sd
+    path, model, nbytes = bench.shm_checkpoint(a.size, a.tensors, "cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     configs = []
@@ -102,8 +93,7 @@ def main() -> None:
         rest = statistics.median(s - x for s, x in v) * 1e3
         each = " ".join(f"{h / s:.3f}" for s, _ in v)
         print(f"{k:20s} {m:6.3f} {h / m:9.3f} {h / e:12.3f} {rest:10.1f}  {each}")
-    os.unlink(path)
-    os.rmdir(folder)
+    shutil.rmtree(os.path.dirname(path))
 
 
 if __name__ == "__main__":

@@ -39,26 +39,11 @@ GiB = 2**30
 PIECE = 64 << 20
 READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY
 
-vp, sz = ctypes.c_void_p, ctypes.c_size_t
-cu = ctypes.CDLL("libcuda.so.1")
-cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
-cu.cuCtxSetCurrent.argtypes = [vp]
-cu.cuMemHostRegister_v2.argtypes = [vp, sz, ctypes.c_uint]
-cu.cuMemHostUnregister.argtypes = [vp]
-cu.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, sz, vp]
-cu.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
-cu.cuStreamSynchronize.argtypes = [vp]
-cu.cuStreamDestroy_v2.argtypes = [vp]
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = vp
-libc.mmap.argtypes = [vp, sz, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-libc.munmap.argtypes = [vp, sz]
-libc.madvise.argtypes = [vp, sz, ctypes.c_int]
+vp = ctypes.c_void_p
+cu, libc = bench.libcuda(), bench.libc()
 
 
-def ck(rc: int, what: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"{what}: CUresult {rc}")
+ck = bench.cuda_check
 
 
 def zero_copy(path: str, start: int, n: int, dst: int, threads: int, ctx: Any) -> None:
@@ -71,35 +56,20 @@ def zero_copy(path: str, start: int, n: int, dst: int, threads: int, ctx: Any) -
         os.close(fd)
     if base in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), "mmap")
-    todo = list(reversed(range(0, n - start, PIECE)))
-    lock = threading.Lock()
+    registered: list[int] = []
 
-    def work(stopped: Any) -> None:
-        st = vp()
-        mine: list[int] = []
-        try:
-            ck(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-            ck(cu.cuStreamCreate(ctypes.byref(st), 1), "cuStreamCreate")
-            while not stopped():
-                with lock:
-                    if not todo:
-                        break
-                    o = todo.pop()
-                ln = min(PIECE, n - start - o)
-                libc.madvise(base + o, ln, bench.MADV_POPULATE_READ)
-                ck(cu.cuMemHostRegister_v2(base + o, ln, READ_ONLY), "register")
-                mine.append(base + o)
-                ck(cu.cuMemcpyHtoDAsync_v2(dst + start + o, base + o, ln, st), "copy")
-            ck(cu.cuStreamSynchronize(st), "sync")
-        finally:
-            for a in mine:
-                cu.cuMemHostUnregister(a)
-            if st.value:
-                cu.cuStreamDestroy_v2(st)
+    def piece(o: int, st: Any) -> None:
+        ln = min(PIECE, n - start - o)
+        libc.madvise(base + o, ln, bench.MADV_POPULATE_READ)
+        ck(cu.cuMemHostRegister_v2(base + o, ln, READ_ONLY), "register")
+        registered.append(base + o)
+        ck(cu.cuMemcpyHtoDAsync_v2(dst + start + o, base + o, ln, st), "copy")
 
     try:
-        bench.run_threads(threads, work)
+        bench.on_streams(threads, list(range(0, n - start, PIECE)), piece, ctx)
     finally:
+        for a in registered:  # every stream synced
+            cu.cuMemHostUnregister(a)
         libc.munmap(base, n - start)
 
 

@@ -1137,28 +1137,20 @@ def test_sources_not_made_yet_make_what_the_eager_build_makes(tmp_path):
     made = _unpickled.materialize(lazy)
     assert made is lazy and made["inner"]._metadata == inner._metadata
 
-    def same(a, b):
-        assert type(a) is type(b)
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b) and a.dtype == b.dtype
-            assert (a.stride(), a.storage_offset(), a.data_ptr()) == (
-                b.stride(),
-                b.storage_offset(),
-                b.data_ptr(),
-            )
-            assert a.requires_grad == b.requires_grad
-        elif isinstance(a, dict):
-            assert list(a) == list(b)
-            for k in a:
-                same(a[k], b[k])
-        elif isinstance(a, (list, tuple)):
-            assert len(a) == len(b)
-            for x, y in zip(a, b, strict=True):
-                same(x, y)
-        else:
-            assert a == b
+    from torch.utils import _pytree
 
-    same(eager, made)
+    assert _pytree.tree_structure(made) == _pytree.tree_structure(eager)
+    for a, b in zip(_pytree.tree_leaves(made), _pytree.tree_leaves(eager), strict=True):
+        assert type(a) is type(b)
+        if not isinstance(a, torch.Tensor):
+            assert a == b
+            continue
+        assert torch.equal(a, b) and a.dtype == b.dtype and a.requires_grad == b.requires_grad
+        assert (a.stride(), a.storage_offset(), a.data_ptr()) == (
+            b.stride(),
+            b.storage_offset(),
+            b.data_ptr(),
+        )
     assert made["list"][0] is made["list"][1]
     assert made["param"] is made["param"] and isinstance(made["param"], nn.Parameter)
     assert _unpickled.materialize(made)["param"] is made["param"]  # made once

@@ -244,6 +244,98 @@ def buffered_cold_read(path: str, nbytes: int, threads: int = 8, chunk: int = 64
     return cold_read(path, ring, 0, threads, chunk, nbytes)
 
 
+def shm_checkpoint(gib: float, tensors: int, device: str) -> tuple[str, torch.nn.Module, int]:
+    """``gib`` GiB of bf16 ones in ``tensors`` equal tensors on ``device``, saved by
+    ckptio in a new folder of /dev/shm, and a module of one empty buffer per
+    tensor (each its own allocation) to load them into: (path, module, bytes).
+    The caller removes the folder (``shutil.rmtree(os.path.dirname(path))``)."""
+    n = int(gib * GiB) // tensors // 2
+    sd = {f"w{i}": torch.ones(n, dtype=torch.bfloat16, device=device) for i in range(tensors)}
+    path = os.path.join(tempfile.mkdtemp(dir="/dev/shm"), "m.pt")
+    ckptio.save(sd, path)
+    del sd
+    model = torch.nn.Module()
+    for i in range(tensors):
+        model.register_buffer(f"w{i}", torch.empty(n, dtype=torch.bfloat16, device=device))
+    return path, model, 2 * n * tensors
+
+
+def libcuda() -> Any:
+    """libcuda through ctypes, with the argument types of the driver calls the
+    benches and probes make (ctypes releases the GIL around each call)."""
+    import ctypes
+
+    vp, sz, u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
+    cu = ctypes.CDLL("libcuda.so.1")
+    for name, args in (
+        ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
+        ("cuCtxSetCurrent", [vp]),
+        ("cuMemHostRegister_v2", [vp, sz, ctypes.c_uint]),
+        ("cuMemHostUnregister", [vp]),
+        ("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]),
+        ("cuStreamCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
+        ("cuStreamSynchronize", [vp]),
+        ("cuStreamDestroy_v2", [vp]),
+    ):
+        getattr(cu, name).argtypes = args
+    return cu
+
+
+def cuda_check(rc: int, what: str) -> None:
+    """A RuntimeError naming the driver call where ``rc`` is not CUDA_SUCCESS."""
+    if rc != 0:
+        raise RuntimeError(f"{what}: CUresult {rc}")
+
+
+def on_streams(
+    threads: int, items: list[Any], fn: Callable[[Any, Any], None], ctx: Any = None
+) -> float:
+    """``fn(item, stream)`` for every item, in order, on ``threads`` threads,
+    each with a CUDA stream of its own in context ``ctx`` (default: the calling
+    thread's), synced before the thread ends; seconds."""
+    import ctypes
+
+    cu = libcuda()
+    if ctx is None:
+        ctx = ctypes.c_void_p()
+        cuda_check(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    todo = list(reversed(items))
+    lock = threading.Lock()
+
+    def work(stopped: Callable[[], bool]) -> None:
+        st = ctypes.c_void_p()
+        try:
+            cuda_check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            cuda_check(cu.cuStreamCreate(ctypes.byref(st), 1), "cuStreamCreate")
+            while not stopped():
+                with lock:
+                    if not todo:
+                        break
+                    item = todo.pop()
+                fn(item, st)
+            cuda_check(cu.cuStreamSynchronize(st), "cuStreamSynchronize")
+        finally:
+            if st.value:
+                cu.cuStreamDestroy_v2(st)
+
+    t0 = time.perf_counter()
+    run_threads(threads, work)
+    return time.perf_counter() - t0
+
+
+def libc() -> Any:
+    """libc through ctypes (errno kept), with mmap, munmap and madvise typed."""
+    import ctypes
+
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    c = ctypes.CDLL(None, use_errno=True)
+    c.mmap.restype = vp
+    c.mmap.argtypes = [vp, sz, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    c.munmap.argtypes = [vp, sz]
+    c.madvise.argtypes = [vp, sz, ctypes.c_int]
+    return c
+
+
 MADV_POPULATE_READ = 22  # Linux 5.14: page tables filled, pages read
 MADV_POPULATE_WRITE = 23  # Linux 5.14: pages faulted in writable
 
@@ -260,13 +352,12 @@ def madvise_s(
     file mapping (MADV_POPULATE_READ) as several threads would."""
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    c = libc()
     jobs = [(b + o, min(piece, n - o)) for b, n in ranges for o in range(0, n, piece)]
 
     def one(i: int, _: int) -> None:
         addr, n = jobs[i]
-        if libc.madvise(addr, n, advice) != 0:
+        if c.madvise(addr, n, advice) != 0:
             raise OSError(ctypes.get_errno(), f"madvise({advice})")
 
     t0 = time.perf_counter()

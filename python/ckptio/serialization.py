@@ -1172,20 +1172,10 @@ def _native_pickle(
     return parsed, found
 
 
-@_gc_paused()  # a tensor per storage, the containers: see _gc_paused
-def _rebuild(
-    parsed: _native.Unpickled,
-    storages: list[torch.UntypedStorage],
-    dtypes: list[torch.dtype],
-    path: str,
-    *,
-    lazy: bool = False,
-) -> Any:
-    """Make the object of a natively read pickle over its storages, with the
-    calls torch's unpickler makes (``_rebuild_tensor_v2``, ``_rebuild_parameter``);
-    ``lazy``: placeholders that make their tensor on demand (see
-    :mod:`ckptio._unpickled`)."""
-    return _unpickled.build(parsed, storages, dtypes, path, lazy=lazy)
+#: Make the object of a natively read pickle over its storages (see
+#: :func:`ckptio._unpickled.build`): a tensor per storage, the containers, no
+#: cycles, so no collections meanwhile (see _gc_paused).
+_rebuild = _gc_paused()(_unpickled.build)
 
 
 @_gc_paused()  # a storage and a tensor per record: see _gc_paused
