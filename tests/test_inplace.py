@@ -1181,3 +1181,92 @@ def test_plain_loads_in_place_never_make_the_source_tensors(tmp_path, monkeypatc
     ckptio.load_state_dict(dst, p)
     same_tensors(src.state_dict(), dst.state_dict())
     assert len(made) == 1 and made[0].shape == (32, 16)
+
+
+def test_load_out_makes_only_the_sources_it_copies(tmp_path, monkeypatch):
+    # ckptio.load(out=) pairs placeholders with destinations too: contiguous ones
+    # are read without a tensor made, a strided one is made and copied, and the
+    # result holds destinations and plain values only, never a placeholder.
+    from ckptio import _unpickled
+    from torch.utils import _pytree
+
+    made = []
+    real = _unpickled.Source.tensor
+    monkeypatch.setattr(_unpickled.Source, "tensor", lambda s: made.append(s) or real(s))
+    a, b, c = torch.arange(6.0), torch.ones(2, 3), torch.arange(12.0).reshape(3, 4)
+    p = tmp_path / "nest.pt"
+    torch.save({"a": a, "nest": (b, [c.t()]), "extra": torch.zeros(4), "n": 3}, p)
+    out = {"a": torch.empty(6), "nest": (torch.empty(2, 3), [torch.empty(4, 3)])}
+    res = ckptio.load(p, out=out, strict=False)
+    assert ckptio.last_report().unexpected_keys == ("extra",)
+    assert not any(type(x) is _unpickled.Source for x in _pytree.tree_leaves(res))
+    assert res["n"] == 3 and "extra" not in res
+    assert torch.equal(res["a"], a) and res["a"] is out["a"]
+    assert torch.equal(res["nest"][0], b) and torch.equal(res["nest"][1][0], c.t())
+    assert len(made) == 1 and made[0].shape == (4, 3)
+
+
+def test_each_placeholder_made_checks_its_own_storage_only(tmp_path, monkeypatch):
+    # Making a placeholder's tensor checks that set_ left its storage's size
+    # alone: its own storage, not every one (that was n^2 for an optimizer's
+    # 1,548 state tensors made for a pre-hook: 5x the load's time).
+    from ckptio import _unpickled
+
+    checked = []
+    real = _unpickled._Maker.grown
+    monkeypatch.setattr(
+        _unpickled._Maker,
+        "grown",
+        lambda m, i=None: checked.append(len(m.storages) if i is None else 1) or real(m, i),
+    )
+    p = tmp_path / "many.pt"
+    torch.save({f"t{i}": torch.full((3,), float(i)) for i in range(64)}, p)
+    reader, parsed, storages, dtypes = _native_parts(p)
+    lazy = _unpickled.build(parsed, storages, dtypes, str(p), lazy=True)
+    made = _unpickled.materialize(lazy)
+    assert sum(checked) == 64
+    assert all(torch.equal(made[f"t{i}"], torch.full((3,), float(i))) for i in range(64))
+    checked.clear()
+    _unpickled.build(parsed, storages, dtypes, str(p))  # eager: one pass over all
+    assert checked == [64]
+    del reader
+
+
+def test_optimizer_state_with_a_pre_hook_and_several_groups_as_torch(tmp_path):
+    # The optimizer's state tensors stay placeholders unless a pre-hook must see
+    # tensors; each state tensor takes its first group's fused/capturable policy.
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 3), nn.Linear(3, 2)
+
+    def opt_of(ma, mb):
+        return torch.optim.Adam(
+            [{"params": ma.parameters()}, {"params": mb.parameters(), "lr": 0.5}]
+        )
+
+    src = opt_of(a, b)
+    for m in (a, b):
+        for q in m.parameters():
+            q.grad = torch.randn_like(q)
+    src.step()
+    p = tmp_path / "opt.pt"
+    torch.save(src.state_dict(), p)
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        a2, b2 = nn.Linear(4, 3), nn.Linear(3, 2)
+        want, got = opt_of(a2, b2), opt_of(nn.Linear(4, 3), nn.Linear(3, 2))
+        seen = []
+        if hooked:
+            got.register_load_state_dict_pre_hook(
+                lambda o, sd, seen=seen: seen.extend(
+                    type(v) for s in sd["state"].values() for v in s.values()
+                )
+            )
+        want.load_state_dict(torch.load(p))
+        ckptio.load_state_dict(got, p)
+        assert not hooked or set(seen) == {torch.Tensor}
+        ws, gs = want.state_dict(), got.state_dict()
+        assert ws["param_groups"] == gs["param_groups"]
+        for k in ws["state"]:
+            for name, v in ws["state"][k].items():
+                assert torch.equal(gs["state"][k][name], v), (k, name)
+                assert gs["state"][k][name].dtype == v.dtype

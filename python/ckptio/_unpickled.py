@@ -76,13 +76,14 @@ class _Maker:
         t._backward_hooks = hooks
         return t
 
-    def grown(self) -> None:
-        """What :meth:`check` prevents: a storage set_ made larger."""
-        for st, n in zip(self.storages, self.sizes, strict=True):
-            if st.nbytes() != n:
+    def grown(self, i: int | None = None) -> None:
+        """What :meth:`check` prevents: a storage (``i``, else any) set_ made larger."""
+        for j in range(len(self.storages)) if i is None else (i,):
+            n = self.sizes[j]
+            if self.storages[j].nbytes() != n:
                 raise _native.FormatError(
                     f"{self.path}: a tensor reaches past its storage's record "
-                    f"({st.nbytes()} bytes needed, the record holds {n})"
+                    f"({self.storages[j].nbytes()} bytes needed, the record holds {n})"
                 )
 
 
@@ -137,7 +138,7 @@ class Source:
         t = self._made
         if t is None:
             t = self._maker.tensor(*self._args)
-            self._maker.grown()
+            self._maker.grown(self._args[0])  # its own storage: all of them would be O(n^2)
         if self._param is not None:  # wrapped once
             t = _parameter(t, *self._param)
             self._param = None

@@ -187,8 +187,9 @@ class Mapped:
     #: The location torch.save recorded for each mapped storage (by file offset).
     locations: dict[int, str] = dataclasses.field(default_factory=dict)
 
-    def location(self, t: torch.Tensor) -> str:
-        return self.locations.get(_storage_address(t) - self.base, "cpu")
+    def location(self, t: torch.Tensor | Source) -> str:
+        at = t.storage_address if type(t) is Source else _storage_address(t)
+        return self.locations.get(at - self.base, "cpu")
 
 
 class _Files:
@@ -202,7 +203,10 @@ class _Files:
 
     def locate(self, t: Any) -> tuple[int, int] | None:
         """(file index, file offset of the first element) of a plain CPU tensor
-        viewing one of the mappings, else None."""
+        viewing one of the mappings (or a :class:`Source`), else None."""
+        if type(t) is Source:
+            fi = self._file_at(t.storage_address)
+            return None if fi is None else (fi, t.address - self.files[fi].base)
         if not isinstance(t, torch.Tensor) or not t.is_cpu or not _plain(t):
             return None
         try:
@@ -423,8 +427,9 @@ def _walk(
 ) -> Any:
     """:func:`_rebuild` of ``o`` at key path ``p`` (``memo``: the containers seen).
     A function of the module, not a closure: a recursive closure is a cycle,
-    which would keep a load's tensors alive until the next garbage collection."""
-    if isinstance(o, torch.Tensor):
+    which would keep a load's tensors alive until the next garbage collection.
+    A :class:`Source` is a tensor here (``fn`` decides whether to make it)."""
+    if isinstance(o, torch.Tensor) or type(o) is Source:
         return fn(p, o)
     if id(o) in memo:
         return memo[id(o)]
@@ -1017,6 +1022,7 @@ def load_into(
         backend=io.backend,
         verify_engine=io.engine() if verify else None,
         torch_kw=torch_kw,
+        lazy=True,  # every tensor is paired (read, or copied) or left out
     )
     return fill_structure(
         f"ckptio.load(out=): {name or path}",

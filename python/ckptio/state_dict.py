@@ -23,7 +23,7 @@ import os
 import re
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from copy import deepcopy
 from typing import Any, NoReturn
 
@@ -617,10 +617,10 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     its state tensors filled in place: a state tensor the optimizer has already
     (same shape, and the dtype and device torch's rules give it) is filled;
     others are made as torch makes them, then filled."""
-    state_dict = _unpickled.materialize(state_dict)
     if type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict:
         # An override: it gets the checkpoint's tensors, read first (as
         # torch.load would give them).
+        state_dict = _unpickled.materialize(state_dict)
         fresh: list[tuple[str, torch.Tensor, Any]] = []
         state_dict = _rebuild(state_dict, _fresh_into(run, fresh))
         if not run.run(fresh, exact_shape=True):
@@ -629,6 +629,8 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
         run.report(t0)
         return
     state_dict = state_dict.copy()
+    if opt._optimizer_load_state_dict_pre_hooks:  # user code: it gets tensors
+        state_dict = _unpickled.materialize(state_dict)
     for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
         hook_result = pre_hook(opt, state_dict)
         if hook_result is not None:
@@ -660,23 +662,34 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     )
     pairs: list[tuple[str, torch.Tensor, Any]] = []
     shapes: list[Problem] = []
+    policy: dict[int, dict[Any, tuple[Any, Any]]] = {}  # by id of the groups list
+
+    def policies(param_groups: list[dict[str, Any]]) -> dict[Any, tuple[Any, Any]]:
+        """Each parameter id's (fused, capturable): its first group's."""
+        found = policy.get(id(param_groups))
+        if found is None:
+            found = policy[id(param_groups)] = {}
+            for pg in param_groups:
+                flags = (pg.get("fused", False), pg.get("capturable", False))
+                for i in pg["params"]:
+                    if isinstance(i, Hashable):  # (a state key is)
+                        found.setdefault(i, flags)
+        return found
 
     def destination(
         param: torch.Tensor,
-        value: torch.Tensor,
+        value: Any,
         param_id: Any,
         param_groups: list[dict[str, Any]],
         key: Any,
         path: tuple[Any, ...],
     ) -> torch.Tensor:
-        # Optimizer._process_value_according_to_param_policy's dtype and device.
-        fused = capturable = False
-        for pg in param_groups:
-            if param_id in pg["params"]:
-                fused = pg.get("fused", False)
-                capturable = pg.get("capturable", False)
-                break
+        # Optimizer._process_value_according_to_param_policy's dtype and device
+        # (its search of every group's ids, per tensor, made a dict once).
+        fused, capturable = policies(param_groups).get(param_id, (False, False))
         where = run.located.locate(value)
+        if where is None:
+            value = _unpickled.tensor(value)
         if key == "step":
             if capturable or fused:
                 dtype, device = torch.float32, param.device
@@ -709,8 +722,10 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
             and have.device == torch.device(device)
         ):
             dest = have
+        elif type(value) is _Source and value.contiguous:
+            dest = torch.empty(value.shape, dtype=dtype, device=device)  # (empty_like's)
         else:
-            dest = torch.empty_like(value, dtype=dtype, device=device)
+            dest = torch.empty_like(_unpickled.tensor(value), dtype=dtype, device=device)
         pairs.append((name, value, dest))
         return dest
 
@@ -752,7 +767,7 @@ def _cast(
     """Optimizer.load_state_dict's _cast, each tensor's destination from
     ``destination`` (:func:`_load_optimizer`'s). A function of the module, not
     a closure: a recursive closure is a cycle."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) or type(value) is _Source:
         return destination(param, value, param_id, param_groups, key, path)
     elif isinstance(value, dict):
         return {
@@ -783,7 +798,8 @@ def _fresh_into(
     """A walk function: a checkpoint tensor becomes a new tensor on the device
     torch.load restores it to, paired for reading (what torch.load returns)."""
 
-    def fresh(p: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
+    def fresh(p: tuple[Any, ...], t: Any) -> torch.Tensor:
+        t = _unpickled.tensor(t)  # (what torch.load returns: the tensor itself)
         where = run.located.locate(t)
         if where is None:
             return t
