@@ -1154,6 +1154,13 @@ def test_sources_not_made_yet_make_what_the_eager_build_makes(tmp_path):
     assert made["list"][0] is made["list"][1]
     assert made["param"] is made["param"] and isinstance(made["param"], nn.Parameter)
     assert _unpickled.materialize(made)["param"] is made["param"]  # made once
+    # A Parameter over a placeholder the pickle's memo shares: each keeps its type.
+    lazy = _unpickled.build(parsed, storages, dtypes, str(p), lazy=True)
+    inner = lazy["inner"]["b"]
+    param = _unpickled._as_parameter(inner, True, OrderedDict())
+    assert type(param.tensor()) is nn.Parameter and param.tensor().requires_grad
+    assert type(inner.tensor()) is torch.Tensor and param.tensor() is param.tensor()
+    assert param.tensor().data_ptr() == inner.tensor().data_ptr()
     del reader
 
 

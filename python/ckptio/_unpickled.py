@@ -116,7 +116,7 @@ class Source:
         i, offset, size, stride = args[:4]
         self._maker = maker
         self._args = args
-        self._param: tuple[bool, Any] | None = None
+        self._param: tuple[Source, bool, Any] | None = None
         self._made: torch.Tensor | None = None
         self.dtype = maker.dtypes[i]
         self.storage_address = maker.addresses[i]
@@ -137,18 +137,27 @@ class Source:
     def tensor(self) -> torch.Tensor:
         t = self._made
         if t is None:
-            t = self._maker.tensor(*self._args)
-            self._maker.grown(self._args[0])  # its own storage: all of them would be O(n^2)
-        if self._param is not None:  # wrapped once
-            t = _parameter(t, *self._param)
-            self._param = None
-        self._made = t
+            if self._param is not None:  # a Parameter over another placeholder's tensor
+                inner, requires_grad, hooks = self._param
+                t = _parameter(inner.tensor(), requires_grad, hooks)
+            else:
+                t = self._maker.tensor(*self._args)
+                self._maker.grown(self._args[0])  # its own storage: all would be O(n^2)
+            self._made = t
         return t
 
 
-def _as_parameter(data: Source, requires_grad: bool, hooks: Any) -> Source:
-    data._param = (requires_grad, hooks)
-    return data
+def _as_parameter(data: Any, requires_grad: bool, hooks: Any) -> Any:
+    """``_rebuild_parameter`` of a placeholder: another placeholder (the tensor
+    inside keeps its own identity, as the pickle's memo may share it)."""
+    if type(data) is not Source:
+        return _parameter(data, requires_grad, hooks)
+    p = object.__new__(Source)
+    for name in ("shape", "dtype", "contiguous", "address", "storage_address", "nbytes"):
+        setattr(p, name, getattr(data, name))
+    p._maker, p._args, p._made = data._maker, data._args, None
+    p._param = (data, requires_grad, hooks)
+    return p
 
 
 def build(
