@@ -272,18 +272,25 @@ def gpu(args: argparse.Namespace) -> dict:
         ckptio.load_state_dict(model, spath)
         # Loads from memory vary by round on the H200 host: every round shown, the median kept.
         # Each round's engine read timed alone too: the rest is Python (open, walk, plan).
-        reads = bench.EngineReads()
-        shm_all, shm_read = [], []
+        # And the Python side's steps (open, walk, plan, execute less the read).
+        reads, steps = bench.EngineReads(), bench.LoadPhases(ckptio)
+        shm_all, shm_read, shm_steps = [], [], []
         try:
             for _ in range(5):
                 reads.reset()
+                steps.reset()
                 shm_all.append(timed_gpu(lambda: ckptio.load_state_dict(model, spath))[0])
                 shm_read.append(reads.seconds)
+                own = dict(steps.seconds)
+                own["execute"] = own.get("execute", 0.0) - reads.seconds
+                shm_steps.append(own)
         finally:
             reads.close()
+            steps.close()
         shm_s = statistics.median(shm_all)
         read_s = statistics.median(shm_read)
         rest = statistics.median(a - b for a, b in zip(shm_all, shm_read, strict=True))
+        by_step = {k: statistics.median(r.get(k, 0.0) for r in shm_steps) for k in shm_steps[0]}
         if args.profile:  # where an in-place load's time outside the engine goes
             import cProfile
             import pstats
@@ -314,6 +321,11 @@ def gpu(args: argparse.Namespace) -> dict:
             f"{'  its engine read alone':<44} {read_s:8.3f} {nbytes / GiB / read_s:7.2f}"
             f"  ({h2d / read_s:.2f}x pinned; the rest, Python: median {rest * 1e3:.1f} ms)"
         )
+        print(
+            f"{'  the rest by step (median ms)':<44} "
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in by_step.items())
+            + " (execute: less the engine's read)"
+        )
         print(f"{'pinned H2D copy':<44} {h2d:8.3f} {nbytes / GiB / h2d:7.2f}")
         print(
             f"{'CPU copy floor (a) of this host':<44} {floor:8.3f} {nbytes / GiB / floor:7.2f}"
@@ -340,6 +352,7 @@ def gpu(args: argparse.Namespace) -> dict:
             "shm_s": shm_s,
             "shm_rounds_s": shm_all,
             "shm_engine_read_s": shm_read,
+            "shm_python_steps_s": shm_steps,
             "raw_read_s": raw,
             "h2d_s": h2d,
             "cpu_copy_floor_s": floor,

@@ -18,7 +18,6 @@ CUDA destinations: streams, device codes).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import shutil
@@ -30,6 +29,7 @@ import time
 
 import ckptio
 import torch
+from ckptio import bench
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benches"))
@@ -69,21 +69,9 @@ def ref_package(ref: str, into: str) -> None:
 
 
 def phases(mod) -> dict[str, float]:
-    """Wrap the steps of an in-place load; seconds spent in each."""
-    acc: dict[str, float] = {}
-    owner = sys.modules[f"{mod.__name__}.state_dict"]
-    for name in ("open_source", "_plain_walk", "plan", "execute"):
-        f = getattr(owner, name)
-
-        @functools.wraps(f)
-        def timed(*a, _f=f, _name=name, **k):
-            t0 = time.perf_counter()
-            try:
-                return _f(*a, **k)
-            finally:
-                acc[_name] = acc.get(_name, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, name, timed)
+    """Seconds spent in each step of an in-place load (bench.LoadPhases), and
+    in the native reads (within execute)."""
+    acc = bench.LoadPhases(mod).seconds
     for cls in (mod._native.Reader, mod._native.DeviceFile):
         inner = cls.read_segments
 

@@ -431,6 +431,40 @@ class EngineReads:
         self._inner.clear()
 
 
+class LoadPhases:
+    """Seconds spent in each step of ``load_state_dict`` in place (the
+    ``state_dict`` module's ``open_source``, ``_plain_walk``, ``plan`` and
+    ``execute``) since :meth:`reset`, for package ``pkg`` (``ckptio``, or a copy
+    of it at another commit); until :meth:`close`."""
+
+    STEPS = ("open_source", "_plain_walk", "plan", "execute")
+
+    def __init__(self, pkg: Any) -> None:
+        import sys
+
+        self.seconds: dict[str, float] = {}
+        self._owner = sys.modules[f"{pkg.__name__}.state_dict"]
+        self._inner = {name: getattr(self._owner, name) for name in self.STEPS}
+        for name, f in self._inner.items():
+
+            def timed(*a: Any, _f: Any = f, _name: str = name, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    self.seconds[_name] = self.seconds.get(_name, 0.0) + time.perf_counter() - t0
+
+            setattr(self._owner, name, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+    def close(self) -> None:
+        """Put the functions back."""
+        for name, f in self._inner.items():
+            setattr(self._owner, name, f)
+
+
 def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:
     while len(mv):
         n = os.pwrite(fd, mv, off)
