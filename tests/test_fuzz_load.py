@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_faults import assert_same
+from test_faults import assert_same, tensor_bytes
 
 CORPUS = sorted((Path(__file__).parent / "fixtures" / "corpus").glob("*.pt"))
 ORIGINAL = {p.name: p.read_bytes() for p in CORPUS}
@@ -129,6 +129,36 @@ def test_mutated_without_verify_is_what_torch_reads_or_an_error(tmp_path, case):
     # ckptio returned data: torch reads the very same from these bytes.
     assert_same(got, torch.load(p, weights_only=True))
     OUTCOMES["plain: same data as torch.load"] += 1
+
+
+@SETTINGS
+@given(case=mutated())
+def test_mutated_in_place_is_what_torch_reads_or_an_error(tmp_path, case):
+    """ckptio.load(out=) of a mutated file (its tensors decoded as placeholders, read
+    straight into the destinations): a typed error, or every destination it filled holds
+    what torch.load reads from the same bytes at that key."""
+    from ckptio import inplace
+
+    name, data = case
+    p = tmp_path / name
+    p.write_bytes(data)
+    dests = inplace._index(EXPECTED[name])
+    out = inplace._rebuild(
+        __import__("copy").copy(EXPECTED[name]), lambda k, t: torch.zeros_like(dests[k])
+    )
+    try:
+        ckptio.load(p, out=out, strict=False)
+    except TYPED as e:
+        OUTCOMES[f"in place: {type(e).__name__}"] += 1
+        return
+    want = inplace._index(torch.load(p, weights_only=True))
+    missing = set(ckptio.last_report().missing_keys)
+    for k, t in inplace._index(out).items():
+        if inplace._name(k) not in missing:  # its values (NaN bits included), not its strides
+            w = want[k]
+            assert (t.dtype, t.shape) == (w.dtype, w.shape), inplace._name(k)
+            assert tensor_bytes(t) == tensor_bytes(w.contiguous()), inplace._name(k)
+    OUTCOMES["in place: same data as torch.load"] += 1
 
 
 def test_zz_outcomes():
