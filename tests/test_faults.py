@@ -744,6 +744,45 @@ def test_tensor_beyond_its_storage_is_refused(tmp_path, n, field, value):
     assert not m.t.any() and not m.u.any()
 
 
+def test_storage_location_torch_cannot_restore_is_refused_in_place(tmp_path):
+    """A storage tagged with a location torch.load cannot restore (a damaged tag) is a
+    FormatError for loads in place too, though they never move storages to it."""
+    src = tmp_path / "src.pt"
+    torch.save({"t": torch.arange(4.0)}, src)
+    tag = b"X\x03\x00\x00\x00cpu"  # BINUNICODE "cpu" in data.pkl
+    data = src.read_bytes()
+    assert data.count(tag) == 1
+    p = tmp_path / "bad.pt"
+    p.write_bytes(data.replace(tag, b"X\x03\x00\x00\x00cpx"))
+    with pytest.raises(RuntimeError):
+        torch.load(p, weights_only=True)
+    out = {"t": torch.zeros(4)}
+    with pytest.raises(ckptio.FormatError, match="location is 'cpx'"):
+        ckptio.load(p, out=out)
+    m = torch.nn.Module()
+    m.register_buffer("t", torch.zeros(4))
+    with pytest.raises(ckptio.FormatError, match="location is 'cpx'"):
+        ckptio.load_state_dict(m, p)
+    assert not out["t"].any() and not m.t.any()
+
+
+def test_storage_location_cpu_with_an_index_as_torch(tmp_path, monkeypatch):
+    """A "cpu:0" tag: torch.load refuses it unless a map_location replaces it; ckptio.load
+    does as torch does (its own error), a load in place refuses it (FormatError)."""
+    p = tmp_path / "cpu0.pt"
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cpu:0")
+    torch.save({"t": torch.arange(4.0)}, p)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError) as want:
+        torch.load(p, weights_only=True)
+    with pytest.raises(type(want.value)):
+        ckptio.load(p)
+    assert torch.equal(torch.load(p, map_location="cpu")["t"], torch.arange(4.0))
+    assert torch.equal(ckptio.load(p, map_location="cpu")["t"], torch.arange(4.0))
+    with pytest.raises(ckptio.FormatError, match="location is 'cpu:0'"):
+        ckptio.load(p, out={"t": torch.zeros(4)})
+
+
 def test_missing_data_record_is_torch_runtimeerror(tmp_path, good):
     """A data record the pickle needs is absent: torch's reader refuses (RuntimeError)."""
     data, _ = good["torch"]

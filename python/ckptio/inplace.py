@@ -58,6 +58,7 @@ from ckptio.serialization import (
     _open,
     _report,
     _unpickling,
+    restorable,
 )
 from ckptio.serialization import _rebuild as _build_unpickled
 
@@ -337,6 +338,7 @@ def open_torch(
     pending = [(p, n, None) for p, n, _ in found]
     offsets = _file_offsets(pending, data, name or path)  # type: ignore[arg-type]
     base = next((p - o for (p, n, _), o in zip(found, offsets, strict=True) if n), 0)
+    _check_locations((loc for _, _, loc in found), name or path)
     locations = {p - base: loc for p, _, loc in found}
     return obj, Mapped(name or path, reader, base, size, exact, locations)
 
@@ -372,8 +374,20 @@ def _native_open(
     with _unpickling(name):
         dtypes = [dtype for _, _, dtype, _ in found]
         obj = _build_unpickled(parsed, storages, dtypes, name, lazy=lazy)
+    _check_locations((loc for _, _, _, loc in found), name)
     locations = {off: loc for off, _, _, loc in found}
     return obj, Mapped(name, reader, whole.data_ptr(), size, exact, locations)
+
+
+def _check_locations(locations: Iterable[Any], name: str) -> None:
+    """A FormatError for a storage location torch.load could not restore: a load
+    in place does not move storages where they were saved, but a tag torch
+    refuses is a damaged file."""
+    for loc in locations:
+        if not restorable(loc):
+            raise _native.FormatError(
+                f"{name}: a storage's location is {loc!r}, which torch.load cannot restore"
+            )
 
 
 def open_safetensors(

@@ -733,7 +733,8 @@ class _Restorer:
                 result = torch.serialization.default_restore_location(storage, location)
             return result
         loc = self._mapped(location)
-        dev = _engine_device(loc)
+        tagged = not isinstance(self.map_location, (str, torch.device))
+        dev = _engine_device(loc) if not tagged or restorable(loc) else None
         if dev is None:  # not ours to fill: torch copies from the mapping (or raises)
             return torch.serialization.default_restore_location(storage, loc)
         if storage.nbytes() and storage.nbytes() not in self.record_sizes:
@@ -758,6 +759,20 @@ def _mapped(map_location: MapLocation, location: str) -> str:
     if isinstance(map_location, (str, torch.device)):
         return str(map_location)
     return location
+
+
+def restorable(location: Any) -> bool:
+    """Whether torch.load's default_restore_location knows storage location tag
+    ``location`` (a string: "cpu" exactly, or a device of another type)."""
+    if not isinstance(location, str):
+        return False
+    if location == "cpu":
+        return True
+    try:
+        dev = torch.device(location)
+    except (RuntimeError, ValueError):
+        return False
+    return dev.type != "cpu" and location.startswith(dev.type)
 
 
 def _engine_device(location: str) -> torch.device | None:
@@ -1204,7 +1219,10 @@ def _plan_fast(
     for _, _, _, location in found:
         dev = devices.get(location, ...)
         if dev is ...:
-            dev = devices[location] = _engine_device(_mapped(map_location, location))
+            loc = _mapped(map_location, location)
+            # A tag torch.load would restore itself and cannot: torch.load raises its error.
+            tagged = not isinstance(map_location, (str, torch.device))
+            dev = devices[location] = _engine_device(loc) if not tagged or restorable(loc) else None
         if dev is None:
             return None
         dests.append(dev)
