@@ -57,8 +57,8 @@ from ckptio.serialization import (
     _native_pickle,
     _open,
     _report,
+    _restorable,
     _unpickling,
-    restorable,
 )
 from ckptio.serialization import _rebuild as _build_unpickled
 
@@ -384,7 +384,7 @@ def _check_locations(locations: Iterable[Any], name: str) -> None:
     in place does not move storages where they were saved, but a tag torch
     refuses is a damaged file."""
     for loc in locations:
-        if not restorable(loc):
+        if not _restorable(loc):
             raise _native.FormatError(
                 f"{name}: a storage's location is {loc!r}, which torch.load cannot restore"
             )

@@ -734,7 +734,7 @@ class _Restorer:
             return result
         loc = self._mapped(location)
         tagged = not isinstance(self.map_location, (str, torch.device))
-        dev = _engine_device(loc) if not tagged or restorable(loc) else None
+        dev = _engine_device(loc) if not tagged or _restorable(loc) else None
         if dev is None:  # not ours to fill: torch copies from the mapping (or raises)
             return torch.serialization.default_restore_location(storage, loc)
         if storage.nbytes() and storage.nbytes() not in self.record_sizes:
@@ -761,7 +761,7 @@ def _mapped(map_location: MapLocation, location: str) -> str:
     return location
 
 
-def restorable(location: Any) -> bool:
+def _restorable(location: Any) -> bool:
     """Whether torch.load's default_restore_location knows storage location tag
     ``location`` (a string: "cpu" exactly, or a device of another type)."""
     if not isinstance(location, str):
@@ -1222,7 +1222,9 @@ def _plan_fast(
             loc = _mapped(map_location, location)
             # A tag torch.load would restore itself and cannot: torch.load raises its error.
             tagged = not isinstance(map_location, (str, torch.device))
-            dev = devices[location] = _engine_device(loc) if not tagged or restorable(loc) else None
+            dev = devices[location] = (
+                _engine_device(loc) if not tagged or _restorable(loc) else None
+            )
         if dev is None:
             return None
         dests.append(dev)
