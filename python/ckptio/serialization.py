@@ -733,8 +733,7 @@ class _Restorer:
                 result = torch.serialization.default_restore_location(storage, location)
             return result
         loc = self._mapped(location)
-        tagged = not isinstance(self.map_location, (str, torch.device))
-        dev = _engine_device(loc) if not tagged or _restorable(loc) else None
+        dev = _fill_device(self.map_location, loc)
         if dev is None:  # not ours to fill: torch copies from the mapping (or raises)
             return torch.serialization.default_restore_location(storage, loc)
         if storage.nbytes() and storage.nbytes() not in self.record_sizes:
@@ -773,6 +772,15 @@ def _restorable(location: Any) -> bool:
     except (RuntimeError, ValueError):
         return False
     return dev.type != "cpu" and location.startswith(dev.type)
+
+
+def _fill_device(map_location: MapLocation, loc: str) -> torch.device | None:
+    """The device the engine fills for a storage whose location is ``loc`` once
+    ``map_location`` applied; None where torch.load must restore it: not a device
+    the engine fills, or a tag of the file's (no str or device map_location
+    replaced it) that torch cannot restore, so that torch raises its own error."""
+    tagged = not isinstance(map_location, (str, torch.device))
+    return _engine_device(loc) if not tagged or _restorable(loc) else None
 
 
 def _engine_device(location: str) -> torch.device | None:
@@ -1220,11 +1228,7 @@ def _plan_fast(
         dev = devices.get(location, ...)
         if dev is ...:
             loc = _mapped(map_location, location)
-            # A tag torch.load would restore itself and cannot: torch.load raises its error.
-            tagged = not isinstance(map_location, (str, torch.device))
-            dev = devices[location] = (
-                _engine_device(loc) if not tagged or _restorable(loc) else None
-            )
+            dev = devices[location] = _fill_device(map_location, loc)
         if dev is None:
             return None
         dests.append(dev)
