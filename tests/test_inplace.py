@@ -1134,7 +1134,7 @@ def test_sources_not_made_yet_make_what_the_eager_build_makes(tmp_path):
             assert s.address == t.data_ptr()
             assert s.storage_address == t.untyped_storage().data_ptr()
     assert not lazy["tuple"][0].contiguous and lazy["tuple"][1].contiguous
-    made = _unpickled.materialize(lazy)
+    made = inplace.materialize(lazy)
     assert made is lazy and made["inner"]._metadata == inner._metadata
 
     from torch.utils import _pytree
@@ -1153,7 +1153,7 @@ def test_sources_not_made_yet_make_what_the_eager_build_makes(tmp_path):
         )
     assert made["list"][0] is made["list"][1]
     assert made["param"] is made["param"] and isinstance(made["param"], nn.Parameter)
-    assert _unpickled.materialize(made)["param"] is made["param"]  # made once
+    assert inplace.materialize(made)["param"] is made["param"]  # made once
     # A Parameter over a placeholder the pickle's memo shares: each keeps its type.
     lazy = _unpickled.build(parsed, storages, dtypes, str(p), lazy=True)
     inner = lazy["inner"]["b"]
@@ -1230,7 +1230,7 @@ def test_each_placeholder_made_checks_its_own_storage_only(tmp_path, monkeypatch
     torch.save({f"t{i}": torch.full((3,), float(i)) for i in range(64)}, p)
     reader, parsed, storages, dtypes = _native_parts(p)
     lazy = _unpickled.build(parsed, storages, dtypes, str(p), lazy=True)
-    made = _unpickled.materialize(lazy)
+    made = inplace.materialize(lazy)
     assert sum(checked) == 64
     assert all(torch.equal(made[f"t{i}"], torch.full((3,), float(i))) for i in range(64))
     checked.clear()

@@ -308,7 +308,7 @@ def open_torch(
     ``verify_engine``: check the pickle's and the small records' CRC-32s first.
     ``torch_kw``: torch.load's own arguments (weights_only, pickle_module...).
     ``lazy``: where the pickle is read natively, an ``_unpickled.Source`` in
-    place of each tensor (made on demand: ``_unpickled.materialize``)."""
+    place of each tensor (made on demand: :func:`materialize`)."""
     reader = _open(path, direct, backend)
     records = reader.records()
     prefix = reader.prefix
@@ -483,6 +483,16 @@ def _walk(
             attrs[k] = None if v is _DROP else v
         return o
     return o
+
+
+def materialize(obj: Any) -> Any:
+    """``obj`` with every :class:`Source` made into its tensor (:func:`_rebuild`:
+    dicts and lists changed in place, tuples rebuilt)."""
+    return _rebuild(obj, _made)
+
+
+def _made(p: tuple[Any, ...], t: Any) -> Any:
+    return _unpickled.tensor(t)
 
 
 def _name(path: tuple[Any, ...]) -> str:

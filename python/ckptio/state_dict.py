@@ -48,6 +48,7 @@ from ckptio.inplace import (
     _report_plan,
     execute,
     fill,
+    materialize,
     open_safetensors,
     open_torch,
     plan,
@@ -282,7 +283,7 @@ def _load_module(
             names.setdefault(id(t), n)
 
     if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
-        state_dict = _unpickled.materialize(state_dict)
+        state_dict = materialize(state_dict)
         name_all()
 
         # An override of load_state_dict: it runs as is, each copy read at once.
@@ -317,8 +318,7 @@ def _load_module(
     extra: list[tuple[str, torch.Tensor, Any]] = []
     for k in state_dict:
         if k.endswith(_EXTRA_STATE_KEY_SUFFIX):
-            value = _unpickled.materialize(state_dict[k])
-            state_dict[k] = _rebuild(value, _fresh_into(run, extra, (k,)))
+            state_dict[k] = _rebuild(state_dict[k], _fresh_into(run, extra, (k,)))
     if not run.run(extra, exact_shape=True):
         _raise(
             f"Error(s) in loading state_dict for {module.__class__.__name__}:",
@@ -331,7 +331,7 @@ def _load_module(
     if fast is not None:
         mode.pending, missing, unexpected, error_msgs = fast
     else:
-        _unpickled.materialize(state_dict)  # (its values, in place)
+        materialize(state_dict)  # (its values, in place)
         name_all()
         with mode:
             _replay(module, state_dict, "", metadata, mode, missing, unexpected, error_msgs)
@@ -620,7 +620,6 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     if type(opt).load_state_dict is not torch.optim.Optimizer.load_state_dict:
         # An override: it gets the checkpoint's tensors, read first (as
         # torch.load would give them).
-        state_dict = _unpickled.materialize(state_dict)
         fresh: list[tuple[str, torch.Tensor, Any]] = []
         state_dict = _rebuild(state_dict, _fresh_into(run, fresh))
         if not run.run(fresh, exact_shape=True):
@@ -630,7 +629,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
         return
     state_dict = state_dict.copy()
     if opt._optimizer_load_state_dict_pre_hooks:  # user code: it gets tensors
-        state_dict = _unpickled.materialize(state_dict)
+        state_dict = materialize(state_dict)
     for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
         hook_result = pre_hook(opt, state_dict)
         if hook_result is not None:
