@@ -661,31 +661,25 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     )
     pairs: list[tuple[str, torch.Tensor, Any]] = []
     shapes: list[Problem] = []
-    policy: dict[int, dict[Any, tuple[Any, Any]]] = {}  # by id of the groups list
-
-    def policies(param_groups: list[dict[str, Any]]) -> dict[Any, tuple[Any, Any]]:
-        """Each parameter id's (fused, capturable): its first group's."""
-        found = policy.get(id(param_groups))
-        if found is None:
-            found = policy[id(param_groups)] = {}
-            for pg in param_groups:
-                flags = (pg.get("fused", False), pg.get("capturable", False))
-                for i in pg["params"]:
-                    if isinstance(i, Hashable):  # (a state key is)
-                        found.setdefault(i, flags)
-        return found
+    # Each parameter id's (fused, capturable): its first saved group's, as
+    # Optimizer._process_value_according_to_param_policy finds it by searching
+    # every group's ids for each tensor.
+    policy: dict[Any, tuple[Any, Any]] = {}
+    for pg in state_dict["param_groups"]:
+        flags = (pg.get("fused", False), pg.get("capturable", False))
+        for i in pg["params"]:
+            if isinstance(i, Hashable):  # (a state key is)
+                policy.setdefault(i, flags)
 
     def destination(
         param: torch.Tensor,
         value: Any,
         param_id: Any,
-        param_groups: list[dict[str, Any]],
         key: Any,
         path: tuple[Any, ...],
     ) -> torch.Tensor:
-        # Optimizer._process_value_according_to_param_policy's dtype and device
-        # (its search of every group's ids, per tensor, made a dict once).
-        fused, capturable = policies(param_groups).get(param_id, (False, False))
+        # Optimizer._process_value_according_to_param_policy's dtype and device.
+        fused, capturable = policy.get(param_id, (False, False))
         where = run.located.locate(value)
         if where is None:
             value = _unpickled.tensor(value)
@@ -732,9 +726,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     for k, v in state_dict["state"].items():
         if k in id_map:
             param = id_map[k]
-            state[param] = _cast(
-                destination, param, v, k, state_dict["param_groups"], path=("state", k)
-            )
+            state[param] = _cast(destination, param, v, k, path=("state", k))
         else:  # kept as loaded
             state[k] = _rebuild(v, _fresh_into(run, pairs, ("state", k)))
     run.problems += shapes
@@ -759,7 +751,6 @@ def _cast(
     param: torch.Tensor,
     value: Any,
     param_id: Any,
-    param_groups: list[dict[str, Any]],
     key: Any = None,
     path: tuple[Any, ...] = (),
 ) -> Any:
@@ -767,16 +758,15 @@ def _cast(
     ``destination`` (:func:`_load_optimizer`'s). A function of the module, not
     a closure: a recursive closure is a cycle."""
     if isinstance(value, torch.Tensor) or type(value) is _Source:
-        return destination(param, value, param_id, param_groups, key, path)
+        return destination(param, value, param_id, key, path)
     elif isinstance(value, dict):
         return {
-            k: _cast(destination, param, v, param_id, param_groups, key=k, path=(*path, k))
+            k: _cast(destination, param, v, param_id, key=k, path=(*path, k))
             for k, v in value.items()
         }
     elif isinstance(value, Iterable):
         return type(value)(  # type: ignore[call-arg]
-            _cast(destination, param, v, param_id, param_groups, path=(*path, i))
-            for i, v in enumerate(value)
+            _cast(destination, param, v, param_id, path=(*path, i)) for i, v in enumerate(value)
         )
     else:
         return value
