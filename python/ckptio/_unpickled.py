@@ -24,14 +24,19 @@ class _Maker:
     __slots__ = ("storages", "dtypes", "path", "sizes", "itemsizes", "addresses", "_news")
 
     def __init__(
-        self, storages: list[torch.UntypedStorage], dtypes: list[torch.dtype], path: str
+        self,
+        storages: list[torch.UntypedStorage],
+        dtypes: list[torch.dtype],
+        path: str,
+        addresses: bool = False,
     ) -> None:
         self.storages = storages
         self.dtypes = dtypes
         self.path = path
         self.sizes = [st.nbytes() for st in storages]
         self.itemsizes = [dtype.itemsize for dtype in dtypes]
-        self.addresses = [st.data_ptr() for st in storages]
+        #: Each storage's address, for placeholders (the eager build needs none).
+        self.addresses = [st.data_ptr() for st in storages] if addresses else []
         self._news: list[Any] | None = None  # made on the first tensor
 
     def _makers(self) -> list[Any]:
@@ -170,7 +175,7 @@ def build(
 ) -> Any:
     """The object of a natively read pickle over its storages; ``lazy``: with a
     :class:`Source` in place of each tensor."""
-    maker = _Maker(storages, dtypes, path)
+    maker = _Maker(storages, dtypes, path, addresses=lazy)
     if lazy:
         return parsed.build(lambda *a: Source(maker, a), _as_parameter, collections.OrderedDict)
     obj = parsed.build(maker.tensor, _parameter, collections.OrderedDict)
