@@ -68,22 +68,19 @@ def ref_package(ref: str, into: str) -> None:
                     f.write(text)
 
 
-def phases(mod) -> dict[str, float]:
-    """Seconds spent in each step of an in-place load (bench.LoadPhases), and
-    in the native reads (within execute)."""
-    acc = bench.LoadPhases(mod).seconds
-    for cls in (mod._native.Reader, mod._native.DeviceFile):
-        inner = cls.read_segments
+class Phases:
+    """Seconds in each step of an in-place load (bench.LoadPhases) and in the
+    native reads within execute (bench.EngineReads), for package ``mod``."""
 
-        def native(obj, *a, _f=inner, **k):
-            t0 = time.perf_counter()
-            try:
-                return _f(obj, *a, **k)
-            finally:
-                acc["(read_segments)"] = acc.get("(read_segments)", 0.0) + time.perf_counter() - t0
+    def __init__(self, mod) -> None:
+        self.steps, self.reads = bench.LoadPhases(mod), bench.EngineReads(mod)
 
-        cls.read_segments = native
-    return acc
+    def clear(self) -> None:
+        self.steps.reset()
+        self.reads.reset()
+
+    def items(self):
+        return [*self.steps.seconds.items(), ("(read_segments)", self.reads.seconds)]
 
 
 def main() -> None:
@@ -117,7 +114,7 @@ def main() -> None:
             import ckptio_ref
 
             mods[f"at {args.against}"] = ckptio_ref
-        acc = {k: phases(m) for k, m in mods.items()} if args.phases else {}
+        acc = {k: Phases(m) for k, m in mods.items()} if args.phases else {}
         for m in mods.values():
             for _ in range(10):
                 m.load_state_dict(model, path)

@@ -398,13 +398,12 @@ class EngineReads:
     :meth:`reset`: the engine's share of a load; the rest is Python, unpickling
     and allocating the destinations. One at a time, until :meth:`close`."""
 
-    def __init__(self) -> None:
-        from ckptio import _native
-
+    def __init__(self, pkg: Any = ckptio) -> None:
+        """``pkg``: ``ckptio``, or a copy of it at another commit."""
         self.seconds = 0.0
         self.calls = 0
         self._inner: list[tuple[type, Any]] = []
-        for cls in (_native.Reader, _native.DeviceFile):
+        for cls in (pkg._native.Reader, pkg._native.DeviceFile):
             self._wrap(cls)
 
     def _wrap(self, cls: type) -> None:
