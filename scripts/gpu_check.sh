@@ -6,6 +6,7 @@
 #                                # the GPU tests with it (cuFile compat for real)
 #   scripts/gpu_check.sh gpu     # only tests/test_gpu.py, without then with the udev entry
 #   scripts/gpu_check.sh gputests # every GPU-marked test, without then with the udev entry
+#                                # (GPUTESTS_PHASES="bounce"|"cufile": one of them)
 #   scripts/gpu_check.sh rust    # the Rust unit tests (dist/ckptio-test-lib), with the udev entry
 #   scripts/gpu_check.sh membench # benches/bench_memory.py (issue 16's targets and the floors
 #                                # that bound them) alone: about 4 minutes at 8 GiB (--budget
@@ -100,13 +101,13 @@ soundness)
 gputests)
     # Every GPU-marked test of the suite, on the bounce pipeline (no udev entry), then on
     # cuFile (with it); GPUTESTS_ARGS adds pytest arguments (e.g. -k), GPUTESTS_PATHS
-    # picks test files or node ids (default: tests).
-    udev_off
-    CKPTIO_EXPECT_BACKEND=bounce timeout 270 $PY -m pytest ${GPUTESTS_PATHS:-tests} -m gpu -q -p no:cacheprovider -rfEs ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_bounce.log" | tail -25
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-    udev_on
-    CKPTIO_EXPECT_BACKEND=cufile timeout 270 $PY -m pytest ${GPUTESTS_PATHS:-tests} -m gpu -q -p no:cacheprovider -rfEs ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_cufile.log" | tail -25
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    # picks test files or node ids (default: tests), GPUTESTS_PHASES the phases
+    # (default "bounce cufile"; all of tests/ takes about 270 s per phase: a call each).
+    for phase in ${GPUTESTS_PHASES:-bounce cufile}; do
+        if [ "$phase" = cufile ]; then udev_on; else udev_off; fi
+        CKPTIO_EXPECT_BACKEND=$phase timeout ${GPUTESTS_TIMEOUT:-270} $PY -m pytest ${GPUTESTS_PATHS:-tests} -m gpu -q -p no:cacheprovider -rfEs ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_$phase.log" | tail -25
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
     ;;
 rust)
     udev_on
