@@ -11,3 +11,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def auto_read_path(expect):
+    """The device path ``auto`` reads a file on the disk through, where the GPU
+    tests expect ``expect`` (CKPTIO_EXPECT_BACKEND, set by scripts/gpu_check.sh):
+    the bounce pipeline where cuFile runs in compat mode (no nvidia-fs), as
+    cuFile would bounce through host memory itself."""
+    if expect != "cufile":
+        return expect
+    import ckptio
+
+    compat = ckptio.info("/tmp")["cufile"].get("compat_mode")
+    return "bounce" if compat else "cufile"

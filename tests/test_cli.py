@@ -312,6 +312,24 @@ def test_clean_and_info(tmp_path, capsys):
     assert rc == 0 and "cuda" in json.loads(out)
 
 
+def test_info_says_what_auto_does_in_cufile_compat_mode(tmp_path):
+    """Where cuFile registers the folder's files in compat mode (no nvidia-fs),
+    `ckptio info` says that `auto` loads through the bounce pipeline; elsewhere
+    it says nothing of it."""
+    from ckptio.sysinfo import format_info
+
+    d = ckptio.info(tmp_path)
+    line = "backend auto:  saves through cuFile, loads through the bounce pipeline"
+    d["cufile"]["compat_mode"] = True
+    d["folder"]["cufile_handle"] = True
+    assert line in format_info(d)
+    d["cufile"]["compat_mode"] = False
+    assert line not in format_info(d)
+    d["cufile"]["compat_mode"] = True
+    d["folder"]["cufile_handle"] = False
+    assert line not in format_info(d)
+
+
 def test_bad_command_line_is_exit_2(capsys):
     for argv in (["ls"], ["frobnicate", "x"], ["verify", "--bogus", "x"], []):
         with pytest.raises(SystemExit) as ei:

@@ -44,7 +44,8 @@ class IOReport:
     seconds: float
     #: The backend in effect for CUDA memory, from the ``backend`` argument or
     #: CKPTIO_BACKEND: "auto" (cuFile where it takes the file, else bounce
-    #: buffers), "cufile" or "bounce". What actually ran is ``device_path``.
+    #: buffers; reads take bounce buffers where cuFile runs in compat mode),
+    #: "cufile" or "bounce". What actually ran is ``device_path``.
     backend: str
     direct: bool
     direct_reason: str | None

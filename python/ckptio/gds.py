@@ -82,8 +82,9 @@ class GdsFile:
 
     ``flags`` are ``os.open`` flags (e.g. ``os.O_RDWR``); O_DIRECT is added where
     the filesystem takes it. ``backend``: "auto" (cuFile where it can register
-    the file, else bounce buffers), "cufile" (or an error) or "bounce" ("posix"
-    is an older name for it).
+    the file, else bounce buffers; a file opened read-only takes bounce buffers
+    where cuFile runs in compat mode), "cufile" (or an error) or "bounce"
+    ("posix" is an older name for it).
     """
 
     def __init__(

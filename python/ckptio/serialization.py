@@ -572,8 +572,9 @@ def save(
     direct: O_DIRECT "auto" (default: where the filesystem takes it), True/"on"
     (required) or False/"off". backend: how CUDA storages move, "auto" (default, or
     CKPTIO_BACKEND: cuFile where it can register the file, else pinned bounce
-    buffers), "cufile" (or an error) or "bounce" (pinned bounce buffers; "posix"
-    is an older name for it). The report says which ran (``device_path``).
+    buffers; loads take the bounce buffers where cuFile runs in compat mode),
+    "cufile" (or an error) or "bounce" (pinned bounce buffers; "posix" is an
+    older name for it). The report says which ran (``device_path``).
     Bytes are copied after the work queued on the current CUDA streams (the
     copies wait for it on the GPU; the host is not blocked for it).
     """

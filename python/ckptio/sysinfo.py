@@ -71,6 +71,9 @@ def format_info(d: dict[str, Any]) -> str:
             + ("yes" if x["cufile_handle"] else "no")
             + (f" ({x['cufile_reason']})" if x["cufile_reason"] else "")
         )
+        if x["cufile_handle"] and d["cufile"].get("compat_mode"):
+            # src/gpu/path.rs: in compat mode the bounce pipeline reads faster.
+            lines.append("  backend auto:  saves through cuFile, loads through the bounce pipeline")
     return "\n".join(lines)
 
 

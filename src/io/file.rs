@@ -62,6 +62,8 @@ pub struct IoFile {
     no_direct_reason: Option<String>,
     /// The file lives in memory (tmpfs): its I/O is CPU copies, not device requests.
     in_memory: bool,
+    /// Opened for writing (else reads only).
+    writable: bool,
     /// Reads copy from this mapping of the file's page cache instead of pread
     /// ([`IoFile::memory_view`]).
     mapped: Option<FileMap>,
@@ -119,6 +121,7 @@ impl IoFile {
             align,
             no_direct_reason: reason,
             in_memory,
+            writable: write,
             mapped: None,
             #[cfg(test)]
             trace: None,
@@ -141,6 +144,7 @@ impl IoFile {
             align: self.align,
             no_direct_reason: Some(why.to_string()),
             in_memory: true,
+            writable: self.writable,
             mapped: map,
             #[cfg(test)]
             trace: None,
@@ -201,6 +205,11 @@ impl IoFile {
     /// The descriptor cuFile should register: the O_DIRECT one where there is one.
     pub fn fd_for_device_io(&self) -> RawFd {
         self.direct.as_ref().unwrap_or(&self.buffered).as_raw_fd()
+    }
+
+    /// Opened for writing ([`IoFile::from_writable`]); else for reads only.
+    pub fn is_writable(&self) -> bool {
+        self.writable
     }
 
     pub fn is_direct(&self) -> bool {
