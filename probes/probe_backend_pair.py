@@ -17,25 +17,19 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
-import time
 
 import ckptio
 import torch
 from ckptio import bench
 from ckptio.cli import _size
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches"))
+from bench_gpu import timed  # noqa: E402  (settles the disk, times GPU work too)
+
 GiB = 2**30
 BACKENDS = ("bounce", "cufile")
-
-
-def timed(fn, where: str) -> float:
-    bench.settle_disk(where)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
