@@ -382,12 +382,17 @@ def _native_open(
 def _check_locations(locations: Iterable[Any], name: str) -> None:
     """A FormatError for a storage location torch.load could not restore: a load
     in place does not move storages where they were saved, but a tag torch
-    refuses is a damaged file."""
+    refuses is a damaged file. Each tag is checked once (a checkpoint of 512
+    storages has one or two)."""
+    ok: set[str] = set()
     for loc in locations:
-        if not _restorable(loc):
+        if type(loc) is str and loc in ok:
+            continue
+        if not _restorable(loc):  # every tag that is not a str
             raise _native.FormatError(
                 f"{name}: a storage's location is {loc!r}, which torch.load cannot restore"
             )
+        ok.add(loc)
 
 
 def open_safetensors(
