@@ -26,7 +26,10 @@ table).
     floor: the file mapped and registered with the driver
     (cuMemHostRegister READ_ONLY) in 64 MiB pieces
     on 8 threads, each piece copied to the GPU from its registration, end to
-    end and by phase (page tables, registration, copy).
+    end and by phase (page tables, registration, copy); (d) the shared-bus
+    floor: (a) (repeat, map) timed while pinned H2D copies run throughout, and a
+    pinned H2D copy timed while (a) runs in a loop; a load does both jobs at
+    once on one host memory, so it takes at least the slower of the two.
   * ckptio.save, then ckptio.load to CUDA right after ("first") and again
     ("repeat"), the repeat also with CKPTIO_MEMORY_PATH=map-nt (the A/B of the
     memory path's copy); each load's engine read is timed alone too
@@ -72,6 +75,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -384,6 +388,7 @@ def shm_round(sd: dict, host: torch.Tensor, flat: torch.Tensor, shm: str) -> Non
         copy_floors(raw, "shm")
         if DEV == "cuda":
             attempt("floor (b) zero-copy shm, end to end", lambda: zero_copy_floor(raw, flat))
+            shared_bus_floor(raw, host, flat)
         os.unlink(raw)
 
     def save_and_loads() -> None:
@@ -466,6 +471,49 @@ def copy_floors(path: str, where: str) -> None:
     if where == "shm":
         s, _ = _native.memory_copy_floor(path, "map", mt, 4 * mc)
         rec(f"floor (a) CPU copy shm repeat (map, {mt} thr, {4 * mc >> 20} MiB)", s)
+
+
+def shared_bus_floor(path: str, host: torch.Tensor, flat: torch.Tensor) -> None:
+    """Floor (d): each half of a copy-based load timed while the other half runs
+    flat out on the same host memory. The CPU copy floor (a) of ``path``
+    (repeat, map) while pinned H2D copies of the bytes run throughout (three
+    are queued first), then one pinned H2D copy while (a) runs in a loop on
+    another thread. A load through the memory path does both jobs at once, so
+    it takes at least the slower of the two (each measured under the other's
+    load); the gaps between the loop's calls only make that floor easier."""
+    eng = ENGINES["map"]
+    mt, mc = eng.memory_threads, eng.memory_chunk_size
+    settle()
+    sync()
+    for _ in range(3):
+        flat.copy_(host, non_blocking=True)
+    cpu, _ = _native.memory_copy_floor(path, "map", mt, mc)
+    covered = not torch.cuda.current_stream().query()  # the DMA outlasted the copy
+    sync()
+    stop = threading.Event()
+
+    def copies() -> None:
+        while not stop.is_set():
+            _native.memory_copy_floor(path, "map", mt, mc)
+
+    th = threading.Thread(target=copies)
+    th.start()
+    try:
+        time.sleep(0.05)  # past the first call's pinned slots
+        t0 = time.perf_counter()
+        flat.copy_(host, non_blocking=True)
+        sync()
+        dma = time.perf_counter() - t0
+    finally:
+        stop.set()
+        th.join()
+    rec(
+        "floor (d) CPU copy while H2D copies run",
+        cpu,
+        f"{mt} thr, the H2D copies {'outlasted' if covered else 'ended before'} it",
+    )
+    rec("floor (d) H2D copy while CPU copies run", dma, f"{mt} thr copying in a loop")
+    rec("floor (d) shared bus: the slower of the two", max(cpu, dma))
 
 
 READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY
@@ -722,6 +770,7 @@ def report(nbytes: int, json_path: str | None, show: bool) -> None:
     fr = f"floor (a) CPU copy shm repeat (map, {mt} thr)"
     fc = f"floor (a) CPU copy disk cached (map, {mt} thr)"
     zc = "floor (b) zero-copy shm, end to end"
+    bus = "floor (d) shared bus: the slower of the two"
     first, repeat = "ckptio.load shm first (map)", "ckptio.load shm repeat (map)"
     cached = "ckptio.load page-cached disk file (map)"
     stl = "ckptio.safetensors.load_file shm first"
@@ -738,6 +787,10 @@ def report(nbytes: int, json_path: str | None, show: bool) -> None:
         ("shm repeat load (map) / pinned H2D, >= 0.85", load_line(repeat, fr)),
         ("  bound: zero-copy floor (b) / pinned H2D", speed(zc, h2d)),
         ("  bound: zero-copy floor (b) / CPU copy floor (a) repeat", speed(zc, fr)),
+        ("  bound: shared-bus floor (d) / pinned H2D", speed(bus, h2d)),
+        ("  shm repeat load / shared-bus floor (d)", speed(repeat, bus)),
+        ("  shm first load / shared-bus floor (d)", speed(first, bus)),
+        ("  safetensors load_file shm / shared-bus floor (d)", speed(stl, bus)),
         (
             "  A/B: shm repeat load map-nt / map (> 1: map-nt wins)",
             speed("ckptio.load shm repeat (map-nt)", repeat),
