@@ -480,21 +480,23 @@ def shared_bus_floor(path: str, host: torch.Tensor, flat: torch.Tensor) -> None:
     are queued first), then one pinned H2D copy while (a) runs in a loop on
     another thread. A load through the memory path does both jobs at once, so
     it takes at least the slower of the two (each measured under the other's
-    load); the gaps between the loop's calls only make that floor easier."""
+    load); the gaps between the loop's calls only make that floor easier.
+    (a) copies into pageable slots here: registering its slots would wait for
+    the queued copies, and the memory traffic is the same."""
     eng = ENGINES["map"]
     mt, mc = eng.memory_threads, eng.memory_chunk_size
     settle()
     sync()
     for _ in range(3):
         flat.copy_(host, non_blocking=True)
-    cpu, _ = _native.memory_copy_floor(path, "map", mt, mc)
+    cpu, _ = _native.memory_copy_floor(path, "map", mt, mc, pinned=False)
     covered = not torch.cuda.current_stream().query()  # the DMA outlasted the copy
     sync()
     stop = threading.Event()
 
     def copies() -> None:
         while not stop.is_set():
-            _native.memory_copy_floor(path, "map", mt, mc)
+            _native.memory_copy_floor(path, "map", mt, mc, pinned=False)
 
     th = threading.Thread(target=copies)
     th.start()

@@ -319,6 +319,8 @@ def test_the_copy_floor_probe_reads_a_whole_file(tmp_path, source):
     seconds, pinned = _native.memory_copy_floor(p, source, 3, 64 << 10)
     assert seconds > 0 and pinned == torch.cuda.is_available()
     assert _native.host_memory()["file_mappings"] == 0
+    seconds, pinned = _native.memory_copy_floor(p, source, 2, 64 << 10, pinned=False)
+    assert seconds > 0 and not pinned
     for bad in (dict(source="mmap"), dict(threads=0), dict(chunk_size=1000)):
         with pytest.raises(ValueError):
             _native.memory_copy_floor(p, **bad)

@@ -312,9 +312,11 @@ def memory_copy_floor(
     source: str = "map",
     threads: int = 8,
     chunk_size: int = 4194304,
+    pinned: bool = True,
 ) -> tuple[float, bool]:
     """(seconds, pinned): the file copied by ``threads`` threads, ``chunk_size`` at a
-    time, into two pinned slots each ("map", "map-nt" or "pread"), without the engine."""
+    time, into two pinned slots each ("map", "map-nt" or "pread"), without the engine;
+    ``pinned=False``: pageable slots."""
 
 @final
 class HostPin:

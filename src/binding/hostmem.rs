@@ -89,15 +89,18 @@ pub(super) fn host_memory(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// `threads` threads to copy the whole file at `path`, `chunk_size` bytes at a
 /// time, into two slots each of one pinned buffer (pageable, faulted in, where
 /// there is no CUDA), as the memory path fills its bounce lanes but without
-/// the engine or the GPU. `source`: "map", "map-nt" or "pread".
+/// the engine or the GPU. `source`: "map", "map-nt" or "pread". `pinned=False`:
+/// pageable slots even with CUDA, for a floor timed beside running copies
+/// (registering the slots would wait on them).
 #[pyfunction]
-#[pyo3(signature = (path, source="map", threads=8, chunk_size=4194304))]
+#[pyo3(signature = (path, source="map", threads=8, chunk_size=4194304, pinned=true))]
 pub(super) fn memory_copy_floor(
     py: Python<'_>,
     path: PathBuf,
     source: &str,
     threads: usize,
     chunk_size: usize,
+    pinned: bool,
 ) -> PyResult<(f64, bool)> {
     let source: FloorSource = source.parse()?;
     if !(1..=256).contains(&threads) || chunk_size == 0 || chunk_size % 4096 != 0 {
@@ -113,7 +116,7 @@ pub(super) fn memory_copy_floor(
         .ok_or_else(|| Error::invalid("memory_copy_floor: slots over 16 GiB"))?;
     let r = py.detach(|| -> crate::Result<(f64, bool)> {
         let file = std::fs::File::open(&path).map_err(|e| Error::io_at("open", &path, e))?;
-        let mut pinned = PinnedBuffer::new(len).ok();
+        let mut pinned = pinned.then(|| PinnedBuffer::new(len).ok()).flatten();
         let mut anon = None;
         let ring = match pinned.as_mut() {
             Some(p) => p.as_mut_slice(),
