@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from ckptio import bench
@@ -35,13 +34,6 @@ def main() -> None:
     dst = torch.empty(n, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
 
-    def one_copy() -> float:
-        t0 = time.perf_counter()
-        for o in range(0, n, GiB):
-            dst[o : o + GiB].copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
     def pieces(piece: int, threads: int) -> float:
         base, dbase = src.data_ptr(), dst.data_ptr()
 
@@ -55,9 +47,9 @@ def main() -> None:
     cases = [(pc * MiB, t) for t in (16, 1) for pc in (1, 2, 4, 8, 16, 64)]
     times: dict = {c: [] for c in cases}
     ref: list[float] = []
-    one_copy()
+    bench.h2d_seconds(dst, src)
     for r in range(a.rounds):
-        ref.append(one_copy())
+        ref.append(bench.h2d_seconds(dst, src))
         for c in cases if r % 2 == 0 else cases[::-1]:
             times[c].append(pieces(*c))
     h = statistics.median(ref)

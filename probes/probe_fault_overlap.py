@@ -19,7 +19,6 @@ import mmap
 import os
 import statistics
 import threading
-import time
 
 from ckptio import bench
 
@@ -65,12 +64,7 @@ def read_into(
 
     threads = [threading.Thread(target=fault) for _ in range(faulters)]
     threads += [threading.Thread(target=read) for _ in range(readers)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    s = time.perf_counter() - t0
+    s = bench.timed_threads(threads)
     view.release()
     os.close(fd)
     return s

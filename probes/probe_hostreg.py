@@ -46,6 +46,7 @@ import threading
 import time
 
 import torch
+from ckptio import bench
 from ckptio.cli import _size
 
 READ_ONLY = 8
@@ -53,13 +54,7 @@ READ_ONLY = 8
 
 def _on_threads(threads: int, work) -> float:
     """Seconds for ``work(k)`` to run on threads k = 0..threads-1 at once."""
-    ts = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
+    return bench.timed_threads([threading.Thread(target=work, args=(k,)) for k in range(threads)])
 
 
 def main() -> None:

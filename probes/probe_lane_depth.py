@@ -79,13 +79,7 @@ def pipeline(
                 if st.value:
                     cu.cuStreamDestroy_v2(st)
 
-    ths = [threading.Thread(target=work, args=(s,)) for s in slots]
-    t0 = time.perf_counter()
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join()
-    s = time.perf_counter() - t0
+    s = bench.timed_threads([threading.Thread(target=work, args=(m,)) for m in slots])
     if errors:
         raise errors[0]
     return s
@@ -131,13 +125,6 @@ def main() -> None:
         stream = torch.cuda.current_stream().cuda_stream
         segs = [(o, dst.data_ptr() + o, min(16 * MiB, n - o), 0) for o in range(0, n, 16 * MiB)]
 
-        def h2d() -> float:
-            t0 = time.perf_counter()
-            for o in range(0, n, GiB):
-                dst[o : o + GiB].copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            return time.perf_counter() - t0
-
         def engine_read() -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -152,11 +139,11 @@ def main() -> None:
             )
         times: dict[str, list[float]] = {k: [] for k in cases}
         ref: list[float] = []
-        h2d()
+        bench.h2d_seconds(dst, src)
         for fn in cases.values():  # warm: lanes made, mappings kept, threads spawned once
             fn()
         for r in range(a.rounds):
-            ref.append(h2d())
+            ref.append(bench.h2d_seconds(dst, src))
             for k in list(cases) if r % 2 == 0 else list(cases)[::-1]:
                 times[k].append(cases[k]())
         h = statistics.median(ref)

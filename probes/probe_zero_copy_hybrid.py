@@ -97,14 +97,6 @@ def main() -> None:
     stream = torch.cuda.current_stream().cuda_stream
     pinned = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
 
-    def h2d() -> float:
-        t0 = time.perf_counter()
-        for o in range(0, n, GiB):
-            ln = min(GiB, n - o)
-            dst[o : o + ln].copy_(pinned[:ln], non_blocking=True)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
     def hybrid(share: float, zc_threads: int) -> float:
         cut = n - int(n * share) // PIECE * PIECE
         segs = [(o, dst.data_ptr() + o, min(16 << 20, cut - o), 0) for o in range(0, cut, 16 << 20)]
@@ -138,7 +130,7 @@ def main() -> None:
     hybrid(0.0, 1)  # warm: engine lanes pinned, mapping kept
     check = torch.frombuffer(bytearray(block[: 1 << 20]), dtype=torch.uint8)
     for r in range(a.rounds):
-        ref.append(h2d())
+        ref.append(bench.h2d_seconds(dst, pinned))
         for c in cases if r % 2 == 0 else cases[::-1]:
             dst.zero_()
             times[c].append(hybrid(*c))

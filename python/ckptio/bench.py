@@ -287,6 +287,30 @@ def cuda_check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what}: CUresult {rc}")
 
 
+def h2d_seconds(dst: torch.Tensor, src: torch.Tensor) -> float:
+    """Seconds to fill the CUDA byte tensor ``dst`` from the pinned host byte
+    tensor ``src`` (reused where ``dst`` is larger), one copy per ``src`` length:
+    the pinned host-to-device limit the probes measure against."""
+    n, piece = dst.numel(), src.numel()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for o in range(0, n, piece):
+        ln = min(piece, n - o)
+        dst[o : o + ln].copy_(src[:ln], non_blocking=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def timed_threads(threads: list[threading.Thread]) -> float:
+    """Seconds from starting ``threads`` to the end of the last of them."""
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def on_streams(
     threads: int, items: list[Any], fn: Callable[[Any, Any], None], ctx: Any = None
 ) -> float:
