@@ -344,6 +344,24 @@ def test_the_bench_times_the_engine_reads_of_a_load(tmp_path):
     assert reads.calls == 0
 
 
+def test_the_probes_timers():
+    """bench.timed_threads runs every thread to its end; bench.h2d_seconds fills
+    its destination from a smaller source, piece by piece (on CUDA)."""
+    import threading
+    import time
+
+    done: list[int] = []
+    ths = [
+        threading.Thread(target=lambda k=k: (time.sleep(0.01), done.append(k))) for k in range(3)
+    ]
+    assert bench.timed_threads(ths) >= 0.01 and sorted(done) == [0, 1, 2]
+    if torch.cuda.is_available():
+        src = torch.arange(256, dtype=torch.uint8).pin_memory()
+        dst = torch.zeros(600, dtype=torch.uint8, device="cuda")
+        assert bench.h2d_seconds(dst, src) > 0
+        assert torch.equal(dst.cpu(), torch.arange(600).remainder(256).to(torch.uint8))
+
+
 FORKED_LOADS = """
 import os, sys, torch, ckptio
 from ckptio import _native
