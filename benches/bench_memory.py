@@ -501,7 +501,7 @@ def shared_bus_floor(path: str, host: torch.Tensor, flat: torch.Tensor) -> None:
     th = threading.Thread(target=copies)
     th.start()
     try:
-        time.sleep(0.05)  # past the first call's pinned slots
+        time.sleep(0.05)  # past the first call's set-up (its slots faulted in)
         t0 = time.perf_counter()
         flat.copy_(host, non_blocking=True)
         sync()
