@@ -10,6 +10,11 @@ use std::path::{Path, PathBuf};
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Said after every [`Error::Format`]: torch's own words for an archive its
+/// reader refuses, which users and tools search for.
+pub const CORRUPT_HINT: &str = "there is a high likelihood that your checkpoint file is corrupted \
+     (saved incompletely, damaged in transfer, or modified after saving)";
+
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Error {
@@ -96,8 +101,12 @@ impl fmt::Display for Error {
                 None => write!(f, "{op} failed: {source}"),
             },
             Error::Format { path, reason } => match path {
-                Some(p) => write!(f, "{}: not a usable checkpoint: {reason}", p.display()),
-                None => write!(f, "not a usable checkpoint: {reason}"),
+                Some(p) => write!(
+                    f,
+                    "{}: not a usable checkpoint: {reason}; {CORRUPT_HINT}",
+                    p.display()
+                ),
+                None => write!(f, "not a usable checkpoint: {reason}; {CORRUPT_HINT}"),
             },
             Error::InvalidArgument(reason) => f.write_str(reason),
             Error::Library { name, reason } => write!(f, "{name} unavailable: {reason}"),

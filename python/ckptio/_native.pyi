@@ -7,6 +7,7 @@ from typing import Any, final
 from typing_extensions import Self
 
 __version__: str
+CORRUPT_HINT: str
 __all__ = [
     "_clear_faults",
     "_op_log",
@@ -44,6 +45,7 @@ __all__ = [
     "CudaError",
     "CuFileError",
     "__version__",
+    "CORRUPT_HINT",
 ]
 
 class CkptioError(Exception):

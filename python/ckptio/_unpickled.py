@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ckptio import _native
+from ckptio.errors import corrupt
 
 
 class _Maker:
@@ -65,9 +66,10 @@ class _Maker:
             return False  # set_ refuses these itself
         need *= self.itemsizes[i]
         if need > self.sizes[i]:
-            raise _native.FormatError(
-                f"{self.path}: a tensor reaches past its storage's record "
-                f"({need} bytes needed, the record holds {self.sizes[i]})"
+            raise corrupt(
+                self.path,
+                f"a tensor reaches past its storage's record "
+                f"({need} bytes needed, the record holds {self.sizes[i]})",
             )
         return contiguous
 
@@ -86,9 +88,10 @@ class _Maker:
         for j in range(len(self.storages)) if i is None else (i,):
             n = self.sizes[j]
             if self.storages[j].nbytes() != n:
-                raise _native.FormatError(
-                    f"{self.path}: a tensor reaches past its storage's record "
-                    f"({self.storages[j].nbytes()} bytes needed, the record holds {n})"
+                raise corrupt(
+                    self.path,
+                    f"a tensor reaches past its storage's record "
+                    f"({self.storages[j].nbytes()} bytes needed, the record holds {n})",
                 )
 
 

@@ -34,7 +34,6 @@ import bisect
 import concurrent.futures
 import dataclasses
 import os
-import sys
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,6 +45,7 @@ from ckptio import _native, _transfer, _unpickled
 from ckptio import group as _group
 from ckptio._native import CkptioError
 from ckptio._unpickled import Source
+from ckptio.errors import corrupt
 from ckptio.safetensors import _extent
 from ckptio.serialization import (
     _device_code,
@@ -54,6 +54,7 @@ from ckptio.serialization import (
     _file_offsets,
     _gc_paused,
     _last,
+    _native_byteorder,
     _native_pickle,
     _open,
     _report,
@@ -308,14 +309,17 @@ def open_torch(
     ``verify_engine``: check the pickle's and the small records' CRC-32s first.
     ``torch_kw``: torch.load's own arguments (weights_only, pickle_module...).
     ``lazy``: where the pickle is read natively, an ``_unpickled.Source`` in
-    place of each tensor (made on demand: :func:`materialize`)."""
+    place of each tensor (made on demand: :func:`materialize`). Refused under
+    ``torch.serialization.skip_data()``, which would leave every destination unread."""
+    if torch.serialization._serialization_tls.skip_data:
+        raise CkptioError(
+            f"{name or path}: a load in place under torch.serialization.skip_data() would "
+            "read nothing into the destinations; load outside that context"
+        )
     reader = _open(path, direct, backend)
     records = reader.records()
     prefix = reader.prefix
-    exact = True
-    byteorder = f"{prefix}/byteorder"
-    if any(n == byteorder for n, _, _ in records):
-        exact = reader.read_record(byteorder).decode() == sys.byteorder
+    exact = _native_byteorder(reader, name or path)
     data_prefix = f"{prefix}/data/"
     if verify_engine is not None:
         small = [n for n, _, _ in records if not n.startswith(data_prefix)]
@@ -389,9 +393,7 @@ def _check_locations(locations: Iterable[Any], name: str) -> None:
         if type(loc) is str and loc in ok:
             continue
         if not _restorable(loc):  # every tag that is not a str
-            raise _native.FormatError(
-                f"{name}: a storage's location is {loc!r}, which torch.load cannot restore"
-            )
+            raise corrupt(name, f"a storage's location is {loc!r}, which torch.load cannot restore")
         ok.add(loc)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 from ckptio import _native
 from ckptio._paths import inside
+from ckptio.errors import corrupt
 from ckptio.serialization import (
     _direct_arg,
     _engine,
@@ -66,7 +67,7 @@ class VerifyReport:
     def raise_if_bad(self) -> None:
         """Raise ``ckptio.FormatError`` (the error ``load(verify=True)`` raises) unless ok."""
         if not self.ok:
-            raise _native.FormatError(self.summary())
+            raise corrupt(self.path, self.summary().removeprefix(f"{self.path}: "))
 
     def summary(self) -> str:
         if self.error is not None:
@@ -189,18 +190,19 @@ def _check_declared_storages(reader: _native.Reader, path: str) -> None:
     try:
         declared = _declared_storages(reader.read_record(pkl))
     except Exception as e:  # any failure of a pickle that runs nothing: it is malformed
-        raise _native.FormatError(f"{path}: record {pkl} is not a readable pickle: {e}") from e
+        raise corrupt(f"{path}, record {pkl}", f"not a readable pickle: {e}") from e
     for key, nbytes in declared:
         have = sizes.get(f"{prefix}/data/{key}")
         if have is None:
-            raise _native.FormatError(
-                f"{path}: the pickle declares storage {key!r}, but there is no record "
-                f"{prefix}/data/{key}"
+            raise corrupt(
+                path,
+                f"the pickle declares storage {key!r}, but there is no record "
+                f"{prefix}/data/{key}",
             )
         if nbytes is not None and have != nbytes:
-            raise _native.FormatError(
-                f"{path}: record {prefix}/data/{key} holds {have} bytes, the pickle declares "
-                f"a storage of {nbytes}"
+            raise corrupt(
+                f"{path}, record {prefix}/data/{key}",
+                f"it holds {have} bytes, the pickle declares a storage of {nbytes}",
             )
 
 

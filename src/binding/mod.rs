@@ -181,6 +181,7 @@ mod _native {
         m.add("CudaError", py.get_type::<CudaError>())?;
         m.add("CuFileError", py.get_type::<CuFileError>())?;
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        m.add("CORRUPT_HINT", crate::error::CORRUPT_HINT)?;
         // Fault injection is decided once, from the environment at import.
         crate::io::fault::latch_env();
         Ok(())
