@@ -1,11 +1,13 @@
 """ckptio: fast, crash-safe checkpoint I/O for PyTorch.
 
-``ckptio.save`` writes files that plain ``torch.load`` reads, with every storage
-4 KiB-aligned, its bytes moved by a pool of I/O threads straight from tensor
-memory, and the file replaced atomically (temp file, fsync, rename, fsync of
-the folder). ``ckptio.load`` reads any torch.save zip checkpoint, bytes read
-in parallel straight into the destination storages: new ones, or tensors that
-exist already (``out=``, ``ckptio.load_state_dict``: resuming in place).
+``ckptio.save`` writes files that plain ``torch.load`` reads, with storages of
+1 MiB or more 4 KiB-aligned (every storage, where torch's
+``config.save.storage_alignment`` asks for it), their bytes moved by a pool of
+I/O threads straight from tensor memory, and the file replaced atomically
+(temp file, fsync, rename, fsync of the folder). ``ckptio.load`` reads any
+torch.save zip checkpoint, bytes read in parallel straight into the destination
+storages: new ones, or tensors that exist already (``out=``,
+``ckptio.load_state_dict``: resuming in place).
 ``ckptio.safetensors`` does the same for safetensors files
 (``save_file``/``load_file``, sharded checkpoints).
 

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -161,9 +162,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    first = text.splitlines()[0] if text else ""
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    """The error's whole message on one line (torch's refusals span several, the
+    file named on the last), terminal escapes left out."""
+    text = " ".join(s.strip() for s in _ANSI.sub("", str(e)).splitlines() if s.strip())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _silence_stdout() -> None:

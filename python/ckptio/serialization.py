@@ -34,11 +34,13 @@ import sys
 import threading
 import time
 import types
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils.serialization import config as _torch_config
 
 from ckptio import _hostmem, _native, _transfer, _unpickled
 from ckptio import group as _group
@@ -47,6 +49,7 @@ from ckptio._transfer import _last as _last
 from ckptio._transfer import device_code as _device_code
 from ckptio._transfer import last_report as last_report
 from ckptio._transfer import report as _report
+from ckptio.errors import corrupt
 
 #: Storage alignment of files ckptio writes (what O_DIRECT and GPUDirect Storage want).
 STORAGE_ALIGNMENT = 4096
@@ -176,17 +179,12 @@ def _crc32_on() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _storage_alignment(n: int) -> Iterator[None]:
-    try:
-        from torch.utils.serialization import config
-    except ImportError:  # torch without the knob writes 64-byte alignment: still valid
-        yield
-        return
-    old = config.save.storage_alignment
-    config.save.storage_alignment = n
+    old = _torch_config.save.storage_alignment
+    _torch_config.save.storage_alignment = n
     try:
         yield
     finally:
-        config.save.storage_alignment = old
+        _torch_config.save.storage_alignment = old
 
 
 def _capturing_pickle_module(
@@ -233,6 +231,16 @@ def _capturing_pickle_module(
     return mod
 
 
+@contextlib.contextmanager
+def _torch_writing() -> Iterator[None]:
+    """While torch.save writes into a file of ckptio's: storages at 4 KiB (or the
+    user's larger ``storage_alignment``), and every record's CRC-32 computed."""
+    with _CONFIG_LOCK:
+        align = max(STORAGE_ALIGNMENT, asked_alignment())
+        with _storage_alignment(align), _crc32_on():
+            yield
+
+
 def _write_metadata(
     obj: object,
     fh: Any,
@@ -243,15 +251,25 @@ def _write_metadata(
 ) -> None:
     """torch.save of everything but the storages' bytes (skip_data), storages at
     4 KiB, into ``fh``; ``found`` learns which storage went to which record."""
-    with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT), _crc32_on():
-        with torch.serialization.skip_data():
-            torch.save(
-                obj,
-                fh,
-                pickle_module=_capturing_pickle_module(found, pickle_module),
-                pickle_protocol=pickle_protocol,
-                _disable_byteorder_record=disable_byteorder,
-            )
+    with _torch_writing(), torch.serialization.skip_data():
+        torch.save(
+            obj,
+            fh,
+            pickle_module=_capturing_pickle_module(found, pickle_module),
+            pickle_protocol=pickle_protocol,
+            _disable_byteorder_record=disable_byteorder,
+        )
+
+
+def _torch_writes(new_zip: bool) -> str | None:
+    """Why torch.save itself must write the whole file, or None: torch's legacy
+    format (no records to place), or the caller's ``torch.serialization.skip_data()``
+    (no storage bytes to write: torch leaves their space empty)."""
+    if not new_zip:
+        return "legacy format: torch wrote it"
+    if torch.serialization._serialization_tls.skip_data:
+        return "skip_data: torch wrote the file without storage bytes"
+    return None
 
 
 def _storage_segments(
@@ -501,23 +519,25 @@ def _serialization_id() -> bytes:
     return f"{secrets.randbits(64):020d}{secrets.randbits(64):020d}".encode()
 
 
-def _archive_entries(pkl: bytes, storages: list[_Stored]) -> list[tuple[str, Any, int]]:
+def _archive_entries(
+    pkl: bytes, storages: list[_Stored], floor: int = TORCH_ALIGNMENT
+) -> list[tuple[str, Any, int]]:
     """The records of a torch.save archive, in torch's order: the pickle, the
-    format records, each storage ((address, nbytes, device code)), the version."""
+    format records, each storage ((address, nbytes, device code)), the version.
+    Every storage starts at a multiple of ``floor`` (the user's
+    ``config.save.storage_alignment``, :func:`asked_alignment`) at least."""
     large = [n >= PACK_BELOW for _, _, n, _, _ in storages if n]
-    big = STORAGE_ALIGNMENT if any(large) else TORCH_ALIGNMENT
-    uniform = all(large) or not any(large)
+    small = max(TORCH_ALIGNMENT, floor)
+    big = max(STORAGE_ALIGNMENT, floor) if any(large) else small
+    uniform = big == small or all(large)
     p = _PREFIX
     entries: list[tuple[str, Any, int]] = [(f"{p}/data.pkl", pkl, TORCH_ALIGNMENT)]
     if uniform:
         # torch may then compute storage offsets from the alignment
         # (config.load.calculate_storage_offsets): it finds them where they are.
         entries.append((f"{p}/.format_version", b"1", TORCH_ALIGNMENT))
-    entries.append(
-        (f"{p}/.storage_alignment", str(big if uniform else TORCH_ALIGNMENT).encode(), 64)
-    )
+    entries.append((f"{p}/.storage_alignment", str(big if uniform else small).encode(), 64))
     entries.append((f"{p}/byteorder", sys.byteorder.encode(), TORCH_ALIGNMENT))
-    small = TORCH_ALIGNMENT
     entries += [
         (f"{p}/data/{key}", (ptr, n, dev), big if n == 0 or n >= PACK_BELOW else small)
         for key, ptr, n, dev, _ in storages
@@ -525,6 +545,25 @@ def _archive_entries(pkl: bytes, storages: list[_Stored]) -> list[tuple[str, Any
     entries.append((f"{p}/version", b"3\n", TORCH_ALIGNMENT))
     entries.append((f"{p}/.data/serialization_id", _serialization_id(), TORCH_ALIGNMENT))
     return entries
+
+
+#: The largest ``config.save.storage_alignment`` ckptio writes: a zip local
+#: header pads a record with at most 64 KiB (torch's writer breaks above it too).
+MAX_ALIGNMENT = 32768
+
+
+def asked_alignment() -> int:
+    """``torch.utils.serialization.config.save.storage_alignment``, the alignment
+    every storage of a torch.save file must start at (torch's default 64: ckptio
+    packs small storages at 64 bytes and puts large ones on 4 KiB anyway). A
+    value ckptio cannot honour is refused, naming the switch."""
+    a = _torch_config.save.storage_alignment
+    if type(a) is not int or not 1 <= a <= MAX_ALIGNMENT or a & (a - 1):
+        raise ValueError(
+            f"torch.utils.serialization.config.save.storage_alignment is {a!r}: ckptio.save "
+            f"writes alignments that are powers of two from 1 to {MAX_ALIGNMENT} bytes"
+        )
+    return a
 
 
 def save(
@@ -583,11 +622,12 @@ def save(
     d = _direct_arg(direct)
     t0 = time.perf_counter()
     engine = _engine(threads, chunk_size, d)
+    by_torch = _torch_writes(_use_new_zipfile_serialization)
     if not _is_path(f):
         _save_object(obj, f, torch_args, _use_new_zipfile_serialization, engine, d, backend, t0)
         return
     path = _path(f, "save")
-    if _use_new_zipfile_serialization and _packs(*torch_args):
+    if by_torch is None and _packs(*torch_args):
         _save_packed(obj, path, engine, d, backend, t0)
         return
     writer = _native.AtomicWriter(path, d, backend)
@@ -595,8 +635,10 @@ def save(
         found: dict[str, torch.UntypedStorage] = {}
         try:
             with os.fdopen(os.dup(writer.fileno()), "wb") as fh:
-                if not _use_new_zipfile_serialization:  # no records to place: torch writes it
-                    torch.save(obj, fh, pickle_module, pickle_protocol, False, *torch_args[2:])
+                if by_torch is not None:
+                    zip_ = _use_new_zipfile_serialization
+                    with _torch_writing():
+                        torch.save(obj, fh, pickle_module, pickle_protocol, zip_, *torch_args[2:])
                 else:
                     _write_metadata(obj, fh, found, *torch_args)
         except OSError as e:
@@ -606,11 +648,11 @@ def save(
             raise OSError(
                 e.errno, f"writing checkpoint metadata failed: {e.strerror}", writer.tmp_path
             ) from e
-        if _use_new_zipfile_serialization:
+        if by_torch is None:
             storages = _storage_segments(found, None)
             stats = _transfer.write_storages(writer, engine, storages, list(found.values()))
         else:
-            stats = _torch_stats(os.path.getsize(writer.tmp_path), "legacy format: torch wrote it")
+            stats = _torch_stats(os.path.getsize(writer.tmp_path), by_torch)
         writer.commit()
     except BaseException:
         writer.abort()
@@ -637,7 +679,7 @@ def _save_packed(
     written by the engine in one pass."""
     with _gc_paused():
         pkl, storages = _pickle(obj)
-        entries = _archive_entries(pkl, storages)
+        entries = _archive_entries(pkl, storages, asked_alignment())
     writer = _native.AtomicWriter(path, direct, backend)
     try:
         owners = [s[4] for s in storages]
@@ -672,7 +714,8 @@ def _save_object(
     t0: float,
 ) -> None:
     """``save`` into a file object (see its docstring)."""
-    fd = _descriptor(f) if new_zip else None
+    by_torch = _torch_writes(new_zip)
+    fd = _descriptor(f) if by_torch is None else None
     dev_file = None
     if fd is not None:
         try:  # a second open of the very file, for the engine
@@ -682,10 +725,11 @@ def _save_object(
     name = _object_name(f, fd)
     if dev_file is None:
         start = f.tell() if hasattr(f, "tell") else 0
-        with _CONFIG_LOCK, _storage_alignment(STORAGE_ALIGNMENT), _crc32_on():
+        with _torch_writing():
             torch.save(obj, f, torch_args[0], torch_args[1], new_zip, torch_args[2])
         n = f.tell() - start if hasattr(f, "tell") else 0
-        _report(name, t0, _torch_stats(n, "a file object without a usable descriptor"), 0)
+        why = by_torch or "a file object without a usable descriptor"
+        _report(name, t0, _torch_stats(n, why), 0)
         return
     found: dict[str, torch.UntypedStorage] = {}
     f.flush()
@@ -740,9 +784,10 @@ class _Restorer:
         if storage.nbytes() and storage.nbytes() not in self.record_sizes:
             # The pickle declares a storage no record holds (torch cuts the
             # mapped slice at the end of the file): refuse before allocating it.
-            raise _native.FormatError(
-                f"{self.path}: the pickle declares a storage of {storage.nbytes()} bytes, "
-                "which no data record of the archive holds"
+            raise corrupt(
+                self.path,
+                f"the pickle declares a storage of {storage.nbytes()} bytes, "
+                "which no data record of the archive holds",
             )
         if dev.type == "cuda" and self.sizes is not None and dev not in self.reserved:
             self.reserved.add(dev)
@@ -888,7 +933,7 @@ def _file_offsets(
         base = p0 - off
         if all(data.get(p - base) == n for p, n in sized):
             return [p - base for p, _, _ in pending]
-    raise _native.FormatError(f"{path}: storages in the pickle do not match the archive's records")
+    raise corrupt(path, "storages in the pickle do not match the archive's records")
 
 
 @_group.groupable("ckptio.load")
@@ -970,6 +1015,7 @@ def load(
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, not {type(verify).__name__}")
     _file_like(f, "load", "read")
+    weights_only = resolve_weights_only(weights_only, pickle_module)
     torch_kw: dict[str, Any] = dict(
         pickle_module=pickle_module, weights_only=weights_only, **pickle_load_args
     )
@@ -1000,12 +1046,10 @@ def load(
         path = shown = _path(f, "load")
         if path.endswith(".safetensors"):
             return _load_safetensors(path, map_location, threads, chunk_size, direct, backend)
-    torch_only = bool(mmap) or _torch_only(path, map_location)
-    if verify and torch_only:
-        # torch reads the bytes itself here: check the whole file first.
-        _verify_all(path, threads, chunk_size, direct)
-    if torch_only:
-        why = "mmap" if mmap else "nothing to read, or not a zip archive"
+    why = _torch_loads(path, map_location, mmap)
+    if why is not None:
+        if verify:  # torch reads the bytes itself here: check the whole file first.
+            _verify_all(path, threads, chunk_size, direct)
         return _by_torch(t0, path, why, map_location, mmap=mmap, **torch_kw)
     if not (
         map_location is None
@@ -1102,6 +1146,40 @@ def load(
     return obj
 
 
+_TRUE = ("1", "y", "yes", "true")
+
+
+def resolve_weights_only(weights_only: bool | None, pickle_module: Any) -> bool:
+    """``weights_only`` as torch.load resolves it, decided once per load: its
+    default (True unless a ``pickle_module`` is given), then the environment
+    (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` always wins; ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+    only where the caller did not choose), with torch's errors and warning."""
+    unset = weights_only is None
+    if unset:
+        weights_only = torch.serialization._default_to_weights_only(pickle_module)
+    force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    force_no = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    if force and force_no:
+        raise RuntimeError(
+            "Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` "
+            "should be set, but both were set."
+        )
+    if force:
+        weights_only = True
+    elif force_no and unset:
+        warnings.warn(
+            "Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected, since the"
+            "`weights_only` argument was not explicitly passed to `torch.load`, forcing "
+            "weights_only=False.",
+            UserWarning,
+            stacklevel=4,  # the caller of ckptio.load (through its group wrapper)
+        )
+        weights_only = False
+    if weights_only and pickle_module is not None:
+        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
+    return bool(weights_only)
+
+
 def _restored_segments(
     restorer: _Restorer, data: dict[int, int], path: str
 ) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]:
@@ -1112,9 +1190,7 @@ def _restored_segments(
     for off, (_, n, dest) in zip(offsets, restorer.pending, strict=True):
         if dest.nbytes() != n:
             # The pickle grew a storage past its record (torch's own mmap load refuses).
-            raise _native.FormatError(
-                f"{path}: a tensor needs {dest.nbytes()} bytes of a record that holds {n}"
-            )
+            raise corrupt(path, f"a tensor needs {dest.nbytes()} bytes of a record that holds {n}")
         if n:
             segments.append((off, dest.data_ptr(), n, _device_code(dest, "destination")))
             owners.append(dest)
@@ -1295,17 +1371,13 @@ def _load_into(
 
 @contextlib.contextmanager
 def _unpickling(path: str) -> Iterator[None]:
-    """torch's refusal of a pickle (weights_only) names the file and what was refused."""
+    """torch's refusal of a pickle keeps torch's type and whole message, unchanged
+    at its start (code and users match it: "Weights only load failed", the global
+    refused and how to allow it); the file follows."""
     try:
         yield
     except pickle.UnpicklingError as e:
-        lines = [s.strip() for s in str(e).splitlines() if s.strip()]
-        what = "could not be unpickled"
-        if len(lines) > 1 and lines[0].startswith("Weights only load failed"):
-            lines = lines[1:]  # torch's preamble; the reason follows
-            what = "refused by torch's weights_only unpickler"
-        reason = lines[0] if lines else type(e).__name__
-        raise pickle.UnpicklingError(f"{path}: record data.pkl {what}: {reason}") from e
+        raise type(e)(f"{e}\n\n(while loading {path}, record data.pkl)") from None
 
 
 def _by_torch(t0: float, src: Any, why: str, *args: Any, **kwargs: Any) -> Any:
@@ -1330,16 +1402,21 @@ def _is_torchscript(path: str) -> bool:
         return False
 
 
-def _torch_only(path: str, map_location: MapLocation) -> bool:
-    """Whether torch.load must run as is: nothing to read (meta, FakeTensorMode)
-    or torch's legacy (non-zip) format. Other files that are no zip archive stay
-    ckptio's to refuse (FormatError)."""
+def _torch_loads(path: str, map_location: MapLocation, mmap: bool | None) -> str | None:
+    """Why torch.load must read ``path`` as is, or None: ``mmap`` (the argument,
+    else torch's ``config.load.mmap``), nothing to read (``skip_data``, meta,
+    FakeTensorMode) or torch's legacy (non-zip) format. Other files that are no
+    zip archive stay ckptio's to refuse (FormatError)."""
+    if mmap or (mmap is None and _torch_config.load.mmap):
+        return "mmap"
+    if torch.serialization._serialization_tls.skip_data:
+        return "skip_data: nothing to read"
     if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "meta":
-        return True
+        return "map_location meta: nothing to read"
     if torch._guards.detect_fake_mode(None) is not None:
-        return True
+        return "FakeTensorMode: nothing to read"
     with open(path, "rb") as fh:
-        return _is_legacy(fh.read(14))
+        return "torch's legacy format" if _is_legacy(fh.read(14)) else None
 
 
 def _is_legacy(head: bytes) -> bool:
@@ -1390,16 +1467,19 @@ def _load_safetensors(
 
 
 def _native_byteorder(reader: _native.Reader, path: str) -> bool:
-    """Whether the storages are in this machine's byte order (no byteorder record:
-    little-endian, as torch assumes)."""
+    """Whether the storages are in this machine's byte order. Without a byteorder
+    record torch assumes what ``torch.serialization.get_default_load_endianness()``
+    says: little-endian unless it was set to BIG or NATIVE."""
     byteorder = f"{reader.prefix}/byteorder"
     if not any(name == byteorder for name, _, _ in reader.records()):
-        return sys.byteorder == "little"
+        default = torch.serialization.get_default_load_endianness()
+        if default == torch.serialization.LoadEndianness.NATIVE:
+            return True
+        big = default == torch.serialization.LoadEndianness.BIG
+        return sys.byteorder == ("big" if big else "little")
     raw = reader.read_record(byteorder)
     if raw not in (b"little", b"big"):
-        raise _native.FormatError(
-            f"{path}: record {byteorder} is {raw[:16]!r}, not b'little' or b'big'"
-        )
+        raise corrupt(f"{path}, record {byteorder}", f"{raw[:16]!r} is not b'little' or b'big'")
     return raw.decode() == sys.byteorder
 
 
@@ -1415,7 +1495,7 @@ def _open(path: str, direct: str | None, backend: str | None) -> _native.Reader:
     one that torch's own reader refuses (unsupported version, flags...)."""
     reader = _native.Reader(path, direct, backend)
     if not any(name == f"{reader.prefix}/data.pkl" for name, _, _ in reader.records()):
-        raise _native.FormatError(f"{path}: no data.pkl record: not a torch.save checkpoint")
+        raise corrupt(path, "no data.pkl record: not a torch.save checkpoint")
     _torch_reads(path, reader.fileno())
     return reader
 
@@ -1431,7 +1511,7 @@ def _torch_reads(path: str, fd: int | None = None) -> None:
         else:
             msg = str(e)
         msg = msg.splitlines()[0] if msg else type(e).__name__
-        raise _native.FormatError(f"{path}: torch's reader refuses the archive: {msg}") from e
+        raise corrupt(path, f"torch's reader refuses the archive: {msg}") from e
 
 
 def _tensors(obj: Any, name: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -1484,10 +1564,11 @@ def records(f: str | os.PathLike[str], *, weights_only: bool = True) -> list[Rec
         if off is None:
             continue
         if sizes.get(off) != t.untyped_storage().nbytes():
-            raise _native.FormatError(
-                f"{path}: tensor {name or '<root>'!r} declares a storage of "
+            raise corrupt(
+                path,
+                f"tensor {name or '<root>'!r} declares a storage of "
                 f"{t.untyped_storage().nbytes()} bytes at offset {off}, where the archive "
-                f"has {'no record' if off not in sizes else f'a record of {sizes[off]}'}"
+                f"has {'no record' if off not in sizes else f'a record of {sizes[off]}'}",
             )
         by_offset.setdefault(off, []).append(
             TensorInfo(
