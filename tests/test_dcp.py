@@ -552,6 +552,12 @@ def test_training_example_resumes_exactly(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "continues exactly: True" in out.stdout
+    assert "left training unchanged (same losses): True" in out.stdout
+    # medians with their spread, after a warm-up; blocked time per checkpoint
+    assert "training blocked per checkpoint" in out.stdout and "after a warm-up" in out.stdout
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
+    for mode in ("torch", "ckptio"):
+        assert re.search(r"\d+\.\d \[\d+\.\d-\d+\.\d\].*\(6 checkpoints\)", rows[mode]), rows
 
 
 def test_stager_keeps_a_dropped_state_dict_alive_until_copied():
