@@ -30,7 +30,11 @@ from typing import Any
 import ckptio
 import torch
 import torch.distributed.checkpoint as dcp
-from ckptio.bench import (
+from ckptio.dcp import FileSystemReader, FileSystemWriter
+from ckptio.io.engines import engine as _engine  # noqa: F401  (warms the engine cache)
+from ckptio.io.units import parse_size as _size
+from ckptio.staging import DefaultStager, StagingOptions
+from ckptio.tools.bench import (
     buffered_cold_read,
     cold_read,
     drop_cache,
@@ -38,10 +42,6 @@ from ckptio.bench import (
     settle_disk,
     synthetic_state_dict,
 )
-from ckptio.cli import _size
-from ckptio.dcp import FileSystemReader, FileSystemWriter
-from ckptio.serialization import _engine  # noqa: F401  (warms the engine cache)
-from ckptio.staging import DefaultStager, StagingOptions
 
 warnings.simplefilter("ignore")
 GiB = 1 << 30

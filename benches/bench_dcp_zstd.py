@@ -21,7 +21,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from ckptio.dcp import FileSystemReader, FileSystemWriter
-from ckptio.safetensors import _parse_size as parse_size
+from ckptio.io.units import parse_size
 from torch.distributed.checkpoint._extension import ZStandard
 
 

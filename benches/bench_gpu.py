@@ -31,8 +31,8 @@ import traceback
 
 import ckptio
 import torch
-from ckptio import bench
-from ckptio.cli import _size
+from ckptio.io.units import parse_size as _size
+from ckptio.tools import bench
 
 GiB = 2**30
 ROWS: list[dict] = []
@@ -114,7 +114,7 @@ KVIKIO_CHILD = r"""
 import json, os, sys, time
 import torch, kvikio, kvikio.defaults
 sys.path.insert(0, os.environ["CKPTIO_BENCH_DIR"])
-from ckptio import bench
+from ckptio.tools import bench
 path, size = sys.argv[1], int(sys.argv[2])
 sd = bench.synthetic_state_dict(size, "cuda", torch.bfloat16)
 offs, off = [], 0
@@ -259,7 +259,7 @@ def case(label: str, folder: str, size: int, full: bool, rounds: int, tmpfs: boo
             out.clear()
             t = timed(lambda: out.update(x=ckptio.load(p, map_location="cuda", backend=backend)))
             rec(f"ckptio.load ({backend}), pages read before", t)
-        eng = ckptio.serialization._engine(None, None, None)
+        eng = ckptio.io.engines.engine(None, None, None)
         notes["ckptio pinned pool"] = f"{eng.pinned_bytes() / 2**20:.0f} MiB"
         out.clear()
         os.unlink(p)

@@ -97,7 +97,7 @@ class Rank:
 
     def cold(self, paths: list[str], folder: str) -> None:
         """Drop the pages of ``paths`` (rank 0), where ``folder`` is on a disk."""
-        from ckptio.bench import drop_cache
+        from ckptio.tools.bench import drop_cache
 
         if self.rank == 0 and not on_tmpfs(folder):
             for p in paths:
@@ -220,7 +220,7 @@ class Holder(torch.nn.Module):
 def part_loads(c: Rank, d: str, size: int) -> dict[str, Any]:
     import ckptio
     import ckptio.safetensors as cst
-    from ckptio.bench import synthetic_state_dict
+    from ckptio.tools.bench import synthetic_state_dict
 
     folder = os.path.join(d, "ckptio_bench_group")
     ckpt = os.path.join(folder, "ckpt.pt")
@@ -279,9 +279,9 @@ def part_loads(c: Rank, d: str, size: int) -> dict[str, Any]:
 def part_dcp(c: Rank, d: str, size: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from bench_dcp import timed_async_save
-    from ckptio.bench import drop_cache
     from ckptio.dcp import FileSystemReader, FileSystemWriter
     from ckptio.staging import DefaultStager, StagingOptions
+    from ckptio.tools.bench import drop_cache
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -443,7 +443,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
         size=size,
         torch=torch.__version__,
         ckptio=ckptio.__version__,
-        group_batch=ckptio.group.BATCH,
+        group_batch=ckptio.loading.sharing.BATCH,
     )
     if c.cuda and rank == 0:
         c.results["gpu"] = torch.cuda.get_device_name(0)
@@ -464,7 +464,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
 
 def _size(s: str) -> int:
-    from ckptio.cli import _size as size
+    from ckptio.io.units import parse_size as size
 
     return size(s)
 

@@ -45,8 +45,9 @@ import time
 
 import ckptio
 import torch
-from ckptio import _native, bench
-from ckptio.cli import _size
+from ckptio import _native
+from ckptio.io.units import parse_size as _size
+from ckptio.tools import bench
 from torch import nn
 
 GiB = 2**30
@@ -324,7 +325,7 @@ def gpu(args: argparse.Namespace) -> dict:
         h2d = pinned_copy_s(nbytes, timed_gpu)
         # The host's own bound on any copy-based load (it differs from host to host):
         # the memory path's threads copying the file into pinned slots, no engine, no GPU.
-        from ckptio.serialization import _engine
+        from ckptio.io.engines import engine as _engine
 
         eng = _engine(None, None, None)
         floor = statistics.median(

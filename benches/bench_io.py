@@ -8,8 +8,8 @@ same run. Usage: python benches/bench_io.py [--sizes 1G,4G] [--dir DIR] [--json 
 import argparse
 import json
 
-from ckptio import bench
-from ckptio.cli import _size
+from ckptio.io.units import parse_size as _size
+from ckptio.tools import bench
 
 
 def main() -> None:

@@ -85,8 +85,10 @@ import ckptio.dcp
 import ckptio.safetensors as cst
 import ckptio.serialization as ser
 import torch
-from ckptio import _hostmem, _native, bench
-from ckptio.cli import _size
+from ckptio import _native
+from ckptio.io import memory as _hostmem
+from ckptio.io.units import parse_size as _size
+from ckptio.tools import bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gpu import kvikio_run  # noqa: E402
@@ -362,7 +364,7 @@ def _meminfo(key: str) -> int:
 def pinned_host(nbytes: int) -> tuple[torch.Tensor, Any]:
     """``nbytes`` of host memory as the bounce lanes have it: huge pages,
     registered with the driver (cudaHostAlloc would take ~5 s for 8 GiB)."""
-    st = _hostmem.empty_storage(nbytes)
+    st = _hostmem.host_storage(nbytes)
     pin = _native.HostPin(st, st.data_ptr(), nbytes, pin=DEV == "cuda", chunk_size=64 << 20)
     _native.stage_pin([pin], 16)
     t = torch.empty(0, dtype=torch.uint8)

@@ -31,8 +31,8 @@ import ckptio
 import ckptio.safetensors as cst
 import safetensors.torch as st
 import torch
-from ckptio import bench
-from ckptio.cli import _size
+from ckptio.io.units import parse_size as _size
+from ckptio.tools import bench
 
 GiB = 2**30
 

@@ -43,8 +43,8 @@ import ckptio
 import ckptio.safetensors as cst
 import safetensors.torch as sft
 import torch
-from ckptio import bench
 from ckptio import serialization as ser
+from ckptio.tools import bench
 
 GiB = 2**30
 KiB = 2**10
@@ -359,7 +359,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
     a = p.parse_args()
-    from ckptio.cli import _size
+    from ckptio.io.units import parse_size as _size
 
     folder = a.dir or tempfile.gettempdir()
     out: dict[str, Any] = {"device": a.device, "rounds": a.rounds}

@@ -14,7 +14,7 @@ import os
 import statistics
 from typing import Any
 
-from ckptio.bench import Bar, plot_bars
+from ckptio.tools.bench import Bar, plot_bars
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -26,7 +26,7 @@ import time
 
 import torch
 from ckptio import _native
-from ckptio.cli import _size
+from ckptio.io.units import parse_size as _size
 from ckptio.staging import _host_storage
 
 GiB = 1 << 30

@@ -22,8 +22,8 @@ import tempfile
 
 import ckptio
 import torch
-from ckptio import bench
-from ckptio.cli import _size
+from ckptio.io.units import parse_size as _size
+from ckptio.tools import bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches"))
 from bench_gpu import timed  # noqa: E402  (settles the disk, times GPU work too)

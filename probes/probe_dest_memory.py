@@ -24,8 +24,10 @@ import tempfile
 import time
 
 import ckptio
-from ckptio import _native, _transfer, bench
-from ckptio.serialization import _engine
+from ckptio import _native
+from ckptio.io import transfer as _transfer
+from ckptio.io.engines import engine as _engine
+from ckptio.tools import bench
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import argparse
 import statistics
 
 import torch
-from ckptio import bench
+from ckptio.tools import bench
 
 GiB = 2**30
 MiB = 2**20

@@ -20,7 +20,7 @@ import os
 import statistics
 import threading
 
-from ckptio import bench
+from ckptio.tools import bench
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

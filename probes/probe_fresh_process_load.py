@@ -24,7 +24,7 @@ import tempfile
 
 CHILD = r"""
 import sys, time, torch, ckptio
-from ckptio.bench import drop_cache
+from ckptio.tools.bench import drop_cache
 kind, path = sys.argv[1], sys.argv[2]
 kw = {}
 if kind in ("torch.load", "default") or kind.startswith("records"):
@@ -42,13 +42,14 @@ if kind.startswith("records"):  # torch's pattern: one buffered read per record
     import ctypes
     import os
     from concurrent.futures import ThreadPoolExecutor
-    from ckptio import _hostmem, _native
+    from ckptio import _native
+from ckptio.io import memory as _hostmem
     reader = _native.Reader(path, "off", None)
     data = [(o, n) for name, o, n in reader.records() if "/data/" in name]
     fd = os.open(path, os.O_RDONLY)
     def one(rec):
         o, n = rec
-        st = _hostmem.empty_storage(n, o % 4096)
+        st = _hostmem.host_storage(n, o % 4096)
         mv = memoryview((ctypes.c_ubyte * n).from_address(st.data_ptr())).cast("B")
         while len(mv):
             k = os.preadv(fd, [mv], o)
@@ -80,7 +81,7 @@ def main() -> None:
                 sys.executable,
                 "-c",
                 "import sys, torch, ckptio\n"
-                "from ckptio.bench import synthetic_state_dict\n"
+                "from ckptio.tools.bench import synthetic_state_dict\n"
                 "sd = synthetic_state_dict(int(float(sys.argv[1]) * (1 << 30)))\n"
                 "torch.save(sd, sys.argv[2]); ckptio.save(sd, sys.argv[3])\n",
                 str(args.size),

@@ -46,8 +46,8 @@ import threading
 import time
 
 import torch
-from ckptio import bench
-from ckptio.cli import _size
+from ckptio.io.units import parse_size as _size
+from ckptio.tools import bench
 
 READ_ONLY = 8
 
@@ -356,7 +356,7 @@ def shm_loads(n: int) -> None:
     """ckptio.load of an n-byte bf16 state dict from /dev/shm, by threads and chunk;
     ``io``: the share of the engine's read (the rest: unpickling, allocation)."""
     import ckptio
-    from ckptio import bench
+    from ckptio.tools import bench
 
     io = bench.EngineReads()
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
@@ -387,7 +387,7 @@ def alloc(n: int, rounds: int = 3) -> None:
     same total, and ckptio.load from /dev/shm after empty_cache() with and
     without such a segment reserved (freed back to torch's cache) first."""
     import ckptio
-    from ckptio import bench
+    from ckptio.tools import bench
 
     io = bench.EngineReads()
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
@@ -446,7 +446,7 @@ def backends(n: int, reps: int = 2) -> None:
     """ckptio.load from /dev/shm by backend (auto may take cuFile's compat mode
     there) and by the state of torch's cache (empty, or holding the last load)."""
     import ckptio
-    from ckptio import bench
+    from ckptio.tools import bench
 
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
     p = "/dev/shm/probe-load.pt"
@@ -478,7 +478,7 @@ def tmpfs_pages(n: int, threads: int = 8) -> None:
     freshly allocated through a mapping. The slow read is each page's second
     access (write() counts as one, a fault through a mapping does not): the one
     where the kernel moves the page to its active LRU list."""
-    from ckptio import bench
+    from ckptio.tools import bench
 
     path = "/dev/shm/probe-pages.bin"
     block = os.urandom(64 << 20)
@@ -534,7 +534,8 @@ def sources(n: int, rounds: int = 3, disk: str = "/tmp") -> None:
     import subprocess
 
     import ckptio
-    from ckptio import _native, bench
+    from ckptio import _native
+    from ckptio.tools import bench
 
     sd = bench.synthetic_state_dict(n, "cpu", torch.bfloat16)
     dst = torch.empty(n + (64 << 20), dtype=torch.uint8)

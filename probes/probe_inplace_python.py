@@ -29,7 +29,7 @@ import time
 
 import ckptio
 import torch
-from ckptio import bench
+from ckptio.tools import bench
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benches"))

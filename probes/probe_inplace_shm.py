@@ -14,7 +14,7 @@ import time
 
 import ckptio
 import torch
-from ckptio import bench
+from ckptio.tools import bench
 
 GiB = 2**30
 

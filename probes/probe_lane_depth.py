@@ -32,8 +32,9 @@ import time
 
 import numpy as np
 import torch
-from ckptio import _native, bench
-from ckptio.serialization import _engine
+from ckptio import _native
+from ckptio.io.engines import engine as _engine
+from ckptio.tools import bench
 
 GiB = 2**30
 MiB = 2**20

@@ -24,9 +24,10 @@ import time
 
 import ckptio
 import torch
-from ckptio import _native, bench
-from ckptio.cli import _size
-from ckptio.serialization import _engine
+from ckptio import _native
+from ckptio.io.engines import engine as _engine
+from ckptio.io.units import parse_size as _size
+from ckptio.tools import bench
 
 GiB = 2**30
 

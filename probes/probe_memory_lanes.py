@@ -25,8 +25,8 @@ import time
 
 import ckptio
 import torch
-from ckptio import bench
-from ckptio.cli import _size
+from ckptio.io.units import parse_size as _size
+from ckptio.tools import bench
 
 GiB = 2**30
 

@@ -32,8 +32,9 @@ import time
 from typing import Any
 
 import torch
-from ckptio import _native, bench
-from ckptio.serialization import _engine
+from ckptio import _native
+from ckptio.io.engines import engine as _engine
+from ckptio.tools import bench
 
 GiB = 2**30
 PIECE = 64 << 20

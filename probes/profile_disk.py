@@ -27,9 +27,9 @@ import time
 
 import ckptio
 import torch
-from ckptio import bench
 from ckptio import serialization as S
-from ckptio.cli import _size
+from ckptio.io.units import parse_size as _size
+from ckptio.tools import bench
 
 GiB = 2**30
 RAW_W = "raw write+fsync 8x64M"

@@ -13,7 +13,7 @@ import sys
 
 CHILD = r"""
 import os, sys, time, torch, ckptio
-from ckptio import bench
+from ckptio.tools import bench
 size, folder = int(sys.argv[1]), sys.argv[2]
 sd = bench.synthetic_state_dict(size, "cuda", torch.bfloat16)
 n = sum(t.numel() * 2 for t in sd.values())

@@ -18,7 +18,7 @@ import traceback
 import warnings
 
 import ckptio
-import ckptio.group
+import ckptio.loading.sharing
 import ckptio.safetensors as cst
 import torch
 import torch.distributed as dist
@@ -354,7 +354,7 @@ def main() -> None:
         "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
         timeout=datetime.timedelta(seconds=float(os.environ.get("GROUP_TIMEOUT", "60"))),
     )
-    ckptio.group.BATCH = 2 << 20  # several rounds per load
+    ckptio.loading.sharing.BATCH = 2 << 20  # several rounds per load
     c = Ctx(folder)
     results = {}
     for name in names:

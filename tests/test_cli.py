@@ -18,9 +18,10 @@ import ckptio.safetensors as cst
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from ckptio import _progress, describe
-from ckptio.cli import main
 from ckptio.dcp import FileSystemWriter, read_metadata
+from ckptio.tools import describe
+from ckptio.tools import progress as _progress
+from ckptio.tools.cli import main
 
 st = pytest.importorskip("safetensors.torch")
 
@@ -114,6 +115,10 @@ def test_ls_inspect_verify_read_every_format(ckpts, capsys, label):
     assert rc == 0 and err == "", err
     assert ": ok: " in out.splitlines()[-1]
     assert run(capsys, "verify", "-q", path) == (0, "", "")
+
+    # ckptio.listing: the same listing from Python, for every format
+    rc, out, _ = run(capsys, "ls", "--json", path)
+    assert json.loads(json.dumps(ckptio.listing(path).to_json(), default=str)) == json.loads(out)
 
     for cmd in ("ls", "inspect"):
         rc, out, _ = run(capsys, cmd, "--json", path)
@@ -316,7 +321,7 @@ def test_info_says_what_auto_does_in_cufile_compat_mode(tmp_path):
     """Where cuFile registers the folder's files in compat mode (no nvidia-fs),
     `ckptio info` says that `auto` loads through the bounce pipeline; elsewhere
     it says nothing of it."""
-    from ckptio.sysinfo import format_info
+    from ckptio.tools.sysinfo import format_info
 
     d = ckptio.info(tmp_path)
     line = "backend auto:  saves through cuFile, loads through the bounce pipeline"

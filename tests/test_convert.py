@@ -7,7 +7,7 @@ import ckptio
 import ckptio.safetensors as cst
 import pytest
 import torch
-from ckptio.cli import main
+from ckptio.tools.cli import main
 
 st = pytest.importorskip("safetensors.torch")
 

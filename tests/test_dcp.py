@@ -293,7 +293,7 @@ def test_blocking_async_stager(cache):
 
 
 def test_writer_files_are_aligned_and_stock_readable(tmp_path):
-    from ckptio.serialization import PACK_BELOW
+    from ckptio.formats.torchzip import PACK_BELOW
 
     sd = state()
     sd["big"] = torch.randn(PACK_BELOW // 4 + 4096)  # an item past the packing threshold
@@ -582,7 +582,7 @@ def test_item_template_is_a_torch_save_zip(dtype, shape):
     import io
     import zipfile
 
-    from ckptio.dcp import _item_zip
+    from ckptio.formats.dcp import item_zip as _item_zip
 
     head, data_off, tail, length, _ = _item_zip(dtype, shape)
     nbytes = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
@@ -596,7 +596,7 @@ def test_item_template_is_a_torch_save_zip(dtype, shape):
 
 
 def test_item_template_past_4gib_needs_no_memory():
-    from ckptio.dcp import _item_zip
+    from ckptio.formats.dcp import item_zip as _item_zip
 
     head, data_off, tail, length, crc_at = _item_zip(torch.uint8, (5 << 30,))
     assert len(crc_at) == 2  # data descriptor and central directory
@@ -641,7 +641,7 @@ def test_one_writer_used_from_two_threads_does_not_deadlock(tmp_path):
     import threading
 
     from ckptio import _native
-    from ckptio.serialization import _engine
+    from ckptio.io.engines import engine as _engine
 
     w = _native.AtomicWriter(tmp_path / "f.bin", "off")
     data = torch.arange(1 << 22, dtype=torch.uint8)

@@ -138,13 +138,13 @@ def test_mutated_in_place_is_what_torch_reads_or_an_error(tmp_path, case):
     """ckptio.load(out=) of a mutated file (its tensors decoded as placeholders, read
     straight into the destinations): a typed error, or every destination it filled holds
     what torch.load reads from the same bytes at that key."""
-    from ckptio import inplace
+    from ckptio.loading import inplace
 
     name, data = case
     p = tmp_path / name
     p.write_bytes(data)
     dests = inplace._index(EXPECTED[name])
-    out = inplace._rebuild(
+    out = inplace.replace_tensors(
         __import__("copy").copy(EXPECTED[name]), lambda k, t: torch.zeros_like(dests[k])
     )
     try:
@@ -155,10 +155,10 @@ def test_mutated_in_place_is_what_torch_reads_or_an_error(tmp_path, case):
     want = inplace._index(torch.load(p, weights_only=True))
     missing = set(ckptio.last_report().missing_keys)
     for k, t in inplace._index(out).items():
-        if inplace._name(k) not in missing:  # its values (NaN bits included), not its strides
+        if inplace.key_name(k) not in missing:  # its values (NaN bits included), not its strides
             w = want[k]
-            assert (t.dtype, t.shape) == (w.dtype, w.shape), inplace._name(k)
-            assert tensor_bytes(t) == tensor_bytes(w.contiguous()), inplace._name(k)
+            assert (t.dtype, t.shape) == (w.dtype, w.shape), inplace.key_name(k)
+            assert tensor_bytes(t) == tensor_bytes(w.contiguous()), inplace.key_name(k)
     OUTCOMES["in place: same data as torch.load"] += 1
 
 

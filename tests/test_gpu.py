@@ -109,7 +109,7 @@ def test_multi_gib_tensor(tmp_path):
     ckptio.save(sd, p)
     out = ckptio.load(p, map_location="cuda")
     assert torch.equal(out["big"], big) and torch.equal(out["small"], sd["small"])
-    eng = ckptio.serialization._engine(None, None, None)
+    eng = ckptio.io.engines.engine(None, None, None)
     limit = eng.threads * 2 * (eng.chunk_size + 2 * 4096 + 4096)
     assert eng.pinned_bytes() <= limit, (eng.pinned_bytes(), limit)
 

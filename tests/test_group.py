@@ -11,7 +11,7 @@ import os
 import ckptio
 import pytest
 import torch
-from ckptio import group as cgroup
+from ckptio.loading import sharing as cgroup
 from test_dcp import _run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -15,8 +15,10 @@ import ckptio
 import ckptio.safetensors as cst
 import pytest
 import torch
-from ckptio import inplace
-from ckptio.bench import drop_cache
+from ckptio.formats import torchzip
+from ckptio.io.engines import IoOptions
+from ckptio.loading import inplace
+from ckptio.tools.bench import drop_cache
 from conftest import auto_read_path
 from torch import nn
 
@@ -310,7 +312,7 @@ def test_modules_with_overrides_or_hooks_take_torchs_walk(tmp_path):
     p = tmp_path / "m.pt"
     ckptio.save(Plain().state_dict(), p)
     sd, _ = sdmod.open_source(
-        str(p), weights_only=True, io=inplace.IoOptions.of(None, None, None, None), verify=False
+        str(p), weights_only=True, io=IoOptions.of(None, None, None, None), verify=False
     )
 
     def walks(m, metadata=None):
@@ -693,7 +695,7 @@ def test_load_out_partial_failure_says_so(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(inplace._transfer, "read", fail)
+    monkeypatch.setattr(inplace.transfer, "read", fail)
     with pytest.raises(ckptio.PartialLoadError, match="partially filled") as e:
         ckptio.load(p, out=out)
     assert e.value.partial and isinstance(e.value.__cause__, OSError)
@@ -739,14 +741,14 @@ def test_plan_is_reusable_for_a_share_of_the_records(tmp_path):
     p = tmp_path / "c.pt"
     sd = {f"t{i}": torch.full((1000,), float(i)) for i in range(6)}
     ckptio.save(sd, p)
-    src, mapped = inplace.open_torch(str(p))
+    src, mapped = torchzip.open_torch(str(p))
     out = {k: torch.zeros(1000) for k in sd}
     _, pairs, _, _ = inplace.pair_structure(src, out)
     plan = inplace.plan(pairs, [mapped])
     assert not plan.problems and all(it.direct for it in plan.items)
     offsets = [it.offset for it in plan.items]
     assert len(set(offsets)) == 6
-    io = inplace.IoOptions()
+    io = IoOptions()
     inplace.execute(plan, io, items=plan.items[::2])  # a share only
     for i, k in enumerate(sd):
         assert torch.equal(out[k], sd[k] if i % 2 == 0 else torch.zeros(1000))
@@ -922,7 +924,7 @@ def test_gpu_lazy_checkpoint_reads_into_cuda_parameters(tmp_path):
     torch.manual_seed(0)
     src = nn.Linear(2048, 2048)
     ckptio.save({"state_dict": src.state_dict()}, tmp_path / "c.ckpt")
-    ckpt = lazy_load(str(tmp_path / "c.ckpt"), map_location="cpu", io=inplace.IoOptions())
+    ckpt = lazy_load(str(tmp_path / "c.ckpt"), map_location="cpu", io=IoOptions())
     assert isinstance(ckpt["state_dict"]["weight"], _Lazy)
     dst = nn.Linear(2048, 2048).cuda()
     w = dst.weight.data_ptr()
@@ -967,11 +969,12 @@ def test_every_source_knows_the_location_torch_save_recorded(tmp_path, native):
     torch.save(sd, p)
     import pickle
 
-    src, mapped = inplace.open_torch(str(p), torch_kw=None if native else {"pickle_module": pickle})
+    kw = None if native else {"pickle_module": pickle}
+    src, mapped = torchzip.open_torch(str(p), torch_kw=kw)
     tensors = inplace._index(src).values()
     assert len(tensors) == 3
     for t in tensors:
-        assert inplace._Files([mapped]).locate(t) is not None
+        assert inplace.Files([mapped]).locate(t) is not None
         off = t.untyped_storage().data_ptr() - mapped.base
         assert mapped.locations[off] == "cpu" == mapped.location(t)
 
@@ -1076,11 +1079,9 @@ def test_loads_leave_no_reference_cycles(tmp_path):
 
 def _native_parts(path):
     """(parsed pickle, storages, dtypes) of a torch.save file, as the native open reads it."""
-    from ckptio import serialization
-
-    reader = inplace._open(str(path), None, None)
-    records = reader.records()
-    parsed, found = serialization._native_pickle(reader, records, reader.prefix)
+    archive = torchzip.open_archive(str(path), None, None)
+    reader = archive.reader
+    parsed, found = torchzip.native_pickle(archive)
     whole = torch.UntypedStorage.from_file(
         f"/proc/self/fd/{reader.fileno()}", False, os.fstat(reader.fileno()).st_size
     )
@@ -1094,7 +1095,7 @@ def test_sources_not_made_yet_make_what_the_eager_build_makes(tmp_path):
     # build (ckptio.load's) makes: values, types, views, sharing, containers.
     from collections import OrderedDict
 
-    from ckptio import _unpickled
+    from ckptio.formats import unpickled as _unpickled
 
     base = torch.arange(24.0).reshape(4, 6)
     shared = torch.ones(5, dtype=torch.bfloat16)
@@ -1128,7 +1129,7 @@ def test_sources_not_made_yet_make_what_the_eager_build_makes(tmp_path):
     found = list(leaves(lazy, eager))
     assert len(found) == 11
     for s, t in found:  # what the plan reads of a placeholder is the tensor's
-        assert type(s) is _unpickled.Source
+        assert type(s) is _unpickled.Placeholder
         assert (s.shape, s.dtype, s.contiguous) == (t.shape, t.dtype, t.is_contiguous())
         assert s.nbytes == t.numel() * t.element_size()
         if s.nbytes:  # (an empty tensor's data_ptr is 0)
@@ -1169,11 +1170,11 @@ def test_plain_loads_in_place_never_make_the_source_tensors(tmp_path, monkeypatc
     # The point of the placeholders: a plain module's load reads every tensor
     # straight from the file, no tensor object of the checkpoint made. A
     # source that cannot be read straight (a transposed view) is made, and copied.
-    from ckptio import _unpickled
+    from ckptio.formats import unpickled as _unpickled
 
     made = []
-    real = _unpickled.Source.tensor
-    monkeypatch.setattr(_unpickled.Source, "tensor", lambda s: made.append(s) or real(s))
+    real = _unpickled.Placeholder.tensor
+    monkeypatch.setattr(_unpickled.Placeholder, "tensor", lambda s: made.append(s) or real(s))
     torch.manual_seed(0)
     src = Plain()
     p = tmp_path / "plain.pt"
@@ -1195,19 +1196,19 @@ def test_load_out_makes_only_the_sources_it_copies(tmp_path, monkeypatch):
     # ckptio.load(out=) pairs placeholders with destinations too: contiguous ones
     # are read without a tensor made, a strided one is made and copied, and the
     # result holds destinations and plain values only, never a placeholder.
-    from ckptio import _unpickled
+    from ckptio.formats import unpickled as _unpickled
     from torch.utils import _pytree
 
     made = []
-    real = _unpickled.Source.tensor
-    monkeypatch.setattr(_unpickled.Source, "tensor", lambda s: made.append(s) or real(s))
+    real = _unpickled.Placeholder.tensor
+    monkeypatch.setattr(_unpickled.Placeholder, "tensor", lambda s: made.append(s) or real(s))
     a, b, c = torch.arange(6.0), torch.ones(2, 3), torch.arange(12.0).reshape(3, 4)
     p = tmp_path / "nest.pt"
     torch.save({"a": a, "nest": (b, [c.t()]), "extra": torch.zeros(4), "n": 3}, p)
     out = {"a": torch.empty(6), "nest": (torch.empty(2, 3), [torch.empty(4, 3)])}
     res = ckptio.load(p, out=out, strict=False)
     assert ckptio.last_report().unexpected_keys == ("extra",)
-    assert not any(type(x) is _unpickled.Source for x in _pytree.tree_leaves(res))
+    assert not any(type(x) is _unpickled.Placeholder for x in _pytree.tree_leaves(res))
     assert res["n"] == 3 and "extra" not in res
     assert torch.equal(res["a"], a) and res["a"] is out["a"]
     assert torch.equal(res["nest"][0], b) and torch.equal(res["nest"][1][0], c.t())
@@ -1218,7 +1219,7 @@ def test_each_placeholder_made_checks_its_own_storage_only(tmp_path, monkeypatch
     # Making a placeholder's tensor checks that set_ left its storage's size
     # alone: its own storage, not every one (that was n^2 for an optimizer's
     # 1,548 state tensors made for a pre-hook: 5x the load's time).
-    from ckptio import _unpickled
+    from ckptio.formats import unpickled as _unpickled
 
     checked = []
     real = _unpickled._Maker.grown

@@ -18,7 +18,7 @@ from pathlib import Path
 import ckptio
 import pytest
 import torch
-from ckptio.cli import main as cli
+from ckptio.tools.cli import main as cli
 from test_faults import assert_same, central_entries, end_records, sample_state, temps
 
 

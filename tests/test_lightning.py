@@ -80,7 +80,7 @@ def test_trainer_saves_and_resumes_through_ckptio(tmp_path, kind, monkeypatch):
     ckpt = tmp_path / "run" / "checkpoints" / "epoch=0-step=3.ckpt"
     assert ckpt.exists() and t1.checkpoint_callback.best_model_path == str(ckpt)
     # a ckptio file (large storages 4 KiB-aligned, small ones packed) that plain torch reads
-    from ckptio.serialization import PACK_BELOW
+    from ckptio.formats.torchzip import PACK_BELOW
 
     assert all(
         r.offset % (4096 if r.nbytes >= PACK_BELOW else 64) == 0

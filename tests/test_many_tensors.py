@@ -19,12 +19,13 @@ from typing import Any
 import ckptio
 import pytest
 import torch
-from ckptio import serialization as S
+from ckptio.formats import safetensors as st_format
+from ckptio.formats import torchzip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_faults import TEMP_RE, go, ready_children, sha256, sigkill, temps
 
-PACK = S.PACK_BELOW
+PACK = torchzip.PACK_BELOW
 
 
 def mixed_state(n: int, seed: int = 0) -> collections.OrderedDict[str, Any]:
@@ -129,7 +130,7 @@ def torch_pickle(obj: Any) -> bytes:
 
 def python_pickle(obj: Any) -> bytes:
     b = io.BytesIO()
-    S._Pickler(b).dump(obj)
+    torchzip._Pickler(b).dump(obj)
     return b.getvalue()
 
 
@@ -152,7 +153,7 @@ def pickle_cases() -> list[Any]:
 def test_the_pickle_is_torch_saves_byte_for_byte(case):
     obj = pickle_cases()[case]
     want = torch_pickle(obj)
-    native = S._native_pickler().dump(obj)
+    native = torchzip.native_pickler().dump(obj)
     assert native is not None
     assert native[0] == want
     assert python_pickle(obj) == want
@@ -166,7 +167,7 @@ def test_objects_outside_the_native_subset_take_the_python_pickler(tmp_path):
         {"conj": torch.ones(2, dtype=torch.complex64).conj()},
         {"set": {1, 2}},
     ):
-        assert S._native_pickler().dump(obj) is None
+        assert torchzip.native_pickler().dump(obj) is None
         assert python_pickle(obj) == torch_pickle(obj)
         ckptio.save(obj, tmp_path / "x.pt")
         got = torch.load(tmp_path / "x.pt", weights_only=False)
@@ -372,7 +373,9 @@ def test_many_small_tensors_through_safetensors_both_ways(tmp_path, monkeypatch)
     cst.save_file(sd, ours, {"k": "v"})
     sft.save_file(sd, theirs, {"k": "v"})
     # headers as safetensors and ckptio write them are read natively
-    monkeypatch.setattr(cst, "_parse_header", lambda *a: pytest.fail("Python header reader"))
+    monkeypatch.setattr(
+        st_format, "parse_header", lambda *a: pytest.fail("Python header reader")
+    )
     for got in (sft.load_file(ours), cst.load_file(ours), cst.load_file(theirs)):
         assert got.keys() == sd.keys()
         for k, v in sd.items():
@@ -432,9 +435,9 @@ def test_the_native_header_reader_agrees_with_the_python_one(entries, meta, slac
         body.append(f"{json.dumps(parts[0][0])}:{json.dumps(parts[0][1])}")
     raw = ("{" + ",".join(body) + "}").encode()
     data_len = max(at + slack, 0)
-    fast = _native.safetensors_header(raw, data_len, cst._ITEMSIZES)
+    fast = _native.safetensors_header(raw, data_len, st_format._ITEMSIZES)
     try:
-        want = cst._parse_header(raw, data_len, "h")
+        want = st_format.parse_header(raw, data_len, "h")
     except ckptio.FormatError:
         assert fast is None
         return

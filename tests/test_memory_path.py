@@ -20,7 +20,8 @@ import ckptio.dcp
 import ckptio.safetensors as cst
 import pytest
 import torch
-from ckptio import _native, bench, serialization
+from ckptio import _native
+from ckptio.tools import bench
 from test_fault_injection import run_faulty
 
 SHM = Path("/dev/shm")
@@ -43,10 +44,10 @@ def engine_env(monkeypatch):
     def set_env(**kw: str) -> None:
         for k, v in kw.items():
             monkeypatch.setenv(k, v)
-        serialization._engine.cache_clear()
+        ckptio.io.engines.engine.cache_clear()
 
     yield set_env
-    serialization._engine.cache_clear()
+    ckptio.io.engines.engine.cache_clear()
 
 
 def state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -187,7 +188,7 @@ device = sys.argv[1]
 for folder in sys.argv[2:]:
     for mode in ("map", "map-nt", "pread", "off"):
         os.environ["CKPTIO_MEMORY_PATH"] = mode
-        serialization._engine.cache_clear()
+        ckptio.io.engines.engine.cache_clear()
         sd = {"w": torch.arange(8 << 20, dtype=torch.int32), "s": torch.ones(3)}
         p = os.path.join(folder, "t.pt")
         for truncate_to in (0, 12 << 20, 4096 * 7 + 5):
@@ -273,7 +274,7 @@ def test_info_says_what_huge_pages_do_here():
     h = ckptio.info()["huge_pages"]
     assert h["private_4k_gib_s"] > 0 and h["shared_gib_s"] > 0
     assert isinstance(h["advice"], bool) and isinstance(h["free_page_reporting"], bool)
-    from ckptio.sysinfo import format_info
+    from ckptio.tools.sysinfo import format_info
 
     text = format_info(ckptio.info())
     assert "huge pages:  private" in text and "shared" in text

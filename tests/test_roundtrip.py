@@ -152,7 +152,7 @@ def test_parameters_and_requires_grad(tmp_path):
 
 
 def test_large_storages_4k_aligned_small_ones_packed_torch_readable(tmp_path):
-    from ckptio.serialization import PACK_BELOW
+    from ckptio.formats.torchzip import PACK_BELOW
 
     sd = {f"t{i}": torch.randn(i * 100 + 1) for i in range(10)}
     sd["large"] = torch.randn(PACK_BELOW // 4)
@@ -254,7 +254,7 @@ def test_random_state_dicts(tmp_path, obj):
 
 
 def test_cuda_reservation_covers_what_the_cache_lacks():
-    from ckptio.serialization import _reservation
+    from ckptio.io.memory import reservation as _reservation
 
     mib = 1 << 20
     sizes = [12 * mib + 1] * 8 + [4096] * 100  # small ones live in torch's small pool
@@ -272,7 +272,8 @@ def test_cuda_reservation_covers_what_the_cache_lacks():
 def test_cuda_room_counts_the_cache_and_the_memory_fraction(monkeypatch):
     # One reading of a device's room serves the load's reservation and the
     # stager's device snapshot; no GPU needed, torch.cuda's answers are faked.
-    from ckptio import serialization, staging
+    from ckptio import staging
+    from ckptio.io import memory
 
     gib = 1 << 30
     cuda = torch.cuda
@@ -280,16 +281,16 @@ def test_cuda_room_counts_the_cache_and_the_memory_fraction(monkeypatch):
     monkeypatch.setattr(cuda, "memory_reserved", lambda d: 50 * gib)
     monkeypatch.setattr(cuda, "memory_allocated", lambda d: 45 * gib)
     monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda d: 1.0)
-    assert serialization._cuda_room(0) == (60 * gib, 5 * gib)
+    assert memory.cuda_room(0) == (60 * gib, 5 * gib)
     # A fraction of 0.5 caps the process at 70 GiB, 50 of them held already.
     monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda d: 0.5)
-    assert serialization._cuda_room(0) == (20 * gib, 5 * gib)
+    assert memory.cuda_room(0) == (20 * gib, 5 * gib)
 
     def no_fraction(d):
         raise RuntimeError("not supported by this allocator")
 
     monkeypatch.setattr(cuda, "get_per_process_memory_fraction", no_fraction)
-    assert serialization._cuda_room(0) == (60 * gib, 5 * gib)
+    assert memory.cuda_room(0) == (60 * gib, 5 * gib)
 
     plan = staging._Plan(headroom=gib)
     plan.claim_device_bytes(0, 60 * gib)  # 60 new + 5 cached - 1 headroom = 64
@@ -301,7 +302,7 @@ def test_cuda_room_counts_the_cache_and_the_memory_fraction(monkeypatch):
 def test_bench_floor_helpers(tmp_path):
     # The benches' same-run limits: a cold buffered read of a file, and the
     # fault-in of fresh memory that bounds a first staging from below.
-    from ckptio import bench
+    from ckptio.tools import bench
 
     p = tmp_path / "raw.bin"
     p.write_bytes(os.urandom(3 << 20))

@@ -11,7 +11,8 @@ import ckptio
 import ckptio.safetensors as cst
 import pytest
 import torch
-from ckptio import bench
+from ckptio.io.units import parse_size
+from ckptio.tools import bench
 
 st = pytest.importorskip("safetensors.torch")
 
@@ -368,11 +369,11 @@ def test_sharded_roundtrip_names_and_index(tmp_path):
 
 def test_sharded_load_splits_the_threads_among_workers(tmp_path, monkeypatch):
     # Shards read in parallel share the engine's threads: disk and tmpfs ones.
-    from ckptio import safetensors as mod
+    from ckptio.io import engines as mod
 
     calls = []
-    real = mod._engine
-    monkeypatch.setattr(mod, "_engine", lambda *a: calls.append(a) or real(*a))
+    real = mod.engine
+    monkeypatch.setattr(mod, "engine", lambda *a: calls.append(a) or real(*a))
     sd = {f"w{i}": rand((1000,), torch.float32, seed=i) for i in range(4)}
     cst.save_sharded(sd, tmp_path / "ck", max_shard_size="4KB")
     calls.clear()
@@ -410,13 +411,13 @@ def test_sharded_index_inconsistent_with_shards_is_formaterror(tmp_path):
     [(5, 5), ("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("4GiB", 4 << 30), ("1.5KB", 1500)],
 )
 def test_shard_size_parsing(size, n):
-    assert cst._parse_size(size) == n
+    assert parse_size(size, "max_shard_size") == n
 
 
 @pytest.mark.parametrize("size", ["", "GB", "5XB", 0, -1, "5iB"])
 def test_bad_shard_size(size):
     with pytest.raises(ValueError):
-        cst._parse_size(size)
+        parse_size(size, "max_shard_size")
 
 
 # --------------------------------------------------------------------------- GPU

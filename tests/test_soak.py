@@ -12,7 +12,7 @@ from pathlib import Path
 import ckptio
 import pytest
 import torch
-from ckptio.serialization import _engine
+from ckptio.io.engines import engine as _engine
 
 MIB = 2**20
 ROUNDS, WARMUP = 200, 20

@@ -24,9 +24,10 @@ import time
 import ckptio
 import pytest
 import torch
-from ckptio import _native, _transfer
+from ckptio import _native
 from ckptio import safetensors as cst
-from ckptio.serialization import _engine
+from ckptio.io import transfer as _transfer
+from ckptio.io.engines import engine as _engine
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: The folder the ckptio under test was imported from (a checkout or an install).
@@ -52,16 +53,18 @@ def run_python(code: str, cwd, env: dict | None = None, timeout: int = 120):
 
 
 def test_every_transfer_goes_through_the_transfer_helper():
-    """No module but ckptio._transfer calls the native transfers: the stream order
+    """No module but ckptio.io.transfer calls the native transfers: the stream order
     and the owners cannot be forgotten by one format (the DCP reader once was)."""
-    calls = re.compile(r"(?<!_transfer)\.(read_segments|write_segments|write_storages|read_into)\(")
+    calls = re.compile(r"(?<!transfer)\.(read_segments|write_segments|write_storages|read_into)\(")
     offenders = []
-    for f in PACKAGE.glob("*.py"):
-        if f.name == "_transfer.py":
+    files = list(PACKAGE.rglob("*.py"))
+    assert len(files) > 20  # the package's subfolders too
+    for f in files:
+        if f.relative_to(PACKAGE).as_posix() == "io/transfer.py":
             continue
         for n, line in enumerate(f.read_text().splitlines(), 1):
             if calls.search(line):
-                offenders.append(f"{f.name}:{n}: {line.strip()}")
+                offenders.append(f"{f.relative_to(PACKAGE)}:{n}: {line.strip()}")
     assert not offenders, offenders
 
 
@@ -264,7 +267,7 @@ def test_pinned_memory_is_reported(capsys):
     d = ckptio.info()
     assert d["pinned"]["held"] >= 0 and d["pinned"]["limit"] > 0
     assert _native.pinned_memory()["limit"] == d["pinned"]["limit"]
-    from ckptio.cli import main
+    from ckptio.tools.cli import main
 
     assert main(["info", "."]) == 0
     assert "Pinned:" in capsys.readouterr().out

@@ -84,8 +84,18 @@ def test_temps_of_dead_saves_under_other_names_are_removed(tmp_path, capsys):
     assert rc == 1 and len(err.splitlines()) == 1 and "FileNotFoundError" in err, err
 
 
+def test_clean_is_a_python_call_too(tmp_path):
+    dead = hold_temp(tmp_path / "ckpt.pt")
+    kill(dead)
+    name = temps(tmp_path)[0]
+    assert ckptio.clean(tmp_path) == [name]
+    assert temps(tmp_path) == [] and ckptio.clean(str(tmp_path)) == []
+    with pytest.raises(FileNotFoundError):
+        ckptio.clean(tmp_path / "missing")
+
+
 def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    from ckptio.cli import main
+    from ckptio.tools.cli import main
 
     rc = main(argv)
     out, err = capsys.readouterr()

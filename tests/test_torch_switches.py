@@ -416,7 +416,7 @@ def test_no_warning_on_import(tmp_path):
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-W", "default", "-c", "import ckptio.cli, ckptio.bench, numpy"],
+        [sys.executable, "-W", "default", "-c", "import ckptio.tools.cli, numpy"],
         capture_output=True,
         text=True,
         cwd=tmp_path,

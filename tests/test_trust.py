@@ -205,7 +205,7 @@ def test_dcp_crc_mismatch_names_the_file_and_item_and_partial_reads_check_too(tm
 
 
 def test_verify_takes_a_dcp_folder_of_either_writer(tmp_path, capsys):
-    from ckptio.cli import main
+    from ckptio.tools.cli import main
 
     sd = {"w": torch.randn(100), "step": 3}
     for writer in (FileSystemWriter, dcp.FileSystemWriter):
@@ -254,11 +254,11 @@ def test_verify_with_load_checks_the_crc_before_decoding(tmp_path):
 def test_a_declared_storage_is_checked_before_memory_is_taken(tmp_path, monkeypatch):
     """A pickle declaring a 40 GB storage over an 800-byte record: FormatError before any
     allocation larger than the file's records (torch cuts the mapped slice at the file end)."""
-    import ckptio.serialization as ser
+    from ckptio.io import memory
 
     asked: list[int] = []
-    real = ser._empty_storage
-    monkeypatch.setattr(ser, "_empty_storage", lambda n, *a: asked.append(n) or real(n, *a))
+    real = memory.empty_storage
+    monkeypatch.setattr(memory, "empty_storage", lambda n, *a: asked.append(n) or real(n, *a))
     p = tmp_path / "huge.pt"
     p.write_bytes((HOSTILE / "storage_declared_40gb.pt").read_bytes())
     with pytest.raises(ckptio.FormatError, match="declares a storage"):
@@ -284,7 +284,7 @@ def test_verify_refuses_what_torch_refuses(tmp_path, name):
 
 @pytest.mark.parametrize("cmd", ["inspect", "ls", "verify"])
 def test_cli_prints_one_line_for_a_refused_file(tmp_path, capsys, cmd):
-    from ckptio.cli import main
+    from ckptio.tools.cli import main
 
     for name in ("pickle_runs_code.pt", "version_99.pt"):
         p = tmp_path / name

@@ -17,49 +17,51 @@ arguments with their meaning and returns what the peer returns; ckptio's own
 knobs are keyword-only. How a save or load ran is ``ckptio.last_report()``.
 Errors: ``ckptio.CkptioError`` (a RuntimeError, as torch.load's are) and its
 subclasses, OSError for the operating system's. See docs/api-conventions.md.
+
+The package's layers, each importing only those below it (docs/design.md):
+``errors``; ``io`` (engines, transfers, reports, memory); ``formats`` (one
+module per format); ``loading`` (in place, group sharing); the modules that
+stand in for the peers (``serialization``, ``safetensors``, ``state_dict``,
+``dcp``, ``staging``, ``gds``, ``lightning``); ``tools``. This module only
+re-exports.
 """
 
-# Before anything loads libcufile: its log goes to ckptio's cache folder.
-from ckptio import _cufile  # noqa: F401  (isort: skip)
 from ckptio import safetensors
-from ckptio._native import (
+from ckptio._native import __version__ as __version__
+from ckptio.errors import (
     BackendUnavailableError,
     CkptioError,
     CudaError,
     CuFileError,
-    FormatError,
-)
-from ckptio._native import __version__ as __version__
-from ckptio._transfer import release_buffers
-from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
-from ckptio.group import GroupLoadError, GroupMismatchError, PeerLoadError
-from ckptio.inplace import (
     DestinationError,
     DtypeMismatchError,
+    FormatError,
+    GroupLoadError,
+    GroupMismatchError,
     InPlaceLoadError,
     KeyMismatchError,
     PartialLoadError,
+    PeerLoadError,
     ShapeMismatchError,
 )
-from ckptio.integrity import RecordCheck, VerifyReport, verify
-from ckptio.serialization import (
-    IOReport,
-    RecordInfo,
-    TensorInfo,
-    last_report,
-    load,
-    records,
-    save,
-)
+from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
+from ckptio.io.reports import IOReport, last_report
+from ckptio.io.transfer import release_buffers
+from ckptio.serialization import RecordInfo, TensorInfo, load, records, save
 from ckptio.state_dict import load_state_dict
-from ckptio.sysinfo import info
+from ckptio.tools.clean import clean
+from ckptio.tools.describe import Listing, listing
+from ckptio.tools.integrity import RecordCheck, VerifyReport, verify
+from ckptio.tools.sysinfo import info
 
 __all__ = [
     "save",
     "load",
     "load_state_dict",
     "records",
+    "listing",
     "verify",
+    "clean",
     "last_report",
     "release_buffers",
     "info",
@@ -70,6 +72,7 @@ __all__ = [
     "IOReport",
     "RecordInfo",
     "TensorInfo",
+    "Listing",
     "VerifyReport",
     "RecordCheck",
     "CkptioError",

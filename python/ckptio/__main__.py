@@ -1,5 +1,5 @@
 import sys
 
-from ckptio.cli import main
+from ckptio.tools.cli import main
 
 sys.exit(main())

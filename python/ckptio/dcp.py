@@ -53,19 +53,15 @@ through Python), and items with transforms are read by torch's code.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import io
 import os
-import pathlib
 import pickle
-import re
 import secrets
-import struct
-from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
@@ -79,7 +75,7 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.filesystem import (
     FileSystemReader as _TorchReader,
 )
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -91,21 +87,16 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptio import _native, _transfer
-from ckptio import group as _group
-from ckptio._paths import inside
-from ckptio.serialization import (
-    _CONFIG_LOCK,
-    PACK_BELOW,
-    STORAGE_ALIGNMENT,
-    TORCH_ALIGNMENT,
-    _device_code,
-    _direct_arg,
-    _engine,
-    _rebuild,
-    _storage_alignment,
-    _storage_dtype,
-)
+from ckptio import _native
+from ckptio.errors import FormatError
+from ckptio.formats import dcp as fmt
+from ckptio.formats import torchzip
+from ckptio.formats.dcp import DATA_FILE, read_metadata
+from ckptio.io import devices, transfer
+from ckptio.io.engines import IoOptions
+from ckptio.io.paths import inside
+from ckptio.io.units import align_up
+from ckptio.loading import sharing
 from ckptio.staging import BlockingAsyncStager
 
 try:  # torch >= 2.7: stream transforms of DCP items
@@ -123,16 +114,7 @@ __all__ = ["FileSystemWriter", "FileSystemReader"]
 _WRITER_ARGS = inspect.signature(_FileSystemWriter.__init__).parameters
 _READER_ARGS = inspect.signature(_TorchReader.__init__).parameters
 
-_ALIGN = STORAGE_ALIGNMENT
 _DCP_VERSION: str | None = getattr(_fs, "CURRENT_DCP_VERSION", None)
-_METADATA = ".metadata"
-#: Data files of a DCP checkpoint: torch's ``__{rank}_{n}.distcp`` and ckptio's
-#: ``__{rank}_{token}_{n}.distcp`` (the files a save may remove once it is published).
-DATA_FILE = re.compile(r"__(?P<rank>\d+)_(?:[0-9a-f]{8}_)?\d+" + re.escape(DEFAULT_SUFFIX))
-
-
-def _align(n: int, to: int = _ALIGN) -> int:
-    return -(-n // to) * to
 
 
 def _torch_args(accepted: Any, **given: Any) -> dict[str, Any]:
@@ -146,139 +128,6 @@ def _torch_args(accepted: Any, **given: Any) -> dict[str, Any]:
         elif v is not None:
             raise TypeError(f"{k} needs a newer torch (torch {torch.__version__} lacks it)")
     return out
-
-
-class _SparseSink(io.RawIOBase):
-    """A write-only stream that keeps what is written and skips what is seeked
-    over: torch.save under skip_data seeks over each record's data, which a
-    BytesIO would fill with zeros (GiBs of them for a large item)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pos = 0
-        self.parts: list[tuple[int, bytes]] = []
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        data = bytes(b)
-        self.parts.append((self.pos, data))
-        self.pos += len(data)
-        return len(data)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = offset if whence == io.SEEK_SET else self.pos + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-
-class _Item(NamedTuple):
-    head: bytes  # the zip up to the data
-    data_off: int
-    tail: bytes  # the zip after the data
-    length: int
-    crc_at: tuple[int, ...]  # offsets in ``tail`` of the data record's CRC-32 fields
-
-
-def _crc_fields(tail: bytes, name: bytes) -> tuple[int, ...]:
-    """Where the CRC-32 of record ``name`` sits in a record's tail: its data
-    descriptor (first) and its central-directory entry."""
-    at = []
-    if tail[:4] == b"PK\x07\x08":
-        at.append(4)
-    i = tail.find(b"PK\x01\x02")
-    while i >= 0:
-        n, x, c = struct.unpack_from("<HHH", tail, i + 28)
-        if tail[i + 46 : i + 46 + n] == name:
-            at.append(i + 16)
-            break
-        i = tail.find(b"PK\x01\x02", i + 46 + n + x + c)
-    return tuple(at)
-
-
-@functools.lru_cache(maxsize=4096)
-def _item_zip(dtype: torch.dtype, shape: tuple[int, ...], align: int = _ALIGN) -> _Item:
-    """The torch.save zip of a contiguous CPU tensor of this dtype and shape, at
-    ``align`` storage alignment: byte for byte what torch.save writes, but for
-    the data and its CRC-32 (filled in by the writer). The same for every
-    tensor of that dtype and shape, hence the cache."""
-    shell = torch.empty(shape, dtype=dtype)  # untouched pages: costs nothing
-    sink = _SparseSink()
-    with _CONFIG_LOCK, _storage_alignment(align), torch.serialization.skip_data():
-        torch.save(shell, sink)
-    nbytes = shell.numel() * shell.element_size()
-    head, tail = bytearray(), bytearray()
-    for pos, data in sink.parts:
-        if pos == len(head):
-            head += data
-        else:
-            tail += data
-    data_off = len(head)
-    if nbytes == 0:
-        return _Item(bytes(head + tail), data_off, b"", len(head) + len(tail), ())
-    if sink.parts and sink.parts[-1][0] + len(sink.parts[-1][1]) != data_off + nbytes + len(tail):
-        raise AssertionError("unexpected torch.save layout under skip_data")
-    crc_at = _crc_fields(bytes(tail), b"archive/data/0")
-    return _Item(bytes(head), data_off, bytes(tail), data_off + nbytes + len(tail), crc_at)
-
-
-#: Items of this many bytes or more start on a 4 KiB boundary of their file,
-#: their data too (O_DIRECT and cuFile move them in place); smaller ones are
-#: packed 64 bytes apart with torch's 64-byte alignment inside, as
-#: ckptio.save packs small storages.
-_PACK_ITEMS = PACK_BELOW
-#: Items read whole into one host buffer (then copied into their tensors),
-#: parsed natively: up to this size. Larger ones are read straight into the
-#: destination tensors.
-_SMALL_ITEM = 1 << 20
-
-
-class _FileImage:
-    """A DCP data file laid out in memory: items' zip headers and tails, BYTE_IO
-    items and padding in one buffer, tensor data as segments of its own memory,
-    so that the engine writes the whole file in one pass (neighbouring small
-    items share I/Os) and stores each item's CRC-32s where its zip wants them."""
-
-    def __init__(self) -> None:
-        self.blob = bytearray()
-        # (file offset, offset in blob or -1, address, nbytes, device)
-        self.parts: list[tuple[int, int, int, int, int]] = []
-        self.patches: list[tuple[int, int]] = []  # (index in parts, file offset)
-        self.end = 0
-
-    def bytes_at(self, offset: int, data: bytes) -> None:
-        if offset > self.end:  # padding before an aligned item
-            self._blob(self.end, b"\0" * (offset - self.end))
-        self._blob(offset, data)
-
-    def _blob(self, offset: int, data: bytes) -> None:
-        if not data:
-            return
-        last = self.parts[-1] if self.parts else None
-        if last is not None and last[1] >= 0 and last[0] + last[3] == offset:
-            # Extend the previous blob part: one segment for consecutive header bytes.
-            self.parts[-1] = (last[0], last[1], 0, last[3] + len(data), -1)
-        else:
-            self.parts.append((offset, len(self.blob), 0, len(data), -1))
-        self.blob += data
-        self.end = offset + len(data)
-
-    def memory_at(self, offset: int, addr: int, n: int, dev: int, crc_at: list[int]) -> None:
-        self.parts.append((offset, -1, addr, n, dev))
-        self.patches += [(len(self.parts) - 1, at) for at in crc_at]
-        self.end = offset + n
-
-    def segments(self, base: int) -> list[tuple[int, int, int, int]]:
-        """The engine's segments, blob parts at ``base`` (the blob's address)."""
-        return [
-            (off, base + pos if pos >= 0 else addr, n, dev) for off, pos, addr, n, dev in self.parts
-        ]
 
 
 class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[misc]
@@ -327,7 +176,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             **extra,
         )
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
-        self._io = (threads, chunk_size, _direct_arg(direct), backend)
+        self._io = IoOptions.of(threads, chunk_size, direct, backend)
         self.last_stats: list[dict[str, Any]] = []
 
     # The writer travels to DCP's checkpoint process (PROCESS mode): the stager's
@@ -411,18 +260,18 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     def _write_file(
         self, path: str, name: str, items: list[Any], planner: SavePlanner, sweep: bool
     ) -> list[WriteResult]:
-        threads, chunk_size, direct, backend = self._io
-        engine = _engine(threads, chunk_size, direct)
-        writer = _native.AtomicWriter(path, direct, backend, sweep)
+        opts = self._io
+        engine = opts.engine()
+        writer = _native.AtomicWriter(path, opts.direct, opts.backend, sweep)
         try:
-            image = _FileImage()
+            image = fmt.FileImage()
             results = []
             keep = []  # tensors made contiguous here live until the write is done
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                    offset = _align(image.end, TORCH_ALIGNMENT)
+                    offset = align_up(image.end, torchzip.TORCH_ALIGNMENT)
                     image.bytes_at(offset, blob)
                     length = len(blob)
                 else:
@@ -431,13 +280,13 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                         t = t.contiguous().resolve_conj().resolve_neg()
                     keep.append(t)
                     nbytes = t.numel() * t.element_size()
-                    align = _ALIGN if nbytes >= _PACK_ITEMS else TORCH_ALIGNMENT
-                    z = _item_zip(t.dtype, tuple(t.shape), align)
-                    offset = _align(image.end, align)
+                    align = fmt.ALIGN if nbytes >= fmt.PACK_ITEMS else torchzip.TORCH_ALIGNMENT
+                    z = fmt.item_zip(t.dtype, tuple(t.shape), align)
+                    offset = align_up(image.end, align)
                     image.bytes_at(offset, z.head)
                     length = z.length
                     if nbytes:
-                        dev = _device_code(t.untyped_storage(), f"item {item.index.fqn}")
+                        dev = devices.device_code(t.untyped_storage(), f"item {item.index.fqn}")
                         tail = offset + z.data_off + nbytes
                         crc_at = [tail + at for at in z.crc_at]
                         image.memory_at(offset + z.data_off, t.data_ptr(), nbytes, dev, crc_at)
@@ -454,7 +303,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             # One pass: headers, data and tails; each item's CRC-32 goes into its
             # data descriptor and central directory entry as its bytes pass (0,
             # "unchecked", where cuFile moved them without touching host memory).
-            stats = _transfer.write(
+            stats = transfer.write(
                 writer,
                 engine,
                 segments,
@@ -475,10 +324,10 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     ) -> list[WriteResult]:
         """A data file of zstd frames, one per item (torch's ZStandard transform),
         compressed and written in Rust; tensors are copied to host memory first."""
-        threads, chunk_size, direct, backend = self._io
-        engine = _engine(threads, chunk_size, direct)
+        opts = self._io
+        engine = opts.engine()
         descriptors = [ext.get_descriptor() for ext in reversed(self._extensions())]
-        writer = _native.AtomicWriter(path, direct, backend, sweep)
+        writer = _native.AtomicWriter(path, opts.direct, opts.backend, sweep)
         try:
             keep = []  # host copies live until the frames are written
             parts: list[tuple[bytes, int, int, bytes, list[int]]] = []
@@ -492,7 +341,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                 if not t.is_contiguous() or t.is_conj() or t.is_neg():
                     t = t.contiguous().resolve_conj().resolve_neg()
                 keep.append(t)
-                z = _item_zip(t.dtype, tuple(t.shape))
+                z = fmt.item_zip(t.dtype, tuple(t.shape))
                 nbytes = t.numel() * t.element_size()
                 if nbytes:
                     parts.append((z.head, t.data_ptr(), nbytes, z.tail, list(z.crc_at)))
@@ -529,14 +378,8 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
-        name = f"__{self.rank}{_METADATA}" if per_rank else _METADATA
-        w = _native.AtomicWriter(os.path.join(self.path, name), "off", None, False)
-        try:
-            w.write_bytes(0, pickle.dumps(metadata))
-            w.commit()
-        except BaseException:
-            w.abort()
-            raise
+        name = f"__{self.rank}{fmt.METADATA}" if per_rank else fmt.METADATA
+        transfer.replace_file(os.path.join(self.path, name), pickle.dumps(metadata))
         keep = {info.relative_path for info in storage_md.values()}
         _remove_old_generations(self.path, keep, str(self.rank) if per_rank else None)
 
@@ -585,7 +428,7 @@ class FileSystemReader(_TorchReader):
     the group reads in the same plan (a replicated tensor, unsharded state, a
     bytes item) is read from storage by one of them (balanced by bytes) and
     broadcast to the others over the group's collectives (see
-    ``ckptio.group``); items that only some ranks read (shards) are read by
+    ``ckptio.loading.sharing``); items that only some ranks read (shards) are read by
     each, as before. ``share=False`` reads every item on every rank that needs
     it. ``last_share`` says per load what this rank sent and received.
     """
@@ -612,7 +455,7 @@ class FileSystemReader(_TorchReader):
         ):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, not {type(v).__name__}")
-        self._io = (threads, chunk_size, _direct_arg(direct), backend)
+        self._io = IoOptions.of(threads, chunk_size, direct, backend)
         self.verify = verify
         self.trusted_metadata = trusted_metadata
         self._layouts: dict[Any, tuple[torch.Tensor, int, int | None]] = {}
@@ -643,8 +486,6 @@ class FileSystemReader(_TorchReader):
         }
 
     def _group(self) -> Any:
-        import torch.distributed as dist
-
         if not (self.share and dist.is_available() and dist.is_initialized()):
             return None
         return self.process_group if self.process_group is not None else dist.group.WORLD
@@ -652,8 +493,6 @@ class FileSystemReader(_TorchReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         plan = super().prepare_local_plan(plan)
         if self._group() is not None:  # the coordinator learns who asks for what
-            import torch.distributed as dist
-
             plan = dataclasses.replace(plan, storage_data=_Asker(dist.get_rank()))
         return plan
 
@@ -696,8 +535,6 @@ class FileSystemReader(_TorchReader):
     def _schedule(self, plans: list[LoadPlan]) -> _Shares | None:
         """On the coordinator: the items every rank of the group reads, each
         given to one of them (the least loaded so far, items largest first)."""
-        import torch.distributed as dist
-
         group = self._group()
         if group is None or len(plans) < 2:
             return None
@@ -749,7 +586,7 @@ class FileSystemReader(_TorchReader):
         self.last_share = {}
         if isinstance(shares, _Shares) and self._group() is not None:
             what = f"ckptio.dcp.FileSystemReader({os.fspath(self.path)!r}).read_data"
-            _group.run(self._group(), what, lambda: self._read_shared(plan, planner, shares))
+            sharing.run(self._group(), what, lambda: self._read_shared(plan, planner, shares))
         else:
             self._read_items(plan.items, planner)
         fut: Future[None] = Future()
@@ -759,13 +596,11 @@ class FileSystemReader(_TorchReader):
     def _read_shared(self, plan: LoadPlan, planner: LoadPlanner, shares: _Shares) -> None:
         """This rank's items, those it reads for every rank among them; then the
         shared items broadcast from their readers."""
-        import torch.distributed as dist
-
-        session = _group.current()
+        session = sharing.current()
         assert session is not None
         me = dist.get_rank(session.group)
         if shares.ranks != tuple(dist.get_process_group_ranks(session.group)):
-            raise _native.FormatError("the load plan's sharing was made for another group")
+            raise FormatError("the load plan's sharing was made for another group")
         mine: dict[tuple[Any, ...], list[Any]] = {}
         for req in plan.items:
             key = self._share_key(req)
@@ -775,7 +610,7 @@ class FileSystemReader(_TorchReader):
         own = {key for key, owner, _ in shares.entries if owner == me}
         missing = [key for key in shared if key not in mine]
         if missing:
-            raise _native.FormatError(
+            raise FormatError(
                 f"the load plan shares item {missing[0][1]!r}, which this rank does not read"
             )
         kept: dict[int, Any] = {}
@@ -799,9 +634,7 @@ class FileSystemReader(_TorchReader):
             received += nbytes
             dtype = self._sizes.get(key[1], (None, 0))[0]
             pieces.append(_received(i, owner, nbytes, reqs, planner, dtype))
-        from ckptio.inplace import IoOptions
-
-        session.read([], pieces, IoOptions(*self._io))
+        session.read([], pieces, self._io)
         self.last_share = {
             "items_sent": sum(1 for _, o, _ in shares.entries if o == me),
             "bytes_sent": sent,
@@ -827,7 +660,7 @@ class FileSystemReader(_TorchReader):
         if transformed:  # decoded by torch's reader code (its extension registry)
             super().read_data(LoadPlan(transformed), planner).wait()
         for rel, reqs in per_file.items():
-            where = os.path.join(folder, _METADATA)
+            where = os.path.join(folder, fmt.METADATA)
             self._read_file(inside(folder, rel, where), reqs, planner, kept)
 
     def _layout(
@@ -838,7 +671,7 @@ class FileSystemReader(_TorchReader):
         key = (path, info.offset)
         got = self._layouts.get(key)
         if got is None:
-            crc = _check_item(path, info, self._engine()) if self.verify else None
+            crc = fmt.check_item(path, info, self._engine()) if self.verify else None
             try:
                 meta = torch.load(
                     _fs._create_file_view(f, info.offset, info.length),
@@ -846,30 +679,29 @@ class FileSystemReader(_TorchReader):
                     weights_only=True,
                 )
             except Exception as e:
-                raise _native.FormatError(
+                raise FormatError(
                     f"{path}: item at bytes {info.offset}..+{info.length} is not a "
                     f"torch.save archive of a tensor: {e}"
                 ) from e
             if not isinstance(meta, torch.Tensor):
-                raise _native.FormatError(
+                raise FormatError(
                     f"{path}: item at bytes {info.offset} holds {type(meta).__name__}, not a tensor"
                 )
             off = meta.untyped_storage()._checkpoint_offset
             if off is None:
-                raise _native.FormatError(f"{path}: no data offset for item at {info.offset}")
+                raise FormatError(f"{path}: no data offset for item at {info.offset}")
             got = self._layouts[key] = (meta, info.offset + off, crc)
         return got
 
     def _engine(self) -> _native.Engine:
-        threads, chunk_size, direct, _ = self._io
-        return _engine(threads, chunk_size, direct)
+        return self._io.engine()
 
     def _read_file(
         self, path: str, reqs: list[Any], planner: LoadPlanner, kept: dict[int, Any] | None
     ) -> None:
-        threads, chunk_size, direct, backend = self._io
-        engine = _engine(threads, chunk_size, direct)
-        dev_file = _native.DeviceFile(path, False, direct, backend)
+        opts = self._io
+        engine = opts.engine()
+        dev_file = _native.DeviceFile(path, False, opts.direct, opts.backend)
         segments: list[tuple[int, int, int, int]] = []
         owners: list[torch.Tensor] = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
@@ -885,7 +717,7 @@ class FileSystemReader(_TorchReader):
                     planner.load_bytes(req, io.BytesIO(blob))
                     if kept is not None:
                         kept[id(req)] = blob
-                elif info.length <= _SMALL_ITEM and not self.verify:
+                elif info.length <= fmt.SMALL_ITEM and not self.verify:
                     small.append((req, info))
                 else:
                     meta, data_off, crc = self._layout(f, path, info)
@@ -899,7 +731,7 @@ class FileSystemReader(_TorchReader):
                 # The destinations may still be in use by work queued on the
                 # current streams: the engine's copies are ordered after it.
                 # Verifying, the I/O threads also return each segment's CRC-32.
-                big = _transfer.read(dev_file, engine, segments, owners, verify=self.verify)
+                big = transfer.read(dev_file, engine, segments, owners, verify=self.verify)
                 stats = dict(big, bytes=big["bytes"] + stats.get("bytes", 0))
         if self.verify:
             verified, unchecked = [], []
@@ -909,7 +741,7 @@ class FileSystemReader(_TorchReader):
                 if stored is None or crcs[i] is None:
                     unchecked.append(name)
                 elif crcs[i] != stored:
-                    raise _native.FormatError(
+                    raise FormatError(
                         f"{path}: item {name!r} at bytes {at}: its tensor bytes have "
                         f"CRC-32 {crcs[i]:08x}, the item stores {stored:08x}"
                     )
@@ -958,7 +790,7 @@ class FileSystemReader(_TorchReader):
         isz = src.element_size()
         nbytes = meta.untyped_storage().nbytes()
         whole = src.storage_offset() == 0 and target.numel() * isz == nbytes
-        dev = _device_code(target.untyped_storage(), f"destination of {req.storage_index}")
+        dev = devices.device_code(target.untyped_storage(), f"destination of {req.storage_index}")
         if src.is_contiguous() and target.is_contiguous() and (whole or not self.verify):
             # Straight into the destination.
             start = data_off + src.storage_offset() * isz
@@ -994,14 +826,14 @@ class FileSystemReader(_TorchReader):
         spans = sorted({(info.offset, info.length) for _, info in small})
         place, at = {}, 0
         for span in spans:
-            at = _align(at, TORCH_ALIGNMENT)  # every item's bytes aligned as in the file
+            at = align_up(at, torchzip.TORCH_ALIGNMENT)  # every item's bytes aligned as in the file
             place[span] = at
             at += span[1]
         # Pinned when copies go to a GPU: they then run asynchronously.
         buf = torch.empty(at, dtype=torch.uint8, pin_memory=any(t.is_cuda for t in targets))
         base = buf.data_ptr()
         segs = [(off, base + place[(off, n)], n, -1) for off, n in spans]
-        stats = _transfer.read(dev_file, engine, segs, [buf])
+        stats = transfer.read(dev_file, engine, segs, [buf])
         maps = _native.map_archives(base, at, [(place[s], s[1]) for s in spans])
         items = {}
         for span, got in zip(spans, maps, strict=True):
@@ -1029,7 +861,7 @@ class FileSystemReader(_TorchReader):
             pkl = buf[pkl_off : pkl_off + pkl_n].numpy().tobytes()
             found = self._metas.get(pkl)
             if found is None:
-                found = self._metas[pkl] = _meta_of_pickle(path, pkl)
+                found = self._metas[pkl] = fmt.meta_of_pickle(path, pkl)
             meta, key = found
             rec = next((r for r in data if r[0] == key), None) if key is not None else None
         if meta is None or rec is None or rec[2] != meta.untyped_storage().nbytes():
@@ -1063,7 +895,7 @@ class _Shares:
     entries: tuple[tuple[tuple[Any, ...], int, int], ...]
 
 
-def _owned(i: int, owner: int, nbytes: int, have: Any) -> _group.Piece:
+def _owned(i: int, owner: int, nbytes: int, have: Any) -> sharing.Piece:
     """A shared item this rank read (``have``: its destination, or its bytes)."""
     if isinstance(have, bytes):
         t = (
@@ -1071,15 +903,15 @@ def _owned(i: int, owner: int, nbytes: int, have: Any) -> _group.Piece:
             if have
             else torch.empty(0, dtype=torch.uint8)
         )
-        return _group.Piece(None, i, nbytes, torch.device("cpu"), t, splittable=False, owner=owner)
+        return sharing.Piece(None, i, nbytes, torch.device("cpu"), t, splittable=False, owner=owner)
     if have.is_contiguous() and nbytes:
-        target = _group.as_bytes(have, have.data_ptr(), nbytes)
-        return _group.Piece(None, i, nbytes, have.device, target, splittable=False, owner=owner)
+        target = sharing.as_bytes(have, have.data_ptr(), nbytes)
+        return sharing.Piece(None, i, nbytes, have.device, target, splittable=False, owner=owner)
 
     def fill(mem: torch.Tensor) -> None:
         mem.view(have.dtype).view(have.shape).copy_(have)
 
-    return _group.Piece(None, i, nbytes, have.device, fill=fill, splittable=False, owner=owner)
+    return sharing.Piece(None, i, nbytes, have.device, fill=fill, splittable=False, owner=owner)
 
 
 def _received(
@@ -1089,7 +921,7 @@ def _received(
     reqs: list[Any],
     planner: LoadPlanner,
     dtype: torch.dtype | None,
-) -> _group.Piece:
+) -> sharing.Piece:
     """A shared item another rank reads: where its bytes land here, and what
     then commits them to the planner."""
     cpu = torch.device("cpu")
@@ -1102,12 +934,12 @@ def _received(
 
         if not nbytes:
             finish(torch.empty(0, dtype=torch.uint8))
-        return _group.Piece(None, i, nbytes, cpu, None, finish, splittable=False, owner=owner)
+        return sharing.Piece(None, i, nbytes, cpu, None, finish, splittable=False, owner=owner)
     targets = [planner.resolve_tensor(r).detach() for r in reqs]
     t = targets[0]
     for r, x in zip(reqs, targets, strict=True):
         if tuple(x.shape) != tuple(r.lengths) or x.dtype != dtype:
-            raise _native.FormatError(
+            raise FormatError(
                 f"item {r.storage_index.fqn!r} is {dtype} of shape {tuple(r.lengths)}, "
                 f"the destination {x.dtype} of shape {tuple(x.shape)}"
             )
@@ -1120,17 +952,17 @@ def _received(
 
     if not nbytes:
         done()
-        return _group.Piece(None, i, 0, t.device, splittable=False, owner=owner)
+        return sharing.Piece(None, i, 0, t.device, splittable=False, owner=owner)
     if t.is_contiguous():
-        target = _group.as_bytes(t, t.data_ptr(), nbytes)
-        return _group.Piece(
+        target = sharing.as_bytes(t, t.data_ptr(), nbytes)
+        return sharing.Piece(
             None, i, nbytes, t.device, target, splittable=False, owner=owner, done=done
         )
 
     def finish_t(mem: torch.Tensor) -> None:
         t.copy_(mem.view(t.dtype).view(t.shape))
 
-    return _group.Piece(
+    return sharing.Piece(
         None, i, nbytes, t.device, None, finish_t, splittable=False, owner=owner, done=done
     )
 
@@ -1139,203 +971,15 @@ def _checked(path: str, req: Any, src: torch.Tensor, target: torch.Tensor) -> to
     """``src`` (the requested slice of a saved tensor), refused where it does
     not fit ``target``."""
     if tuple(target.shape) != tuple(src.shape):
-        raise _native.FormatError(
+        raise FormatError(
             f"{path}: item {req.storage_index} has shape {tuple(src.shape)}, "
             f"the destination {tuple(target.shape)}"
         )
     if target.dtype != src.dtype:
-        raise _native.FormatError(
+        raise FormatError(
             f"{path}: item {req.storage_index} is {src.dtype}, the destination {target.dtype}"
         )
     return src
 
 
-def _meta_of_pickle(path: str, pkl: bytes) -> tuple[torch.Tensor | None, str | None]:
-    """(the meta tensor of an item's pickle, its storage key), read natively;
-    (None, None) where the pickle is not one plain tensor over one storage."""
-    parsed = _native.unpickle(pkl)
-    if parsed is None or len(parsed.storages()) != 1:
-        return None, None
-    key, cls, _, numel = parsed.storages()[0]
-    dtype = _storage_dtype(cls)
-    if dtype is None:
-        return None, None
-    storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
-    meta = _rebuild(parsed, [storage], [dtype], path)
-    if type(meta) is not torch.Tensor:
-        return None, None
-    return meta, key
-
-
-def _check_item(path: str, info: _StorageInfo, engine: _native.Engine) -> int | None:
-    """Map the item's zip (bytes ``[offset, offset + length)``), check every record
-    but the tensor data against its CRC-32 (FormatError naming the file and the
-    record), and return the data record's stored CRC-32 (None: none stored)."""
-    r = _native.Reader(path, "off", None, info.offset, info.length)
-    names = [n for n, _, _ in r.records()]
-    data = [n for n in names if n.startswith(f"{r.prefix}/data/")]
-    r.verify(engine, [n for n in names if n not in data], True)
-    if len(data) != 1:
-        return None
-    return dict(r.checksums()).get(data[0])
-
-
 # --------------------------------------------------------------------------- .metadata
-
-
-# DCP's metadata classes: what a .metadata pickle may build, and set the state of.
-_METADATA_CLASSES = (
-    _md.Metadata,
-    _md.MetadataIndex,
-    _md.StorageMeta,
-    _md.TensorProperties,
-    _md.TensorStorageMetadata,
-    _md.BytesStorageMetadata,
-    _md.ChunkStorageMetadata,
-    _StorageInfo,
-)
-# Objects BUILD may set the state of: instances of those, never a class.
-_BUILDABLE = (*_METADATA_CLASSES, OrderedDict)
-
-
-def _allowed_globals() -> dict[tuple[str, str], Any]:
-    """What a ``.metadata`` pickle may name: DCP's metadata classes, torch sizes,
-    dtypes, layouts and devices, paths, plain containers and values."""
-    objs: list[Any] = [
-        *_BUILDABLE,
-        _md._MEM_FORMAT_ENCODING,
-        torch.Size,
-        torch.device,
-        torch.serialization._get_layout,
-        pathlib.PurePosixPath,
-        pathlib.PosixPath,
-        pathlib.PureWindowsPath,
-        pathlib.WindowsPath,
-    ]
-    out = {(o.__module__, o.__qualname__): o for o in objs}
-    for o in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath):
-        out[("pathlib", o.__name__)] = o  # as older Pythons name them
-    for o in (set, frozenset, complex, bytearray, slice, range):
-        out[("builtins", o.__name__)] = o
-    for name in dir(torch):
-        if isinstance(getattr(torch, name, None), torch.dtype):
-            out[("torch", name)] = getattr(torch, name)
-    return out
-
-
-_ALLOWED: dict[tuple[str, str], Any] | None = None
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-Python unpickler (so BUILD can be checked) with an allow-list."""
-
-    def __init__(self, file: Any, path: str) -> None:
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        global _ALLOWED
-        if _ALLOWED is None:
-            _ALLOWED = _allowed_globals()
-        obj = _ALLOWED.get((module, name))
-        if obj is None:
-            raise _RefusedGlobal(
-                f"{self.path}: refers to {module}.{name}, which is not a DCP metadata class "
-                "nor a plain value; refused (FileSystemReader(..., trusted_metadata=True) "
-                "unpickles it, for folders you trust)"
-            )
-        return obj
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _RefusedGlobal(f"{self.path}: holds a persistent id {pid!r}; refused")
-
-    def load_build(self) -> None:
-        inst = self.stack[-2]  # under the state BUILD pops
-        if isinstance(inst, type) or not isinstance(inst, _BUILDABLE):
-            raise _RefusedGlobal(
-                f"{self.path}: sets the state of {type(inst).__name__} "
-                f"{getattr(inst, '__name__', '')}; refused"
-            )
-        super().load_build()
-
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
-    dispatch[pickle.BUILD[0]] = load_build
-
-
-class _RefusedGlobal(Exception):
-    """Raised inside the unpickler; becomes a FormatError naming the file."""
-
-
-def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Metadata:
-    """A DCP checkpoint's ``.metadata`` file, unpickled with the allow-list (``trusted``:
-    without it) and checked: a ``Metadata`` whose storage entries are items
-    (relative path, offset, length) inside the file's folder. ``FormatError``
-    naming the file (and the global, entry or path) otherwise."""
-    p = os.fspath(path)
-    with open(p, "rb") as f:
-        raw = f.read()
-    try:
-        if trusted:
-            md = pickle.loads(raw)
-        else:
-            md = _MetadataUnpickler(io.BytesIO(raw), p).load()
-    except _RefusedGlobal as e:
-        raise _native.FormatError(str(e)) from None
-    except Exception as e:
-        raise _native.FormatError(f"{p}: not a DCP metadata file: {type(e).__name__}: {e}") from e
-    _check_metadata(md, p)
-    return md
-
-
-def _check_metadata(md: Any, path: str) -> None:
-    """What DCP's planners and this reader rely on, with types: FormatError otherwise."""
-
-    def bad(what: str) -> _native.FormatError:
-        return _native.FormatError(f"{path}: {what}")
-
-    def is_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-    if not isinstance(md, Metadata):
-        raise bad(f"holds a {type(md).__name__}, not DCP Metadata")
-    sdm = getattr(md, "state_dict_metadata", None)
-    if not isinstance(sdm, dict):
-        raise bad("state_dict_metadata is not a dict")
-    for fqn, entry in sdm.items():
-        if isinstance(entry, _md.BytesStorageMetadata):
-            continue
-        chunks = getattr(entry, "chunks", None)
-        if not (
-            isinstance(entry, _md.TensorStorageMetadata)
-            and isinstance(getattr(entry, "properties", None), _md.TensorProperties)
-            and isinstance(getattr(entry.properties, "dtype", None), torch.dtype)
-            and isinstance(getattr(entry, "size", None), torch.Size)
-            and isinstance(chunks, list)
-            and all(
-                isinstance(c, _md.ChunkStorageMetadata)
-                and isinstance(getattr(c, "offsets", None), torch.Size)
-                and isinstance(getattr(c, "sizes", None), torch.Size)
-                for c in chunks
-            )
-        ):
-            raise bad(f"entry {fqn!r} is not tensor or bytes metadata DCP can use")
-    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
-        raise bad("planner_data is not a dict")
-    if not isinstance(getattr(md, "storage_meta", None), (_md.StorageMeta, type(None))):
-        raise bad("storage_meta is not DCP StorageMeta")
-    sd = getattr(md, "storage_data", None)
-    if not isinstance(sd, dict):
-        raise bad("storage_data is not a dict of items")
-    folder = os.path.dirname(path) or "."
-    seen: set[str] = set()
-    for key, info in sd.items():
-        fqn = getattr(key, "fqn", key)
-        if not isinstance(key, MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise bad(f"storage entry {fqn!r} is a {type(info).__name__}, not an item")
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not (isinstance(fqn, str) and is_int(offset) and is_int(length)):
-            raise bad(f"item {fqn!r} has offset {offset!r} and length {length!r}")
-        rel = getattr(info, "relative_path", None)
-        if rel not in seen:
-            inside(folder, rel, f"{path}: item {fqn!r}")
-            seen.add(rel)

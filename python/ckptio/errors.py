@@ -1,11 +1,24 @@
-"""ckptio's exceptions, and the one way to say that a checkpoint is damaged.
+"""Every exception ckptio raises, and the one way to say that a checkpoint is damaged.
 
 ``CkptioError`` is a ``RuntimeError`` (what torch.load raises on a corrupt
-archive); ``FormatError`` says the file is not a usable checkpoint. The
-operating system's errors stay ``OSError`` subclasses chosen by errno.
+archive and for CUDA failures), so ``except RuntimeError`` written for torch
+catches ckptio's errors too; its subclasses single them out:
+
+- ``FormatError``: not a usable checkpoint (names the file and the record);
+  ``SafetensorError`` is one too, and ``safetensors.SafetensorError`` where that
+  package is installed;
+- ``InPlaceLoadError`` and its kinds: a load into existing tensors refused
+  (nothing written) or failed midway (``PartialLoadError``);
+- ``GroupLoadError``: a load with ``group=`` failed on every rank together;
+- ``BackendUnavailableError``, ``CudaError``, ``CuFileError``: the device path.
+
+The operating system's errors stay ``OSError`` subclasses chosen by errno,
+naming the file. See docs/api-conventions.md.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from ckptio._native import (
     CORRUPT_HINT,
@@ -20,9 +33,20 @@ __all__ = [
     "CORRUPT_HINT",
     "BackendUnavailableError",
     "CkptioError",
+    "ConversionError",
     "CudaError",
     "CuFileError",
+    "DestinationError",
+    "DtypeMismatchError",
     "FormatError",
+    "GroupLoadError",
+    "GroupMismatchError",
+    "InPlaceLoadError",
+    "KeyMismatchError",
+    "PartialLoadError",
+    "PeerLoadError",
+    "SafetensorError",
+    "ShapeMismatchError",
     "corrupt",
 ]
 
@@ -33,3 +57,114 @@ def corrupt(where: str, what: str) -> FormatError:
     format errors read the same way)."""
     hint = "" if "high likelihood" in what else f"; {CORRUPT_HINT}"
     return FormatError(f"{where}: not a usable checkpoint: {what}{hint}")
+
+
+# --------------------------------------------------------------------------- safetensors
+
+try:  # where the safetensors package is installed, its error class is a base of ours
+    from safetensors import SafetensorError as _PeerError
+
+    _ST_BASES: tuple[type[BaseException], ...] = (FormatError, _PeerError)
+except ImportError:  # pragma: no cover - safetensors is a test dependency
+    _ST_BASES = (FormatError,)
+
+
+class SafetensorError(*_ST_BASES):  # type: ignore[misc]
+    """A file or argument safetensors would refuse with its ``SafetensorError``.
+
+    A ``ckptio.FormatError`` (so a ``ckptio.CkptioError`` and a ``RuntimeError``)
+    and, where the ``safetensors`` package is installed, a
+    ``safetensors.SafetensorError``: code written for either catches it.
+    """
+
+
+SafetensorError.__module__ = "ckptio.safetensors"
+
+
+# --------------------------------------------------------------------------- loads in place
+
+
+class InPlaceLoadError(CkptioError, RuntimeError):
+    """A load into existing tensors failed.
+
+    ``problems``: ``[(kind, key, text)]``, kind one of "missing", "unexpected",
+    "shape", "dtype", "destination" or "error" (another message of torch's
+    ``load_state_dict``). ``missing_keys`` / ``unexpected_keys`` as torch
+    reports them. ``partial``: whether destinations were written before the
+    load failed (False: none was).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        problems: Sequence[tuple[str, str, str]] = (),
+        *,
+        missing_keys: Sequence[str] = (),
+        unexpected_keys: Sequence[str] = (),
+        partial: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.problems = list(problems)
+        self.missing_keys = list(missing_keys)
+        self.unexpected_keys = list(unexpected_keys)
+        self.partial = partial
+
+
+class KeyMismatchError(InPlaceLoadError):
+    """strict=True: destinations the checkpoint has no tensor for, or checkpoint
+    tensors without a destination."""
+
+
+class ShapeMismatchError(InPlaceLoadError):
+    """A checkpoint tensor's shape differs from its destination's."""
+
+
+class DtypeMismatchError(InPlaceLoadError):
+    """A checkpoint tensor's dtype differs from its destination's (``cast=True``
+    converts instead)."""
+
+
+class DestinationError(InPlaceLoadError):
+    """A destination that cannot be written: read-only memory, an inference
+    tensor, the meta device, a sparse tensor, or memory another destination
+    overlaps."""
+
+
+class PartialLoadError(InPlaceLoadError):
+    """Reading into the destinations failed midway (an I/O error, a truncated
+    file, a failed CRC-32 check): they are partially filled. The cause is
+    chained (``__cause__``)."""
+
+
+# --------------------------------------------------------------------------- group loads
+
+
+class GroupLoadError(CkptioError, RuntimeError):
+    """A load with ``group=`` failed on every rank of the group together.
+    ``rank``: the rank (in the group) whose file or failure it was."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class GroupMismatchError(GroupLoadError):
+    """The ranks see different checkpoints (a file's size or records differ)
+    or load them differently (other destinations, keys or devices): raised on
+    every rank before any data moves, naming the rank and the difference."""
+
+
+class PeerLoadError(GroupLoadError):
+    """Another rank's part of the load failed: raised on every rank but that
+    one (which raises its own error). ``error_type``: that error's class name."""
+
+    def __init__(self, message: str, rank: int | None = None, error_type: str = "") -> None:
+        super().__init__(message, rank)
+        self.error_type = error_type
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+class ConversionError(ValueError):
+    """``ckptio convert``: the source holds something the destination format cannot."""

@@ -25,8 +25,8 @@ import threading
 
 import torch
 
-from ckptio import _native, _transfer
-from ckptio.serialization import _device_code, _direct_arg, _engine
+from ckptio import _native
+from ckptio.io import devices, engines, transfer
 
 # Keyed by address; each registration holds its storage until deregistered.
 _registrations: dict[int, _native.BufferRegistration] = {}
@@ -84,7 +84,7 @@ class GdsFile:
     the filesystem takes it. ``backend``: "auto" (cuFile where it can register
     the file, else bounce buffers; a file opened read-only takes bounce buffers
     where cuFile runs in compat mode), "cufile" (or an error) or "bounce"
-    ("posix" is an older name for it).
+    (pinned bounce buffers). ``device_path`` says which runs.
     """
 
     def __init__(
@@ -102,8 +102,10 @@ class GdsFile:
         # Create/truncate as asked; the file is then opened by ckptio itself.
         os.close(os.open(self.filename, flags & ~getattr(os, "O_DIRECT", 0), 0o644))
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        self._engine = _engine(threads, chunk_size, _direct_arg(direct))
-        self._file = _native.DeviceFile(self.filename, writable, _direct_arg(direct), backend)
+        self._engine = engines.engine(threads, chunk_size, engines.direct_arg(direct))
+        self._file = _native.DeviceFile(
+            self.filename, writable, engines.direct_arg(direct), backend
+        )
         self.handle: int | None = None
         self.register_handle()
 
@@ -145,7 +147,7 @@ class GdsFile:
             raise TypeError(f"offset must be an int, not {type(offset).__name__}")
         if offset < 0:
             raise ValueError(f"offset must be >= 0, not {offset}")
-        dev = _device_code(st, "storage")
+        dev = devices.device_code(st, "storage")
         return st, offset, dev
 
     def save_storage(
@@ -153,14 +155,14 @@ class GdsFile:
     ) -> None:
         """Write all of ``storage`` to the file at ``offset`` (synchronous)."""
         st, offset, dev = self._args(storage, offset)
-        _transfer.write(self._file, self._engine, [(offset, st.data_ptr(), st.nbytes(), dev)], [st])
+        transfer.write(self._file, self._engine, [(offset, st.data_ptr(), st.nbytes(), dev)], [st])
 
     def load_storage(
         self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int = 0
     ) -> None:
         """Fill all of ``storage`` from the file at ``offset`` (synchronous)."""
         st, offset, dev = self._args(storage, offset)
-        _transfer.read(self._file, self._engine, [(offset, st.data_ptr(), st.nbytes(), dev)], [st])
+        transfer.read(self._file, self._engine, [(offset, st.data_ptr(), st.nbytes(), dev)], [st])
 
     def __del__(self) -> None:
         f = getattr(self, "_file", None)

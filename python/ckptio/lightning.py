@@ -42,8 +42,9 @@ except ImportError as e:  # pragma: no cover - exercised with lightning hidden
         "pip install 'ckptio[lightning]'"
     ) from e
 
-from ckptio.inplace import IoOptions
-from ckptio.serialization import MapLocation, load, save
+from ckptio.io.devices import MapLocation
+from ckptio.io.engines import IoOptions
+from ckptio.serialization import load, save
 from ckptio.state_dict import lazy_load
 
 __all__ = ["CkptioCheckpointIO", "AsyncCkptioCheckpointIO"]

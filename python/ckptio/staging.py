@@ -38,6 +38,7 @@ import copy
 import functools
 import importlib
 import os
+import tempfile
 import threading
 import time
 import warnings
@@ -47,9 +48,11 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ckptio import _hostmem, _native
-from ckptio.serialization import _cuda_room, _gc_paused, load, save
+from ckptio import _native
+from ckptio.io import memory
+from ckptio.serialization import load, save
 
 __all__ = [
     "StagingOptions",
@@ -228,7 +231,7 @@ def _host_storage(nbytes: int, shared: bool) -> torch.UntypedStorage:
     at 64 MiB; a memfd counts as memory, not as /dev/shm.
     """
     if not shared:
-        return _hostmem.empty_storage(nbytes)
+        return memory.host_storage(nbytes)
     by_fd = torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
     if not hasattr(os, "memfd_create") or not by_fd:  # pragma: no cover
         # torch's file_system strategy needs its own named segments.
@@ -239,7 +242,7 @@ def _host_storage(nbytes: int, shared: bool) -> torch.UntypedStorage:
         st = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
     finally:
         os.close(fd)
-    _hostmem.advise_shared(st)
+    memory.advise_shared(st)
     return st
 
 
@@ -452,7 +455,7 @@ class _Plan:
         headroom; raise _NoRoom past it."""
         room = self.room.get(device)
         if room is None:
-            new, cached = _cuda_room(device)
+            new, cached = memory.cuda_room(device)
             room = new + cached - self.headroom
         if nbytes > room:
             raise _NoRoom
@@ -560,7 +563,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         # copies) runs on this thread's streams: after the caller's work too.
         for dev, event in events.items():
             torch.cuda.current_stream(dev).wait_event(event)
-        with self._work_lock, _gc_paused():
+        with self._work_lock, memory.gc_paused():
             plan, staged = self._plan(state_dict)
             if self._opts.device_snapshot and not self._snapshot:
                 warnings.warn(
@@ -901,10 +904,6 @@ class ReplicationStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         device: torch.device | str = "cpu",
         storage_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        import tempfile
-
-        import torch.distributed as dist
-
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ReplicationStager needs an initialized torch.distributed process group"
@@ -933,7 +932,7 @@ class ReplicationStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         return self._storage_dir
 
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        import torch.distributed as dist
+        # torch's private transport (torch >= 2.8): imported where it is used.
         from torch.distributed.checkpoint._pg_transport import PGTransport
 
         rank = dist.get_rank(self._pg)

@@ -32,28 +32,28 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
-from ckptio import _unpickled
-from ckptio import group as _group
-from ckptio._unpickled import Source as _Source
-from ckptio.inplace import (
-    IoOptions,
-    Mapped,
+from ckptio.errors import FormatError
+from ckptio.formats import detect, torchzip, unpickled
+from ckptio.formats import safetensors as st_format
+from ckptio.formats.mapped import Mapped
+from ckptio.formats.unpickled import Placeholder
+from ckptio.io import devices, memory, paths
+from ckptio.io.engines import IoOptions
+from ckptio.loading import sharing
+from ckptio.loading.inplace import (
+    Files,
     Plan,
     Problem,
-    _check_flags,
-    _Files,
-    _name,
-    _raise,
-    _rebuild,
-    _report_plan,
+    check_flags,
     execute,
     fill,
+    key_name,
     materialize,
-    open_safetensors,
-    open_torch,
     plan,
+    raise_problems,
+    replace_tensors,
+    report_plan,
 )
-from ckptio.serialization import _engine_device, _gc_paused, _path
 
 __all__ = ["load_state_dict"]
 
@@ -112,7 +112,7 @@ class _Deferred(TorchFunctionMode):
 
     def __init__(
         self,
-        files: _Files,
+        files: Files,
         names: dict[int, str],
         read: Callable[[list[tuple[str, torch.Tensor, torch.Tensor]]], None],
         eager: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None,
@@ -233,7 +233,7 @@ class _Run:
 
     def __init__(self, files: list[Mapped], io: IoOptions, cast: bool, verify: bool) -> None:
         self.files = files
-        self.located = _Files(files)
+        self.located = Files(files)
         self.io = io
         self.cast = cast
         self.verify = verify
@@ -260,7 +260,7 @@ class _Run:
     ) -> None:
         items = [it for p in self.plans for it in p.items]
         whole = Plan(self.files, items, [], [])
-        _report_plan(whole, self.io, self.stats, t0, self.verify, missing, unexpected)
+        report_plan(whole, self.io, self.stats, t0, self.verify, missing, unexpected)
 
 
 def _load_module(
@@ -290,7 +290,7 @@ def _load_module(
         def now(key: str, src: torch.Tensor, dest: torch.Tensor) -> None:
             if not run.run([(key, src, dest)], exact_shape=False):
                 p = run.problems[-1]
-                _raise("", [p[2]], [p], partial=run.wrote)
+                raise_problems("", [p[2]], [p], partial=run.wrote)
 
         mode = _Deferred(run.located, names, lambda _: None, eager=now)
         with mode:
@@ -318,9 +318,9 @@ def _load_module(
     extra: list[tuple[str, torch.Tensor, Any]] = []
     for k in state_dict:
         if k.endswith(_EXTRA_STATE_KEY_SUFFIX):
-            state_dict[k] = _rebuild(state_dict[k], _fresh_into(run, extra, (k,)))
+            state_dict[k] = replace_tensors(state_dict[k], _fresh_into(run, extra, (k,)))
     if not run.run(extra, exact_shape=True):
-        _raise(
+        raise_problems(
             f"Error(s) in loading state_dict for {module.__class__.__name__}:",
             [t for _, _, t in run.problems],
             run.problems,
@@ -360,7 +360,7 @@ def _load_module(
         problems += [_torch_problem(m) for m in error_msgs[keyed:]]
         problems += run.problems
         lines = error_msgs + [t for _, _, t in run.problems]
-        _raise(
+        raise_problems(
             f"Error(s) in loading state_dict for {module.__class__.__name__}:",
             lines,
             problems,
@@ -590,7 +590,7 @@ def _take(key: str, src: Any, dest: torch.Tensor, found: _Found) -> None:
     copies, errors, first = found[0], found[3], found[4]
     named = first.setdefault(id(dest), key)
     kind = type(src)
-    if kind is not _Source and kind is not _Tensor and not torch.overrides.is_tensor_like(src):
+    if kind is not Placeholder and kind is not _Tensor and not torch.overrides.is_tensor_like(src):
         errors.append(
             f'While copying the parameter named "{key}", expected torch.Tensor or '
             f"Tensor-like object from checkpoint but received {type(src)}"
@@ -599,7 +599,7 @@ def _take(key: str, src: Any, dest: torch.Tensor, found: _Found) -> None:
     shape = dest.shape
     if src.shape != shape:
         if not shape and src.shape == (1,):
-            src = _unpickled.tensor(src)[0]
+            src = unpickled.tensor(src)[0]
         else:
             errors.append(
                 f"size mismatch for {key}: copying a param with shape {src.shape} "
@@ -621,7 +621,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
         # An override: it gets the checkpoint's tensors, read first (as
         # torch.load would give them).
         fresh: list[tuple[str, torch.Tensor, Any]] = []
-        state_dict = _rebuild(state_dict, _fresh_into(run, fresh))
+        state_dict = replace_tensors(state_dict, _fresh_into(run, fresh))
         if not run.run(fresh, exact_shape=True):
             _raise_optimizer(opt, run)
         opt.load_state_dict(state_dict)
@@ -637,7 +637,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     groups = opt.param_groups
     # Tensors in param_groups (a tensor lr) are read now: they are deep-copied.
     early: list[tuple[str, torch.Tensor, Any]] = []
-    state_dict["param_groups"] = _rebuild(
+    state_dict["param_groups"] = replace_tensors(
         state_dict["param_groups"], _fresh_into(run, early, ("param_groups",))
     )
     if not run.run(early, exact_shape=True):
@@ -682,7 +682,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
         fused, capturable = policy.get(param_id, (False, False))
         where = run.located.locate(value)
         if where is None:
-            value = _unpickled.tensor(value)
+            value = unpickled.tensor(value)
         if key == "step":
             if capturable or fused:
                 dtype, device = torch.float32, param.device
@@ -690,7 +690,9 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
                 return value
             else:  # kept as loaded: on the device torch.load restores it to
                 dtype = value.dtype
-                device = _engine_device(run.files[where[0]].location(value)) or torch.device("cpu")
+                device = devices.engine_device(run.files[where[0]].location(value)) or torch.device(
+                    "cpu"
+                )
         else:
             dtype = param.dtype if param.is_floating_point() else value.dtype
             device = param.device
@@ -698,7 +700,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
             return value.to(dtype=dtype, device=device)
         state = opt.state.get(param)
         have = state.get(key) if isinstance(state, dict) and key is not None else None
-        name = _name(path)
+        name = key_name(path)
         if isinstance(have, torch.Tensor) and have.shape != value.shape:
             shapes.append(
                 (
@@ -715,10 +717,10 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
             and have.device == torch.device(device)
         ):
             dest = have
-        elif type(value) is _Source and value.contiguous:
+        elif type(value) is Placeholder and value.contiguous:
             dest = torch.empty(value.shape, dtype=dtype, device=device)  # (empty_like's)
         else:
-            dest = torch.empty_like(_unpickled.tensor(value), dtype=dtype, device=device)
+            dest = torch.empty_like(unpickled.tensor(value), dtype=dtype, device=device)
         pairs.append((name, value, dest))
         return dest
 
@@ -728,7 +730,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
             param = id_map[k]
             state[param] = _cast(destination, param, v, k, path=("state", k))
         else:  # kept as loaded
-            state[k] = _rebuild(v, _fresh_into(run, pairs, ("state", k)))
+            state[k] = replace_tensors(v, _fresh_into(run, pairs, ("state", k)))
     run.problems += shapes
     if run.problems or not run.run(pairs, exact_shape=True):
         _raise_optimizer(opt, run)
@@ -757,7 +759,7 @@ def _cast(
     """Optimizer.load_state_dict's _cast, each tensor's destination from
     ``destination`` (:func:`_load_optimizer`'s). A function of the module, not
     a closure: a recursive closure is a cycle."""
-    if isinstance(value, torch.Tensor) or type(value) is _Source:
+    if isinstance(value, torch.Tensor) or type(value) is Placeholder:
         return destination(param, value, param_id, key, path)
     elif isinstance(value, dict):
         return {
@@ -773,7 +775,7 @@ def _cast(
 
 
 def _raise_optimizer(opt: torch.optim.Optimizer, run: _Run) -> NoReturn:
-    _raise(
+    raise_problems(
         f"Error(s) in loading the optimizer state of {type(opt).__name__}:",
         [t for _, _, t in run.problems],
         run.problems,
@@ -788,15 +790,15 @@ def _fresh_into(
     torch.load restores it to, paired for reading (what torch.load returns)."""
 
     def fresh(p: tuple[Any, ...], t: Any) -> torch.Tensor:
-        t = _unpickled.tensor(t)  # (what torch.load returns: the tensor itself)
+        t = unpickled.tensor(t)  # (what torch.load returns: the tensor itself)
         where = run.located.locate(t)
         if where is None:
             return t
         loc = run.files[where[0]].location(t)
-        dest = torch.empty_like(t, device=_engine_device(loc) or torch.device("cpu"))
+        dest = torch.empty_like(t, device=devices.engine_device(loc) or torch.device("cpu"))
         if isinstance(t, torch.nn.Parameter):
             dest = torch.nn.Parameter(dest, requires_grad=t.requires_grad)
-        pairs.append((_name((*prefix, *p)), t, dest))
+        pairs.append((key_name((*prefix, *p)), t, dest))
         return dest
 
     return fresh
@@ -805,28 +807,13 @@ def _fresh_into(
 def open_source(
     path: str, *, weights_only: bool, io: IoOptions, verify: bool
 ) -> tuple[Any, list[Mapped]]:
-    """A checkpoint of any format ckptio reads in place, decoded over lazy
-    mappings: a torch.save archive, a safetensors file, or a sharded
-    safetensors checkpoint (its index, or a folder holding one)."""
-    if os.path.isdir(path) or path.endswith(".json"):
-        from ckptio.safetensors import _shard_files
-
-        folder, wm = _shard_files(path)
-        names = ["model.safetensors"] if wm is None else list(dict.fromkeys(wm.values()))
-        out: dict[str, torch.Tensor] = {}
-        files = []
-        for n in names:
-            tensors, _, m = open_safetensors(
-                os.path.join(folder, n), direct=io.direct, backend=io.backend
-            )
-            out.update(tensors)
-            files.append(m)
-        _no_verify(verify, path)
-        return out, files
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic == b"PK\x03\x04":
-        obj, m = open_torch(
+    """A checkpoint of any format ckptio reads in place, found from its content
+    (``formats.detect``) and decoded over lazy mappings: a torch.save archive, a
+    safetensors file, or a sharded safetensors checkpoint (its index, or a
+    folder holding one)."""
+    found = detect.detect(path)
+    if found.format == detect.TORCH:
+        obj, m = torchzip.open_torch(
             path,
             direct=io.direct,
             backend=io.backend,
@@ -835,9 +822,27 @@ def open_source(
             lazy=True,
         )
         return obj, [m]
-    tensors, _, m = open_safetensors(path, direct=io.direct, backend=io.backend)
-    _no_verify(verify, path)
-    return tensors, [m]
+    if found.format == detect.SAFETENSORS:
+        _no_verify(verify, path)
+        tensors, _, m = st_format.open_file(path, direct=io.direct, backend=io.backend)
+        return tensors, [m]
+    if found.format == detect.SHARDED:
+        _no_verify(verify, path)
+        folder, wm = st_format.shard_files(path)
+        names = ["model.safetensors"] if wm is None else list(dict.fromkeys(wm.values()))
+        out: dict[str, torch.Tensor] = {}
+        files = []
+        for n in names:
+            tensors, _, m = st_format.open_file(
+                os.path.join(folder, n), direct=io.direct, backend=io.backend
+            )
+            out.update(tensors)
+            files.append(m)
+        return out, files
+    raise FormatError(
+        f"{path}: a {found.format} checkpoint: load_state_dict reads torch.save and "
+        "safetensors checkpoints (dcp.load reads DCP folders)"
+    )
 
 
 def _no_verify(verify: bool, path: str) -> None:
@@ -847,8 +852,8 @@ def _no_verify(verify: bool, path: str) -> None:
         )
 
 
-@_group.groupable("ckptio.load_state_dict", path_arg=1)
-@_gc_paused()  # objects per tensor and per module, no cycles: see _gc_paused
+@sharing.groupable("ckptio.load_state_dict", path_arg=1)
+@memory.gc_paused()  # objects per tensor and per module, no cycles: see memory.gc_paused
 def load_state_dict(
     obj: torch.nn.Module | torch.optim.Optimizer,
     f: str | os.PathLike[str],
@@ -890,17 +895,17 @@ def load_state_dict(
     its own ``obj``, each byte read from storage by one rank and shared).
     """
     t0 = time.perf_counter()
-    _check_flags(strict=strict, cast=cast, verify=verify)
+    check_flags(strict=strict, cast=cast, verify=verify)
     if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
         raise TypeError(
             "ckptio.load_state_dict needs a torch.nn.Module or a torch.optim.Optimizer, "
             f"not {type(obj).__name__}"
         )
-    path = _path(f, "load_state_dict")
+    path = paths.path(f, "load_state_dict")
     io = IoOptions.of(threads, chunk_size, direct, backend)
     state_dict, files = open_source(path, weights_only=weights_only, io=io, verify=verify)
     for k in () if key is None else key if isinstance(key, tuple) else (key,):
-        state_dict = _unpickled.tensor(state_dict[k])
+        state_dict = unpickled.tensor(state_dict[k])
     run = _Run(files, io, cast, verify)
     if isinstance(obj, torch.nn.Module):
         return _load_module(obj, state_dict, run, strict=strict, t0=t0)
@@ -1041,11 +1046,11 @@ def lazy_load(
     ``map_location``: None, a str, a torch.device or a dict."""
     t0 = time.perf_counter()
     min_bytes = LAZY_MIN_BYTES if min_bytes is None else min_bytes
-    obj, mapped = open_torch(
+    obj, mapped = torchzip.open_torch(
         path, direct=io.direct, backend=io.backend, torch_kw={"weights_only": weights_only}
     )
     files = [mapped]
-    located = _Files(files)
+    located = Files(files)
     users: dict[int, int] = {}
 
     def count(p: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
@@ -1054,17 +1059,14 @@ def lazy_load(
             users[st] = users.get(st, 0) + 1
         return t
 
-    _rebuild(obj, count)
+    replace_tensors(obj, count)
 
     def device_of(t: torch.Tensor) -> torch.device:
         loc = mapped.location(t)
-        if isinstance(map_location, dict):
-            loc = map_location.get(loc, loc)
-        elif map_location is not None:
-            loc = str(map_location)
-        dev = _engine_device(loc)
+        dev = devices.fill_device(map_location, loc)
         if dev is None:
-            raise RuntimeError(f"{path}: cannot restore a tensor to {loc!r} (no such device here)")
+            where = devices.relocated(map_location, loc)
+            raise RuntimeError(f"{path}: cannot restore a tensor to {where!r} (no such device here)")
         return dev
 
     records: dict[int, torch.Tensor] = {}  # storage address -> its bytes, read now
@@ -1080,13 +1082,13 @@ def lazy_load(
         dev = device_of(t)
         st = t.untyped_storage()
         if type(t) is torch.Tensor and users[st.data_ptr()] == 1 and t.nbytes >= min_bytes:
-            new: torch.Tensor = _Lazy(_name(p), t, files, io, dev)
+            new: torch.Tensor = _Lazy(key_name(p), t, files, io, dev)
         else:
             whole = records.get(st.data_ptr())
             if whole is None:
                 whole = torch.empty(st.nbytes(), dtype=torch.uint8, device=dev)
                 src = torch.empty(0, dtype=torch.uint8).set_(st)
-                pairs.append((_name(p), src, whole))
+                pairs.append((key_name(p), src, whole))
                 records[st.data_ptr()] = whole
             new = torch.empty(0, dtype=t.dtype, device=whole.device).set_(
                 whole.untyped_storage(), t.storage_offset(), t.shape, t.stride()
@@ -1098,7 +1100,7 @@ def lazy_load(
         memo[id(t)] = new
         return new
 
-    obj = _rebuild(obj, replace)
+    obj = replace_tensors(obj, replace)
     # Fresh destinations of the records' own sizes: nothing to find wrong.
     fill(pairs, files, io, what=path, t0=t0)
     return obj

@@ -482,6 +482,22 @@ impl OpenFailure {
 
 static DRIVER: OnceLock<std::result::Result<Driver, OpenFailure>> = OnceLock::new();
 
+/// The folder of `CUFILE_LOGFILE_PATH` (ckptio's Python package points it into
+/// its cache folder at import, without making anything), made now that cuFile
+/// first runs and writes its log there. Best effort: cuFile logs nothing where
+/// the folder cannot be made.
+fn make_log_folder() {
+    use std::os::unix::fs::DirBuilderExt;
+    if let Some(p) = std::env::var_os("CUFILE_LOGFILE_PATH") {
+        if let Some(dir) = std::path::Path::new(&p).parent() {
+            let _ = std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir);
+        }
+    }
+}
+
 fn open_driver() -> Result<Driver> {
     let lib = library()?;
     // cuFile needs a CUDA device; without one, libcufile 1.17's cuFileDriverOpen
@@ -494,6 +510,7 @@ fn open_driver() -> Result<Driver> {
             reason: "no CUDA device: cuFile cannot run".into(),
         });
     }
+    make_log_folder();
     // SAFETY: cuFileDriverOpen takes no arguments. preserving_fd undoes its known
     // fd-0 bug.
     let st = preserving_fd(0, || unsafe { (lib.api.driver_open)() });

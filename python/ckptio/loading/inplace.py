@@ -6,14 +6,15 @@ A load in place runs in three steps, each a function of its own so that
 variants (one that reads only a share of the records and shares them over
 torch.distributed) reuse them:
 
-1. **Sources** (:func:`open_torch`, :func:`open_safetensors`): the checkpoint's
+1. **Sources** (``ckptio.formats.torchzip.open_torch``,
+   ``ckptio.formats.safetensors.open_file``): the checkpoint's
    pickle (or header) decoded over a lazy mapping of the file that nothing
    reads (``torch.load(mmap=True)`` with a ``map_location`` that keeps the
    mapped storages). Every tensor of the result is a view of the mapping: its
    address, less the mapping's base (:class:`Mapped`), is the file offset of
    its bytes. Non-tensor values are what torch.load returns. For
    ``load_state_dict`` a natively read pickle gives placeholders instead
-   (:class:`ckptio._unpickled.Source`: dtype, shape, address), made into
+   (:class:`ckptio.formats.unpickled.Placeholder`: dtype, shape, address), made into
    those views only where a step needs the tensor.
 2. **Pairs** ``(key, source view, destination)``: by walking the checkpoint
    and ``out`` together (:func:`pair_structure`), or, for ``load_state_dict``
@@ -25,110 +26,41 @@ torch.distributed) reuse them:
    straight into the destination, or into a temporary on its device and then
    ``copy_``. Nothing is written before every pair passed. :func:`execute`
    reads the plan's items (all, or any share of them) through
-   ``ckptio._transfer.read``.
+   ``ckptio.io.transfer.read_files``.
 """
 
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import dataclasses
 import os
 import time
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 import torch
 
-from ckptio import _native, _transfer, _unpickled
-from ckptio import group as _group
-from ckptio._native import CkptioError
-from ckptio._unpickled import Source
-from ckptio.errors import corrupt
-from ckptio.safetensors import _extent
-from ckptio.serialization import (
-    _device_code,
-    _direct_arg,
-    _engine,
-    _file_offsets,
-    _gc_paused,
-    _last,
-    _native_byteorder,
-    _native_pickle,
-    _open,
-    _report,
-    _restorable,
-    _unpickling,
+from ckptio import _native
+from ckptio.errors import (
+    DestinationError,
+    DtypeMismatchError,
+    FormatError,
+    InPlaceLoadError,
+    KeyMismatchError,
+    PartialLoadError,
+    ShapeMismatchError,
 )
-from ckptio.serialization import _rebuild as _build_unpickled
-
-__all__ = [
-    "InPlaceLoadError",
-    "KeyMismatchError",
-    "ShapeMismatchError",
-    "DtypeMismatchError",
-    "DestinationError",
-    "PartialLoadError",
-]
+from ckptio.formats import unpickled
+from ckptio.formats.mapped import Mapped, storage_address
+from ckptio.formats.unpickled import Placeholder
+from ckptio.io import devices, memory, reports, transfer
+from ckptio.io.engines import IoOptions
+from ckptio.loading import sharing
 
 #: Bytes of temporaries (destinations that cannot be read into directly) alive
 #: at once; a larger tensor gets a batch of its own.
 TEMP_BUDGET = 64 << 20
-
-# --------------------------------------------------------------------------- errors
-
-
-class InPlaceLoadError(CkptioError, RuntimeError):
-    """A load into existing tensors failed.
-
-    ``problems``: ``[(kind, key, text)]``, kind one of "missing", "unexpected",
-    "shape", "dtype", "destination" or "error" (another message of torch's
-    ``load_state_dict``). ``missing_keys`` / ``unexpected_keys`` as torch
-    reports them. ``partial``: whether destinations were written before the
-    load failed (False: none was).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        problems: Sequence[tuple[str, str, str]] = (),
-        *,
-        missing_keys: Sequence[str] = (),
-        unexpected_keys: Sequence[str] = (),
-        partial: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.problems = list(problems)
-        self.missing_keys = list(missing_keys)
-        self.unexpected_keys = list(unexpected_keys)
-        self.partial = partial
-
-
-class KeyMismatchError(InPlaceLoadError):
-    """strict=True: destinations the checkpoint has no tensor for, or checkpoint
-    tensors without a destination."""
-
-
-class ShapeMismatchError(InPlaceLoadError):
-    """A checkpoint tensor's shape differs from its destination's."""
-
-
-class DtypeMismatchError(InPlaceLoadError):
-    """A checkpoint tensor's dtype differs from its destination's (``cast=True``
-    converts instead)."""
-
-
-class DestinationError(InPlaceLoadError):
-    """A destination that cannot be written: read-only memory, an inference
-    tensor, the meta device, a sparse tensor, or memory another destination
-    overlaps."""
-
-
-class PartialLoadError(InPlaceLoadError):
-    """Reading into the destinations failed midway (an I/O error, a truncated
-    file, a failed CRC-32 check): they are partially filled. The cause is
-    chained (``__cause__``)."""
 
 
 _CLASSES: dict[str, type[InPlaceLoadError]] = {
@@ -139,10 +71,11 @@ _CLASSES: dict[str, type[InPlaceLoadError]] = {
     "destination": DestinationError,
 }
 
+
 Problem = tuple[str, str, str]
 
 
-def _raise(
+def raise_problems(
     head: str,
     lines: list[str],
     problems: list[Problem],
@@ -157,7 +90,7 @@ def _raise(
     raise cls(msg, problems, missing_keys=missing, unexpected_keys=unexpected, partial=partial)
 
 
-def _partial(what: str, e: BaseException) -> PartialLoadError:
+def partial_error(what: str, e: BaseException) -> PartialLoadError:
     return PartialLoadError(
         f"{what}; the destinations are partially filled: {type(e).__name__}: {e}",
         [("error", "", str(e))],
@@ -169,32 +102,7 @@ def _keys_line(what: str, keys: Sequence[str]) -> str:
     return f"{what}: {', '.join(f'{k!r}' for k in keys)}."
 
 
-# --------------------------------------------------------------------------- sources
-
-
-@dataclasses.dataclass
-class Mapped:
-    """A checkpoint file and a lazy mapping of it: a view of the mapping at
-    address ``a`` holds the file's bytes from offset ``a - base``."""
-
-    path: str
-    #: What ``_transfer.read`` reads from: a ``Reader`` (torch.save archives:
-    #: ranges checked against the records) or a ``DeviceFile`` (safetensors).
-    file: _native.Reader | _native.DeviceFile
-    base: int
-    size: int
-    #: False where the mapping's bytes differ from the file's (torch byte-swapped
-    #: them in its private mapping): such tensors are copied from the mapping.
-    exact: bool = True
-    #: The location torch.save recorded for each mapped storage (by file offset).
-    locations: dict[int, str] = dataclasses.field(default_factory=dict)
-
-    def location(self, t: torch.Tensor | Source) -> str:
-        at = t.storage_address if type(t) is Source else _storage_address(t)
-        return self.locations.get(at - self.base, "cpu")
-
-
-class _Files:
+class Files:
     """The mapped files of one load, found by address."""
 
     def __init__(self, files: Sequence[Mapped]) -> None:
@@ -205,8 +113,8 @@ class _Files:
 
     def locate(self, t: Any) -> tuple[int, int] | None:
         """(file index, file offset of the first element) of a plain CPU tensor
-        viewing one of the mappings (or a :class:`Source`), else None."""
-        if type(t) is Source:
+        viewing one of the mappings (or a :class:`Placeholder`), else None."""
+        if type(t) is Placeholder:
             fi = self._file_at(t.storage_address)
             return None if fi is None else (fi, t.address - self.files[fi].base)
         if not isinstance(t, torch.Tensor) or not t.is_cpu or not _plain(t):
@@ -214,7 +122,7 @@ class _Files:
         try:
             # The storage's: an element's would do for a view within the mapping,
             # not for one outside it.
-            sp = _storage_address(t)
+            sp = storage_address(t)
         except (RuntimeError, NotImplementedError):
             return None
         fi = self._file_at(sp)
@@ -236,7 +144,7 @@ class _Files:
         """The usual pair, checked and placed in one step (a tenth of the calls
         of :func:`_check` and :func:`_item`, a third of a plan's time): a plain
         contiguous source viewing one of the mappings (a tensor, or a
-        :class:`Source` not made yet), and a plain contiguous CPU or CUDA
+        :class:`Placeholder` not made yet), and a plain contiguous CPU or CUDA
         destination of its dtype and shape, writable here. None: ask
         :func:`_check` and :func:`_item`."""
         if (
@@ -249,7 +157,7 @@ class _Files:
             or not dest.is_contiguous()
         ):
             return None
-        if type(src) is Source:
+        if type(src) is Placeholder:
             if not src.contiguous or src.dtype != dest.dtype or src.shape != dest.shape:
                 return None
             nbytes, ptr, storage = src.nbytes, src.address, src.storage_address
@@ -279,158 +187,11 @@ class _Files:
 _STRIDED = torch.strided
 
 
-def _storage_address(t: torch.Tensor) -> int:
-    """The address of a strided tensor's storage, without making the storage's
-    Python object (``untyped_storage()``: 0.5 us a tensor)."""
-    return t.data_ptr() - t.storage_offset() * t.element_size()
-
-
-def _keep_mapped(found: list[tuple[int, int, str]]) -> Callable[[torch.UntypedStorage, str], Any]:
-    def keep(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
-        found.append((storage.data_ptr(), storage.nbytes(), location))
-        return storage
-
-    return keep
-
-
-def open_torch(
-    path: str,
-    *,
-    name: str | None = None,
-    direct: str | None = None,
-    backend: str | None = None,
-    verify_engine: _native.Engine | None = None,
-    torch_kw: Mapping[str, Any] | None = None,
-    lazy: bool = False,
-) -> tuple[Any, Mapped]:
-    """Decode a torch.save archive over a lazy mapping: (the object as torch.load
-    returns it, with every tensor a view of the mapping; the mapping).
-    ``name``: the file's name in messages and reports (default ``path``).
-    ``verify_engine``: check the pickle's and the small records' CRC-32s first.
-    ``torch_kw``: torch.load's own arguments (weights_only, pickle_module...).
-    ``lazy``: where the pickle is read natively, an ``_unpickled.Source`` in
-    place of each tensor (made on demand: :func:`materialize`). Refused under
-    ``torch.serialization.skip_data()``, which would leave every destination unread."""
-    if torch.serialization._serialization_tls.skip_data:
-        raise CkptioError(
-            f"{name or path}: a load in place under torch.serialization.skip_data() would "
-            "read nothing into the destinations; load outside that context"
-        )
-    reader = _open(path, direct, backend)
-    records = reader.records()
-    prefix = reader.prefix
-    exact = _native_byteorder(reader, name or path)
-    data_prefix = f"{prefix}/data/"
-    if verify_engine is not None:
-        small = [n for n, _, _ in records if not n.startswith(data_prefix)]
-        reader.verify(verify_engine, small, strict=True)
-    size = os.fstat(reader.fileno()).st_size
-    native = _native_open(reader, records, prefix, name or path, size, exact, torch_kw, lazy)
-    if native is not None:
-        return native
-    found: list[tuple[int, int, str]] = []
-    # /proc/self/fd/N: the very file the reader holds, even if the path is
-    # replaced meanwhile by a concurrent save.
-    with _unpickling(name or path):
-        obj = torch.load(
-            f"/proc/self/fd/{reader.fileno()}",
-            map_location=_keep_mapped(found),
-            mmap=True,
-            **(torch_kw or {}),
-        )
-    data = {off: size for n, off, size in records if n.startswith(data_prefix)}
-    pending = [(p, n, None) for p, n, _ in found]
-    offsets = _file_offsets(pending, data, name or path)  # type: ignore[arg-type]
-    base = next((p - o for (p, n, _), o in zip(found, offsets, strict=True) if n), 0)
-    _check_locations((loc for _, _, loc in found), name or path)
-    locations = {p - base: loc for p, _, loc in found}
-    return obj, Mapped(name or path, reader, base, size, exact, locations)
-
-
-def _native_open(
-    reader: _native.Reader,
-    records: list[tuple[str, int, int]],
-    prefix: str,
-    name: str,
-    size: int,
-    exact: bool,
-    torch_kw: Mapping[str, Any] | None,
-    lazy: bool = False,
-) -> tuple[Any, Mapped] | None:
-    """:func:`open_torch` without torch.load: the pickle read natively (the
-    state-dict subset, as ``ckptio.load`` reads it) and the object made over
-    views of one private mapping of the file, as torch.load(mmap=True) makes
-    it. None where torch.load must decode it (another pickle, other torch.load
-    arguments, byte-swapped storages). At 512 tensors torch's unpickler took
-    a fifth of an in-place load from /dev/shm to the GPU."""
-    kw = dict(torch_kw or {})
-    kw.pop("weights_only", None)  # the native subset is what weights_only allows
-    if not exact or any(kw.values()):  # a pickle_module, pickle arguments
-        return None
-    got = _native_pickle(reader, records, prefix)
-    if got is None:
-        return None
-    parsed, found = got
-    whole = torch.UntypedStorage.from_file(f"/proc/self/fd/{reader.fileno()}", False, size)
-    # StorageBase's own slicing: UntypedStorage's asks for the device first (1 us).
-    cut = torch._C.StorageBase.__getitem__
-    storages = [cut(whole, slice(off, off + n)) for off, n, _, _ in found]
-    with _unpickling(name):
-        dtypes = [dtype for _, _, dtype, _ in found]
-        obj = _build_unpickled(parsed, storages, dtypes, name, lazy=lazy)
-    _check_locations((loc for _, _, _, loc in found), name)
-    locations = {off: loc for off, _, _, loc in found}
-    return obj, Mapped(name, reader, whole.data_ptr(), size, exact, locations)
-
-
-def _check_locations(locations: Iterable[Any], name: str) -> None:
-    """A FormatError for a storage location torch.load could not restore: a load
-    in place does not move storages where they were saved, but a tag torch
-    refuses is a damaged file. Each tag is checked once (a checkpoint of 512
-    storages has one or two)."""
-    ok: set[str] = set()
-    for loc in locations:
-        if type(loc) is str and loc in ok:
-            continue
-        if not _restorable(loc):  # every tag that is not a str
-            raise corrupt(name, f"a storage's location is {loc!r}, which torch.load cannot restore")
-        ok.add(loc)
-
-
-def open_safetensors(
-    path: str, *, direct: str | None = None, backend: str | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, str] | None, Mapped]:
-    """A safetensors file's tensors as views of a lazy mapping of it, in file
-    order (an entry whose offset its dtype's size does not divide is read into
-    a tensor of its own), its metadata, and the mapping."""
-    from ckptio.safetensors import _header
-
-    f = _native.DeviceFile(path, False, direct, backend)
-    fd = f.fileno()
-    meta, entries, start = _header(fd, path)
-    size = os.fstat(fd).st_size
-    mapping = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", False, size)
-    tensors: dict[str, torch.Tensor] = {}
-    for e in entries:
-        off = start + e.begin
-        isz = e.dtype.itemsize
-        if off % isz == 0:
-            t = torch.empty(0, dtype=e.dtype).set_(mapping, off // isz, e.shape)
-        else:  # a view would need an aligned offset: copy these bytes
-            raw = mapping[off : off + e.end - e.begin]
-            t = torch.empty(e.shape, dtype=e.dtype)
-            t.view(-1).view(torch.uint8).copy_(torch.empty(0, dtype=torch.uint8).set_(raw))
-        tensors[e.name] = t
-    return tensors, meta, Mapped(path, f, mapping.data_ptr(), size)
-
-
-# --------------------------------------------------------------------------- walking objects
-
 #: Returned by a walk's function: leave this entry out (None in a sequence).
 _DROP = object()
 
 
-def _rebuild(
+def replace_tensors(
     obj: Any, fn: Callable[[tuple[Any, ...], torch.Tensor], Any], path: tuple[Any, ...] = ()
 ) -> Any:
     """``obj`` with every tensor ``t`` at key path ``p`` replaced by ``fn(p, t)``:
@@ -446,11 +207,11 @@ def _walk(
     fn: Callable[[tuple[Any, ...], torch.Tensor], Any],
     memo: dict[int, Any],
 ) -> Any:
-    """:func:`_rebuild` of ``o`` at key path ``p`` (``memo``: the containers seen).
+    """:func:`replace_tensors` of ``o`` at key path ``p`` (``memo``: the containers seen).
     A function of the module, not a closure: a recursive closure is a cycle,
     which would keep a load's tensors alive until the next garbage collection.
-    A :class:`Source` is a tensor here (``fn`` decides whether to make it)."""
-    if isinstance(o, torch.Tensor) or type(o) is Source:
+    A :class:`Placeholder` is a tensor here (``fn`` decides whether to make it)."""
+    if isinstance(o, torch.Tensor) or type(o) is Placeholder:
         return fn(p, o)
     if id(o) in memo:
         return memo[id(o)]
@@ -493,16 +254,16 @@ def _walk(
 
 
 def materialize(obj: Any) -> Any:
-    """``obj`` with every :class:`Source` made into its tensor (:func:`_rebuild`:
+    """``obj`` with every :class:`Placeholder` made into its tensor (:func:`replace_tensors`:
     dicts and lists changed in place, tuples rebuilt)."""
-    return _rebuild(obj, _made)
+    return replace_tensors(obj, _made)
 
 
 def _made(p: tuple[Any, ...], t: Any) -> Any:
-    return _unpickled.tensor(t)
+    return unpickled.tensor(t)
 
 
-def _name(path: tuple[Any, ...]) -> str:
+def key_name(path: tuple[Any, ...]) -> str:
     return ".".join(map(str, path)) if path else "<root>"
 
 
@@ -514,7 +275,7 @@ def _index(obj: Any) -> dict[tuple[Any, ...], torch.Tensor]:
         found.setdefault(p, t)
         return t
 
-    _rebuild(obj, note)
+    replace_tensors(obj, note)
     return found
 
 
@@ -533,16 +294,13 @@ def pair_structure(
     def match(p: tuple[Any, ...], t: torch.Tensor) -> Any:
         d = dests.pop(p, None)
         if d is None:
-            unexpected.append(_name(p))
+            unexpected.append(key_name(p))
             return _DROP
-        pairs.append((_name(p), t, d))
+        pairs.append((key_name(p), t, d))
         return d
 
-    result = _rebuild(src, match)
-    return result, pairs, [_name(p) for p in dests], unexpected
-
-
-# --------------------------------------------------------------------------- planning
+    result = replace_tensors(src, match)
+    return result, pairs, [key_name(p) for p in dests], unexpected
 
 
 @dataclasses.dataclass(slots=True)
@@ -551,9 +309,9 @@ class Item:
 
     key: str
     dest: torch.Tensor
-    #: A :class:`Source` only in a direct item (its bytes are read, its tensor
+    #: A :class:`Placeholder` only in a direct item (its bytes are read, its tensor
     #: never needed).
-    src: torch.Tensor | Source
+    src: torch.Tensor | Placeholder
     #: Index of the file in ``Plan.files`` the bytes come from; None: the
     #: destination is copied from ``src`` (not a view of the mapping's bytes).
     file: int | None
@@ -637,7 +395,7 @@ def _check(key: str, src: torch.Tensor, dest: Any, cast: bool, exact_shape: bool
     return None
 
 
-def _item(key: str, src: torch.Tensor, dest: torch.Tensor, files: _Files) -> Item:
+def _item(key: str, src: torch.Tensor, dest: torch.Tensor, files: Files) -> Item:
     where = files.locate(src)
     if where is None or src.numel() == 0 or dest.numel() == 0:
         return Item(key, dest, src, None)
@@ -651,7 +409,7 @@ def _item(key: str, src: torch.Tensor, dest: torch.Tensor, files: _Files) -> Ite
         and src.shape == dest.shape
     ):
         return Item(key, dest, src, fi, off, src.numel() * src.element_size(), True)
-    lo, hi = _extent(src)
+    lo, hi = memory.extent(src)
     return Item(key, dest, src, fi, off, hi - lo, False)
 
 
@@ -672,7 +430,7 @@ def plan(
     copies leave it. ``exact_shape=False`` allows sources that broadcast to
     the destination (``copy_``'s rule). A plan with problems writes nothing.
     """
-    located = _Files(files)
+    located = Files(files)
     problems: list[Problem] = []
     items: list[Item] = []
     for key, src, dest in pairs:
@@ -680,7 +438,7 @@ def plan(
         if it is not None:
             items.append(it)
             continue
-        src = _unpickled.tensor(src)
+        src = unpickled.tensor(src)
         p = _check(key, src, dest, cast, exact_shape)
         if p is not None:
             problems.append(p)
@@ -729,7 +487,7 @@ def _dest_span(it: Item) -> tuple[int, int] | None:
         lo = d.data_ptr()
         return lo, lo + it.nbytes
     if d.numel() and _plain(d):
-        return _extent(d)
+        return memory.extent(d)
     return None
 
 
@@ -783,28 +541,6 @@ def _read_only(items: list[Item]) -> list[Problem]:
     return bad
 
 
-# --------------------------------------------------------------------------- reading
-
-
-@dataclasses.dataclass(frozen=True)
-class IoOptions:
-    """The engine knobs of a load (see ``ckptio.load``)."""
-
-    threads: int | None = None
-    chunk_size: int | None = None
-    direct: str | None = None
-    backend: str | None = None
-
-    @staticmethod
-    def of(
-        threads: int | None, chunk_size: int | None, direct: bool | str | None, backend: str | None
-    ) -> IoOptions:
-        return IoOptions(threads, chunk_size, _direct_arg(direct), backend)
-
-    def engine(self) -> _native.Engine:
-        return _engine(self.threads, self.chunk_size, self.direct)
-
-
 def _temp_device(dest: torch.Tensor) -> torch.device:
     return dest.device if dest.is_cpu or dest.is_cuda else torch.device("cpu")
 
@@ -847,7 +583,7 @@ def execute(
     copies = [it for it in todo if it.file is None]
     stats: list[dict[str, Any]] = []
     started = False
-    shared = _group.current()
+    shared = sharing.current()
     if shared is not None:  # read once over the group: every rank agrees first
         pieces = [_piece(it, verify) for it in reads]
         shared.agree(p.files, pieces)
@@ -857,7 +593,7 @@ def execute(
             started = True
             stats.append(shared.share(p.files, pieces, io, verify))
         for batch in _batches(reads, temp_budget):
-            per_file: dict[int, tuple[list[_transfer.Segment], list[Any]]] = {}
+            per_file: dict[int, tuple[list[transfer.Segment], list[Any]]] = {}
             temps: list[tuple[Item, torch.Tensor]] = []
             for it in batch:
                 assert it.file is not None
@@ -867,10 +603,11 @@ def execute(
                     mem = torch.empty(it.nbytes, dtype=torch.uint8, device=_temp_device(it.dest))
                     temps.append((it, mem))
                 segs, owners = per_file.setdefault(it.file, ([], []))
-                segs.append((it.offset, mem.data_ptr(), it.nbytes, _device_code(mem, it.key)))
+                dev = devices.device_code(mem, it.key)
+                segs.append((it.offset, mem.data_ptr(), it.nbytes, dev))
                 owners.append(mem)
             started = True
-            stats += _read_files(p.files, per_file, io, verify)
+            stats += transfer.read_files(p.files, per_file, io, verify)
             with torch.no_grad():
                 for it, tmp in temps:
                     view = tmp.view(it.src.dtype).as_strided(it.src.shape, it.src.stride())
@@ -885,7 +622,7 @@ def execute(
         if not started:
             raise
         where = ", ".join(sorted({f.path for f in p.files})) or "the checkpoint"
-        raise _partial(f"reading {where} into the destinations failed midway", e) from e
+        raise partial_error(f"reading {where} into the destinations failed midway", e) from e
     direct = [it.dest for it in todo if it.file is not None and it.direct]
     if direct:
         # The engine wrote through the data pointers: tell autograd, as copy_ would.
@@ -893,66 +630,22 @@ def execute(
     return stats
 
 
-def _piece(it: Item, verify: bool) -> _group.Piece:
+def _piece(it: Item, verify: bool) -> sharing.Piece:
     """An item as the group's read takes it: straight into its destination,
     or through a buffer that is then copied into it."""
     assert it.file is not None
     if it.direct:
-        target = _group.as_bytes(it.dest, it.dest.data_ptr(), it.nbytes)
-        return _group.Piece(
+        target = sharing.as_bytes(it.dest, it.dest.data_ptr(), it.nbytes)
+        return sharing.Piece(
             it.file, it.offset, it.nbytes, it.dest.device, target, splittable=not verify
         )
 
     def finish(tmp: torch.Tensor) -> None:
         it.dest.copy_(tmp.view(it.src.dtype).as_strided(it.src.shape, it.src.stride()))
 
-    return _group.Piece(
+    return sharing.Piece(
         it.file, it.offset, it.nbytes, _temp_device(it.dest), None, finish, splittable=False
     )
-
-
-def _read_files(
-    files: list[Mapped],
-    per_file: dict[int, tuple[list[_transfer.Segment], list[Any]]],
-    io: IoOptions,
-    verify: bool,
-) -> list[dict[str, Any]]:
-    from ckptio.safetensors import _shared_engine
-
-    engine, workers = _shared_engine(io.threads, io.chunk_size, io.direct, len(per_file))
-
-    def one(fi: int) -> dict[str, Any]:
-        segs, owners = per_file[fi]
-        f = files[fi]
-        check = verify and isinstance(f.file, _native.Reader)
-        return dict(_transfer.read(f.file, engine, segs, owners, verify=check), path=f.path)
-
-    if workers == 1:
-        return [one(fi) for fi in per_file]
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(one, per_file))
-
-
-def _merged(stats: list[dict[str, Any]], io: IoOptions) -> dict[str, Any]:
-    """One report dict of several reads."""
-    if not stats:
-        return {
-            "bytes": 0,
-            "backend": io.backend or os.environ.get("CKPTIO_BACKEND") or "auto",
-            "direct": False,
-            "direct_reason": "nothing to read",
-            "threads": 0,
-        }
-    dev = [s for s in stats if s.get("device_path")]
-    out = dict((dev or stats)[0])
-    out["bytes"] = sum(s["bytes"] for s in stats)
-    out["direct"] = all(s["direct"] for s in stats)
-    out["direct_reason"] = next((s["direct_reason"] for s in stats if s["direct_reason"]), None)
-    out["threads"] = max(s["threads"] for s in stats)
-    out["pinned_bytes"] = stats[-1].get("pinned_bytes", 0)
-    out["bytes_read"] = sum(s.get("bytes_read", 0) for s in stats)
-    out["bytes_received"] = sum(s.get("bytes_received", 0) for s in stats)
-    return out
 
 
 def _finish_verify(p: Plan, io: IoOptions, stats: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -972,9 +665,9 @@ def _finish_verify(p: Plan, io: IoOptions, stats: list[dict[str, Any]]) -> tuple
         if rest:
             try:
                 rows = f.file.verify(engine, rest, strict=True)
-            except _native.FormatError as e:
+            except FormatError as e:
                 what = f"{f.path}: a record failed its CRC-32 check after it was read"
-                raise _partial(what, e) from e
+                raise partial_error(what, e) from e
             unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
     return tuple(unchecked)
 
@@ -995,18 +688,18 @@ def fill(
     t0 = time.perf_counter() if t0 is None else t0
     p = plan(pairs, files, cast=cast, exact_shape=exact_shape)
     if p.problems:
-        _raise(
+        raise_problems(
             f"{what}: cannot load in place:",
             [t for _, _, t in p.problems],
             p.problems,
             partial=False,
         )
     stats = execute(p, io, verify=verify)
-    _report_plan(p, io, stats, t0, verify)
+    report_plan(p, io, stats, t0, verify)
     return p
 
 
-def _report_plan(
+def report_plan(
     p: Plan,
     io: IoOptions,
     stats: list[dict[str, Any]],
@@ -1014,57 +707,16 @@ def _report_plan(
     verify: bool,
     missing: Sequence[str] = (),
     unexpected: Sequence[str] = (),
-) -> _transfer.IOReport:
+) -> transfer.IOReport:
     unchecked = _finish_verify(p, io, stats) if verify else ()
     path = (
         p.files[0].path
         if len(p.files) == 1
         else os.path.commonpath([f.path for f in p.files] or ["."])
     )
-    rep = _report(path, t0, _merged(stats, io), len(p.items), verify, unchecked)
-    rep = dataclasses.replace(rep, missing_keys=tuple(missing), unexpected_keys=tuple(unexpected))
-    _last.report = rep
-    return rep
-
-
-# --------------------------------------------------------------------------- load(out=)
-
-
-@_gc_paused()  # objects per tensor, no cycles: see _gc_paused
-def load_into(
-    path: str,
-    out: Any,
-    *,
-    strict: bool,
-    cast: bool,
-    verify: bool,
-    io: IoOptions,
-    torch_kw: Mapping[str, Any],
-    name: str | None = None,
-) -> Any:
-    """``ckptio.load(path, out=out)``: see its documentation. ``torch_kw``:
-    torch.load's own arguments; ``name``: the file's name in messages."""
-    t0 = time.perf_counter()
-    _check_flags(strict=strict, cast=cast, verify=verify)
-    src, mapped = open_torch(
-        path,
-        name=name,
-        direct=io.direct,
-        backend=io.backend,
-        verify_engine=io.engine() if verify else None,
-        torch_kw=torch_kw,
-        lazy=True,  # every tensor is paired (read, or copied) or left out
-    )
-    return fill_structure(
-        f"ckptio.load(out=): {name or path}",
-        src,
-        out,
-        [mapped],
-        io,
-        strict=strict,
-        cast=cast,
-        verify=verify,
-        t0=t0,
+    stats_ = reports.merged(stats, io.backend)
+    return reports.report(
+        path, t0, stats_, len(p.items), verify, unchecked, tuple(missing), tuple(unexpected)
     )
 
 
@@ -1099,7 +751,7 @@ def fill_structure(
     problems += p.problems
     lines += [t for _, _, t in p.problems]
     if problems:
-        _raise(
+        raise_problems(
             f"{what}: cannot load in place:",
             lines,
             problems,
@@ -1108,11 +760,11 @@ def fill_structure(
             partial=False,
         )
     stats = execute(p, io, verify=verify)
-    _report_plan(p, io, stats, t0, verify, missing, unexpected)
+    report_plan(p, io, stats, t0, verify, missing, unexpected)
     return result
 
 
-def _check_flags(**flags: Any) -> None:
+def check_flags(**flags: Any) -> None:
     for name, v in flags.items():
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be a bool, not {type(v).__name__}")

@@ -1,11 +1,12 @@
 """The tensors of a natively read pickle (``_native.unpickle``), made over
 their storages as torch's unpickler makes them: all at once
-(:func:`build`), or, for a load in place, as :class:`Source` placeholders
+(:func:`build`), or, for a load in place, as :class:`Placeholder` objects
 that carry what the plan needs (dtype, shape, where the bytes are) and make
-their tensor only where something asks for it (``inplace.materialize``). A load
-in place of a plain module reads every tensor straight from the file and
-never needs the tensor objects: making 516 of them took 40% of opening the
-checkpoint (1.8 of 4.6 ms on the dev VM)."""
+their tensor only where something asks for it
+(``ckptio.loading.inplace.materialize``). A load in place of a plain module
+reads every tensor straight from the file and never needs the tensor objects:
+making 516 of them took 40% of opening the checkpoint (1.8 of 4.6 ms on the
+dev VM)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def _parameter(data: torch.Tensor, requires_grad: bool, hooks: Any) -> torch.nn.
     return p
 
 
-class Source:
+class Placeholder:
     """A tensor of the checkpoint not made yet: its ``dtype``, ``shape``,
     whether it is ``contiguous``, the ``address`` of its first byte in the
     file's mapping and its storage's (``storage_address``), its ``nbytes``;
@@ -124,7 +125,7 @@ class Source:
         i, offset, size, stride = args[:4]
         self._maker = maker
         self._args = args
-        self._param: tuple[Source, bool, Any] | None = None
+        self._param: tuple[Placeholder, bool, Any] | None = None
         self._made: torch.Tensor | None = None
         self.dtype = maker.dtypes[i]
         self.storage_address = maker.addresses[i]
@@ -158,9 +159,9 @@ class Source:
 def _as_parameter(data: Any, requires_grad: bool, hooks: Any) -> Any:
     """``_rebuild_parameter`` of a placeholder: another placeholder (the tensor
     inside keeps its own identity, as the pickle's memo may share it)."""
-    if type(data) is not Source:
+    if type(data) is not Placeholder:
         return _parameter(data, requires_grad, hooks)
-    p = object.__new__(Source)
+    p = object.__new__(Placeholder)
     for name in ("shape", "dtype", "contiguous", "address", "storage_address", "nbytes"):
         setattr(p, name, getattr(data, name))
     p._maker, p._args, p._made = data._maker, data._args, None
@@ -177,18 +178,19 @@ def build(
     lazy: bool = False,
 ) -> Any:
     """The object of a natively read pickle over its storages; ``lazy``: with a
-    :class:`Source` in place of each tensor."""
+    :class:`Placeholder` in place of each tensor."""
     maker = _Maker(storages, dtypes, path, addresses=lazy)
     if lazy:
-        return parsed.build(lambda *a: Source(maker, a), _as_parameter, collections.OrderedDict)
+        made = lambda *a: Placeholder(maker, a)  # noqa: E731
+        return parsed.build(made, _as_parameter, collections.OrderedDict)
     obj = parsed.build(maker.tensor, _parameter, collections.OrderedDict)
     maker.grown()
     return obj
 
 
 def tensor(x: Any) -> Any:
-    """``x``'s tensor where it is a :class:`Source`, else ``x``."""
-    return x.tensor() if type(x) is Source else x
+    """``x``'s tensor where it is a :class:`Placeholder`, else ``x``."""
+    return x.tensor() if type(x) is Placeholder else x
 
 
 def _layout(offset: Any, size: Any, stride: Any) -> tuple[int, bool]:

@@ -3,7 +3,7 @@
 
 ``ls``, ``inspect`` and ``verify`` take any checkpoint ckptio reads (torch.save
 files, safetensors files, sharded safetensors folders or indexes, DCP folders),
-recognised from their content (``ckptio.describe``). Every command prints its
+recognised from their content (``ckptio.formats.detect``). Every command prints its
 output on stdout; an error is one line on stderr and a non-zero exit:
 
     0  done (verify: the checkpoint is sound)
@@ -20,30 +20,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import re
+import socket
 import sys
 from typing import Any
+
+from ckptio.errors import FormatError
+from ckptio.formats import detect
+from ckptio.io.units import human_bytes, parse_size, size_text
+from ckptio.tools import bench, clean, describe
+from ckptio.tools.convert import convert
+from ckptio.tools.integrity import verify
+from ckptio.tools.progress import Progress, io_bytes
+from ckptio.tools.sysinfo import format_info, info
 
 # Exit codes (see the module doc).
 OK, FAILED, USAGE = 0, 1, 2
 
 
-def _size(s: str) -> int:
-    units = {"k": 2**10, "m": 2**20, "g": 2**30}
-    s = s.strip().lower().removesuffix("ib").removesuffix("b")
-    if s and s[-1] in units:
-        return int(float(s[:-1]) * units[s[-1]])
-    return int(s)
-
-
-def _human(n: int) -> str:
-    """A size as ``--size`` takes it: "64M", "1.5G"."""
-    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if n >= scale:
-            return f"{n / scale:g}{unit}"
-    return str(n)
+def _size(text: str) -> int:
+    """``--size`` / ``--chunk-size``: "1G" (2^30), "500MB" (10^6 each), "4096"."""
+    try:
+        return parse_size(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -188,8 +191,6 @@ def _print_json(obj: Any) -> None:
 
 
 def _cmd_ls(a: argparse.Namespace, crc: bool = False) -> int:
-    from ckptio import describe
-
     lst = describe.listing(a.path)  # everything found before anything is printed
     if a.json:
         _print_json(lst.to_json())
@@ -203,14 +204,10 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from ckptio import describe
-    from ckptio._progress import Progress
-    from ckptio.integrity import _verify
-
-    src = describe.detect(a.path)  # a missing path: its error alone
+    src = detect.detect(a.path)  # a missing path: its error alone
     total = describe.checkpoint_bytes(src)
     with Progress(f"verifying {a.path}", total, enabled=False if a.quiet else None) as p:
-        rep = _verify(a.path, None, None, None, p.add)
+        rep = verify(a.path, progress=p.add)
     if a.json:
         d = dataclasses.asdict(rep)
         d.update(ok=rep.ok, summary=rep.summary())
@@ -235,12 +232,8 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
-    from ckptio import FormatError, describe
-    from ckptio._progress import Progress, io_bytes
-    from ckptio.convert import convert
-
-    src = describe.detect(a.src)
-    if src.format not in (describe.TORCH, describe.SAFETENSORS):
+    src = detect.detect(a.src)
+    if src.format not in (detect.TORCH, detect.SAFETENSORS):
         raise FormatError(
             f"{a.src} is a {src.format} checkpoint; convert takes a torch.save file or a "
             "safetensors file"
@@ -257,17 +250,12 @@ def _cmd_convert(a: argparse.Namespace) -> int:
             duplicate_shared=a.duplicate_shared,
             flatten=a.flatten,
             log=log,
+            source=src,
         )
     return OK
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    import datetime
-    import socket
-
-    from ckptio import bench
-    from ckptio._progress import Progress, human_bytes, io_bytes
-
     if a.plot:
         try:
             import matplotlib  # noqa: F401
@@ -297,7 +285,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
             f.write(bench.to_json(rows))
     if a.plot:
         when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-        size = _human(a.size)
+        size = size_text(a.size)
         rounds = f"median of {a.repeat} rounds" if a.repeat > 1 else "1 round"
         bench.plot(
             rows,
@@ -310,9 +298,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _cmd_clean(a: argparse.Namespace) -> int:
-    from ckptio import _native
-
-    removed = _native.clean_temps(a.folder)
+    removed = clean.clean(a.folder)
     if a.json:
         _print_json({"folder": a.folder, "removed": list(removed)})
     elif not a.quiet:
@@ -323,8 +309,6 @@ def _cmd_clean(a: argparse.Namespace) -> int:
 
 
 def _cmd_info(a: argparse.Namespace) -> int:
-    from ckptio.sysinfo import format_info, info
-
     d = info(a.folder)
     print(json.dumps(d, indent=2, default=str) if a.json else format_info(d))
     return OK

@@ -26,20 +26,12 @@ from typing import Any
 import torch
 
 from ckptio import safetensors as cst
+from ckptio.errors import ConversionError, FormatError
+from ckptio.formats import detect
 from ckptio.serialization import last_report, load, save
 
 FORMATS = ("safetensors", "torch")
 _TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt", ".tar")
-
-
-class ConversionError(ValueError):
-    """The source holds something the destination format cannot."""
-
-
-def detect(path: str) -> str:
-    """ "torch" for a zip archive (torch.save), else "safetensors"."""
-    with open(path, "rb") as f:
-        return "torch" if f.read(4) == b"PK\x03\x04" else "safetensors"
 
 
 def target_format(dst: str, src_format: str, to: str | None) -> str:
@@ -121,9 +113,18 @@ def convert(
     duplicate_shared: bool = False,
     flatten: bool = False,
     log: Callable[[str], None] = print,
+    source: detect.Detected | None = None,
 ) -> str:
-    """Convert ``src`` into ``dst``; returns the format written."""
-    src_format = detect(src)
+    """Convert ``src`` into ``dst``; returns the format written. ``source``: what
+    ``formats.detect`` found ``src`` to be, where the caller asked already."""
+    found = source or detect.detect(src)
+    formats = {detect.TORCH: "torch", detect.SAFETENSORS: "safetensors"}
+    if found.format not in formats:
+        raise FormatError(
+            f"{src} is a {found.format} checkpoint; convert takes a torch.save file or a "
+            "safetensors file"
+        )
+    src_format = formats[found.format]
     fmt = target_format(os.fspath(dst), src_format, to)
     where = f"{src}: "
     if src_format == "torch":

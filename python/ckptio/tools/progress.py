@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
+from ckptio.io.units import human_bytes
+
 GiB = 2**30
 
 
@@ -30,13 +32,6 @@ def io_bytes() -> int:
         return int(fields["rchar"]) + int(fields["wchar"])
     except (OSError, KeyError, ValueError):
         return 0
-
-
-def human_bytes(n: float) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _clock(seconds: float) -> str:

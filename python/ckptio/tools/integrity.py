@@ -13,16 +13,14 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator
 
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
 from ckptio import _native
-from ckptio._paths import inside
-from ckptio.errors import corrupt
-from ckptio.serialization import (
-    _direct_arg,
-    _engine,
-    _native_byteorder,
-    _path,
-    _torch_reads,
-)
+from ckptio.errors import FormatError, corrupt
+from ckptio.formats import dcp, detect, torchzip
+from ckptio.io import paths
+from ckptio.io.engines import IoOptions
+from ckptio.tools import describe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +47,7 @@ class VerifyReport:
     #: Why the file is not a usable archive (truncated, records outside the file or
     #: overlapping...), when it is not; the records were then not checked.
     error: str | None = None
-    #: The checkpoint's format (``ckptio.describe.FORMATS``).
+    #: The checkpoint's format (``ckptio.formats.detect.FORMATS``).
     format: str = "torch.save"
 
     @property
@@ -90,9 +88,10 @@ def verify(
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Check a checkpoint of any format ckptio reads (found from its content, see
-    ``ckptio.describe``): every record of a torch.save zip against its CRC-32, and
+    ``ckptio.formats.detect``): every record of a torch.save zip against its CRC-32, and
     that the archive is one torch's reader takes (what ``load`` relies on).
 
     Detects flipped bits (a record's bytes no longer match), torn tails
@@ -114,38 +113,27 @@ def verify(
     no checksum to compare: its header is validated as ``load_file`` validates
     it (dtypes, shapes, offsets that tile the data section to the end of the
     file) and the index against its shards; every tensor is then "unchecked".
+
+    ``progress(n)``, where given, is called as each ``n`` bytes are checked.
     """
-    return _verify(f, threads, chunk_size, direct)
-
-
-def _verify(
-    f: str | os.PathLike[str],
-    threads: int | None,
-    chunk_size: int | None,
-    direct: bool | str | None,
-    progress: Callable[[int], None] | None = None,
-) -> VerifyReport:
-    """``verify``; ``progress(n)`` is called as each ``n`` bytes are checked."""
-    from ckptio import describe
-
-    path = _path(f, "verify")
-    d = _direct_arg(direct)
-    engine = _engine(threads, chunk_size, d)
+    path = paths.path(f, "verify")
+    io = IoOptions.of(threads, chunk_size, direct, None)
+    engine = io.engine()
     try:
-        src = describe.detect(path)
-        if src.format == describe.DCP:
-            return _verify_dcp(src.root, engine, d, progress)
-        if src.format != describe.TORCH:
+        src = detect.detect(path)
+        if src.format == detect.DCP:
+            return _verify_dcp(src.root, engine, io.direct, progress)
+        if src.format != detect.TORCH:
             lst = describe.listing(path, src)
             checks = tuple(RecordCheck(e.name, "unchecked", None, None) for e in lst.entries)
             if progress is not None:
                 progress(sum(n for _, n in lst.files))
             return VerifyReport(path, checks, None, src.format)
-    except _native.FormatError as e:
+    except FormatError as e:
         return VerifyReport(path, (), str(e))
     try:
-        reader = _native.Reader(path, d, None)
-        _torch_reads(path, reader.fileno())
+        reader = _native.Reader(path, io.direct, None)
+        torchzip.torch_reads(path, reader.fileno())
         if progress is None:
             rows = reader.verify(engine, None, False)
         else:
@@ -155,9 +143,10 @@ def _verify(
                 progress(nbytes)
         report = VerifyReport(path, tuple(RecordCheck(*row) for row in rows))
         if report.ok:  # what load decodes, once its bytes are known good
-            _native_byteorder(reader, path)
-            _check_declared_storages(reader, path)
-    except _native.FormatError as e:  # e.g. the file shrank while being read
+            archive = torchzip.Archive(path, reader, reader.records())
+            torchzip.native_byteorder(archive)
+            torchzip.check_declared_storages(archive)
+    except FormatError as e:  # e.g. the file shrank while being read
         return VerifyReport(path, (), str(e))
     return report
 
@@ -179,106 +168,16 @@ def _batches(
         yield names, size
 
 
-def _check_declared_storages(reader: _native.Reader, path: str) -> None:
-    """Every storage the pickle declares has a data record of exactly its size (load
-    refuses the file otherwise). The pickle is read without running any of it."""
-    prefix = reader.prefix
-    sizes = {name: size for name, _, size in reader.records()}
-    pkl = f"{prefix}/data.pkl"
-    if pkl not in sizes or sizes[pkl] > 64 << 20:
-        return  # no pickle to read here (a plain zip), or one too large to read whole
-    try:
-        declared = _declared_storages(reader.read_record(pkl))
-    except Exception as e:  # any failure of a pickle that runs nothing: it is malformed
-        raise corrupt(f"{path}, record {pkl}", f"not a readable pickle: {e}") from e
-    for key, nbytes in declared:
-        have = sizes.get(f"{prefix}/data/{key}")
-        if have is None:
-            raise corrupt(
-                path,
-                f"the pickle declares storage {key!r}, but there is no record "
-                f"{prefix}/data/{key}",
-            )
-        if nbytes is not None and have != nbytes:
-            raise corrupt(
-                f"{path}, record {prefix}/data/{key}",
-                f"it holds {have} bytes, the pickle declares a storage of {nbytes}",
-            )
-
-
-class _Inert:
-    """What every global of a pickle becomes while it is only scanned: calls, state and
-    items are accepted and ignored, so nothing of the pickle runs."""
-
-    module = name = ""
-
-    def __new__(cls, *args: object, **kwargs: object) -> _Inert:
-        return object.__new__(cls)
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def __call__(self, *args: object, **kwargs: object) -> _Inert:
-        return _Inert()
-
-    def __setstate__(self, state: object) -> None:
-        pass
-
-    def __setitem__(self, key: object, value: object) -> None:
-        pass
-
-    def append(self, value: object) -> None:
-        pass
-
-    def extend(self, values: object) -> None:
-        pass
-
-
-def _declared_storages(pkl: bytes) -> list[tuple[str, int | None]]:
-    """(key, nbytes) of each storage a torch.save pickle declares (nbytes None where the
-    storage type is not one torch names), found by unpickling with every global inert."""
-    import io
-    import pickle
-
-    import torch
-
-    found: list[tuple[str, int | None]] = []
-
-    class Scan(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> type:
-            return type(name, (_Inert,), {"module": module, "name": name})
-
-        def persistent_load(self, pid: object) -> object:
-            if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
-                _, kind, key, _, numel = pid
-                dtype = None
-                if getattr(kind, "module", "") == "torch":
-                    dtype = torch.storage._storage_type_to_dtype_map().get(kind.name)
-                if isinstance(numel, int) and dtype is not None:
-                    itemsize = dtype.itemsize
-                    found.append((str(key), numel * itemsize))
-                else:
-                    found.append((str(key), None))
-            return _Inert()
-
-    Scan(io.BytesIO(pkl)).load()
-    return found
-
-
 def _verify_dcp(
     folder: str,
     engine: _native.Engine,
     direct: str | None,
     progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    from ckptio.dcp import _METADATA, read_metadata
-
-    md_path = os.path.join(folder, _METADATA)
+    md_path = os.path.join(folder, dcp.METADATA)
     out: list[RecordCheck] = []
     try:
-        md = read_metadata(md_path)
+        md = dcp.read_metadata(md_path)
         for index, info in sorted(
             md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)
         ):
@@ -290,7 +189,7 @@ def _verify_dcp(
                 if progress is not None:
                     progress(info.length)
                 continue
-            p = inside(folder, info.relative_path, md_path)
+            p = paths.inside(folder, info.relative_path, md_path)
             try:
                 item = _native.Reader(p, direct, None, info.offset, info.length)
             except OSError as e:
@@ -299,14 +198,12 @@ def _verify_dcp(
                 out.append(RecordCheck(f"{name} {rec}", state, stored, actual))
             if progress is not None:
                 progress(info.length)
-    except _native.FormatError as e:
+    except FormatError as e:
         return VerifyReport(folder, tuple(out), str(e), "DCP")
     return VerifyReport(folder, tuple(out), None, "DCP")
 
 
 def inspect_lines(f: str | os.PathLike[str]) -> list[str]:
     """``ckptio inspect``: entries, offsets, alignment, sizes, CRC-32 state, dtypes,
-    shapes, for a checkpoint of any format (``ckptio.describe``)."""
-    from ckptio import describe
-
-    return describe.lines(describe.listing(_path(f, "inspect")), crc=True)
+    shapes, for a checkpoint of any format (``ckptio.tools.describe``)."""
+    return describe.lines(describe.listing(paths.path(f, "inspect")), crc=True)

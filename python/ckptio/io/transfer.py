@@ -13,140 +13,25 @@
    wait for it, cuFile transfers wait for it on the host), so work queued
    before the call is respected without stalling the host, and data loaded is
    ready for any stream when the call returns;
-3. :func:`report` turns the native report into an :class:`IOReport`, which
-   ``ckptio.last_report()`` returns.
+3. the native report (a dict) becomes the call's :class:`~ckptio.io.reports.IOReport`
+   (:mod:`ckptio.io.reports`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import concurrent.futures
 import threading
-import time
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
-
-import torch
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from ckptio import _native
+from ckptio.io.devices import streams
+from ckptio.io.engines import IoOptions
 
 T = TypeVar("T")
 
 #: (file offset, address, nbytes, device); device -1 is host memory.
 Segment = tuple[int, int, int, int]
-
-
-@dataclasses.dataclass(frozen=True)
-class IOReport:
-    """What one save or load did: how many bytes, how fast, through which path."""
-
-    path: str
-    nbytes: int
-    seconds: float
-    #: The backend in effect for CUDA memory, from the ``backend`` argument or
-    #: CKPTIO_BACKEND: "auto" (cuFile where it takes the file, else bounce
-    #: buffers; reads take bounce buffers where cuFile runs in compat mode),
-    #: "cufile" or "bounce". What actually ran is ``device_path``.
-    backend: str
-    direct: bool
-    direct_reason: str | None
-    threads: int
-    storages: int
-    #: With cuFile: "p2p" (true GPUDirect) or "compat" (cuFile bounces through host memory).
-    gds_mode: str | None = None
-    #: Why device memory did not go through cuFile, when it did not.
-    fallback_reason: str | None = None
-    #: load(verify=True): every record's CRC-32 was checked (but those in ``unchecked``).
-    verified: bool = False
-    #: Records whose bytes could not be checked: no CRC-32 stored, or read by cuFile.
-    unchecked: tuple[str, ...] = ()
-    #: How CUDA memory moved: "cufile", "bounce" (pinned host buffers), or None
-    #: when only host memory moved.
-    device_path: str | None = None
-    #: Page-locked host memory ckptio holds after the call, all engines and
-    #: stagers together (``ckptio.release_buffers()`` gives the engines' back).
-    pinned_bytes: int = 0
-    #: Loads into existing tensors (``out=``, ``load_state_dict``) with
-    #: strict=False: destinations the checkpoint had no tensor for, and
-    #: checkpoint tensors without a destination (not read).
-    missing_keys: tuple[str, ...] = ()
-    unexpected_keys: tuple[str, ...] = ()
-    #: Loads: "memory" (the file's bytes were in memory: tmpfs, or cached pages)
-    #: or "disk"; ``read_reason`` says why ("tmpfs", "page cache: 100% of ...
-    #: sampled pages", "cold: ..."), ``read_source`` how ("map": copied from a
-    #: mapping of the page cache, "pread", "direct": O_DIRECT, "buffered").
-    read_path: str | None = None
-    read_source: str | None = None
-    read_reason: str | None = None
-    #: Loads: bytes this process read from storage, and (``group=``, read once
-    #: and shared) bytes it received from the other ranks of the group.
-    bytes_read: int = 0
-    bytes_received: int = 0
-
-    @property
-    def gib_per_s(self) -> float:
-        return self.nbytes / 2**30 / self.seconds if self.seconds > 0 else float("inf")
-
-
-_last = threading.local()
-
-
-def last_report() -> IOReport | None:
-    """The report of this thread's last ckptio.save or ckptio.load."""
-    return getattr(_last, "report", None)
-
-
-def report(
-    path: str,
-    t0: float,
-    stats: dict[str, Any],
-    storages: int,
-    verified: bool = False,
-    unchecked: tuple[str, ...] = (),
-) -> IOReport:
-    """The IOReport of a native transfer's ``stats`` (also ``last_report()``'s)."""
-    rep = IOReport(
-        path=path,
-        nbytes=stats["bytes"],
-        seconds=time.perf_counter() - t0,
-        backend=stats["backend"],
-        direct=stats["direct"],
-        direct_reason=stats["direct_reason"],
-        threads=stats["threads"],
-        storages=storages,
-        gds_mode=stats.get("gds_mode"),
-        fallback_reason=stats.get("fallback_reason"),
-        verified=verified,
-        unchecked=unchecked,
-        device_path=stats.get("device_path"),
-        pinned_bytes=stats.get("pinned_bytes", 0),
-        read_path=stats.get("read_path"),
-        read_source=stats.get("read_source"),
-        read_reason=stats.get("read_reason"),
-        bytes_read=stats.get("bytes_read", 0),
-        bytes_received=stats.get("bytes_received", 0),
-    )
-    _last.report = rep
-    return rep
-
-
-def device_code(storage: torch.UntypedStorage | torch.Tensor, what: str) -> int:
-    """-1 for host memory, the CUDA ordinal for device memory."""
-    if isinstance(storage, torch.Tensor):  # 40 ns each, where .device costs 0.5 us
-        if storage.is_cpu:
-            return -1
-        if storage.is_cuda:
-            return storage.get_device()
-    dev = storage.device
-    if dev.type == "cpu":
-        return -1
-    if dev.type == "cuda":
-        return dev.index if dev.index is not None else torch.cuda.current_device()
-    raise ValueError(f"{what} is on device {dev}; ckptio moves cpu and cuda storages only")
-
-
-def streams(devices: Iterable[int]) -> list[tuple[int, int]]:
-    """(device, raw CUstream) of the current stream of each CUDA device in ``devices``."""
-    return [(d, torch.cuda.current_stream(d).cuda_stream) for d in sorted(set(devices)) if d >= 0]
 
 
 def _streams_of(segments: list[Segment]) -> list[tuple[int, int]]:
@@ -268,8 +153,51 @@ def _read(
     return stats
 
 
+class File(Protocol):
+    """A file of a read of several files: its name in reports, the native file."""
+
+    path: str
+    file: _native.Reader | _native.DeviceFile
+
+
+def read_files(
+    files: Sequence[File],
+    per_file: dict[int, tuple[list[Segment], list[Any]]],
+    io: IoOptions,
+    verify: bool,
+) -> list[dict[str, Any]]:
+    """Read ``per_file`` ({index in ``files``: (segments, owners)}), the files side
+    by side (:meth:`IoOptions.shared_engine`); one stats dict per file, with
+    "path". ``verify``: each whole record read from a ``Reader`` is checked
+    against its CRC-32."""
+    engine, workers = io.shared_engine(len(per_file))
+
+    def one(fi: int) -> dict[str, Any]:
+        segs, owners = per_file[fi]
+        f = files[fi]
+        check = verify and isinstance(f.file, _native.Reader)
+        return dict(read(f.file, engine, segs, owners, verify=check), path=f.path)
+
+    if workers == 1:
+        return [one(fi) for fi in per_file]
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, per_file))
+
+
 def release_buffers() -> int:
     """Give back the memory every ckptio engine keeps between transfers (staging
     and pinned bounce buffers); they are allocated again on need. Stagers free
     theirs on ``close()``. Returns the bytes given back."""
     return _native.release_buffers()
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """A small file (an index, DCP's ``.metadata``) replaced atomically: a temp
+    file beside it, fsync, rename, fsync of the folder."""
+    w = _native.AtomicWriter(path, "off", None, False)
+    try:
+        w.write_bytes(0, data)
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise

@@ -57,10 +57,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
-from ckptio._native import CkptioError
-
-__all__ = ["GroupLoadError", "GroupMismatchError", "PeerLoadError"]
+from ckptio.errors import GroupLoadError, GroupMismatchError, PeerLoadError
+from ckptio.io import memory, reports, transfer
+from ckptio.io.engines import IoOptions
 
 #: Bytes of one rank's share read, then broadcast, per round.
 BATCH = 64 << 20
@@ -75,30 +76,6 @@ AHEAD = 256 << 20
 SPLIT = 1 << 20
 
 T = TypeVar("T")
-
-
-class GroupLoadError(CkptioError, RuntimeError):
-    """A load with ``group=`` failed on every rank of the group together.
-    ``rank``: the rank (in the group) whose file or failure it was."""
-
-    def __init__(self, message: str, rank: int | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-
-
-class GroupMismatchError(GroupLoadError):
-    """The ranks see different checkpoints (a file's size or records differ)
-    or load them differently (other destinations, keys or devices): raised on
-    every rank before any data moves, naming the rank and the difference."""
-
-
-class PeerLoadError(GroupLoadError):
-    """Another rank's part of the load failed: raised on every rank but that
-    one (which raises its own error). ``error_type``: that error's class name."""
-
-    def __init__(self, message: str, rank: int | None = None, error_type: str = "") -> None:
-        super().__init__(message, rank)
-        self.error_type = error_type
 
 
 # --------------------------------------------------------------------------- pieces
@@ -138,8 +115,20 @@ def as_bytes(owner: torch.Tensor | torch.UntypedStorage, address: int, nbytes: i
     return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, at, (nbytes,))
 
 
+def segment_pieces(
+    file: int, segments: Sequence[transfer.Segment], owners: Sequence[Any], splittable: bool = True
+) -> list[Piece]:
+    """The pieces of one file's engine reads (``segments``, each landing in the
+    memory of its owner, a storage or tensor), as the group's read takes them.
+    ``splittable`` False: each read whole by one rank (a CRC-32 check needs it)."""
+    return [
+        Piece(file, off, n, owner.device, as_bytes(owner, addr, n), splittable=splittable)
+        for (off, addr, n, _), owner in zip(segments, owners, strict=True)
+    ]
+
+
 @dataclasses.dataclass
-class Source:
+class SharedFile:
     """A file the pieces are read from: its name in messages, the native
     ``Reader`` or ``DeviceFile``, and its size."""
 
@@ -257,8 +246,6 @@ class Session:
     """One call (a load) run on every rank of ``group`` together (see the module doc)."""
 
     def __init__(self, group: Any, what: str) -> None:
-        import torch.distributed as dist
-
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{what}: group= needs torch.distributed initialized")
         if not isinstance(group, dist.ProcessGroup):
@@ -334,12 +321,12 @@ class Session:
         return torch.device(kind)
 
     def read(
-        self, files: Sequence[Any], pieces: list[Piece], io: Any, verify: bool = False
+        self, files: Sequence[Any], pieces: list[Piece], io: IoOptions, verify: bool = False
     ) -> dict[str, Any]:
         """Fill every piece on every rank, each read from storage by one rank.
         ``files``: what the pieces' ``file`` indexes (``.path``, ``.file``: a
         native Reader or DeviceFile, ``.size``); ``io``: the engine knobs
-        (``inplace.IoOptions``). Returns the stats of this rank's reads, with
+        (:class:`~ckptio.io.engines.IoOptions`). Returns the stats of this rank's reads, with
         "bytes" (all the pieces), "bytes_read" and "bytes_received"."""
         self.agree(files, pieces)
         return self.share(files, pieces, io, verify)
@@ -364,7 +351,7 @@ class Session:
         self.exchange(entry)
 
     def share(
-        self, files: Sequence[Any], pieces: list[Piece], io: Any, verify: bool
+        self, files: Sequence[Any], pieces: list[Piece], io: IoOptions, verify: bool
     ) -> dict[str, Any]:
         ordered = sorted(pieces, key=lambda p: _order(p, self.comm(p.device)))
         sched = [_batches(s, BATCH) for s in _shares(ordered, self.size)]
@@ -440,7 +427,7 @@ class _Rounds:
         s: Session,
         files: list[Any],
         sched: list[list[list[_Part]]],
-        io: Any,
+        io: IoOptions,
         verify: bool,
     ) -> None:
         self.s = s
@@ -545,10 +532,7 @@ class _Rounds:
             self.ahead.notify()
 
     def _read(self, land: _Landing) -> list[dict[str, Any]]:
-        from ckptio import _transfer
-        from ckptio.inplace import _read_files
-
-        per_file: dict[int, tuple[list[_transfer.Segment], list[Any]]] = {}
+        per_file: dict[int, tuple[list[transfer.Segment], list[Any]]] = {}
         filled: set[torch.device] = set()
         for part, mem in land.mems:
             p = part.piece
@@ -569,15 +553,13 @@ class _Rounds:
                 torch.cuda.current_stream(d).synchronize()
         if not per_file:
             return []
-        stats = _read_files(self.files, per_file, self.io, self.verify)
+        stats = transfer.read_files(self.files, per_file, self.io, self.verify)
         self.s.bytes_read += sum(st["bytes"] for st in stats)
         return stats
 
     # ---- the rounds (the calling thread)
 
     def run(self) -> dict[str, Any]:
-        from ckptio.inplace import _merged
-
         s = self.s
         rounds = max((len(b) for b in self.sched), default=0)
         stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
@@ -600,7 +582,7 @@ class _Rounds:
                     t.join()
         for d in self.devices:
             torch.cuda.current_stream(d).synchronize()
-        out = _merged(self.stats, self.io)
+        out = reports.merged(self.stats, self.io.backend)
         if self.verify:  # the records other ranks checked count as checked
             lists: list[Any] = [None] * s.size
             mine = (
@@ -621,8 +603,6 @@ class _Rounds:
         round ahead of the broadcasts: the kernel does it in one call per part
         (a receive into fresh memory otherwise takes a trap per page, and ran at
         a third of the speed on a 2-core machine)."""
-        from ckptio._hostmem import populate
-
         rounds = max((len(b) for b in self.sched), default=0)
         for r in range(rounds):
             for q, batches in enumerate(self.sched):
@@ -634,7 +614,7 @@ class _Rounds:
                         return
                     if t is None or t.device.type != "cpu" or part.nbytes < SMALL:
                         continue
-                    if not populate(t.data_ptr() + part.lo, part.nbytes):
+                    if not memory.populate(t.data_ptr() + part.lo, part.nbytes):
                         return
 
     def _round(self, r: int) -> None:

@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import textwrap
 import threading
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-import ckptio
+from ckptio import serialization
 
 GiB = 2**30
 
@@ -252,7 +253,7 @@ def shm_checkpoint(gib: float, tensors: int, device: str) -> tuple[str, torch.nn
     n = int(gib * GiB) // tensors // 2
     sd = {f"w{i}": torch.ones(n, dtype=torch.bfloat16, device=device) for i in range(tensors)}
     path = os.path.join(tempfile.mkdtemp(dir="/dev/shm"), "m.pt")
-    ckptio.save(sd, path)
+    serialization.save(sd, path)
     del sd
     model = torch.nn.Module()
     for i in range(tensors):
@@ -422,8 +423,9 @@ class EngineReads:
     :meth:`reset`: the engine's share of a load; the rest is Python, unpickling
     and allocating the destinations. One at a time, until :meth:`close`."""
 
-    def __init__(self, pkg: Any = ckptio) -> None:
-        """``pkg``: ``ckptio``, or a copy of it at another commit."""
+    def __init__(self, pkg: Any = None) -> None:
+        """``pkg``: ``ckptio`` (default), or a copy of it at another commit."""
+        pkg = pkg if pkg is not None else sys.modules["ckptio"]
         self.seconds = 0.0
         self.calls = 0
         self._inner: list[tuple[type, Any]] = []
@@ -463,8 +465,6 @@ class LoadPhases:
     STEPS = ("open_source", "_plain_walk", "plan", "execute")
 
     def __init__(self, pkg: Any) -> None:
-        import sys
-
         self.seconds: dict[str, float] = {}
         self._owner = sys.modules[f"{pkg.__name__}.state_dict"]
         self._inner = {name: getattr(self._owner, name) for name in self.STEPS}
@@ -574,13 +574,13 @@ def run(
                 ("torch.save + fsync", lambda: (torch.save(sd, p_torch), fsync_path(p_torch))),
                 (
                     "ckptio.save (durable)",
-                    lambda: ckptio.save(sd, p_ck, threads=threads, chunk_size=chunk_size),
+                    lambda: serialization.save(sd, p_ck, threads=threads, chunk_size=chunk_size),
                 ),
             ]
             for name, fn in _in_turn(saves, rnd):
                 timed(name, fn)
                 if name.startswith("ckptio"):
-                    rep = ckptio.last_report()
+                    rep = serialization.last_report()
             loads: list[tuple[str, str, Callable[[], object]]] = [
                 (
                     "torch.load, cold",
@@ -590,7 +590,7 @@ def run(
                 (
                     "ckptio.load, cold",
                     p_ck,
-                    lambda: ckptio.load(
+                    lambda: serialization.load(
                         p_ck, map_location=device, threads=threads, chunk_size=chunk_size
                     ),
                 ),

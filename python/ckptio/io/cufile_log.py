@@ -7,7 +7,8 @@ over ``logging.dir`` of cufile.json). ckptio sets it, when ckptio is imported an
 before anything of ckptio loads libcufile, to ``cufile.log`` under
 ``$XDG_CACHE_HOME/ckptio`` (``~/.cache/ckptio``), unless the user chose already:
 ``CUFILE_LOGFILE_PATH`` or ``CUFILE_ENV_PATH_JSON`` (a cufile.json of their own)
-is set. Nothing is set where that folder cannot be made.
+is set. Nothing is made at import: the core makes the folder when cuFile first
+runs (``src/gpu/cufile.rs``).
 """
 
 from __future__ import annotations
@@ -15,24 +16,14 @@ from __future__ import annotations
 import os
 
 
-def log_path() -> str | None:
-    """The file ckptio points cuFile's log at (its folder made), or None."""
+def log_path() -> str:
+    """The file ckptio points cuFile's log at."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.path.join(base, "ckptio")
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-    except OSError:
-        return None
-    return os.path.join(folder, "cufile.log")
+    return os.path.join(base, "ckptio", "cufile.log")
 
 
 def point_log() -> None:
     """Set CUFILE_LOGFILE_PATH unless the user configured cuFile's logging."""
     if "CUFILE_LOGFILE_PATH" in os.environ or "CUFILE_ENV_PATH_JSON" in os.environ:
         return
-    path = log_path()
-    if path is not None:
-        os.environ["CUFILE_LOGFILE_PATH"] = path
-
-
-point_log()
+    os.environ["CUFILE_LOGFILE_PATH"] = log_path()

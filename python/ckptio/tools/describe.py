@@ -1,15 +1,7 @@
 """What is inside a checkpoint of any format ckptio reads: ``ckptio ls``,
 ``ckptio inspect`` and the format dispatch of ``ckptio verify``.
 
-The format is found from the content, never from the name:
-
-- a file that starts as a zip archive: a ``torch.save`` checkpoint;
-- a file whose first 8 bytes are a little-endian length N of a header that
-  fits in the file: a safetensors file (its header parser judges the rest);
-- a JSON object with a ``weight_map`` (a ``*.safetensors.index.json``), or a
-  folder holding one (or a single ``model.safetensors``): sharded safetensors;
-- a folder holding ``.metadata`` (or that file itself, a pickle of DCP
-  ``Metadata``): a ``torch.distributed.checkpoint`` folder.
+The format is found from the content (``ckptio.formats.detect``).
 
 :func:`listing` describes any of them the same way: the stretches of bytes
 (records, tensors, DCP items) of each file with their offsets, sizes, stored
@@ -25,92 +17,26 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ckptio import _native
+from ckptio.errors import FormatError
+from ckptio.formats import dcp, torchzip
+from ckptio.formats import safetensors as st_format
+from ckptio.formats.detect import DCP, FORMATS, SAFETENSORS, SHARDED, TORCH, Detected, detect
+from ckptio.io.paths import inside
 
-TORCH = "torch.save"
-SAFETENSORS = "safetensors"
-SHARDED = "sharded safetensors"
-DCP = "DCP"
-FORMATS = (TORCH, SAFETENSORS, SHARDED, DCP)
-
-#: JSON files larger than this are no safetensors index (the hub's are kilobytes).
-_MAX_INDEX = 64 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """A checkpoint and its format: ``root`` is the file (torch.save, safetensors,
-    an index) or the folder (DCP; sharded safetensors given as a folder)."""
-
-    format: str
-    path: str
-    root: str
-
-
-def detect(path: str | os.PathLike[str]) -> Source:
-    """The format of the checkpoint at ``path``, from its content.
-
-    FileNotFoundError (and other OSErrors) for a path that cannot be read;
-    ``ckptio.FormatError`` naming the path for anything that is no checkpoint
-    ckptio reads (a legacy torch.save file included: ``torch.load`` reads those)."""
-    p = os.fspath(path)
-    if os.path.isdir(p):
-        if os.path.isfile(os.path.join(p, ".metadata")):
-            return Source(DCP, p, p)
-        names = os.listdir(p)
-        if any(n.endswith(".safetensors.index.json") for n in names) or (
-            "model.safetensors" in names
-        ):
-            return Source(SHARDED, p, p)
-        raise _native.FormatError(
-            f"{p}: a folder, but no checkpoint ckptio reads: no .metadata (DCP) nor "
-            "*.safetensors.index.json / model.safetensors (sharded safetensors)"
-        )
-    with open(p, "rb") as f:
-        head = f.read(16)
-        size = os.fstat(f.fileno()).st_size
-    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
-        return Source(TORCH, p, p)
-    from ckptio.serialization import _is_legacy
-
-    if _is_legacy(head[:14]):
-        raise _native.FormatError(
-            f"{p}: a legacy torch.save file (torch < 1.6, not a zip archive): torch.load "
-            "reads it; ckptio's commands read zip checkpoints"
-        )
-    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
-    if 2 <= n <= size - 8:  # a header length that fits: safetensors (its parser judges the rest)
-        return Source(SAFETENSORS, p, p)
-    if head.lstrip()[:1] == b"{" and size <= _MAX_INDEX:
-        if _is_index(p):
-            return Source(SHARDED, p, p)
-    if head[:1] == b"\x80" and _is_dcp_metadata(p):
-        return Source(DCP, p, os.path.dirname(p) or ".")
-    what = "an empty file" if size == 0 else f"it starts with {head[:8]!r}"
-    raise _native.FormatError(
-        f"{p}: not a checkpoint ckptio reads ({what}): neither a torch.save zip archive, "
-        "a safetensors file or index, nor a DCP checkpoint"
-    )
-
-
-def _is_index(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(doc, dict) and isinstance(doc.get("weight_map"), dict)
-
-
-def _is_dcp_metadata(path: str) -> bool:
-    from ckptio.dcp import read_metadata
-
-    try:
-        read_metadata(path)
-    except _native.FormatError:
-        return False
-    return True
+__all__ = [
+    "FORMATS",
+    "Detected",
+    "Entry",
+    "Listing",
+    "Shard",
+    "Stored",
+    "Tensor",
+    "detect",
+    "listing",
+]
 
 
 # --------------------------------------------------------------------------- listing
@@ -196,7 +122,7 @@ class Listing:
         return d
 
 
-def listing(path: str | os.PathLike[str], source: Source | None = None) -> Listing:
+def listing(path: str | os.PathLike[str], source: Detected | None = None) -> Listing:
     """Describe the checkpoint at ``path`` (any format :func:`detect` knows)."""
     src = source or detect(path)
     if src.format == TORCH:
@@ -212,11 +138,9 @@ def _dtype(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def _torch(src: Source) -> Listing:
-    from ckptio.serialization import records
-
+def _torch(src: Detected) -> Listing:
     entries = []
-    for r in records(src.root):
+    for r in torchzip.list_records(src.root):
         tensors = tuple(
             Tensor(
                 t.name,
@@ -232,10 +156,8 @@ def _torch(src: Source) -> Listing:
 
 
 def _safetensors_file(path: str, rel: str) -> tuple[dict[str, str] | None, list[Entry]]:
-    from ckptio.safetensors import _header
-
     with open(path, "rb") as f:
-        meta, entries, base = _header(f.fileno(), path)
+        meta, entries, base = st_format.read_header(f.fileno(), path)
     return meta, [
         Entry(
             rel,
@@ -251,7 +173,7 @@ def _safetensors_file(path: str, rel: str) -> tuple[dict[str, str] | None, list[
     ]
 
 
-def _safetensors(src: Source) -> Listing:
+def _safetensors(src: Detected) -> Listing:
     meta, entries = _safetensors_file(src.root, "")
     size = os.path.getsize(src.root)
     return Listing(src.path, SAFETENSORS, (("", size),), tuple(entries), meta)
@@ -260,16 +182,12 @@ def _safetensors(src: Source) -> Listing:
 def sharded_files(root: str) -> tuple[str, list[str], dict[str, str] | None]:
     """(folder, shard file names, weight_map or None) of a sharded checkpoint, as
     ``ckptio.safetensors.load_sharded`` finds them."""
-    from ckptio.safetensors import _shard_files
-
-    folder, wm = _shard_files(root)
+    folder, wm = st_format.shard_files(root)
     files = ["model.safetensors"] if wm is None else list(dict.fromkeys(wm.values()))
     return folder, files, wm
 
 
-def _sharded(src: Source) -> Listing:
-    from ckptio.safetensors import _gather
-
+def _sharded(src: Detected) -> Listing:
     folder, files, wm = sharded_files(src.root)
     metas, per_file = [], []
     for name in files:
@@ -277,21 +195,16 @@ def _sharded(src: Source) -> Listing:
         metas.append(meta)
         per_file.append(entries)
     # The index's weight_map must agree with the shards (load_sharded's check).
-    _gather(src.root, files, [{e.name: e for e in es} for es in per_file], wm)
+    st_format.gather(src.root, files, [{e.name: e for e in es} for es in per_file], wm)
     sizes = tuple((f, os.path.getsize(os.path.join(folder, f))) for f in files)
     entries = tuple(e for es in per_file for e in es)
     return Listing(src.path, SHARDED, sizes, entries, metas[0] if metas else None)
 
 
-def _dcp(src: Source) -> Listing:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    from ckptio._paths import inside
-    from ckptio.dcp import _METADATA, read_metadata
-
+def _dcp(src: Detected) -> Listing:
     folder = src.root
-    md_path = os.path.join(folder, _METADATA)
-    md = read_metadata(md_path)
+    md_path = os.path.join(folder, dcp.METADATA)
+    md = dcp.read_metadata(md_path)
     sdm = md.state_dict_metadata
     entries: list[Entry] = []
     paths: dict[str, str] = {}
@@ -323,8 +236,8 @@ def _dcp(src: Source) -> Listing:
         path = paths.get(rel) or paths.setdefault(rel, inside(folder, rel, md_path))
         try:
             item = _native.Reader(path, "off", None, info.offset, info.length)
-        except _native.FormatError as e:
-            raise _native.FormatError(
+        except FormatError as e:
+            raise FormatError(
                 f"{path}: item {name!r} at bytes {info.offset}..+{info.length}: {e}"
             ) from e
         data = [(n, off) for n, off, _ in item.records() if n.startswith(f"{item.prefix}/data/")]
@@ -386,10 +299,8 @@ def _tensor_text(t: Tensor) -> str:
 
 
 def _file_title(lst: Listing, rel: str, size: int, entries: list[Entry]) -> str:
-    from ckptio.dcp import DATA_FILE
-
     kind = {DCP: "item", SHARDED: "tensor"}.get(lst.format, "entry")
-    m = DATA_FILE.fullmatch(rel) if lst.format == DCP else None
+    m = dcp.DATA_FILE.fullmatch(rel) if lst.format == DCP else None
     rank = f" (rank {m['rank']})" if m else ""
     n = len(entries)
     return f"== {rel}{rank}: {n} {kind}{'s' if n != 1 else ''}, {size} bytes"
@@ -460,14 +371,12 @@ def _summary(lst: Listing) -> list[str]:
     return out
 
 
-def checkpoint_bytes(src: Source) -> int:
+def checkpoint_bytes(src: Detected) -> int:
     """The bytes of the checkpoint's data files (what a full check reads at most)."""
     if src.format in (TORCH, SAFETENSORS):
         return os.path.getsize(src.root)
     if src.format == SHARDED:
         folder, files, _ = sharded_files(src.root)
         return sum(os.path.getsize(os.path.join(folder, f)) for f in files)
-    from ckptio.dcp import _METADATA, read_metadata
-
-    md = read_metadata(os.path.join(src.root, _METADATA))
+    md = dcp.read_metadata(os.path.join(src.root, dcp.METADATA))
     return sum(info.length for info in md.storage_data.values())

@@ -1,0 +1,374 @@
+"""``torch.distributed.checkpoint`` (DCP) files: the format, in one place.
+
+A DCP checkpoint is a folder: data files (torch's ``__{rank}_{n}.distcp``,
+ckptio's ``__{rank}_{token}_{n}.distcp``) of items, and ``.metadata``, a pickle
+of DCP's ``Metadata`` that names every item (relative path, offset, length).
+Each tensor item is a complete ``torch.save`` zip of that tensor; byte items
+are raw bytes.
+
+- **writing**: :func:`item_zip`, the zip of a tensor of a dtype and shape, byte
+  for byte what torch.save writes but for its data (cached: the same for every
+  tensor of that dtype and shape); :class:`FileImage`, a data file laid out
+  in memory so that the engine writes it in one pass;
+- **reading**: :func:`read_metadata` (an allow-list unpickler: DCP's metadata
+  classes and plain values; every relative path inside the folder),
+  :func:`meta_of_pickle` (an item's tensor from its pickle, read natively),
+  :func:`check_item` (an item's records against their CRC-32s).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import pathlib
+import pickle
+import re
+import struct
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from ckptio import _native
+from ckptio.errors import FormatError
+from ckptio.formats import torchzip
+from ckptio.io.paths import inside
+
+ALIGN = torchzip.STORAGE_ALIGNMENT
+
+
+METADATA = ".metadata"
+
+
+#: Data files of a DCP checkpoint: torch's ``__{rank}_{n}.distcp`` and ckptio's
+#: ``__{rank}_{token}_{n}.distcp`` (the files a save may remove once it is published).
+DATA_FILE = re.compile(r"__(?P<rank>\d+)_(?:[0-9a-f]{8}_)?\d+" + re.escape(DEFAULT_SUFFIX))
+
+
+class _SparseSink(io.RawIOBase):
+    """A write-only stream that keeps what is written and skips what is seeked
+    over: torch.save under skip_data seeks over each record's data, which a
+    BytesIO would fill with zeros (GiBs of them for a large item)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = 0
+        self.parts: list[tuple[int, bytes]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        self.parts.append((self.pos, data))
+        self.pos += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = offset if whence == io.SEEK_SET else self.pos + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
+class ItemZip(NamedTuple):
+    head: bytes  # the zip up to the data
+    data_off: int
+    tail: bytes  # the zip after the data
+    length: int
+    crc_at: tuple[int, ...]  # offsets in ``tail`` of the data record's CRC-32 fields
+
+
+def _crc_fields(tail: bytes, name: bytes) -> tuple[int, ...]:
+    """Where the CRC-32 of record ``name`` sits in a record's tail: its data
+    descriptor (first) and its central-directory entry."""
+    at = []
+    if tail[:4] == b"PK\x07\x08":
+        at.append(4)
+    i = tail.find(b"PK\x01\x02")
+    while i >= 0:
+        n, x, c = struct.unpack_from("<HHH", tail, i + 28)
+        if tail[i + 46 : i + 46 + n] == name:
+            at.append(i + 16)
+            break
+        i = tail.find(b"PK\x01\x02", i + 46 + n + x + c)
+    return tuple(at)
+
+
+@functools.lru_cache(maxsize=4096)
+def item_zip(dtype: torch.dtype, shape: tuple[int, ...], align: int = ALIGN) -> ItemZip:
+    """The torch.save zip of a contiguous CPU tensor of this dtype and shape, at
+    ``align`` storage alignment: byte for byte what torch.save writes, but for
+    the data and its CRC-32 (filled in by the writer). The same for every
+    tensor of that dtype and shape, hence the cache."""
+    shell = torch.empty(shape, dtype=dtype)  # untouched pages: costs nothing
+    sink = _SparseSink()
+    with torchzip.CONFIG_LOCK, torchzip.storage_alignment(align), torch.serialization.skip_data():
+        torch.save(shell, sink)
+    nbytes = shell.numel() * shell.element_size()
+    head, tail = bytearray(), bytearray()
+    for pos, data in sink.parts:
+        if pos == len(head):
+            head += data
+        else:
+            tail += data
+    data_off = len(head)
+    if nbytes == 0:
+        return ItemZip(bytes(head + tail), data_off, b"", len(head) + len(tail), ())
+    if sink.parts and sink.parts[-1][0] + len(sink.parts[-1][1]) != data_off + nbytes + len(tail):
+        raise AssertionError("unexpected torch.save layout under skip_data")
+    crc_at = _crc_fields(bytes(tail), b"archive/data/0")
+    return ItemZip(bytes(head), data_off, bytes(tail), data_off + nbytes + len(tail), crc_at)
+
+
+#: Items of this many bytes or more start on a 4 KiB boundary of their file,
+#: their data too (O_DIRECT and cuFile move them in place); smaller ones are
+#: packed 64 bytes apart with torch's 64-byte alignment inside, as
+#: ckptio.save packs small storages.
+PACK_ITEMS = torchzip.PACK_BELOW
+
+
+#: Items read whole into one host buffer (then copied into their tensors),
+#: parsed natively: up to this size. Larger ones are read straight into the
+#: destination tensors.
+SMALL_ITEM = 1 << 20
+
+
+class FileImage:
+    """A DCP data file laid out in memory: items' zip headers and tails, BYTE_IO
+    items and padding in one buffer, tensor data as segments of its own memory,
+    so that the engine writes the whole file in one pass (neighbouring small
+    items share I/Os) and stores each item's CRC-32s where its zip wants them."""
+
+    def __init__(self) -> None:
+        self.blob = bytearray()
+        # (file offset, offset in blob or -1, address, nbytes, device)
+        self.parts: list[tuple[int, int, int, int, int]] = []
+        self.patches: list[tuple[int, int]] = []  # (index in parts, file offset)
+        self.end = 0
+
+    def bytes_at(self, offset: int, data: bytes) -> None:
+        if offset > self.end:  # padding before an aligned item
+            self._blob(self.end, b"\0" * (offset - self.end))
+        self._blob(offset, data)
+
+    def _blob(self, offset: int, data: bytes) -> None:
+        if not data:
+            return
+        last = self.parts[-1] if self.parts else None
+        if last is not None and last[1] >= 0 and last[0] + last[3] == offset:
+            # Extend the previous blob part: one segment for consecutive header bytes.
+            self.parts[-1] = (last[0], last[1], 0, last[3] + len(data), -1)
+        else:
+            self.parts.append((offset, len(self.blob), 0, len(data), -1))
+        self.blob += data
+        self.end = offset + len(data)
+
+    def memory_at(self, offset: int, addr: int, n: int, dev: int, crc_at: list[int]) -> None:
+        self.parts.append((offset, -1, addr, n, dev))
+        self.patches += [(len(self.parts) - 1, at) for at in crc_at]
+        self.end = offset + n
+
+    def segments(self, base: int) -> list[tuple[int, int, int, int]]:
+        """The engine's segments, blob parts at ``base`` (the blob's address)."""
+        return [
+            (off, base + pos if pos >= 0 else addr, n, dev) for off, pos, addr, n, dev in self.parts
+        ]
+
+
+def meta_of_pickle(path: str, pkl: bytes) -> tuple[torch.Tensor | None, str | None]:
+    """(the meta tensor of an item's pickle, its storage key), read natively;
+    (None, None) where the pickle is not one plain tensor over one storage."""
+    parsed = _native.unpickle(pkl)
+    if parsed is None or len(parsed.storages()) != 1:
+        return None, None
+    key, cls, _, numel = parsed.storages()[0]
+    dtype = torchzip.storage_dtype(cls)
+    if dtype is None:
+        return None, None
+    storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+    meta = torchzip.rebuild(parsed, [storage], [dtype], path)
+    if type(meta) is not torch.Tensor:
+        return None, None
+    return meta, key
+
+
+def check_item(path: str, info: _StorageInfo, engine: _native.Engine) -> int | None:
+    """Map the item's zip (bytes ``[offset, offset + length)``), check every record
+    but the tensor data against its CRC-32 (FormatError naming the file and the
+    record), and return the data record's stored CRC-32 (None: none stored)."""
+    r = _native.Reader(path, "off", None, info.offset, info.length)
+    names = [n for n, _, _ in r.records()]
+    data = [n for n in names if n.startswith(f"{r.prefix}/data/")]
+    r.verify(engine, [n for n in names if n not in data], True)
+    if len(data) != 1:
+        return None
+    return dict(r.checksums()).get(data[0])
+
+
+# DCP's metadata classes: what a .metadata pickle may build, and set the state of.
+_METADATA_CLASSES = (
+    _md.Metadata,
+    _md.MetadataIndex,
+    _md.StorageMeta,
+    _md.TensorProperties,
+    _md.TensorStorageMetadata,
+    _md.BytesStorageMetadata,
+    _md.ChunkStorageMetadata,
+    _StorageInfo,
+)
+
+
+# Objects BUILD may set the state of: instances of those, never a class.
+_BUILDABLE = (*_METADATA_CLASSES, OrderedDict)
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """What a ``.metadata`` pickle may name: DCP's metadata classes, torch sizes,
+    dtypes, layouts and devices, paths, plain containers and values."""
+    objs: list[Any] = [
+        *_BUILDABLE,
+        _md._MEM_FORMAT_ENCODING,
+        torch.Size,
+        torch.device,
+        torch.serialization._get_layout,
+        pathlib.PurePosixPath,
+        pathlib.PosixPath,
+        pathlib.PureWindowsPath,
+        pathlib.WindowsPath,
+    ]
+    out = {(o.__module__, o.__qualname__): o for o in objs}
+    for o in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath):
+        out[("pathlib", o.__name__)] = o  # as older Pythons name them
+    for o in (set, frozenset, complex, bytearray, slice, range):
+        out[("builtins", o.__name__)] = o
+    for name in dir(torch):
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            out[("torch", name)] = getattr(torch, name)
+    return out
+
+
+_ALLOWED: dict[tuple[str, str], Any] | None = None
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler (so BUILD can be checked) with an allow-list."""
+
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        global _ALLOWED
+        if _ALLOWED is None:
+            _ALLOWED = _allowed_globals()
+        obj = _ALLOWED.get((module, name))
+        if obj is None:
+            raise _RefusedGlobal(
+                f"{self.path}: refers to {module}.{name}, which is not a DCP metadata class "
+                "nor a plain value; refused (FileSystemReader(..., trusted_metadata=True) "
+                "unpickles it, for folders you trust)"
+            )
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _RefusedGlobal(f"{self.path}: holds a persistent id {pid!r}; refused")
+
+    def load_build(self) -> None:
+        inst = self.stack[-2]  # under the state BUILD pops
+        if isinstance(inst, type) or not isinstance(inst, _BUILDABLE):
+            raise _RefusedGlobal(
+                f"{self.path}: sets the state of {type(inst).__name__} "
+                f"{getattr(inst, '__name__', '')}; refused"
+            )
+        super().load_build()
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+class _RefusedGlobal(Exception):
+    """Raised inside the unpickler; becomes a FormatError naming the file."""
+
+
+def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Metadata:
+    """A DCP checkpoint's ``.metadata`` file, unpickled with the allow-list (``trusted``:
+    without it) and checked: a ``Metadata`` whose storage entries are items
+    (relative path, offset, length) inside the file's folder. ``FormatError``
+    naming the file (and the global, entry or path) otherwise."""
+    p = os.fspath(path)
+    with open(p, "rb") as f:
+        raw = f.read()
+    try:
+        if trusted:
+            md = pickle.loads(raw)
+        else:
+            md = _MetadataUnpickler(io.BytesIO(raw), p).load()
+    except _RefusedGlobal as e:
+        raise FormatError(str(e)) from None
+    except Exception as e:
+        raise FormatError(f"{p}: not a DCP metadata file: {type(e).__name__}: {e}") from e
+    _check_metadata(md, p)
+    return md
+
+
+def _check_metadata(md: Any, path: str) -> None:
+    """What DCP's planners and this reader rely on, with types: FormatError otherwise."""
+
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{path}: {what}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(md, Metadata):
+        raise bad(f"holds a {type(md).__name__}, not DCP Metadata")
+    sdm = getattr(md, "state_dict_metadata", None)
+    if not isinstance(sdm, dict):
+        raise bad("state_dict_metadata is not a dict")
+    for fqn, entry in sdm.items():
+        if isinstance(entry, _md.BytesStorageMetadata):
+            continue
+        chunks = getattr(entry, "chunks", None)
+        if not (
+            isinstance(entry, _md.TensorStorageMetadata)
+            and isinstance(getattr(entry, "properties", None), _md.TensorProperties)
+            and isinstance(getattr(entry.properties, "dtype", None), torch.dtype)
+            and isinstance(getattr(entry, "size", None), torch.Size)
+            and isinstance(chunks, list)
+            and all(
+                isinstance(c, _md.ChunkStorageMetadata)
+                and isinstance(getattr(c, "offsets", None), torch.Size)
+                and isinstance(getattr(c, "sizes", None), torch.Size)
+                for c in chunks
+            )
+        ):
+            raise bad(f"entry {fqn!r} is not tensor or bytes metadata DCP can use")
+    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
+        raise bad("planner_data is not a dict")
+    if not isinstance(getattr(md, "storage_meta", None), (_md.StorageMeta, type(None))):
+        raise bad("storage_meta is not DCP StorageMeta")
+    sd = getattr(md, "storage_data", None)
+    if not isinstance(sd, dict):
+        raise bad("storage_data is not a dict of items")
+    folder = os.path.dirname(path) or "."
+    seen: set[str] = set()
+    for key, info in sd.items():
+        fqn = getattr(key, "fqn", key)
+        if not isinstance(key, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise bad(f"storage entry {fqn!r} is a {type(info).__name__}, not an item")
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(fqn, str) and is_int(offset) and is_int(length)):
+            raise bad(f"item {fqn!r} has offset {offset!r} and length {length!r}")
+        rel = getattr(info, "relative_path", None)
+        if rel not in seen:
+            inside(folder, rel, f"{path}: item {fqn!r}")
+            seen.add(rel)

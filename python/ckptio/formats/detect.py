@@ -1,0 +1,111 @@
+"""The format of a checkpoint, found from its content, never from its name.
+
+- a file that starts as a zip archive: a ``torch.save`` checkpoint;
+- a file whose first 8 bytes are a little-endian length N of a header that
+  fits in the file: a safetensors file (its header parser judges the rest);
+- a JSON object with a ``weight_map`` (a ``*.safetensors.index.json``), or a
+  folder holding one (or a single ``model.safetensors``): sharded safetensors;
+- a folder holding ``.metadata`` (or that file itself, a pickle of DCP
+  ``Metadata``): a ``torch.distributed.checkpoint`` folder.
+
+:func:`detect` is the one place this is decided: loads in place,
+``load_state_dict``, ``describe``, ``verify`` and ``convert`` ask it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from ckptio.errors import FormatError
+from ckptio.formats import dcp, torchzip
+
+TORCH = "torch.save"
+
+
+SAFETENSORS = "safetensors"
+
+
+SHARDED = "sharded safetensors"
+
+
+DCP = "DCP"
+
+
+FORMATS = (TORCH, SAFETENSORS, SHARDED, DCP)
+
+
+#: JSON files larger than this are no safetensors index (the hub's are kilobytes).
+_MAX_INDEX = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Detected:
+    """A checkpoint and its format: ``root`` is the file (torch.save, safetensors,
+    an index) or the folder (DCP; sharded safetensors given as a folder)."""
+
+    format: str
+    path: str
+    root: str
+
+
+def detect(path: str | os.PathLike[str]) -> Detected:
+    """The format of the checkpoint at ``path``, from its content.
+
+    FileNotFoundError (and other OSErrors) for a path that cannot be read;
+    ``ckptio.FormatError`` naming the path for anything that is no checkpoint
+    ckptio reads (a legacy torch.save file included: ``torch.load`` reads those)."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        if os.path.isfile(os.path.join(p, ".metadata")):
+            return Detected(DCP, p, p)
+        names = os.listdir(p)
+        if any(n.endswith(".safetensors.index.json") for n in names) or (
+            "model.safetensors" in names
+        ):
+            return Detected(SHARDED, p, p)
+        raise FormatError(
+            f"{p}: a folder, but no checkpoint ckptio reads: no .metadata (DCP) nor "
+            "*.safetensors.index.json / model.safetensors (sharded safetensors)"
+        )
+    with open(p, "rb") as f:
+        head = f.read(16)
+        size = os.fstat(f.fileno()).st_size
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return Detected(TORCH, p, p)
+    if torchzip.is_legacy(head[:14]):
+        raise FormatError(
+            f"{p}: a legacy torch.save file (torch < 1.6, not a zip archive): torch.load "
+            "reads it; ckptio's commands read zip checkpoints"
+        )
+    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+    if 2 <= n <= size - 8:  # a header length that fits: safetensors (its parser judges the rest)
+        return Detected(SAFETENSORS, p, p)
+    if head.lstrip()[:1] == b"{" and size <= _MAX_INDEX:
+        if _is_index(p):
+            return Detected(SHARDED, p, p)
+    if head[:1] == b"\x80" and _is_dcp_metadata(p):
+        return Detected(DCP, p, os.path.dirname(p) or ".")
+    what = "an empty file" if size == 0 else f"it starts with {head[:8]!r}"
+    raise FormatError(
+        f"{p}: not a checkpoint ckptio reads ({what}): neither a torch.save zip archive, "
+        "a safetensors file or index, nor a DCP checkpoint"
+    )
+
+
+def _is_index(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("weight_map"), dict)
+
+
+def _is_dcp_metadata(path: str) -> bool:
+    try:
+        dcp.read_metadata(path)
+    except FormatError:
+        return False
+    return True

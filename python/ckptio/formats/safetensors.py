@@ -1,0 +1,522 @@
+"""safetensors files and the Hugging Face hub's sharded layout: the format, in one place.
+
+A file is an 8-byte little-endian header length N, N bytes of JSON
+(``__metadata__``: str -> str, then per tensor ``dtype``, ``shape``,
+``data_offsets`` [begin, end) relative to the data section), then the tensors'
+bytes packed back to back, sorted by dtype (widest first) then name, as
+safetensors lays them out. Files ckptio writes pad the JSON with spaces so that
+the data section starts on a 4 KiB boundary (O_DIRECT and cuFile reads of it
+need no shifting); the ``safetensors`` package reads them. Bytes made in memory
+keep safetensors' own 8-byte alignment.
+
+A sharded checkpoint is ``model.safetensors.index.json`` (``weight_map``: tensor
+name -> shard file) and ``model-0000k-of-0000n.safetensors`` shards in one
+folder (or a single ``model.safetensors``).
+
+Nothing is trusted: a header that is not what safetensors writes (bad JSON,
+nesting, sizes or offsets that do not add up, dimensions past int64) is a
+:class:`~ckptio.errors.SafetensorError` naming the file and the tensor, and an
+index may only name shards inside its folder. :func:`open_file` opens a file as
+a mapped view (its tensors over a lazy mapping of it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import secrets
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from ckptio import _native
+from ckptio.errors import FormatError, SafetensorError
+from ckptio.formats.mapped import Mapped
+from ckptio.io import memory
+from ckptio.io.paths import inside
+
+#: safetensors dtype name -> torch dtype (those this torch has).
+DTYPES: dict[str, torch.dtype] = {
+    name: dt
+    for name, dt in (
+        ("F64", torch.float64),
+        ("F32", torch.float32),
+        ("F16", torch.float16),
+        ("BF16", torch.bfloat16),
+        ("C64", torch.complex64),
+        ("I64", torch.int64),
+        ("I32", torch.int32),
+        ("I16", torch.int16),
+        ("I8", torch.int8),
+        ("U64", getattr(torch, "uint64", None)),
+        ("U32", getattr(torch, "uint32", None)),
+        ("U16", getattr(torch, "uint16", None)),
+        ("U8", torch.uint8),
+        ("BOOL", torch.bool),
+        ("F8_E4M3", getattr(torch, "float8_e4m3fn", None)),
+        ("F8_E5M2", getattr(torch, "float8_e5m2", None)),
+        ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
+        ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
+        ("F8_E8M0", getattr(torch, "float8_e8m0fnu", None)),
+        # Two 4-bit values per byte: the header counts values, torch counts bytes
+        # (the last dimension is doubled in the header, as safetensors does).
+        ("F4", getattr(torch, "float4_e2m1fn_x2", None)),
+    )
+    if dt is not None
+}
+
+
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+
+#: Bits per value in the header's count, where it is not the torch element size.
+_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+#: Header values per torch element (packed dtypes).
+_PACKED = {"F4": 2}
+
+
+#: Bytes per element of each dtype the native header reader takes (packed and
+#: sub-byte dtypes go to the Python reader).
+_ITEMSIZES = {name: dt.itemsize for name, dt in DTYPES.items() if name not in _BITS}
+
+
+# safetensors' Dtype enum order (its files sort tensors by it, descending, then by
+# name). F6 are known names that no torch dtype here maps to.
+_ENUM = (
+    "BOOL F4 F6_E2M3 F6_E3M2 U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ "
+    "I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64"
+).split()
+
+
+_RANK = {name: i for i, name in enumerate(_ENUM)}
+
+
+#: The safetensors package refuses headers larger than this.
+MAX_HEADER = 100_000_000
+
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+#: Files ``save_sharded`` writes (and so may remove once a later save no longer
+#: names them): ``model.safetensors``, ``model-0000k-of-0000n.safetensors`` and,
+#: while those names are in use, ``model-<token>-0000k-of-0000n.safetensors``.
+SHARD_FILE = re.compile(r"model(-([0-9a-f]{8}-)?\d{5}-of-\d{5})?\.safetensors")
+
+
+#: Largest dimension, element count and byte count a tensor may have (int64).
+_MAX_DIM = 2**63 - 1
+
+
+class Entry(NamedTuple):
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # in the data section
+    end: int
+
+
+def fail(where: str, what: str) -> SafetensorError:
+    return SafetensorError(f"{where}: not a usable safetensors file: {what}")
+
+
+def parse_header(
+    raw: bytes, data_len: int, where: str
+) -> tuple[dict[str, str] | None, list[Entry]]:
+    """Validate a header as the safetensors package does; entries in file order."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fail(where, f"header is not UTF-8 ({e.reason} at byte {8 + e.start})") from None
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            seen: set[str] = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise ValueError(f"duplicate key {dup!r}")
+        return d
+
+    try:
+        head = json.loads(text, object_pairs_hook=no_duplicates)
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise fail(where, f"header is not valid JSON: {e}") from None
+    except RecursionError:
+        raise fail(where, "header JSON is nested too deeply") from None
+    if not isinstance(head, dict):
+        raise fail(where, f"header is a JSON {type(head).__name__}, not an object")
+    meta = head.pop("__metadata__", None)
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    ):
+        raise fail(where, "__metadata__ is not an object of strings")
+    entries = []
+    for name, info in head.items():
+        tensor = f"tensor {name!r}"
+        if not isinstance(info, dict):
+            raise fail(where, f"{tensor}: entry is not an object")
+        dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype_name, str):
+            raise fail(where, f"{tensor}: no dtype")
+        if dtype_name not in DTYPES:
+            known = (
+                "known to safetensors but not readable here" if dtype_name in _RANK else "unknown"
+            )
+            raise fail(where, f"{tensor}: dtype {dtype_name!r} is {known}")
+        if not _int_list(shape):
+            raise fail(where, f"{tensor}: shape {_short(shape)} is not a list of non-negative ints")
+        if not (_int_list(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+            raise fail(where, f"{tensor}: data_offsets {_short(offsets)} are not [begin, end]")
+        dtype = DTYPES[dtype_name]
+        numel = 1
+        for d in shape:  # as safetensors multiplies them: in order, checked
+            numel *= d
+            if d > _MAX_DIM or numel * dtype.itemsize > _MAX_DIM:
+                raise fail(where, f"{tensor}: shape {_short(shape)} overflows int64")
+        bits = numel * _BITS.get(dtype_name, dtype.itemsize * 8)
+        if bits % 8:
+            raise fail(where, f"{tensor}: shape {shape} of {dtype_name} does not fill whole bytes")
+        need = bits // 8
+        per = _PACKED.get(dtype_name, 1)
+        if per > 1:  # torch counts packed elements: the last dimension shrinks
+            if not shape or shape[-1] % per:
+                raise fail(
+                    where,
+                    f"{tensor}: the last dimension of shape {shape} of {dtype_name} is not a "
+                    f"multiple of {per}, which torch's {dtype} needs",
+                )
+            shape = [*shape[:-1], shape[-1] // per]
+        begin, end = offsets
+        if end - begin != need:
+            raise fail(
+                where,
+                f"{tensor}: data_offsets [{begin}, {end}] hold {end - begin} bytes but shape "
+                f"{shape} of {dtype_name} needs {need}",
+            )
+        if end > data_len:
+            raise fail(
+                where,
+                f"{tensor}: data_offsets [{begin}, {end}] run past the end of the file "
+                f"(the data section holds {data_len} bytes)",
+            )
+        entries.append(Entry(name, dtype, tuple(shape), begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    at, prev = 0, None
+    for e in entries:
+        if e.begin < at and prev is not None:
+            raise fail(
+                where,
+                f"tensor {e.name!r} (bytes {e.begin}..{e.end}) overlaps tensor {prev.name!r} "
+                f"(bytes {prev.begin}..{prev.end}) in the data section",
+            )
+        if e.begin > at:
+            raise fail(where, f"bytes {at}..{e.begin} of the data section belong to no tensor")
+        at, prev = e.end, e
+    if at != data_len:
+        raise fail(
+            where, f"the tensors end at byte {at} of the data section, the file at {data_len}"
+        )
+    return meta, entries
+
+
+def _short(x: Any) -> str:
+    s = repr(x)
+    return s if len(s) <= 200 else s[:200] + "..."
+
+
+def _int_list(x: Any) -> bool:
+    # type() is int: not bool; the set and min run in C (one call per entry here).
+    return type(x) is list and (not x or ({type(v) for v in x} == {int} and min(x) >= 0))
+
+
+def check_tensors(tensors: Any) -> None:
+    """Refuse what safetensors refuses, with its exception types."""
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    for k, v in tensors.items():
+        if not isinstance(k, str):
+            raise TypeError(f"tensor names must be str, not {type(k).__name__} ({k!r})")
+        if k == "__metadata__":
+            raise ValueError("'__metadata__' is reserved for the header's metadata")
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"Key `{k}` is invalid, expected torch.Tensor but received {type(v)}")
+        if v.dtype not in _NAMES:
+            raise ValueError(
+                f"tensor {k!r} has dtype {v.dtype}, which safetensors cannot hold "
+                f"(it holds {', '.join(str(d) for d in _NAMES)})"
+            )
+        if _PACKED.get(_NAMES[v.dtype], 1) > 1 and v.dim() == 0:
+            raise SafetensorError(
+                f"tensor {k!r}: a 0-dimensional {v.dtype} is half a byte in safetensors' "
+                "header count; give it a dimension"
+            )
+    sparse = [k for k, v in tensors.items() if v.layout != torch.strided]
+    if sparse:
+        raise ValueError(
+            f"You are trying to save a sparse tensors: `{sparse}` which this library does not "
+            "support. You can make it a dense tensor before saving with `.to_dense()` but be "
+            "aware this might make a much larger file than needed."
+        )
+    shared = find_shared(tensors)
+    if shared:
+        raise RuntimeError(
+            f"Some tensors share memory, this would duplicate them on disk and break the sharing "
+            f"when loading: {shared}. Save only one of each (or clones)."
+        )
+    for k, v in tensors.items():
+        if not v.is_contiguous():
+            raise ValueError(
+                f"You are trying to save a non contiguous tensor: `{k}` which is not allowed. "
+                "Call `.contiguous()` on it first."
+            )
+
+
+def find_shared(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Groups of names whose tensors overlap in memory (safetensors' definition:
+    same storage and overlapping byte ranges), each sorted, groups of two or more."""
+    by_storage: dict[tuple[Any, ...], list[str]] = defaultdict(list)
+    for k, v in tensors.items():
+        if v.is_meta:
+            continue
+        st = v.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr != 0 and st.nbytes() != 0:
+            # get_device() names CPU and CUDA devices without making a device object.
+            dev = v.get_device() if (v.is_cpu or v.is_cuda) else v.device
+            by_storage[(dev, ptr, st.nbytes())].append(k)
+    groups = []
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        areas = sorted((memory.extent(tensors[n]), n) for n in names)
+        cur = [areas[0][1]]
+        stop = areas[0][0][1]
+        for (start, end), n in areas[1:]:
+            if start < stop:
+                cur.append(n)
+                stop = max(stop, end)
+            else:
+                if len(cur) > 1:
+                    groups.append(sorted(cur))
+                cur, stop = [n], end
+        if len(cur) > 1:
+            groups.append(sorted(cur))
+    return sorted(groups)
+
+
+def check_metadata(metadata: Any) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict of str to str, not {type(metadata).__name__}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(
+                f"metadata must be a dict of str to str: {k!r} maps to a {type(v).__name__}"
+            )
+    return dict(metadata)
+
+
+@dataclasses.dataclass
+class Layout:
+    header: bytes  # length prefix + JSON + padding: the data section starts after it
+    items: list[tuple[str, torch.Tensor, int, int]]  # name, tensor, begin, end
+
+    @property
+    def file_len(self) -> int:
+        return len(self.header) + (self.items[-1][3] if self.items else 0)
+
+
+def _header_shape(t: torch.Tensor) -> list[int]:
+    """The shape the header records: values, not torch's packed elements."""
+    shape = list(t.shape)
+    per = _PACKED.get(_NAMES[t.dtype], 1)
+    if per > 1:
+        shape[-1] *= per
+    return shape
+
+
+@memory.gc_paused()  # many small objects, no cycles: see memory.gc_paused
+def layout(tensors: Mapping[str, torch.Tensor], metadata: Any, align: int = memory.PAGE) -> Layout:
+    """Header and data offsets; the data section starts at a multiple of ``align``
+    (4 KiB for files, for O_DIRECT; safetensors' own 8 for bytes in memory)."""
+    check_tensors(tensors)
+    meta = check_metadata(metadata)
+    # (rank of the dtype, name, tensor, dtype name, nbytes): one pass over the tensors.
+    info = []
+    for k, t in tensors.items():
+        name = _NAMES[t.dtype]
+        info.append((-_RANK[name], k, t, name, t.nbytes))
+    info.sort(key=lambda x: (x[0], x[1]))
+    head: dict[str, Any] = {}
+    if meta is not None:
+        head["__metadata__"] = meta
+    items, at = [], 0
+    for _, k, t, name, n in info:
+        shape = _header_shape(t) if name in _PACKED else list(t.shape)
+        head[k] = {"dtype": name, "shape": shape, "data_offsets": [at, at + n]}
+        items.append((k, t, at, at + n))
+        at += n
+    js = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    n = len(js) + (-(8 + len(js)) % align)
+    if n > MAX_HEADER:
+        raise ValueError(f"the header would be {n} bytes, over safetensors' limit of {MAX_HEADER}")
+    return Layout(n.to_bytes(8, "little") + js + b" " * (n - len(js)), items)
+
+
+def _pread_exact(fd: int, n: int, off: int, where: str) -> bytes:
+    out = b""
+    while len(out) < n:
+        b = os.pread(fd, n - len(out), off + len(out))
+        if not b:
+            raise fail(where, f"file ends at byte {off + len(out)}, inside the header")
+        out += b
+    return out
+
+
+def read_header(fd: int, where: str) -> tuple[dict[str, str] | None, list[Entry], int]:
+    """(metadata, entries in file order, data section offset) of an open file."""
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise fail(where, f"the file is {size} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(_pread_exact(fd, 8, 0, where), "little")
+    if n > MAX_HEADER:
+        raise fail(where, f"header length {n} is over safetensors' limit of {MAX_HEADER} bytes")
+    if 8 + n > size:
+        raise fail(where, f"header length {n} runs past the end of the file ({size} bytes)")
+    raw = _pread_exact(fd, n, 8, where)
+    fast = _native.safetensors_header(raw, size - 8 - n, _ITEMSIZES)
+    if fast is None:  # the Python validator says what is wrong (or reads the unusual)
+        meta, entries = parse_header(raw, size - 8 - n, where)
+        return meta, entries, 8 + n
+    pairs, rows = fast
+    dtypes = DTYPES
+    # Entry's made as tuples are (its __new__ takes keywords: 5x the time).
+    new = tuple.__new__
+    entries: list[Entry] = [
+        new(Entry, (name, dtypes[dt], shape, b, e)) for name, dt, shape, b, e in rows
+    ]
+    return (None if pairs is None else dict(pairs)), entries, 8 + n
+
+
+def shard_files(index_path_or_folder: str) -> tuple[str, dict[str, str] | None]:
+    """(folder, weight_map or None for a single model.safetensors)."""
+    p = index_path_or_folder
+    if os.path.isdir(p):
+        if os.path.exists(os.path.join(p, INDEX_NAME)):
+            p = os.path.join(p, INDEX_NAME)
+        else:
+            found = sorted(f for f in os.listdir(p) if f.endswith(".safetensors.index.json"))
+            if len(found) == 1:
+                p = os.path.join(p, found[0])
+            elif os.path.exists(os.path.join(p, "model.safetensors")):
+                return p, None
+            else:
+                raise FileNotFoundError(
+                    2,
+                    f"no {INDEX_NAME} (nor a single *.safetensors.index.json or model.safetensors)",
+                    p,
+                )
+    with open(p, "rb") as f:
+        try:
+            index = json.loads(f.read())
+        except ValueError as e:
+            raise SafetensorError(f"{p}: not a safetensors index: invalid JSON: {e}") from None
+        except RecursionError:
+            raise SafetensorError(f"{p}: not a safetensors index: nested too deeply") from None
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise SafetensorError(
+            f"{p}: not a safetensors index: no weight_map of tensor name -> shard file name"
+        )
+    folder = os.path.dirname(p) or "."
+    for name, v in wm.items():
+        # A shard is a file of this folder (or, in a hub cache snapshot, a link to its blobs).
+        if os.path.basename(v) != v:
+            raise SafetensorError(
+                f"{p}: weight_map puts tensor {name!r} in {v!r}, not a file name of the "
+                "index's folder"
+            )
+    for v in set(wm.values()):
+        inside(folder, v, f"{p}: shard", blobs=True, error=SafetensorError)
+    return folder, wm
+
+
+def shard_names(folder: str, k: int) -> list[str]:
+    """Names for ``k`` shards that no file of the folder's current checkpoint has:
+    the hub's when they are free, else with a token of their own."""
+    if k == 1:
+        return ["model.safetensors"]  # replaced atomically in one step
+    hub = [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
+    present = set(os.listdir(folder))
+    live = _current_shards(folder)
+    if live is not None and not live & set(hub):
+        return hub
+    while True:
+        token = secrets.token_hex(4)
+        if not any(token in n for n in present):
+            return [f"model-{token}-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
+
+
+def _current_shards(folder: str) -> set[str] | None:
+    """The files the folder's current checkpoint uses (None: an index that cannot
+    be read, so any name may be in use)."""
+    if not os.path.exists(os.path.join(folder, INDEX_NAME)):
+        return {"model.safetensors"}
+    try:
+        _, wm = shard_files(os.path.join(folder, INDEX_NAME))
+    except (OSError, FormatError):
+        return None
+    return set((wm or {}).values()) | {"model.safetensors"}
+
+
+def gather(
+    src: str, files: list[str], tensors: list[dict[str, torch.Tensor]], wm: dict[str, str] | None
+) -> dict[str, torch.Tensor]:
+    """The shards' tensors in one dict; a name in two shards, or a tensor not in
+    the shard the index's weight_map names, is a SafetensorError."""
+    out: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
+    for f, ts in zip(files, tensors, strict=True):
+        for name, t in ts.items():
+            if name in out:
+                raise SafetensorError(f"{src}: tensor {name!r} is in both {where[name]} and {f}")
+            out[name], where[name] = t, f
+    for name, f in (wm or {}).items():
+        if where.get(name) != f:
+            raise SafetensorError(
+                f"{src}: the index puts tensor {name!r} in {f}, "
+                + (f"but it is in {where[name]}" if name in where else "but no shard holds it")
+            )
+    return out
+
+
+def open_file(
+    path: str, *, direct: str | None = None, backend: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str] | None, Mapped]:
+    """A safetensors file's tensors as views of a lazy mapping of it, in file
+    order (an entry whose offset its dtype's size does not divide is read into
+    a tensor of its own), its metadata, and the mapping."""
+    f = _native.DeviceFile(path, False, direct, backend)
+    fd = f.fileno()
+    meta, entries, start = read_header(fd, path)
+    size = os.fstat(fd).st_size
+    mapping = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", False, size)
+    tensors: dict[str, torch.Tensor] = {}
+    for e in entries:
+        off = start + e.begin
+        isz = e.dtype.itemsize
+        if off % isz == 0:
+            t = torch.empty(0, dtype=e.dtype).set_(mapping, off // isz, e.shape)
+        else:  # a view would need an aligned offset: copy these bytes
+            raw = mapping[off : off + e.end - e.begin]
+            t = torch.empty(e.shape, dtype=e.dtype)
+            t.view(-1).view(torch.uint8).copy_(torch.empty(0, dtype=torch.uint8).set_(raw))
+        tensors[e.name] = t
+    return tensors, meta, Mapped(path, f, mapping.data_ptr(), size)

@@ -1,0 +1,924 @@
+"""torch.save's zip archives: what ckptio knows of the format, in one place.
+
+A torch.save file is a zip of stored records under one prefix: ``data.pkl``
+(the pickle, naming each storage by key), ``data/<key>`` (each storage's
+bytes), and small format records (``version``, ``byteorder``,
+``.format_version``, ``.storage_alignment``, ``.data/serialization_id``).
+The Rust core maps the records (``_native.Reader``: record name -> data offset)
+and reads a plain state dict's pickle natively (``_native.unpickle``); this
+module holds the rest:
+
+- **writing**: the pickle torch.save writes, made natively for state dicts or
+  by :class:`_Pickler` (torch's bytes, without its per-object Python work);
+  the archive's records and their alignments (:func:`archive_entries`: storages
+  of ``PACK_BELOW`` bytes or more on 4 KiB, smaller ones packed at torch's 64
+  bytes, every one at ``config.save.storage_alignment`` where the user set it);
+  torch.save itself writing the metadata of a file whose storages the engine
+  writes (:func:`write_metadata`);
+- **reading**: opening an archive as torch's reader would take it
+  (:func:`open_archive`), its byte order, the pickle read natively
+  (:func:`native_pickle`) and its storages' file offsets, and the one way to
+  open a checkpoint as a mapped view (:func:`open_torch`) that loads in place,
+  ``load_state_dict``, ``describe`` and ``verify`` use; the records and the
+  tensors each holds (:func:`list_records`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import io
+import os
+import pickle
+import re
+import secrets
+import sys
+import threading
+import types
+import zipfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.serialization import config as _torch_config
+
+from ckptio import _native
+from ckptio.errors import CkptioError, corrupt
+from ckptio.formats import unpickled
+from ckptio.formats.mapped import Mapped
+from ckptio.io import devices, memory
+
+#: Storage alignment of files ckptio writes (what O_DIRECT and GPUDirect Storage want).
+STORAGE_ALIGNMENT = 4096
+
+
+#: Storages of at least this many bytes start on a 4 KiB boundary of the file
+#: (O_DIRECT and GPUDirect Storage move them in place, torch.load(mmap=True)
+#: maps them page-aligned); smaller ones are packed at torch's 64 bytes, and
+#: the padding adds at most 4 KiB / PACK_BELOW (0.4%) to a file. Below it the
+#: engine moves storages through its staging buffers anyway (GATHER_BELOW in
+#: src/engine) into memory torch allocates (_ALIGNED_ALLOC_MIN), so alignment
+#: would buy nothing; see docs/many-tensors.md for the measurements.
+PACK_BELOW = 1 << 20
+
+
+#: torch's storage alignment, which small storages keep.
+TORCH_ALIGNMENT = 64
+
+
+#: The largest ``config.save.storage_alignment`` ckptio writes: a zip local
+#: header pads a record with at most 64 KiB (torch's writer breaks above it too).
+MAX_ALIGNMENT = 32768
+
+
+PREFIX = "archive"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """A tensor that lives in a record: where it sits in the object, its dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordInfo:
+    """One record of a checkpoint archive."""
+
+    name: str
+    offset: int
+    nbytes: int
+    tensors: tuple[TensorInfo, ...] = ()
+    #: The stored CRC-32, None where the archive has none (cuFile-written records,
+    #: torch.save with compute_crc32 off).
+    crc32: int | None = None
+
+    @property
+    def alignment(self) -> int:
+        """The largest power of two (up to 4096) dividing the record's data offset."""
+        a = 1
+        while a < STORAGE_ALIGNMENT and self.offset % (a * 2) == 0:
+            a *= 2
+        return a
+
+
+# torch's serialization config is process-global: set and restore it under a lock.
+CONFIG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _crc32_on() -> Iterator[None]:
+    """torch computes the CRC-32 of the records it writes (data.pkl, version...),
+    also where ``torch.serialization.set_crc32_options(False)`` turned it off:
+    ckptio marks its archives as carrying every CRC-32. Data records are not
+    written by torch (skip_data), so this costs nothing."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None or get():
+        yield
+        return
+    set_(True)
+    try:
+        yield
+    finally:
+        set_(False)
+
+
+@contextlib.contextmanager
+def storage_alignment(n: int) -> Iterator[None]:
+    old = _torch_config.save.storage_alignment
+    _torch_config.save.storage_alignment = n
+    try:
+        yield
+    finally:
+        _torch_config.save.storage_alignment = old
+
+
+def asked_alignment() -> int:
+    """``torch.utils.serialization.config.save.storage_alignment``, the alignment
+    every storage of a torch.save file must start at (torch's default 64: ckptio
+    packs small storages at 64 bytes and puts large ones on 4 KiB anyway). A
+    value ckptio cannot honour is refused, naming the switch."""
+    a = _torch_config.save.storage_alignment
+    if type(a) is not int or not 1 <= a <= MAX_ALIGNMENT or a & (a - 1):
+        raise ValueError(
+            f"torch.utils.serialization.config.save.storage_alignment is {a!r}: ckptio.save "
+            f"writes alignments that are powers of two from 1 to {MAX_ALIGNMENT} bytes"
+        )
+    return a
+
+
+@contextlib.contextmanager
+def torch_writing() -> Iterator[None]:
+    """While torch.save writes into a file of ckptio's: storages at 4 KiB (or the
+    user's larger ``storage_alignment``), and every record's CRC-32 computed."""
+    with CONFIG_LOCK:
+        align = max(STORAGE_ALIGNMENT, asked_alignment())
+        with storage_alignment(align), _crc32_on():
+            yield
+
+
+def _capturing_pickle_module(
+    found: dict[str, torch.UntypedStorage], base: Any = pickle
+) -> types.ModuleType:
+    """A pickle module (``base``'s) whose Pickler records which storage
+    torch.save files under which key.
+
+    torch.save subclasses ``pickle_module.Pickler`` to add its ``persistent_id``;
+    ``__init_subclass__`` wraps that method, so the C pickler stays in use.
+    """
+
+    class Pickler(base.Pickler):  # type: ignore[name-defined,misc]
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__(**kwargs)
+            inner = cls.persistent_id
+
+            def persistent_id(self: Any, obj: Any) -> Any:
+                pid = inner(self, obj)
+                if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+                    storage = (
+                        obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
+                    )
+                    found.setdefault(pid[2], storage)
+                return pid
+
+            cls.persistent_id = persistent_id  # type: ignore[method-assign]
+
+    mod = types.ModuleType("ckptio._capturing_pickle")
+    for name in (
+        "dump",
+        "dumps",
+        "load",
+        "loads",
+        "Unpickler",
+        "HIGHEST_PROTOCOL",
+        "DEFAULT_PROTOCOL",
+        "PickleError",
+        "PicklingError",
+        "UnpicklingError",
+    ):
+        setattr(mod, name, getattr(base, name, getattr(pickle, name)))
+    mod.Pickler = Pickler  # type: ignore[attr-defined]
+    return mod
+
+
+def write_metadata(
+    obj: object,
+    fh: Any,
+    found: dict[str, torch.UntypedStorage],
+    pickle_module: Any,
+    pickle_protocol: int,
+    disable_byteorder: bool,
+) -> None:
+    """torch.save of everything but the storages' bytes (skip_data), storages at
+    4 KiB, into ``fh``; ``found`` learns which storage went to which record."""
+    with torch_writing(), torch.serialization.skip_data():
+        torch.save(
+            obj,
+            fh,
+            pickle_module=_capturing_pickle_module(found, pickle_module),
+            pickle_protocol=pickle_protocol,
+            _disable_byteorder_record=disable_byteorder,
+        )
+
+
+class _StorageRef:
+    """A storage as the pickle names it: ``pid`` makes what torch's
+    ``persistent_id`` returns (a new tuple each time, as torch's)."""
+
+    __slots__ = ("cls", "key", "location", "numel")
+
+    def __init__(self, cls: Any, key: str, location: str, numel: int) -> None:
+        self.cls, self.key, self.location, self.numel = cls, key, location, numel
+
+    def pid(self) -> tuple[Any, ...]:
+        return ("storage", self.cls, self.key, self.location, self.numel)
+
+
+_STORAGE_TYPES: dict[type, bool] = {}
+
+
+def _is_storage_type(t: type) -> bool:
+    """Whether torch.save's ``persistent_id`` takes objects of type ``t`` (cached)."""
+    r = _STORAGE_TYPES.get(t)
+    if r is None:
+        r = _STORAGE_TYPES[t] = (
+            issubclass(t, (torch.storage.TypedStorage, torch.UntypedStorage))
+            or t in torch._storage_classes
+        )
+    return r
+
+
+@functools.cache
+def _v2_storage_classes() -> dict[torch.dtype, Any]:
+    """dtype -> the legacy storage class torch pickles its tensors' storages as,
+    for dtypes saved with ``_rebuild_tensor_v2`` (torch's other dtypes take
+    torch's own reduce)."""
+    new = torch.storage._new_dtypes()
+    return {
+        dt: getattr(torch, name)
+        for dt, name in torch.storage._dtype_to_storage_type_map().items()
+        if dt not in new
+    }
+
+
+class _Pickler(pickle.Pickler):
+    """torch.save's pickle, byte for byte, without torch's per-object Python work.
+
+    torch.save calls a Python ``persistent_id`` for every pickled object (about
+    20 per tensor) and ``Tensor.__reduce_ex__`` per tensor, and pickles every
+    OrderedDict through copyreg (a Python call each). Here plain tensors,
+    Parameters and OrderedDicts are reduced in ``reducer_override`` exactly as
+    torch reduces them (same callables, same arguments), their storages named
+    by a :class:`_StorageRef` that ``persistent_id`` answers with one type
+    check; everything else takes torch's own ``__reduce_ex__`` and torch's
+    storage naming (same keys, same dtype check). ``storages`` maps each
+    storage key to its storage and device code, in key order, as torch writes
+    its records.
+    """
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=2)
+        #: key -> (storage, device code or None where not known yet)
+        self.storages: dict[str, tuple[torch.UntypedStorage, int | None]] = {}
+        self._keys: dict[int, str] = {}  # storage _cdata -> key
+        self._dtypes: dict[int, torch.dtype] = {}  # data_ptr -> dtype (torch's check)
+        self._refs: dict[tuple[int, torch.dtype], _StorageRef] = {}
+        self._locations: dict[int, str] = {}
+        self._classes = _v2_storage_classes()
+
+    def _key(self, storage: torch.UntypedStorage, dtype: torch.dtype, dev: int | None) -> str:
+        """The storage's key (a new one on first sight), after torch's check that
+        no two dtypes view the same data. ``dev``: its device code, None when
+        not known yet (a storage met through torch's reduce: any device)."""
+        ptr = storage.data_ptr()
+        if ptr and (dev is not None or storage.device.type != "meta"):
+            seen = self._dtypes.setdefault(ptr, dtype)
+            if seen != dtype:
+                raise RuntimeError(
+                    "Cannot save multiple tensors or storages that view the same data as "
+                    "different types"
+                )
+        key = self._keys.get(storage._cdata)
+        if key is None:
+            key = self._keys[storage._cdata] = str(len(self._keys))
+            self.storages[key] = (storage, dev)
+        return key
+
+    def persistent_id(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is _StorageRef:
+            return obj.pid()
+        is_storage = _STORAGE_TYPES.get(t)
+        if is_storage is None:
+            is_storage = _is_storage_type(t)
+        return self._torch_pid(obj) if is_storage else None
+
+    def _torch_pid(self, obj: Any) -> tuple[Any, ...]:
+        """torch.save's persistent_id for a storage met through torch's reduce."""
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage = obj._untyped_storage
+            dtype = obj.dtype
+            storage_type = getattr(torch, obj._pickle_storage_type())
+            numel = obj._size()
+        else:
+            storage = obj
+            dtype = torch.uint8
+            storage_type = torch.serialization.normalize_storage_type(type(obj))
+            numel = storage.nbytes()
+        key = self._key(storage, dtype, None)
+        if getattr(obj, "_fake_device", None) is not None:
+            location = str(obj._fake_device)
+        else:
+            location = torch.serialization.location_tag(storage)
+        return ("storage", storage_type, key, location, numel)
+
+    def reducer_override(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is torch.Tensor:
+            return self._tensor(obj)
+        if t is collections.OrderedDict:
+            # What OrderedDict.__reduce__ returns, without its copyreg call.
+            return (t, (), obj.__dict__ or None, None, iter(obj.items()))
+        if t is torch.nn.Parameter and not obj.__dict__:
+            return (torch._utils._rebuild_parameter, (obj.data, obj.requires_grad, _OD()))
+        return NotImplemented
+
+    def _tensor(self, t: torch.Tensor) -> Any:
+        """``Tensor.__reduce_ex__`` of a plain CPU or CUDA tensor (NotImplemented
+        for anything torch reduces otherwise: hooks, Python state, sparse,
+        quantized, nested, conjugate or negative views, torch's newer dtypes)."""
+        cls = self._classes.get(t.dtype)
+        if (
+            cls is None
+            or not (t.is_cpu or t.is_cuda)
+            or t.layout is not torch.strided
+            or t.is_quantized
+            or t.is_nested
+            or t._backward_hooks
+            or t.__dict__
+            or torch._C._get_tensor_metadata(t)
+        ):
+            return NotImplemented
+        st = t.untyped_storage()
+        dev = t.get_device()
+        ref = self._refs.get((st._cdata, t.dtype))
+        if ref is None:
+            location = self._locations.get(dev)
+            if location is None:
+                location = self._locations[dev] = torch.serialization.location_tag(st)
+            key = self._key(st, t.dtype, dev)
+            ref = _StorageRef(cls, key, location, st.nbytes() // t.element_size())
+            self._refs[(st._cdata, t.dtype)] = ref
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (ref, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad, _OD()),
+        )
+
+
+_OD = collections.OrderedDict
+
+
+@functools.cache
+def native_pickler() -> _native.StateDictPickler:
+    return _native.StateDictPickler(
+        torch.Tensor,
+        torch.nn.Parameter,
+        collections.OrderedDict,
+        torch.strided,
+        _v2_storage_classes(),
+        torch._C._get_tensor_metadata,
+        torch.serialization.location_tag,
+        torch._utils._rebuild_tensor_v2,
+        torch._utils._rebuild_parameter,
+    )
+
+
+#: (storage key, address, nbytes, device code, the storage: its memory's owner)
+Stored = tuple[str, int, int, int, Any]
+
+
+def pickled(obj: object) -> tuple[bytes, list[Stored]]:
+    """(data.pkl's bytes, the storages in key order) as torch.save makes them:
+    natively for state dicts (plain tensors, Parameters, containers, str, int,
+    float, bool, None), else by :class:`_Pickler`."""
+    native = native_pickler().dump(obj)
+    if native is not None:
+        return native
+    buf = io.BytesIO()
+    pickler = _Pickler(buf)
+    pickler.dump(obj)
+    found = []
+    for key, (st, dev) in pickler.storages.items():
+        if dev is None:
+            dev = devices.device_code(st, f"storage {key}")
+        found.append((key, st.data_ptr(), st.nbytes(), dev, st))
+    return buf.getvalue(), found
+
+
+def _serialization_id() -> bytes:
+    """40 digits, as torch writes them (a checksum and a hash there; torch never checks)."""
+    return f"{secrets.randbits(64):020d}{secrets.randbits(64):020d}".encode()
+
+
+def archive_entries(
+    pkl: bytes, storages: list[Stored], floor: int = TORCH_ALIGNMENT
+) -> list[tuple[str, Any, int]]:
+    """The records of a torch.save archive, in torch's order: the pickle, the
+    format records, each storage ((address, nbytes, device code)), the version.
+    Every storage starts at a multiple of ``floor`` (the user's
+    ``config.save.storage_alignment``, :func:`asked_alignment`) at least."""
+    large = [n >= PACK_BELOW for _, _, n, _, _ in storages if n]
+    small = max(TORCH_ALIGNMENT, floor)
+    big = max(STORAGE_ALIGNMENT, floor) if any(large) else small
+    uniform = big == small or all(large)
+    p = PREFIX
+    entries: list[tuple[str, Any, int]] = [(f"{p}/data.pkl", pkl, TORCH_ALIGNMENT)]
+    if uniform:
+        # torch may then compute storage offsets from the alignment
+        # (config.load.calculate_storage_offsets): it finds them where they are.
+        entries.append((f"{p}/.format_version", b"1", TORCH_ALIGNMENT))
+    entries.append((f"{p}/.storage_alignment", str(big if uniform else small).encode(), 64))
+    entries.append((f"{p}/byteorder", sys.byteorder.encode(), TORCH_ALIGNMENT))
+    entries += [
+        (f"{p}/data/{key}", (ptr, n, dev), big if n == 0 or n >= PACK_BELOW else small)
+        for key, ptr, n, dev, _ in storages
+    ]
+    entries.append((f"{p}/version", b"3\n", TORCH_ALIGNMENT))
+    entries.append((f"{p}/.data/serialization_id", _serialization_id(), TORCH_ALIGNMENT))
+    return entries
+
+
+def is_legacy(head: bytes) -> bool:
+    """torch's legacy format starts with its magic number, pickled (protocol >= 2:
+    PROTO n, LONG1 of 10 bytes)."""
+    magic = int(torch.serialization.MAGIC_NUMBER).to_bytes(10, "little")
+    return len(head) == 14 and head[0] == 0x80 and head[2:4] == b"\x8a\x0a" and head[4:] == magic
+
+
+def is_torchscript(path: str) -> bool:
+    """A TorchScript zip (compressed code records, which torch.load hands to torch.jit)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/constants.pkl") for n in z.namelist())
+    except Exception:  # noqa: BLE001 - a zip Python cannot read is no TorchScript to hand on
+        return False
+
+
+@dataclasses.dataclass
+class Archive:
+    """A torch.save archive opened for reading: the native reader (the file
+    mapped, its records found once), the records, and the file's name in
+    messages (``path``: a ``/proc/self/fd/N`` for file objects is named by them)."""
+
+    path: str
+    reader: _native.Reader
+    #: (record name, data offset, size) in file order.
+    records: list[tuple[str, int, int]]
+
+    @property
+    def prefix(self) -> str:
+        return self.reader.prefix
+
+    @functools.cached_property
+    def where(self) -> dict[str, tuple[int, int]]:
+        """Record name -> (data offset, size)."""
+        return {name: (off, n) for name, off, n in self.records}
+
+    @functools.cached_property
+    def data(self) -> dict[int, int]:
+        """Data offset -> size of each storage's record."""
+        data_prefix = f"{self.prefix}/data/"
+        return {off: n for name, off, n in self.records if name.startswith(data_prefix)}
+
+    def fileno(self) -> int:
+        return self.reader.fileno()
+
+
+def open_archive(
+    path: str, direct: str | None, backend: str | None, name: str | None = None
+) -> Archive:
+    """Open and map a checkpoint, as torch.load would take it: a zip without a
+    pickle is no checkpoint, nor one that torch's own reader refuses
+    (unsupported version, flags...). ``name``: the file in messages."""
+    reader = _native.Reader(path, direct, backend)
+    archive = Archive(name or path, reader, reader.records())
+    if f"{reader.prefix}/data.pkl" not in archive.where:
+        raise corrupt(archive.path, "no data.pkl record: not a torch.save checkpoint")
+    torch_reads(archive.path, reader.fileno())
+    return archive
+
+
+def torch_reads(path: str, fd: int | None = None) -> None:
+    """FormatError naming ``path`` if torch's archive reader (which torch.load runs
+    on it) refuses the file; it reads only the end records and the directory."""
+    try:
+        torch._C.PyTorchFileReader(path if fd is None else f"/proc/self/fd/{fd}")
+    except Exception as e:  # RuntimeError; a message with raw bytes is a UnicodeDecodeError
+        if isinstance(e, UnicodeDecodeError) and isinstance(e.object, bytes):
+            msg = e.object.decode(errors="replace")
+        else:
+            msg = str(e)
+        msg = msg.splitlines()[0] if msg else type(e).__name__
+        raise corrupt(path, f"torch's reader refuses the archive: {msg}") from e
+
+
+def native_byteorder(archive: Archive) -> bool:
+    """Whether the storages are in this machine's byte order. Without a byteorder
+    record torch assumes what ``torch.serialization.get_default_load_endianness()``
+    says: little-endian unless it was set to BIG or NATIVE."""
+    byteorder = f"{archive.prefix}/byteorder"
+    if byteorder not in archive.where:
+        default = torch.serialization.get_default_load_endianness()
+        if default == torch.serialization.LoadEndianness.NATIVE:
+            return True
+        big = default == torch.serialization.LoadEndianness.BIG
+        return sys.byteorder == ("big" if big else "little")
+    raw = archive.reader.read_record(byteorder)
+    if raw not in (b"little", b"big"):
+        where = f"{archive.path}, record {byteorder}"
+        raise corrupt(where, f"{raw[:16]!r} is not b'little' or b'big'")
+    return raw.decode() == sys.byteorder
+
+
+@functools.cache
+def storage_dtype(name: str) -> torch.dtype | None:
+    """The dtype of a storage class the pickle names (torch's StorageType)."""
+    if name == "UntypedStorage":
+        return torch.uint8
+    try:
+        return torch.serialization.StorageType(name).dtype
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+
+
+# torch's reader takes files of these format versions (caffe2/serialize/versions.h).
+_MIN_VERSION, _MAX_VERSION = 1, 10
+
+
+_VERSION = re.compile(rb"\s*(\d+)")
+
+
+def _torch_opens(archive: Archive) -> bool:
+    """The checks torch.load makes of the records it reads besides the pickle
+    and the storages: a version in the range it reads, a storage alignment
+    that is an int, a serialization id in UTF-8. False where torch.load must
+    decide (it may refuse)."""
+    reader, prefix = archive.reader, archive.prefix
+    names = {name: n for name, (_, n) in archive.where.items()}
+    version = f"{prefix}/.data/version"
+    if version not in names:
+        version = f"{prefix}/version"
+    align = f"{prefix}/.storage_alignment"
+    sid = f"{prefix}/.data/serialization_id"
+    if names.get(version, 1 << 20) > 64 or names.get(align, 0) > 64 or names.get(sid, 0) > 4096:
+        return False
+    if sid in names:
+        try:
+            reader.read_record(sid).decode()
+        except UnicodeDecodeError:
+            return False
+    m = _VERSION.match(reader.read_record(version))
+    if not m or not _MIN_VERSION <= int(m.group(1)) <= _MAX_VERSION:
+        return False
+    if align in names:
+        try:
+            int(reader.read_record(align))
+        except ValueError:
+            return False
+    return True
+
+
+def native_pickle(
+    archive: Archive,
+) -> tuple[_native.Unpickled, list[tuple[int, int, torch.dtype, str]]] | None:
+    """The pickle read natively (``_native.unpickle``: plain tensors, Parameters
+    and containers, see src/format/pickle.rs) and its storages as (file offset,
+    nbytes, dtype, location); None where torch.load must read the file:
+    another pickle, a file torch would refuse to open, a storage whose record
+    is missing or of another size, a fake or skip_data mode."""
+    if torch.serialization._serialization_tls.skip_data:
+        return None
+    if torch._guards.detect_fake_mode(None) is not None:
+        return None
+    prefix, where = archive.prefix, archive.where
+    pkl = f"{prefix}/data.pkl"
+    size = where.get(pkl, (0, None))[1]
+    if size is None or size > 64 << 20 or not _torch_opens(archive):
+        return None
+    parsed = _native.unpickle(archive.reader.read_record(pkl))
+    if parsed is None:
+        return None
+    found = []
+    for key, cls, location, numel in parsed.storages():
+        dtype = storage_dtype(cls)
+        rec = where.get(f"{prefix}/data/{key}")
+        if dtype is None or rec is None or rec[1] != numel * dtype.itemsize:
+            return None
+        found.append((rec[0], rec[1], dtype, location))
+    return parsed, found
+
+
+#: Make the object of a natively read pickle over its storages (see
+#: :func:`ckptio._unpickled.build`): a tensor per storage, the containers, no
+#: cycles, so no collections meanwhile (see memory.gc_paused).
+rebuild = memory.gc_paused()(unpickled.build)
+
+
+def file_offsets(
+    pending: list[tuple[int, int, torch.UntypedStorage]], data: dict[int, int], path: str
+) -> list[int]:
+    """File offset of each pending storage, from its address in the file mapping.
+
+    All addresses share one base (the mapping's start); find the base that puts
+    every storage exactly on a data record of its size.
+    """
+    sized = [(p, n) for p, n, _ in pending if n > 0]
+    if not sized:
+        return [0] * len(pending)
+    p0, n0 = sized[0]
+    for off, size in sorted(data.items()):
+        if size != n0:
+            continue
+        base = p0 - off
+        if all(data.get(p - base) == n for p, n in sized):
+            return [p - base for p, _, _ in pending]
+    raise corrupt(path, "storages in the pickle do not match the archive's records")
+
+
+@contextlib.contextmanager
+def unpickling(path: str) -> Iterator[None]:
+    """torch's refusal of a pickle keeps torch's type and whole message, unchanged
+    at its start (code and users match it: "Weights only load failed", the global
+    refused and how to allow it); the file follows."""
+    try:
+        yield
+    except pickle.UnpicklingError as e:
+        raise type(e)(f"{e}\n\n(while loading {path}, record data.pkl)") from None
+
+
+def _keep_mapped(found: list[tuple[int, int, str]]) -> Callable[[torch.UntypedStorage, str], Any]:
+    def keep(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        found.append((storage.data_ptr(), storage.nbytes(), location))
+        return storage
+
+    return keep
+
+
+def open_torch(
+    path: str,
+    *,
+    name: str | None = None,
+    direct: str | None = None,
+    backend: str | None = None,
+    verify_engine: _native.Engine | None = None,
+    torch_kw: Mapping[str, Any] | None = None,
+    lazy: bool = False,
+) -> tuple[Any, Mapped]:
+    """Decode a torch.save archive over a lazy mapping: (the object as torch.load
+    returns it, with every tensor a view of the mapping; the mapping).
+    ``name``: the file's name in messages and reports (default ``path``).
+    ``verify_engine``: check the pickle's and the small records' CRC-32s first.
+    ``torch_kw``: torch.load's own arguments (weights_only, pickle_module...).
+    ``lazy``: where the pickle is read natively, an ``unpickled.Placeholder``
+    in place of each tensor (made on demand: ``loading.inplace.materialize``). Refused under
+    ``torch.serialization.skip_data()``, which would leave every destination unread."""
+    if torch.serialization._serialization_tls.skip_data:
+        raise CkptioError(
+            f"{name or path}: a load in place under torch.serialization.skip_data() would "
+            "read nothing into the destinations; load outside that context"
+        )
+    archive = open_archive(path, direct, backend, name)
+    reader = archive.reader
+    exact = native_byteorder(archive)
+    if verify_engine is not None:
+        data_prefix = f"{archive.prefix}/data/"
+        small = [n for n, _, _ in archive.records if not n.startswith(data_prefix)]
+        reader.verify(verify_engine, small, strict=True)
+    size = os.fstat(reader.fileno()).st_size
+    native = _native_open(archive, size, exact, torch_kw, lazy)
+    if native is not None:
+        return native
+    found: list[tuple[int, int, str]] = []
+    # /proc/self/fd/N: the very file the reader holds, even if the path is
+    # replaced meanwhile by a concurrent save.
+    with unpickling(archive.path):
+        obj = torch.load(
+            f"/proc/self/fd/{reader.fileno()}",
+            map_location=_keep_mapped(found),
+            mmap=True,
+            **(torch_kw or {}),
+        )
+    pending = [(p, n, None) for p, n, _ in found]
+    offsets = file_offsets(pending, archive.data, archive.path)  # type: ignore[arg-type]
+    base = next((p - o for (p, n, _), o in zip(found, offsets, strict=True) if n), 0)
+    check_locations((loc for _, _, loc in found), archive.path)
+    locations = {p - base: loc for p, _, loc in found}
+    return obj, Mapped(archive.path, reader, base, size, exact, locations)
+
+
+def _native_open(
+    archive: Archive,
+    size: int,
+    exact: bool,
+    torch_kw: Mapping[str, Any] | None,
+    lazy: bool = False,
+) -> tuple[Any, Mapped] | None:
+    """:func:`open_torch` without torch.load: the pickle read natively (the
+    state-dict subset, as ``ckptio.load`` reads it) and the object made over
+    views of one private mapping of the file, as torch.load(mmap=True) makes
+    it. None where torch.load must decode it (another pickle, other torch.load
+    arguments, byte-swapped storages). At 512 tensors torch's unpickler took
+    a fifth of an in-place load from /dev/shm to the GPU."""
+    kw = dict(torch_kw or {})
+    kw.pop("weights_only", None)  # the native subset is what weights_only allows
+    if not exact or any(kw.values()):  # a pickle_module, pickle arguments
+        return None
+    got = native_pickle(archive)
+    if got is None:
+        return None
+    parsed, found = got
+    name = archive.path
+    whole = torch.UntypedStorage.from_file(f"/proc/self/fd/{archive.fileno()}", False, size)
+    # StorageBase's own slicing: UntypedStorage's asks for the device first (1 us).
+    cut = torch._C.StorageBase.__getitem__
+    storages = [cut(whole, slice(off, off + n)) for off, n, _, _ in found]
+    with unpickling(name):
+        dtypes = [dtype for _, _, dtype, _ in found]
+        obj = rebuild(parsed, storages, dtypes, name, lazy=lazy)
+    check_locations((loc for _, _, _, loc in found), name)
+    locations = {off: loc for off, _, _, loc in found}
+    return obj, Mapped(name, archive.reader, whole.data_ptr(), size, exact, locations)
+
+
+def check_locations(locations: Iterable[Any], name: str) -> None:
+    """A FormatError for a storage location torch.load could not restore: a load
+    in place does not move storages where they were saved, but a tag torch
+    refuses is a damaged file. Each tag is checked once (a checkpoint of 512
+    storages has one or two)."""
+    ok: set[str] = set()
+    for loc in locations:
+        if type(loc) is str and loc in ok:
+            continue
+        if not devices.restorable(loc):  # every tag that is not a str
+            raise corrupt(name, f"a storage's location is {loc!r}, which torch.load cannot restore")
+        ok.add(loc)
+
+
+def check_declared_storages(archive: Archive) -> None:
+    """Every storage the pickle declares has a data record of exactly its size (load
+    refuses the file otherwise). The pickle is read without running any of it."""
+    prefix, path = archive.prefix, archive.path
+    sizes = {name: size for name, (_, size) in archive.where.items()}
+    pkl = f"{prefix}/data.pkl"
+    if pkl not in sizes or sizes[pkl] > 64 << 20:
+        return  # no pickle to read here (a plain zip), or one too large to read whole
+    try:
+        declared = _declared_storages(archive.reader.read_record(pkl))
+    except Exception as e:  # any failure of a pickle that runs nothing: it is malformed
+        raise corrupt(f"{path}, record {pkl}", f"not a readable pickle: {e}") from e
+    for key, nbytes in declared:
+        have = sizes.get(f"{prefix}/data/{key}")
+        if have is None:
+            raise corrupt(
+                path,
+                f"the pickle declares storage {key!r}, but there is no record {prefix}/data/{key}",
+            )
+        if nbytes is not None and have != nbytes:
+            raise corrupt(
+                f"{path}, record {prefix}/data/{key}",
+                f"it holds {have} bytes, the pickle declares a storage of {nbytes}",
+            )
+
+
+class _Inert:
+    """What every global of a pickle becomes while it is only scanned: calls, state and
+    items are accepted and ignored, so nothing of the pickle runs."""
+
+    module = name = ""
+
+    def __new__(cls, *args: object, **kwargs: object) -> _Inert:
+        return object.__new__(cls)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __call__(self, *args: object, **kwargs: object) -> _Inert:
+        return _Inert()
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+    def append(self, value: object) -> None:
+        pass
+
+    def extend(self, values: object) -> None:
+        pass
+
+
+def _declared_storages(pkl: bytes) -> list[tuple[str, int | None]]:
+    """(key, nbytes) of each storage a torch.save pickle declares (nbytes None where the
+    storage type is not one torch names), found by unpickling with every global inert."""
+    found: list[tuple[str, int | None]] = []
+
+    class Scan(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> type:
+            return type(name, (_Inert,), {"module": module, "name": name})
+
+        def persistent_load(self, pid: object) -> object:
+            if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+                _, kind, key, _, numel = pid
+                dtype = None
+                if getattr(kind, "module", "") == "torch":
+                    dtype = torch.storage._storage_type_to_dtype_map().get(kind.name)
+                if isinstance(numel, int) and dtype is not None:
+                    itemsize = dtype.itemsize
+                    found.append((str(key), numel * itemsize))
+                else:
+                    found.append((str(key), None))
+            return _Inert()
+
+    Scan(io.BytesIO(pkl)).load()
+    return found
+
+
+def _tensors(obj: Any, name: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    if id(obj) in seen:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+        return
+    seen.add(id(obj))
+    join = (lambda k: f"{name}.{k}") if name else str
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, join(k), seen)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, join(i), seen)
+    elif hasattr(obj, "__dict__"):
+        for k, v in vars(obj).items():
+            yield from _tensors(v, join(k), seen)
+
+
+def list_records(path: str, *, weights_only: bool = True) -> list[RecordInfo]:
+    """Every record of a checkpoint: name, data offset, size, and the tensors stored in it.
+
+    Reads no tensor data: offsets come from the zip mapper, dtypes and shapes
+    from a load onto the meta device.
+    """
+    archive = open_archive(path, "off", None)
+    reader = archive.reader
+    native_byteorder(archive)  # torch.load would fail on a bad one, untyped
+    native = native_pickle(archive)
+    if native is not None:
+        parsed, found = native
+        storages = []
+        for off, n, _, _ in found:
+            st = torch.UntypedStorage(n, device="meta")
+            st._checkpoint_offset = off
+            storages.append(st)
+        meta = rebuild(parsed, storages, [x[2] for x in found], path)
+    else:
+        with unpickling(path):
+            meta = torch.load(
+                f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
+            )
+    by_offset: dict[int, list[TensorInfo]] = {}
+    sizes = {off: size for _, off, size in archive.records}
+    for name, t in _tensors(meta, "", set()):
+        off = getattr(t.untyped_storage(), "_checkpoint_offset", None)
+        if off is None:
+            continue
+        if sizes.get(off) != t.untyped_storage().nbytes():
+            raise corrupt(
+                path,
+                f"tensor {name or '<root>'!r} declares a storage of "
+                f"{t.untyped_storage().nbytes()} bytes at offset {off}, where the archive "
+                f"has {'no record' if off not in sizes else f'a record of {sizes[off]}'}",
+            )
+        by_offset.setdefault(off, []).append(
+            TensorInfo(
+                name or "<root>", t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
+            )
+        )
+    crcs = dict(reader.checksums())
+    return [
+        RecordInfo(
+            name,
+            off,
+            size,
+            tuple(by_offset.get(off, ())) if "/data/" in name else (),
+            crcs.get(name),
+        )
+        for name, off, size in archive.records
+    ]

@@ -1,0 +1,91 @@
+"""File arguments and the names checkpoints hold.
+
+A save or load takes a path or a file object, as torch.save and torch.load do:
+:func:`path`, :func:`descriptor` (the regular file behind a file object, where
+the engine can move its bytes), :func:`file_like`. File names that checkpoints
+hold (DCP ``.metadata`` relative paths, sharded safetensors index entries) must
+name files inside the checkpoint's folder: :func:`inside`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import os
+import stat
+from pathlib import PurePosixPath
+from typing import Any
+
+from ckptio.errors import FormatError
+
+
+def is_path(f: Any) -> bool:
+    return isinstance(f, (str, bytes, os.PathLike))
+
+
+def path(f: Any, what: str) -> str:
+    if is_path(f):
+        return os.fsdecode(f)
+    raise TypeError(f"ckptio.{what} needs a file path (str or os.PathLike), not {type(f).__name__}")
+
+
+def descriptor(f: Any) -> int | None:
+    """The descriptor behind a file object where the engine can move its bytes:
+    a regular file, not in append mode, positioned at 0 (torch.save and
+    torch.load place the archive at the start of the stream). None otherwise
+    (BytesIO, pipes, sockets, a stream past its start): then the bytes go
+    through the object itself."""
+    try:
+        fd = f.fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or f.tell() != 0:
+            return None
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+            return None
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+    return int(fd)
+
+
+def object_name(f: Any, fd: int | None = None) -> str:
+    name = getattr(f, "name", None)
+    if isinstance(name, (str, bytes)):
+        return os.fsdecode(name)
+    return f"<{type(f).__name__}>" if fd is None else f"/proc/self/fd/{fd}"
+
+
+def file_like(f: Any, what: str, method: str) -> None:
+    """A save or load target that is neither a path nor a file object is a TypeError."""
+    if not is_path(f) and not callable(getattr(f, method, None)):
+        raise TypeError(
+            f"ckptio.{what} needs a file path (str or os.PathLike) or a file object, "
+            f"not {type(f).__name__}"
+        )
+
+
+def inside(
+    folder: str,
+    rel: Any,
+    where: str,
+    *,
+    blobs: bool = False,
+    error: type[Exception] = FormatError,
+) -> str:
+    """``folder/rel``, if ``rel`` is a relative path that stays inside ``folder``:
+    not absolute, no ``..``, and not a symbolic link (nor under one) that resolves
+    out of the folder. ``blobs``: a folder that is a Hugging Face cache snapshot
+    (``<repo>/snapshots/<revision>``) may also link into ``<repo>/blobs``, as the
+    hub's downloads do. ``error`` (a ``FormatError``) naming ``where`` otherwise."""
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        raise error(f"{where}: file name {rel!r} is not a relative path")
+    parts = PurePosixPath(rel).parts
+    if os.path.isabs(rel) or ".." in parts:
+        raise error(f"{where}: file name {rel!r} points outside the checkpoint folder {folder}")
+    full = os.path.join(folder, rel)
+    root = os.path.realpath(folder)
+    real = os.path.realpath(full)
+    roots = [root]
+    if blobs and os.path.basename(os.path.dirname(root)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+        raise error(f"{where}: {rel!r} resolves to {real}, outside the checkpoint folder {folder}")
+    return full
