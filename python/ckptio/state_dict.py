@@ -1066,7 +1066,9 @@ def lazy_load(
         dev = devices.fill_device(map_location, loc)
         if dev is None:
             where = devices.relocated(map_location, loc)
-            raise RuntimeError(f"{path}: cannot restore a tensor to {where!r} (no such device here)")
+            raise RuntimeError(
+                f"{path}: cannot restore a tensor to {where!r} (no such device here)"
+            )
         return dev
 
     records: dict[int, torch.Tensor] = {}  # storage address -> its bytes, read now
