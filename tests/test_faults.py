@@ -767,29 +767,34 @@ def test_storage_location_torch_cannot_restore_is_refused_in_place(tmp_path):
 
 
 def test_storage_location_cpu_with_an_index_as_torch(tmp_path, monkeypatch):
-    """A "cpu:0" tag: torch.load refuses it unless a map_location replaces it; ckptio.load
-    does as torch does (its own error), a load in place refuses it (FormatError)."""
+    """A "cpu:0" tag: torch.load refuses it unless a map_location replaces it; so does
+    ckptio.load, typed (a FormatError naming the file, a RuntimeError as torch's), and a
+    load in place."""
     p = tmp_path / "cpu0.pt"
     monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cpu:0")
     torch.save({"t": torch.arange(4.0)}, p)
     monkeypatch.undo()
     with pytest.raises(RuntimeError) as want:
         torch.load(p, weights_only=True)
-    with pytest.raises(type(want.value)):
+    with pytest.raises(ckptio.FormatError, match="cpu:0") as got:
         ckptio.load(p)
+    assert isinstance(got.value, type(want.value))
     assert torch.equal(torch.load(p, map_location="cpu")["t"], torch.arange(4.0))
     assert torch.equal(ckptio.load(p, map_location="cpu")["t"], torch.arange(4.0))
     with pytest.raises(ckptio.FormatError, match="location is 'cpu:0'"):
         ckptio.load(p, out={"t": torch.zeros(4)})
 
 
-def test_missing_data_record_is_torch_runtimeerror(tmp_path, good):
-    """A data record the pickle needs is absent: torch's reader refuses (RuntimeError)."""
+def test_missing_data_record_is_a_formaterror_naming_it(tmp_path, good):
+    """A data record the pickle needs is absent: torch's reader refuses it (RuntimeError);
+    ckptio says so typed, naming the file and the record (issue 35), and verify agrees."""
     data, _ = good["torch"]
     p = tmp_path / "missing.pt"
     rewrite_zip(data, p, change=lambda n, c: None if n.endswith("/data/1") else c)
-    with pytest.raises(RuntimeError, match="data/1"):
+    with pytest.raises(ckptio.FormatError, match="data/1") as e:
         ckptio.load(p)
+    assert str(p) in str(e.value)
+    assert not ckptio.verify(p).ok
 
 
 FUZZ_SCRIPT = """

@@ -10,6 +10,7 @@ catches ckptio's errors too; its subclasses single them out:
 - ``InPlaceLoadError`` and its kinds: a load into existing tensors refused
   (nothing written) or failed midway (``PartialLoadError``);
 - ``GroupLoadError``: a load with ``group=`` failed on every rank together;
+- ``LocationError``: a storage saved on a device this machine lacks;
 - ``BackendUnavailableError``, ``CudaError``, ``CuFileError``: the device path.
 
 The operating system's errors stay ``OSError`` subclasses chosen by errno,
@@ -43,6 +44,7 @@ __all__ = [
     "GroupMismatchError",
     "InPlaceLoadError",
     "KeyMismatchError",
+    "LocationError",
     "PartialLoadError",
     "PeerLoadError",
     "SafetensorError",
@@ -57,6 +59,12 @@ def corrupt(where: str, what: str) -> FormatError:
     format errors read the same way)."""
     hint = "" if "high likelihood" in what else f"; {CORRUPT_HINT}"
     return FormatError(f"{where}: not a usable checkpoint: {what}{hint}")
+
+
+class LocationError(CkptioError):
+    """A storage of the checkpoint was saved on a device this machine lacks (a CUDA
+    device where there is none, or not that many): torch.load's own message, the
+    file after it. ``map_location`` sends the storages elsewhere."""
 
 
 # --------------------------------------------------------------------------- safetensors

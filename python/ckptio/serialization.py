@@ -506,9 +506,7 @@ def _load_archive(
             with torchzip.unpickling(shown):
                 obj = torch.load(src, map_location=restorer, mmap=True, **torch_kw)
         except RuntimeError as e:
-            if not str(e).startswith("Callable map_location not supported") or callable(
-                map_location
-            ):
+            if not torchzip.declines_restorer(e) or callable(map_location):
                 raise
             # A tensor subclass that torch rebuilds from map_location itself, which
             # must then be the caller's own (a str, device or dict): torch loads it.

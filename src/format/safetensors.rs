@@ -254,7 +254,12 @@ pub fn parse_header(
         let need = shape
             .iter()
             .try_fold(itemsize(&dtype)?, |acc, &d| acc.checked_mul(d))?;
-        if end.checked_sub(begin)? != need || end > data_len {
+        // torch's sizes are int64: a dimension past it (even beside a 0) is no tensor.
+        let int64 = i64::MAX as u64;
+        if end.checked_sub(begin)? != need || end > data_len || need > int64 {
+            return None;
+        }
+        if shape.iter().any(|&d| d > int64) {
             return None;
         }
         entries.push(TensorEntry {
@@ -340,6 +345,7 @@ mod tests {
             (br#"{"k":"\ud800"}"#, 0),
             (b"{\"a\":\"x\ny\"}", 0),
             (br#"{"a":{"dtype":"U8","shape":[18446744073709551615,2],"data_offsets":[0,0]}}"#, 0),
+            (br#"{"a":{"dtype":"U8","shape":[0,9223372036854775808],"data_offsets":[0,0]}}"#, 0),
             (br#"{} x"#, 0),
             (br#"["a"]"#, 0),
             (br#"{"a":"#, 0),

@@ -26,6 +26,7 @@ import pickle
 import re
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ckptio import _native
-from ckptio.errors import FormatError
+from ckptio.errors import FormatError, corrupt
 from ckptio.formats import torchzip
 from ckptio.io.paths import inside
 
@@ -324,7 +325,7 @@ def _check_metadata(md: Any, path: str) -> None:
     """What DCP's planners and this reader rely on, with types: FormatError otherwise."""
 
     def bad(what: str) -> FormatError:
-        return FormatError(f"{path}: {what}")
+        return corrupt(path, what)
 
     def is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -372,3 +373,54 @@ def _check_metadata(md: Any, path: str) -> None:
         if rel not in seen:
             inside(folder, rel, f"{path}: item {fqn!r}")
             seen.add(rel)
+    items = {(k.fqn, None if k.offset is None else tuple(k.offset)) for k in sd}
+    for fqn, entry in sdm.items():
+        if isinstance(entry, _md.TensorStorageMetadata):
+            _check_chunks(fqn, entry, items, bad)
+
+
+def _check_chunks(
+    fqn: str,
+    entry: _md.TensorStorageMetadata,
+    items: set[tuple[str, tuple[int, ...] | None]],
+    bad: Callable[[str], FormatError],
+) -> None:
+    """A tensor's chunks tile it: each inside the tensor, none overlapping another,
+    their elements adding up to the tensor's, each with an item to read it from.
+    DCP's planner reads what the chunks cover and leaves the rest of a destination
+    unread: a chunk outside its tensor would leave zeros where data belongs."""
+    size = tuple(entry.size)
+    if not all(type(d) is int and d >= 0 for d in size):
+        raise bad(f"tensor {fqn!r} has size {size}")
+    boxes = []
+    total = 0
+    for c in entry.chunks:
+        off, n = tuple(c.offsets), tuple(c.sizes)
+        if len(off) != len(size) or len(n) != len(size):
+            raise bad(f"a chunk of {fqn!r} (offsets {off}, sizes {n}) has not its {len(size)} dims")
+        if not all(type(v) is int and v >= 0 for v in (*off, *n)):
+            raise bad(f"a chunk of {fqn!r} has offsets {off} and sizes {n}")
+        if any(o + m > d for o, m, d in zip(off, n, size, strict=True)):
+            raise bad(f"a chunk of {fqn!r} (offsets {off}, sizes {n}) lies outside its size {size}")
+        if (fqn, off) not in items:
+            raise bad(f"no item holds the chunk of {fqn!r} at offsets {off}")
+        vol = 1
+        for m in n:
+            vol *= m
+        total += vol
+        if vol:
+            boxes.append((off, n))
+    numel = 1
+    for d in size:
+        numel *= d
+    if total != numel:
+        raise bad(f"the chunks of {fqn!r} hold {total} of its {numel} elements")
+    # Boxes sorted by their start in the first dim; each is compared only with
+    # those whose first-dim span it meets (slabs and grids: a few each).
+    boxes.sort()
+    for i, (off, n) in enumerate(boxes):
+        for o2, n2 in boxes[i + 1 :]:
+            if size and o2[0] >= off[0] + n[0]:
+                break
+            if all(a < b + m2 and b < a + m for a, m, b, m2 in zip(off, n, o2, n2, strict=True)):
+                raise bad(f"the chunks of {fqn!r} at offsets {off} and {o2} overlap")

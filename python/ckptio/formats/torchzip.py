@@ -38,14 +38,14 @@ import sys
 import threading
 import types
 import zipfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.serialization import config as _torch_config
 
 from ckptio import _native
-from ckptio.errors import CkptioError, corrupt
+from ckptio.errors import CkptioError, LocationError, corrupt
 from ckptio.formats import unpickled
 from ckptio.formats.mapped import Mapped
 from ckptio.io import devices, memory
@@ -625,10 +625,20 @@ def native_pickle(
     return parsed, found
 
 
-#: Make the object of a natively read pickle over its storages (see
-#: :func:`ckptio._unpickled.build`): a tensor per storage, the containers, no
-#: cycles, so no collections meanwhile (see memory.gc_paused).
-rebuild = memory.gc_paused()(unpickled.build)
+def rebuild(
+    parsed: _native.Unpickled,
+    storages: list[torch.UntypedStorage],
+    dtypes: list[torch.dtype],
+    path: str,
+    *,
+    lazy: bool = False,
+) -> Any:
+    """The object of a natively read pickle over its storages
+    (``unpickled.build``), what it raises typed (:func:`unpickling`): a tensor
+    per storage, the containers, no cycles, so no collections meanwhile
+    (``memory.gc_paused``)."""
+    with memory.gc_paused(), unpickling(path):
+        return unpickled.build(parsed, storages, dtypes, path, lazy=lazy)
 
 
 def file_offsets(
@@ -654,13 +664,39 @@ def file_offsets(
 
 @contextlib.contextmanager
 def unpickling(path: str) -> Iterator[None]:
-    """torch's refusal of a pickle keeps torch's type and whole message, unchanged
-    at its start (code and users match it: "Weights only load failed", the global
-    refused and how to allow it); the file follows."""
+    """What decoding a checkpoint's pickle raises, typed. torch's refusal of a pickle
+    keeps torch's type and whole message, unchanged at its start (code and users
+    match it: "Weights only load failed", the global refused and how to allow it),
+    the file after it; a device the file names that this machine lacks is a
+    :class:`~ckptio.errors.LocationError` with torch's message; anything else the
+    decoding raises (a damaged pickle: KeyError, TypeError, torch's RuntimeError
+    for a record that is missing...) is a FormatError naming the file and the
+    record, the cause chained. ckptio's own errors and the system's pass."""
     try:
         yield
     except pickle.UnpicklingError as e:
         raise type(e)(f"{e}\n\n(while loading {path}, record data.pkl)") from None
+    except (CkptioError, OSError, MemoryError):
+        raise
+    except Exception as e:
+        text = str(e).strip().splitlines()
+        msg = text[0] if text else ""
+        if isinstance(e, RuntimeError) and _NO_DEVICE.search(msg):
+            raise LocationError(f"{' '.join(text)} (while loading {path})") from e
+        if declines_restorer(e):
+            raise  # the caller hands the file to torch.load with the caller's map_location
+        what = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+        raise corrupt(f"{path}, record data.pkl", f"the pickle does not decode: {what}") from e
+
+
+def declines_restorer(e: BaseException) -> bool:
+    """Whether torch.load refused a callable map_location (ckptio's restorer is
+    one) for a tensor subclass it rebuilds from the map_location itself."""
+    return isinstance(e, RuntimeError) and str(e).startswith("Callable map_location not supported")
+
+
+#: torch.load's words for a storage saved on a device this machine lacks.
+_NO_DEVICE = re.compile(r"Attempting to deserialize object on (a CUDA device|CUDA device \d+)")
 
 
 def _keep_mapped(found: list[tuple[int, int, str]]) -> Callable[[torch.UntypedStorage, str], Any]:
@@ -718,8 +754,8 @@ def open_torch(
     pending = [(p, n, None) for p, n, _ in found]
     offsets = file_offsets(pending, archive.data, archive.path)  # type: ignore[arg-type]
     base = next((p - o for (p, n, _), o in zip(found, offsets, strict=True) if n), 0)
-    check_locations((loc for _, _, loc in found), archive.path)
     locations = {p - base: loc for p, _, loc in found}
+    check_locations(archive, locations)
     return obj, Mapped(archive.path, reader, base, size, exact, locations)
 
 
@@ -752,48 +788,77 @@ def _native_open(
     with unpickling(name):
         dtypes = [dtype for _, _, dtype, _ in found]
         obj = rebuild(parsed, storages, dtypes, name, lazy=lazy)
-    check_locations((loc for _, _, _, loc in found), name)
     locations = {off: loc for off, _, _, loc in found}
+    check_locations(archive, locations)
     return obj, Mapped(name, archive.reader, whole.data_ptr(), size, exact, locations)
 
 
-def check_locations(locations: Iterable[Any], name: str) -> None:
-    """A FormatError for a storage location torch.load could not restore: a load
-    in place does not move storages where they were saved, but a tag torch
-    refuses is a damaged file. Each tag is checked once (a checkpoint of 512
-    storages has one or two)."""
+def check_locations(archive: Archive, locations: Mapping[int, Any]) -> None:
+    """A FormatError naming the record for a storage location (by the record's
+    data offset) torch.load could not restore: a load in place does not move
+    storages where they were saved, but a tag torch refuses is a damaged file.
+    Each tag is checked once (a checkpoint of 512 storages has one or two)."""
     ok: set[str] = set()
-    for loc in locations:
+    for off, loc in locations.items():
         if type(loc) is str and loc in ok:
             continue
         if not devices.restorable(loc):  # every tag that is not a str
-            raise corrupt(name, f"a storage's location is {loc!r}, which torch.load cannot restore")
+            record = next((n for n, (o, _) in archive.where.items() if o == off), "data")
+            where = f"{archive.path}, record {record}"
+            raise corrupt(
+                where, f"a storage's location is {loc!r}, which torch.load cannot restore"
+            )
         ok.add(loc)
 
 
-def check_declared_storages(archive: Archive) -> None:
-    """Every storage the pickle declares has a data record of exactly its size (load
-    refuses the file otherwise). The pickle is read without running any of it."""
+def check_pickle(archive: Archive) -> None:
+    """What a load relies on in the pickle, checked without running any of it
+    (``ckptio.verify``: if it says ok, the file loads): every storage it declares
+    has a data record of exactly its size, under a key that names one, with a
+    location tag torch.load can restore; every tensor's view (offset, sizes,
+    strides) is one ``set_`` takes and lies inside its storage. FormatError
+    naming the file and the record otherwise."""
     prefix, path = archive.prefix, archive.path
     sizes = {name: size for name, (_, size) in archive.where.items()}
     pkl = f"{prefix}/data.pkl"
     if pkl not in sizes or sizes[pkl] > 64 << 20:
         return  # no pickle to read here (a plain zip), or one too large to read whole
     try:
-        declared = _declared_storages(archive.reader.read_record(pkl))
+        storages, views = _declared(archive.reader.read_record(pkl))
     except Exception as e:  # any failure of a pickle that runs nothing: it is malformed
         raise corrupt(f"{path}, record {pkl}", f"not a readable pickle: {e}") from e
-    for key, nbytes in declared:
-        have = sizes.get(f"{prefix}/data/{key}")
+    for st in storages:
+        record = f"{prefix}/data/{st.key}"
+        have = sizes.get(record)
         if have is None:
             raise corrupt(
-                path,
-                f"the pickle declares storage {key!r}, but there is no record {prefix}/data/{key}",
+                path, f"the pickle declares storage {st.key!r}, but there is no record {record}"
             )
-        if nbytes is not None and have != nbytes:
+        if st.nbytes is None or have != st.nbytes:
+            declared = (
+                "a storage of a type torch does not name"
+                if st.nbytes is None
+                else (f"a storage of {st.nbytes}")
+            )
             raise corrupt(
-                f"{path}, record {prefix}/data/{key}",
-                f"it holds {have} bytes, the pickle declares a storage of {nbytes}",
+                f"{path}, record {record}", f"it holds {have} bytes, the pickle declares {declared}"
+            )
+        if not devices.restorable(st.location):
+            raise corrupt(
+                f"{path}, record {record}",
+                f"a storage's location is {st.location!r}, which torch.load cannot restore",
+            )
+    for st, offset, size, stride in views:
+        record = f"{path}, record {prefix}/data/{st.key}"
+        try:
+            need, _ = unpickled.view_layout(offset, size, stride)
+        except ValueError as e:
+            raise corrupt(record, f"a tensor's {e}") from None
+        if st.nbytes is not None and need * st.itemsize > st.nbytes:
+            raise corrupt(
+                record,
+                f"a tensor reaches past its storage's record ({need * st.itemsize} bytes "
+                f"needed, the record holds {st.nbytes})",
             )
 
 
@@ -825,30 +890,51 @@ class _Inert:
         pass
 
 
-def _declared_storages(pkl: bytes) -> list[tuple[str, int | None]]:
-    """(key, nbytes) of each storage a torch.save pickle declares (nbytes None where the
-    storage type is not one torch names), found by unpickling with every global inert."""
-    found: list[tuple[str, int | None]] = []
+@dataclasses.dataclass(frozen=True)
+class _Declared:
+    """A storage as a pickle declares it: key, location tag, bytes (None: a
+    storage type torch does not name, or a count that is not an int) and the
+    size of its elements."""
+
+    key: str
+    location: Any
+    nbytes: int | None
+    itemsize: int
+
+
+def _declared(pkl: bytes) -> tuple[list[_Declared], list[tuple[_Declared, Any, Any, Any]]]:
+    """The storages a torch.save pickle declares, and the views its
+    ``_rebuild_tensor_v2`` calls make of them (storage, offset, size, stride),
+    found by unpickling with every global inert but that one, recorded."""
+    storages: list[_Declared] = []
+    views: list[tuple[_Declared, Any, Any, Any]] = []
+
+    def rebuild(
+        storage: object, offset: object, size: object, stride: object, *_: object
+    ) -> _Inert:
+        if isinstance(storage, _Declared):
+            views.append((storage, offset, size, stride))
+        return _Inert()
 
     class Scan(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> type:
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+                return rebuild
             return type(name, (_Inert,), {"module": module, "name": name})
 
         def persistent_load(self, pid: object) -> object:
-            if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
-                _, kind, key, _, numel = pid
-                dtype = None
-                if getattr(kind, "module", "") == "torch":
-                    dtype = torch.storage._storage_type_to_dtype_map().get(kind.name)
-                if isinstance(numel, int) and dtype is not None:
-                    itemsize = dtype.itemsize
-                    found.append((str(key), numel * itemsize))
-                else:
-                    found.append((str(key), None))
-            return _Inert()
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+                return _Inert()
+            _, kind, key, location, numel = pid
+            dtype = storage_dtype(kind.name) if getattr(kind, "module", "") == "torch" else None
+            itemsize = dtype.itemsize if dtype is not None else 1
+            ok = dtype is not None and type(numel) is int and numel >= 0
+            st = _Declared(str(key), location, numel * itemsize if ok else None, itemsize)
+            storages.append(st)
+            return st
 
     Scan(io.BytesIO(pkl)).load()
-    return found
+    return storages, views
 
 
 def _tensors(obj: Any, name: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -23,18 +23,30 @@ class _Maker:
     """Makes the tensors of one pickle over its storages (the calls torch's
     unpickler makes: ``_rebuild_tensor_v2``, ``_rebuild_parameter``)."""
 
-    __slots__ = ("storages", "dtypes", "path", "sizes", "itemsizes", "addresses", "_news")
+    __slots__ = (
+        "storages",
+        "dtypes",
+        "path",
+        "records",
+        "sizes",
+        "itemsizes",
+        "addresses",
+        "_news",
+    )
 
     def __init__(
         self,
         storages: list[torch.UntypedStorage],
         dtypes: list[torch.dtype],
         path: str,
+        records: list[str],
         addresses: bool = False,
     ) -> None:
         self.storages = storages
         self.dtypes = dtypes
         self.path = path
+        #: Each storage's record, in messages.
+        self.records = records
         self.sizes = [st.nbytes() for st in storages]
         self.itemsizes = [dtype.itemsize for dtype in dtypes]
         #: Each storage's address, for placeholders (the eager build needs none).
@@ -56,19 +68,19 @@ class _Maker:
         return news
 
     def check(self, i: int, offset: Any, size: Any, stride: Any) -> bool:
-        """Whether (size, stride) is contiguous; a FormatError where the tensor
-        reaches past its storage's record: set_ would grow (reallocate) the
-        storage, which the engine may be filling at this moment (ckptio.load
-        makes the tensors during the read); torch.load's storages cannot grow
-        and it raises."""
+        """Whether (size, stride) is contiguous; a FormatError naming the record
+        where the view is none a checkpoint holds (:func:`view_layout`) or reaches
+        past its storage's record: set_ would grow (reallocate) the storage, which
+        the engine may be filling at this moment (ckptio.load makes the tensors
+        during the read); torch.load's storages cannot grow and it raises."""
         try:
-            need, contiguous = _layout(offset, size, stride)
-        except (TypeError, ValueError):
-            return False  # set_ refuses these itself
+            need, contiguous = view_layout(offset, size, stride)
+        except ValueError as e:
+            raise corrupt(f"{self.path}, record {self.records[i]}", f"a tensor's {e}") from None
         need *= self.itemsizes[i]
         if need > self.sizes[i]:
             raise corrupt(
-                self.path,
+                f"{self.path}, record {self.records[i]}",
                 f"a tensor reaches past its storage's record "
                 f"({need} bytes needed, the record holds {self.sizes[i]})",
             )
@@ -90,7 +102,7 @@ class _Maker:
             n = self.sizes[j]
             if self.storages[j].nbytes() != n:
                 raise corrupt(
-                    self.path,
+                    f"{self.path}, record {self.records[j]}",
                     f"a tensor reaches past its storage's record "
                     f"({self.storages[j].nbytes()} bytes needed, the record holds {n})",
                 )
@@ -130,17 +142,9 @@ class Placeholder:
         self.dtype = maker.dtypes[i]
         self.storage_address = maker.addresses[i]
         itemsize = maker.itemsizes[i]
-        try:
-            self.contiguous = maker.check(i, offset, size, stride)
-            self.shape = torch.Size(size)
-            self.address = self.storage_address + offset * itemsize
-        except (TypeError, ValueError):
-            # Arguments set_ refuses: made now, so that the load fails as
-            # the eager one does (or, if set_ takes them, holds the tensor).
-            self._made = maker.tensor(*args)
-            self.shape = self._made.shape
-            self.contiguous = False
-            self.address = 0
+        self.contiguous = maker.check(i, offset, size, stride)
+        self.shape = torch.Size(size)
+        self.address = self.storage_address + offset * itemsize
         self.nbytes = self.shape.numel() * itemsize
 
     def tensor(self) -> torch.Tensor:
@@ -179,7 +183,8 @@ def build(
 ) -> Any:
     """The object of a natively read pickle over its storages; ``lazy``: with a
     :class:`Placeholder` in place of each tensor."""
-    maker = _Maker(storages, dtypes, path, addresses=lazy)
+    records = [f"data/{key}" for key, _, _, _ in parsed.storages()]
+    maker = _Maker(storages, dtypes, path, records, addresses=lazy)
     if lazy:
         made = lambda *a: Placeholder(maker, a)  # noqa: E731
         return parsed.build(made, _as_parameter, collections.OrderedDict)
@@ -193,23 +198,40 @@ def tensor(x: Any) -> Any:
     return x.tensor() if type(x) is Placeholder else x
 
 
-def _layout(offset: Any, size: Any, stride: Any) -> tuple[int, bool]:
+def view_layout(offset: Any, size: Any, stride: Any) -> tuple[int, bool]:
     """(the storage elements ``set_(storage, offset, size, stride)`` needs, as
     torch computes them in ``computeStorageNbytes``; whether the layout is
     row-major, as ``is_contiguous`` says: dimensions of size 1 may have any
-    stride, an empty tensor is contiguous). TypeError or ValueError where
-    set_ would refuse the arguments (not ints, lengths that differ)."""
-    if len(size) == 1 and len(stride) == 1:  # most tensors: one loop less
-        n = size[0]
-        return (offset + (n - 1) * stride[0] + 1 if n else 0), (n < 2 or stride[0] == 1)
-    need = offset + 1
-    expected = 1
-    contiguous = True
-    for s, st in zip(reversed(size), reversed(stride), strict=True):
-        if s == 0:
-            return 0, True
-        need += (s - 1) * st
-        if s != 1 and st != expected:
-            contiguous = False
-        expected *= s
+    stride, an empty tensor is contiguous). ValueError saying what is wrong with
+    a view no checkpoint holds: an offset, sizes or strides that are not
+    non-negative ints, as many strides as sizes, a storage past int64."""
+    if type(offset) is not int or offset < 0:
+        raise ValueError(f"storage offset {offset!r} is not a non-negative int")
+    if not isinstance(size, (tuple, list)) or not isinstance(stride, (tuple, list)):
+        raise ValueError(f"size {size!r} and stride {stride!r} are not sequences")
+    if len(size) != len(stride):
+        raise ValueError(f"size {tuple(size)} and stride {tuple(stride)} differ in length")
+    if len(size) == 1:  # most tensors: one loop less
+        n, st = size[0], stride[0]
+        if type(n) is not int or type(st) is not int or n < 0 or st < 0:
+            raise ValueError(f"size ({n!r},) or stride ({st!r},) is not a non-negative int")
+        need = offset + (n - 1) * st + 1 if n else 0
+        contiguous = n < 2 or st == 1
+    else:
+        need = offset + 1
+        expected = 1
+        contiguous = True
+        for s, st in zip(reversed(size), reversed(stride), strict=True):
+            if type(s) is not int or type(st) is not int or s < 0 or st < 0:
+                raise ValueError(
+                    f"size {tuple(size)} or stride {tuple(stride)} is not of non-negative ints"
+                )
+            if s == 0:
+                return 0, True
+            need += (s - 1) * st
+            if s != 1 and st != expected:
+                contiguous = False
+            expected *= s
+    if need >= 1 << 63:
+        raise ValueError(f"view (size {tuple(size)}, stride {tuple(stride)}) overflows int64")
     return need, contiguous
