@@ -18,6 +18,8 @@ mod faults;
 mod hostmem;
 mod pickled;
 mod probe;
+#[cfg(feature = "probes")]
+mod probe_hooks;
 mod reader;
 mod safetensors;
 mod staging;
@@ -34,7 +36,7 @@ use device_file::{cufile_register_buffer, BufferRegistration, DeviceFile};
 use engine::{env_threads, pinned_memory, release_buffers, Engine};
 use errors::{BackendUnavailableError, CkptioError, CuFileError, CudaError, FormatError};
 use faults::{_clear_faults, _op_log, _record_ops, _set_fault, _set_truncation};
-use hostmem::{advise_huge, host_memory, memory_copy_floor, HostMemory};
+use hostmem::{advise_huge, HostMemory};
 use pickled::{unpickle, StateDictPickler, Unpickled};
 use probe::info;
 use reader::{map_archive, map_archives, Reader};
@@ -158,11 +160,12 @@ fn report_dict<'py>(py: Python<'py>, rep: &Report) -> PyResult<Bound<'py, PyDict
 
 #[pymodule(gil_used = false)]
 mod _native {
+    // Everything listed here is public API and goes into `__all__`. The test
+    // and probe hooks are set as plain attributes in `init` instead.
     #[pymodule_export]
     use super::{
-        _clear_faults, _op_log, _record_ops, _set_fault, _set_truncation, advise_huge, clean_temps,
-        cufile_register_buffer, env_threads, host_memory, info, map_archive, map_archives,
-        memory_copy_floor, pinned_memory, release_buffers, safetensors_header, stage_copy,
+        advise_huge, clean_temps, cufile_register_buffer, env_threads, info, map_archive,
+        map_archives, pinned_memory, release_buffers, safetensors_header, stage_copy,
         stage_device_copy, stage_pin, unpickle, AtomicWriter, BufferRegistration, DeviceFile,
         Engine, HostMemory, HostPin, Reader, StateDictPickler, Unpickled,
     };
@@ -181,6 +184,25 @@ mod _native {
         m.add("CudaError", py.get_type::<CudaError>())?;
         m.add("CuFileError", py.get_type::<CuFileError>())?;
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        // Test hooks: importable by name (`from ckptio._native import _set_fault`),
+        // never in `__all__` (`add` would put them there; `setattr` does not).
+        m.setattr("_set_fault", wrap_pyfunction!(_set_fault, m)?)?;
+        m.setattr("_set_truncation", wrap_pyfunction!(_set_truncation, m)?)?;
+        m.setattr("_clear_faults", wrap_pyfunction!(_clear_faults, m)?)?;
+        m.setattr("_record_ops", wrap_pyfunction!(_record_ops, m)?)?;
+        m.setattr("_op_log", wrap_pyfunction!(_op_log, m)?)?;
+        // Probe hooks, only in a build with the `probes` feature (benches, probes).
+        #[cfg(feature = "probes")]
+        {
+            m.setattr(
+                "host_memory",
+                wrap_pyfunction!(probe_hooks::host_memory, m)?,
+            )?;
+            m.setattr(
+                "memory_copy_floor",
+                wrap_pyfunction!(probe_hooks::memory_copy_floor, m)?,
+            )?;
+        }
         // Fault injection is decided once, from the environment at import.
         crate::io::fault::latch_env();
         Ok(())
