@@ -64,8 +64,11 @@ _Segment = tuple[int, int, int, int]
 # (device, raw CUstream, e.g. torch.cuda.current_stream(d).cuda_stream): device memory
 # is touched only after the work queued there before the call (0: the legacy stream)
 _Streams = list[tuple[int, int]]
-# Objects owning the memory behind a call's addresses (storages, tensors): held until
-# the call returns, so no other thread can free that memory meanwhile
+# Objects owning the memory behind a call's addresses (torch.UntypedStorage,
+# torch.Tensor, HostMemory): held until the call returns, so no other thread can free
+# that memory meanwhile. Every address range of the call must lie inside one owner's
+# memory (its own data_ptr/nbytes/device), checked before any byte moves: ValueError
+# naming the range otherwise (TypeError for an owner of another type)
 _Owners = list[Any]
 
 @final
@@ -124,9 +127,10 @@ def env_threads() -> int | None:
     """CKPTIO_THREADS as the engine reads it (ValueError when malformed), None where unset."""
 
 def map_archives(
-    addr: int, len: int, spans: list[tuple[int, int]]
+    addr: int, len: int, spans: list[tuple[int, int]], owners: _Owners
 ) -> list[tuple[int, int, list[tuple[str, int, int]]] | None]:
-    """Archives held in host memory: (data.pkl offset, size, [(key, offset, size)]) each."""
+    """Archives held in host memory of ``owners``: (data.pkl offset, size, [(key,
+    offset, size)]) each."""
 
 def map_archive(path: _Path) -> list[tuple[str, int, int]]:
     """[(record name, data offset, size)] of a torch.save zip archive."""

@@ -15,6 +15,17 @@ pub struct HostMemory {
     map: AnonMap,
 }
 
+impl HostMemory {
+    /// Its memory, for the owner checks of native calls.
+    pub(super) fn extent(&self) -> crate::engine::Extent {
+        crate::engine::Extent {
+            memory: crate::engine::Memory::Host,
+            addr: self.map.as_ptr() as u64,
+            len: self.map.len() as u64,
+        }
+    }
+}
+
 #[pymethods]
 impl HostMemory {
     #[new]

@@ -7,7 +7,8 @@
 //! detach or any I/O (the classes' own locks are taken inside `py.detach`), so
 //! a thread holding the interpreter never waits for one that needs it back.
 //! Every call that works on raw addresses takes the objects that own them
-//! ([`Owners`]) and holds them until it returns. Policy (which storages, which
+//! ([`Owners`]), checks every address range against the owners' own extents
+//! before any byte moves, and holds them until it returns. Policy (which storages, which
 //! offsets, torch semantics) lives in the Python package. One file per Python
 //! class or group of functions; the helpers they share are here.
 
@@ -16,6 +17,7 @@ mod engine;
 mod errors;
 mod faults;
 mod hostmem;
+mod owners;
 mod pickled;
 mod probe;
 #[cfg(feature = "probes")]
@@ -61,8 +63,9 @@ type Streams = Vec<(i32, u64)>;
 /// The objects that own the memory behind a call's addresses (storages,
 /// tensors, a staging buffer): references taken while attached and held until
 /// the call returns, so that no other Python thread can free that memory
-/// while the engine works on it detached. One reference each, no Python call.
-type Owners = Vec<Py<PyAny>>;
+/// while the engine works on it detached; every range the call moves is
+/// checked against their extents first (see [`owners`]).
+use owners::Owners;
 
 fn memory(dev: i32) -> Memory {
     if dev < 0 {
@@ -104,7 +107,8 @@ struct Ask {
 }
 
 /// Run one transfer of `segments` detached: `run` gets the core engine, the
-/// segments and the request. `owners` are held until it returns (references
+/// segments and the request. Every segment must lie inside the memory of
+/// `owners` (checked first), which are held until it returns (references
 /// taken while attached, dropped once attached again).
 fn detached<T: Send>(
     py: Python<'_>,
@@ -116,6 +120,7 @@ fn detached<T: Send>(
 ) -> PyResult<T> {
     let engine = engine.inner.clone();
     let segs = to_segments(segments);
+    owners.check_segments(&segs)?;
     let req = Request {
         checksum: ask.checksum,
         streams: &ask.streams,
@@ -123,7 +128,7 @@ fn detached<T: Send>(
         patches: &ask.patches,
     };
     let out = py.detach(|| run(&engine, &segs, req));
-    drop(owners);
+    owners.release();
     Ok(out?)
 }
 
