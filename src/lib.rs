@@ -23,6 +23,7 @@ pub mod format;
 pub mod gpu;
 pub mod io;
 mod sync;
+mod workers;
 
 #[cfg(feature = "python")]
 mod binding;

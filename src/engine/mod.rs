@@ -61,6 +61,7 @@ use crate::gpu::DevicePath;
 pub use crate::gpu::Memory;
 use crate::io::align;
 use crate::io::file::IoFile;
+use crate::workers::Caller;
 use crate::{Error, Result};
 
 pub use config::{default_memory_threads, parse_size, threads_from_env, EngineConfig};
@@ -382,7 +383,7 @@ impl Engine {
             // cuFile follows no stream: the host waits for the caller's work.
             after.wait_on_host()?;
         }
-        let mut lanes = self.pool.take(
+        let lanes = self.pool.take(
             threads,
             self.lane_capacity(file),
             file.alignment().memory.max(align::DEFAULT_ALIGN),
@@ -402,30 +403,35 @@ impl Engine {
         // (piece index, its CRC-32): filled by the threads, combined below.
         let crcs: Mutex<Vec<(usize, Option<u32>)>> = Mutex::new(Vec::new());
 
-        std::thread::scope(|s| {
-            for lane in lanes.iter_mut() {
-                let (chunks, next, first_error, crcs, ctx) =
-                    (&plan.chunks, &next, &first_error, &crcs, &ctx);
-                s.spawn(move || {
-                    let take = || {
-                        if first_error.failed() {
-                            return None;
-                        }
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        chunks.get(i).map(|c| (i, c))
-                    };
-                    let mut mine = Vec::new();
-                    let out = checksum.then_some(&mut mine);
-                    // SAFETY: piece ranges lie inside the caller's segments
-                    // (see `plan`), whose validity the caller guarantees.
-                    let r = unsafe { lane.run(ctx, take, out) };
-                    match r {
-                        Ok(()) => crate::sync::lock(crcs).append(&mut mine),
-                        Err(e) => first_error.set(e),
-                    }
-                });
+        // One task per lane on the process's worker threads; a transfer of
+        // host memory only also runs a lane on the calling thread, while one of
+        // device memory leaves the caller's CUDA context alone.
+        let lanes: Vec<Mutex<Lane>> = lanes.into_iter().map(Mutex::new).collect();
+        let caller = if devices.is_empty() {
+            Caller::Helps
+        } else {
+            Caller::Waits
+        };
+        crate::workers::run(lanes.len(), caller, |t| {
+            let mut lane = crate::sync::lock(&lanes[t]);
+            let take = || {
+                if first_error.failed() {
+                    return None;
+                }
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                plan.chunks.get(i).map(|c| (i, c))
+            };
+            let mut mine = Vec::new();
+            let out = checksum.then_some(&mut mine);
+            // SAFETY: piece ranges lie inside the caller's segments (see
+            // `plan`), whose validity the caller guarantees.
+            let r = unsafe { lane.run(&ctx, take, out) };
+            match r {
+                Ok(()) => crate::sync::lock(&crcs).append(&mut mine),
+                Err(e) => first_error.set(e),
             }
         });
+        let lanes = lanes.into_iter().map(crate::sync::into_inner).collect();
         self.pool.give_back(lanes);
         if let Some(e) = first_error.into_inner() {
             // Errors of layers that do not know the file (cuFile's) name it here.

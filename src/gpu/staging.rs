@@ -26,6 +26,7 @@ use crate::gpu::cuda::{self, HostRegistration, Stream};
 use crate::gpu::Memory;
 use crate::io::align;
 use crate::io::hugepage;
+use crate::workers::Caller;
 use crate::{Error, Result};
 
 const PAGE: u64 = 4096;
@@ -264,8 +265,9 @@ fn check_disjoint(pins: &[&HostPin], jobs: &[CopyJob]) -> Result<()> {
     Ok(())
 }
 
-/// Runs `jobs` on `threads` threads: device pieces as async copies on a stream
-/// per thread and device (into pinned buffers where the driver allows; waited
+/// Runs `jobs` as `threads` tasks on the worker threads (host copies on the
+/// caller's thread too): device pieces as async copies on a stream per task
+/// and device (into pinned buffers where the driver allows; waited
 /// for every [`QUEUED_COPIES`] copies or [`QUEUED_BYTES`] bytes), host pieces
 /// as memcpy. Returns when every byte has landed; the first error wins.
 ///
@@ -298,74 +300,76 @@ pub unsafe fn copy_to_host(
     let next = AtomicUsize::new(0);
     let unpinned = AtomicUsize::new(0);
     let first_error = crate::sync::FirstError::default();
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| {
-                let mut streams: Vec<Stream> = Vec::new();
-                // Device copies queued on this thread's streams since the last
-                // wait: many small tensors cost a queued copy each, not a round trip.
-                let mut queued = (0usize, 0usize);
-                let r = (|| -> Result<()> {
-                    while !first_error.failed() {
-                        let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
-                            break;
-                        };
-                        match p.memory {
-                            Memory::Host => {
-                                // SAFETY: both ranges are valid and disjoint (caller's
-                                // contract; `plan` kept the destination inside its pin
-                                // and refused overlaps).
-                                unsafe {
-                                    std::ptr::copy_nonoverlapping(
-                                        p.src as *const u8,
-                                        p.dst_addr as *mut u8,
-                                        p.len,
-                                    )
-                                }
-                            }
-                            Memory::Cuda(dev) => {
-                                if !pins[p.dst].ensure_pinned() {
-                                    unpinned.fetch_add(p.len, Ordering::Relaxed);
-                                }
-                                let k = match streams.iter().position(|s| s.device() == dev) {
-                                    Some(k) => k,
-                                    None => {
-                                        streams.push(Stream::new(dev)?);
-                                        streams.len() - 1
-                                    }
-                                };
-                                let st = &streams[k];
-                                cuda::driver()?.make_current(dev)?;
-                                // SAFETY: source is live device memory and the
-                                // destination is ours until the sync below.
-                                unsafe {
-                                    cuda::driver()?.memcpy_dtoh_async(
-                                        p.dst_addr as *mut u8,
-                                        p.src,
-                                        p.len,
-                                        st,
-                                    )?
-                                };
-                                queued = (queued.0 + 1, queued.1 + p.len);
-                                if queued.0 >= QUEUED_COPIES || queued.1 >= QUEUED_BYTES {
-                                    for st in &streams {
-                                        st.synchronize()?;
-                                    }
-                                    queued = (0, 0);
-                                }
-                            }
+    // Device copies make a CUDA context current on the thread that queues
+    // them: those run on pool threads only, never on the caller's.
+    let caller = if jobs.iter().all(|j| j.memory == Memory::Host) {
+        Caller::Helps
+    } else {
+        Caller::Waits
+    };
+    crate::workers::run(threads, caller, |_| {
+        let mut streams: Vec<Stream> = Vec::new();
+        // Device copies queued on this task's streams since the last wait:
+        // many small tensors cost a queued copy each, not a round trip.
+        let mut queued = (0usize, 0usize);
+        let r = (|| -> Result<()> {
+            while !first_error.failed() {
+                let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                    break;
+                };
+                match p.memory {
+                    Memory::Host => {
+                        // SAFETY: both ranges are valid and disjoint (caller's
+                        // contract; `plan` kept the destination inside its pin
+                        // and refused overlaps).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                p.src as *const u8,
+                                p.dst_addr as *mut u8,
+                                p.len,
+                            )
                         }
                     }
-                    Ok(())
-                })();
-                // Every copy queued has landed (or failed) before the thread ends:
-                // none may outlive the call.
-                let waited = streams.iter().try_for_each(Stream::synchronize);
-                let r = r.and(waited);
-                if let Err(e) = r {
-                    first_error.set(e);
+                    Memory::Cuda(dev) => {
+                        if !pins[p.dst].ensure_pinned() {
+                            unpinned.fetch_add(p.len, Ordering::Relaxed);
+                        }
+                        let k = match streams.iter().position(|s| s.device() == dev) {
+                            Some(k) => k,
+                            None => {
+                                streams.push(Stream::new(dev)?);
+                                streams.len() - 1
+                            }
+                        };
+                        let st = &streams[k];
+                        cuda::driver()?.make_current(dev)?;
+                        // SAFETY: source is live device memory and the
+                        // destination is ours until the sync below.
+                        unsafe {
+                            cuda::driver()?.memcpy_dtoh_async(
+                                p.dst_addr as *mut u8,
+                                p.src,
+                                p.len,
+                                st,
+                            )?
+                        };
+                        queued = (queued.0 + 1, queued.1 + p.len);
+                        if queued.0 >= QUEUED_COPIES || queued.1 >= QUEUED_BYTES {
+                            for st in &streams {
+                                st.synchronize()?;
+                            }
+                            queued = (0, 0);
+                        }
+                    }
                 }
-            });
+            }
+            Ok(())
+        })();
+        // Every copy queued has landed (or failed) before the task ends:
+        // none may outlive the call.
+        let waited = streams.iter().try_for_each(Stream::synchronize);
+        if let Err(e) = r.and(waited) {
+            first_error.set(e);
         }
     });
     if let Some(e) = first_error.into_inner() {
