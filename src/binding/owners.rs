@@ -137,10 +137,17 @@ impl<'py> Reader<'py> {
 
     fn storage_extent(&self, st: &Bound<'py, PyAny>, memory: Memory) -> PyResult<Extent> {
         let py = self.py;
+        // An UntypedStorage's len() is its nbytes(), through a type slot: half
+        // the cost of the method call (a subclass may redefine either).
+        let len = if st.get_type().is(self.torch.storage.bind(py)) {
+            st.len()? as u64
+        } else {
+            st.call_method0(intern!(py, "nbytes"))?.extract()?
+        };
         Ok(Extent {
             memory,
             addr: st.call_method0(intern!(py, "data_ptr"))?.extract()?,
-            len: st.call_method0(intern!(py, "nbytes"))?.extract()?,
+            len,
         })
     }
 
