@@ -69,9 +69,9 @@ pub use config::{
     DEFAULT_CHUNK_SIZE, DEFAULT_IDLE_RELEASE, DEFAULT_MEMORY_CHUNK_SIZE, DEFAULT_THREADS,
 };
 pub use file::{PathState, Report, Request, TransferFile};
-pub use lane::Lane;
+pub(crate) use lane::Lane;
 pub use memory::{MemoryPath, ReadPath, RESIDENT_MIN};
-pub use owned::{describe as describe_memory, Extent, Owned};
+pub use owned::{Extent, Owned};
 pub use pool::release_buffers;
 
 /// Segments of a read this close in the file share one I/O: the bytes between
