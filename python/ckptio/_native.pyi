@@ -306,7 +306,8 @@ def advise_huge(addr: int, nbytes: int, shared: bool) -> bool:
 
 @final
 class HostPin:
-    """Pinning state of host memory of ``owner`` (held), page-locked whole by the first copy."""
+    """Pinning state of host memory of ``owner`` (held), page-locked whole by the first copy;
+    ``[addr, addr + nbytes)`` must lie inside ``owner``'s host memory (ValueError)."""
 
     def __new__(
         cls, owner: Any, addr: int, nbytes: int, pin: bool = True, chunk_size: int = 67108864
@@ -319,7 +320,8 @@ class HostPin:
 def stage_copy(
     copies: list[tuple[int, int, HostPin, int, int]], owners: _Owners, threads: int = 8
 ) -> dict[str, Any]:
-    """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel."""
+    """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel; sources
+    inside ``owners``, destinations disjoint from each other and from host sources."""
 
 def stage_pin(pins: list[HostPin], threads: int = 8) -> int:
     """Pin every one of ``pins`` not yet pinned; returns the bytes now pinned."""
@@ -328,7 +330,8 @@ def stage_device_copy(
     device: int, stream: int, copies: list[tuple[int, int, int]], owners: _Owners
 ) -> None:
     """Queue (dst, src, nbytes) device-to-device copies on a raw CUstream; returns at once
-    (the caller keeps both ranges alive until the stream has run them)."""
+    (the caller keeps both ranges alive until the stream has run them). Both ranges must
+    lie in CUDA memory of ``owners`` on ``device``."""
 
 @final
 class Unpickled:
@@ -377,7 +380,9 @@ class StateDictPickler:
 def clean_temps(folder: _Path) -> list[str]:
     """Remove the temp files of dead saves in ``folder``; the names removed."""
 
-def cufile_register_buffer(owner: Any, addr: int, nbytes: int) -> BufferRegistration: ...
+def cufile_register_buffer(owner: Any, addr: int, nbytes: int) -> BufferRegistration:
+    """Register ``[addr, addr + nbytes)``, inside ``owner``'s CUDA memory, with cuFile."""
+
 def info(folder: _Path | None = None) -> dict[str, Any]:
     """libcuda, libcufile, pinned memory held and its cap, huge pages, and (for
     ``folder``) O_DIRECT / cuFile handle support."""
