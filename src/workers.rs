@@ -78,7 +78,10 @@ pub fn run(n: usize, caller: Caller, f: impl Fn(usize) + Sync) {
         done: Condvar::new(),
         panic: Mutex::new(None),
     });
-    let finish = Finish(&batch);
+    let mut finish = Finish {
+        batch: &batch,
+        unwinding: true,
+    };
     let helps = caller == Caller::Helps || in_pool;
     let want = if helps { n - 1 } else { n };
     let threads = pool().submit(&batch, want);
@@ -87,6 +90,7 @@ pub fn run(n: usize, caller: Caller, f: impl Fn(usize) + Sync) {
         // only one left to run the batch, whatever it asked for.
         while batch.run_one() {}
     }
+    finish.unwinding = false;
     drop(finish);
     let panicked = lock(&batch.panic).take();
     if let Some(p) = panicked {
@@ -94,15 +98,21 @@ pub fn run(n: usize, caller: Caller, f: impl Fn(usize) + Sync) {
     }
 }
 
-/// Waits, when dropped, until no task of the batch runs or will run.
-struct Finish<'a>(&'a Batch);
+/// Waits, when dropped, until no task of the batch runs or will run; where
+/// `run` is unwinding (its flag never cleared), it first withdraws the tasks
+/// nobody has claimed. (A flag, not `std::thread::panicking()`: `run` may be
+/// called by a destructor while a panic unwinds, and must then still finish.)
+struct Finish<'a> {
+    batch: &'a Batch,
+    unwinding: bool,
+}
 
 impl Drop for Finish<'_> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.withdraw();
+        if self.unwinding {
+            self.batch.withdraw();
         }
-        self.0.wait_done();
+        self.batch.wait_done();
     }
 }
 
@@ -413,6 +423,25 @@ mod tests {
             n.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(n.load(Ordering::Relaxed), 5);
+    }
+
+    #[test]
+    fn a_batch_started_while_a_panic_unwinds_still_runs_every_task() {
+        struct OnDrop<'a>(&'a AtomicUsize);
+        impl Drop for OnDrop<'_> {
+            fn drop(&mut self) {
+                run(4, Caller::Waits, |_| {
+                    self.0.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        }
+        let n = AtomicUsize::new(0);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            let _g = OnDrop(&n);
+            panic!("unwinding");
+        }));
+        assert!(r.is_err());
+        assert_eq!(n.load(Ordering::SeqCst), 4);
     }
 
     #[test]
