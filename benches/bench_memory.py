@@ -189,6 +189,11 @@ def load_row(name: str, fn: Callable[[], Any], check: dict | None = None) -> Non
 
 def main() -> None:
     global DEV, ROUND, READS, SECTION
+    if not hasattr(_native, "host_memory"):
+        sys.exit(
+            "bench_memory.py needs the probe hooks: a build with the cargo feature "
+            "probes (scripts/dev_build.sh --release, scripts/build_gpu_bundle.sh)"
+        )
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="8G")
     ap.add_argument("--rounds", type=int, default=2)

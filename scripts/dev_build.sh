@@ -3,9 +3,11 @@
 # given) and placed beside the Python sources, so that
 #   PYTHONPATH=python .venv/bin/python -m pytest
 # runs this checkout without a reinstall (any venv with the test extras will do).
+# Built with the probe hooks (cargo feature probes: _native.host_memory and
+# _native.memory_copy_floor) that the tests use where present and the benches need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --features python "$@"
+cargo build --features python,probes "$@"
 profile=debug
 for a in "$@"; do [ "$a" = "--release" ] && profile=release; done
 # A new file renamed over the old: a process that has the old one loaded keeps it.

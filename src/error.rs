@@ -2,7 +2,17 @@
 //!
 //! Variants keep their sources (`io::Error` intact, so the binding can raise the
 //! matching `OSError` subclass) and say *where* things went wrong: the step, the
-//! path, the record.
+//! path, the record. The binding turns each variant into one Python exception
+//! (`src/binding/errors.rs`):
+//!
+//! | variant | Python |
+//! | --- | --- |
+//! | [`Error::Io`] | the `OSError` subclass of its errno (`MemoryError` when out of memory), naming the file |
+//! | [`Error::Format`] | `ckptio.FormatError` |
+//! | [`Error::InvalidArgument`] | `ValueError` (bad arguments, address ranges outside their owners, overlapping segments) |
+//! | [`Error::Library`] | `ckptio.BackendUnavailableError` |
+//! | [`Error::Cuda`] | `ckptio.CudaError` |
+//! | [`Error::CuFile`] | `ckptio.CuFileError` |
 
 use std::fmt;
 use std::io;
@@ -29,7 +39,8 @@ pub enum Error {
         path: Option<PathBuf>,
         reason: String,
     },
-    /// The caller asked for something impossible (bad offset, size, pointer, option).
+    /// The caller asked for something impossible (bad offset, size, option; a
+    /// range outside the memory of its owners; segments that overlap).
     InvalidArgument(String),
     /// A library loaded at run time (libcuda, libcufile) is missing or lacks a symbol.
     Library { name: String, reason: String },

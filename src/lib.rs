@@ -4,18 +4,28 @@
 //! only the layers below it:
 //!
 //! ```text
-//!   binding (PyO3, `python` feature)   one file per Python class
-//!      |
-//!   format    zipmap, integrity        what is inside a checkpoint
-//!      |
-//!   engine    config, lane             threads moving (memory, file range) segments
-//!      |            \
-//!   gpu       cuda, cufile, path, bounce, staging
-//!      |
-//!   io        align, file, persist, fault
+//!   binding   (PyO3, `python` feature)  one file per Python class; checks every
+//!      |       address range against its owners, runs every blocking call detached
+//!   format    zipmap, zipwrite          torch.save archives: read, written in one pass
+//!      |      integrity                 CRC-32 fields, record checks
+//!      |      pickle, statedict         torch's state-dict pickles: read, written
+//!      |      safetensors, zstd         safetensors headers, DCP items as zstd frames
+//!   engine    Engine, lane, pool        segments cut into chunks, moved by tasks,
+//!      |      file (TransferFile)       each in a lane whose buffers are reused;
+//!      |      memory, config, owned     the memory path, the knobs, owners' extents
+//!   gpu       cuda, cufile, path        libcuda and cuFile (loaded at run time),
+//!      |      bounce, order, budget     the bounce pipeline, stream order, the
+//!      |      staging                   pinned cap, stagers' copies
+//!   io        align, file, persist      O_DIRECT files, atomic replace,
+//!             mapped, hugepage, env,    page-cache mappings, huge pages, knobs,
+//!             fault                     fault points
+//!
+//!   workers   the process's one pool of worker threads, which every layer's
+//!   sync      parallel steps run on; locks and service threads (all layers)
 //! ```
 //!
-//! [`error`] is the one error type every layer returns.
+//! [`error`] is the one error type every layer returns. Modules are `pub`
+//! where the binding or the benches reach them; the rest is `pub(crate)`.
 
 pub mod engine;
 pub mod error;
@@ -23,6 +33,7 @@ pub mod format;
 pub mod gpu;
 pub mod io;
 mod sync;
+mod workers;
 
 #[cfg(feature = "python")]
 mod binding;

@@ -8,21 +8,18 @@ from typing_extensions import Self
 
 __version__: str
 CORRUPT_HINT: str
+# The test hooks (_set_fault, ...) are importable by name but not in __all__; the
+# probe hooks (host_memory, memory_copy_floor) exist only in a build with the
+# cargo feature "probes" (scripts/dev_build.sh, scripts/build_gpu_bundle.sh) and
+# are not declared here: reach them with getattr(_native, name, None).
 __all__ = [
-    "_clear_faults",
-    "_op_log",
-    "_record_ops",
-    "_set_fault",
-    "_set_truncation",
     "advise_huge",
     "clean_temps",
-    "host_memory",
     "cufile_register_buffer",
     "env_threads",
     "info",
     "map_archive",
     "map_archives",
-    "memory_copy_floor",
     "safetensors_header",
     "pinned_memory",
     "release_buffers",
@@ -69,8 +66,11 @@ _Segment = tuple[int, int, int, int]
 # (device, raw CUstream, e.g. torch.cuda.current_stream(d).cuda_stream): device memory
 # is touched only after the work queued there before the call (0: the legacy stream)
 _Streams = list[tuple[int, int]]
-# Objects owning the memory behind a call's addresses (storages, tensors): held until
-# the call returns, so no other thread can free that memory meanwhile
+# Objects owning the memory behind a call's addresses (torch.UntypedStorage,
+# torch.Tensor, HostMemory): held until the call returns, so no other thread can free
+# that memory meanwhile. Every address range of the call must lie inside one owner's
+# memory (its own data_ptr/nbytes/device), checked before any byte moves: ValueError
+# naming the range otherwise (TypeError for an owner of another type)
 _Owners = list[Any]
 
 @final
@@ -129,9 +129,10 @@ def env_threads() -> int | None:
     """CKPTIO_THREADS as the engine reads it (ValueError when malformed), None where unset."""
 
 def map_archives(
-    addr: int, len: int, spans: list[tuple[int, int]]
+    addr: int, len: int, spans: list[tuple[int, int]], owners: _Owners
 ) -> list[tuple[int, int, list[tuple[str, int, int]]] | None]:
-    """Archives held in host memory: (data.pkl offset, size, [(key, offset, size)]) each."""
+    """Archives held in host memory of ``owners``: (data.pkl offset, size, [(key,
+    offset, size)]) each."""
 
 def map_archive(path: _Path) -> list[tuple[str, int, int]]:
     """[(record name, data offset, size)] of a torch.save zip archive."""
@@ -305,24 +306,10 @@ class HostMemory:
 def advise_huge(addr: int, nbytes: int, shared: bool) -> bool:
     """MADV_HUGEPAGE on untouched memory where the host allows it; whether it asked."""
 
-def host_memory() -> dict[str, int]:
-    """{"file_mappings": file mappings alive, "anon_bytes": bytes of ckptio's anonymous
-    mappings}, once mappings waiting to be unmapped are gone."""
-
-def memory_copy_floor(
-    path: str | os.PathLike[str],
-    source: str = "map",
-    threads: int = 8,
-    chunk_size: int = 4194304,
-    pinned: bool = True,
-) -> tuple[float, bool]:
-    """(seconds, pinned): the file copied by ``threads`` threads, ``chunk_size`` at a
-    time, into two pinned slots each ("map", "map-nt" or "pread"), without the engine;
-    ``pinned=False``: pageable slots."""
-
 @final
 class HostPin:
-    """Pinning state of host memory of ``owner`` (held), page-locked whole by the first copy."""
+    """Pinning state of host memory of ``owner`` (held), page-locked whole by the first copy;
+    ``[addr, addr + nbytes)`` must lie inside ``owner``'s host memory (ValueError)."""
 
     def __new__(
         cls, owner: Any, addr: int, nbytes: int, pin: bool = True, chunk_size: int = 67108864
@@ -335,7 +322,8 @@ class HostPin:
 def stage_copy(
     copies: list[tuple[int, int, HostPin, int, int]], owners: _Owners, threads: int = 8
 ) -> dict[str, Any]:
-    """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel."""
+    """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel; sources
+    inside ``owners``, destinations disjoint from each other and from host sources."""
 
 def stage_pin(pins: list[HostPin], threads: int = 8) -> int:
     """Pin every one of ``pins`` not yet pinned; returns the bytes now pinned."""
@@ -344,7 +332,8 @@ def stage_device_copy(
     device: int, stream: int, copies: list[tuple[int, int, int]], owners: _Owners
 ) -> None:
     """Queue (dst, src, nbytes) device-to-device copies on a raw CUstream; returns at once
-    (the caller keeps both ranges alive until the stream has run them)."""
+    (the caller keeps both ranges alive until the stream has run them). Both ranges must
+    lie in CUDA memory of ``owners`` on ``device``."""
 
 @final
 class Unpickled:
@@ -393,7 +382,9 @@ class StateDictPickler:
 def clean_temps(folder: _Path) -> list[str]:
     """Remove the temp files of dead saves in ``folder``; the names removed."""
 
-def cufile_register_buffer(owner: Any, addr: int, nbytes: int) -> BufferRegistration: ...
+def cufile_register_buffer(owner: Any, addr: int, nbytes: int) -> BufferRegistration:
+    """Register ``[addr, addr + nbytes)``, inside ``owner``'s CUDA memory, with cuFile."""
+
 def info(folder: _Path | None = None) -> dict[str, Any]:
     """libcuda, libcufile, pinned memory held and its cap, huge pages, and (for
     ``folder``) O_DIRECT / cuFile handle support."""

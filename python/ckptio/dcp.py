@@ -307,7 +307,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                 writer,
                 engine,
                 segments,
-                [*keep, buf],
+                [*keep, buf] if buf is not None else keep,
                 file_len=image.end,
                 patches=image.patches,
             )
@@ -834,7 +834,7 @@ class FileSystemReader(_TorchReader):
         base = buf.data_ptr()
         segs = [(off, base + place[(off, n)], n, -1) for off, n in spans]
         stats = transfer.read(dev_file, engine, segs, [buf])
-        maps = _native.map_archives(base, at, [(place[s], s[1]) for s in spans])
+        maps = _native.map_archives(base, at, [(place[s], s[1]) for s in spans], [buf])
         items = {}
         for span, got in zip(spans, maps, strict=True):
             items[span] = self._small_item(path, f, buf, place[span], span, got)

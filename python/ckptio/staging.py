@@ -153,6 +153,11 @@ class _Buffer:
         """A view's storage offset in the buffer's storage, in elements of its dtype."""
         return vkey[1]
 
+    def device_buffers(self, device: int) -> list[torch.UntypedStorage]:
+        """The storages of the device snapshot buffers on ``device`` (allocated)."""
+        mine = (b.storage for k, b in self.memo.items() if k[3] and k[0] == device)
+        return [st for st in mine if st is not None]
+
     def materialize(self) -> None:
         if self.storage is not None:
             return
@@ -776,7 +781,9 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                     side = self._side_streams[dev] = torch.cuda.Stream(device=dev)
                 sides.append(side)
                 side.wait_event(events[dev])  # a tensor on dev: dev has a context
-                _native.stage_device_copy(dev, side.cuda_stream, copies, plan.sources)
+                # The owners of both ends: the sources and the snapshot buffers.
+                owners = [*plan.sources, *plan.device_buffers(dev)]
+                _native.stage_device_copy(dev, side.cuda_stream, copies, owners)
             self.last_stats = {"bytes": 0}
             jobs = plan.host_copies()
             if jobs:

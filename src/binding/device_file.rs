@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::engine::TransferFile;
+use crate::engine::{Memory, Owned, TransferFile};
 use crate::io::file::IoFile;
 use crate::Error;
 
@@ -124,9 +124,10 @@ impl DeviceFile {
             checksum,
             ..Ask::default()
         };
-        // SAFETY: the owners keep every destination allocated until this
-        // returns; the caller leaves them untouched (documented contract) and
-        // hands its own streams.
+        // SAFETY: every destination lies inside its owners' memory (checked
+        // by `detached`), which they keep allocated until this returns; the
+        // caller leaves it untouched (documented contract) and hands its own
+        // streams; the engine refuses destinations that overlap.
         let rep = detached(py, engine, segments, owners, ask, |e, s, r| unsafe {
             self.file.read(e, s, r)
         })?;
@@ -184,17 +185,28 @@ impl BufferRegistration {
 }
 
 /// Register `nbytes` of device memory at `addr`, owned by `owner` (a
-/// storage), with cuFile; the registration holds `owner` until closed.
+/// storage or tensor, whose CUDA memory must hold the range), with cuFile;
+/// the registration holds `owner` until closed.
 #[pyfunction]
 pub(super) fn cufile_register_buffer(
     py: Python<'_>,
-    owner: Py<PyAny>,
+    owner: Bound<'_, PyAny>,
     addr: u64,
     nbytes: usize,
 ) -> PyResult<BufferRegistration> {
+    let e = super::owners::extent_of(&owner)?;
+    let Memory::Cuda(_) = e.memory else {
+        return Err(Error::invalid(
+            "cufile_register_buffer: the owner's memory is not CUDA memory",
+        )
+        .into());
+    };
+    Owned::new([e]).check(e.memory, addr, nbytes as u64, || "the buffer".to_string())?;
+    let owner = owner.unbind();
     let reg = py.detach(|| {
         let d = crate::gpu::cufile::driver()?;
-        // SAFETY: `owner` keeps the memory allocated for as long as the
+        // SAFETY: the range lies inside `owner`'s device memory (checked
+        // above), which `owner` keeps allocated for as long as the
         // registration lives (both sit in the returned object).
         unsafe { d.register_buffer(addr, nbytes) }
     })?;

@@ -3,14 +3,8 @@
 //! `advise_huge` for shared memory mapped elsewhere.
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
-use std::path::PathBuf;
-
-use crate::gpu::cuda::PinnedBuffer;
 use crate::io::hugepage::{self, AnonMap};
-use crate::io::mapped::{self, FloorSource};
-use crate::Error;
 
 /// `nbytes` of private anonymous memory, zero-filled on first touch, advised
 /// MADV_HUGEPAGE before anything touches it (unless CKPTIO_HUGE_PAGES=0), and
@@ -19,6 +13,17 @@ use crate::Error;
 #[pyclass(frozen, module = "ckptio._native")]
 pub struct HostMemory {
     map: AnonMap,
+}
+
+impl HostMemory {
+    /// Its memory, for the owner checks of native calls.
+    pub(super) fn extent(&self) -> crate::engine::Extent {
+        crate::engine::Extent {
+            memory: crate::engine::Memory::Host,
+            addr: self.map.as_ptr() as u64,
+            len: self.map.len() as u64,
+        }
+    }
 }
 
 #[pymethods]
@@ -70,67 +75,4 @@ pub(super) fn advise_huge(addr: u64, nbytes: usize, shared: bool) -> bool {
     // SAFETY: advice only: the caller's mapping stays as it is where the kernel
     // refuses (an address it does not know is EINVAL/ENOMEM, not a fault).
     unsafe { libc::madvise(addr as *mut libc::c_void, nbytes, libc::MADV_HUGEPAGE) == 0 }
-}
-
-/// Host memory ckptio holds in its own mappings, once the mappings of files
-/// read from memory that wait to be unmapped are gone: "file_mappings" (file
-/// mappings alive: 0 between reads), "anon_bytes" (anonymous mappings: engine
-/// buffers, pinned pools, `HostMemory` objects alive).
-#[pyfunction]
-pub(super) fn host_memory(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    py.detach(mapped::flush_unmaps);
-    let d = PyDict::new(py);
-    d.set_item("file_mappings", mapped::live_mappings())?;
-    d.set_item("anon_bytes", hugepage::mapped_bytes())?;
-    Ok(d)
-}
-
-/// The memory path's CPU floor, for the benches: (seconds, pinned) for
-/// `threads` threads to copy the whole file at `path`, `chunk_size` bytes at a
-/// time, into two slots each of one pinned buffer (pageable, faulted in, where
-/// there is no CUDA), as the memory path fills its bounce lanes but without
-/// the engine or the GPU. `source`: "map", "map-nt" or "pread". `pinned=False`:
-/// pageable slots even with CUDA, for a floor timed beside running copies
-/// (registering the slots would wait on them).
-#[pyfunction]
-#[pyo3(signature = (path, source="map", threads=8, chunk_size=4194304, pinned=true))]
-pub(super) fn memory_copy_floor(
-    py: Python<'_>,
-    path: PathBuf,
-    source: &str,
-    threads: usize,
-    chunk_size: usize,
-    pinned: bool,
-) -> PyResult<(f64, bool)> {
-    let source: FloorSource = source.parse()?;
-    if !(1..=256).contains(&threads) || chunk_size == 0 || chunk_size % 4096 != 0 {
-        return Err(Error::invalid(format!(
-            "memory_copy_floor: threads must be 1 to 256 and chunk_size a positive \
-             multiple of 4096, not {threads} and {chunk_size}"
-        ))
-        .into());
-    }
-    let len = threads
-        .checked_mul(2 * chunk_size)
-        .filter(|&n| n <= 1 << 34)
-        .ok_or_else(|| Error::invalid("memory_copy_floor: slots over 16 GiB"))?;
-    let r = py.detach(|| -> crate::Result<(f64, bool)> {
-        let file = std::fs::File::open(&path).map_err(|e| Error::io_at("open", &path, e))?;
-        let mut pinned = pinned.then(|| PinnedBuffer::new(len).ok()).flatten();
-        let mut anon = None;
-        let ring = match pinned.as_mut() {
-            Some(p) => p.as_mut_slice(),
-            None => {
-                let m = anon.insert(AnonMap::new(len, true)?);
-                m.populate(threads, hugepage::HUGE_PAGE);
-                m.as_mut_slice()
-            }
-        };
-        let s = mapped::copy_floor(&file, &path, source, threads, chunk_size, ring);
-        // Unmapped before the next measurement starts (not timed: the engine
-        // unmaps off the caller's path too).
-        mapped::flush_unmaps();
-        Ok((s?, pinned.is_some()))
-    })?;
-    Ok(r)
 }

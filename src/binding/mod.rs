@@ -7,7 +7,8 @@
 //! detach or any I/O (the classes' own locks are taken inside `py.detach`), so
 //! a thread holding the interpreter never waits for one that needs it back.
 //! Every call that works on raw addresses takes the objects that own them
-//! ([`Owners`]) and holds them until it returns. Policy (which storages, which
+//! ([`Owners`]), checks every address range against the owners' own extents
+//! before any byte moves, and holds them until it returns. Policy (which storages, which
 //! offsets, torch semantics) lives in the Python package. One file per Python
 //! class or group of functions; the helpers they share are here.
 
@@ -16,8 +17,11 @@ mod engine;
 mod errors;
 mod faults;
 mod hostmem;
+mod owners;
 mod pickled;
 mod probe;
+#[cfg(feature = "probes")]
+mod probe_hooks;
 mod reader;
 mod safetensors;
 mod staging;
@@ -34,7 +38,7 @@ use device_file::{cufile_register_buffer, BufferRegistration, DeviceFile};
 use engine::{env_threads, pinned_memory, release_buffers, Engine};
 use errors::{BackendUnavailableError, CkptioError, CuFileError, CudaError, FormatError};
 use faults::{_clear_faults, _op_log, _record_ops, _set_fault, _set_truncation};
-use hostmem::{advise_huge, host_memory, memory_copy_floor, HostMemory};
+use hostmem::{advise_huge, HostMemory};
 use pickled::{unpickle, StateDictPickler, Unpickled};
 use probe::info;
 use reader::{map_archive, map_archives, Reader};
@@ -59,8 +63,9 @@ type Streams = Vec<(i32, u64)>;
 /// The objects that own the memory behind a call's addresses (storages,
 /// tensors, a staging buffer): references taken while attached and held until
 /// the call returns, so that no other Python thread can free that memory
-/// while the engine works on it detached. One reference each, no Python call.
-type Owners = Vec<Py<PyAny>>;
+/// while the engine works on it detached; every range the call moves is
+/// checked against their extents first (see [`owners`]).
+use owners::Owners;
 
 fn memory(dev: i32) -> Memory {
     if dev < 0 {
@@ -102,7 +107,8 @@ struct Ask {
 }
 
 /// Run one transfer of `segments` detached: `run` gets the core engine, the
-/// segments and the request. `owners` are held until it returns (references
+/// segments and the request. Every segment must lie inside the memory of
+/// `owners` (checked first), which are held until it returns (references
 /// taken while attached, dropped once attached again).
 fn detached<T: Send>(
     py: Python<'_>,
@@ -114,6 +120,7 @@ fn detached<T: Send>(
 ) -> PyResult<T> {
     let engine = engine.inner.clone();
     let segs = to_segments(segments);
+    owners.check_segments(&segs)?;
     let req = Request {
         checksum: ask.checksum,
         streams: &ask.streams,
@@ -121,7 +128,7 @@ fn detached<T: Send>(
         patches: &ask.patches,
     };
     let out = py.detach(|| run(&engine, &segs, req));
-    drop(owners);
+    owners.release();
     Ok(out?)
 }
 
@@ -158,11 +165,12 @@ fn report_dict<'py>(py: Python<'py>, rep: &Report) -> PyResult<Bound<'py, PyDict
 
 #[pymodule(gil_used = false)]
 mod _native {
+    // Everything listed here is public API and goes into `__all__`. The test
+    // and probe hooks are set as plain attributes in `init` instead.
     #[pymodule_export]
     use super::{
-        _clear_faults, _op_log, _record_ops, _set_fault, _set_truncation, advise_huge, clean_temps,
-        cufile_register_buffer, env_threads, host_memory, info, map_archive, map_archives,
-        memory_copy_floor, pinned_memory, release_buffers, safetensors_header, stage_copy,
+        advise_huge, clean_temps, cufile_register_buffer, env_threads, info, map_archive,
+        map_archives, pinned_memory, release_buffers, safetensors_header, stage_copy,
         stage_device_copy, stage_pin, unpickle, AtomicWriter, BufferRegistration, DeviceFile,
         Engine, HostMemory, HostPin, Reader, StateDictPickler, Unpickled,
     };
@@ -182,6 +190,25 @@ mod _native {
         m.add("CuFileError", py.get_type::<CuFileError>())?;
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("CORRUPT_HINT", crate::error::CORRUPT_HINT)?;
+        // Test hooks: importable by name (`from ckptio._native import _set_fault`),
+        // never in `__all__` (`add` would put them there; `setattr` does not).
+        m.setattr("_set_fault", wrap_pyfunction!(_set_fault, m)?)?;
+        m.setattr("_set_truncation", wrap_pyfunction!(_set_truncation, m)?)?;
+        m.setattr("_clear_faults", wrap_pyfunction!(_clear_faults, m)?)?;
+        m.setattr("_record_ops", wrap_pyfunction!(_record_ops, m)?)?;
+        m.setattr("_op_log", wrap_pyfunction!(_op_log, m)?)?;
+        // Probe hooks, only in a build with the `probes` feature (benches, probes).
+        #[cfg(feature = "probes")]
+        {
+            m.setattr(
+                "host_memory",
+                wrap_pyfunction!(probe_hooks::host_memory, m)?,
+            )?;
+            m.setattr(
+                "memory_copy_floor",
+                wrap_pyfunction!(probe_hooks::memory_copy_floor, m)?,
+            )?;
+        }
         // Fault injection is decided once, from the environment at import.
         crate::io::fault::latch_env();
         Ok(())

@@ -1,13 +1,17 @@
 //! torch.save pickles of state dicts, natively: `unpickle` (read by the
 //! core's reader, [`crate::format::pickle`], objects made once the storages
 //! exist) and `StateDictPickler` (the bytes torch's pickler writes, without a
-//! Python call per object).
+//! Python call per object: the walk over the objects is here, the pickling
+//! rules in [`crate::format::statedict`]).
 
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
-use crate::format::pickle::{self, op, Parsed, Value};
+use std::collections::HashMap;
+
+use crate::format::pickle::{self, Parsed, Value};
+use crate::format::statedict::{self, Batch, Encoder, Global, Storages};
 
 /// A pickle read, waiting for its storages: `storages` lists them, `build`
 /// makes the object once they exist.
@@ -183,9 +187,10 @@ type Walked<T> = Result<T, Stop>;
 
 /// Writes torch.save's pickle of a state dict natively: the bytes CPython's
 /// pickler writes at protocol 2 with torch's `persistent_id` and
-/// `Tensor.__reduce_ex__`, for dicts, lists, tuples, str, int, float, bool,
-/// None, OrderedDicts (with attributes), plain tensors and Parameters. `dump`
-/// returns None for anything else (the caller's Python pickler then takes it).
+/// `Tensor.__reduce_ex__` ([`crate::format::statedict`] holds those rules),
+/// for dicts, lists, tuples, str, int, float, bool, None, OrderedDicts (with
+/// attributes), plain tensors and Parameters. `dump` returns None for anything
+/// else (the caller's Python pickler then takes it).
 #[pyclass(frozen, module = "ckptio._native")]
 pub struct StateDictPickler {
     tensor: Py<PyAny>,
@@ -202,29 +207,25 @@ pub struct StateDictPickler {
     rebuild_parameter: Py<PyAny>,
 }
 
-/// Synthetic memo identities: object addresses end in binary 00, these in 01
-/// (the "storage" string, then locations) or 11 (storage keys).
-const ID_STORAGE_STR: u64 = 1;
-
 /// A storage the pickle names: (key, address, nbytes, device or -1, the
 /// storage object).
 type Stored = (String, u64, u64, i32, Py<PyAny>);
 
+/// The walk over the Python objects: it asks what each one is and hands the
+/// encoder what the format needs.
 struct Walk<'py, 'a> {
     cfg: &'a StateDictPickler,
     py: Python<'py>,
-    w: pickle::Writer,
+    enc: Encoder,
+    storages: Storages,
     /// Memoized objects, kept alive so that no address is reused meanwhile.
     keep: Vec<Bound<'py, PyAny>>,
     /// In key order.
-    storages: Vec<Stored>,
-    keys: std::collections::HashMap<i64, usize>,
-    /// data_ptr -> dtype (torch's check that one memory has one dtype)
-    dtypes: std::collections::HashMap<u64, usize>,
-    /// (storage _cdata, dtype) -> (its key's index, numel)
-    refs: std::collections::HashMap<(i64, usize), (usize, i64)>,
-    locations: std::collections::HashMap<i32, (u64, String)>,
-    next_id: u64,
+    stored: Vec<Stored>,
+    /// A global's identity -> (module, qualname), read once.
+    names: HashMap<u64, (String, String)>,
+    /// Device -> torch's location tag.
+    locations: HashMap<i32, String>,
     depth: usize,
 }
 
@@ -232,41 +233,32 @@ struct Walk<'py, 'a> {
 /// RecursionError near 1000; the Python pickler then says so).
 const MAX_DEPTH: usize = 500;
 
+fn id(o: &Bound<'_, PyAny>) -> u64 {
+    o.as_ptr() as u64
+}
+
 impl<'py> Walk<'py, '_> {
-    fn fresh_id(&mut self) -> u64 {
-        self.next_id += 1;
-        (self.next_id << 2) | 1
-    }
-
-    fn id(o: &Bound<'py, PyAny>) -> u64 {
-        o.as_ptr() as u64
-    }
-
-    fn memoized(&mut self, o: &Bound<'py, PyAny>) -> bool {
-        match self.w.memo_get(Self::id(o)) {
-            Some(i) => {
-                self.w.get(i);
-                true
-            }
-            None => false,
+    /// The memo identity of a module-level function or class, its name read
+    /// once.
+    fn named(&mut self, o: &Bound<'py, PyAny>) -> Walked<u64> {
+        let id = id(o);
+        if !self.names.contains_key(&id) {
+            let module: String = o.getattr(intern!(self.py, "__module__"))?.extract()?;
+            let name: String = o.getattr(intern!(self.py, "__qualname__"))?.extract()?;
+            self.names.insert(id, (module, name));
+            self.keep.push(o.clone());
         }
+        Ok(id)
     }
 
-    fn put_obj(&mut self, o: &Bound<'py, PyAny>) {
-        self.w.put(Some(Self::id(o)));
-        self.keep.push(o.clone());
+    fn global_of(names: &HashMap<u64, (String, String)>, id: u64) -> Global<'_> {
+        let (module, name) = &names[&id];
+        Global { id, module, name }
     }
 
-    /// GLOBAL of a module-level function or class, memoized by identity.
-    fn global(&mut self, o: &Bound<'py, PyAny>) -> Walked<()> {
-        if self.memoized(o) {
-            return Ok(());
-        }
-        let module: String = o.getattr(intern!(self.py, "__module__"))?.extract()?;
-        let name: String = o.getattr(intern!(self.py, "__qualname__"))?.extract()?;
-        self.w.global(&module, &name);
-        self.put_obj(o);
-        Ok(())
+    fn ordered_dict_global(&mut self) -> Walked<u64> {
+        let od = self.cfg.ordered_dict.bind(self.py).clone();
+        self.named(&od)
     }
 
     fn save(&mut self, o: &Bound<'py, PyAny>) -> Walked<()> {
@@ -281,31 +273,31 @@ impl<'py> Walk<'py, '_> {
 
     fn save_inner(&mut self, o: &Bound<'py, PyAny>) -> Walked<()> {
         if o.is_none() {
-            self.w.none();
+            self.enc.none();
             return Ok(());
         }
         let t = o.get_type();
         if t.is(self.py.get_type::<PyBool>()) {
-            self.w.bool(o.is_truthy()?);
+            self.enc.bool(o.is_truthy()?);
             return Ok(());
         }
         if t.is(self.py.get_type::<PyInt>()) {
             let v: i64 = o.extract().map_err(|_| Stop::Unsupported)?;
-            self.w.int(v);
+            self.enc.int(v);
             return Ok(());
         }
         if t.is(self.py.get_type::<PyFloat>()) {
-            self.w.float(o.extract()?);
+            self.enc.float(o.extract()?);
             return Ok(());
         }
-        if self.memoized(o) {
+        if self.enc.memoized(id(o)) {
             return Ok(());
         }
         if t.is(self.py.get_type::<PyString>()) {
             let s = o.cast::<PyString>()?;
             let s = s.to_str().map_err(|_| Stop::Unsupported)?;
-            self.w.str(s);
-            self.put_obj(o);
+            self.enc.str(id(o), s);
+            self.keep.push(o.clone());
         } else if t.is(self.py.get_type::<PyDict>()) {
             self.dict(o.cast::<PyDict>()?)?;
         } else if t.is(self.py.get_type::<PyList>()) {
@@ -324,167 +316,76 @@ impl<'py> Walk<'py, '_> {
         Ok(())
     }
 
-    /// CPython's batch_dict_exact: one item as SETITEM, else batches of
-    /// 1000 (and an empty one after a last full batch).
-    fn dict(&mut self, d: &Bound<'py, PyDict>) -> Walked<()> {
-        self.w.op(op::EMPTY_DICT);
-        self.put_obj(d.as_any());
-        let items: Vec<_> = d.iter().collect();
-        match items.len() {
-            0 => {}
-            1 => {
-                self.save(&items[0].0)?;
-                self.save(&items[0].1)?;
-                self.w.op(op::SETITEM);
+    /// Key-value pairs in `batches`.
+    fn pairs(
+        &mut self,
+        items: &[(Bound<'py, PyAny>, Bound<'py, PyAny>)],
+        batches: &[Batch],
+    ) -> Walked<()> {
+        for b in batches {
+            self.enc.batch_start(b);
+            for (k, v) in &items[b.items.clone()] {
+                self.save(k)?;
+                self.save(v)?;
             }
-            _ => {
-                let mut rest = &items[..];
-                loop {
-                    self.w.op(op::MARK);
-                    let n = rest.len().min(1000);
-                    for (k, v) in &rest[..n] {
-                        self.save(k)?;
-                        self.save(v)?;
-                    }
-                    self.w.op(op::SETITEMS);
-                    rest = &rest[n..];
-                    if n != 1000 {
-                        break;
-                    }
-                }
-            }
+            self.enc.batch_end(b);
         }
+        Ok(())
+    }
+
+    fn dict(&mut self, d: &Bound<'py, PyDict>) -> Walked<()> {
+        self.enc.dict_start(id(d.as_any()));
+        self.keep.push(d.as_any().clone());
+        let items: Vec<_> = d.iter().collect();
+        self.pairs(&items, &statedict::dict_batches(items.len()))?;
         if d.len() != items.len() {
             return Err(Stop::Unsupported);
         }
         Ok(())
     }
 
-    /// CPython's batch_dict over an iterator (an OrderedDict's items): one
-    /// item as SETITEM, else batches of 1000, no empty batch.
-    fn dict_items(&mut self, items: &[(Bound<'py, PyAny>, Bound<'py, PyAny>)]) -> Walked<()> {
-        if items.len() == 1 {
-            self.save(&items[0].0)?;
-            self.save(&items[0].1)?;
-            self.w.op(op::SETITEM);
-            return Ok(());
-        }
-        for batch in items.chunks(1000) {
-            if batch.len() == 1 {
-                self.save(&batch[0].0)?;
-                self.save(&batch[0].1)?;
-                self.w.op(op::SETITEM);
-                continue;
-            }
-            self.w.op(op::MARK);
-            for (k, v) in batch {
-                self.save(k)?;
-                self.save(v)?;
-            }
-            self.w.op(op::SETITEMS);
-        }
-        Ok(())
-    }
-
     fn list(&mut self, l: &Bound<'py, PyList>) -> Walked<()> {
-        self.w.op(op::EMPTY_LIST);
-        self.put_obj(l.as_any());
+        self.enc.list_start(id(l.as_any()));
+        self.keep.push(l.as_any().clone());
         let items: Vec<_> = l.iter().collect();
-        match items.len() {
-            0 => {}
-            1 => {
-                self.save(&items[0])?;
-                self.w.op(op::APPEND);
+        for b in statedict::list_batches(items.len()) {
+            self.enc.batch_start(&b);
+            for x in &items[b.items.clone()] {
+                self.save(x)?;
             }
-            _ => {
-                for batch in items.chunks(1000) {
-                    self.w.op(op::MARK);
-                    for x in batch {
-                        self.save(x)?;
-                    }
-                    self.w.op(op::APPENDS);
-                }
-            }
+            self.enc.batch_end(&b);
         }
         Ok(())
     }
 
     fn tuple(&mut self, t: &Bound<'py, PyTuple>) -> Walked<()> {
         let n = t.len();
-        if n == 0 {
-            self.w.op(op::EMPTY_TUPLE);
-            return Ok(());
-        }
-        if n > 3 {
-            self.w.op(op::MARK);
-        }
+        self.enc.tuple_start(n);
         for x in t.iter() {
             self.save(&x)?;
         }
-        // A tuple reached again through its own items is memoized by now:
-        // drop what was pushed and refer to it (CPython's save_tuple).
-        if let Some(i) = self.w.memo_get(Self::id(t.as_any())) {
-            if n > 3 {
-                self.w.op(op::POP_MARK);
-            } else {
-                for _ in 0..n {
-                    self.w.op(op::POP);
-                }
-            }
-            self.w.get(i);
-            return Ok(());
+        self.enc.tuple_end(id(t.as_any()), n);
+        if n > 0 {
+            self.keep.push(t.as_any().clone());
         }
-        self.w.op(if n > 3 {
-            op::TUPLE
-        } else {
-            op::TUPLE1 + n as u8 - 1
-        });
-        self.put_obj(t.as_any());
-        Ok(())
-    }
-
-    /// A tuple of ints made here (sizes, strides): memoized with a new index.
-    fn int_tuple(&mut self, v: &[i64]) {
-        if v.is_empty() {
-            self.w.op(op::EMPTY_TUPLE);
-            return;
-        }
-        if v.len() > 3 {
-            self.w.op(op::MARK);
-        }
-        for &x in v {
-            self.w.int(x);
-        }
-        self.w.op(if v.len() > 3 {
-            op::TUPLE
-        } else {
-            op::TUPLE1 + v.len() as u8 - 1
-        });
-        self.w.put(None);
-    }
-
-    /// `collections.OrderedDict()` as the reduce makes it: GLOBAL, (), REDUCE.
-    fn new_ordered_dict(&mut self) -> Walked<()> {
-        let od = self.cfg.ordered_dict.bind(self.py).clone();
-        self.global(&od)?;
-        self.w.op(op::EMPTY_TUPLE);
-        self.w.op(op::REDUCE);
         Ok(())
     }
 
     fn ordered_dict(&mut self, o: &Bound<'py, PyAny>) -> Walked<()> {
-        self.new_ordered_dict()?;
-        self.put_obj(o);
+        let od = self.ordered_dict_global()?;
+        self.enc
+            .ordered_dict_start(Self::global_of(&self.names, od), id(o));
+        self.keep.push(o.clone());
         let items: Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> = o
             .call_method0(intern!(self.py, "items"))?
             .try_iter()?
             .map(|kv| kv.and_then(|kv| kv.extract()))
             .collect::<PyResult<_>>()?;
-        self.dict_items(&items)?;
+        self.pairs(&items, &statedict::ordered_dict_batches(items.len()))?;
         let state = o.getattr(intern!(self.py, "__dict__"))?;
         if state.len()? > 0 {
             self.save(&state)?;
-            self.w.op(op::BUILD);
+            self.enc.ordered_dict_attrs();
         }
         Ok(())
     }
@@ -493,18 +394,17 @@ impl<'py> Walk<'py, '_> {
         if p.getattr(intern!(self.py, "__dict__"))?.len()? > 0 {
             return Err(Stop::Unsupported);
         }
-        let f = self.cfg.rebuild_parameter.bind(self.py).clone();
-        self.global(&f)?;
+        let rebuild = self.cfg.rebuild_parameter.bind(self.py).clone();
+        let rebuild = self.named(&rebuild)?;
+        let od = self.ordered_dict_global()?;
+        self.enc
+            .parameter_start(Self::global_of(&self.names, rebuild));
         let data = p.getattr(intern!(self.py, "data"))?;
         self.save(&data)?;
-        self.w
-            .bool(p.getattr(intern!(self.py, "requires_grad"))?.is_truthy()?);
-        self.new_ordered_dict()?;
-        self.w.put(None);
-        self.w.op(op::TUPLE1 + 2);
-        self.w.put(None);
-        self.w.op(op::REDUCE);
-        self.put_obj(p);
+        let requires_grad = p.getattr(intern!(self.py, "requires_grad"))?.is_truthy()?;
+        self.enc
+            .parameter_end(Self::global_of(&self.names, od), id(p), requires_grad);
+        self.keep.push(p.clone());
         Ok(())
     }
 
@@ -512,112 +412,75 @@ impl<'py> Walk<'py, '_> {
     /// storage named as torch's `persistent_id` names it.
     fn tensor(&mut self, t: &Bound<'py, PyAny>) -> Walked<()> {
         let py = self.py;
-        let dtype = t.getattr(intern!(self.py, "dtype"))?;
+        let dtype = t.getattr(intern!(py, "dtype"))?;
         let classes = self.cfg.storage_classes.bind(py);
         let Some(class) = classes.get_item(&dtype)? else {
             return Err(Stop::Unsupported);
         };
-        let plain = (t.getattr(intern!(self.py, "is_cpu"))?.is_truthy()?
-            || t.getattr(intern!(self.py, "is_cuda"))?.is_truthy()?)
-            && t.getattr(intern!(self.py, "layout"))?
+        let plain = (t.getattr(intern!(py, "is_cpu"))?.is_truthy()?
+            || t.getattr(intern!(py, "is_cuda"))?.is_truthy()?)
+            && t.getattr(intern!(py, "layout"))?
                 .is(self.cfg.strided.bind(py))
-            && !t.getattr(intern!(self.py, "is_quantized"))?.is_truthy()?
-            && !t.getattr(intern!(self.py, "is_nested"))?.is_truthy()?
-            && !t
-                .getattr(intern!(self.py, "_backward_hooks"))?
-                .is_truthy()?
-            && t.getattr(intern!(self.py, "__dict__"))?.len()? == 0
+            && !t.getattr(intern!(py, "is_quantized"))?.is_truthy()?
+            && !t.getattr(intern!(py, "is_nested"))?.is_truthy()?
+            && !t.getattr(intern!(py, "_backward_hooks"))?.is_truthy()?
+            && t.getattr(intern!(py, "__dict__"))?.len()? == 0
             && self.cfg.tensor_metadata.bind(py).call1((t,))?.len()? == 0;
         if !plain {
             return Err(Stop::Unsupported);
         }
-        let st = t.call_method0(intern!(self.py, "untyped_storage"))?;
-        let cdata: i64 = st.getattr(intern!(self.py, "_cdata"))?.extract()?;
-        let dev: i32 = t.call_method0(intern!(self.py, "get_device"))?.extract()?;
+        let st = t.call_method0(intern!(py, "untyped_storage"))?;
+        let cdata: i64 = st.getattr(intern!(py, "_cdata"))?.extract()?;
+        let dev: i32 = t.call_method0(intern!(py, "get_device"))?.extract()?;
         let dkey = dtype.as_ptr() as usize;
-        let (key_index, numel) = match self.refs.get(&(cdata, dkey)) {
-            Some(&r) => r,
+        let storage = match self.storages.known(cdata, dkey) {
+            Some(r) => r,
             None => {
-                let ptr: u64 = st.call_method0(intern!(self.py, "data_ptr"))?.extract()?;
-                let nbytes: u64 = st.call_method0(intern!(self.py, "nbytes"))?.extract()?;
-                if ptr != 0 && *self.dtypes.entry(ptr).or_insert(dkey) != dkey {
-                    // torch raises here; let the Python pickler say it.
-                    return Err(Stop::Unsupported);
+                let ptr: u64 = st.call_method0(intern!(py, "data_ptr"))?.extract()?;
+                let nbytes: u64 = st.call_method0(intern!(py, "nbytes"))?.extract()?;
+                let item: u64 = t.call_method0(intern!(py, "element_size"))?.extract()?;
+                // torch raises on one memory under two dtypes; let the Python
+                // pickler say it.
+                let r = self
+                    .storages
+                    .name(cdata, dkey, ptr, nbytes, item)
+                    .map_err(|_| Stop::Unsupported)?;
+                if r.new {
+                    self.stored
+                        .push((r.key.to_string(), ptr, nbytes, dev, st.clone().unbind()));
                 }
-                let key_index = match self.keys.get(&cdata) {
-                    Some(&k) => k,
-                    None => {
-                        let k = self.storages.len();
-                        self.storages
-                            .push((k.to_string(), ptr, nbytes, dev, st.clone().unbind()));
-                        self.keys.insert(cdata, k);
-                        k
-                    }
-                };
-                let item: u64 = t
-                    .call_method0(intern!(self.py, "element_size"))?
-                    .extract()?;
-                let r = (key_index, (nbytes / item.max(1)) as i64);
-                self.refs.insert((cdata, dkey), r);
                 if !self.locations.contains_key(&dev) {
                     let loc: String = self.cfg.location_tag.bind(py).call1((&st,))?.extract()?;
-                    let id = self.fresh_id();
-                    self.locations.insert(dev, (id, loc));
+                    self.locations.insert(dev, loc);
                 }
                 r
             }
         };
-        let f = self.cfg.rebuild_tensor.bind(py).clone();
-        self.global(&f)?;
-        self.w.op(op::MARK);
-        // The persistent id ("storage", class, key, location, numel): a new
-        // tuple each time, as torch's persistent_id returns one.
-        self.w.op(op::MARK);
-        match self.w.memo_get(ID_STORAGE_STR) {
-            Some(i) => self.w.get(i),
-            None => {
-                self.w.str("storage");
-                self.w.put(Some(ID_STORAGE_STR));
-            }
-        }
-        self.global(&class)?;
-        let key_id = ((key_index as u64) << 2) | 3;
-        match self.w.memo_get(key_id) {
-            Some(i) => self.w.get(i),
-            None => {
-                let key = self.storages[key_index].0.clone();
-                self.w.str(&key);
-                self.w.put(Some(key_id));
-            }
-        }
-        let (loc_id, loc) = self.locations[&dev].clone();
-        match self.w.memo_get(loc_id) {
-            Some(i) => self.w.get(i),
-            None => {
-                self.w.str(&loc);
-                self.w.put(Some(loc_id));
-            }
-        }
-        self.w.int(numel);
-        self.w.op(op::TUPLE);
-        self.w.put(None);
-        self.w.op(op::BINPERSID);
-        self.w.int(
-            t.call_method0(intern!(self.py, "storage_offset"))?
-                .extract()?,
+        let offset: i64 = t.call_method0(intern!(py, "storage_offset"))?.extract()?;
+        let size: Vec<i64> = t.call_method0(intern!(py, "size"))?.extract()?;
+        let stride: Vec<i64> = t.call_method0(intern!(py, "stride"))?.extract()?;
+        let requires_grad = t.getattr(intern!(py, "requires_grad"))?.is_truthy()?;
+        let rebuild = self.cfg.rebuild_tensor.bind(py).clone();
+        let rebuild = self.named(&rebuild)?;
+        let class = self.named(&class)?;
+        let od = self.ordered_dict_global()?;
+        let names = &self.names;
+        self.enc.tensor(
+            Self::global_of(names, rebuild),
+            Self::global_of(names, class),
+            Self::global_of(names, od),
+            &statedict::Tensor {
+                id: id(t),
+                storage,
+                device: dev,
+                location: &self.locations[&dev],
+                offset,
+                size: &size,
+                stride: &stride,
+                requires_grad,
+            },
         );
-        let size: Vec<i64> = t.call_method0(intern!(self.py, "size"))?.extract()?;
-        self.int_tuple(&size);
-        let stride: Vec<i64> = t.call_method0(intern!(self.py, "stride"))?.extract()?;
-        self.int_tuple(&stride);
-        self.w
-            .bool(t.getattr(intern!(self.py, "requires_grad"))?.is_truthy()?);
-        self.new_ordered_dict()?;
-        self.w.put(None);
-        self.w.op(op::TUPLE);
-        self.w.put(None);
-        self.w.op(op::REDUCE);
-        self.put_obj(t);
+        self.keep.push(t.clone());
         Ok(())
     }
 }
@@ -662,14 +525,12 @@ impl StateDictPickler {
         let mut walk = Walk {
             cfg: self,
             py,
-            w: pickle::Writer::new(),
+            enc: Encoder::new(),
+            storages: Storages::default(),
             keep: Vec::new(),
-            storages: Vec::new(),
-            keys: Default::default(),
-            dtypes: Default::default(),
-            refs: Default::default(),
-            locations: Default::default(),
-            next_id: 0,
+            stored: Vec::new(),
+            names: HashMap::new(),
+            locations: HashMap::new(),
             depth: 0,
         };
         match walk.save(obj) {
@@ -677,7 +538,7 @@ impl StateDictPickler {
             Err(Stop::Unsupported) => return Ok(None),
             Err(Stop::Py(e)) => return Err(e),
         }
-        let bytes = walk.w.finish();
-        Ok(Some((PyBytes::new(py, &bytes), walk.storages)))
+        let bytes = walk.enc.finish();
+        Ok(Some((PyBytes::new(py, &bytes), walk.stored)))
     }
 }

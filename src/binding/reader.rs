@@ -8,7 +8,7 @@ use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::engine::TransferFile;
+use crate::engine::{Memory, TransferFile};
 use crate::format::integrity::{self, Declared, State};
 use crate::format::zipmap::{self, Archive};
 use crate::io::file::{DirectMode, IoFile};
@@ -38,22 +38,24 @@ pub(super) fn map_archive(py: Python<'_>, path: PathBuf) -> PyResult<Vec<(String
 type ArchiveLayout = (u64, u64, Vec<(String, u64, u64)>);
 
 /// Map torch.save archives held in host memory (DCP items read whole):
-/// `spans` = [(offset, length)] of each archive in `[addr, addr+len)`. For
-/// each: (offset of `data.pkl`, its size, [(storage key, offset, size)])
-/// with offsets in the same memory, or None where the span is no usable
-/// archive (the caller lets torch read it and say why).
+/// `spans` = [(offset, length)] of each archive in `[addr, addr+len)`, host
+/// memory of `owners`. For each: (offset of `data.pkl`, its size, [(storage
+/// key, offset, size)]) with offsets in the same memory, or None where the
+/// span is no usable archive (the caller lets torch read it and say why).
 ///
-/// The caller keeps `[addr, addr+len)` alive and unmodified until this returns.
+/// The caller leaves `[addr, addr+len)` unmodified until this returns.
 #[pyfunction]
 pub(super) fn map_archives(
     py: Python<'_>,
     addr: u64,
     len: u64,
     spans: Vec<(u64, u64)>,
+    owners: Owners,
 ) -> PyResult<Vec<Option<ArchiveLayout>>> {
     if addr == 0 || usize::try_from(len).is_err() {
         return Err(PyValueError::new_err("map_archives needs a host buffer"));
     }
+    owners.check(Memory::Host, addr, len, || "the buffer".to_string())?;
     for &(off, n) in &spans {
         if off.checked_add(n).is_none_or(|e| e > len) {
             return Err(PyValueError::new_err(format!(
@@ -61,8 +63,9 @@ pub(super) fn map_archives(
             )));
         }
     }
-    Ok(py.detach(|| {
-        // SAFETY: the caller keeps the buffer alive and unmodified for the call
+    let out = py.detach(|| {
+        // SAFETY: the buffer lies inside the host memory of `owners` (checked
+        // above), held until this returns; the caller leaves it unmodified
         // (documented contract); every span lies inside it (checked above).
         let mem = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
         spans
@@ -83,7 +86,9 @@ pub(super) fn map_archives(
                 Some((off + pkl.data_offset, pkl.size, data))
             })
             .collect()
-    }))
+    });
+    owners.release();
+    Ok(out)
 }
 
 /// An existing checkpoint opened for reading.
@@ -187,9 +192,10 @@ impl Reader {
             streams,
             ..Ask::default()
         };
-        // SAFETY: the owners keep every destination allocated until this
-        // returns; the caller leaves them untouched (documented contract) and
-        // hands its own streams.
+        // SAFETY: every destination lies inside its owners' memory (checked
+        // by `detached`), which they keep allocated until this returns; the
+        // caller leaves it untouched (documented contract) and hands its own
+        // streams; the engine refuses destinations that overlap.
         let (rep, verdict) = detached(py, engine, segments, owners, ask, |e, s, r| unsafe {
             integrity::read_records(e, &self.file, &self.archive, s, verify, r.streams)
         })?;

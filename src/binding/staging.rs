@@ -7,6 +7,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::engine::Owned;
 use crate::gpu::Memory;
 use crate::Error;
 
@@ -36,15 +37,27 @@ impl HostPin {
 
 #[pymethods]
 impl HostPin {
-    /// `addr..addr+nbytes`: host memory of `owner`, which this pin holds.
+    /// `addr..addr+nbytes`: host memory of `owner` (a storage, tensor or
+    /// HostMemory, whose memory must hold the range), which this pin holds.
     #[new]
     #[pyo3(signature = (owner, addr, nbytes, pin=true, chunk_size=67108864))]
-    fn new(owner: Py<PyAny>, addr: u64, nbytes: u64, pin: bool, chunk_size: u64) -> PyResult<Self> {
-        // SAFETY: `owner` keeps the memory mapped for as long as the pin lives
-        // (both sit in `inner`, the pin dropped first).
+    fn new(
+        owner: Bound<'_, PyAny>,
+        addr: u64,
+        nbytes: u64,
+        pin: bool,
+        chunk_size: u64,
+    ) -> PyResult<Self> {
+        let e = super::owners::extent_of(&owner)?;
+        Owned::new([e]).check(Memory::Host, addr, nbytes, || {
+            "the pinned range".to_string()
+        })?;
+        // SAFETY: the range lies inside `owner`'s host memory (checked above),
+        // which `owner` keeps mapped for as long as the pin lives (both sit
+        // in `inner`, the pin dropped first).
         let p = unsafe { crate::gpu::staging::HostPin::new(addr, nbytes, chunk_size, pin) }?;
         Ok(HostPin {
-            inner: Mutex::new(Some((Arc::new(p), owner))),
+            inner: Mutex::new(Some((Arc::new(p), owner.unbind()))),
             nbytes,
         })
     }
@@ -94,9 +107,10 @@ pub(super) fn stage_pin(
 /// Queue device-to-device copies `(dst, src, nbytes)` on the CUDA stream
 /// `stream` (a raw CUstream of `device`, e.g. ``torch.cuda.Stream.cuda_stream``)
 /// and return at once: the device snapshot of a stager, without a kernel launch
-/// or a tensor object per storage. `owners` (of both ranges) are held while the
-/// copies are queued; the copies run later, so the caller keeps the ranges
-/// alive until the stream has run them (synchronizes it before letting go).
+/// or a tensor object per storage. Both ranges of every copy must lie in the
+/// memory `owners` hold on `device`; they are held while the copies are
+/// queued; the copies run later, so the caller keeps the ranges alive until
+/// the stream has run them (synchronizes it before letting go).
 #[pyfunction]
 pub(super) fn stage_device_copy(
     py: Python<'_>,
@@ -109,7 +123,7 @@ pub(super) fn stage_device_copy(
         return Err(Error::invalid(format!("device must be >= 0, not {device}")).into());
     }
     let mut jobs = Vec::with_capacity(copies.len());
-    for (i, (dst, src, len)) in copies.into_iter().enumerate() {
+    for (i, &(dst, src, len)) in copies.iter().enumerate() {
         if len == 0 {
             continue;
         }
@@ -122,14 +136,21 @@ pub(super) fn stage_device_copy(
         }
         jobs.push((dst, src, len as usize));
     }
+    // Once every job's numbers are sound (those errors come first).
+    let mem = Memory::Cuda(device);
+    for (i, &(dst, src, len)) in copies.iter().enumerate() {
+        owners.check(mem, dst, len, || format!("device copy {i} destination"))?;
+        owners.check(mem, src, len, || format!("device copy {i} source"))?;
+    }
     py.detach(|| {
         let cuda = crate::gpu::cuda::driver()?;
-        // SAFETY: `owners` keeps both ranges allocated while the copies are
-        // queued, and the caller until the stream has run them, on a stream of
-        // `device` it hands (documented contract).
+        // SAFETY: both ranges lie inside device memory of `owners` (checked
+        // above), which keep it allocated while the copies are queued, and the
+        // caller until the stream has run them, on a stream of `device` it
+        // hands (documented contract).
         unsafe { cuda.memcpy_dtod_async_on(device, stream as *mut std::ffi::c_void, &jobs) }
     })?;
-    drop(owners);
+    owners.release();
     Ok(())
 }
 
@@ -138,8 +159,9 @@ pub(super) fn stage_device_copy(
 type RawCopy<'py> = (u64, i32, Bound<'py, HostPin>, u64, u64);
 
 /// Copy tensor memory into staging buffers on `threads` threads; returns when
-/// every byte has landed. `owners` (of the sources; the pins hold the
-/// destinations) are held until then; nobody may modify the sources meanwhile.
+/// every byte has landed. Every source must lie in the memory of `owners`
+/// (the pins hold the destinations), which are held until then; nobody may
+/// modify the sources meanwhile.
 #[pyfunction]
 #[pyo3(signature = (copies, owners, threads=8))]
 pub(super) fn stage_copy<'py>(
@@ -150,7 +172,13 @@ pub(super) fn stage_copy<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut pins: Vec<Arc<crate::gpu::staging::HostPin>> = Vec::new();
     let mut jobs = Vec::with_capacity(copies.len());
-    for (src, dev, pin, dst_offset, len) in copies {
+    for (i, (src, dev, pin, dst_offset, len)) in copies.into_iter().enumerate() {
+        let memory = if dev < 0 {
+            Memory::Host
+        } else {
+            Memory::Cuda(dev)
+        };
+        owners.check(memory, src, len, || format!("copy {i} source"))?;
         let p = pin.get().get()?;
         let dst = match pins.iter().position(|q| Arc::ptr_eq(q, &p)) {
             Some(i) => i,
@@ -161,11 +189,7 @@ pub(super) fn stage_copy<'py>(
         };
         jobs.push(crate::gpu::staging::CopyJob {
             src,
-            memory: if dev < 0 {
-                Memory::Host
-            } else {
-                Memory::Cuda(dev)
-            },
+            memory,
             dst,
             dst_offset,
             len,
@@ -173,11 +197,13 @@ pub(super) fn stage_copy<'py>(
     }
     let st = py.detach(|| {
         let refs: Vec<&crate::gpu::staging::HostPin> = pins.iter().map(|p| p.as_ref()).collect();
-        // SAFETY: `owners` keeps the sources allocated and the caller leaves
-        // them unmodified (documented contract); `pins` holds the destinations.
+        // SAFETY: every source lies inside the memory of `owners` (checked
+        // above), which keep it allocated; the caller leaves it unmodified
+        // (documented contract); `pins` hold the destinations, and the core
+        // keeps each copy inside its pin and refuses overlapping destinations.
         unsafe { crate::gpu::staging::copy_to_host(&refs, &jobs, threads) }
     })?;
-    drop(owners);
+    owners.release();
     let d = PyDict::new(py);
     d.set_item("bytes", st.bytes)?;
     d.set_item("device_bytes", st.device_bytes)?;

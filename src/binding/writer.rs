@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::engine::{Patch, TransferFile};
+use crate::engine::{Memory, Patch, TransferFile};
 use crate::format::integrity::{self, Storage};
 use crate::format::zipwrite::{self, Body, Entry};
 use crate::format::zstd;
@@ -151,14 +151,17 @@ impl AtomicWriter {
                 memory: memory(dev),
             })
             .collect();
+        for s in &storages {
+            owners.check(s.memory, s.addr, s.len, || format!("storage {}", s.key))?;
+        }
         let ask = Ask {
             streams,
             ..Ask::default()
         };
         let rep = detached(py, engine, Vec::new(), owners, ask, |e, _, r| {
-            // SAFETY: the owners keep every storage allocated until this
-            // returns; the caller leaves them unmodified (documented contract)
-            // and hands its own streams.
+            // SAFETY: every storage lies inside its owners' memory (checked
+            // above), which they keep allocated until this returns; the caller
+            // leaves it unmodified (documented contract) and hands its own streams.
             self.locked(|st| unsafe {
                 integrity::write_storages(e, &st.file, &storages, r.streams)
             })
@@ -197,14 +200,19 @@ impl AtomicWriter {
                 align,
             })
             .collect();
+        for e in &entries {
+            if let Body::Memory { addr, len, memory } = e.body {
+                owners.check(memory, addr, len, || format!("record {:?}", e.name))?;
+            }
+        }
         let ask = Ask {
             streams,
             ..Ask::default()
         };
         let rep = detached(py, engine, Vec::new(), owners, ask, |e, _, r| {
-            // SAFETY: the owners keep every storage allocated until this
-            // returns; the caller leaves them unmodified (documented contract)
-            // and hands its own streams.
+            // SAFETY: every record's memory lies inside its owners' (checked
+            // above), which they keep allocated until this returns; the caller
+            // leaves it unmodified (documented contract) and hands its own streams.
             self.locked(|st| unsafe { zipwrite::write(e, &st.file, &entries, &prefix, r.streams) })
         })?;
         report_dict(py, &rep.report)
@@ -248,7 +256,8 @@ impl AtomicWriter {
                 .collect(),
         };
         let rep = detached(py, engine, segments, owners, ask, |e, s, r| {
-            // SAFETY: as in write_storages.
+            // SAFETY: every segment lies inside its owners' memory (checked by
+            // `detached`); otherwise as in write_storages.
             self.locked(|st| unsafe { st.file.write(e, s, r) })
         })?;
         write_dict(py, &rep, checksum)
@@ -274,6 +283,12 @@ impl AtomicWriter {
         level: i32,
     ) -> PyResult<Vec<(u64, u64)>> {
         let threads = engine.inner.config().threads;
+        for (k, (_, addr, len, _, _)) in items.iter().enumerate() {
+            owners.check(Memory::Host, *addr, *len, || format!("item {k}"))?;
+            if usize::try_from(*len).is_err() {
+                return Err(Error::invalid(format!("item {k}: {len} bytes")).into());
+            }
+        }
         let out = py.detach(|| {
             self.locked(|st| {
                 let parts: Vec<zstd::Item<'_>> = items
@@ -282,9 +297,10 @@ impl AtomicWriter {
                         let data = if *len == 0 {
                             &[][..]
                         } else {
-                            // SAFETY: `owners` keep `[addr, addr+len)` allocated
-                            // for this call and the caller leaves it unmodified
-                            // (documented contract).
+                            // SAFETY: `[addr, addr+len)` lies inside the host
+                            // memory of `owners` (checked above), which keep it
+                            // allocated for this call; the caller leaves it
+                            // unmodified (documented contract).
                             unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) }
                         };
                         zstd::Item {
@@ -298,7 +314,7 @@ impl AtomicWriter {
                 zstd::write_items(st.file.io(), start, &parts, level, threads)
             })
         })?;
-        drop(owners);
+        owners.release();
         Ok(out)
     }
 

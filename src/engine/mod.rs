@@ -46,6 +46,7 @@ mod config;
 mod file;
 mod lane;
 mod memory;
+mod owned;
 mod pool;
 
 use std::collections::HashSet;
@@ -60,6 +61,7 @@ use crate::gpu::DevicePath;
 pub use crate::gpu::Memory;
 use crate::io::align;
 use crate::io::file::IoFile;
+use crate::workers::Caller;
 use crate::{Error, Result};
 
 pub use config::{default_memory_threads, parse_size, threads_from_env, EngineConfig};
@@ -67,8 +69,9 @@ pub use config::{
     DEFAULT_CHUNK_SIZE, DEFAULT_IDLE_RELEASE, DEFAULT_MEMORY_CHUNK_SIZE, DEFAULT_THREADS,
 };
 pub use file::{PathState, Report, Request, TransferFile};
-pub use lane::Lane;
+pub(crate) use lane::Lane;
 pub use memory::{MemoryPath, ReadPath, RESIDENT_MIN};
+pub use owned::{Extent, Owned};
 pub use pool::release_buffers;
 
 /// Segments of a read this close in the file share one I/O: the bytes between
@@ -264,7 +267,8 @@ impl Engine {
     /// For the whole call, each segment's `[addr, addr+len)` must be writable
     /// memory of its kind that nobody else frees, and that nobody reads or
     /// writes except work queued before the call on the streams of `opts` (for
-    /// [`Engine::read_with`]); the segments must not overlap each other.
+    /// [`Engine::read_with`]. Segments that overlap each other in memory are
+    /// refused (an `InvalidArgument` error before any byte moves).
     pub unsafe fn read(&self, file: &IoFile, segments: &[Segment]) -> Result<Stats> {
         // SAFETY: forwarded from the caller's contract.
         unsafe { self.transfer(file, segments, Dir::Read, Options::default()) }
@@ -379,7 +383,7 @@ impl Engine {
             // cuFile follows no stream: the host waits for the caller's work.
             after.wait_on_host()?;
         }
-        let mut lanes = self.pool.take(
+        let lanes = self.pool.take(
             threads,
             self.lane_capacity(file),
             file.alignment().memory.max(align::DEFAULT_ALIGN),
@@ -399,30 +403,35 @@ impl Engine {
         // (piece index, its CRC-32): filled by the threads, combined below.
         let crcs: Mutex<Vec<(usize, Option<u32>)>> = Mutex::new(Vec::new());
 
-        std::thread::scope(|s| {
-            for lane in lanes.iter_mut() {
-                let (chunks, next, first_error, crcs, ctx) =
-                    (&plan.chunks, &next, &first_error, &crcs, &ctx);
-                s.spawn(move || {
-                    let take = || {
-                        if first_error.failed() {
-                            return None;
-                        }
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        chunks.get(i).map(|c| (i, c))
-                    };
-                    let mut mine = Vec::new();
-                    let out = checksum.then_some(&mut mine);
-                    // SAFETY: piece ranges lie inside the caller's segments
-                    // (see `plan`), whose validity the caller guarantees.
-                    let r = unsafe { lane.run(ctx, take, out) };
-                    match r {
-                        Ok(()) => crate::sync::lock(crcs).append(&mut mine),
-                        Err(e) => first_error.set(e),
-                    }
-                });
+        // One task per lane on the process's worker threads; a transfer of
+        // host memory only also runs a lane on the calling thread, while one of
+        // device memory leaves the caller's CUDA context alone.
+        let lanes: Vec<Mutex<Lane>> = lanes.into_iter().map(Mutex::new).collect();
+        let caller = if devices.is_empty() {
+            Caller::Helps
+        } else {
+            Caller::Waits
+        };
+        crate::workers::run(lanes.len(), caller, |t| {
+            let mut lane = crate::sync::lock(&lanes[t]);
+            let take = || {
+                if first_error.failed() {
+                    return None;
+                }
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                plan.chunks.get(i).map(|c| (i, c))
+            };
+            let mut mine = Vec::new();
+            let out = checksum.then_some(&mut mine);
+            // SAFETY: piece ranges lie inside the caller's segments (see
+            // `plan`), whose validity the caller guarantees.
+            let r = unsafe { lane.run(&ctx, take, out) };
+            match r {
+                Ok(()) => crate::sync::lock(&crcs).append(&mut mine),
+                Err(e) => first_error.set(e),
             }
         });
+        let lanes = lanes.into_iter().map(crate::sync::into_inner).collect();
         self.pool.give_back(lanes);
         if let Some(e) = first_error.into_inner() {
             // Errors of layers that do not know the file (cuFile's) name it here.
@@ -475,7 +484,8 @@ impl Engine {
 
 /// Check the segments, join them into runs and cut the runs into chunks on
 /// the `chunk_size` grid of file offsets (see the module doc); place patches.
-/// Written segments must not overlap in the file. With `serialize` (the page
+/// Written segments must not overlap in the file, read ones not in memory (two
+/// threads would fill the same bytes). With `serialize` (the page
 /// size in bytes: cuFile writes), each chunk lists the pages it shares with a
 /// neighbouring chunk.
 fn plan(
@@ -502,6 +512,9 @@ fn plan(
     let mut order: Vec<usize> = (0..segments.len())
         .filter(|&i| segments[i].len > 0)
         .collect();
+    if dir == Dir::Read {
+        disjoint_in_memory(segments, &mut order)?;
+    }
     order.sort_by_key(|&i| (segments[i].file_offset, i));
 
     // Pieces tagged with (run, cell) so that a stable sort groups them into
@@ -603,6 +616,42 @@ fn plan(
     }
     place_patches(&mut out, segments, patches)?;
     Ok(out)
+}
+
+/// Refuse read segments (`order`: the non-empty ones) that overlap in memory;
+/// `order` is left sorted by memory.
+fn disjoint_in_memory(segments: &[Segment], order: &mut [usize]) -> Result<()> {
+    let mem = |i: usize| {
+        let s = &segments[i];
+        let dev = match s.memory {
+            Memory::Host => -1,
+            Memory::Cuda(d) => i64::from(d),
+        };
+        (dev, s.addr)
+    };
+    order.sort_unstable_by_key(|&i| mem(i));
+    // The segment reaching furthest so far, on the current memory.
+    let mut reach: Option<(i64, u64, usize)> = None;
+    for &i in order.iter() {
+        let (dev, addr) = mem(i);
+        let end = addr + segments[i].len; // checked above: no overflow
+        if let Some((d, far, j)) = reach.filter(|r| r.0 == dev) {
+            if addr < far {
+                return Err(Error::invalid(format!(
+                    "segment {i} ({} bytes at {addr:#x}) overlaps segment {j} in {}: \
+                     two reads cannot fill the same memory",
+                    segments[i].len,
+                    owned::describe(segments[i].memory)
+                )));
+            }
+            if end > far {
+                reach = Some((d, end, i));
+            }
+        } else {
+            reach = Some((dev, end, i));
+        }
+    }
+    Ok(())
 }
 
 /// Mark the pages (of `unit` bytes) that neighbouring chunks (in file order,
@@ -1158,8 +1207,53 @@ mod tests {
         // Overlapping writes are refused before any byte moves.
         let err = plan(&[seg(0, 5000), seg(4000, 100)], Dir::Write, 8192, &[], None).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
-        // Reads may overlap in the file (one range into two memories).
-        plan(&[seg(0, 5000), seg(4000, 100)], Dir::Read, 8192, &[], None).unwrap();
+        // Reads may overlap in the file (one range into two memories)...
+        let apart = Segment {
+            addr: buf.as_ptr() as u64 + 5000,
+            ..seg(4000, 100)
+        };
+        plan(&[seg(0, 5000), apart], Dir::Read, 8192, &[], None).unwrap();
+        // ... but not in memory: two threads would fill the same bytes. On
+        // another memory the same addresses are apart; empty segments never overlap.
+        for (a, b, ok) in [
+            (seg(0, 5000), seg(6000, 100), false),
+            (seg(0, 100), seg(9000, 100), false),
+            (
+                seg(0, 100),
+                Segment {
+                    memory: Memory::Cuda(0),
+                    ..seg(100, 100)
+                },
+                true,
+            ),
+            (seg(0, 100), seg(100, 0), true),
+        ] {
+            match plan(&[a, b], Dir::Read, 8192, &[], None) {
+                Ok(_) => assert!(ok),
+                Err(Error::InvalidArgument(m)) => {
+                    assert!(
+                        !ok && m.contains("overlaps segment 0 in host memory"),
+                        "{m}"
+                    )
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        // Touching in memory is fine; a segment nested in an earlier long one is not.
+        let at = |off: u64, mem: u64, len: usize| Segment {
+            addr: buf.as_ptr() as u64 + mem,
+            ..seg(off, len)
+        };
+        plan(&[at(0, 0, 10), at(20, 10, 10)], Dir::Read, 8192, &[], None).unwrap();
+        let err = plan(
+            &[at(0, 0, 1000), at(2000, 1000, 5), at(3000, 500, 5)],
+            Dir::Read,
+            8192,
+            &[],
+            None,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("segment 2"), "{err}");
         // Under cuFile, the pages neighbouring chunks share are held by both
         // (chunks of 8 KiB on the grid, pages of 4 KiB): touching segments are
         // one run cut on the grid (no page shared), a run that ends in the page

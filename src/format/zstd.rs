@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::io::file::IoFile;
+use crate::workers::Caller;
 use crate::{Error, Result};
 
 /// Items above this many bytes are compressed by several zstd workers.
@@ -119,20 +120,18 @@ pub fn write_items(
     Ok(out)
 }
 
-/// Every item of a window compressed, in order, by up to `threads` threads.
+/// Every item of a window compressed, in order, by up to `threads` worker
+/// threads (the caller included).
 fn compress_window(items: &[Item<'_>], level: i32, threads: usize) -> Result<Vec<Vec<u8>>> {
     let next = AtomicUsize::new(0);
     let done: Mutex<Vec<Option<Result<Vec<u8>>>>> =
         Mutex::new((0..items.len()).map(|_| None).collect());
-    std::thread::scope(|s| {
-        for _ in 0..threads.min(items.len()) {
-            s.spawn(|| loop {
-                let k = next.fetch_add(1, Ordering::Relaxed);
-                let Some(item) = items.get(k) else { break };
-                let r = compress(item, level, 1);
-                crate::sync::lock(&done)[k] = Some(r);
-            });
-        }
+    let tasks = threads.clamp(1, items.len().max(1));
+    crate::workers::run(tasks, Caller::Helps, |_| loop {
+        let k = next.fetch_add(1, Ordering::Relaxed);
+        let Some(item) = items.get(k) else { break };
+        let r = compress(item, level, 1);
+        crate::sync::lock(&done)[k] = Some(r);
     });
     crate::sync::into_inner(done)
         .into_iter()

@@ -10,15 +10,15 @@
 //! - [`staging`]: parallel copies of tensor memory into host buffers pinned on
 //!   first use (snapshots for async checkpoints).
 
-pub mod bounce;
+pub(crate) mod bounce;
 pub mod budget;
 pub mod cuda;
 pub mod cufile;
-pub mod order;
+pub(crate) mod order;
 pub mod path;
 pub mod staging;
 
-pub use bounce::{BounceLane, InFlight, SlotPiece};
+pub(crate) use bounce::{BounceLane, InFlight, SlotPiece};
 pub use path::{open_device_path, Backend, DevicePath};
 
 /// Resolves `name` in `lib` (libcuda or libcufile, opened with dlopen) and

@@ -26,6 +26,7 @@ use crate::gpu::cuda::{self, HostRegistration, Stream};
 use crate::gpu::Memory;
 use crate::io::align;
 use crate::io::hugepage;
+use crate::workers::Caller;
 use crate::{Error, Result};
 
 const PAGE: u64 = 4096;
@@ -174,8 +175,10 @@ struct Piece {
 /// order the threads take them: every job's first piece, then every job's
 /// second, and so on. The first copy into a buffer pins it while the threads
 /// wanting its other pieces wait, so this order has the threads pin different
-/// buffers at once instead of queueing behind one.
+/// buffers at once instead of queueing behind one. Destinations that overlap
+/// each other or a host source are refused.
 fn plan(pins: &[&HostPin], jobs: &[CopyJob]) -> Result<Vec<Piece>> {
+    check_disjoint(pins, jobs)?;
     let mut out = Vec::new();
     for (i, j) in jobs.iter().enumerate() {
         let pin = pins.get(j.dst).ok_or_else(|| {
@@ -215,15 +218,64 @@ fn plan(pins: &[&HostPin], jobs: &[CopyJob]) -> Result<Vec<Piece>> {
     Ok(out.into_iter().map(|(_, p)| p).collect())
 }
 
-/// Runs `jobs` on `threads` threads: device pieces as async copies on a stream
-/// per thread and device (into pinned buffers where the driver allows; waited
+/// Refuse jobs whose destinations overlap each other (two threads would write
+/// the same bytes) or a host source (a copy would read what another writes),
+/// before any copy. It runs before `plan`'s checks of each job: a range that
+/// overflows or names no destination is skipped here and refused there.
+fn check_disjoint(pins: &[&HostPin], jobs: &[CopyJob]) -> Result<()> {
+    // (destination start, end, job), for the jobs with bytes and a destination.
+    let mut dst: Vec<(u64, u64, usize)> = jobs
+        .iter()
+        .enumerate()
+        .filter(|(_, j)| j.len > 0)
+        .filter_map(|(i, j)| {
+            let pin = pins.get(j.dst)?;
+            let start = pin.base.checked_add(j.dst_offset)?;
+            Some((start, start.checked_add(j.len)?, i))
+        })
+        .collect();
+    dst.sort_unstable();
+    for w in dst.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(Error::invalid(format!(
+                "copy {}: its destination overlaps that of copy {}",
+                w[1].2.max(w[0].2),
+                w[1].2.min(w[0].2)
+            )));
+        }
+    }
+    for (i, j) in jobs.iter().enumerate() {
+        if j.len == 0 || j.memory != Memory::Host {
+            continue;
+        }
+        let Some(end) = j.src.checked_add(j.len) else {
+            continue; // refused by `plan`
+        };
+        // Destinations are disjoint and sorted: only the last one starting
+        // before `end` can overlap.
+        let k = dst.partition_point(|d| d.0 < end);
+        if let Some(&(_, dend, other)) = k.checked_sub(1).map(|k| &dst[k]) {
+            if dend > j.src {
+                return Err(Error::invalid(format!(
+                    "copy {i}: its source overlaps the destination of copy {other}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs `jobs` as `threads` tasks on the worker threads (host copies on the
+/// caller's thread too): device pieces as async copies on a stream per task
+/// and device (into pinned buffers where the driver allows; waited
 /// for every [`QUEUED_COPIES`] copies or [`QUEUED_BYTES`] bytes), host pieces
 /// as memcpy. Returns when every byte has landed; the first error wins.
 ///
 /// # Safety
 /// Each source range must be readable memory of its kind that nobody frees or
-/// writes for the whole call; destination ranges must not overlap each other
-/// or any source, and nobody else may touch them during the call.
+/// writes for the whole call, and nobody else may touch the destinations
+/// during the call. (Destinations that overlap each other or a host source are
+/// refused.)
 pub unsafe fn copy_to_host(
     pins: &[&HostPin],
     jobs: &[CopyJob],
@@ -248,73 +300,76 @@ pub unsafe fn copy_to_host(
     let next = AtomicUsize::new(0);
     let unpinned = AtomicUsize::new(0);
     let first_error = crate::sync::FirstError::default();
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| {
-                let mut streams: Vec<Stream> = Vec::new();
-                // Device copies queued on this thread's streams since the last
-                // wait: many small tensors cost a queued copy each, not a round trip.
-                let mut queued = (0usize, 0usize);
-                let r = (|| -> Result<()> {
-                    while !first_error.failed() {
-                        let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
-                            break;
-                        };
-                        match p.memory {
-                            Memory::Host => {
-                                // SAFETY: both ranges are valid and disjoint (caller's
-                                // contract; `plan` kept the destination inside its pin).
-                                unsafe {
-                                    std::ptr::copy_nonoverlapping(
-                                        p.src as *const u8,
-                                        p.dst_addr as *mut u8,
-                                        p.len,
-                                    )
-                                }
-                            }
-                            Memory::Cuda(dev) => {
-                                if !pins[p.dst].ensure_pinned() {
-                                    unpinned.fetch_add(p.len, Ordering::Relaxed);
-                                }
-                                let k = match streams.iter().position(|s| s.device() == dev) {
-                                    Some(k) => k,
-                                    None => {
-                                        streams.push(Stream::new(dev)?);
-                                        streams.len() - 1
-                                    }
-                                };
-                                let st = &streams[k];
-                                cuda::driver()?.make_current(dev)?;
-                                // SAFETY: source is live device memory and the
-                                // destination is ours until the sync below.
-                                unsafe {
-                                    cuda::driver()?.memcpy_dtoh_async(
-                                        p.dst_addr as *mut u8,
-                                        p.src,
-                                        p.len,
-                                        st,
-                                    )?
-                                };
-                                queued = (queued.0 + 1, queued.1 + p.len);
-                                if queued.0 >= QUEUED_COPIES || queued.1 >= QUEUED_BYTES {
-                                    for st in &streams {
-                                        st.synchronize()?;
-                                    }
-                                    queued = (0, 0);
-                                }
-                            }
+    // Device copies make a CUDA context current on the thread that queues
+    // them: those run on pool threads only, never on the caller's.
+    let caller = if jobs.iter().all(|j| j.memory == Memory::Host) {
+        Caller::Helps
+    } else {
+        Caller::Waits
+    };
+    crate::workers::run(threads, caller, |_| {
+        let mut streams: Vec<Stream> = Vec::new();
+        // Device copies queued on this task's streams since the last wait:
+        // many small tensors cost a queued copy each, not a round trip.
+        let mut queued = (0usize, 0usize);
+        let r = (|| -> Result<()> {
+            while !first_error.failed() {
+                let Some(p) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                    break;
+                };
+                match p.memory {
+                    Memory::Host => {
+                        // SAFETY: both ranges are valid and disjoint (caller's
+                        // contract; `plan` kept the destination inside its pin
+                        // and refused overlaps).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                p.src as *const u8,
+                                p.dst_addr as *mut u8,
+                                p.len,
+                            )
                         }
                     }
-                    Ok(())
-                })();
-                // Every copy queued has landed (or failed) before the thread ends:
-                // none may outlive the call.
-                let waited = streams.iter().try_for_each(Stream::synchronize);
-                let r = r.and(waited);
-                if let Err(e) = r {
-                    first_error.set(e);
+                    Memory::Cuda(dev) => {
+                        if !pins[p.dst].ensure_pinned() {
+                            unpinned.fetch_add(p.len, Ordering::Relaxed);
+                        }
+                        let k = match streams.iter().position(|s| s.device() == dev) {
+                            Some(k) => k,
+                            None => {
+                                streams.push(Stream::new(dev)?);
+                                streams.len() - 1
+                            }
+                        };
+                        let st = &streams[k];
+                        cuda::driver()?.make_current(dev)?;
+                        // SAFETY: source is live device memory and the
+                        // destination is ours until the sync below.
+                        unsafe {
+                            cuda::driver()?.memcpy_dtoh_async(
+                                p.dst_addr as *mut u8,
+                                p.src,
+                                p.len,
+                                st,
+                            )?
+                        };
+                        queued = (queued.0 + 1, queued.1 + p.len);
+                        if queued.0 >= QUEUED_COPIES || queued.1 >= QUEUED_BYTES {
+                            for st in &streams {
+                                st.synchronize()?;
+                            }
+                            queued = (0, 0);
+                        }
+                    }
                 }
-            });
+            }
+            Ok(())
+        })();
+        // Every copy queued has landed (or failed) before the task ends:
+        // none may outlive the call.
+        let waited = streams.iter().try_for_each(Stream::synchronize);
+        if let Err(e) = r.and(waited) {
+            first_error.set(e);
         }
     });
     if let Some(e) = first_error.into_inner() {
@@ -416,6 +471,44 @@ mod tests {
             let e = unsafe { copy_to_host(&[&pa], &[j], 2) }.unwrap_err();
             assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
         }
+        // Destinations overlapping each other, or a source.
+        let mut b = vec![0u8; 4096];
+        let pb = pin_of(&mut b, 4096);
+        let inside = b.as_ptr() as u64 + 100;
+        for (jobs, needle) in [
+            (
+                vec![
+                    job(0, 0, 8, src.as_ptr() as u64),
+                    job(0, 4, 8, src.as_ptr() as u64),
+                ],
+                "copy 1: its destination overlaps that of copy 0",
+            ),
+            (
+                vec![job(1, 0, 8, src.as_ptr() as u64), job(1, 96, 8, inside)],
+                "copy 1: its source overlaps the destination of copy 1",
+            ),
+            (
+                vec![
+                    job(0, 0, 8, inside - 4),
+                    job(1, 0, 200, src.as_ptr() as u64),
+                ],
+                "copy 0: its source overlaps the destination of copy 1",
+            ),
+        ] {
+            // SAFETY: rejected before any copy.
+            let e = unsafe { copy_to_host(&[&pa, &pb], &jobs, 2) }.unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+        }
+        // Touching is fine, and so is an empty copy anywhere.
+        let ok = [
+            job(1, 0, 8, src.as_ptr() as u64),
+            job(1, 8, 8, src.as_ptr() as u64),
+            job(1, 50, 0, inside),
+        ];
+        // SAFETY: `src` and `b` outlive the call; the copies are disjoint.
+        unsafe { copy_to_host(&[&pa, &pb], &ok, 2) }.unwrap();
+        drop(pb);
+        assert_eq!(&b[..16], &[1u8; 16]);
         // SAFETY: nothing is registered for a null, empty range.
         assert!(unsafe { HostPin::new(0, 8, 4096, true) }.is_err());
         // SAFETY: as above.

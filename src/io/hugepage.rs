@@ -28,6 +28,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
+use crate::workers::Caller;
 use crate::{Error, Result};
 
 /// The size of a transparent huge page (x86-64 and most arm64 kernels).
@@ -272,23 +273,16 @@ pub fn populate(addr: usize, len: usize, threads: usize, piece: usize) {
     });
 }
 
-/// Runs `f(0..n)` on up to `threads` threads, this one included, each taking
-/// the next index until none is left. A helper thread that cannot start (a pid
-/// limit) is not an error: the others, this one at least, cover its share.
+/// Runs `f(0..n)` on up to `threads` threads (the worker threads, this one
+/// included), each taking the next index until none is left.
 pub fn for_each_on_threads(n: usize, threads: usize, f: impl Fn(usize) + Sync) {
     let next = AtomicUsize::new(0);
-    let work = || loop {
+    crate::workers::run(threads.clamp(1, n.max(1)), Caller::Helps, |_| loop {
         let i = next.fetch_add(1, Ordering::Relaxed);
         if i >= n {
             break;
         }
         f(i);
-    };
-    std::thread::scope(|s| {
-        for _ in 1..threads.min(n) {
-            let _ = std::thread::Builder::new().spawn_scoped(s, work);
-        }
-        work();
     });
 }
 

@@ -51,6 +51,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::workers::Caller;
 use crate::{Error, Result};
 
 const PAGE: usize = 4096;
@@ -388,35 +389,33 @@ pub fn copy_floor(
         .len();
     let next = AtomicUsize::new(0);
     let failed = crate::sync::FirstError::default();
-    std::thread::scope(|s| {
-        for slots in ring.chunks_mut(2 * chunk).take(threads) {
-            let (map, next, failed) = (map.as_ref(), &next, &failed);
-            let copier = std::thread::Builder::new().spawn_scoped(s, move || {
-                let mut turn = 0;
-                loop {
-                    let off = (next.fetch_add(1, Ordering::Relaxed) * chunk) as u64;
-                    if off >= len {
-                        break;
-                    }
-                    let n = chunk.min((len - off) as usize);
-                    let slot = &mut slots[(turn % 2) * chunk..][..n];
-                    turn += 1;
-                    let r = match map {
-                        Some(m) => m.read_upto(slot, off).map(drop),
-                        None => {
-                            use std::os::unix::fs::FileExt;
-                            file.read_exact_at(slot, off)
-                                .map_err(|e| Error::io_at("pread", path, e))
-                        }
-                    };
-                    if let Err(e) = r {
-                        failed.set(e);
-                        break;
-                    }
+    let slots: Vec<Mutex<&mut [u8]>> = ring
+        .chunks_mut(2 * chunk)
+        .take(threads)
+        .map(Mutex::new)
+        .collect();
+    crate::workers::run(slots.len(), Caller::Helps, |t| {
+        let mut slots = crate::sync::lock(&slots[t]);
+        let mut turn = 0;
+        loop {
+            let off = (next.fetch_add(1, Ordering::Relaxed) * chunk) as u64;
+            if off >= len {
+                break;
+            }
+            let n = chunk.min((len - off) as usize);
+            let slot = &mut slots[(turn % 2) * chunk..][..n];
+            turn += 1;
+            let r = match &map {
+                Some(m) => m.read_upto(slot, off).map(drop),
+                None => {
+                    use std::os::unix::fs::FileExt;
+                    file.read_exact_at(slot, off)
+                        .map_err(|e| Error::io_at("pread", path, e))
                 }
-            });
-            if let Err(e) = copier {
-                failed.set(Error::io("start a copy thread", None, e));
+            };
+            if let Err(e) = r {
+                failed.set(e);
+                break;
             }
         }
     });

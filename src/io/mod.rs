@@ -13,7 +13,7 @@
 //!   a SIGBUS guard), and which of its pages are cached.
 
 pub mod align;
-pub mod env;
+pub(crate) mod env;
 pub mod fault;
 pub mod file;
 pub mod hugepage;

@@ -200,11 +200,10 @@ impl AtomicFile {
                 .sync_all()
                 .map_err(|e| Error::io_at("fsync folder of", &self.target, e))
         });
-        // The new file is durable: free the old one's blocks off this thread.
+        // The new file is durable: free the old one's blocks off this thread
+        // (on a worker thread: no thread of its own per save).
         if let Some(old) = replaced {
-            let _ = std::thread::Builder::new()
-                .name("ckptio-release".into())
-                .spawn(move || drop(old));
+            crate::workers::detach(move || drop(old));
         }
         synced
     }

@@ -1,0 +1,108 @@
+"""The engine owns its threads (issue 36): one pool of worker threads per process
+serves every transfer (files, the memory path, staging copies, compression), is
+bounded, starts no thread per call, and is made again in a forked child.
+
+The Rust side is tested in ``src/workers.rs`` (parallelism, reuse, nested batches,
+panics, fork)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import ckptio
+
+PACKAGE = pathlib.Path(ckptio.__file__).resolve().parent
+
+SCRIPT = """
+import os, sys, threading, time, torch, ckptio
+import ckptio.safetensors as cst
+from ckptio import _native
+from ckptio.io import transfer as _transfer
+from ckptio.io.engines import engine as _engine
+from ckptio.staging import DefaultStager, StagingOptions
+
+def threads():
+    return set(os.listdir("/proc/self/task"))
+
+def pool_threads():
+    def name(t):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+    return {t for t in threads() if name(t) == "ckptio-io"}
+
+folder = sys.argv[1]
+sd = {f"t{i}": torch.randn(1000 + i) for i in range(40)}
+stager = DefaultStager(StagingOptions(False, False, False, False))
+
+def rounds(n, tag):
+    # Native calls only (a ckptio.load also starts a Python thread: read_while).
+    for i in range(n):
+        p = os.path.join(folder, f"{tag}{i % 3}.pt")
+        ckptio.save(sd, p)  # engine write; the replaced file freed off the caller
+        assert ckptio.verify(p).ok  # engine checksums (the memory path: cached)
+        r = _native.Reader(p)
+        _, off, size = next(x for x in r.records() if x[0].endswith("/data/0"))
+        buf = torch.empty(size, dtype=torch.uint8)
+        _transfer.read(r, _engine(None, None, None), [(off, buf.data_ptr(), size, -1)], [buf])
+        assert torch.equal(buf.view(torch.float32), sd["t0"])
+        cst.save_file(sd, p + ".st")
+        out = cst.load_file(p + ".st")
+        assert all(torch.equal(out[k], v) for k, v in sd.items())
+        staged = stager.stage(sd)  # staging copies
+        assert torch.equal(staged["t3"], sd["t3"])
+
+rounds(10, "warm")
+base, pool = threads(), pool_threads()
+# Every thread alive at any moment of 100 rounds, sampled from another thread:
+# none is started for a call (a short-lived one shows up between samples).
+seen, stop = set(), threading.Event()
+def sample():
+    while not stop.is_set():
+        seen.update(threads())
+        time.sleep(0.0005)
+sampler = threading.Thread(target=sample)
+sampler.start()
+rounds(100, "a")
+stop.set()
+sampler.join()
+new = seen - base - {str(sampler.native_id)}
+print("threads", len(base), "pool", len(pool), "new", len(new))
+assert pool, "no pool threads"
+assert pool_threads() == pool, (pool, pool_threads())
+assert not new, sorted(new)  # threads started during the rounds
+
+pid = os.fork()
+if pid == 0:  # a child of a process whose pool has threads: it makes its own
+    try:
+        rounds(5, "child")
+        code = 0
+    except BaseException as e:
+        print("child failed:", repr(e), flush=True)
+        code = 3
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+rounds(3, "parent")
+stager.close()
+print("ok")
+"""
+
+
+def test_no_thread_per_call_and_a_forked_child_has_its_own_pool(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE.parent), env.get("PYTHONPATH", "")])
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]
