@@ -170,6 +170,31 @@ def main() -> None:
             dcp.load(out, storage_reader=FileSystemReader(f"{ckpt}/proc"))
             assert torch.equal(out["w"], full["w"]) and out["step"] == step
         stager.close()
+    elif scenario == "disk_full":
+        # A 16 MiB checkpoint, a save that cannot fit beside it (every rank's
+        # CheckpointException), the old one still loads, then 16 MiB that must fit.
+        folder = f"{ckpt}/dcp"
+
+        def sd(mib: int, value: float) -> dict:
+            full = torch.full((mib << 18,), value)  # float32: 256 Ki per MiB
+            return {"w": distribute_tensor(full, mesh, [Shard(0)])}
+
+        dcp.save(sd(16, 1.0), storage_writer=FileSystemWriter(folder, thread_count=2))
+        try:
+            big = sd(int(os.environ["NO_ROOM_MIB"]), 2.0)
+            dcp.save(big, storage_writer=FileSystemWriter(folder, thread_count=2))
+        except BaseException as e:  # DCP's CheckpointException
+            assert "No space left" in str(e) or "ENOSPC" in str(e), e
+        else:
+            raise AssertionError("the save that cannot fit succeeded")
+        del big
+        out = sd(16, 0.0)
+        dcp.load(out, storage_reader=FileSystemReader(folder))
+        assert torch.equal(out["w"].full_tensor(), torch.full((16 << 18,), 1.0))
+        dcp.save(sd(16, 3.0), storage_writer=FileSystemWriter(folder, thread_count=2))
+        out = sd(16, 0.0)
+        dcp.load(out, storage_reader=FileSystemReader(folder))
+        assert torch.equal(out["w"].full_tensor(), torch.full((16 << 18,), 3.0))
     elif scenario.startswith("die_"):
         # Step 0 saved whole, then step 1 during which one rank is SIGKILLed: rank 1
         # after its first data file is durable, or the coordinator right before it

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import faulthandler
 import hashlib
 import io
 import json
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import ckptio
+import ckptio.safetensors as cst
 import pytest
 import torch
 
@@ -1040,6 +1042,80 @@ def test_save_onto_a_full_disk_is_enospc_and_keeps_previous(small_fs):
         ckptio.save(sample_state(1), prev.path)
     prev.assert_intact()
     assert_os_error(ei.value, OSError, errno.ENOSPC, prev.path)
+    # The failed save left nothing behind: with the filler gone, the next one fits.
+    os.remove(mnt / "filler")
+    ckptio.save(sample_state(1), prev.path)
+    assert_same(ckptio.load(prev.path), sample_state(1))
+
+
+@pytest.fixture
+def tmpfs64(tmp_path):
+    """A 64 MiB tmpfs mounted for the test."""
+    if not IS_ROOT:
+        pytest.skip("mounting needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    _mount(["-t", "tmpfs", "-o", "size=64m", "tmpfs"], mnt)
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _no_room_mib(folder: Path) -> int:
+    """MiB of a save that cannot fit beside what is there (48 at least)."""
+    st = os.statvfs(folder)
+    return max(48, st.f_bavail * st.f_frsize // MIB + 8)
+
+
+def test_a_failed_sharded_save_leaves_room_for_the_next(tmpfs64):
+    """A 16 MiB sharded checkpoint on a 64 MiB tmpfs, a save that cannot fit (ENOSPC after
+    some shards were written), then a 16 MiB save: it succeeds, because the failed save
+    removed what it wrote before it raised; the old checkpoint loads meanwhile."""
+    folder = tmpfs64 / "sharded"
+    old = {f"w{i}": torch.full((MIB,), float(i)) for i in range(4)}  # 16 MiB
+    cst.save_sharded(old, folder, max_shard_size="4MiB")
+    before = sorted(os.listdir(folder))
+    n = _no_room_mib(tmpfs64) // 4
+    big = {f"b{i}": torch.zeros(MIB) for i in range(n)}
+    with pytest.raises(OSError) as e:
+        cst.save_sharded(big, folder, max_shard_size="4MiB")
+    assert e.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(folder)) == before  # nothing of the failed save stays
+    assert_same(cst.load_sharded(folder), old)
+    new = {f"n{i}": torch.full((MIB,), -float(i)) for i in range(4)}
+    cst.save_sharded(new, folder, max_shard_size="4MiB")
+    assert_same(cst.load_sharded(folder), new)
+
+
+def test_a_killed_sharded_save_is_swept_by_the_next_save_and_by_clean(tmpfs64):
+    """What a save that died left (shards no index names, no live writer holding them)
+    goes with the next save, before it writes, and with ckptio.clean; shards a live save
+    holds stay."""
+    folder = tmpfs64 / "sharded"
+    old = {f"w{i}": torch.full((MIB,), float(i)) for i in range(4)}
+    cst.save_sharded(old, folder, max_shard_size="4MiB")
+    for i in range(8):  # a dead save's shards: 32 MiB named by no index
+        (folder / f"model-deadbeef-{i + 1:05d}-of-00008.safetensors").write_bytes(b"\0" * 4 * MIB)
+    new = {f"n{i}": torch.full((MIB,), -float(i)) for i in range(4)}
+    cst.save_sharded(new, folder, max_shard_size="4MiB")  # 16 MiB more would not fit beside them
+    assert not any("deadbeef" in n for n in os.listdir(folder))
+    assert_same(cst.load_sharded(folder), new)
+    (folder / "model-cafe0000-00001-of-00002.safetensors").write_bytes(b"x")
+    assert ckptio.clean(folder) == ["model-cafe0000-00001-of-00002.safetensors"]
+    assert_same(cst.load_sharded(folder), new)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_failed_dcp_save_leaves_room_for_the_next(tmpfs64, world):
+    """As for sharded safetensors, with DCP saves of ``world`` ranks (gloo processes):
+    a 16 MiB checkpoint, a save that cannot fit, then a 16 MiB save that must succeed;
+    each rank's files of the failed save go (by that rank when it failed, else by the
+    next save's sweep), and the old checkpoint loads in between."""
+    from test_dcp import _run_ranks
+
+    _run_ranks(world, "disk_full", str(tmpfs64), NO_ROOM_MIB=str(_no_room_mib(tmpfs64)))
 
 
 # --------------------------------------------------------------------------- 6. SIGKILL mid-write
@@ -1179,3 +1255,58 @@ def test_bad_direct_type_is_typeerror(tmp_path, direct):
     with pytest.raises(TypeError, match="direct"):
         ckptio.load(prev.path, direct=direct)
     prev.assert_intact()
+
+
+# --------------------------------------------------------------------------- not regular files
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    p = tmp_path / "ckpt.pt"
+    os.mkfifo(p)
+    # A read that blocked would hang the test: fail it instead.
+    faulthandler.dump_traceback_later(60, exit=True)
+    yield p
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _refused(fn):
+    with pytest.raises(OSError, match="not a regular file") as e:
+        fn()
+    return e.value
+
+
+def test_a_fifo_is_refused_before_anything_is_read(fifo, tmp_path):
+    """A read of a FIFO blocks until a writer comes (torch.load's too): every reader of
+    every format refuses it, typed, naming it."""
+    import ckptio.dcp
+    import torch.distributed.checkpoint as dcp
+
+    e = _refused(lambda: ckptio.load(fifo))
+    assert e.filename == str(fifo) or str(fifo) in str(e)
+    _refused(lambda: ckptio.load(fifo, out={"x": torch.zeros(3)}))
+    _refused(lambda: ckptio.load_state_dict(torch.nn.Linear(2, 2), fifo))
+    _refused(lambda: cst.load_file(fifo))
+    _refused(lambda: cst.metadata(fifo))
+    _refused(lambda: ckptio.listing(fifo))
+    _refused(lambda: ckptio.verify(fifo))  # one that cannot be opened: OSError, as a missing one
+    index = tmp_path / "model.safetensors.index.json"
+    os.mkfifo(index)
+    _refused(lambda: cst.load_sharded(index))
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    os.mkfifo(folder / ".metadata")
+    with pytest.raises(BaseException) as e:
+        dcp.load({"x": torch.zeros(3)}, storage_reader=ckptio.dcp.FileSystemReader(folder))
+    assert "not a regular file" in str(e.value)
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/null"])
+def test_a_device_node_is_refused(device):
+    faulthandler.dump_traceback_later(60, exit=True)
+    try:
+        for fn in (ckptio.load, cst.load_file, ckptio.listing):
+            with pytest.raises(OSError, match="character device"):
+                fn(device)
+    finally:
+        faulthandler.cancel_dump_traceback_later()

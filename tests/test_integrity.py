@@ -332,3 +332,29 @@ def test_cli_on_a_missing_or_broken_file_says_so(tmp_path, capsys):
         assert "nope.pt" in capsys.readouterr().err
         assert cli([cmd, str(bad)]) == 1
         assert "bad.pt" in capsys.readouterr().err
+
+
+def test_a_save_into_a_file_object_carries_every_crc32(tmp_path):
+    """The bytes of a save into a regular file object pass through the process: every
+    record gets its CRC-32, and verify and load(verify=True) protect the file as a path's."""
+    import zipfile
+
+    sd = {"w": torch.randn(300, 200), "b": torch.arange(7)}
+    p = tmp_path / "obj.pt"
+    with open(p, "wb") as f:
+        ckptio.save(sd, f)
+    with zipfile.ZipFile(p) as z:
+        assert z.testzip() is None
+    rep = ckptio.verify(p)
+    assert rep.ok and not rep.unchecked, rep.summary()
+    with open(p, "rb") as f:
+        got = ckptio.load(f, verify=True)
+    assert torch.equal(got["w"], sd["w"]) and not ckptio.last_report().unchecked
+    raw = bytearray(p.read_bytes())
+    off = next(r.offset for r in ckptio.records(p) if r.name.endswith("/data/0"))
+    raw[off + 100] ^= 0x01
+    p.write_bytes(bytes(raw))
+    bad = ckptio.verify(p).bad
+    assert len(bad) == 1 and bad[0].name.endswith("/data/0"), bad
+    with open(p, "rb") as f, pytest.raises(ckptio.FormatError, match="data/0"):
+        ckptio.load(f, verify=True)

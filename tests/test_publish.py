@@ -26,7 +26,8 @@ import pytest
 import safetensors.torch as st
 import torch
 import torch.distributed.checkpoint as dcp
-from ckptio.dcp import DATA_FILE, FileSystemReader, FileSystemWriter
+from ckptio.dcp import FileSystemReader, FileSystemWriter
+from ckptio.formats.dcp import DATA_FILE
 from test_faults import CHILD_PRELUDE, IS_ROOT, TEMP_RE, fork_trial, temps
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

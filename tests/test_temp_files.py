@@ -70,7 +70,7 @@ def test_temps_of_dead_saves_under_other_names_are_removed(tmp_path, capsys):
         cst.save_file({"x": torch.ones(3)}, tmp_path / "other.safetensors")
         assert list(owners(tmp_path).values()) == [live.pid]
         rc, out, err = cli(["clean", str(tmp_path)], capsys)
-        assert (rc, out, err) == (0, f"{tmp_path}: 0 temp files of dead saves removed", "")
+        assert (rc, out, err) == (0, f"{tmp_path}: 0 files of dead saves removed", "")
         assert list(owners(tmp_path).values()) == [live.pid]
         name = temps(tmp_path)[0]
     finally:
@@ -264,3 +264,29 @@ def test_a_link_to_nothing_is_refused(tmp_path):
         ckptio.save({"x": torch.ones(3)}, link)
     assert str(link) in str(ei.value)
     assert not (tmp_path / "missing.pt").exists() and temps(tmp_path) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_new_files_get_the_umasks_mode_in_every_format(tmp_path, umask):
+    """docs/api-conventions.md, File modes: 0666 less the umask, as torch.save and open()
+    make a file; safetensors' own 0600 is not copied."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemWriter
+
+    sd = {"x": torch.ones(3), "y": torch.zeros(4)}
+    old = os.umask(umask)
+    try:
+        ckptio.save(sd, tmp_path / "a.pt")
+        torch.save(sd, tmp_path / "torch.pt")
+        cst.save_file(sd, tmp_path / "b.safetensors")
+        cst.save_sharded(sd, tmp_path / "sharded", max_shard_size=16)
+        dcp.save(sd, storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    finally:
+        os.umask(old)
+    want = 0o666 & ~umask
+    assert stat.S_IMODE((tmp_path / "torch.pt").stat().st_mode) == want
+    files = [tmp_path / "a.pt", tmp_path / "b.safetensors"]
+    files += [p for d in ("sharded", "dcp") for p in (tmp_path / d).iterdir()]
+    assert len(files) > 5
+    for p in files:
+        assert stat.S_IMODE(p.stat().st_mode) == want, p

@@ -281,6 +281,15 @@ class DeviceFile:
         checksum: bool = False,
     ) -> dict[str, Any]:
         """Write (file offset, address, nbytes, device) ranges in one engine pass."""
+    def write_storages(
+        self,
+        engine: Engine,
+        storages: list[tuple[str, int, int, int]],
+        owners: _Owners,
+        streams: _Streams,
+    ) -> dict[str, Any]:
+        """Into a torch.save archive torch wrote here under skip_data: each storage's
+        bytes into its record, then the records' CRC-32s."""
 
 @final
 class BufferRegistration:

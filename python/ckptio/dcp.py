@@ -52,12 +52,14 @@ through Python), and items with transforms are read by torch's code.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import io
 import os
 import pickle
 import secrets
+import threading
 from typing import Any
 
 import torch
@@ -91,10 +93,10 @@ from ckptio import _native
 from ckptio.errors import FormatError
 from ckptio.formats import dcp as fmt
 from ckptio.formats import torchzip
-from ckptio.formats.dcp import DATA_FILE, read_metadata
+from ckptio.formats.dcp import read_metadata
 from ckptio.io import devices, transfer
 from ckptio.io.engines import IoOptions
-from ckptio.io.paths import inside
+from ckptio.io.paths import inside, open_regular
 from ckptio.io.units import align_up
 from ckptio.loading import sharing
 from ckptio.staging import BlockingAsyncStager
@@ -207,6 +209,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         plan = super().prepare_local_plan(plan)
         if plan.storage_data is not None:  # without collectives: this rank's own names
             rank = self.rank if self.rank is not None else 0
+            self._open_guard(f"__{rank}{fmt.METADATA}")
             plan = dataclasses.replace(
                 plan, storage_data=_StoragePrefix(f"__{rank}_{self._token()}_")
             )
@@ -214,6 +217,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator names this generation's files: every rank's prefix carries the token.
+        self._open_guard(fmt.METADATA)
         token = self._token()
         return [
             dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{token}_"))
@@ -221,6 +225,15 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             else plan
             for i, plan in enumerate(plans)
         ]
+
+    def _open_guard(self, name: str) -> None:
+        """Before any rank writes: the metadata file's temp, held (locked) until
+        :meth:`finish` commits into it, marks the save as in flight; no sweep
+        removes a data file while it lives (``formats.dcp.sweep``). Then the
+        leftovers of dead or failed saves go (this one's own guard aside): on a
+        nearly full disk they would make this save fail too."""
+        guard = _guards.take(os.path.join(os.fspath(self.path), name))
+        fmt.sweep(os.fspath(self.path), own=guard.tmp_path)
 
     def _extensions(self) -> tuple[Any, ...]:
         transforms = getattr(self, "transforms", None)
@@ -248,11 +261,22 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             buckets = [[item] for item in plan.items]
         results: list[WriteResult] = []
         self.last_stats = []
-        for n, items in enumerate(buckets):
-            name = f"{prefix.prefix}{n}{DEFAULT_SUFFIX}"
-            path = os.path.join(self.path, name)
-            # Temp files of dead saves go before this rank's first file, once.
-            results += write_file(path, name, items, planner, sweep=n == 0)
+        written: list[str] = []
+        try:
+            for n, items in enumerate(buckets):
+                name = f"{prefix.prefix}{n}{DEFAULT_SUFFIX}"
+                path = os.path.join(self.path, name)
+                # Temp files of dead saves go before this rank's first file, once.
+                results += write_file(path, name, items, planner, sweep=n == 0)
+                written.append(path)
+        except BaseException:
+            # The save failed: what it wrote goes before the error does, and its
+            # guard (where this rank holds it), so that others' leftovers can go.
+            for path in written:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            _guards.drop_folder(os.fspath(self.path))
+            raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -379,30 +403,57 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         metadata.storage_meta = self.storage_meta()
         per_rank = not self.use_collectives and self.rank is not None
         name = f"__{self.rank}{fmt.METADATA}" if per_rank else fmt.METADATA
-        transfer.replace_file(os.path.join(self.path, name), pickle.dumps(metadata))
-        keep = {info.relative_path for info in storage_md.values()}
-        _remove_old_generations(self.path, keep, str(self.rank) if per_rank else None)
+        target = os.path.join(os.fspath(self.path), name)
+        data = pickle.dumps(metadata)
+        guard = _guards.pop(target)
+        if guard is None:  # no plan made here (a writer driven by hand)
+            transfer.replace_file(target, data)
+        else:
+            try:
+                guard.write_bytes(0, data)
+                guard.commit()
+            except BaseException:
+                guard.abort()
+                raise
+        # The earlier generations' data files, now named by no metadata. Best
+        # effort: what cannot go now goes with the next save.
+        fmt.sweep(os.fspath(self.path))
 
 
-def _remove_old_generations(folder: str, keep: set[str], rank: str | None) -> list[str]:
-    """After a commit: remove the data files (``DATA_FILE``; of ``rank`` only, when
-    given) that the new metadata does not name, and temp files of dead saves.
-    Best effort: what cannot be removed now goes with the next save."""
-    removed = list(_native.clean_temps(folder))
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    for n in names:
-        m = DATA_FILE.fullmatch(n)
-        if m is None or n in keep or (rank is not None and m["rank"] != rank):
-            continue
-        try:
-            os.unlink(os.path.join(folder, n))
-            removed.append(n)
-        except OSError:
-            pass
-    return removed
+class _Guards:
+    """The metadata temp files this process's saves in flight hold (see
+    ``FileSystemWriter._open_guard``), by target. A save into a folder ends
+    the previous one of this process there (two at once are not supported):
+    a guard left by a save that failed on another rank goes then."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, _native.AtomicWriter] = {}
+
+    def take(self, target: str) -> _native.AtomicWriter:
+        self.drop(target)
+        guard = _native.AtomicWriter(target, "off", None, False)
+        with self._lock:
+            self._held[target] = guard
+        return guard
+
+    def pop(self, target: str) -> _native.AtomicWriter | None:
+        with self._lock:
+            return self._held.pop(target, None)
+
+    def drop(self, target: str) -> None:
+        guard = self.pop(target)
+        if guard is not None:
+            guard.abort()
+
+    def drop_folder(self, folder: str) -> None:
+        with self._lock:
+            targets = [t for t in self._held if os.path.dirname(t) == folder]
+        for t in targets:
+            self.drop(t)
+
+
+_guards = _Guards()
 
 
 class FileSystemReader(_TorchReader):
@@ -708,7 +759,7 @@ class FileSystemReader(_TorchReader):
         small: list[tuple[Any, _StorageInfo]] = []
         # (segment index, stored CRC-32 or None, request, item offset) when verifying
         checks: list[tuple[int, int | None, Any, int]] = []
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             for req in reqs:
                 info: _StorageInfo = self.storage_data[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:

@@ -336,7 +336,7 @@ def load(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
 def metadata(filename: str | os.PathLike[str]) -> dict[str, str] | None:
     """The ``__metadata__`` of a safetensors file (the header is validated, no data is read)."""
     path = paths.path(filename, "safetensors.metadata")
-    with open(path, "rb") as f:
+    with paths.open_regular(path) as f:
         return fmt.read_header(f.fileno(), path)[0]
 
 
@@ -400,29 +400,47 @@ def save_sharded(
     if cur or not shards:
         shards.append(cur)
     os.makedirs(out, exist_ok=True)
-    names = fmt.shard_names(out, len(shards))
-    stats = []
-    for i, (name, shard) in enumerate(zip(names, shards, strict=True)):
-        path = os.path.join(out, name)
-        # Temp files of dead saves go once, before the first shard.
-        stats.append(_save_file(shard, path, {"format": "pt", **meta}, io, sweep=i == 0))
-    keep = set(names)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": total, **meta},
-            "weight_map": {t: n for n, shard in zip(names, shards, strict=True) for t in shard},
-        }
-        # The commit point: every shard above is durable.
-        text = json.dumps(index, indent=2) + "\n"
-        transfer.replace_file(os.path.join(out, fmt.INDEX_NAME), text.encode())
-        keep.add(fmt.INDEX_NAME)
-    else:
-        # model.safetensors is in place: the old index (if any) goes first, so
-        # that an index-first reader never pairs it with removed shards.
-        _remove(os.path.join(out, fmt.INDEX_NAME))
-    for f in os.listdir(out):
-        if f not in keep and fmt.SHARD_FILE.fullmatch(f):
-            _remove(os.path.join(out, f))
+    # The index's temp file, held (locked) until the index is committed into it,
+    # marks the save as in flight: no sweep removes a shard meanwhile. Then the
+    # leftovers of dead or failed saves go (this one's guard aside): on a nearly
+    # full disk they would make this save fail too.
+    guard = _native.AtomicWriter(os.path.join(out, fmt.INDEX_NAME), "off", None, False)
+    written: list[str] = []
+    try:
+        fmt.sweep(out, own=guard.tmp_path)
+        names = fmt.shard_names(out, len(shards))
+        stats = []
+        for name, shard in zip(names, shards, strict=True):
+            path = os.path.join(out, name)
+            stats.append(_save_file(shard, path, {"format": "pt", **meta}, io, sweep=False))
+            written.append(path)
+        keep = set(names)
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": total, **meta},
+                "weight_map": {t: n for n, shard in zip(names, shards, strict=True) for t in shard},
+            }
+            # The commit point: every shard above is durable.
+            guard.write_bytes(0, (json.dumps(index, indent=2) + "\n").encode())
+            guard.commit()
+            keep.add(fmt.INDEX_NAME)
+        else:
+            # model.safetensors is in place: the old index (if any) goes first, so
+            # that an index-first reader never pairs it with removed shards.
+            guard.abort()
+            _remove(os.path.join(out, fmt.INDEX_NAME))
+    except BaseException:
+        # The save failed: what it wrote goes before the error does (the single
+        # model.safetensors, replaced atomically, needs nothing of this).
+        guard.abort()
+        if len(shards) > 1:
+            for path in written:
+                _remove(path)
+        raise
+    if not paths.live_temps(out):  # no save in flight: the earlier checkpoint's files go
+        for f in os.listdir(out):
+            if f not in keep and fmt.SHARD_FILE.fullmatch(f):
+                _remove(os.path.join(out, f))
     reports.report(out, t0, reports.merged(stats, io.backend), len(tensors))
 
 

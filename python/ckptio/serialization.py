@@ -77,9 +77,9 @@ def save(
     ``f`` may also be a file object, as for torch.save. Over a regular file
     (``open(path, "wb")``, at position 0, not in append mode) the metadata goes
     through the object and the storages' bytes through the engine straight
-    into the same file (O_DIRECT where the file takes it); what is lost is the
-    atomic replace and fsync (the caller owns the file: a crash midway leaves
-    it torn) and the data records' CRC-32 (0: "unchecked" for ``verify``).
+    into the same file (O_DIRECT where the file takes it), every record with
+    its CRC-32; what is lost is the atomic replace and fsync (the caller owns
+    the file: a crash midway leaves it torn).
     Other objects (BytesIO, pipes) get the same bytes written through the
     object by torch itself (no engine, no O_DIRECT, no atomic replace).
     ``_use_new_zipfile_serialization=False`` (torch's legacy format), and saves
@@ -132,7 +132,7 @@ def save(
                 e.errno, f"writing checkpoint metadata failed: {e.strerror}", writer.tmp_path
             ) from e
         if by_torch is None:
-            storages = _storage_segments(found, None)
+            storages = _storage_segments(found)
             stats = transfer.write_storages(writer, engine, storages, list(found.values()))
         else:
             stats = reports.torch_stats(os.path.getsize(writer.tmp_path), by_torch)
@@ -209,34 +209,19 @@ def _save_object(
     f.flush()
     torchzip.write_metadata(obj, f, found, *torch_args)
     f.flush()
-    records_ = _native.map_archive(f"/proc/self/fd/{fd}")
-    data = {
-        name_.rpartition("/data/")[2]: (off, size)
-        for name_, off, size in records_
-        if "/data/" in name_
-    }
-    segments = _storage_segments(found, data)
-    stats = transfer.write(dev_file, engine, segments, list(found.values()))
+    # Into their records, and each record's CRC-32 (the bytes pass through
+    # this process: verify and load(verify=True) protect the file as a path's).
+    storages = _storage_segments(found)
+    stats = transfer.write_storages(dev_file, engine, storages, list(found.values()))
     reports.report(name, t0, stats, len(found))
 
 
-def _storage_segments(
-    found: dict[str, torch.UntypedStorage], data: dict[str, tuple[int, int]] | None
-) -> list[tuple[Any, ...]]:
-    """(key, address, nbytes, device) per storage; with ``data`` (record name ->
-    (offset, size)) (offset, address, nbytes, device), checked against the record."""
-    out: list[tuple[Any, ...]] = []
-    for key, st in found.items():
-        dev = devices.device_code(st, f"storage {key}")
-        if data is None:
-            out.append((key, st.data_ptr(), st.nbytes(), dev))
-            continue
-        rec = data.get(key)
-        if rec is None or rec[1] != st.nbytes():
-            raise FormatError(f"no record of {st.nbytes()} bytes for storage {key}")
-        if st.nbytes():
-            out.append((rec[0], st.data_ptr(), st.nbytes(), dev))
-    return out
+def _storage_segments(found: dict[str, torch.UntypedStorage]) -> list[tuple[str, int, int, int]]:
+    """(key, address, nbytes, device) of each storage torch.save filed under key."""
+    return [
+        (key, st.data_ptr(), st.nbytes(), devices.device_code(st, f"storage {key}"))
+        for key, st in found.items()
+    ]
 
 
 # --------------------------------------------------------------------------- load: the router
@@ -368,7 +353,7 @@ def _torch_loads(path: str, map_location: MapLocation, mmap: bool | None) -> str
         return "map_location meta: nothing to read"
     if torch._guards.detect_fake_mode(None) is not None:
         return "FakeTensorMode: nothing to read"
-    with open(path, "rb") as fh:
+    with paths.open_regular(path) as fh:
         return "torch's legacy format" if torchzip.is_legacy(fh.read(14)) else None
 
 

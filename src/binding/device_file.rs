@@ -9,11 +9,12 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::engine::{Memory, Owned, TransferFile};
+use crate::format::integrity;
 use crate::io::file::IoFile;
 use crate::Error;
 
 use super::engine::Engine;
-use super::{detached, file_modes, write_dict, Ask, Owners, RawSegment, Streams};
+use super::{detached, file_modes, report_dict, write_dict, Ask, Owners, RawSegment, Streams};
 
 /// An open file for moving memory to and from given offsets.
 ///
@@ -160,6 +161,36 @@ impl DeviceFile {
             self.file.write(e, s, r)
         })?;
         write_dict(py, &rep, checksum)
+    }
+
+    /// Into a torch.save archive that torch wrote here under `skip_data` (a
+    /// save into a file object): each storage's bytes into its record
+    /// `<prefix>/data/<key>`, then the records' CRC-32s, as
+    /// `AtomicWriter.write_storages` does for a path. `storages`: [(key,
+    /// address, nbytes, device)]; `owners` and `streams` as for `write_segments`.
+    fn write_storages<'py>(
+        &self,
+        py: Python<'py>,
+        engine: &Engine,
+        storages: Vec<(String, u64, u64, i32)>,
+        owners: Owners,
+        streams: Streams,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let storages = super::storages(storages);
+        for s in &storages {
+            owners.check(s.memory, s.addr, s.len, || format!("storage {}", s.key))?;
+        }
+        let ask = Ask {
+            streams,
+            ..Ask::default()
+        };
+        let rep = detached(py, engine, Vec::new(), owners, ask, |e, _, r| {
+            // SAFETY: every storage lies inside its owners' memory (checked
+            // above), which they keep allocated until this returns; the caller
+            // leaves it unmodified (documented contract) and hands its own streams.
+            unsafe { integrity::write_storages(e, &self.file, &storages, r.streams) }
+        })?;
+        report_dict(py, &rep)
     }
 }
 

@@ -106,6 +106,19 @@ struct Ask {
     patches: Vec<Patch>,
 }
 
+/// Storages of a torch.save archive as the Python side hands them:
+/// (key, address, nbytes, device), device -1 for host memory.
+fn storages(raw: Vec<(String, u64, u64, i32)>) -> Vec<crate::format::integrity::Storage> {
+    raw.into_iter()
+        .map(|(key, addr, len, dev)| crate::format::integrity::Storage {
+            key,
+            addr,
+            len,
+            memory: memory(dev),
+        })
+        .collect()
+}
+
 /// Run one transfer of `segments` detached: `run` gets the core engine, the
 /// segments and the request. Every segment must lie inside the memory of
 /// `owners` (checked first), which are held until it returns (references

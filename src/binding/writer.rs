@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::engine::{Memory, Patch, TransferFile};
-use crate::format::integrity::{self, Storage};
+use crate::format::integrity;
 use crate::format::zipwrite::{self, Body, Entry};
 use crate::format::zstd;
 use crate::io::file::IoFile;
@@ -142,15 +142,7 @@ impl AtomicWriter {
         owners: Owners,
         streams: Streams,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let storages: Vec<Storage> = storages
-            .into_iter()
-            .map(|(key, addr, len, dev)| Storage {
-                key,
-                addr,
-                len,
-                memory: memory(dev),
-            })
-            .collect();
+        let storages = super::storages(storages);
         for s in &storages {
             owners.check(s.memory, s.addr, s.len, || format!("storage {}", s.key))?;
         }

@@ -73,9 +73,16 @@ pub struct IoFile {
 }
 
 impl IoFile {
-    /// Open an existing file for reading.
+    /// Open an existing regular file for reading. Anything else is refused
+    /// before a byte is read: a folder (EISDIR), a FIFO, a socket or a device
+    /// (a read of those blocks for ever or never ends). The open itself does
+    /// not block: O_NONBLOCK, cleared once the file is known to be regular.
     pub fn open_read(path: &Path, mode: DirectMode) -> Result<Self> {
-        let buffered = File::open(path).map_err(|e| Error::io_at("open", path, e))?;
+        let buffered = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| Error::io_at("open", path, e))?;
         let meta = buffered
             .metadata()
             .map_err(|e| Error::io_at("stat", path, e))?;
@@ -85,6 +92,23 @@ impl IoFile {
                 path,
                 io::Error::from_raw_os_error(libc::EISDIR),
             ));
+        }
+        if !meta.is_file() {
+            let kind = file_kind(&meta);
+            let why = format!("not a regular file: {kind}, not a checkpoint");
+            return Err(Error::io_at(
+                "open",
+                path,
+                io::Error::new(io::ErrorKind::InvalidInput, why),
+            ));
+        }
+        let fd = buffered.as_raw_fd();
+        // SAFETY: F_GETFL / F_SETFL on a descriptor we own; only O_NONBLOCK changes.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+            }
         }
         Self::with_direct(buffered, path, false, mode)
     }
@@ -399,6 +423,23 @@ impl IoFile {
         self.buffered
             .sync_all()
             .map_err(|e| Error::io_at("fsync", &self.path, e))
+    }
+}
+
+/// What a file that is not regular is, in an error message.
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else {
+        "not a file"
     }
 }
 

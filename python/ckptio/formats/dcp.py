@@ -18,6 +18,7 @@ are raw bytes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from ckptio import _native
 from ckptio.errors import FormatError, corrupt
 from ckptio.formats import torchzip
-from ckptio.io.paths import inside
+from ckptio.io.paths import inside, live_temps, open_regular
 
 ALIGN = torchzip.STORAGE_ALIGNMENT
 
@@ -232,6 +233,40 @@ _METADATA_CLASSES = (
 _BUILDABLE = (*_METADATA_CLASSES, OrderedDict)
 
 
+#: Per-rank metadata of a save without collectives.
+METADATA_OF_RANK = re.compile(r"__\d+" + re.escape(METADATA))
+
+
+def sweep(folder: str, own: str | None = None) -> list[str]:
+    """Remove what dead saves left in a DCP folder: their temp files, and the data
+    files that no metadata file names (a save that died, or failed on a rank that
+    could not clean up, before its ``.metadata``). Nothing of the data files while
+    a save may be in flight: a temp file some writer holds (but ``own``, the
+    caller's, see ``ckptio.dcp``) or a metadata file that cannot be read. The
+    names removed."""
+    try:
+        data = [n for n in os.listdir(folder) if DATA_FILE.fullmatch(n)]
+    except FileNotFoundError:
+        return []
+    if live_temps(folder, own) or not data:
+        return []
+    named: set[str] = set()
+    for n in os.listdir(folder):
+        if n == METADATA or METADATA_OF_RANK.fullmatch(n):
+            try:
+                md = read_metadata(os.path.join(folder, n))
+            except (FormatError, OSError):
+                return []  # which files it names is not known: none is surely dead
+            named |= {info.relative_path for info in md.storage_data.values()}
+    removed = []
+    for n in data:
+        if n not in named:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, n))
+                removed.append(n)
+    return removed
+
+
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     """What a ``.metadata`` pickle may name: DCP's metadata classes, torch sizes,
     dtypes, layouts and devices, paths, plain containers and values."""
@@ -306,7 +341,7 @@ def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Met
     (relative path, offset, length) inside the file's folder. ``FormatError``
     naming the file (and the global, entry or path) otherwise."""
     p = os.fspath(path)
-    with open(p, "rb") as f:
+    with open_regular(p) as f:
         raw = f.read()
     try:
         if trusted:

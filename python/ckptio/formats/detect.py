@@ -20,6 +20,7 @@ import os
 
 from ckptio.errors import FormatError
 from ckptio.formats import dcp, torchzip
+from ckptio.io.paths import open_regular
 
 TORCH = "torch.save"
 
@@ -69,7 +70,7 @@ def detect(path: str | os.PathLike[str]) -> Detected:
             f"{p}: a folder, but no checkpoint ckptio reads: no .metadata (DCP) nor "
             "*.safetensors.index.json / model.safetensors (sharded safetensors)"
         )
-    with open(p, "rb") as f:
+    with open_regular(p) as f:
         head = f.read(16)
         size = os.fstat(f.fileno()).st_size
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
@@ -96,7 +97,7 @@ def detect(path: str | os.PathLike[str]) -> Detected:
 
 def _is_index(path: str) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             doc = json.loads(f.read())
     except (ValueError, RecursionError):
         return False

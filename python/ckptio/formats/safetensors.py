@@ -22,6 +22,7 @@ a mapped view (its tensors over a lazy mapping of it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,7 +38,7 @@ from ckptio import _native
 from ckptio.errors import FormatError, SafetensorError
 from ckptio.formats.mapped import Mapped
 from ckptio.io import memory
-from ckptio.io.paths import inside
+from ckptio.io.paths import inside, live_temps, open_regular
 
 #: safetensors dtype name -> torch dtype (those this torch has).
 DTYPES: dict[str, torch.dtype] = {
@@ -423,7 +424,7 @@ def shard_files(index_path_or_folder: str) -> tuple[str, dict[str, str] | None]:
                     f"no {INDEX_NAME} (nor a single *.safetensors.index.json or model.safetensors)",
                     p,
                 )
-    with open(p, "rb") as f:
+    with open_regular(p) as f:
         try:
             index = json.loads(f.read())
         except ValueError as e:
@@ -455,7 +456,7 @@ def shard_names(folder: str, k: int) -> list[str]:
         return ["model.safetensors"]  # replaced atomically in one step
     hub = [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
     present = set(os.listdir(folder))
-    live = _current_shards(folder)
+    live = current_shards(folder)
     if live is not None and not live & set(hub):
         return hub
     while True:
@@ -464,7 +465,7 @@ def shard_names(folder: str, k: int) -> list[str]:
             return [f"model-{token}-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
 
 
-def _current_shards(folder: str) -> set[str] | None:
+def current_shards(folder: str) -> set[str] | None:
     """The files the folder's current checkpoint uses (None: an index that cannot
     be read, so any name may be in use)."""
     if not os.path.exists(os.path.join(folder, INDEX_NAME)):
@@ -474,6 +475,31 @@ def _current_shards(folder: str) -> set[str] | None:
     except (OSError, FormatError):
         return None
     return set((wm or {}).values()) | {"model.safetensors"}
+
+
+def sweep(folder: str, own: str | None = None) -> list[str]:
+    """Remove what dead saves left in a sharded checkpoint's folder: their temp
+    files, and shard files (``SHARD_FILE``) that the current checkpoint does
+    not use (a ``save_sharded`` that died before its index). Nothing of the
+    shards while a save may be in flight: a temp file some writer holds (but
+    ``own``, the caller's guard) or an index that cannot be read. The names
+    removed."""
+    try:
+        shards = [n for n in os.listdir(folder) if SHARD_FILE.fullmatch(n)]
+    except FileNotFoundError:
+        return []
+    if live_temps(folder, own) or not shards:
+        return []
+    live = current_shards(folder)
+    if live is None:
+        return []
+    removed = []
+    for n in shards:
+        if n not in live:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, n))
+                removed.append(n)
+    return removed
 
 
 def gather(

@@ -218,16 +218,17 @@ def view_layout(offset: Any, size: Any, stride: Any) -> tuple[int, bool]:
         need = offset + (n - 1) * st + 1 if n else 0
         contiguous = n < 2 or st == 1
     else:
-        need = offset + 1
-        expected = 1
-        contiguous = True
-        for s, st in zip(reversed(size), reversed(stride), strict=True):
+        for s, st in zip(size, stride, strict=True):
             if type(s) is not int or type(st) is not int or s < 0 or st < 0:
                 raise ValueError(
                     f"size {tuple(size)} or stride {tuple(stride)} is not of non-negative ints"
                 )
-            if s == 0:
-                return 0, True
+        if 0 in size:
+            return 0, True
+        need = offset + 1
+        expected = 1
+        contiguous = True
+        for s, st in zip(reversed(size), reversed(stride), strict=True):
             need += (s - 1) * st
             if s != 1 and st != expected:
                 contiguous = False

@@ -9,14 +9,21 @@ name files inside the checkpoint's folder: :func:`inside`.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import io
 import os
+import re
 import stat
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
+from ckptio import _native
 from ckptio.errors import FormatError
+
+#: A save's temp file beside its target, ``.<target>.ckptio-<pid>-<nonce>.tmp``
+#: (``src/io/persist.rs``): locked by its writer while the save runs.
+TEMP_FILE = re.compile(r"\.(?P<target>.+)\.ckptio-(?P<pid>\d+)-[0-9a-f]{16}\.tmp")
 
 
 def is_path(f: Any) -> bool:
@@ -89,3 +96,42 @@ def inside(
     if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
         raise error(f"{where}: {rel!r} resolves to {real}, outside the checkpoint folder {folder}")
     return full
+
+
+def open_regular(path: str) -> BinaryIO:
+    """``open(path, "rb")`` of a regular file; anything else refused before a
+    byte is read (a read of a FIFO or a device blocks for ever or never ends):
+    IsADirectoryError for a folder, OSError naming what it is otherwise. The
+    open itself does not block (O_NONBLOCK, cleared once the file is known)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "not a file")
+            raise OSError(errno.EINVAL, f"not a regular file: {kind}, not a checkpoint", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def live_temps(folder: str, own: str | None = None) -> list[str]:
+    """Remove the temp files of dead saves in ``folder`` (those no writer holds
+    locked, in any PID namespace: ``_native.clean_temps``); the temp files left,
+    which live saves hold, but ``own`` (the caller's). A save in flight owns
+    what it wrote beside them too: sweeps of a checkpoint's leftovers remove
+    nothing while this is not empty."""
+    _native.clean_temps(folder)
+    mine = None if own is None else os.path.basename(own)
+    return [n for n in os.listdir(folder) if TEMP_FILE.fullmatch(n) and n != mine]

@@ -77,7 +77,7 @@ def write_archive(
 
 
 def write_storages(
-    writer: _native.AtomicWriter,
+    writer: _native.AtomicWriter | _native.DeviceFile,
     engine: _native.Engine,
     storages: list[tuple[str, int, int, int]],
     owners: list[Any],

@@ -134,10 +134,11 @@ def _parser() -> argparse.ArgumentParser:
 
     cl = sub.add_parser(
         "clean",
-        help="remove the temp files of dead saves (killed or crashed) from a folder",
+        help="remove what dead saves (killed, crashed or failed) left in a folder",
         description="Remove the temp files (.NAME.ckptio-PID-NONCE.tmp) that saves killed or "
-        "crashed left in FOLDER. Only files of that pattern, and only those no live save holds "
-        "(each save holds a lock on its temp file, in any PID namespace or container).",
+        "crashed left in FOLDER, only those no live save holds (each save holds a lock on its "
+        "temp file, in any PID namespace or container), and the data files of DCP or sharded "
+        "safetensors checkpoints that no .metadata or index names, while no save runs there.",
     )
     cl.add_argument("folder")
     cl.add_argument("-q", "--quiet", action="store_true", help="print only errors")
@@ -304,7 +305,7 @@ def _cmd_clean(a: argparse.Namespace) -> int:
     elif not a.quiet:
         for name in removed:
             print(name)
-        print(f"{a.folder}: {len(removed)} temp files of dead saves removed")
+        print(f"{a.folder}: {len(removed)} files of dead saves removed")
     return OK
 
 

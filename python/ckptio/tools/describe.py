@@ -24,7 +24,7 @@ from ckptio.errors import FormatError
 from ckptio.formats import dcp, torchzip
 from ckptio.formats import safetensors as st_format
 from ckptio.formats.detect import DCP, FORMATS, SAFETENSORS, SHARDED, TORCH, Detected, detect
-from ckptio.io.paths import inside
+from ckptio.io.paths import inside, open_regular
 
 __all__ = [
     "FORMATS",
@@ -156,7 +156,7 @@ def _torch(src: Detected) -> Listing:
 
 
 def _safetensors_file(path: str, rel: str) -> tuple[dict[str, str] | None, list[Entry]]:
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         meta, entries, base = st_format.read_header(f.fileno(), path)
     return meta, [
         Entry(
