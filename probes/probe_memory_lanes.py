@@ -5,8 +5,8 @@ GiB from pinned memory in 4 MiB copies runs at 0.96x one large copy, in 8 MiB
 copies at 0.98x (``probe_dma_pieces.py``); and the engine's read of a raw 8 GiB
 file from /dev/shm ran at 0.92x the pinned copy with 16 threads of 4 MiB slots
 (the defaults), 0.94x with 8 or 12 threads of 8 MiB, 0.86x with 16 of 8 MiB
-(``probe_zero_copy_hybrid.py --shares 0``). This times, in alternating order
-per round and in one process, ``ckptio.load_state_dict`` in place and
+(``probe_zero_copy_hybrid.py --shares 0``, retired: in a8ed46e). This times, in
+alternating order per round and in one process, ``ckptio.load_state_dict`` in place and
 ``ckptio.load(map_location="cuda")`` of an 8 GiB bf16 checkpoint (512 tensors)
 in /dev/shm for each (threads, chunk) configuration, with each load's engine
 read alone, as ratios to the pinned copy of the same bytes.
