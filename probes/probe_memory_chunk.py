@@ -20,6 +20,7 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import time
 
 import ckptio
@@ -27,7 +28,9 @@ import torch
 from ckptio import _native
 from ckptio.io.engines import engine as _engine
 from ckptio.io.units import parse_size as _size
-from ckptio.tools import bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches"))
+import benchlib  # noqa: E402
 
 GiB = 2**30
 
@@ -41,7 +44,7 @@ def main() -> None:
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
-    path, model, nbytes = bench.shm_checkpoint(a.size, a.tensors, dev)
+    path, model, nbytes = benchlib.shm_checkpoint(a.size, a.tensors, dev)
 
     def timed(fn) -> float:
         if cuda:

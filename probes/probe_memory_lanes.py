@@ -21,12 +21,15 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import time
 
 import ckptio
 import torch
 from ckptio.io.units import parse_size as _size
-from ckptio.tools import bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches"))
+import benchlib  # noqa: E402
 
 GiB = 2**30
 
@@ -38,14 +41,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--configs", default="16x4M,12x8M,8x8M,12x4M")
     a = p.parse_args()
-    path, model, nbytes = bench.shm_checkpoint(a.size, a.tensors, "cuda")
+    path, model, nbytes = benchlib.shm_checkpoint(a.size, a.tensors, "cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     configs = []
     for c in a.configs.split(","):
         t, ch = c.split("x")
         configs.append((c, int(t), _size(ch)))
-    reads = bench.EngineReads()
+    reads = benchlib.EngineReads()
 
     def timed(fn) -> tuple[float, float]:
         torch.cuda.synchronize()
