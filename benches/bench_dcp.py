@@ -30,18 +30,12 @@ from typing import Any
 import ckptio
 import torch
 import torch.distributed.checkpoint as dcp
+from benchlib import buffered_cold_read, fresh_memory_fault_s
 from ckptio.dcp import FileSystemReader, FileSystemWriter
 from ckptio.io.engines import engine as _engine  # noqa: F401  (warms the engine cache)
 from ckptio.io.units import parse_size as _size
 from ckptio.staging import DefaultStager, StagingOptions
-from ckptio.tools.bench import (
-    buffered_cold_read,
-    cold_read,
-    drop_cache,
-    fresh_memory_fault_s,
-    settle_disk,
-    synthetic_state_dict,
-)
+from ckptio.tools.bench import cold_read, drop_cache, settle_disk, synthetic_state_dict
 
 warnings.simplefilter("ignore")
 GiB = 1 << 30

@@ -29,6 +29,7 @@ import tempfile
 import time
 import traceback
 
+import benchlib
 import ckptio
 import torch
 from ckptio.io.units import parse_size as _size
@@ -208,7 +209,7 @@ def case(label: str, folder: str, size: int, full: bool, rounds: int, tmpfs: boo
             chunk = os.urandom(1 << 20) * 64
             for _ in range(0, nbytes, len(chunk)):
                 f.write(chunk)
-        rec("raw read, cold (buffered)", bench.buffered_cold_read(raw, nbytes))
+        rec("raw read, cold (buffered)", benchlib.buffered_cold_read(raw, nbytes))
         os.unlink(raw)
 
     def torch_rows() -> None:

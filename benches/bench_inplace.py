@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 
+import benchlib
 import ckptio
 import torch
 from ckptio import _native
@@ -292,7 +293,7 @@ def gpu(args: argparse.Namespace) -> dict:
         # Loads from memory vary by round on the H200 host: every round shown, the median kept.
         # Each round's engine read timed alone too: the rest is Python (open, walk, plan).
         # And the Python side's steps (open, walk, plan, execute less the read).
-        reads, steps = bench.EngineReads(), bench.LoadPhases(ckptio)
+        reads, steps = benchlib.EngineReads(), benchlib.LoadPhases(ckptio)
         shm_all, shm_read, shm_steps = [], [], []
         try:
             for _ in range(5):

@@ -1,8 +1,9 @@
 """The foundation benchmark: raw disk limit vs ckptio vs torch.save/torch.load.
 
-Runs ckptio.bench at 1 GiB and 4 GiB (CPU state dicts) in one process and
-prints one table per size, with ratios against the raw limit measured in the
-same run. Usage: python benches/bench_io.py [--sizes 1G,4G] [--dir DIR] [--json OUT]
+Runs ckptio.tools.bench (the runner of ``ckptio bench``) at 1 GiB and 4 GiB (CPU
+state dicts) in one process and prints one table per size, with ratios against
+the raw limit measured in the same run.
+Usage: python benches/bench_io.py [--sizes 1G,4G] [--dir DIR] [--json OUT]
 """
 
 import argparse

@@ -80,18 +80,17 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import benchlib
 import ckptio
 import ckptio.dcp
 import ckptio.safetensors as cst
 import ckptio.serialization as ser
 import torch
+from bench_gpu import kvikio_run
 from ckptio import _native
 from ckptio.io import memory as _hostmem
 from ckptio.io.units import parse_size as _size
 from ckptio.tools import bench
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import kvikio_run  # noqa: E402
 
 GiB = 1 << 30
 CORES = os.cpu_count() or 8
@@ -107,7 +106,7 @@ sections: dict[str, dict[int, float]] = {}
 # what a later round of it will not take.
 first_only: dict[str, float] = {}
 SECTION = ""
-READS: bench.EngineReads | None = None
+READS: benchlib.EngineReads | None = None
 
 
 @contextlib.contextmanager
@@ -217,7 +216,7 @@ def main() -> None:
     if a.warm == "on" or (a.warm == "auto" and DEV == "cuda"):
         warm_up()
         fault_probe("after warm-up", min(size, 4 * GiB))
-    READS = bench.EngineReads()
+    READS = benchlib.EngineReads()
     sd = bench.synthetic_state_dict(size, DEV, torch.bfloat16)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     host, host_pin = pinned_host(nbytes)
@@ -313,8 +312,8 @@ def fault_probe(when: str, n: int) -> None:
     """Fresh private memory faulted in on as many threads as cores, 4 KiB pages
     then huge pages: the first touch, and again right after the free."""
     for kind in ("anon", "anon+thp"):
-        first = bench.fresh_memory_fault_s([n], threads=CORES, kind=kind)
-        again = bench.fresh_memory_fault_s([n], threads=CORES, kind=kind)
+        first = benchlib.fresh_memory_fault_s([n], threads=CORES, kind=kind)
+        again = benchlib.fresh_memory_fault_s([n], threads=CORES, kind=kind)
         probe.setdefault("fault_in_gib_s", {})[f"{when} {kind}"] = [
             n / GiB / first,
             n / GiB / again,
@@ -346,7 +345,7 @@ def warm_up(limit_s: float = 25.0) -> None:
                 m.madvise(mmap.MADV_HUGEPAGE)
             maps += step
             addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in step]
-            bench.madvise_s([(x, GiB) for x in addrs], CORES)
+            benchlib.madvise_s([(x, GiB) for x in addrs], CORES)
         s = time.perf_counter() - t0
     finally:
         for m in maps:
@@ -534,14 +533,14 @@ def zero_copy_floor(path: str, flat: torch.Tensor, threads: int = 8, piece: int 
     pieces on ``threads`` threads, each piece copied to the GPU from its
     registration. End to end (each thread: page tables of its piece filled,
     registered, copy queued), then on a second mapping by phase."""
-    cu, libc = bench.libcuda(), bench.libc()
+    cu, libc = benchlib.libcuda(), benchlib.libc()
     torch.cuda.synchronize()
     n = os.path.getsize(path)
     dst = flat.data_ptr()
-    ck = bench.cuda_check
+    ck = benchlib.cuda_check
 
     def on_threads(items: list[int], fn: Callable[[int, Any], None]) -> float:
-        return bench.on_streams(threads, items, fn)
+        return benchlib.on_streams(threads, items, fn)
 
     offs = list(range(0, n, piece))
 
@@ -559,7 +558,7 @@ def zero_copy_floor(path: str, flat: torch.Tensor, threads: int = 8, piece: int 
         return min(piece, n - o)
 
     def fill(p: int, o: int) -> None:
-        libc.madvise(p + o, length(o), bench.MADV_POPULATE_READ)
+        libc.madvise(p + o, length(o), benchlib.MADV_POPULATE_READ)
 
     registered: set[int] = set()
 
@@ -692,7 +691,7 @@ def staging_floor(sizes: list[int], shared: bool, label: str) -> None:
     huge0 = _anon_huge()
     bufs = [_host_storage(n, shared) for n in sizes]
     ranges = [(b.data_ptr(), b.nbytes()) for b in bufs]
-    fault = bench.madvise_s(ranges, threads, _PIN_CHUNK)
+    fault = benchlib.madvise_s(ranges, threads, _PIN_CHUNK)
     huge = _anon_huge() - huge0
     pins = [_native.HostPin(b, b.data_ptr(), b.nbytes(), chunk_size=_PIN_CHUNK) for b in bufs]
     t0 = time.perf_counter()

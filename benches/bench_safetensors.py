@@ -199,7 +199,7 @@ def main() -> None:
                 del out
         for k, v in reports.items():
             print(f"# {k}: {v}")
-        rows = {k: bench._median(v) for k, v in times.items()}
+        rows = {k: bench.median(v) for k, v in times.items()}
         limit = rows["raw O_DIRECT read (reused buffer)"]
         fresh = rows["raw O_DIRECT read (fresh memory)"]
         base = rows["safetensors.load_file"]

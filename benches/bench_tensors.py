@@ -7,7 +7,7 @@ Two sweeps (issue 23): a fixed total size (1 GiB in 64, 2,000, 20,000 and
 + fsync and torch.load, safetensors.torch.save_file + fsync and load_file,
 ckptio.save and ckptio.load, ckptio.safetensors save_file and load_file. Every
 write starts on a settled disk into a new file; every load is cold (the file
-fsynced and dropped from the page cache, ``ckptio.bench.drop_cache``). Rows
+fsynced and dropped from the page cache, ``ckptio.tools.bench.drop_cache``). Rows
 keep the best round (the disk of a shared machine drifts; the issue compared
 best of 2) and the median of each round's ratio. A table per sweep, a JSON
 file, and a PNG chart of microseconds per tensor (``--png``, with matplotlib).

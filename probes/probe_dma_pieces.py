@@ -14,14 +14,18 @@ Usage: python probes/probe_dma_pieces.py [--size 8] [--rounds 3]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
-from ckptio.tools import bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches"))
+import benchlib  # noqa: E402
 
 GiB = 2**30
 MiB = 2**20
-cu = bench.libcuda()
+cu = benchlib.libcuda()
 
 
 def main() -> None:
@@ -38,18 +42,18 @@ def main() -> None:
         base, dbase = src.data_ptr(), dst.data_ptr()
 
         def one(o: int, st) -> None:
-            bench.cuda_check(
+            benchlib.cuda_check(
                 cu.cuMemcpyHtoDAsync_v2(dbase + o, base + o % GiB, piece, st), "cuMemcpyHtoDAsync"
             )
 
-        return bench.on_streams(threads, list(range(0, n, piece)), one)
+        return benchlib.on_streams(threads, list(range(0, n, piece)), one)
 
     cases = [(pc * MiB, t) for t in (16, 1) for pc in (1, 2, 4, 8, 16, 64)]
     times: dict = {c: [] for c in cases}
     ref: list[float] = []
-    bench.h2d_seconds(dst, src)
+    benchlib.h2d_seconds(dst, src)
     for r in range(a.rounds):
-        ref.append(bench.h2d_seconds(dst, src))
+        ref.append(benchlib.h2d_seconds(dst, src))
         for c in cases if r % 2 == 0 else cases[::-1]:
             times[c].append(pieces(*c))
     h = statistics.median(ref)

@@ -42,6 +42,7 @@ import argparse
 import ctypes
 import mmap
 import os
+import sys
 import threading
 import time
 
@@ -49,12 +50,17 @@ import torch
 from ckptio.io.units import parse_size as _size
 from ckptio.tools import bench
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches"))
+import benchlib  # noqa: E402
+
 READ_ONLY = 8
 
 
 def _on_threads(threads: int, work) -> float:
     """Seconds for ``work(k)`` to run on threads k = 0..threads-1 at once."""
-    return bench.timed_threads([threading.Thread(target=work, args=(k,)) for k in range(threads)])
+    return benchlib.timed_threads(
+        [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    )
 
 
 def main() -> None:
@@ -356,9 +362,8 @@ def shm_loads(n: int) -> None:
     """ckptio.load of an n-byte bf16 state dict from /dev/shm, by threads and chunk;
     ``io``: the share of the engine's read (the rest: unpickling, allocation)."""
     import ckptio
-    from ckptio.tools import bench
 
-    io = bench.EngineReads()
+    io = benchlib.EngineReads()
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
     p = "/dev/shm/probe-load.pt"
     ckptio.save(sd, p)
@@ -387,9 +392,8 @@ def alloc(n: int, rounds: int = 3) -> None:
     same total, and ckptio.load from /dev/shm after empty_cache() with and
     without such a segment reserved (freed back to torch's cache) first."""
     import ckptio
-    from ckptio.tools import bench
 
-    io = bench.EngineReads()
+    io = benchlib.EngineReads()
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
     sizes = [v.untyped_storage().nbytes() for v in sd.values()]
     total = sum(sizes)
@@ -446,7 +450,6 @@ def backends(n: int, reps: int = 2) -> None:
     """ckptio.load from /dev/shm by backend (auto may take cuFile's compat mode
     there) and by the state of torch's cache (empty, or holding the last load)."""
     import ckptio
-    from ckptio.tools import bench
 
     sd = bench.synthetic_state_dict(n, "cuda", torch.bfloat16)
     p = "/dev/shm/probe-load.pt"
@@ -478,7 +481,6 @@ def tmpfs_pages(n: int, threads: int = 8) -> None:
     freshly allocated through a mapping. The slow read is each page's second
     access (write() counts as one, a fault through a mapping does not): the one
     where the kernel moves the page to its active LRU list."""
-    from ckptio.tools import bench
 
     path = "/dev/shm/probe-pages.bin"
     block = os.urandom(64 << 20)
@@ -535,7 +537,6 @@ def sources(n: int, rounds: int = 3, disk: str = "/tmp") -> None:
 
     import ckptio
     from ckptio import _native
-    from ckptio.tools import bench
 
     sd = bench.synthetic_state_dict(n, "cpu", torch.bfloat16)
     dst = torch.empty(n + (64 << 20), dtype=torch.uint8)

@@ -29,10 +29,10 @@ import time
 
 import ckptio
 import torch
-from ckptio.tools import bench
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benches"))
+import benchlib  # noqa: E402
 from bench_inplace import module_of  # noqa: E402
 
 
@@ -69,11 +69,11 @@ def ref_package(ref: str, into: str) -> None:
 
 
 class Phases:
-    """Seconds in each step of an in-place load (bench.LoadPhases) and in the
-    native reads within execute (bench.EngineReads), for package ``mod``."""
+    """Seconds in each step of an in-place load (benchlib.LoadPhases) and in the
+    native reads within execute (benchlib.EngineReads), for package ``mod``."""
 
     def __init__(self, mod) -> None:
-        self.steps, self.reads = bench.LoadPhases(mod), bench.EngineReads(mod)
+        self.steps, self.reads = benchlib.LoadPhases(mod), benchlib.EngineReads(mod)
 
     def clear(self) -> None:
         self.steps.reset()

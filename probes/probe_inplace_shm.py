@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import time
 
 import ckptio
 import torch
-from ckptio.tools import bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches"))
+import benchlib  # noqa: E402
 
 GiB = 2**30
 
@@ -26,7 +29,7 @@ def main() -> None:
     a = p.parse_args()
     # The model's tensors each their own cudaMalloc (as a model built layer by
     # layer), and the same tensors carved from one segment (as ckptio.load's).
-    path, model, nbytes = bench.shm_checkpoint(a.size, a.tensors, "cuda")
+    path, model, nbytes = benchlib.shm_checkpoint(a.size, a.tensors, "cuda")
     n = nbytes // a.tensors // 2
     seg = torch.empty(a.tensors * n, dtype=torch.bfloat16, device="cuda")
     carved = torch.nn.Module()

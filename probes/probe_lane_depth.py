@@ -26,6 +26,7 @@ import ctypes
 import mmap
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -34,12 +35,14 @@ import numpy as np
 import torch
 from ckptio import _native
 from ckptio.io.engines import engine as _engine
-from ckptio.tools import bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches"))
+import benchlib  # noqa: E402
 
 GiB = 2**30
 MiB = 2**20
-cu = bench.libcuda()
-ck = bench.cuda_check
+cu = benchlib.libcuda()
+ck = benchlib.cuda_check
 
 
 def pipeline(
@@ -80,7 +83,7 @@ def pipeline(
                 if st.value:
                     cu.cuStreamDestroy_v2(st)
 
-    s = bench.timed_threads([threading.Thread(target=work, args=(m,)) for m in slots])
+    s = benchlib.timed_threads([threading.Thread(target=work, args=(m,)) for m in slots])
     if errors:
         raise errors[0]
     return s
@@ -140,11 +143,11 @@ def main() -> None:
             )
         times: dict[str, list[float]] = {k: [] for k in cases}
         ref: list[float] = []
-        bench.h2d_seconds(dst, src)
+        benchlib.h2d_seconds(dst, src)
         for fn in cases.values():  # warm: lanes made, mappings kept, threads spawned once
             fn()
         for r in range(a.rounds):
-            ref.append(bench.h2d_seconds(dst, src))
+            ref.append(benchlib.h2d_seconds(dst, src))
             for k in list(cases) if r % 2 == 0 else list(cases)[::-1]:
                 times[k].append(cases[k]())
         h = statistics.median(ref)

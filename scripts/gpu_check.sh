@@ -12,7 +12,7 @@
 #                                # that bound them) alone: about 4 minutes at 8 GiB (--budget
 #                                # 220 s, MEMBENCH_TIMEOUT 270 s; MEMORY_ARGS adds arguments)
 #   scripts/gpu_check.sh soundness # tests/test_soundness.py, without then with the udev entry
-#   scripts/gpu_check.sh tune    # probes/tune_gpu.py: threads/chunk/preallocation sweep
+#   scripts/gpu_check.sh tune    # benches/bench_tune_gpu.py: threads/chunk/preallocation sweep
 #   scripts/gpu_check.sh bench   # benches/bench_gpu.py, JSON to $OUT
 #   scripts/gpu_check.sh dcp     # staging/DCP tests (CPU and GPU), then benches/bench_dcp.py
 #                                # (DCP_SIZES, default 2G; DCP_SKIP_TESTS=1 for the bench only;
@@ -21,11 +21,12 @@
 #   scripts/gpu_check.sh final   # all GPU tests on cuFile, then bench_dcp.py for ckptio's stagers
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
-#   scripts/gpu_check.sh staging # probes/bench_staging.py: first host staging by kind of memory
+#   scripts/gpu_check.sh staging # benches/bench_staging.py: first host staging by kind of memory
 #   scripts/gpu_check.sh zstd    # fidelity tests (CPU and GPU), then benches/bench_dcp_zstd.py:
 #                                # DCP + ZStandard, ckptio (Rust, all cores) vs torch (ZSTD_SIZE)
-#   scripts/gpu_check.sh profile # probes/profile_disk.py: saves and cold loads (by phase) by knob,
-#                                # paired by round with the raw writes and reads (PROFILE_ARGS)
+#   scripts/gpu_check.sh profile # benches/bench_profile_disk.py: saves and cold loads (by phase)
+#                                # by knob, paired by round with the raw writes and reads
+#                                # (PROFILE_ARGS)
 #   scripts/gpu_check.sh inplace # loads in place (issue 17): the GPU tests of tests/test_inplace.py
 #                                # (bounce, then cuFile), then benches/bench_inplace.py --device cuda:
 #                                # 8 GiB bf16 model (INPLACE_SIZE), cold from /tmp and from /dev/shm;
@@ -137,8 +138,8 @@ gpu)
     ;;
 tune)
     udev_off
-    $PY probes/tune_gpu.py --dir /tmp ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_disk.log"
-    $PY probes/tune_gpu.py --dir /dev/shm --configs "8,16M,1 16,16M,1 16,4M,1 32,8M,1" 2>&1 | tee "$OUT/tune_shm.log"
+    $PY benches/bench_tune_gpu.py --dir /tmp ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_disk.log"
+    $PY benches/bench_tune_gpu.py --dir /dev/shm --configs "8,16M,1 16,16M,1 16,4M,1 32,8M,1" 2>&1 | tee "$OUT/tune_shm.log"
     ;;
 bench)
     udev_on
@@ -169,7 +170,7 @@ stbench)
     $PY benches/bench_safetensors.py --device cuda --size ${ST_SIZE:-8G} --json "$OUT/bench_safetensors.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_safetensors.log" || rc=1
     ;;
 staging)
-    $PY probes/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
+    $PY benches/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
     ;;
 memory)
     grep -H . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled \
@@ -203,7 +204,7 @@ tensors)
     ;;
 profile)
     udev_on  # --knobs cufile needs it; "posix" forces the bounce pipeline
-    $PY probes/profile_disk.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_disk.log" || rc=1
+    $PY benches/bench_profile_disk.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_disk.log" || rc=1
     ;;
 inplace)
     udev_off

@@ -106,6 +106,25 @@ def test_no_module_borrows_another_modules_private_names():
     assert not bad, bad
 
 
+def test_nothing_in_the_package_imports_the_benches():
+    """benches/ (benchlib, the bench scripts) is on sys.path for the benches, probes and
+    tests only: the wheel does not ship it."""
+    benches = {p.stem for p in (pathlib.Path(__file__).parents[1] / "benches").glob("*.py")}
+    assert "benchlib" in benches
+    bad = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            where = path.relative_to(PACKAGE)
+            bad += [f"{where}: {n}" for n in names if n.split(".")[0] in benches]
+    assert not bad, bad
+
+
 def test_every_exception_is_defined_in_errors():
     public = [
         obj

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import benchlib
 import ckptio
 import ckptio.dcp
 import ckptio.safetensors as cst
@@ -344,10 +345,10 @@ def test_the_copy_floor_probe_reads_a_whole_file(tmp_path, source):
 
 
 def test_the_bench_times_the_engine_reads_of_a_load(tmp_path):
-    """bench.EngineReads: the seconds of a load spent in the engine's reads."""
+    """benchlib.EngineReads: the seconds of a load spent in the engine's reads."""
     p = tmp_path / "c.pt"
     ckptio.save(state(5), p)
-    reads = bench.EngineReads()
+    reads = benchlib.EngineReads()
     try:
         assert same(ckptio.load(p), state(5))
         assert reads.calls >= 1 and reads.seconds > 0
@@ -360,7 +361,7 @@ def test_the_bench_times_the_engine_reads_of_a_load(tmp_path):
 
 
 def test_the_probes_timers():
-    """bench.timed_threads runs every thread to its end; bench.h2d_seconds fills
+    """benchlib.timed_threads runs every thread to its end; benchlib.h2d_seconds fills
     its destination from a smaller source, piece by piece (on CUDA)."""
     import threading
     import time
@@ -369,11 +370,11 @@ def test_the_probes_timers():
     ths = [
         threading.Thread(target=lambda k=k: (time.sleep(0.01), done.append(k))) for k in range(3)
     ]
-    assert bench.timed_threads(ths) >= 0.01 and sorted(done) == [0, 1, 2]
+    assert benchlib.timed_threads(ths) >= 0.01 and sorted(done) == [0, 1, 2]
     if torch.cuda.is_available():
         src = torch.arange(256, dtype=torch.uint8).pin_memory()
         dst = torch.zeros(600, dtype=torch.uint8, device="cuda")
-        assert bench.h2d_seconds(dst, src) > 0
+        assert benchlib.h2d_seconds(dst, src) > 0
         assert torch.equal(dst.cpu(), torch.arange(600).remainder(256).to(torch.uint8))
 
 

@@ -302,14 +302,15 @@ def test_cuda_room_counts_the_cache_and_the_memory_fraction(monkeypatch):
 def test_bench_floor_helpers(tmp_path):
     # The benches' same-run limits: a cold buffered read of a file, and the
     # fault-in of fresh memory that bounds a first staging from below.
+    import benchlib
     from ckptio.tools import bench
 
     p = tmp_path / "raw.bin"
     p.write_bytes(os.urandom(3 << 20))
-    assert bench.buffered_cold_read(str(p), 3 << 20, threads=2, chunk=1 << 20) > 0
+    assert benchlib.buffered_cold_read(str(p), 3 << 20, threads=2, chunk=1 << 20) > 0
     with pytest.raises(EOFError):
-        bench.buffered_cold_read(str(p), 4 << 20, threads=2, chunk=1 << 20)
-    assert bench.fresh_memory_fault_s([8 << 20, 4096, 3 << 20], threads=2, piece=1 << 20) > 0
+        benchlib.buffered_cold_read(str(p), 4 << 20, threads=2, chunk=1 << 20)
+    assert benchlib.fresh_memory_fault_s([8 << 20, 4096, 3 << 20], threads=2, piece=1 << 20) > 0
     with open(p, "rb") as f:
         first = f.read(1 << 20)
     with mmap.mmap(-1, 1 << 20) as m:

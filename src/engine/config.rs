@@ -28,8 +28,9 @@ pub const DEFAULT_MEMORY_CHUNK_SIZE: usize = 4 << 20;
 /// core: on the H200 host (16 cores) 32 threads copied the page cache at 0.82x
 /// the rate of 16 (memory_copy_floor), and 8 GiB loads in place from /dev/shm
 /// to the GPU ran 1.1-1.2x faster on 16 than on 32 (2026-12-01). 12 against
-/// 16 (2026-12-02, `probe_memory_lanes.py`): 1.04x on one host, 1.00x on
-/// another, where the copy floor ran 1.12x faster on 16: one per core stays.
+/// 16 (2026-12-02, `probe_memory_lanes.py`, now `probe_memory_path.py`): 1.04x
+/// on one host, 1.00x on another, where the copy floor ran 1.12x faster on 16:
+/// one per core stays.
 pub fn default_memory_threads() -> usize {
     let cores = std::thread::available_parallelism().map_or(DEFAULT_THREADS, |n| n.get());
     cores.clamp(DEFAULT_THREADS, 32)

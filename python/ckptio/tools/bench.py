@@ -13,13 +13,12 @@ import json
 import mmap
 import os
 import shutil
-import sys
 import tempfile
 import textwrap
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -140,7 +139,9 @@ def run_threads(n_threads: int, work: Callable[[Callable[[], bool]], None]) -> N
         raise errors[0]
 
 
-def _parallel(n_threads: int, nbytes: int, chunk: int, fn: Callable[[int, int], None]) -> None:
+def parallel(n_threads: int, nbytes: int, chunk: int, fn: Callable[[int, int], None]) -> None:
+    """``fn(offset, length)`` for every ``chunk`` of ``nbytes``, in order, on
+    ``n_threads`` threads (:func:`run_threads`: the first error stops the rest)."""
     offsets = list(range(0, nbytes, chunk))
     lock = threading.Lock()
 
@@ -207,7 +208,7 @@ def raw_write(
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         t0 = time.perf_counter()
-        _parallel(threads, nbytes, chunk, lambda o, n: _pwrite_all(fd, src[o % len(src) :][:n], o))
+        parallel(threads, nbytes, chunk, lambda o, n: _pwrite_all(fd, src[o % len(src) :][:n], o))
         os.fsync(fd)
         return time.perf_counter() - t0, direct
     finally:
@@ -231,261 +232,10 @@ def cold_read(
     fd = os.open(path, os.O_RDONLY | flags)
     try:
         t0 = time.perf_counter()
-        _parallel(threads, nbytes, chunk, lambda o, n: _pread_all(fd, into[o % len(into) :][:n], o))
+        parallel(threads, nbytes, chunk, lambda o, n: _pread_all(fd, into[o % len(into) :][:n], o))
         return time.perf_counter() - t0
     finally:
         os.close(fd)
-
-
-def buffered_cold_read(path: str, nbytes: int, threads: int = 8, chunk: int = 64 << 20) -> float:
-    """Seconds to read ``path``'s first ``nbytes`` cold through the page cache
-    (kernel readahead), several threads, into a buffer a chunk per thread: on
-    some disks this beats O_DIRECT."""
-    ring = memoryview(bytearray(chunk * threads))
-    return cold_read(path, ring, 0, threads, chunk, nbytes)
-
-
-def shm_checkpoint(gib: float, tensors: int, device: str) -> tuple[str, torch.nn.Module, int]:
-    """``gib`` GiB of bf16 ones in ``tensors`` equal tensors on ``device``, saved by
-    ckptio in a new folder of /dev/shm, and a module of one empty buffer per
-    tensor (each its own allocation) to load them into: (path, module, bytes).
-    The caller removes the folder (``shutil.rmtree(os.path.dirname(path))``)."""
-    n = int(gib * GiB) // tensors // 2
-    sd = {f"w{i}": torch.ones(n, dtype=torch.bfloat16, device=device) for i in range(tensors)}
-    path = os.path.join(tempfile.mkdtemp(dir="/dev/shm"), "m.pt")
-    serialization.save(sd, path)
-    del sd
-    model = torch.nn.Module()
-    for i in range(tensors):
-        model.register_buffer(f"w{i}", torch.empty(n, dtype=torch.bfloat16, device=device))
-    return path, model, 2 * n * tensors
-
-
-def libcuda() -> Any:
-    """libcuda through ctypes, with the argument types of the driver calls the
-    benches and probes make (ctypes releases the GIL around each call)."""
-    import ctypes
-
-    vp, sz, u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
-    cu = ctypes.CDLL("libcuda.so.1")
-    for name, args in (
-        ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
-        ("cuCtxSetCurrent", [vp]),
-        ("cuMemHostRegister_v2", [vp, sz, ctypes.c_uint]),
-        ("cuMemHostUnregister", [vp]),
-        ("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]),
-        ("cuStreamCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
-        ("cuStreamSynchronize", [vp]),
-        ("cuStreamDestroy_v2", [vp]),
-    ):
-        getattr(cu, name).argtypes = args
-    return cu
-
-
-def cuda_check(rc: int, what: str) -> None:
-    """A RuntimeError naming the driver call where ``rc`` is not CUDA_SUCCESS."""
-    if rc != 0:
-        raise RuntimeError(f"{what}: CUresult {rc}")
-
-
-def h2d_seconds(dst: torch.Tensor, src: torch.Tensor) -> float:
-    """Seconds to fill the CUDA byte tensor ``dst`` from the pinned host byte
-    tensor ``src`` (reused where ``dst`` is larger), one copy per ``src`` length:
-    the pinned host-to-device limit the probes measure against."""
-    n, piece = dst.numel(), src.numel()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for o in range(0, n, piece):
-        ln = min(piece, n - o)
-        dst[o : o + ln].copy_(src[:ln], non_blocking=True)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-def timed_threads(threads: list[threading.Thread]) -> float:
-    """Seconds from starting ``threads`` to the end of the last of them."""
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
-
-
-def on_streams(
-    threads: int, items: list[Any], fn: Callable[[Any, Any], None], ctx: Any = None
-) -> float:
-    """``fn(item, stream)`` for every item, in order, on ``threads`` threads,
-    each with a CUDA stream of its own in context ``ctx`` (default: the calling
-    thread's), synced before the thread ends; seconds."""
-    import ctypes
-
-    cu = libcuda()
-    if ctx is None:
-        ctx = ctypes.c_void_p()
-        cuda_check(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-    todo = list(reversed(items))
-    lock = threading.Lock()
-
-    def work(stopped: Callable[[], bool]) -> None:
-        st = ctypes.c_void_p()
-        try:
-            cuda_check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-            cuda_check(cu.cuStreamCreate(ctypes.byref(st), 1), "cuStreamCreate")
-            while not stopped():
-                with lock:
-                    if not todo:
-                        break
-                    item = todo.pop()
-                fn(item, st)
-            cuda_check(cu.cuStreamSynchronize(st), "cuStreamSynchronize")
-        finally:
-            if st.value:
-                cu.cuStreamDestroy_v2(st)
-
-    t0 = time.perf_counter()
-    run_threads(threads, work)
-    return time.perf_counter() - t0
-
-
-def libc() -> Any:
-    """libc through ctypes (errno kept), with mmap, munmap and madvise typed."""
-    import ctypes
-
-    vp, sz = ctypes.c_void_p, ctypes.c_size_t
-    c = ctypes.CDLL(None, use_errno=True)
-    c.mmap.restype = vp
-    c.mmap.argtypes = [vp, sz, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    c.munmap.argtypes = [vp, sz]
-    c.madvise.argtypes = [vp, sz, ctypes.c_int]
-    return c
-
-
-MADV_POPULATE_READ = 22  # Linux 5.14: page tables filled, pages read
-MADV_POPULATE_WRITE = 23  # Linux 5.14: pages faulted in writable
-
-
-def madvise_s(
-    ranges: list[tuple[int, int]],
-    threads: int = 16,
-    piece: int = 64 << 20,
-    advice: int = MADV_POPULATE_WRITE,
-) -> float:
-    """Seconds for ``madvise(advice)`` over every (address, length) of ``ranges``,
-    in ``piece``-byte calls on ``threads`` threads (ctypes releases the GIL):
-    fault in fresh memory (MADV_POPULATE_WRITE) or fill the page tables of a
-    file mapping (MADV_POPULATE_READ) as several threads would."""
-    import ctypes
-
-    c = libc()
-    jobs = [(b + o, min(piece, n - o)) for b, n in ranges for o in range(0, n, piece)]
-
-    def one(i: int, _: int) -> None:
-        addr, n = jobs[i]
-        if c.madvise(addr, n, advice) != 0:
-            raise OSError(ctypes.get_errno(), f"madvise({advice})")
-
-    t0 = time.perf_counter()
-    _parallel(threads, len(jobs), 1, one)
-    return time.perf_counter() - t0
-
-
-def fresh_memory_fault_s(
-    sizes: list[int], threads: int = 16, piece: int = 64 << 20, kind: str = "memfd"
-) -> float:
-    """Seconds to fault in fresh memory laid out as a first staging lays it out,
-    one buffer of each of ``sizes`` (MADV_POPULATE_WRITE, ``piece`` per call, on
-    ``threads`` threads): what any first staging into new buffers costs at least,
-    before pinning and before the copies. ``kind``: "memfd" (shared buffers),
-    "anon" (private anonymous memory, 4 KiB pages) or "anon+thp" (the same, advised
-    MADV_HUGEPAGE first)."""
-    import ctypes
-
-    maps, bases = [], []
-    for n in sizes:
-        if kind == "memfd":
-            fd = os.memfd_create("ckptio-bench")
-            try:
-                os.ftruncate(fd, n)
-                maps.append(mmap.mmap(fd, n))
-            finally:
-                os.close(fd)
-        else:
-            maps.append(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE))
-            if kind == "anon+thp":
-                maps[-1].madvise(mmap.MADV_HUGEPAGE)
-        bases.append(ctypes.addressof(ctypes.c_char.from_buffer(maps[-1])))
-    return madvise_s(list(zip(bases, sizes, strict=True)), threads, piece)
-
-
-class EngineReads:
-    """Seconds the native reads took (every ``read_segments`` call, summed) since
-    :meth:`reset`: the engine's share of a load; the rest is Python, unpickling
-    and allocating the destinations. One at a time, until :meth:`close`."""
-
-    def __init__(self, pkg: Any = None) -> None:
-        """``pkg``: ``ckptio`` (default), or a copy of it at another commit."""
-        pkg = pkg if pkg is not None else sys.modules["ckptio"]
-        self.seconds = 0.0
-        self.calls = 0
-        self._inner: list[tuple[type, Any]] = []
-        for cls in (pkg._native.Reader, pkg._native.DeviceFile):
-            self._wrap(cls)
-
-    def _wrap(self, cls: type) -> None:
-        inner = cls.read_segments  # type: ignore[attr-defined]
-        self._inner.append((cls, inner))
-
-        def timed(obj: object, *args: object, **kw: object) -> object:
-            t = time.perf_counter()
-            try:
-                return inner(obj, *args, **kw)
-            finally:
-                self.seconds += time.perf_counter() - t
-                self.calls += 1
-
-        cls.read_segments = timed  # type: ignore[attr-defined]
-
-    def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
-
-    def close(self) -> None:
-        """Put the native methods back."""
-        for cls, inner in self._inner:
-            cls.read_segments = inner  # type: ignore[attr-defined]
-        self._inner.clear()
-
-
-class LoadPhases:
-    """Seconds spent in each step of ``load_state_dict`` in place (the
-    ``state_dict`` module's ``open_source``, ``_plain_walk``, ``plan`` and
-    ``execute``) since :meth:`reset`, for package ``pkg`` (``ckptio``, or a copy
-    of it at another commit); until :meth:`close`."""
-
-    STEPS = ("open_source", "_plain_walk", "plan", "execute")
-
-    def __init__(self, pkg: Any) -> None:
-        self.seconds: dict[str, float] = {}
-        self._owner = sys.modules[f"{pkg.__name__}.state_dict"]
-        self._inner = {name: getattr(self._owner, name) for name in self.STEPS}
-        for name, f in self._inner.items():
-
-            def timed(*a: Any, _f: Any = f, _name: str = name, **k: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return _f(*a, **k)
-                finally:
-                    self.seconds[_name] = self.seconds.get(_name, 0.0) + time.perf_counter() - t0
-
-            setattr(self._owner, name, timed)
-
-    def reset(self) -> None:
-        self.seconds.clear()
-
-    def close(self) -> None:
-        """Put the functions back."""
-        for name, f in self._inner.items():
-            setattr(self._owner, name, f)
 
 
 def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:
@@ -516,7 +266,7 @@ def _in_turn(rows: list[T], rnd: int) -> list[T]:
     return rows if rnd % 2 == 0 else rows[::-1]
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
@@ -618,7 +368,7 @@ def run(
             "torch.load, cold": raw_r,
             "ckptio.load, cold": raw_r,
         }
-        return [Row(name, _median(ts), nbytes, base[name]) for name, ts in times.items()]
+        return [Row(name, median(ts), nbytes, base[name]) for name, ts in times.items()]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

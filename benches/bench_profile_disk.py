@@ -1,8 +1,9 @@
 """ckptio.save and cold ckptio.load of a GPU checkpoint by knob, next to the
 raw writes and reads of the disk, in interleaved rounds.
 
-    python probes/profile_disk.py [--sizes 2G,8G] [--rounds 5] [--dir /tmp] [--device cuda]
-    python probes/profile_disk.py --pause 10 ...   # reads right after writes and frees
+    python benches/bench_profile_disk.py [--sizes 2G,8G] [--rounds 5] [--dir /tmp]
+        [--device cuda]
+    python benches/bench_profile_disk.py --pause 10 ...   # reads right after writes and frees
 
 The disk of the GPU machine drifts by 10-20% within minutes, more than the
 knobs change, so besides each row's median this prints the median of the

@@ -1,7 +1,7 @@
 """Where a first host staging of a GPU state dict spends its time (decides how
 ckptio.staging allocates and pins its buffers; GPU only).
 
-    python probes/bench_staging.py --size 8G --tensors 512
+    python benches/bench_staging.py --size 8G --tensors 512
 
 For fresh staging buffers of each kind of memory (anonymous with and without
 MADV_HUGEPAGE, an unnamed memfd, private and shared by descriptor as

@@ -3,7 +3,8 @@
 Each configuration runs in a fresh process (the knobs are read from the
 environment), saving a bf16 GPU state dict twice (the second save is timed:
 pinned pool warm) and loading it cold once. Prints one line per configuration.
-Usage: python probes/tune_gpu.py [--size 4G] [--dir /tmp] [--configs "8,16M,1 8,64M,0 ..."]
+Usage: python benches/bench_tune_gpu.py [--size 4G] [--dir /tmp]
+       [--configs "8,16M,1 8,64M,0 ..."]
 """
 
 import argparse
