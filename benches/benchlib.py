@@ -50,6 +50,68 @@ def shm_checkpoint(gib: float, tensors: int, device: str) -> tuple[str, torch.nn
     return path, model, 2 * n * tensors
 
 
+LLM_LAYERS = 166
+LLM_VOCAB = 151936
+
+
+def llm_shapes(nbytes: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of an LLM-shaped bf16 state dict of about ``nbytes``
+    (issue 37): two vocab x hidden embeddings, 166 layers of q/k/v/o and
+    gate/up/down matrices with their 1-D norms and q/k/v biases, a final norm:
+    1,995 tensors whatever the size (the hidden size scales with it; at 4 GiB
+    hidden 1024, biases of 512 B and 2 KiB)."""
+
+    def layout(h: int) -> list[tuple[str, tuple[int, ...]]]:
+        kv, inter = h // 4, h * 11 // 4
+        rows: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (LLM_VOCAB, h))]
+        for i in range(LLM_LAYERS):
+            p = f"model.layers.{i}."
+            rows += [
+                (p + "input_layernorm.weight", (h,)),
+                (p + "self_attn.q_proj.weight", (h, h)),
+                (p + "self_attn.q_proj.bias", (h,)),
+                (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.k_proj.bias", (kv,)),
+                (p + "self_attn.v_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.bias", (kv,)),
+                (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (inter, h)),
+                (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter)),
+            ]
+        return rows + [("model.norm.weight", (h,)), ("lm_head.weight", (LLM_VOCAB, h))]
+
+    def size(rows: list[tuple[str, tuple[int, ...]]]) -> int:
+        return sum(2 * (s[0] * (s[1] if len(s) > 1 else 1)) for _, s in rows)
+
+    h = 64  # the multiple of 64 that comes nearest
+    while abs(size(layout(h + 64)) - nbytes) < abs(size(layout(h)) - nbytes):
+        h += 64
+    return layout(h)
+
+
+def llm_state_dict(nbytes: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """An LLM-shaped bf16 state dict (:func:`llm_shapes`) of random bits on ``device``."""
+    sd = {}
+    for name, shape in llm_shapes(nbytes):
+        t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        sd[name] = t.view(torch.int16).random_(-(2**15), 2**15 - 1).view(torch.bfloat16)
+    return sd
+
+
+def even_state_dict(
+    nbytes: int, tensors: int = 512, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """``tensors`` equal bf16 tensors of random bits, ``nbytes`` in all."""
+    n = nbytes // tensors // 2
+    sd = {}
+    for i in range(tensors):
+        t = torch.empty(n, dtype=torch.bfloat16, device=device)
+        sd[f"w{i}"] = t.view(torch.int16).random_(-(2**15), 2**15 - 1).view(torch.bfloat16)
+    return sd
+
+
 def libcuda() -> Any:
     """libcuda through ctypes, with the argument types of the driver calls the
     benches and probes make (ctypes releases the GIL around each call)."""
