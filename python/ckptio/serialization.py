@@ -213,6 +213,7 @@ def _save_object(
     # this process: verify and load(verify=True) protect the file as a path's).
     storages = _storage_segments(found)
     stats = transfer.write_storages(dev_file, engine, storages, list(found.values()))
+    f.seek(0, os.SEEK_END)  # as after torch.save: at the end of what the save wrote
     reports.report(name, t0, stats, len(found))
 
 
