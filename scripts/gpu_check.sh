@@ -52,6 +52,8 @@
 #                                # (tests/test_dcp.py -k nccl, tests/test_group.py -k gpus). MULTIGPU_SIZE
 #                                # (default 8G), MULTIGPU_DIRS (/tmp,/dev/shm), MULTIGPU_PARTS (all:
 #                                # load,sharded,state_dict,dcp,tests), MULTIGPU_ARGS (more arguments)
+#   scripts/gpu_check.sh shapes  # issue 37: benches/bench_shapes.py (LLM-shaped and even state dicts,
+#                                # every loader and peer, /dev/shm and page cache; SHAPES_ARGS)
 #   scripts/gpu_check.sh probe   # PROBE="probes/x.py --args" (with the udev entry), output to $OUT/probe.log;
 #                                # PROBE_TIMEOUT, default 180 s
 # Several modes run in turn: scripts/gpu_check.sh tests staging
@@ -218,6 +220,15 @@ inplace)
     udev_on
     timeout ${INPLACE_TIMEOUT:-150} $PY benches/bench_inplace.py --device cuda --size "${INPLACE_SIZE:-8G}" --dir /tmp \
         --rounds "${INPLACE_ROUNDS:-1}" ${INPLACE_ARGS:-} --json "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.json" 2>&1 | tee "$OUT/bench_inplace_${INPLACE_SIZE:-8G}.log" || rc=1
+    ;;
+shapes)
+    # Issue 37: benches/bench_shapes.py, every loader and the peers (.whl/: InstantTensor,
+    # fastsafetensors, KvikIO, safetensors) on the LLM shape and 512 equal tensors, from
+    # /dev/shm and the page cache (SHAPES_ARGS, e.g. --llm 4G --even 8G --profile;
+    # SHAPES_TIMEOUT, default 420 s), JSON to $OUT.
+    udev_on
+    timeout ${SHAPES_TIMEOUT:-420} $PY benches/bench_shapes.py --device cuda --dir /tmp ${SHAPES_ARGS:-} \
+        --json "$OUT/bench_shapes.json" 2>&1 | tee "$OUT/bench_shapes.log" || rc=1
     ;;
 multigpu)
     udev_on

@@ -2,7 +2,6 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
-use std::time::Duration;
 
 use crate::Error;
 
@@ -47,17 +46,6 @@ pub(crate) fn into_inner<T>(m: Mutex<T>) -> T {
 /// `cv` waited on with `g`, also after a thread panicked holding its lock (as [`lock`]).
 pub(crate) fn wait<'a, T>(cv: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
     cv.wait(g).unwrap_or_else(|p| p.into_inner())
-}
-
-/// [`wait`] for at most `timeout`.
-pub(crate) fn wait_timeout<'a, T>(
-    cv: &Condvar,
-    g: MutexGuard<'a, T>,
-    timeout: Duration,
-) -> MutexGuard<'a, T> {
-    cv.wait_timeout(g, timeout)
-        .unwrap_or_else(|p| p.into_inner())
-        .0
 }
 
 /// Starts `run` on a thread named `name` unless `running` holds this

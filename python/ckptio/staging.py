@@ -153,11 +153,6 @@ class _Buffer:
         """A view's storage offset in the buffer's storage, in elements of its dtype."""
         return vkey[1]
 
-    def device_buffers(self, device: int) -> list[torch.UntypedStorage]:
-        """The storages of the device snapshot buffers on ``device`` (allocated)."""
-        mine = (b.storage for k, b in self.memo.items() if k[3] and k[0] == device)
-        return [st for st in mine if st is not None]
-
     def materialize(self) -> None:
         if self.storage is not None:
             return
@@ -448,6 +443,11 @@ class _Plan:
             if k[3]:
                 out.setdefault(k[0], []).append((b.ptr, k[1], k[2]))  # type: ignore[union-attr]
         return out
+
+    def device_buffers(self, device: int) -> list[torch.UntypedStorage]:
+        """The storages of the device snapshot buffers on ``device`` (allocated)."""
+        mine = (b.storage for k, b in self.memo.items() if k[3] and k[0] == device)
+        return [st for st in mine if st is not None]
 
     def materialize(self) -> None:
         """Allocate the buffers not allocated yet (on the staging thread)."""

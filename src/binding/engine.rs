@@ -145,10 +145,7 @@ impl Engine {
 /// returns the buffer bytes given back.
 #[pyfunction]
 pub(super) fn release_buffers(py: Python<'_>) -> usize {
-    py.detach(|| {
-        crate::io::mapped::release_kept();
-        crate::engine::release_buffers()
-    })
+    py.detach(crate::engine::release_buffers)
 }
 
 /// Pinned host memory: what ckptio holds now (every engine's bounce buffers

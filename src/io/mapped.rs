@@ -36,30 +36,24 @@
 //! [`DEFER_UNMAP_MIN`] bytes is unmapped by a background thread once dropped,
 //! off the caller's path. [`pending_unmaps`] counts those not done yet.
 //!
-//! A large mapping is also kept for [`KEEP_FOR`] after its read, and the next
-//! read of the same unchanged file (same device, inode, size, mtime and ctime)
-//! takes it over with its page-table entries made: no fault per page, and no
-//! unmapping of the same pages while the next read maps them again (back to
-//! back, that made a 1 GiB load from /dev/shm 1.5-2x slower on the development
-//! VM). Only one mapping is kept, and [`flush_unmaps`] and `release_buffers`
-//! drop it at once; so a deleted file's memory comes back within [`KEEP_FOR`].
+//! No mapping outlives the read that made it (issue 37): a mapping kept for
+//! the next read of the same file helped only a load repeating that file
+//! within seconds, a pattern of benchmarks, and kept the file's pages pinned in
+//! the page cache (`drop_caches` could not evict them) meanwhile.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
-use std::time::{Duration, Instant};
 
 use crate::workers::Caller;
 use crate::{Error, Result};
 
 const PAGE: usize = 4096;
-/// Mappings larger than this are unmapped off the caller's thread, and kept
-/// for the next read of the same file (see the module's documentation).
+/// Mappings larger than this are unmapped off the caller's thread (see the
+/// module's documentation).
 pub const DEFER_UNMAP_MIN: usize = 64 << 20;
-/// How long a large mapping is kept after its read for the next one.
-pub const KEEP_FOR: Duration = Duration::from_secs(2);
 
 /// Which pages of some file ranges are in the page cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -88,8 +82,6 @@ pub struct FileMap {
     path: PathBuf,
     /// Copies out of the mapping use non-temporal stores ([`copy_stream`]).
     stream: bool,
-    /// The file it maps, for mappings kept for the next read when dropped.
-    keep: Option<Identity>,
 }
 
 impl std::fmt::Debug for FileMap {
@@ -119,18 +111,6 @@ impl FileMap {
         if len == 0 || !guard::install() {
             return Ok(None);
         }
-        let id = Identity::of(&meta);
-        let keep = (len >= DEFER_UNMAP_MIN).then_some(id);
-        if let Some(k) = keeper::take(id) {
-            return Ok(Some(FileMap {
-                ptr: k.ptr as *mut u8,
-                len: k.len,
-                slot: k.slot,
-                path: path.to_path_buf(),
-                stream: false,
-                keep,
-            }));
-        }
         // SAFETY: a fresh read-only shared mapping of a file we hold open.
         let p = unsafe {
             libc::mmap(
@@ -159,7 +139,6 @@ impl FileMap {
             slot,
             path: path.to_path_buf(),
             stream: false,
-            keep,
         }))
     }
 
@@ -428,136 +407,10 @@ pub fn copy_floor(
 
 impl Drop for FileMap {
     fn drop(&mut self) {
-        let m = Kept {
-            ptr: self.ptr as usize,
-            len: self.len,
-            slot: self.slot,
-        };
-        // A mapping the guard zero-filled (the file shrank) is never reused.
-        match self.keep {
-            Some(id) if !guard::hit(self.slot) => keeper::keep(id, m),
-            _ => m.release(),
-        }
-    }
-}
-
-/// What makes a kept mapping valid for a new read: the same file, unchanged.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Identity {
-    dev: u64,
-    ino: u64,
-    len: u64,
-    mtime: (i64, i64),
-    ctime: (i64, i64),
-}
-
-impl Identity {
-    fn of(m: &std::fs::Metadata) -> Self {
-        use std::os::unix::fs::MetadataExt;
-        Identity {
-            dev: m.dev(),
-            ino: m.ino(),
-            len: m.len(),
-            mtime: (m.mtime(), m.mtime_nsec()),
-            ctime: (m.ctime(), m.ctime_nsec()),
-        }
-    }
-}
-
-/// A mapping no read uses: its address, length and guard slot.
-struct Kept {
-    ptr: usize,
-    len: usize,
-    slot: usize,
-}
-
-impl Kept {
-    /// Nothing reads the mapping any more: it stops being guarded, then goes.
-    fn release(self) {
+        // Nothing reads the mapping any more: it stops being guarded, then goes.
         guard::release(self.slot);
-        unmap(self.ptr, self.len);
+        unmap(self.ptr as usize, self.len);
     }
-}
-
-/// The one mapping kept for the next read of its file, and the thread that
-/// releases it [`KEEP_FOR`] after its read (started again in a forked child).
-mod keeper {
-    use super::*;
-    use crate::sync::{ensure_thread, lock, wait, wait_timeout};
-
-    struct Slot {
-        id: Identity,
-        map: Kept,
-        since: Instant,
-    }
-
-    static KEPT: Mutex<Option<Slot>> = Mutex::new(None);
-    static CHANGED: Condvar = Condvar::new();
-    /// The pid of the process whose releasing thread runs, if one does.
-    static RUNNING: Mutex<Option<u32>> = Mutex::new(None);
-
-    /// The kept mapping of the file `id`, if it is the one kept.
-    pub(super) fn take(id: Identity) -> Option<Kept> {
-        let mut kept = lock(&KEPT);
-        if kept.as_ref().is_some_and(|s| s.id == id) {
-            return kept.take().map(|s| s.map);
-        }
-        None
-    }
-
-    /// Keep `map` of the file `id` (the one kept before goes), or release it
-    /// where no thread can release it later.
-    pub(super) fn keep(id: Identity, map: Kept) {
-        if !ensure_thread(&RUNNING, "ckptio-keep-map", expire) {
-            map.release();
-            return;
-        }
-        let old = lock(&KEPT).replace(Slot {
-            id,
-            map,
-            since: Instant::now(),
-        });
-        CHANGED.notify_all();
-        if let Some(old) = old {
-            old.map.release();
-        }
-    }
-
-    /// Release the kept mapping now.
-    pub(crate) fn release() {
-        release_from(lock(&KEPT));
-    }
-
-    /// Release the mapping `kept` holds, once the lock is given back.
-    fn release_from(mut kept: std::sync::MutexGuard<'_, Option<Slot>>) {
-        let old = kept.take();
-        drop(kept);
-        if let Some(old) = old {
-            old.map.release();
-        }
-    }
-
-    fn expire() {
-        let mut kept = lock(&KEPT);
-        loop {
-            let left = kept
-                .as_ref()
-                .map(|s| KEEP_FOR.saturating_sub(s.since.elapsed()));
-            kept = match left {
-                None => wait(&CHANGED, kept),
-                Some(w) if !w.is_zero() => wait_timeout(&CHANGED, kept, w),
-                Some(_) => {
-                    release_from(kept);
-                    lock(&KEPT)
-                }
-            };
-        }
-    }
-}
-
-/// Release the mapping kept for the next read now (`release_buffers`).
-pub fn release_kept() {
-    keeper::release();
 }
 
 /// Mappings alive or waiting to be unmapped.
@@ -576,7 +429,6 @@ pub fn live_mappings() -> usize {
 /// Wait until every dropped mapping is unmapped (tests, and a caller about to
 /// measure memory).
 pub fn flush_unmaps() {
-    keeper::release();
     while unmapper::pending() > 0 {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
@@ -956,53 +808,43 @@ mod tests {
         assert!(r.sampled > 60_000 && r.sampled <= 66_000, "{r:?}");
     }
 
-    #[test]
-    fn a_large_mapping_is_kept_for_the_next_read_of_the_same_file_only() {
-        use std::os::unix::fs::FileExt;
-        let d = tempfile::tempdir().unwrap();
-        let first = |m: &FileMap| {
-            let mut one = [0u8; 1];
-            m.read_upto(&mut one, 0).unwrap();
-            one[0]
-        };
-        let (a, b) = (d.path().join("a"), d.path().join("b"));
-        for (p, byte) in [(&a, b"a"), (&b, b"b")] {
-            let f = std::fs::File::create(p).unwrap();
-            f.set_len(DEFER_UNMAP_MIN as u64).unwrap();
-            f.write_all_at(byte, 0).unwrap();
-        }
-        let (fa, fb) = (File::open(&a).unwrap(), File::open(&b).unwrap());
-        // Other tests flush the kept mapping now and then: try a few times.
-        let reused = (0..5).any(|_| {
-            let m = FileMap::new(&fa, &a).unwrap().unwrap();
-            let at = m.ptr;
-            drop(m);
-            let other = FileMap::new(&fb, &b).unwrap().unwrap();
-            assert_eq!(
-                first(&other),
-                b'b',
-                "another file never gets the kept mapping"
-            );
-            let again = FileMap::new(&fa, &a).unwrap().unwrap();
-            assert_eq!(first(&again), b'a');
-            again.ptr == at
-        });
-        assert!(reused);
-        // A changed file is mapped anew (its identity changed), and the kept
-        // mapping goes KEEP_FOR after its read.
-        drop(FileMap::new(&fa, &a).unwrap().unwrap());
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&a)
+    /// Lines of /proc/self/maps that map `path`.
+    fn maps_of(path: &Path) -> Vec<String> {
+        let name = path.to_string_lossy().into_owned();
+        std::fs::read_to_string("/proc/self/maps")
             .unwrap()
-            .write_all_at(b"x", 0)
-            .unwrap();
-        let changed = FileMap::new(&fa, &a).unwrap().unwrap();
-        assert_eq!(first(&changed), b'x');
-        drop(changed);
-        std::thread::sleep(KEEP_FOR + Duration::from_millis(300));
-        assert!(keeper::take(Identity::of(&fa.metadata().unwrap())).is_none());
-        flush_unmaps();
+            .lines()
+            .filter(|l| l.ends_with(name.as_str()))
+            .map(str::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn no_mapping_of_a_file_outlives_its_reads() {
+        let d = tempfile::tempdir().unwrap();
+        for (name, len) in [("small", 3 * PAGE + 5), ("large", DEFER_UNMAP_MIN + PAGE)] {
+            let path = d.path().join(name);
+            let (path, data) = {
+                let f = std::fs::File::create(&path).unwrap();
+                f.set_len(len as u64).unwrap();
+                (path, vec![0u8; len])
+            };
+            let f = File::open(&path).unwrap();
+            let m = FileMap::new(&f, &path).unwrap().unwrap();
+            assert_eq!(maps_of(&path).len(), 1, "{name}: mapped while in use");
+            let mut back = vec![1u8; len];
+            assert_eq!(m.read_upto(&mut back, 0).unwrap(), len);
+            assert_eq!(back, data);
+            drop(m);
+            flush_unmaps();
+            assert_eq!(maps_of(&path), Vec::<String>::new(), "{name}");
+            // The next read of the same file maps it anew, and lets go of it too.
+            let again = FileMap::new(&f, &path).unwrap().unwrap();
+            assert_eq!(again.read_upto(&mut back[..10], 0).unwrap(), 10);
+            drop(again);
+            flush_unmaps();
+            assert!(maps_of(&path).is_empty(), "{name}");
+        }
     }
 
     #[test]
