@@ -373,9 +373,7 @@ def test_many_small_tensors_through_safetensors_both_ways(tmp_path, monkeypatch)
     cst.save_file(sd, ours, {"k": "v"})
     sft.save_file(sd, theirs, {"k": "v"})
     # headers as safetensors and ckptio write them are read natively
-    monkeypatch.setattr(
-        st_format, "parse_header", lambda *a: pytest.fail("Python header reader")
-    )
+    monkeypatch.setattr(st_format, "parse_header", lambda *a: pytest.fail("Python header reader"))
     for got in (sft.load_file(ours), cst.load_file(ours), cst.load_file(theirs)):
         assert got.keys() == sd.keys()
         for k, v in sd.items():

@@ -1,6 +1,8 @@
 """The engine owns its threads (issue 36): one pool of worker threads per process
 serves every transfer (files, the memory path, staging copies, compression), is
-bounded, starts no thread per call, and is made again in a forked child.
+bounded, starts no thread per call, and is made again in a forked child. The
+Python thread a load reads on while it builds its tensors is kept too (issue 37:
+starting one per load waited behind the unmapping of the last load's file).
 
 The Rust side is tested in ``src/workers.rs`` (parallelism, reuse, nested batches,
 panics, fork)."""
@@ -42,7 +44,6 @@ sd = {f"t{i}": torch.randn(1000 + i) for i in range(40)}
 stager = DefaultStager(StagingOptions(False, False, False, False))
 
 def rounds(n, tag):
-    # Native calls only (a ckptio.load also starts a Python thread: read_while).
     for i in range(n):
         p = os.path.join(folder, f"{tag}{i % 3}.pt")
         ckptio.save(sd, p)  # engine write; the replaced file freed off the caller
@@ -52,6 +53,8 @@ def rounds(n, tag):
         buf = torch.empty(size, dtype=torch.uint8)
         _transfer.read(r, _engine(None, None, None), [(off, buf.data_ptr(), size, -1)], [buf])
         assert torch.equal(buf.view(torch.float32), sd["t0"])
+        back = ckptio.load(p)  # reads on a kept Python thread beside the build
+        assert torch.equal(back["t5"], sd["t5"])
         cst.save_file(sd, p + ".st")
         out = cst.load_file(p + ".st")
         assert all(torch.equal(out[k], v) for k, v in sd.items())
@@ -106,3 +109,20 @@ def test_no_thread_per_call_and_a_forked_child_has_its_own_pool(tmp_path):
         env=env,
     )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]
+
+
+def test_a_read_beside_the_build_raises_its_error_and_the_worker_stays(tmp_path):
+    from ckptio.io import transfer
+
+    def boom():
+        raise OSError(5, "read failed")
+
+    for _ in range(3):  # the same kept thread serves every job, errors or not
+        job = transfer.submit(boom)
+        try:
+            job.result()
+        except OSError as e:
+            assert e.errno == 5
+        else:
+            raise AssertionError("no error")
+    assert transfer.submit(lambda: 7).result() == 7

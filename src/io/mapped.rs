@@ -31,10 +31,14 @@
 //! streams too above a size it picks); [`copy_floor`] measures both, without
 //! the engine, for the benches.
 //!
-//! Unmapping a large mapping zaps every page-table entry the copies made
-//! (about 0.06 s for 2 GiB on a 2-core VM): a mapping of more than
-//! [`DEFER_UNMAP_MIN`] bytes is unmapped by a background thread once dropped,
-//! off the caller's path. [`pending_unmaps`] counts those not done yet.
+//! Each copy drops the page-table entries it made once its bytes are out
+//! ([`FileMap::read_upto`]), on the copying thread: unmapping a large mapping
+//! whose entries were all left for the end zapped them under the process's
+//! memory-map lock (about 0.06 s for 2 GiB on a 2-core VM, ~90 ms for 8 GiB on
+//! the H200 host), and every thread start, stack unmapping or allocation in
+//! the process waited for it. A mapping of more than [`DEFER_UNMAP_MIN`] bytes
+//! is still unmapped by a background thread once dropped. [`pending_unmaps`]
+//! counts those not done yet.
 //!
 //! No mapping outlives the read that made it (issue 37): a mapping kept for
 //! the next read of the same file helped only a load repeating that file
@@ -178,6 +182,7 @@ impl FileMap {
                 std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), n);
             }
         }
+        self.zap(off, n);
         if guard::hit(self.slot) {
             let now = std::fs::metadata(&self.path).map_or(0, |m| m.len());
             return Err(Error::format(
@@ -189,6 +194,23 @@ impl FileMap {
             ));
         }
         Ok(n)
+    }
+
+    /// Drop the page-table entries of the whole pages of `[off, off+n)`, just
+    /// copied (MADV_DONTNEED: the page cache keeps the pages; a later access
+    /// faults them in again). Each copy thread tears down what it made, in
+    /// parallel, so unmapping a large mapping has nothing left to zap: on the
+    /// H200 host the background munmap of 8 GiB of entries held the process's
+    /// memory-map lock for ~90 ms, stalling the next thread start, stack
+    /// unmapping and allocation of every thread in the process.
+    fn zap(&self, off: usize, n: usize) {
+        let start = off.next_multiple_of(PAGE);
+        let end = (off + n) / PAGE * PAGE;
+        if end > start {
+            // SAFETY: whole pages inside our own read-only mapping, which
+            // stays mapped; the advice changes no byte of the file.
+            unsafe { libc::madvise(self.ptr.add(start).cast(), end - start, libc::MADV_DONTNEED) };
+        }
     }
 
     /// Which pages of the file ranges `(offset, len)` are in the page cache:

@@ -19,10 +19,11 @@
 
 from __future__ import annotations
 
-import concurrent.futures
+import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ckptio import _native
 from ckptio.io.devices import streams
@@ -118,23 +119,100 @@ def read_while(
     bytes: making the tensors of a load over its storages is what it is for.
     An error of the read comes first, then one of ``meanwhile``."""
     streams = _streams_of(segments)  # the caller's current streams (thread-local)
-    done: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            done["stats"] = _read(source, engine, segments, owners, streams, verify)
-        except BaseException as e:  # re-raised on the calling thread
-            done["error"] = e
-
-    reader = threading.Thread(target=run, name="ckptio-read", daemon=True)
-    reader.start()
+    job = submit(lambda: _read(source, engine, segments, owners, streams, verify))
+    # Let the read reach the engine (which lets go of the GIL) before the
+    # Python of ``meanwhile`` holds the GIL for up to a switch interval (5 ms).
+    job.started.wait()
     try:
         result = meanwhile()
     finally:
-        reader.join()
-        if "error" in done:
-            raise done["error"]
-    return done["stats"], result
+        stats = job.result()  # raises the read's error first
+    return stats, result
+
+
+class Job(Generic[T]):
+    """A call running on a kept thread; :meth:`result` waits for it."""
+
+    __slots__ = ("fn", "started", "done", "value", "error")
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self.fn = fn
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self.value: T | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        self.started.set()
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # re-raised by result() on the caller's thread
+            self.error = e
+
+    def result(self) -> T:
+        """The call's value or its error, once it is done. An interrupt
+        (KeyboardInterrupt) meanwhile is raised only then: the call uses memory
+        the caller owns."""
+        interrupted: BaseException | None = None
+        while not self.done.is_set():
+            try:
+                self.done.wait()
+            except BaseException as e:
+                interrupted = e
+        if interrupted is not None:
+            raise interrupted
+        if self.error is not None:
+            raise self.error
+        return self.value  # type: ignore[return-value]
+
+
+class _Workers:
+    """Threads kept between calls for the reads that run beside the caller.
+
+    A thread started per load maps its stack and unmaps it at its end, and both
+    wait for the process's memory-map lock: behind the unmapping of a large file
+    mapping (the last load's) that cost up to 90 ms per load on the H200 host.
+    Idle threads wait for work; one is started only when none is idle (so never
+    more than the loads that ever ran at once). A forked child starts its own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[Job[Any]]] = []
+        self._pid = os.getpid()
+
+    def submit(self, fn: Callable[[], T]) -> Job[T]:
+        job = Job(fn)
+        with self._lock:
+            if self._pid != os.getpid():  # the parent's threads are not here
+                self._idle.clear()
+                self._pid = os.getpid()
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(
+                target=self._serve, args=(inbox,), name="ckptio-read", daemon=True
+            ).start()
+        inbox.put(job)
+        return job
+
+    def _serve(self, inbox: queue.SimpleQueue[Job[Any]]) -> None:
+        while True:
+            job = inbox.get()
+            job.run()
+            job.fn = None  # type: ignore[assignment]  # drop the call's references now
+            with self._lock:
+                if self._pid == os.getpid():
+                    self._idle.append(inbox)
+            job.done.set()
+
+
+_workers = _Workers()
+
+
+def submit(fn: Callable[[], T]) -> Job[T]:
+    """Run ``fn()`` on a kept thread (see :class:`_Workers`); ``.result()`` waits."""
+    return _workers.submit(fn)
 
 
 def _read(
@@ -178,10 +256,34 @@ def read_files(
         check = verify and isinstance(f.file, _native.Reader)
         return dict(read(f.file, engine, segs, owners, verify=check), path=f.path)
 
+    order = list(per_file)
     if workers == 1:
-        return [one(fi) for fi in per_file]
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(one, per_file))
+        return [one(fi) for fi in order]
+    todo = iter(order)
+    lock = threading.Lock()
+    got: dict[int, dict[str, Any]] = {}
+
+    def drain() -> None:  # each worker takes the next file until none is left
+        while True:
+            with lock:
+                fi = next(todo, None)
+            if fi is None:
+                return
+            got[fi] = one(fi)
+
+    jobs = [submit(drain) for _ in range(workers - 1)]
+    try:
+        drain()
+    finally:
+        errors = []
+        for job in jobs:
+            try:
+                job.result()
+            except BaseException as e:
+                errors.append(e)
+    if errors:
+        raise errors[0]
+    return [got[fi] for fi in order]
 
 
 def release_buffers() -> int:
