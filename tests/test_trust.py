@@ -82,6 +82,75 @@ def test_metadata_of_both_writers_passes_the_allow_list(tmp_path):
         assert torch.equal(out["w"], sd["w"]) and out["n"]["s"] == 3
 
 
+def _g(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _u(text: str) -> bytes:
+    return b"X" + len(text.encode()).to_bytes(4, "little") + text.encode()
+
+
+_MD = "torch.distributed.checkpoint.metadata"
+# BUILD (None, {name: value}) with slot state: the C unpickler sets attributes on
+# whatever it is given. None of these may change anything outside the unpickling.
+_BUILDS = {
+    "a metadata class": _g(_MD, "Metadata") + b"N}" + _u("__repr__") + _g("torch", "Size"),
+    "the encoding enum's member": _g(_MD, "_MEM_FORMAT_ENCODING")
+    + b"K\x00\x85RN}"
+    + _u("value")
+    + _u("pwned"),
+    "a torch function": _g("torch.serialization", "_get_layout")
+    + b"N}"
+    + _u("__kwdefaults__")
+    + b"}",
+    "a path class": _g("pathlib", "PosixPath") + b"N}" + _u("__fspath__") + _g("torch", "Size"),
+}
+
+
+@pytest.mark.parametrize("target", list(_BUILDS))
+def test_a_build_on_allowed_objects_changes_nothing_outside_the_read(tmp_path, target):
+    import pathlib
+
+    from torch.distributed.checkpoint import metadata as md
+
+    before = (
+        dict(vars(md.Metadata)),
+        dict(vars(pathlib.PosixPath)),
+        torch.serialization._get_layout.__kwdefaults__,
+        [dict(vars(e)) for e in md._MEM_FORMAT_ENCODING],
+    )
+    (tmp_path / ".metadata").write_bytes(b"\x80\x02" + _BUILDS[target] + b"s\x86b.")
+    with pytest.raises(ckptio.FormatError, match=r"\.metadata"):
+        read_metadata(tmp_path / ".metadata")
+    after = (
+        dict(vars(md.Metadata)),
+        dict(vars(pathlib.PosixPath)),
+        torch.serialization._get_layout.__kwdefaults__,
+        [dict(vars(e)) for e in md._MEM_FORMAT_ENCODING],
+    )
+    assert after == before
+
+
+def test_metadata_read_is_the_trusted_read_for_every_dtype_and_format(tmp_path):
+    """The allow-listed read gives what pickle gives (classes restored, encodings
+    turned into memory formats by TensorProperties) for every dtype and a
+    channels-last tensor."""
+    sd = {
+        f"t{i}": torch.ones(2, 3, dtype=dt)
+        for i, dt in enumerate(
+            [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.complex64]
+        )
+    }
+    sd["cl"] = torch.ones(1, 3, 4, 4).to(memory_format=torch.channels_last)
+    sd["extra"] = {"step": 7, "name": "x", "path": Path("/a/b")}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    raw = (tmp_path / ".metadata").read_bytes()
+    got = read_metadata(tmp_path / ".metadata")
+    assert got == pickle.loads(raw)
+    assert {type(k).__name__ for k in got.storage_data} == {"MetadataIndex"}
+    assert type(got) is type(pickle.loads(raw))
+
+
 @pytest.mark.parametrize("how", ["dotdot", "absolute", "link_out"])
 def test_dcp_paths_outside_the_folder_are_refused(tmp_path, how):
     """A .metadata naming a data file outside its folder (../, an absolute path, a link in

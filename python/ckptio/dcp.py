@@ -723,6 +723,10 @@ class FileSystemReader(_TorchReader):
         got = self._layouts.get(key)
         if got is None:
             crc = fmt.check_item(path, info, self._engine()) if self.verify else None
+            native = self._native_layout(path, info)
+            if native is not None:
+                got = self._layouts[key] = (*native, crc)
+                return got
             try:
                 meta = torch.load(
                     _fs._create_file_view(f, info.offset, info.length),
@@ -743,6 +747,25 @@ class FileSystemReader(_TorchReader):
                 raise FormatError(f"{path}: no data offset for item at {info.offset}")
             got = self._layouts[key] = (meta, info.offset + off, crc)
         return got
+
+    def _native_layout(self, path: str, info: _StorageInfo) -> tuple[torch.Tensor, int] | None:
+        """(meta tensor, absolute file offset of its data) of an item that is a
+        zip of one plain tensor, its directory mapped and its pickle read
+        natively (one pickle per dtype and shape: 6x faster than torch.load's
+        reader per item); None for any other item (torch.load then decides)."""
+        try:
+            r = _native.Reader(path, "off", None, info.offset, info.length)
+            pkl = r.read_record(f"{r.prefix}/data.pkl")
+        except (FormatError, OSError, KeyError, ValueError):
+            return None
+        found = self._metas.get(pkl)
+        if found is None:
+            found = self._metas[pkl] = fmt.meta_of_pickle(path, pkl)
+        meta, key = found
+        rec = next((x for x in r.records() if x[0] == f"{r.prefix}/data/{key}"), None)
+        if meta is None or rec is None or rec[2] != meta.untyped_storage().nbytes():
+            return None
+        return meta, rec[1]
 
     def _engine(self) -> _native.Engine:
         return self._io.engine()

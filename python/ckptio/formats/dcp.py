@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from ckptio import _native
 from ckptio.errors import FormatError, corrupt
 from ckptio.formats import torchzip
+from ckptio.io import memory
 from ckptio.io.paths import inside, live_temps, open_regular
 
 ALIGN = torchzip.STORAGE_ALIGNMENT
@@ -295,12 +296,55 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
 _ALLOWED: dict[tuple[str, str], Any] | None = None
 
 
-class _MetadataUnpickler(pickle._Unpickler):
-    """The pure-Python unpickler (so BUILD can be checked) with an allow-list."""
+class _EncodingRef:
+    """A memory format encoding while a ``.metadata`` is unpickled, in place of the
+    enum member (a process-wide object that a BUILD must never change): equal to
+    the member of its value, which is all ``TensorProperties.__setstate__`` asks."""
 
-    def __init__(self, file: Any, path: str) -> None:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = _md._MEM_FORMAT_ENCODING(value).value  # ValueError: not an encoding
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _md._MEM_FORMAT_ENCODING) and other.value == self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+def _stand_ins() -> dict[Any, Any]:
+    """What the allow-list's mutable objects are replaced by in one unpickling, so
+    that a BUILD on them (the C unpickler sets attributes on whatever it is
+    given) changes objects of that unpickling only: a fresh subclass of each
+    metadata class (NEWOBJ needs a class; instances get their real class back
+    once read, :func:`_restore`), a fresh function calling each other Python
+    class or function. torch's C types and the builtins are immutable."""
+    out: dict[Any, Any] = {
+        cls: type(cls.__name__, (cls,), {"__slots__": (), "__module__": cls.__module__})
+        for cls in _METADATA_CLASSES
+    }
+    out[_md._MEM_FORMAT_ENCODING] = lambda value: _EncodingRef(value)
+    for f in (
+        torch.serialization._get_layout,
+        pathlib.PurePosixPath,
+        pathlib.PosixPath,
+        pathlib.PureWindowsPath,
+        pathlib.WindowsPath,
+    ):
+        out[f] = lambda *a, _f=f: _f(*a)
+    return out
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """The C unpickler with an allow-list, and stand-ins (:func:`_stand_ins`) for
+    the allowed objects a BUILD could change. (Before, the pure-Python unpickler
+    checked each BUILD: 5-10x slower, 0.5-0.9 s for 1,995 items on the dev VM.)"""
+
+    def __init__(self, file: Any, path: str, stand_ins: dict[Any, Any]) -> None:
         super().__init__(file)
         self.path = path
+        self.stand_ins = stand_ins
 
     def find_class(self, module: str, name: str) -> Any:
         global _ALLOWED
@@ -313,22 +357,46 @@ class _MetadataUnpickler(pickle._Unpickler):
                 "nor a plain value; refused (FileSystemReader(..., trusted_metadata=True) "
                 "unpickles it, for folders you trust)"
             )
-        return obj
+        return self.stand_ins.get(obj, obj)
 
     def persistent_load(self, pid: Any) -> Any:
         raise _RefusedGlobal(f"{self.path}: holds a persistent id {pid!r}; refused")
 
-    def load_build(self) -> None:
-        inst = self.stack[-2]  # under the state BUILD pops
-        if isinstance(inst, type) or not isinstance(inst, _BUILDABLE):
-            raise _RefusedGlobal(
-                f"{self.path}: sets the state of {type(inst).__name__} "
-                f"{getattr(inst, '__name__', '')}; refused"
-            )
-        super().load_build()
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
-    dispatch[pickle.BUILD[0]] = load_build
+def _restore(root: Any, stand_ins: dict[Any, Any], path: str) -> None:
+    """Give the instances of the metadata classes' stand-ins their real class
+    back (the same layout: the stand-ins add no slot), everywhere under
+    ``root``; a FormatError where a stand-in itself, or an encoding outside the
+    state of ``TensorProperties`` (where no writer puts one), is left in it."""
+    real = {sub: cls for cls, sub in stand_ins.items() if isinstance(sub, type)}
+    fakes = {id(x) for x in stand_ins.values()}
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        t = type(obj)
+        if t in _LEAVES or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if id(obj) in fakes or t is _EncodingRef:
+            raise corrupt(path, f"holds {obj!r} where DCP metadata holds none; refused")
+        cls = real.get(t)
+        if cls is not None:
+            obj.__class__ = cls
+            todo.extend(obj.__dict__.values())
+        elif isinstance(obj, dict):
+            todo.extend(obj.keys())
+            todo.extend(obj.values())
+            if t is not dict:
+                todo.extend(getattr(obj, "__dict__", {}).values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo.extend(obj)
+
+
+# What holds no other object (torch.Size holds ints only: it refuses the rest).
+_LEAVES = frozenset(
+    {int, float, bool, str, bytes, type(None), complex, torch.Size, torch.dtype, torch.device}
+)
 
 
 class _RefusedGlobal(Exception):
@@ -344,15 +412,25 @@ def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Met
     with open_regular(p) as f:
         raw = f.read()
     try:
-        if trusted:
-            md = pickle.loads(raw)
-        else:
-            md = _MetadataUnpickler(io.BytesIO(raw), p).load()
+        with memory.gc_paused():  # many objects, no cycles: see memory.gc_paused
+            md = _unpickle(raw, p, trusted)
     except _RefusedGlobal as e:
         raise FormatError(str(e)) from None
+    except FormatError:
+        raise
     except Exception as e:
         raise FormatError(f"{p}: not a DCP metadata file: {type(e).__name__}: {e}") from e
-    _check_metadata(md, p)
+    with memory.gc_paused():
+        _check_metadata(md, p)
+    return md
+
+
+def _unpickle(raw: bytes, path: str, trusted: bool) -> Any:
+    if trusted:
+        return pickle.loads(raw)
+    stand_ins = _stand_ins()
+    md = _MetadataUnpickler(io.BytesIO(raw), path, stand_ins).load()
+    _restore(md, stand_ins, path)
     return md
 
 
