@@ -75,8 +75,8 @@ CHILD = """
 import json, sys, time, torch, ckptio
 sys.path.insert(0, sys.argv[4])
 from bench_inplace import module_of
-path, how, shapes = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
-model = module_of(shapes, torch.float32, "cpu")
+path, how, spec = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
+model = module_of(spec["shapes"], getattr(torch, spec["dtype"]), "cpu")
 def status(k):
     for line in open("/proc/self/status"):
         if line.startswith(k):
@@ -109,17 +109,19 @@ def cpu(args: argparse.Namespace) -> dict:
     size = _size(args.size)
     tmp = tempfile.mkdtemp(prefix="ckptio-inplace-", dir=args.dir)
     try:
-        sd = bench.synthetic_state_dict(size)
+        sd = benchlib.shaped_state_dict(args.shape, size, "cpu", torch.float32)
+        dtype = next(iter(sd.values())).dtype
         nbytes = sum(t.nbytes for t in sd.values())
         shapes = {k: list(v.shape) for k, v in sd.items()}
         shapes_file = os.path.join(tmp, "shapes.json")
         with open(shapes_file, "w") as f:
-            json.dump(shapes, f)
+            json.dump({"dtype": str(dtype).removeprefix("torch."), "shapes": shapes}, f)
         path = os.path.join(tmp, "model.pt")
         ckptio.save(sd, path)
         del sd
         print(
-            f"# {nbytes / GiB:.2f} GiB float32 model in host memory, {len(shapes)} tensors, "
+            f"# {nbytes / GiB:.2f} GiB {dtype} {args.shape} model in host memory, "
+            f"{len(shapes)} tensors, "
             f"checkpoint {path}, {args.rounds} rounds (median), a fresh process per load",
             flush=True,
         )
@@ -210,7 +212,7 @@ def gpu(args: argparse.Namespace) -> dict:
     shm = tempfile.mkdtemp(prefix="ckptio-inplace-", dir="/dev/shm")
     out: dict = {}
     try:
-        sd = bench.synthetic_state_dict(size, "cuda", torch.bfloat16)
+        sd = benchlib.shaped_state_dict(args.shape, size, "cuda")
         nbytes = sum(t.nbytes for t in sd.values())
         shapes = {k: list(v.shape) for k, v in sd.items()}
         path = os.path.join(tmp, "model.pt")
@@ -219,7 +221,8 @@ def gpu(args: argparse.Namespace) -> dict:
         model = module_of(shapes, torch.bfloat16, "cuda")
         torch.cuda.synchronize()
         print(
-            f"# {nbytes / GiB:.2f} GiB bfloat16 model on {torch.cuda.get_device_name()}, "
+            f"# {nbytes / GiB:.2f} GiB bfloat16 {args.shape} model on "
+            f"{torch.cuda.get_device_name()}, "
             f"{len(shapes)} tensors, checkpoint in {tmp}",
             flush=True,
         )
@@ -392,6 +395,7 @@ def gpu(args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--shape", default="even", choices=["even", "llm"], help="llm: issue 37's")
     p.add_argument("--size", default=None, help="default 1G (cpu), 8G (cuda)")
     p.add_argument("--rounds", type=int, default=None, help="default 3 (cpu), 1 (cuda)")
     p.add_argument("--profile", action="store_true", help="cuda: cProfile 3 loads from /dev/shm")

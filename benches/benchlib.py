@@ -92,24 +92,45 @@ def llm_shapes(nbytes: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def llm_state_dict(nbytes: int, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """An LLM-shaped bf16 state dict (:func:`llm_shapes`) of random bits on ``device``."""
+    """An LLM-shaped bf16 state dict (:func:`llm_shapes`) of random finite values on ``device``."""
     sd = {}
     for name, shape in llm_shapes(nbytes):
         t = torch.empty(shape, dtype=torch.bfloat16, device=device)
-        sd[name] = t.view(torch.int16).random_(-(2**15), 2**15 - 1).view(torch.bfloat16)
+        sd[name] = _finite_bits(t)
     return sd
+
+
+def _finite_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (bf16) filled with random bits but the top exponent bit: every value
+    finite (no NaN, which compares unequal to itself), magnitudes below 2."""
+    bits = t.view(torch.int16).random_(-(2**15), 2**15 - 1)
+    return bits.bitwise_and_(~(1 << 14)).view(torch.bfloat16)
 
 
 def even_state_dict(
     nbytes: int, tensors: int = 512, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """``tensors`` equal bf16 tensors of random bits, ``nbytes`` in all."""
+    """``tensors`` equal bf16 tensors of random finite values, ``nbytes`` in all."""
     n = nbytes // tensors // 2
     sd = {}
     for i in range(tensors):
         t = torch.empty(n, dtype=torch.bfloat16, device=device)
-        sd[f"w{i}"] = t.view(torch.int16).random_(-(2**15), 2**15 - 1).view(torch.bfloat16)
+        sd[f"w{i}"] = _finite_bits(t)
     return sd
+
+
+def shaped_state_dict(
+    shape: str, nbytes: int, device: str = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
+    """The state dict a bench's ``--shape`` names: ``even`` (``synthetic_state_dict``,
+    of ``dtype``) or ``llm`` (:func:`llm_state_dict`, bf16 always)."""
+    if shape == "llm":
+        return llm_state_dict(nbytes, device)
+    if shape != "even":
+        raise ValueError(f"--shape must be even or llm, not {shape!r}")
+    from ckptio.tools.bench import synthetic_state_dict
+
+    return synthetic_state_dict(nbytes, device, dtype)
 
 
 def libcuda() -> Any:
