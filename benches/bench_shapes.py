@@ -298,6 +298,45 @@ def profile(p: dict[str, str], device: str, nbytes: int) -> dict[str, float]:
     return out
 
 
+# Issue 37's targets: every ckptio loader >= 0.85x the pinned copy and >= 0.95x the
+# raw read of the same file; the torch format >= 0.95x safetensors.
+LOADERS = (
+    "ckptio.load",
+    "ckptio.load(out=)",
+    "ckptio.load_state_dict",
+    "ckptio.safetensors.load_file",
+    "ckptio.safetensors.load_sharded",
+    "ckptio dcp.load",
+)
+
+
+def targets(res: dict[str, float], shape: str, place: str) -> None:
+    """Print each target's ratio for one shape and place (GiB/s in ``res``)."""
+    pinned = res.get("pinned copy")
+    raw = max((v for k, v in res.items() if k.startswith("raw read")), default=None)
+    st = res.get("ckptio.safetensors.load_file")
+    print(f"targets, {shape}, {place}:")
+    for k in LOADERS:
+        if k not in res:
+            continue
+        parts = []
+        if pinned:
+            r = res[k] / pinned
+            parts.append(f"{r:.2f}x pinned (>= 0.85: {'met' if r >= 0.85 else 'missed'})")
+        if raw:
+            r = res[k] / raw
+            parts.append(f"{r:.2f}x raw (>= 0.95: {'met' if r >= 0.95 else 'missed'})")
+        print(f"  {k}: " + ", ".join(parts))
+    if st:
+        for k in ("ckptio.load", "ckptio.load(out=)", "ckptio.load_state_dict"):
+            if k in res:
+                r = res[k] / st
+                print(
+                    f"  {k} / safetensors.load_file: {r:.2f}x (>= 0.95: "
+                    f"{'met' if r >= 0.95 else 'missed'})"
+                )
+
+
 def run_shape(shape: str, nbytes: int, a: argparse.Namespace, results: dict[str, Any]) -> None:
     device = a.device
     torch.manual_seed(0)
@@ -334,6 +373,7 @@ def run_shape(shape: str, nbytes: int, a: argparse.Namespace, results: dict[str,
                 xr = f"{nbytes / s / raw:.2f}" if raw else "-"
                 print(f"| {k} | {g:.1f} | {xp} | {xr} |", flush=True)
             res = {k: nbytes / s / GiB for k, s in med.items()}
+            targets(res, shape, place)
             if a.profile:
                 res["profile"] = profile(p, device, nbytes)
                 print(f"# profile: {res['profile']}", flush=True)
@@ -347,8 +387,9 @@ def run_shape(shape: str, nbytes: int, a: argparse.Namespace, results: dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--llm", type=parse_size, default=4 * GiB, help="0 skips it")
-    ap.add_argument("--even", type=parse_size, default=8 * GiB, help="0 skips it")
+    size = lambda v: 0 if v.strip() == "0" else parse_size(v)  # noqa: E731
+    ap.add_argument("--llm", type=size, default=4 * GiB, help="0 skips it")
+    ap.add_argument("--even", type=size, default=8 * GiB, help="0 skips it")
     ap.add_argument("--places", default="shm,cache", type=lambda s: s.split(","))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dir", default=None, help="the disk folder (default: the temp dir)")
