@@ -126,3 +126,36 @@ def test_a_read_beside_the_build_raises_its_error_and_the_worker_stays(tmp_path)
         else:
             raise AssertionError("no error")
     assert transfer.submit(lambda: 7).result() == 7
+
+
+def test_an_idle_kept_thread_holds_nothing_of_a_failed_read():
+    """A failed job's error holds its frames (the destinations, the file): the idle
+    thread that ran it must not keep them alive (found in review)."""
+    import gc
+    import time
+    import weakref
+
+    from ckptio.io import transfer
+
+    class Owner:
+        pass
+
+    def failed() -> weakref.ref:
+        owner = Owner()
+
+        def fn(owner=owner):
+            raise OSError(5, "read failed")
+
+        try:
+            transfer.submit(fn).result()
+        except OSError:
+            pass
+        return weakref.ref(owner)
+
+    ref = failed()
+    for _ in range(50):  # the thread lets go right after signalling
+        gc.collect()
+        if ref() is None:
+            break
+        time.sleep(0.01)
+    assert ref() is None

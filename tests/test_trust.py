@@ -131,6 +131,76 @@ def test_a_build_on_allowed_objects_changes_nothing_outside_the_read(tmp_path, t
     assert after == before
 
 
+def _metadata_obj(planner_data: bytes = b"N") -> bytes:
+    """A Metadata made by NEWOBJ + BUILD on the Metadata global memoized as 0."""
+    return (
+        b"h\x00)\x81}("
+        + _u("state_dict_metadata")
+        + b"}"
+        + _u("planner_data")
+        + planner_data
+        + _u("storage_data")
+        + b"}"
+        + _u("storage_meta")
+        + b"N"
+        + _u("version")
+        + b"Nub."
+    )
+
+
+# Found in review: a stand-in class given a __setattr__ of its own kept its instances
+# from getting their real class back; a stand-in hidden in a slice; values of types
+# no check expected.
+_CRAFTED = {
+    "a stand-in class's own __setattr__": b"\x80\x02"
+    + _g(_MD, "Metadata")
+    + b"q\x00N}("
+    + _u("__setattr__")
+    + _g("builtins", "slice")
+    + b"u\x86b0"
+    + _metadata_obj(),
+    "a stand-in class hidden in a slice": b"\x80\x02"
+    + _g(_MD, "Metadata")
+    + b"q\x00"
+    + _metadata_obj(b"}(" + _u("s") + _g("builtins", "slice") + b"h\x00\x85Ru"),
+}
+
+
+@pytest.mark.parametrize("case", list(_CRAFTED))
+def test_crafted_metadata_that_evades_the_class_restore_is_refused(tmp_path, case):
+    (tmp_path / ".metadata").write_bytes(_CRAFTED[case])
+    with pytest.raises(ckptio.FormatError, match=r"\.metadata.*refused"):
+        read_metadata(tmp_path / ".metadata")
+
+
+def test_metadata_of_unexpected_value_types_is_a_formaterror(tmp_path):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    info = _StorageInfo("a", 0, 1)
+    info.relative_path = ["x"]  # unhashable
+    (tmp_path / ".metadata").write_bytes(
+        pickle.dumps(Metadata({}, None, {MetadataIndex("w"): info}))
+    )
+    with pytest.raises(ckptio.FormatError, match="unhashable"):
+        read_metadata(tmp_path / ".metadata")
+
+
+def test_an_extension_code_for_an_allowed_global_is_refused(tmp_path):
+    """copyreg's extension cache would hand EXT opcodes the real class, past the
+    allow-list's stand-ins: no read while an allowed global has a code."""
+    import copyreg
+
+    save_dcp(tmp_path, tensors())
+    copyreg.add_extension(_MD, "Metadata", 240)
+    try:
+        with pytest.raises(ckptio.FormatError, match="copyreg"):
+            read_metadata(tmp_path / ".metadata")
+    finally:
+        copyreg.remove_extension(_MD, "Metadata", 240)
+    read_metadata(tmp_path / ".metadata")
+
+
 def test_metadata_read_is_the_trusted_read_for_every_dtype_and_format(tmp_path):
     """The allow-listed read gives what pickle gives (classes restored, encodings
     turned into memory formats by TensorProperties) for every dtype and a

@@ -19,6 +19,7 @@ are raw bytes.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import functools
 import io
 import os
@@ -363,11 +364,27 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _RefusedGlobal(f"{self.path}: holds a persistent id {pid!r}; refused")
 
 
-def _restore(root: Any, stand_ins: dict[Any, Any], path: str) -> None:
-    """Give the instances of the metadata classes' stand-ins their real class
+def _fingerprint(stand_ins: dict[Any, Any]) -> list[Any]:
+    """What a BUILD on a stand-in would change: each class's own attributes and
+    bases, each function's attributes and keyword defaults."""
+    out = []
+    for x in stand_ins.values():
+        if isinstance(x, type):
+            out.append((dict(vars(x)), x.__bases__))
+        else:
+            out.append((dict(vars(x)), x.__kwdefaults__))
+    return out
+
+
+def _restore(root: Any, stand_ins: dict[Any, Any], path: str, before: list[Any]) -> None:
+    """Refuse a read whose BUILDs changed a stand-in (as the old reader refused
+    any BUILD on a class: a stand-in changed could keep attributes of its own),
+    then give the instances of the metadata classes' stand-ins their real class
     back (the same layout: the stand-ins add no slot), everywhere under
     ``root``; a FormatError where a stand-in itself, or an encoding outside the
     state of ``TensorProperties`` (where no writer puts one), is left in it."""
+    if _fingerprint(stand_ins) != before:
+        raise corrupt(path, "sets attributes of a class or function; refused")
     real = {sub: cls for cls, sub in stand_ins.items() if isinstance(sub, type)}
     fakes = {id(x) for x in stand_ins.values()}
     seen: set[int] = set()
@@ -382,7 +399,10 @@ def _restore(root: Any, stand_ins: dict[Any, Any], path: str) -> None:
             raise corrupt(path, f"holds {obj!r} where DCP metadata holds none; refused")
         cls = real.get(t)
         if cls is not None:
-            obj.__class__ = cls
+            object.__setattr__(obj, "__class__", cls)  # not the stand-in's own __setattr__
+            if type(obj) is not cls:
+                raise corrupt(path, f"holds a {cls.__name__} that is not one; refused")
+            todo.extend(obj.__dict__.keys())
             todo.extend(obj.__dict__.values())
         elif isinstance(obj, dict):
             todo.extend(obj.keys())
@@ -391,6 +411,8 @@ def _restore(root: Any, stand_ins: dict[Any, Any], path: str) -> None:
                 todo.extend(getattr(obj, "__dict__", {}).values())
         elif isinstance(obj, (list, tuple, set, frozenset)):
             todo.extend(obj)
+        elif t is slice:
+            todo.extend((obj.start, obj.stop, obj.step))
 
 
 # What holds no other object (torch.Size holds ints only: it refuses the rest).
@@ -420,17 +442,33 @@ def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Met
         raise
     except Exception as e:
         raise FormatError(f"{p}: not a DCP metadata file: {type(e).__name__}: {e}") from e
-    with memory.gc_paused():
-        _check_metadata(md, p)
+    try:
+        with memory.gc_paused():
+            _check_metadata(md, p)
+    except FormatError:
+        raise
+    except Exception as e:  # a value of a type no check expected (unhashable, not iterable)
+        raise FormatError(f"{p}: not DCP metadata: {type(e).__name__}: {e}") from e
     return md
 
 
 def _unpickle(raw: bytes, path: str, trusted: bool) -> Any:
     if trusted:
         return pickle.loads(raw)
+    global _ALLOWED
+    if _ALLOWED is None:
+        _ALLOWED = _allowed_globals()
+    # EXT1/2/4 reach registered globals through copyreg's process-wide cache,
+    # past find_class: none of the allowed ones may be registered.
+    if any(k in copyreg._extension_registry for k in _ALLOWED):  # type: ignore[attr-defined]
+        raise FormatError(
+            f"{path}: not read: copyreg registers an extension code for a global the "
+            "allow-list names (its cache would bypass the allow-list)"
+        )
     stand_ins = _stand_ins()
+    before = _fingerprint(stand_ins)
     md = _MetadataUnpickler(io.BytesIO(raw), path, stand_ins).load()
-    _restore(md, stand_ins, path)
+    _restore(md, stand_ins, path, before)
     return md
 
 

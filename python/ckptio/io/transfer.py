@@ -120,10 +120,10 @@ def read_while(
     An error of the read comes first, then one of ``meanwhile``."""
     streams = _streams_of(segments)  # the caller's current streams (thread-local)
     job = submit(lambda: _read(source, engine, segments, owners, streams, verify))
-    # Let the read reach the engine (which lets go of the GIL) before the
-    # Python of ``meanwhile`` holds the GIL for up to a switch interval (5 ms).
-    job.started.wait()
     try:
+        # Let the read reach the engine (which lets go of the GIL) before the
+        # Python of ``meanwhile`` holds the GIL for up to a switch interval (5 ms).
+        job.started.wait()
         result = meanwhile()
     finally:
         stats = job.result()  # raises the read's error first
@@ -180,6 +180,13 @@ class _Workers:
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue[Job[Any]]] = []
         self._pid = os.getpid()
+        # A fork while another thread holds the lock would leave it held in the child.
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = []
+        self._pid = os.getpid()
 
     def submit(self, fn: Callable[[], T]) -> Job[T]:
         job = Job(fn)
@@ -205,6 +212,9 @@ class _Workers:
                 if self._pid == os.getpid():
                     self._idle.append(inbox)
             job.done.set()
+            # An idle thread keeps nothing: a failed job's error holds the frames
+            # of its read, and through them its destinations and file.
+            del job
 
 
 _workers = _Workers()
@@ -271,8 +281,10 @@ def read_files(
                 return
             got[fi] = one(fi)
 
-    jobs = [submit(drain) for _ in range(workers - 1)]
+    jobs: list[Job[None]] = []
     try:
+        for _ in range(workers - 1):
+            jobs.append(submit(drain))
         drain()
     finally:
         errors = []
