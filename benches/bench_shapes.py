@@ -13,8 +13,10 @@ Per shape, the state dict is saved once in each format (ckptio.save's torch
 zip, a safetensors file, a sharded safetensors folder, a DCP folder through
 ckptio's writer) into a folder of /dev/shm; the rows run there, then on a
 buffered copy of the folder on the disk under ``--dir`` (every page in the
-page cache, fincore checks). Each round runs every row once, in turn; rows
-keep their median. Rows:
+page cache, fincore checks); with ``--places ...,cold``, cold from that disk
+copy too (one round, the page cache dropped before each row, against a raw
+O_DIRECT read). Each round runs every row once, in turn; rows keep their
+median. Rows:
 
 - limits: ``pinned copy`` (host-to-device copy of the same bytes from pinned
   memory, CUDA only) and ``raw read``: the bytes of the same file read by a
@@ -40,6 +42,7 @@ import contextlib
 import cProfile
 import io
 import json
+import mmap
 import os
 import pstats
 import shutil
@@ -62,6 +65,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from ckptio import _native  # noqa: E402
 from ckptio.io.units import parse_size  # noqa: E402
+from ckptio.tools.bench import cold_read, drop_cache  # noqa: E402
 from torch import nn  # noqa: E402
 
 GiB = 2**30
@@ -247,14 +251,62 @@ def rows_for(
     return rows
 
 
-def measure(rows: dict[str, Callable[[], Any]], device: str, rounds: int) -> dict[str, float]:
-    """Median seconds per row over ``rounds`` rounds (slow peers: first round)."""
+# Rows whose call returns its own seconds (what it times excludes its set-up).
+SELF_TIMED = {"pinned copy", "raw read (O_DIRECT)"}
+
+
+def cold_rows(p: dict[str, str], device: str, nbytes: int) -> dict[str, Callable[[], Any]]:
+    """The rows of a cold read from the disk (each after the page cache of the
+    folder is dropped): the raw O_DIRECT read of the torch file (8 threads, 64 MiB
+    requests, into a reused page-aligned buffer) as the limit, ckptio's loaders
+    and the peers that read a disk directly (InstantTensor's default io_uring
+    O_DIRECT backend, fastsafetensors with O_DIRECT)."""
+    ring = memoryview(mmap.mmap(-1, 1 << 30))
+    size = os.path.getsize(p["pt"]) // 4096 * 4096  # O_DIRECT reads whole blocks
+    rows: dict[str, Callable[[], Any]] = {
+        "raw read (O_DIRECT)": lambda: cold_read(p["pt"], ring, os.O_DIRECT, 8, 64 << 20, size),
+        "ckptio.load": lambda: ckptio.load(p["pt"], map_location=device),
+        "ckptio.safetensors.load_file": lambda: ckptio.safetensors.load_file(
+            p["st"], device=device
+        ),
+    }
+    if device.startswith("cuda"):
+        it = instanttensor_loader(device, buffered=False)
+        if it is not None:
+            rows["InstantTensor"] = lambda: it(p["st"])
+        fl = fastsafetensors_loader(device, odirect=True)
+        if fl is not None:
+            rows["fastsafetensors (O_DIRECT)"] = lambda: fl(p["st"])
+    return rows
+
+
+def drop_folder(folder: str) -> Callable[[], None]:
+    """A call that evicts every file under ``folder`` from the page cache."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs]
+
+    def drop() -> None:
+        for f in files:
+            drop_cache(f)
+
+    return drop
+
+
+def measure(
+    rows: dict[str, Callable[[], Any]],
+    device: str,
+    rounds: int,
+    before: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Median seconds per row over ``rounds`` rounds (slow peers: first round);
+    ``before()`` runs before each row, untimed (cold: the page cache dropped)."""
     times: dict[str, list[float]] = {k: [] for k in rows}
     for r in range(rounds):
         names = list(rows) if r % 2 == 0 else list(reversed(rows))
         for name in names:
             if r and name in SLOW:
                 continue
+            if before is not None:
+                before()
             sync(device)
             t0 = time.perf_counter()
             try:
@@ -266,7 +318,7 @@ def measure(rows: dict[str, Callable[[], Any]], device: str, rounds: int) -> dic
                 del rows_failed
                 continue
             dt = time.perf_counter() - t0
-            if name == "pinned copy":
+            if name in SELF_TIMED:
                 dt = got
             times.setdefault(name, []).append(dt)
             del got
@@ -351,19 +403,25 @@ def run_shape(shape: str, nbytes: int, a: argparse.Namespace, results: dict[str,
     disk = tempfile.mkdtemp(prefix="ckptio-shapes-", dir=a.dir)
     try:
         p = write_all(sd, shm)
+        folder = os.path.join(disk, "c")
         for place in a.places:
-            if place == "cache":
-                folder = os.path.join(disk, "c")
+            if place in ("cache", "cold") and not os.path.isdir(folder):
                 shutil.copytree(shm, folder)  # buffered: every page stays cached
                 shutil.rmtree(shm, ignore_errors=True)
                 p = {k: os.path.join(folder, os.path.relpath(v, shm)) for k, v in p.items()}
+            if place == "cache":
                 cached, total = fincore(folder), tree_bytes(folder)
                 print(f"# page cache: {cached} of {total} bytes cached", flush=True)
-            rows = rows_for(p, sd, device, place, nbytes)
-            med = measure(rows, device, a.rounds)
+            if place == "cold":
+                rows = cold_rows(p, device, nbytes)
+                med = measure(rows, device, 1, before=drop_folder(folder))
+            else:
+                rows = rows_for(p, sd, device, place, nbytes)
+                med = measure(rows, device, a.rounds)
             limit = med.get("pinned copy")
+            raws = ("raw read (KvikIO)", "raw read (engine)", "raw read (O_DIRECT)")
             raw = max(
-                (nbytes / med[k] for k in ("raw read (KvikIO)", "raw read (engine)") if k in med),
+                (nbytes / med[k] for k in raws if k in med),
                 default=None,
             )
             print(f"\n| {shape}, {place} | GiB/s | x pinned | x raw |\n| --- | --- | --- | --- |")
@@ -374,7 +432,7 @@ def run_shape(shape: str, nbytes: int, a: argparse.Namespace, results: dict[str,
                 print(f"| {k} | {g:.1f} | {xp} | {xr} |", flush=True)
             res = {k: nbytes / s / GiB for k, s in med.items()}
             targets(res, shape, place)
-            if a.profile:
+            if a.profile and place != "cold":
                 res["profile"] = profile(p, device, nbytes)
                 print(f"# profile: {res['profile']}", flush=True)
             results[f"{shape}/{place}"] = res
@@ -390,7 +448,12 @@ def main() -> None:
     size = lambda v: 0 if v.strip() == "0" else parse_size(v)  # noqa: E731
     ap.add_argument("--llm", type=size, default=4 * GiB, help="0 skips it")
     ap.add_argument("--even", type=size, default=8 * GiB, help="0 skips it")
-    ap.add_argument("--places", default="shm,cache", type=lambda s: s.split(","))
+    ap.add_argument(
+        "--places",
+        default="shm,cache",
+        type=lambda s: s.split(","),
+        help="shm, cache, cold (from the disk, one round: slow)",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dir", default=None, help="the disk folder (default: the temp dir)")
     ap.add_argument("--profile", action="store_true")

@@ -224,7 +224,8 @@ inplace)
 shapes)
     # Issue 37: benches/bench_shapes.py, every loader and the peers (.whl/: InstantTensor,
     # fastsafetensors, KvikIO, safetensors) on the LLM shape and 512 equal tensors, from
-    # /dev/shm and the page cache (SHAPES_ARGS, e.g. --llm 4G --even 8G --profile;
+    # /dev/shm and the page cache (SHAPES_ARGS, e.g. --llm 4G --even 8G --profile; --places
+    # shm,cache,cold adds cold reads from the disk against a raw O_DIRECT read;
     # SHAPES_TIMEOUT, default 420 s), JSON to $OUT.
     udev_on
     timeout ${SHAPES_TIMEOUT:-420} $PY benches/bench_shapes.py --device cuda --dir /tmp ${SHAPES_ARGS:-} \
