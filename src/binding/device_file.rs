@@ -14,7 +14,7 @@ use crate::io::file::IoFile;
 use crate::Error;
 
 use super::engine::Engine;
-use super::{detached, file_modes, report_dict, write_dict, Ask, Owners, RawSegment, Streams};
+use super::{detached, file_modes, write_dict, Ask, Owners, RawSegment, Streams};
 
 /// An open file for moving memory to and from given offsets.
 ///
@@ -172,25 +172,16 @@ impl DeviceFile {
         &self,
         py: Python<'py>,
         engine: &Engine,
-        storages: Vec<(String, u64, u64, i32)>,
+        storages: Vec<super::RawStorage>,
         owners: Owners,
         streams: Streams,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let storages = super::storages(storages);
-        for s in &storages {
-            owners.check(s.memory, s.addr, s.len, || format!("storage {}", s.key))?;
-        }
-        let ask = Ask {
-            streams,
-            ..Ask::default()
-        };
-        let rep = detached(py, engine, Vec::new(), owners, ask, |e, _, r| {
+        super::write_storages(py, engine, storages, owners, streams, |e, st, streams| {
             // SAFETY: every storage lies inside its owners' memory (checked
-            // above), which they keep allocated until this returns; the caller
+            // first), which they keep allocated until this returns; the caller
             // leaves it unmodified (documented contract) and hands its own streams.
-            unsafe { integrity::write_storages(e, &self.file, &storages, r.streams) }
-        })?;
-        report_dict(py, &rep)
+            unsafe { integrity::write_storages(e, &self.file, st, streams) }
+        })
     }
 }
 

@@ -31,6 +31,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::engine::{EngineConfig, Memory, Patch, Report, Request, Segment};
+use crate::format::integrity::Storage;
 use crate::gpu::Backend;
 use crate::io::file::DirectMode;
 
@@ -108,15 +109,41 @@ struct Ask {
 
 /// Storages of a torch.save archive as the Python side hands them:
 /// (key, address, nbytes, device), device -1 for host memory.
-fn storages(raw: Vec<(String, u64, u64, i32)>) -> Vec<crate::format::integrity::Storage> {
-    raw.into_iter()
-        .map(|(key, addr, len, dev)| crate::format::integrity::Storage {
+type RawStorage = (String, u64, u64, i32);
+
+/// `write_storages` of `AtomicWriter` and `DeviceFile`: each storage checked
+/// against the memory of `owners`, then `write` (the file's
+/// `integrity::write_storages`) run detached with the storages and the
+/// caller's streams; the report as a dict.
+fn write_storages<'py>(
+    py: Python<'py>,
+    engine: &Engine,
+    raw: Vec<RawStorage>,
+    owners: Owners,
+    streams: Streams,
+    write: impl FnOnce(&crate::engine::Engine, &[Storage], &[(i32, u64)]) -> crate::Result<Report>
+        + Send,
+) -> PyResult<Bound<'py, PyDict>> {
+    let storages: Vec<Storage> = raw
+        .into_iter()
+        .map(|(key, addr, len, dev)| Storage {
             key,
             addr,
             len,
             memory: memory(dev),
         })
-        .collect()
+        .collect();
+    for s in &storages {
+        owners.check(s.memory, s.addr, s.len, || format!("storage {}", s.key))?;
+    }
+    let ask = Ask {
+        streams,
+        ..Ask::default()
+    };
+    let rep = detached(py, engine, Vec::new(), owners, ask, |e, _, r| {
+        write(e, &storages, r.streams)
+    })?;
+    report_dict(py, &rep)
 }
 
 /// Run one transfer of `segments` detached: `run` gets the core engine, the

@@ -138,27 +138,16 @@ impl AtomicWriter {
         &self,
         py: Python<'py>,
         engine: &Engine,
-        storages: Vec<(String, u64, u64, i32)>,
+        storages: Vec<super::RawStorage>,
         owners: Owners,
         streams: Streams,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let storages = super::storages(storages);
-        for s in &storages {
-            owners.check(s.memory, s.addr, s.len, || format!("storage {}", s.key))?;
-        }
-        let ask = Ask {
-            streams,
-            ..Ask::default()
-        };
-        let rep = detached(py, engine, Vec::new(), owners, ask, |e, _, r| {
+        super::write_storages(py, engine, storages, owners, streams, |e, st, streams| {
             // SAFETY: every storage lies inside its owners' memory (checked
-            // above), which they keep allocated until this returns; the caller
+            // first), which they keep allocated until this returns; the caller
             // leaves it unmodified (documented contract) and hands its own streams.
-            self.locked(|st| unsafe {
-                integrity::write_storages(e, &st.file, &storages, r.streams)
-            })
-        })?;
-        report_dict(py, &rep)
+            self.locked(|s| unsafe { integrity::write_storages(e, &s.file, st, streams) })
+        })
     }
 
     /// Write a whole torch.save archive into the (empty) temp file, laid out
