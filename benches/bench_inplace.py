@@ -54,27 +54,11 @@ from torch import nn
 GiB = 2**30
 
 
-def module_of(shapes: dict[str, list[int]], dtype: torch.dtype, device: str) -> nn.Module:
-    """A module tree whose state dict has these keys and shapes, every parameter
-    written (its pages faulted in, as a model's are)."""
-    root = nn.Module()
-    for key, shape in shapes.items():
-        *path, leaf = key.split(".")
-        m = root
-        for name in path:
-            if not hasattr(m, name):
-                m.add_module(name, nn.Module())
-            m = getattr(m, name)
-        t = torch.full(shape, 0.5, dtype=dtype, device=device)
-        m.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
-    return root
-
-
 # A resume in a fresh process: build the model, then time one load and its peak RSS.
 CHILD = """
 import json, sys, time, torch, ckptio
 sys.path.insert(0, sys.argv[4])
-from bench_inplace import module_of
+from benchlib import module_of
 path, how, spec = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
 model = module_of(spec["shapes"], getattr(torch, spec["dtype"]), "cpu")
 def status(k):
@@ -218,7 +202,7 @@ def gpu(args: argparse.Namespace) -> dict:
         path = os.path.join(tmp, "model.pt")
         ckptio.save(sd, path)
         del sd
-        model = module_of(shapes, torch.bfloat16, "cuda")
+        model = benchlib.module_of(shapes, torch.bfloat16, "cuda")
         torch.cuda.synchronize()
         print(
             f"# {nbytes / GiB:.2f} GiB bfloat16 {args.shape} model on "

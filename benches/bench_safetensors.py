@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import benchlib
 import ckptio
 import ckptio.safetensors as cst
 import safetensors.torch as st
@@ -85,22 +86,6 @@ def cached_bytes(path: str) -> int | None:
         return None
 
 
-def fastsafetensors_loader(device: str, nogds: bool) -> Callable[[str], Any] | None:
-    try:
-        from fastsafetensors import fastsafe_open
-    except ImportError:
-        return None
-
-    # fastsafetensors wants an indexed device ("cuda:0", not "cuda").
-    dev = f"{device}:{torch.cuda.current_device()}" if device == "cuda" else device
-
-    def load(path: str) -> dict[str, torch.Tensor]:
-        with fastsafe_open(path, device=dev, nogds=nogds) as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-
-    return load
-
-
 def touch(tensors: dict[str, torch.Tensor]) -> None:
     """Read a byte of every page: a lazy (mmap-backed) load pays for its reads here."""
     for t in tensors.values():
@@ -154,7 +139,7 @@ def main() -> None:
         }
         for tag, nogds in (("nogds", True), ("gds", False)):
             if nogds or dev.startswith("cuda"):
-                fl = fastsafetensors_loader(dev, nogds)
+                fl = benchlib.fastsafetensors_loader(dev, nogds)
                 if fl is not None:
                     loaders[f"fastsafetensors ({tag})"] = (hub, lambda fl=fl: fl(hub))
         if not any(k.startswith("fastsafetensors") for k in loaders):

@@ -66,7 +66,6 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from ckptio import _native  # noqa: E402
 from ckptio.io.units import parse_size  # noqa: E402
 from ckptio.tools.bench import cold_read, drop_cache  # noqa: E402
-from torch import nn  # noqa: E402
 
 GiB = 2**30
 SLOW = {"torch.load", "safetensors.load_file", "torch dcp.load"}
@@ -75,20 +74,6 @@ SLOW = {"torch.load", "safetensors.load_file", "torch dcp.load"}
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def module_of(sd: dict[str, torch.Tensor]) -> nn.Module:
-    """A module tree whose state dict has ``sd``'s keys, shapes and dtypes (buffers)."""
-    root = nn.Module()
-    for key, t in sd.items():
-        *path, leaf = key.split(".")
-        m = root
-        for part in path:
-            if not hasattr(m, part):
-                m.add_module(part, nn.Module())
-            m = getattr(m, part)
-        m.register_buffer(leaf, torch.empty_like(t))
-    return root
 
 
 def fincore(path: str) -> int | None:
@@ -175,28 +160,6 @@ def instanttensor_loader(device: str, buffered: bool) -> Callable[[str], Any] | 
     return load
 
 
-def fastsafetensors_loader(device: str, odirect: bool) -> Callable[[str], Any] | None:
-    try:
-        from fastsafetensors import fastsafe_open
-    except ImportError:
-        return None
-    dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
-
-    def load(path: str) -> dict[str, torch.Tensor]:
-        old = os.environ.get("FASTSAFETENSORS_ODIRECT")
-        os.environ["FASTSAFETENSORS_ODIRECT"] = "1" if odirect else "0"
-        try:
-            with fastsafe_open(path, device=dev, nogds=True) as f:
-                return {k: f.get_tensor(k).clone() for k in f.keys()}
-        finally:
-            if old is None:
-                os.environ.pop("FASTSAFETENSORS_ODIRECT", None)
-            else:
-                os.environ["FASTSAFETENSORS_ODIRECT"] = old
-
-    return load
-
-
 def rows_for(
     p: dict[str, str], sd: dict[str, torch.Tensor], device: str, place: str, nbytes: int
 ) -> dict[str, Callable[[], Any]]:
@@ -211,7 +174,7 @@ def rows_for(
     if k is not None:
         rows["raw read (KvikIO)"] = k
     dests = {k: torch.empty_like(v) for k, v in sd.items()}
-    module = module_of(sd)
+    module = benchlib.module_of({k: list(v.shape) for k, v in sd.items()}, torch.bfloat16, device)
     # Rows alternate between files: a load right after another of the same file
     # would meet the kernel still unmapping it, which users' loads do not.
     rows["ckptio.load"] = lambda: ckptio.load(p["pt"], map_location=device)
@@ -244,7 +207,7 @@ def rows_for(
                 itb = instanttensor_loader(device, buffered=True)
                 rows["InstantTensor (BUFFERED)"] = lambda: itb(p["st"])
         for odirect in (True, False):
-            fl = fastsafetensors_loader(device, odirect)
+            fl = benchlib.fastsafetensors_loader(device, True, odirect, copy=True)
             if fl is not None:
                 tag = "O_DIRECT" if odirect else "buffered"
                 rows[f"fastsafetensors ({tag})"] = lambda fl=fl: fl(p["st"])
@@ -274,7 +237,7 @@ def cold_rows(p: dict[str, str], device: str, nbytes: int) -> dict[str, Callable
         it = instanttensor_loader(device, buffered=False)
         if it is not None:
             rows["InstantTensor"] = lambda: it(p["st"])
-        fl = fastsafetensors_loader(device, odirect=True)
+        fl = benchlib.fastsafetensors_loader(device, True, odirect=True, copy=True)
         if fl is not None:
             rows["fastsafetensors (O_DIRECT)"] = lambda: fl(p["st"])
     return rows

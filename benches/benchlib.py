@@ -133,6 +133,53 @@ def shaped_state_dict(
     return synthetic_state_dict(nbytes, device, dtype)
 
 
+def module_of(shapes: dict[str, list[int]], dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """A module tree whose state dict has these keys and shapes, every parameter
+    written (its pages faulted in, as a model's are)."""
+    root = torch.nn.Module()
+    for key, shape in shapes.items():
+        *path, leaf = key.split(".")
+        m = root
+        for name in path:
+            if not hasattr(m, name):
+                m.add_module(name, torch.nn.Module())
+            m = getattr(m, name)
+        t = torch.full(shape, 0.5, dtype=dtype, device=device)
+        m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
+def fastsafetensors_loader(
+    device: str, nogds: bool, odirect: bool | None = None, copy: bool = False
+) -> Callable[[str], Any] | None:
+    """fastsafetensors' load of a whole file to ``device`` (None where it is not
+    installed): ``nogds`` as it takes it; ``odirect`` sets FASTSAFETENSORS_ODIRECT
+    for the call (None: as the environment has it); ``copy``: tensors that own
+    their memory (cloned out of its buffer, freed when its file closes)."""
+    try:
+        from fastsafetensors import fastsafe_open
+    except ImportError:
+        return None
+    # fastsafetensors wants an indexed device ("cuda:0", not "cuda").
+    dev = f"{device}:{torch.cuda.current_device()}" if device == "cuda" else device
+
+    def load(path: str) -> dict[str, torch.Tensor]:
+        old = os.environ.get("FASTSAFETENSORS_ODIRECT")
+        if odirect is not None:
+            os.environ["FASTSAFETENSORS_ODIRECT"] = "1" if odirect else "0"
+        try:
+            with fastsafe_open(path, device=dev, nogds=nogds) as f:
+                return {k: f.get_tensor(k).clone() if copy else f.get_tensor(k) for k in f.keys()}
+        finally:
+            if odirect is not None:
+                if old is None:
+                    os.environ.pop("FASTSAFETENSORS_ODIRECT", None)
+                else:
+                    os.environ["FASTSAFETENSORS_ODIRECT"] = old
+
+    return load
+
+
 def libcuda() -> Any:
     """libcuda through ctypes, with the argument types of the driver calls the
     benches and probes make (ctypes releases the GIL around each call)."""

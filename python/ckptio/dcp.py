@@ -409,12 +409,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         if guard is None:  # no plan made here (a writer driven by hand)
             transfer.replace_file(target, data)
         else:
-            try:
-                guard.write_bytes(0, data)
-                guard.commit()
-            except BaseException:
-                guard.abort()
-                raise
+            transfer.commit_bytes(guard, data)
         # The earlier generations' data files, now named by no metadata. Best
         # effort: what cannot go now goes with the next save.
         fmt.sweep(os.fspath(self.path))

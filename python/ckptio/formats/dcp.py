@@ -18,7 +18,6 @@ are raw bytes.
 
 from __future__ import annotations
 
-import contextlib
 import copyreg
 import functools
 import io
@@ -40,7 +39,7 @@ from ckptio import _native
 from ckptio.errors import FormatError, corrupt
 from ckptio.formats import torchzip
 from ckptio.io import memory
-from ckptio.io.paths import inside, live_temps, open_regular
+from ckptio.io.paths import inside, open_regular, sweep_unnamed
 
 ALIGN = torchzip.STORAGE_ALIGNMENT
 
@@ -246,27 +245,19 @@ def sweep(folder: str, own: str | None = None) -> list[str]:
     a save may be in flight: a temp file some writer holds (but ``own``, the
     caller's, see ``ckptio.dcp``) or a metadata file that cannot be read. The
     names removed."""
-    try:
-        data = [n for n in os.listdir(folder) if DATA_FILE.fullmatch(n)]
-    except FileNotFoundError:
-        return []
-    if live_temps(folder, own) or not data:
-        return []
-    named: set[str] = set()
-    for n in os.listdir(folder):
-        if n == METADATA or METADATA_OF_RANK.fullmatch(n):
-            try:
-                md = read_metadata(os.path.join(folder, n))
-            except (FormatError, OSError):
-                return []  # which files it names is not known: none is surely dead
-            named |= {info.relative_path for info in md.storage_data.values()}
-    removed = []
-    for n in data:
-        if n not in named:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(folder, n))
-                removed.append(n)
-    return removed
+
+    def in_use() -> set[str] | None:
+        named: set[str] = set()
+        for n in os.listdir(folder):
+            if n == METADATA or METADATA_OF_RANK.fullmatch(n):
+                try:
+                    md = read_metadata(os.path.join(folder, n))
+                except (FormatError, OSError):
+                    return None  # which files it names is not known: none is surely dead
+                named |= {info.relative_path for info in md.storage_data.values()}
+        return named
+
+    return sweep_unnamed(folder, DATA_FILE, own, in_use)
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:

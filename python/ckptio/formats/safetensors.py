@@ -22,7 +22,6 @@ a mapped view (its tensors over a lazy mapping of it).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -38,7 +37,7 @@ from ckptio import _native
 from ckptio.errors import FormatError, SafetensorError
 from ckptio.formats.mapped import Mapped
 from ckptio.io import memory
-from ckptio.io.paths import inside, live_temps, open_regular
+from ckptio.io.paths import inside, open_regular, sweep_unnamed
 
 #: safetensors dtype name -> torch dtype (those this torch has).
 DTYPES: dict[str, torch.dtype] = {
@@ -484,22 +483,7 @@ def sweep(folder: str, own: str | None = None) -> list[str]:
     shards while a save may be in flight: a temp file some writer holds (but
     ``own``, the caller's guard) or an index that cannot be read. The names
     removed."""
-    try:
-        shards = [n for n in os.listdir(folder) if SHARD_FILE.fullmatch(n)]
-    except FileNotFoundError:
-        return []
-    if live_temps(folder, own) or not shards:
-        return []
-    live = current_shards(folder)
-    if live is None:
-        return []
-    removed = []
-    for n in shards:
-        if n not in live:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(folder, n))
-                removed.append(n)
-    return removed
+    return sweep_unnamed(folder, SHARD_FILE, own, lambda: current_shards(folder))
 
 
 def gather(

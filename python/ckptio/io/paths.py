@@ -15,6 +15,7 @@ import io
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Any, BinaryIO
 
@@ -135,3 +136,34 @@ def live_temps(folder: str, own: str | None = None) -> list[str]:
     _native.clean_temps(folder)
     mine = None if own is None else os.path.basename(own)
     return [n for n in os.listdir(folder) if TEMP_FILE.fullmatch(n) and n != mine]
+
+
+def sweep_unnamed(
+    folder: str,
+    pattern: re.Pattern[str],
+    own: str | None,
+    in_use: Callable[[], set[str] | None],
+) -> list[str]:
+    """Remove what dead saves left in a checkpoint's folder: their temp files
+    (:func:`live_temps`), and the files named by ``pattern`` that ``in_use()``
+    (the names the current checkpoint uses) does not name. Nothing of those
+    while a save may be in flight (a temp file some writer holds, but ``own``,
+    the caller's) or where ``in_use()`` cannot tell (None). The names removed."""
+    try:
+        mine = [n for n in os.listdir(folder) if pattern.fullmatch(n)]
+    except FileNotFoundError:
+        return []
+    if live_temps(folder, own) or not mine:
+        return []
+    used = in_use()
+    if used is None:
+        return []
+    removed = []
+    for n in mine:
+        if n not in used:
+            try:
+                os.unlink(os.path.join(folder, n))
+            except FileNotFoundError:
+                continue
+            removed.append(n)
+    return removed

@@ -308,10 +308,15 @@ def release_buffers() -> int:
 def replace_file(path: str, data: bytes) -> None:
     """A small file (an index, DCP's ``.metadata``) replaced atomically: a temp
     file beside it, fsync, rename, fsync of the folder."""
-    w = _native.AtomicWriter(path, "off", None, False)
+    commit_bytes(_native.AtomicWriter(path, "off", None, False), data)
+
+
+def commit_bytes(writer: _native.AtomicWriter, data: bytes) -> None:
+    """``data`` as the whole new file of ``writer``, committed (the file
+    replaced); the temp file aborted on any error, interrupts included."""
     try:
-        w.write_bytes(0, data)
-        w.commit()
+        writer.write_bytes(0, data)
+        writer.commit()
     except BaseException:
-        w.abort()
+        writer.abort()
         raise
