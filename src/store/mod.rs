@@ -24,6 +24,8 @@ mod sink;
 mod source;
 
 #[cfg(test)]
+mod fault_proxy;
+#[cfg(test)]
 mod tests;
 
 use std::sync::Arc;

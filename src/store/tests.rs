@@ -7,11 +7,14 @@
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use proptest::prelude::*;
 
+use super::fault_proxy::{Action, FaultProxy};
 use super::*;
 
 const BUCKET: &str = "ckptio-test";
@@ -45,6 +48,7 @@ fn free_ports(n: usize) -> Vec<u16> {
 struct Weed {
     child: Child,
     endpoint: String,
+    s3: u16,
     filer: u16,
     _dir: tempfile::TempDir,
 }
@@ -94,6 +98,7 @@ impl Weed {
         let weed = Weed {
             child,
             endpoint: format!("http://127.0.0.1:{}", p[6]),
+            s3: p[6],
             filer: p[4],
             _dir: dir,
         };
@@ -471,4 +476,133 @@ fn a_server_gone_is_a_lost_connection() {
         StoreErrorKind::ConnectionLost
     );
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+}
+
+/// A store that reaches SeaweedFS through a fault proxy applying `rule`, and
+/// how many requests the rule did not pass.
+fn through_proxy(
+    weed: &Weed,
+    extra: &[(&str, &str)],
+    rule: impl Fn(&str) -> Action + Send + Sync + 'static,
+) -> (Store, FaultProxy, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let faults = Arc::new(AtomicUsize::new(0));
+    let counted = faults.clone();
+    let proxy = FaultProxy::start(weed.s3, move |line| {
+        let a = rule(line);
+        if a != Action::Pass {
+            counted.fetch_add(1, Ordering::Relaxed);
+        }
+        a
+    });
+    let endpoint = proxy.endpoint();
+    let mut opts = weed.options(extra);
+    opts.push(("endpoint", &endpoint));
+    let store = Store::parse(&format!("s3://{BUCKET}/"), &opts).unwrap().0;
+    (store, proxy, faults)
+}
+
+fn faults(n: &std::sync::atomic::AtomicUsize) -> usize {
+    n.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn is_part(line: &str, number: usize) -> bool {
+    line.starts_with("PUT ") && line.contains(&format!("partNumber={number}&"))
+}
+
+#[test]
+fn a_slow_down_or_a_dropped_connection_on_a_part_is_retried() {
+    let Some(weed) = Weed::start("a_slow_down_or_a_dropped_connection") else {
+        return;
+    };
+    let (first, second) = (AtomicBool::new(true), AtomicBool::new(true));
+    let (store, _proxy, n) = through_proxy(&weed, &[], move |line| {
+        if is_part(line, 1) && first.swap(false, Ordering::Relaxed) {
+            Action::Drop
+        } else if is_part(line, 2) && second.swap(false, Ordering::Relaxed) {
+            Action::SlowDown
+        } else {
+            Action::Pass
+        }
+    });
+    let data = pattern((40 * MIB) as usize, 6);
+    let grid = part_grid(data.len() as u64, 4 * MIB).unwrap();
+    let sink = MultipartSink::create(&store, "retried").unwrap();
+    sink.upload(&data, grid, 3).unwrap();
+    sink.commit().unwrap();
+    assert_eq!(faults(&n), 2);
+    assert!(read_all(&store, "retried") == data);
+}
+
+#[test]
+fn slow_down_past_the_retries_is_throttled_and_the_upload_aborted() {
+    let Some(weed) = Weed::start("slow_down_past_the_retries") else {
+        return;
+    };
+    let opts = [("max_retries", "2"), ("retry_timeout", "10")];
+    let (store, _proxy, n) = through_proxy(&weed, &opts, |line| {
+        if line.contains("partNumber=") {
+            Action::SlowDown
+        } else {
+            Action::Pass
+        }
+    });
+    let sink = MultipartSink::create(&store, "throttled").unwrap();
+    let r = sink.put_part(0, Bytes::from(pattern((5 * MIB) as usize, 7)));
+    assert_eq!(kind(r), StoreErrorKind::Throttled);
+    assert_eq!(faults(&n), 3, "one try and two retries");
+    assert!(weed.pending_uploads());
+    drop(sink);
+    assert!(!weed.pending_uploads(), "the failed upload was not aborted");
+}
+
+#[test]
+fn connections_dropped_past_the_retries_are_a_lost_connection() {
+    let Some(weed) = Weed::start("connections_dropped_past_the_retries") else {
+        return;
+    };
+    let opts = [("max_retries", "1"), ("retry_timeout", "10")];
+    let (store, _proxy, n) = through_proxy(&weed, &opts, |line| {
+        if line.contains("partNumber=") {
+            Action::Drop
+        } else {
+            Action::Pass
+        }
+    });
+    let sink = MultipartSink::create(&store, "dropped").unwrap();
+    let r = sink.put_part(0, Bytes::from(pattern((5 * MIB) as usize, 8)));
+    assert_eq!(kind(r), StoreErrorKind::ConnectionLost);
+    assert!(faults(&n) >= 2, "{}", faults(&n));
+    drop(sink);
+    assert!(!weed.pending_uploads(), "the failed upload was not aborted");
+}
+
+#[test]
+fn a_412_on_the_completion_is_a_conflict_and_the_old_object_stays() {
+    let Some(weed) = Weed::start("a_412_on_the_completion") else {
+        return;
+    };
+    let (store, _proxy, n) = through_proxy(&weed, &[], |line| {
+        // CompleteMultipartUpload (CreateMultipartUpload is `POST ...?uploads`).
+        if line.starts_with("POST ") && line.contains("uploadId=") {
+            Action::PreconditionFailed
+        } else {
+            Action::Pass
+        }
+    });
+    let old = pattern(1000, 9);
+    store
+        .put("m.pt", Bytes::from(old.clone()), Precondition::None)
+        .unwrap();
+    let new = pattern((20 * MIB) as usize, 10);
+    let sink = MultipartSink::create(&store, "m.pt").unwrap();
+    sink.upload(&new, part_grid(new.len() as u64, 4 * MIB).unwrap(), 2)
+        .unwrap();
+    assert_eq!(kind(sink.commit()), StoreErrorKind::Conflict);
+    assert_eq!(faults(&n), 1, "a 412 is not retried");
+    assert!(read_all(&store, "m.pt") == old);
+    assert!(
+        !weed.pending_uploads(),
+        "the refused upload was not aborted"
+    );
 }
