@@ -127,6 +127,10 @@ pub struct Store {
 struct Inner {
     /// `scheme://bucket`, to name objects in errors.
     base: String,
+    /// The process that made the client: its connections belong to that
+    /// process's runtime, so a forked child may not use it (nor abort its
+    /// uploads).
+    pid: u32,
     objects: Arc<dyn ObjectStore>,
     multipart: Arc<dyn MultipartStore>,
 }
@@ -232,6 +236,7 @@ impl Store {
         let store = Store {
             inner: Arc::new(Inner {
                 base: base.to_string(),
+                pid: std::process::id(),
                 objects,
                 multipart,
             }),
@@ -244,18 +249,32 @@ impl Store {
         format!("{}/{key}", self.inner.base)
     }
 
-    pub(crate) fn objects(&self) -> &Arc<dyn ObjectStore> {
-        &self.inner.objects
+    /// Refused in a process other than the one that made the store.
+    fn this_process(&self) -> Result<()> {
+        if self.inner.pid == std::process::id() {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "{}: a store made before a fork is not used after it: make one in this process",
+                self.inner.base
+            )))
+        }
     }
 
-    pub(crate) fn multipart(&self) -> &Arc<dyn MultipartStore> {
-        &self.inner.multipart
+    pub(crate) fn objects(&self) -> Result<&Arc<dyn ObjectStore>> {
+        self.this_process()?;
+        Ok(&self.inner.objects)
+    }
+
+    pub(crate) fn multipart(&self) -> Result<&Arc<dyn MultipartStore>> {
+        self.this_process()?;
+        Ok(&self.inner.multipart)
     }
 
     /// Size and version of `key`.
     pub fn head(&self, key: &str) -> Result<ObjectInfo> {
         let path = Path::from(key);
-        let meta = match block_on(self.inner.objects.head(&path))? {
+        let meta = match block_on(self.objects()?.head(&path))? {
             Ok(meta) => meta,
             Err(e) => return Err(self.head_error(key, &path, e)),
         };
@@ -284,7 +303,7 @@ impl Store {
             ..Default::default()
         };
         let path = Path::from(key);
-        let r = block_on(self.inner.objects.put_opts(&path, data.into(), opts))?
+        let r = block_on(self.objects()?.put_opts(&path, data.into(), opts))?
             .map_err(|e| self.error(key, e))?;
         Ok(Version {
             e_tag: r.e_tag,
@@ -295,7 +314,7 @@ impl Store {
     /// Remove `key` (a key that is not there is not an error on S3).
     pub fn delete(&self, key: &str) -> Result<()> {
         let path = Path::from(key);
-        block_on(self.inner.objects.delete(&path))?.map_err(|e| self.error(key, e))
+        block_on(self.objects()?.delete(&path))?.map_err(|e| self.error(key, e))
     }
 
     /// A HEAD's 404 has no body to tell a missing bucket from a missing

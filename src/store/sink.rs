@@ -44,7 +44,7 @@ impl MultipartSink {
     /// Start a multipart upload to `key`.
     pub fn create(store: &Store, key: &str) -> Result<Self> {
         let path = Path::from(key);
-        let id = block_on(store.multipart().create_multipart(&path))?
+        let id = block_on(store.multipart()?.create_multipart(&path))?
             .map_err(|e| store.error(key, e))?;
         Ok(MultipartSink {
             store: store.clone(),
@@ -78,7 +78,7 @@ impl MultipartSink {
 
     async fn put_part_async(&self, idx: usize, data: Bytes) -> Result<PartId> {
         self.store
-            .multipart()
+            .multipart()?
             .put_part(&self.path, &self.id, idx, data.into())
             .await
             .map_err(|e| self.store.error(&self.key, e))
@@ -136,7 +136,7 @@ impl MultipartSink {
         }
         let done = block_on(
             self.store
-                .multipart()
+                .multipart()?
                 .complete_multipart(&self.path, &self.id, ids),
         )?
         .map_err(|e| self.store.error(&self.key, e));
@@ -153,8 +153,12 @@ impl MultipartSink {
     /// Abort the upload: its parts are removed, the key is as it was.
     pub fn abort(mut self) -> Result<()> {
         self.finished = true;
-        block_on(self.store.multipart().abort_multipart(&self.path, &self.id))?
-            .map_err(|e| self.store.error(&self.key, e))
+        block_on(
+            self.store
+                .multipart()?
+                .abort_multipart(&self.path, &self.id),
+        )?
+        .map_err(|e| self.store.error(&self.key, e))
     }
 }
 
@@ -163,7 +167,10 @@ impl Drop for MultipartSink {
         if self.finished {
             return;
         }
-        let store = self.store.multipart().clone();
+        // In a forked child the upload is the parent's: left alone.
+        let Ok(store) = self.store.multipart().cloned() else {
+            return;
+        };
         let path = self.path.clone();
         let id = self.id.clone();
         let abort = async move {

@@ -104,7 +104,7 @@ impl ObjectSource {
         let err = |e| self.store.error(&self.key, e);
         let mut body = self
             .store
-            .objects()
+            .objects()?
             .get_opts(&self.path, opts)
             .await
             .map_err(err)?

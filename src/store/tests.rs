@@ -280,6 +280,36 @@ fn a_forked_child_makes_its_own_runtime() {
 }
 
 #[test]
+fn a_forked_child_neither_uses_nor_aborts_the_parents_upload() {
+    let Some(weed) = Weed::start("a_forked_child_neither_uses") else {
+        return;
+    };
+    let store = weed.store();
+    let data = pattern((20 * MIB) as usize, 12);
+    let grid = part_grid(data.len() as u64, 4 * MIB).unwrap();
+    let sink = MultipartSink::create(&store, "forked").unwrap();
+    // SAFETY: as in `a_forked_child_makes_its_own_runtime`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        let refused = matches!(store.head("forked"), Err(Error::InvalidArgument(_)));
+        drop(sink); // must not abort the parent's upload
+                    // SAFETY: ends the child at once, without running the parent's destructors.
+        unsafe { libc::_exit(if refused { 0 } else { 3 }) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child started above.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "{status}"
+    );
+    sink.upload(&data, grid, 2).unwrap();
+    sink.commit().unwrap();
+    assert!(read_all(&store, "forked") == data);
+}
+
+#[test]
 fn a_call_inside_an_async_runtime_is_refused_not_a_panic() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -605,4 +635,72 @@ fn a_412_on_the_completion_is_a_conflict_and_the_old_object_stays() {
         !weed.pending_uploads(),
         "the refused upload was not aborted"
     );
+}
+
+/// Not a test: a first look at throughput on the loopback, the store against
+/// boto3's transfer manager on the same server, interleaved, 3 rounds (run in
+/// release: `cargo test --release --features objectstore --lib
+/// store::tests::throughput -- --ignored --nocapture`). `CKPTIO_STORE_PROBE_MIB`
+/// sets the object's size (default 256).
+#[test]
+#[ignore]
+fn throughput_probe() {
+    let Some(weed) = Weed::start("throughput_probe") else {
+        return;
+    };
+    let mib: u64 = std::env::var("CKPTIO_STORE_PROBE_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let store = weed.store();
+    let data = pattern((mib * MIB) as usize, 11);
+    let grid = part_grid(data.len() as u64, 4 * MIB).unwrap();
+    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv-s3/bin/python");
+    let boto = r#"
+import io, os, sys, time, boto3
+from boto3.s3.transfer import TransferConfig
+c = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1",
+                 aws_access_key_id=sys.argv[2], aws_secret_access_key=sys.argv[3])
+n = int(sys.argv[4]) << 20
+cfg = TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=4)
+data = os.urandom(n)
+t = time.perf_counter(); c.upload_fileobj(io.BytesIO(data), "ckptio-test", "boto", Config=cfg); up = time.perf_counter() - t
+b = io.BytesIO(); t = time.perf_counter(); c.download_fileobj("ckptio-test", "boto", b, Config=cfg); down = time.perf_counter() - t
+assert b.getvalue() == data
+print(f"{n / up / 2**30:.3f} {n / down / 2**30:.3f}")
+"#;
+    for round in 0..3 {
+        let t = Instant::now();
+        let sink = MultipartSink::create(&store, "probe").unwrap();
+        sink.upload(&data, grid, 4).unwrap();
+        sink.commit().unwrap();
+        let up = t.elapsed().as_secs_f64();
+        let src = ObjectSource::open(&store, "probe").unwrap();
+        let mut back = vec![0u8; data.len()];
+        let t = Instant::now();
+        src.read_ranges(&mut [(0, &mut back[..])], grid.part_size, 4)
+            .unwrap();
+        let down = t.elapsed().as_secs_f64();
+        assert!(back == data);
+        let gib = data.len() as f64 / (1u64 << 30) as f64;
+        eprintln!(
+            "round {round}: ckptio store up {:.3} GiB/s, down {:.3} GiB/s",
+            gib / up,
+            gib / down
+        );
+        if python.is_file() {
+            let out = Command::new(&python)
+                .args(["-c", boto, &weed.endpoint, KEY_ID, SECRET, &mib.to_string()])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            let mut v = text.split_whitespace();
+            match (v.next(), v.next()) {
+                (Some(u), Some(d)) => {
+                    eprintln!("round {round}: boto3 transfer manager up {u} GiB/s, down {d} GiB/s")
+                }
+                _ => eprintln!("boto3: {}", String::from_utf8_lossy(&out.stderr)),
+            }
+        }
+    }
 }
