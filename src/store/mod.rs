@@ -57,24 +57,27 @@ pub const MAX_PARTS: u64 = 10_000;
 /// The largest part S3 accepts.
 pub const MAX_PART: u64 = 5 << 30;
 
-/// How an object is cut into parts: every part `part_size` bytes but the last.
+/// How an object of `total` bytes is cut into `count` parts: every part
+/// `part_size` bytes but the last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PartGrid {
+    pub total: u64,
     pub part_size: u64,
     pub count: usize,
 }
 
 impl PartGrid {
-    /// The byte range of part `idx` in an object of `total` bytes.
-    pub fn range(&self, idx: usize, total: u64) -> std::ops::Range<u64> {
-        let start = idx as u64 * self.part_size;
-        start.min(total)..(start + self.part_size).min(total)
+    /// The byte range of part `idx`.
+    pub fn range(&self, idx: usize) -> std::ops::Range<u64> {
+        let start = (idx as u64).saturating_mul(self.part_size).min(self.total);
+        start..start.saturating_add(self.part_size).min(self.total)
     }
 }
 
 /// The part grid of an object of `total` bytes written in chunks of `chunk`:
 /// parts are whole chunks (so a lane's chunk never straddles two parts), at
-/// least [`MIN_PART`], and fewer than [`MAX_PARTS`] of them.
+/// least [`MIN_PART`], and fewer than [`MAX_PARTS`] of them. An empty object
+/// is one empty part.
 pub fn part_grid(total: u64, chunk: u64) -> Result<PartGrid> {
     if chunk == 0 {
         return Err(Error::invalid("the chunk size of a part grid must be > 0"));
@@ -90,7 +93,11 @@ pub fn part_grid(total: u64, chunk: u64) -> Result<PartGrid> {
             ))
         })?;
     let count = total.div_ceil(part_size).max(1) as usize;
-    Ok(PartGrid { part_size, count })
+    Ok(PartGrid {
+        total,
+        part_size,
+        count,
+    })
 }
 
 /// What a commit wrote over (the precondition of [`Store::put`]).

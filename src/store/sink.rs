@@ -1,10 +1,12 @@
 //! One object written as a multipart upload to its final key.
 //!
-//! Parts are numbered by the part grid ([`super::part_grid`]) and may be put in
-//! any order, from any number of threads at once (the engine's lanes, each
-//! blocking on its own part). Until [`MultipartSink::commit`] completes the
-//! upload, the store shows the key as it was (the old object whole, or none);
-//! the completion is the commit. A sink dropped uncommitted, or whose part
+//! Parts are numbered by the part grid ([`super::part_grid`]) the sink is made
+//! with and may be put in any order, from any number of threads at once (the
+//! engine's lanes, each blocking on its own part); each must have its grid
+//! size, and the commit wants every one of them, so an upload is never
+//! completed short. Until [`MultipartSink::commit`] completes the upload, the
+//! store shows the key as it was (the old object whole, or none); the
+//! completion is the commit. A sink dropped uncommitted, or whose part
 //! failed, aborts its upload so that no part stays stored (and billed).
 
 use std::sync::Mutex;
@@ -16,7 +18,7 @@ use object_store::path::Path;
 use object_store::MultipartId;
 
 use super::runtime::{block_on, spawn_detached};
-use super::{PartGrid, Store, Version, MAX_PARTS};
+use super::{PartGrid, Store, Version};
 use crate::sync::lock;
 use crate::{Error, Result};
 
@@ -25,6 +27,7 @@ pub struct MultipartSink {
     key: String,
     path: Path,
     id: MultipartId,
+    grid: PartGrid,
     /// Each part's id once stored, by part number.
     parts: Mutex<Vec<Option<PartId>>>,
     /// Completed or aborted: nothing left to abort on drop.
@@ -41,8 +44,8 @@ impl std::fmt::Debug for MultipartSink {
 }
 
 impl MultipartSink {
-    /// Start a multipart upload to `key`.
-    pub fn create(store: &Store, key: &str) -> Result<Self> {
+    /// Start a multipart upload to `key` of an object cut as `grid`.
+    pub fn create(store: &Store, key: &str, grid: PartGrid) -> Result<Self> {
         let path = Path::from(key);
         let id = block_on(store.multipart()?.create_multipart(&path))?
             .map_err(|e| store.error(key, e))?;
@@ -51,7 +54,8 @@ impl MultipartSink {
             key: key.to_string(),
             path,
             id,
-            parts: Mutex::new(Vec::new()),
+            grid,
+            parts: Mutex::new(vec![None; grid.count]),
             finished: false,
         })
     }
@@ -61,14 +65,18 @@ impl MultipartSink {
         self.store.url(&self.key)
     }
 
-    /// Store part `idx` (0-based). Blocks until the store has it; safe to call
-    /// from many threads at once. Every part but the last must be at least
-    /// 5 MiB (the grid's parts are 16 MiB or more).
+    /// Store part `idx` (0-based), `data` of the grid's size for it. Blocks
+    /// until the store has it; safe to call from many threads at once.
     pub fn put_part(&self, idx: usize, data: Bytes) -> Result<()> {
-        if idx as u64 >= MAX_PARTS {
+        let want = self.grid.range(idx);
+        if idx >= self.grid.count || data.len() as u64 != want.end - want.start {
             return Err(Error::invalid(format!(
-                "{}: part {idx}: an upload has fewer than {MAX_PARTS} parts",
-                self.url()
+                "{}: part {idx} of {} bytes does not fit the grid ({} parts of {} bytes, {} in all)",
+                self.url(),
+                data.len(),
+                self.grid.count,
+                self.grid.part_size,
+                self.grid.total
             )));
         }
         let id = block_on(self.put_part_async(idx, data))??;
@@ -85,24 +93,25 @@ impl MultipartSink {
     }
 
     fn record(&self, idx: usize, id: PartId) {
-        let mut parts = lock(&self.parts);
-        if parts.len() <= idx {
-            parts.resize(idx + 1, None);
-        }
-        parts[idx] = Some(id);
+        lock(&self.parts)[idx] = Some(id);
     }
 
-    /// Upload `data` (the whole object, in memory) as the parts of `grid`,
+    /// Upload `data` (the whole object, in memory) as the grid's parts,
     /// `concurrency` requests at a time. Each part is copied once into a
     /// buffer of its own, so at most `concurrency` parts are held at once.
-    pub fn upload(&self, data: &[u8], grid: PartGrid, concurrency: usize) -> Result<()> {
-        let total = data.len() as u64;
-        if grid.part_size == 0 || (grid.count as u64) * grid.part_size < total {
-            return Err(Error::invalid("the part grid does not cover the object"));
+    pub fn upload(&self, data: &[u8], concurrency: usize) -> Result<()> {
+        let grid = self.grid;
+        if data.len() as u64 != grid.total {
+            return Err(Error::invalid(format!(
+                "{}: {} bytes given for an object of {}",
+                self.url(),
+                data.len(),
+                grid.total
+            )));
         }
         let work = stream::iter(0..grid.count)
             .map(|idx| {
-                let r = grid.range(idx, total);
+                let r = grid.range(idx);
                 let part = Bytes::copy_from_slice(&data[r.start as usize..r.end as usize]);
                 async move { self.put_part_async(idx, part).await.map(|id| (idx, id)) }
             })
@@ -115,7 +124,8 @@ impl MultipartSink {
     }
 
     /// Complete the upload: the object appears whole under its key, replacing
-    /// what was there. Every part from 0 to the highest put must be there.
+    /// what was there. Refused (and the upload aborted) unless every part of
+    /// the grid was stored.
     pub fn commit(mut self) -> Result<Version> {
         let parts = std::mem::take(&mut *lock(&self.parts));
         let mut ids = Vec::with_capacity(parts.len());
@@ -124,15 +134,12 @@ impl MultipartSink {
                 Some(id) => ids.push(id),
                 None => {
                     return Err(Error::invalid(format!(
-                        "{}: part {idx} was never stored: not committed",
-                        self.url()
+                        "{}: part {idx} of {} was never stored: not committed",
+                        self.url(),
+                        self.grid.count
                     )))
                 }
             }
-        }
-        if ids.is_empty() {
-            // A store wants one part at least: an empty object is one empty part.
-            ids.push(block_on(self.put_part_async(0, Bytes::new()))??);
         }
         let done = block_on(
             self.store

@@ -207,11 +207,13 @@ fn grid_parts_are_whole_chunks_of_16_mib_or_more_and_under_10000() {
     assert_eq!(
         g,
         PartGrid {
+            total: 40 * MIB + 123,
             part_size: 16 * MIB,
             count: 3
         }
     );
-    assert_eq!(g.range(2, 40 * MIB + 123), 32 * MIB..40 * MIB + 123);
+    assert_eq!(g.range(2), 32 * MIB..40 * MIB + 123);
+    assert_eq!(part_grid(0, 4 * MIB).unwrap().range(0), 0..0);
     assert_eq!(part_grid(0, 4 * MIB).unwrap().count, 1);
     assert_eq!(part_grid(100, 3 * MIB).unwrap().part_size, 18 * MIB);
     // 1 TiB in 8 MiB chunks: parts grow past 16 MiB to stay under 10,000.
@@ -230,6 +232,9 @@ proptest! {
         prop_assert!((g.count as u64) < MAX_PARTS && g.count >= 1);
         prop_assert!(g.count as u64 * g.part_size >= total);
         prop_assert!(total == 0 || (g.count as u64 - 1) * g.part_size < total);
+        prop_assert_eq!(g.range(0).start, 0);
+        prop_assert_eq!(g.range(g.count - 1).end, total);
+        prop_assert!(g.range(g.count - 1).end - g.range(g.count - 1).start <= g.part_size);
     }
 }
 
@@ -287,7 +292,7 @@ fn a_forked_child_neither_uses_nor_aborts_the_parents_upload() {
     let store = weed.store();
     let data = pattern((20 * MIB) as usize, 12);
     let grid = part_grid(data.len() as u64, 4 * MIB).unwrap();
-    let sink = MultipartSink::create(&store, "forked").unwrap();
+    let sink = MultipartSink::create(&store, "forked", grid).unwrap();
     // SAFETY: as in `a_forked_child_makes_its_own_runtime`.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0);
@@ -304,7 +309,7 @@ fn a_forked_child_neither_uses_nor_aborts_the_parents_upload() {
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
         "{status}"
     );
-    sink.upload(&data, grid, 2).unwrap();
+    sink.upload(&data, 2).unwrap();
     sink.commit().unwrap();
     assert!(read_all(&store, "forked") == data);
 }
@@ -327,12 +332,12 @@ fn parts_put_in_any_order_from_many_threads_then_ranged_reads() {
     let data = pattern((40 * MIB + 123) as usize, 1);
     let total = data.len() as u64;
     let grid = part_grid(total, 4 * MIB).unwrap();
-    let sink = MultipartSink::create(&store, "ckpt/model.pt").unwrap();
+    let sink = MultipartSink::create(&store, "ckpt/model.pt", grid).unwrap();
     std::thread::scope(|s| {
         for idx in (0..grid.count).rev() {
             let (sink, data) = (&sink, &data);
             s.spawn(move || {
-                let r = grid.range(idx, total);
+                let r = grid.range(idx);
                 let part = Bytes::copy_from_slice(&data[r.start as usize..r.end as usize]);
                 sink.put_part(idx, part).unwrap();
             });
@@ -383,8 +388,8 @@ fn an_uncommitted_upload_leaves_the_old_object_whole() {
 
     // Every part stored, never completed, then dropped (aborted).
     assert!(!weed.pending_uploads());
-    let sink = MultipartSink::create(&store, "model.pt").unwrap();
-    sink.upload(&new, grid, 3).unwrap();
+    let sink = MultipartSink::create(&store, "model.pt", grid).unwrap();
+    sink.upload(&new, 3).unwrap();
     assert!(read_all(&store, "model.pt") == old);
     assert!(weed.pending_uploads());
     drop(sink);
@@ -395,8 +400,15 @@ fn an_uncommitted_upload_leaves_the_old_object_whole() {
     );
 
     // A part missing: the commit is refused and the upload aborted.
-    let sink = MultipartSink::create(&store, "model.pt").unwrap();
-    let r = grid.range(1, new.len() as u64);
+    let sink = MultipartSink::create(&store, "model.pt", grid).unwrap();
+    for (idx, len) in [(0, 5), (grid.count, 1)] {
+        let refused = sink.put_part(idx, Bytes::from(vec![0u8; len]));
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "{refused:?}"
+        );
+    }
+    let r = grid.range(1);
     sink.put_part(
         1,
         Bytes::copy_from_slice(&new[r.start as usize..r.end as usize]),
@@ -407,14 +419,15 @@ fn an_uncommitted_upload_leaves_the_old_object_whole() {
     assert!(!weed.pending_uploads(), "the refused upload is still there");
 
     // Completed: the new object, whole.
-    let sink = MultipartSink::create(&store, "model.pt").unwrap();
-    sink.upload(&new, grid, 3).unwrap();
+    let sink = MultipartSink::create(&store, "model.pt", grid).unwrap();
+    sink.upload(&new, 3).unwrap();
     sink.commit().unwrap();
     assert!(read_all(&store, "model.pt") == new);
     assert!(!weed.pending_uploads());
 
     // An empty object is one empty part.
-    let sink = MultipartSink::create(&store, "empty").unwrap();
+    let sink = MultipartSink::create(&store, "empty", part_grid(0, MIB).unwrap()).unwrap();
+    sink.upload(&[], 1).unwrap();
     sink.commit().unwrap();
     assert_eq!(store.head("empty").unwrap().size, 0);
 }
@@ -502,7 +515,11 @@ fn a_server_gone_is_a_lost_connection() {
     let t = Instant::now();
     assert_eq!(kind(store.head("k")), StoreErrorKind::ConnectionLost);
     assert_eq!(
-        kind(MultipartSink::create(&store, "k2")),
+        kind(MultipartSink::create(
+            &store,
+            "k2",
+            part_grid(1, MIB).unwrap()
+        )),
         StoreErrorKind::ConnectionLost
     );
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
@@ -557,8 +574,8 @@ fn a_slow_down_or_a_dropped_connection_on_a_part_is_retried() {
     });
     let data = pattern((40 * MIB) as usize, 6);
     let grid = part_grid(data.len() as u64, 4 * MIB).unwrap();
-    let sink = MultipartSink::create(&store, "retried").unwrap();
-    sink.upload(&data, grid, 3).unwrap();
+    let sink = MultipartSink::create(&store, "retried", grid).unwrap();
+    sink.upload(&data, 3).unwrap();
     sink.commit().unwrap();
     assert_eq!(faults(&n), 2);
     assert!(read_all(&store, "retried") == data);
@@ -577,7 +594,8 @@ fn slow_down_past_the_retries_is_throttled_and_the_upload_aborted() {
             Action::Pass
         }
     });
-    let sink = MultipartSink::create(&store, "throttled").unwrap();
+    let grid = part_grid(5 * MIB, MIB).unwrap();
+    let sink = MultipartSink::create(&store, "throttled", grid).unwrap();
     let r = sink.put_part(0, Bytes::from(pattern((5 * MIB) as usize, 7)));
     assert_eq!(kind(r), StoreErrorKind::Throttled);
     assert_eq!(faults(&n), 3, "one try and two retries");
@@ -599,7 +617,8 @@ fn connections_dropped_past_the_retries_are_a_lost_connection() {
             Action::Pass
         }
     });
-    let sink = MultipartSink::create(&store, "dropped").unwrap();
+    let grid = part_grid(5 * MIB, MIB).unwrap();
+    let sink = MultipartSink::create(&store, "dropped", grid).unwrap();
     let r = sink.put_part(0, Bytes::from(pattern((5 * MIB) as usize, 8)));
     assert_eq!(kind(r), StoreErrorKind::ConnectionLost);
     assert!(faults(&n) >= 2, "{}", faults(&n));
@@ -625,9 +644,9 @@ fn a_412_on_the_completion_is_a_conflict_and_the_old_object_stays() {
         .put("m.pt", Bytes::from(old.clone()), Precondition::None)
         .unwrap();
     let new = pattern((20 * MIB) as usize, 10);
-    let sink = MultipartSink::create(&store, "m.pt").unwrap();
-    sink.upload(&new, part_grid(new.len() as u64, 4 * MIB).unwrap(), 2)
-        .unwrap();
+    let grid = part_grid(new.len() as u64, 4 * MIB).unwrap();
+    let sink = MultipartSink::create(&store, "m.pt", grid).unwrap();
+    sink.upload(&new, 2).unwrap();
     assert_eq!(kind(sink.commit()), StoreErrorKind::Conflict);
     assert_eq!(faults(&n), 1, "a 412 is not retried");
     assert!(read_all(&store, "m.pt") == old);
@@ -671,8 +690,8 @@ print(f"{n / up / 2**30:.3f} {n / down / 2**30:.3f}")
 "#;
     for round in 0..3 {
         let t = Instant::now();
-        let sink = MultipartSink::create(&store, "probe").unwrap();
-        sink.upload(&data, grid, 4).unwrap();
+        let sink = MultipartSink::create(&store, "probe", grid).unwrap();
+        sink.upload(&data, 4).unwrap();
         sink.commit().unwrap();
         let up = t.elapsed().as_secs_f64();
         let src = ObjectSource::open(&store, "probe").unwrap();
