@@ -13,6 +13,7 @@
 //! | [`Error::Library`] | `ckptio.BackendUnavailableError` |
 //! | [`Error::Cuda`] | `ckptio.CudaError` |
 //! | [`Error::CuFile`] | `ckptio.CuFileError` |
+//! | [`Error::Store`] | for now the `OSError` subclass of its [`StoreErrorKind`]'s errno, naming the URL (docs/objectstore.md) |
 
 use std::fmt;
 use std::io;
@@ -57,6 +58,48 @@ pub enum Error {
         cuda_code: i32,
         reason: String,
     },
+    /// An object-store request failed (feature `objectstore`): `url` names the
+    /// object, `kind` what went wrong, `reason` the store's own words.
+    Store {
+        kind: StoreErrorKind,
+        url: String,
+        reason: String,
+    },
+}
+
+/// What an object-store request ran into, after the client's retries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// No credentials were found (variables, options, instance or container).
+    NoCredentials,
+    /// The store refused the credentials or the request (401, 403).
+    AccessDenied,
+    NoSuchBucket,
+    NoSuchKey,
+    /// A conditional request lost: the object changed or already exists (409, 412).
+    Conflict,
+    /// The store still answered 503 SlowDown or 429 when the retries ran out.
+    Throttled,
+    /// The connection failed or broke and the retries ran out.
+    ConnectionLost,
+    /// Anything else the store answered (its reason says what).
+    Other,
+}
+
+impl StoreErrorKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreErrorKind::NoCredentials => "no credentials",
+            StoreErrorKind::AccessDenied => "access denied",
+            StoreErrorKind::NoSuchBucket => "no such bucket",
+            StoreErrorKind::NoSuchKey => "no such key",
+            StoreErrorKind::Conflict => "conflict",
+            StoreErrorKind::Throttled => "throttled",
+            StoreErrorKind::ConnectionLost => "connection lost",
+            StoreErrorKind::Other => "store error",
+        }
+    }
 }
 
 impl Error {
@@ -133,6 +176,9 @@ impl fmt::Display for Error {
                     write!(f, ", CUDA error {cuda_code}")?;
                 }
                 f.write_str(")")
+            }
+            Error::Store { kind, url, reason } => {
+                write!(f, "{url}: {}: {reason}", kind.as_str())
             }
         }
     }

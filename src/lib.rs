@@ -20,6 +20,9 @@
 //!             mapped, hugepage, env,    page-cache mappings, huge pages, knobs,
 //!             fault                     fault points
 //!
+//!   store     (`objectstore` feature)   s3:// gs:// az:// objects: multipart
+//!             sink, ranged source, one async runtime per process
+//!
 //!   workers   the process's one pool of worker threads, which every layer's
 //!   sync      parallel steps run on; locks and service threads (all layers)
 //! ```
@@ -32,10 +35,12 @@ pub mod error;
 pub mod format;
 pub mod gpu;
 pub mod io;
+#[cfg(feature = "objectstore")]
+pub mod store;
 mod sync;
 mod workers;
 
 #[cfg(feature = "python")]
 mod binding;
 
-pub use error::{Error, Result};
+pub use error::{Error, Result, StoreErrorKind};

@@ -10,7 +10,7 @@
 use pyo3::exceptions::{PyMemoryError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::Error;
+use crate::{Error, StoreErrorKind};
 
 pyo3::create_exception!(
     ckptio,
@@ -62,6 +62,19 @@ impl From<Error> for PyErr {
             Error::Library { .. } => BackendUnavailableError::new_err(msg),
             Error::Cuda { .. } => CudaError::new_err(msg),
             Error::CuFile { .. } => CuFileError::new_err(msg),
+            // Until the store's own classes land (docs/objectstore.md), the
+            // OSError subclass of the nearest errno, named by the URL.
+            Error::Store { kind, url, reason } => {
+                let errno = match kind {
+                    StoreErrorKind::NoCredentials | StoreErrorKind::AccessDenied => libc::EACCES,
+                    StoreErrorKind::NoSuchBucket | StoreErrorKind::NoSuchKey => libc::ENOENT,
+                    StoreErrorKind::Conflict => libc::EEXIST,
+                    StoreErrorKind::Throttled => libc::EBUSY,
+                    StoreErrorKind::ConnectionLost => libc::ECONNRESET,
+                    _ => libc::EIO,
+                };
+                PyOSError::new_err((errno, format!("{}: {reason}", kind.as_str()), url))
+            }
         }
     }
 }

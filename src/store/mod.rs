@@ -1,0 +1,433 @@
+//! Object storage (issue 38, first slice; feature `objectstore`): `s3://`,
+//! `gs://` and `az://` objects as a sink and a source beside the file, over the
+//! `object_store` crate. docs/objectstore.md is the design.
+//!
+//! - [`Store`]: one bucket (or container) and its client, made from a URL and
+//!   the caller's options over the standard variables (`AWS_*`, `GOOGLE_*`,
+//!   `AZURE_*`).
+//! - [`MultipartSink`]: one object written as a multipart upload, its parts
+//!   put in any order and in parallel (the part grid is the engine's chunk
+//!   grid: [`part_grid`]); completing the upload is the commit, and an upload
+//!   that is not committed is aborted.
+//! - [`ObjectSource`]: one object read by ranged GETs, in parallel, straight
+//!   into the caller's buffers, pinned to the version it opened.
+//! - [`Store::put`]: a single PUT, conditional (If-None-Match, If-Match): the
+//!   commit step of multi-object checkpoints (an index, `.metadata`).
+//!
+//! Every call blocks the calling thread on the process's one async runtime
+//! ([`runtime`]), so the engine's lanes, which are plain threads, drive it.
+//! Every failure is an [`Error::Store`] naming the URL, its kind typed
+//! ([`StoreErrorKind`]) from what the client saw after its retries.
+
+mod runtime;
+mod sink;
+mod source;
+
+#[cfg(test)]
+mod fault_proxy;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use object_store::multipart::MultipartStore;
+use object_store::path::Path;
+use object_store::{
+    ObjectStore, ObjectStoreExt, ObjectStoreScheme, PutMode, PutOptions, RetryConfig, UpdateVersion,
+};
+
+use crate::error::StoreErrorKind;
+use crate::{Error, Result};
+
+pub use runtime::block_on;
+pub use sink::MultipartSink;
+pub use source::ObjectSource;
+
+/// The smallest part ckptio uploads (S3 accepts 5 MiB; fewer, larger parts
+/// cost fewer requests and stay under the part limit longer).
+pub const MIN_PART: u64 = 16 << 20;
+/// Parts of one upload are numbered below this (S3's 10,000 parts).
+pub const MAX_PARTS: u64 = 10_000;
+/// The largest part S3 accepts.
+pub const MAX_PART: u64 = 5 << 30;
+
+/// How an object of `total` bytes is cut into `count` parts: every part
+/// `part_size` bytes but the last.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartGrid {
+    pub total: u64,
+    pub part_size: u64,
+    pub count: usize,
+}
+
+impl PartGrid {
+    /// The byte range of part `idx`.
+    pub fn range(&self, idx: usize) -> std::ops::Range<u64> {
+        let start = (idx as u64).saturating_mul(self.part_size).min(self.total);
+        start..start.saturating_add(self.part_size).min(self.total)
+    }
+}
+
+/// The part grid of an object of `total` bytes written in chunks of `chunk`:
+/// parts are whole chunks (so a lane's chunk never straddles two parts), at
+/// least [`MIN_PART`], and fewer than [`MAX_PARTS`] of them. An empty object
+/// is one empty part.
+pub fn part_grid(total: u64, chunk: u64) -> Result<PartGrid> {
+    if chunk == 0 {
+        return Err(Error::invalid("the chunk size of a part grid must be > 0"));
+    }
+    let least = MIN_PART.max(total.div_ceil(MAX_PARTS - 1));
+    let part_size = least
+        .div_ceil(chunk)
+        .checked_mul(chunk)
+        .filter(|&p| p <= MAX_PART)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "an object of {total} bytes in chunks of {chunk} needs parts over 5 GiB"
+            ))
+        })?;
+    let count = total.div_ceil(part_size).max(1) as usize;
+    Ok(PartGrid {
+        total,
+        part_size,
+        count,
+    })
+}
+
+/// What a commit wrote over (the precondition of [`Store::put`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Precondition {
+    /// Write whatever is there.
+    None,
+    /// Only if no object has the key (If-None-Match: *): a new checkpoint.
+    Absent,
+    /// Only if the object is still this version (If-Match): the next generation.
+    Matches(Version),
+}
+
+/// One version of an object, as the store names it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Version {
+    pub e_tag: Option<String>,
+    pub version: Option<String>,
+}
+
+/// What a HEAD says of an object.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectInfo {
+    pub size: u64,
+    pub version: Version,
+}
+
+/// A bucket (or container) and the client that reaches it. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// `scheme://bucket`, to name objects in errors.
+    base: String,
+    /// The process that made the client: its connections belong to that
+    /// process's runtime, so a forked child may not use it (nor abort its
+    /// uploads).
+    pid: u32,
+    objects: Arc<dyn ObjectStore>,
+    multipart: Arc<dyn MultipartStore>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("base", &self.base)
+            .field("objects", &self.objects)
+            .finish()
+    }
+}
+
+/// Options ckptio reads itself; every other option goes to the client.
+const MAX_RETRIES: &str = "max_retries";
+const RETRY_TIMEOUT: &str = "retry_timeout";
+
+impl Store {
+    /// The store of `url` (`s3://bucket/key`, `gs://...`, `az://...` and the
+    /// https forms `object_store` knows) and the object key it names.
+    ///
+    /// Configuration is read from the standard variables, then `options`
+    /// (`object_store`'s keys, e.g. `endpoint`, `aws_access_key_id`,
+    /// `region`) override it; `max_retries` and `retry_timeout` (seconds) set
+    /// the retry budget. An `http://` endpoint is accepted (a local server).
+    pub fn parse(url: &str, options: &[(&str, &str)]) -> Result<(Store, String)> {
+        let parsed =
+            url::Url::parse(url).map_err(|e| Error::invalid(format!("{url}: not a URL: {e}")))?;
+        let (scheme, path) = ObjectStoreScheme::parse(&parsed)
+            .map_err(|e| Error::invalid(format!("{url}: not an object-store URL: {e}")))?;
+        let key = Path::parse(path)
+            .map_err(|e| Error::invalid(format!("{url}: not a valid key: {e}")))?
+            .to_string();
+        let mut retry = RetryConfig::default();
+        let mut rest = Vec::new();
+        for &(k, v) in options {
+            match k {
+                MAX_RETRIES => retry.max_retries = parse_option(url, k, v)?,
+                RETRY_TIMEOUT => {
+                    retry.retry_timeout = Duration::from_secs_f64(parse_option(url, k, v)?)
+                }
+                _ => rest.push((k, v)),
+            }
+        }
+        let unknown = |k: &str| Error::invalid(format!("{url}: unknown storage option {k:?}"));
+        let built = match scheme {
+            ObjectStoreScheme::AmazonS3 => {
+                let mut b = AmazonS3Builder::from_env().with_url(url);
+                for (k, v) in rest {
+                    let key: AmazonS3ConfigKey = k.parse().map_err(|_| unknown(k))?;
+                    b = b.with_config(key, v);
+                }
+                let http = b
+                    .get_config_value(&AmazonS3ConfigKey::Endpoint)
+                    .is_some_and(|e| e.starts_with("http://"));
+                if http {
+                    b = b.with_allow_http(true);
+                }
+                b.with_retry(retry).build().map(|s| {
+                    let s = Arc::new(s);
+                    (
+                        s.clone() as Arc<dyn ObjectStore>,
+                        s as Arc<dyn MultipartStore>,
+                    )
+                })
+            }
+            ObjectStoreScheme::GoogleCloudStorage => {
+                let mut b = GoogleCloudStorageBuilder::from_env().with_url(url);
+                for (k, v) in rest {
+                    let key: GoogleConfigKey = k.parse().map_err(|_| unknown(k))?;
+                    b = b.with_config(key, v);
+                }
+                b.with_retry(retry).build().map(|s| {
+                    let s = Arc::new(s);
+                    (
+                        s.clone() as Arc<dyn ObjectStore>,
+                        s as Arc<dyn MultipartStore>,
+                    )
+                })
+            }
+            ObjectStoreScheme::MicrosoftAzure => {
+                let mut b = MicrosoftAzureBuilder::from_env().with_url(url);
+                for (k, v) in rest {
+                    let key: AzureConfigKey = k.parse().map_err(|_| unknown(k))?;
+                    b = b.with_config(key, v);
+                }
+                b.with_retry(retry).build().map(|s| {
+                    let s = Arc::new(s);
+                    (
+                        s.clone() as Arc<dyn ObjectStore>,
+                        s as Arc<dyn MultipartStore>,
+                    )
+                })
+            }
+            _ => {
+                return Err(Error::invalid(format!(
+                    "{url}: not an s3://, gs:// or az:// URL"
+                )))
+            }
+        };
+        let (objects, multipart) = built.map_err(|e| store_error(url, e))?;
+        let base = url[..url.len() - url_tail(url, &key)].trim_end_matches('/');
+        let store = Store {
+            inner: Arc::new(Inner {
+                base: base.to_string(),
+                pid: std::process::id(),
+                objects,
+                multipart,
+            }),
+        };
+        Ok((store, key))
+    }
+
+    /// The URL of `key` in this store (for messages).
+    pub fn url(&self, key: &str) -> String {
+        format!("{}/{key}", self.inner.base)
+    }
+
+    /// Refused in a process other than the one that made the store.
+    fn this_process(&self) -> Result<()> {
+        if self.inner.pid == std::process::id() {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "{}: a store made before a fork is not used after it: make one in this process",
+                self.inner.base
+            )))
+        }
+    }
+
+    pub(crate) fn objects(&self) -> Result<&Arc<dyn ObjectStore>> {
+        self.this_process()?;
+        Ok(&self.inner.objects)
+    }
+
+    pub(crate) fn multipart(&self) -> Result<&Arc<dyn MultipartStore>> {
+        self.this_process()?;
+        Ok(&self.inner.multipart)
+    }
+
+    /// Size and version of `key`.
+    pub fn head(&self, key: &str) -> Result<ObjectInfo> {
+        let path = Path::from(key);
+        let meta = match block_on(self.objects()?.head(&path))? {
+            Ok(meta) => meta,
+            Err(e) => return Err(self.head_error(key, &path, e)),
+        };
+        Ok(ObjectInfo {
+            size: meta.size,
+            version: Version {
+                e_tag: meta.e_tag,
+                version: meta.version,
+            },
+        })
+    }
+
+    /// Write `data` to `key` in one PUT, atomically, if `pre` holds (else a
+    /// [`StoreErrorKind::Conflict`]); the new version.
+    pub fn put(&self, key: &str, data: Bytes, pre: Precondition) -> Result<Version> {
+        let mode = match pre {
+            Precondition::None => PutMode::Overwrite,
+            Precondition::Absent => PutMode::Create,
+            Precondition::Matches(v) => PutMode::Update(UpdateVersion {
+                e_tag: v.e_tag,
+                version: v.version,
+            }),
+        };
+        let opts = PutOptions {
+            mode,
+            ..Default::default()
+        };
+        let path = Path::from(key);
+        let r = block_on(self.objects()?.put_opts(&path, data.into(), opts))?
+            .map_err(|e| self.error(key, e))?;
+        Ok(Version {
+            e_tag: r.e_tag,
+            version: r.version,
+        })
+    }
+
+    /// Remove `key` (a key that is not there is not an error on S3).
+    pub fn delete(&self, key: &str) -> Result<()> {
+        let path = Path::from(key);
+        block_on(self.objects()?.delete(&path))?.map_err(|e| self.error(key, e))
+    }
+
+    /// A HEAD's 404 has no body to tell a missing bucket from a missing
+    /// key: a LIST of the key (whose 404 has one) tells them apart.
+    fn head_error(&self, key: &str, path: &Path, e: object_store::Error) -> Error {
+        let err = self.error(key, e);
+        if let Error::Store {
+            kind: StoreErrorKind::NoSuchKey,
+            ..
+        } = &err
+        {
+            let listed = block_on(async { self.inner.objects.list(Some(path)).next().await });
+            if let Ok(Some(Err(e))) = listed {
+                if classify(&e) == StoreErrorKind::NoSuchBucket {
+                    return self.error(key, e);
+                }
+            }
+        }
+        err
+    }
+
+    pub(crate) fn error(&self, key: &str, e: object_store::Error) -> Error {
+        store_error(&self.url(key), e)
+    }
+}
+
+fn parse_option<T: std::str::FromStr>(url: &str, key: &str, value: &str) -> Result<T> {
+    value
+        .parse()
+        .map_err(|_| Error::invalid(format!("{url}: bad value {value:?} for {key}")))
+}
+
+/// How many bytes at the end of `url` spell `key` (0 when they don't).
+fn url_tail(url: &str, key: &str) -> usize {
+    if !key.is_empty() && url.ends_with(key) {
+        key.len()
+    } else {
+        0
+    }
+}
+
+/// The typed error of a failed request on `url`.
+pub(crate) fn store_error(url: &str, e: object_store::Error) -> Error {
+    Error::Store {
+        kind: classify(&e),
+        url: url.to_string(),
+        reason: chain(&e),
+    }
+}
+
+/// The kind of a client error, from its variant, then from the HTTP status or
+/// the connection failure behind it.
+fn classify(e: &object_store::Error) -> StoreErrorKind {
+    use object_store::Error as E;
+    let text = chain(e);
+    match e {
+        E::NotFound { .. } if text.contains("NoSuchBucket") => StoreErrorKind::NoSuchBucket,
+        E::NotFound { .. } => StoreErrorKind::NoSuchKey,
+        E::Precondition { .. } | E::AlreadyExists { .. } => StoreErrorKind::Conflict,
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } => StoreErrorKind::AccessDenied,
+        _ => {
+            // The client's retry error, which holds the HTTP status, is not
+            // public: its status is read from its text, "status code: 503".
+            let status = text
+                .split("status code: ")
+                .nth(1)
+                .and_then(|t| t.get(..3))
+                .and_then(|t| t.parse::<u16>().ok());
+            let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+            while let Some(err) = cur {
+                if err
+                    .downcast_ref::<object_store::client::HttpError>()
+                    .is_some()
+                {
+                    return StoreErrorKind::ConnectionLost;
+                }
+                cur = err.source();
+            }
+            match status {
+                Some(503 | 429) => StoreErrorKind::Throttled,
+                _ if text.contains("SlowDown") => StoreErrorKind::Throttled,
+                Some(401 | 403) => StoreErrorKind::AccessDenied,
+                Some(404) if text.contains("NoSuchBucket") => StoreErrorKind::NoSuchBucket,
+                Some(404) => StoreErrorKind::NoSuchKey,
+                Some(409 | 412) => StoreErrorKind::Conflict,
+                Some(_) => StoreErrorKind::Other,
+                None if text.to_ascii_lowercase().contains("credential") => {
+                    StoreErrorKind::NoCredentials
+                }
+                None => StoreErrorKind::Other,
+            }
+        }
+    }
+}
+
+/// An error and its sources, one line.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(err) = cur {
+        let t = err.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = err.source();
+    }
+    s
+}
