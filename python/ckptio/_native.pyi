@@ -36,11 +36,25 @@ __all__ = [
     "Reader",
     "StateDictPickler",
     "Unpickled",
+    "store_delete",
+    "store_download",
+    "store_get",
+    "store_head",
+    "store_list",
+    "store_put",
+    "store_upload",
     "CkptioError",
     "FormatError",
     "BackendUnavailableError",
     "CudaError",
     "CuFileError",
+    "StoreError",
+    "StoreCredentialsError",
+    "StorePermissionError",
+    "StoreNotFoundError",
+    "CommitConflictError",
+    "StoreThrottledError",
+    "StoreConnectionError",
     "__version__",
     "CORRUPT_HINT",
 ]
@@ -72,6 +86,14 @@ _Streams = list[tuple[int, int]]
 # memory (its own data_ptr/nbytes/device), checked before any byte moves: ValueError
 # naming the range otherwise (TypeError for an owner of another type)
 _Owners = list[Any]
+
+class StoreError(OSError, CkptioError): ...
+class StoreCredentialsError(PermissionError, StoreError): ...
+class StorePermissionError(PermissionError, StoreError): ...
+class StoreNotFoundError(FileNotFoundError, StoreError): ...
+class CommitConflictError(FileExistsError, StoreError): ...
+class StoreThrottledError(ConnectionError, StoreError): ...
+class StoreConnectionError(ConnectionError, StoreError): ...
 
 @final
 class Engine:
@@ -412,3 +434,47 @@ def _record_ops() -> None:
 
 def _op_log() -> list[str]:
     """Test only: the points logged since _record_ops ("point file-name")."""
+
+# Object storage (src/binding/store.rs): URLs s3:// gs:// az://; options are the
+# client's keys (and max_retries, retry_timeout) over the standard variables.
+def store_upload(
+    url: str,
+    path: _Path,
+    options: dict[str, Any] | None = None,
+    threads: int = 8,
+    chunk: int = 16777216,
+) -> dict[str, Any]:
+    """Upload the file at ``path`` as one multipart upload (its completion is the commit)."""
+
+def store_download(
+    url: str,
+    path: _Path,
+    options: dict[str, Any] | None = None,
+    threads: int = 8,
+    chunk: int = 16777216,
+) -> dict[str, Any]:
+    """Download ``url`` into a new file at ``path`` by ranged GETs of one version."""
+
+def store_put(
+    url: str,
+    data: bytes,
+    options: dict[str, Any] | None = None,
+    *,
+    create: bool = False,
+    if_match: str | None = None,
+) -> dict[str, Any]:
+    """One PUT, conditional where asked (else CommitConflictError)."""
+
+def store_get(url: str, options: dict[str, Any] | None = None) -> tuple[bytes, dict[str, Any]]:
+    """A small object's bytes and version."""
+
+def store_head(url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Size and version (e_tag) of an object."""
+
+def store_list(
+    url: str, options: dict[str, Any] | None = None
+) -> list[tuple[str, int, str | None]]:
+    """Every object under the folder ``url``: (URL, size, ETag)."""
+
+def store_delete(url: str, options: dict[str, Any] | None = None) -> None:
+    """Remove an object (a missing one is not an error)."""

@@ -11,7 +11,13 @@ catches ckptio's errors too; its subclasses single them out:
   (nothing written) or failed midway (``PartialLoadError``);
 - ``GroupLoadError``: a load with ``group=`` failed on every rank together;
 - ``LocationError``: a storage saved on a device this machine lacks;
-- ``BackendUnavailableError``, ``CudaError``, ``CuFileError``: the device path.
+- ``BackendUnavailableError``, ``CudaError``, ``CuFileError``: the device path;
+- ``StoreError`` (an ``OSError`` naming the URL, and a ``CkptioError``) and its
+  kinds: ``StoreCredentialsError`` / ``StorePermissionError``
+  (``PermissionError``), ``StoreNotFoundError`` (``FileNotFoundError``),
+  ``CommitConflictError`` (``FileExistsError``: another writer committed first,
+  or the object changed while read), ``StoreThrottledError`` /
+  ``StoreConnectionError`` (``ConnectionError``), after the client's retries.
 
 The operating system's errors stay ``OSError`` subclasses chosen by errno,
 naming the file. See docs/api-conventions.md.
@@ -25,15 +31,23 @@ from ckptio._native import (
     CORRUPT_HINT,
     BackendUnavailableError,
     CkptioError,
+    CommitConflictError,
     CudaError,
     CuFileError,
     FormatError,
+    StoreConnectionError,
+    StoreCredentialsError,
+    StoreError,
+    StoreNotFoundError,
+    StorePermissionError,
+    StoreThrottledError,
 )
 
 __all__ = [
     "CORRUPT_HINT",
     "BackendUnavailableError",
     "CkptioError",
+    "CommitConflictError",
     "ConversionError",
     "CudaError",
     "CuFileError",
@@ -49,6 +63,12 @@ __all__ = [
     "PeerLoadError",
     "SafetensorError",
     "ShapeMismatchError",
+    "StoreConnectionError",
+    "StoreCredentialsError",
+    "StoreError",
+    "StoreNotFoundError",
+    "StorePermissionError",
+    "StoreThrottledError",
     "corrupt",
 ]
 

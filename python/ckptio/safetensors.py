@@ -50,7 +50,7 @@ from ckptio import _native
 from ckptio.errors import SafetensorError
 from ckptio.formats import safetensors as fmt
 from ckptio.formats.safetensors import DTYPES, INDEX_NAME, find_shared
-from ckptio.io import devices, memory, paths, reports, transfer
+from ckptio.io import devices, memory, paths, remote, reports, transfer
 from ckptio.io.engines import IoOptions
 from ckptio.io.units import parse_size
 from ckptio.loading import inplace, sharing
@@ -117,6 +117,7 @@ def save_file(
     direct: bool | str | None = None,
     device_backend: str | None = None,
     backend: str | None = None,
+    storage_options: remote.StorageOptions = None,
 ) -> None:
     """Save ``tensors`` to ``filename`` in safetensors format, like
     ``safetensors.torch.save_file``, crash-safe (temp file, fsync, rename, fsync
@@ -126,8 +127,17 @@ def save_file(
     after the work queued on the current CUDA streams. The keyword options are
     ``ckptio.save``'s (``device_backend`` is its ``backend``; the old spelling
     ``backend=`` still works here). Returns None, as safetensors does;
-    ``ckptio.last_report()`` says how it ran.
+    ``ckptio.last_report()`` says how it ran. ``filename`` may be an object URL
+    (``s3://...``, with ``storage_options``), as for ``ckptio.save``.
     """
+    if remote.is_url(filename) or storage_options is not None:
+        kw = dict(
+            threads=threads, chunk_size=chunk_size, direct=direct,
+            device_backend=device_backend, backend=backend,
+        )  # fmt: skip
+        call = lambda p: save_file(tensors, p, metadata, **kw)  # noqa: E731
+        remote.via_local(filename, storage_options, call, write=True)
+        return
     t0 = time.perf_counter()
     io = IoOptions.of(
         threads, chunk_size, direct, _device_backend(backend, device_backend, "save_file")
@@ -263,6 +273,7 @@ def load_file(
     strict: bool = True,
     cast: bool = False,
     group: Any = None,
+    storage_options: remote.StorageOptions = None,
 ) -> dict[str, torch.Tensor]:
     """Load a safetensors file like ``safetensors.torch.load_file(filename, device,
     backend=...)``: a dict of tensors in file order, each with its own storage on
@@ -285,7 +296,17 @@ def load_file(
     ``group``: a ``torch.distributed`` process group whose ranks all load the
     file together, each byte read by one rank and shared (``ckptio.load``'s
     ``group``).
+
+    ``filename`` may be an object URL (``s3://...``, with ``storage_options``),
+    as for ``ckptio.load``.
     """
+    if remote.is_url(filename) or storage_options is not None:
+        kw = dict(
+            backend=backend, threads=threads, chunk_size=chunk_size, direct=direct,
+            device_backend=device_backend, out=out, strict=strict, cast=cast, group=group,
+        )  # fmt: skip
+        call = lambda p: load_file(p, device, **kw)  # noqa: E731
+        return remote.via_local(filename, storage_options, call, write=False)
     io = IoOptions.of(
         threads, chunk_size, direct, _device_backend(backend, device_backend, "load_file")
     )

@@ -33,7 +33,7 @@ from ckptio.errors import FormatError, corrupt
 from ckptio.formats import torchzip
 from ckptio.formats.torchzip import RecordInfo as RecordInfo
 from ckptio.formats.torchzip import TensorInfo as TensorInfo
-from ckptio.io import devices, memory, paths, reports, transfer
+from ckptio.io import devices, memory, paths, remote, reports, transfer
 from ckptio.io.devices import MapLocation
 from ckptio.io.engines import IoOptions
 from ckptio.io.reports import IOReport as IOReport
@@ -58,6 +58,7 @@ def save(
     chunk_size: int | None = None,
     direct: bool | str | None = None,
     backend: str | None = None,
+    storage_options: remote.StorageOptions = None,
 ) -> None:
     """Save ``obj`` like ``torch.save(obj, f)``, fast and crash-safe.
 
@@ -99,7 +100,20 @@ def save(
     the report's ``device_path``.
     Bytes are copied after the work queued on the current CUDA streams (the
     copies wait for it on the GPU; the host is not blocked for it).
+
+    ``f`` may be an object URL (``s3://bucket/key``, ``gs://``, ``az://``): the
+    file is written to a local scratch folder (``CKPTIO_SCRATCH``, else the
+    temp folder) and uploaded in parallel parts as one multipart upload, whose
+    completion replaces the object whole (a failed save leaves the old one).
+    ``storage_options``: the store's settings over the standard variables
+    (``ckptio.io.remote``; docs/objectstore.md).
     """
+    if remote.is_url(f) or storage_options is not None:
+        kw = dict(threads=threads, chunk_size=chunk_size, direct=direct, backend=backend)
+        args = (pickle_module, pickle_protocol, _use_new_zipfile_serialization)
+        args += (_disable_byteorder_record,)
+        remote.via_local(f, storage_options, lambda p: save(obj, p, *args, **kw), write=True)
+        return
     paths.file_like(f, "save", "write")
     torch_args = (pickle_module, pickle_protocol, _disable_byteorder_record)
     io = IoOptions.of(threads, chunk_size, direct, backend)
@@ -245,6 +259,7 @@ def load(
     strict: bool = True,
     cast: bool = False,
     group: Any = None,
+    storage_options: remote.StorageOptions = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load a torch.save zip checkpoint like ``torch.load``, bytes read in parallel.
@@ -302,7 +317,20 @@ def load(
     whose load fails raises its error, every other rank
     ``ckptio.PeerLoadError``. ``last_report().bytes_read`` / ``bytes_received``
     say what came from storage and from the other ranks. See docs/group.md.
+
+    ``f`` may be an object URL (``s3://bucket/key``, ``gs://``, ``az://``; with
+    ``storage_options`` as for ``save``): one version of the object is read in
+    parallel ranged GETs into a local scratch copy, loaded as above, and removed.
     """
+    if remote.is_url(f) or storage_options is not None:
+        kw = dict(
+            map_location=map_location, pickle_module=pickle_module, weights_only=weights_only,
+            mmap=mmap, threads=threads, chunk_size=chunk_size, direct=direct, backend=backend,
+            verify=verify, out=out, strict=strict, cast=cast, group=group,
+        )  # fmt: skip
+        return remote.via_local(
+            f, storage_options, lambda p: load(p, **kw, **pickle_load_args), write=False
+        )
     t0 = time.perf_counter()
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, not {type(verify).__name__}")

@@ -91,6 +91,10 @@ class StagingOptions:
       ``stage()``; the headroom also covers what training allocates meanwhile (a
       save whose buffers cannot be allocated fails; the next one checks again).
     - ``threads``: copy threads (default ``CKPTIO_THREADS``, else 8 to 16 by core count).
+    - ``slabs``: stage storages under 1 MiB as views of shared slabs (fewer
+      buffers and pins); False gives every staged tensor a storage of its own, as
+      ``torch.save`` (views of one storage in two dtypes) and safetensors (no
+      shared memory) need of what they write.
 
     Pinned staging buffers count against ckptio's cap on pinned memory
     (``CKPTIO_PINNED_LIMIT``); buffers past it stay pageable.
@@ -103,6 +107,7 @@ class StagingOptions:
     device_snapshot: bool = False
     device_headroom: int = 1 << 30
     threads: int | None = None
+    slabs: bool = True
 
 
 def _default_threads() -> int:
@@ -492,6 +497,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             device_snapshot=bool(getattr(cfg, "device_snapshot", False)),
             device_headroom=int(getattr(cfg, "device_headroom", 1 << 30)),
             threads=getattr(cfg, "threads", None),
+            slabs=bool(getattr(cfg, "slabs", True)),
         )
         if self._opts.threads is not None and self._opts.threads < 1:
             raise ValueError(f"StagingOptions.threads must be >= 1, got {self._opts.threads}")
@@ -513,7 +519,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         self._pinned = self._opts.use_pinned_memory and torch.cuda.is_available()
         # Small storages staged in shared slabs (their staged tensors are then
         # views of one storage per slab; see _SLAB_BELOW).
-        self._slabs = True
+        self._slabs = self._opts.slabs
         if self._pinned:  # a malformed CKPTIO_PINNED_LIMIT is an error here too
             _native.pinned_memory()
         #: Seconds the caller was blocked in the last ``stage()`` call.
@@ -928,11 +934,10 @@ class ReplicationStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             storage_dir if storage_dir is not None else tempfile.mkdtemp(prefix="ckptio_replica_")
         )
         os.makedirs(self._storage_dir, exist_ok=True)
-        self._local = DefaultStager(
-            StagingOptions(use_shared_memory=False, use_async_staging=False)
-        )
         # PGTransport sends each tensor's whole storage: no shared slabs here.
-        self._local._slabs = False
+        self._local = DefaultStager(
+            StagingOptions(use_shared_memory=False, use_async_staging=False, slabs=False)
+        )
 
     @property
     def storage_dir(self) -> str:

@@ -9,6 +9,7 @@
 
 use pyo3::exceptions::{PyMemoryError, PyOSError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
 use crate::{Error, StoreErrorKind};
 
@@ -62,8 +63,8 @@ impl From<Error> for PyErr {
             Error::Library { .. } => BackendUnavailableError::new_err(msg),
             Error::Cuda { .. } => CudaError::new_err(msg),
             Error::CuFile { .. } => CuFileError::new_err(msg),
-            // Until the store's own classes land (docs/objectstore.md), the
-            // OSError subclass of the nearest errno, named by the URL.
+            // The store's classes are OSError subclasses too (errno and the
+            // URL as filename kept): code written for paths catches them.
             Error::Store { kind, url, reason } => {
                 let errno = match kind {
                     StoreErrorKind::NoCredentials | StoreErrorKind::AccessDenied => libc::EACCES,
@@ -73,7 +74,11 @@ impl From<Error> for PyErr {
                     StoreErrorKind::ConnectionLost => libc::ECONNRESET,
                     _ => libc::EIO,
                 };
-                PyOSError::new_err((errno, format!("{}: {reason}", kind.as_str()), url))
+                let text = format!("{}: {reason}", kind.as_str());
+                Python::attach(|py| match store_class(py, kind) {
+                    Ok(cls) => PyErr::from_type(cls, (errno, text, url)),
+                    Err(e) => e,
+                })
             }
         }
     }
@@ -81,4 +86,99 @@ impl From<Error> for PyErr {
 
 fn strip_os_suffix(s: &str) -> &str {
     s.find(" (os error").map_or(s, |i| &s[..i])
+}
+
+/// The store's exception classes: (name, built-in OSError subclass, parent
+/// in this list, doc). Made at import (`store_classes`), since an exception
+/// class with two bases (an OSError subclass and CkptioError) cannot be
+/// declared by `create_exception!`.
+const STORE_CLASSES: [(&str, &str, Option<usize>, &str); 7] = [
+    (
+        "StoreError",
+        "OSError",
+        None,
+        "An object-store request failed (an OSError naming the URL, and a CkptioError).",
+    ),
+    (
+        "StoreCredentialsError",
+        "PermissionError",
+        Some(0),
+        "No credentials were found for the store (variables, storage_options, instance or container).",
+    ),
+    (
+        "StorePermissionError",
+        "PermissionError",
+        Some(0),
+        "The store refused the request (a wrong key or signature, or its policy).",
+    ),
+    (
+        "StoreNotFoundError",
+        "FileNotFoundError",
+        Some(0),
+        "No such bucket, or no such key (the message says which).",
+    ),
+    (
+        "CommitConflictError",
+        "FileExistsError",
+        Some(0),
+        "A conditional write or read lost: another writer committed first, or the object changed while it was read.",
+    ),
+    (
+        "StoreThrottledError",
+        "ConnectionError",
+        Some(0),
+        "The store kept answering SlowDown (503) or 429 past the retries.",
+    ),
+    (
+        "StoreConnectionError",
+        "ConnectionError",
+        Some(0),
+        "The store could not be reached (refused, reset or timed out past the retries).",
+    ),
+];
+
+static STORE_TYPES: pyo3::sync::PyOnceLock<Vec<Py<PyType>>> = pyo3::sync::PyOnceLock::new();
+
+/// The store's exception classes, by name, made once per interpreter.
+pub fn store_classes(py: Python<'_>) -> PyResult<Vec<(&'static str, Bound<'_, PyType>)>> {
+    let types = STORE_TYPES.get_or_try_init(py, || {
+        let builtins = py.import("builtins")?;
+        let make = builtins.getattr("type")?;
+        let mut made: Vec<Py<PyType>> = Vec::new();
+        for (name, os_base, parent, doc) in STORE_CLASSES {
+            let os = builtins.getattr(os_base)?;
+            let bases = match parent {
+                None => PyTuple::new(py, [os, py.get_type::<CkptioError>().into_any()])?,
+                Some(i) => PyTuple::new(py, [os, made[i].bind(py).clone().into_any()])?,
+            };
+            let ns = PyDict::new(py);
+            ns.set_item("__module__", "ckptio")?;
+            ns.set_item("__doc__", doc)?;
+            let cls = make.call1((name, bases, ns))?.cast_into::<PyType>()?;
+            made.push(cls.unbind());
+        }
+        Ok::<_, PyErr>(made)
+    })?;
+    Ok(STORE_CLASSES
+        .iter()
+        .zip(types)
+        .map(|(c, t)| (c.0, t.bind(py).clone()))
+        .collect())
+}
+
+fn store_class(py: Python<'_>, kind: StoreErrorKind) -> PyResult<Bound<'_, PyType>> {
+    let name = match kind {
+        StoreErrorKind::NoCredentials => "StoreCredentialsError",
+        StoreErrorKind::AccessDenied => "StorePermissionError",
+        StoreErrorKind::NoSuchBucket | StoreErrorKind::NoSuchKey => "StoreNotFoundError",
+        StoreErrorKind::Conflict => "CommitConflictError",
+        StoreErrorKind::Throttled => "StoreThrottledError",
+        StoreErrorKind::ConnectionLost => "StoreConnectionError",
+        _ => "StoreError",
+    };
+    let classes = store_classes(py)?;
+    let found = classes.into_iter().find(|(n, _)| *n == name);
+    found
+        .map(|(_, cls)| cls)
+        .ok_or_else(|| pyo3::exceptions::PyOSError::new_err(format!("no class {name}")))
 }

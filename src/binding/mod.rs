@@ -25,6 +25,7 @@ mod probe_hooks;
 mod reader;
 mod safetensors;
 mod staging;
+mod store;
 mod writer;
 
 use pyo3::prelude::*;
@@ -211,8 +212,10 @@ mod _native {
     use super::{
         advise_huge, clean_temps, cufile_register_buffer, env_threads, info, map_archive,
         map_archives, pinned_memory, release_buffers, safetensors_header, stage_copy,
-        stage_device_copy, stage_pin, unpickle, AtomicWriter, BufferRegistration, DeviceFile,
-        Engine, HostMemory, HostPin, Reader, StateDictPickler, Unpickled,
+        stage_device_copy, stage_pin, store::store_delete, store::store_download, store::store_get,
+        store::store_head, store::store_list, store::store_put, store::store_upload, unpickle,
+        AtomicWriter, BufferRegistration, DeviceFile, Engine, HostMemory, HostPin, Reader,
+        StateDictPickler, Unpickled,
     };
 
     use super::*;
@@ -228,6 +231,9 @@ mod _native {
         )?;
         m.add("CudaError", py.get_type::<CudaError>())?;
         m.add("CuFileError", py.get_type::<CuFileError>())?;
+        for (name, cls) in errors::store_classes(py)? {
+            m.add(name, cls)?;
+        }
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("CORRUPT_HINT", crate::error::CORRUPT_HINT)?;
         // Test hooks: importable by name (`from ckptio._native import _set_fault`),

@@ -22,6 +22,7 @@
 mod runtime;
 mod sink;
 mod source;
+mod transfer;
 
 #[cfg(test)]
 mod fault_proxy;
@@ -48,6 +49,7 @@ use crate::{Error, Result};
 pub use runtime::block_on;
 pub use sink::MultipartSink;
 pub use source::ObjectSource;
+pub use transfer::{download_file, upload_file, Transferred};
 
 /// The smallest part ckptio uploads (S3 accepts 5 MiB; fewer, larger parts
 /// cost fewer requests and stay under the part limit longer).
@@ -164,13 +166,7 @@ impl Store {
     /// `region`) override it; `max_retries` and `retry_timeout` (seconds) set
     /// the retry budget. An `http://` endpoint is accepted (a local server).
     pub fn parse(url: &str, options: &[(&str, &str)]) -> Result<(Store, String)> {
-        let parsed =
-            url::Url::parse(url).map_err(|e| Error::invalid(format!("{url}: not a URL: {e}")))?;
-        let (scheme, path) = ObjectStoreScheme::parse(&parsed)
-            .map_err(|e| Error::invalid(format!("{url}: not an object-store URL: {e}")))?;
-        let key = Path::parse(path)
-            .map_err(|e| Error::invalid(format!("{url}: not a valid key: {e}")))?
-            .to_string();
+        let (scheme, key) = Store::parse_key(url)?;
         let mut retry = RetryConfig::default();
         let mut rest = Vec::new();
         for &(k, v) in options {
@@ -251,6 +247,18 @@ impl Store {
         Ok((store, key))
     }
 
+    /// The scheme of `url` and the object key it names (no client is made).
+    pub fn parse_key(url: &str) -> Result<(ObjectStoreScheme, String)> {
+        let parsed =
+            url::Url::parse(url).map_err(|e| Error::invalid(format!("{url}: not a URL: {e}")))?;
+        let (scheme, path) = ObjectStoreScheme::parse(&parsed)
+            .map_err(|e| Error::invalid(format!("{url}: not an object-store URL: {e}")))?;
+        let key = Path::parse(path)
+            .map_err(|e| Error::invalid(format!("{url}: not a valid key: {e}")))?
+            .to_string();
+        Ok((scheme, key))
+    }
+
     /// The URL of `key` in this store (for messages).
     pub fn url(&self, key: &str) -> String {
         format!("{}/{key}", self.inner.base)
@@ -316,6 +324,42 @@ impl Store {
             e_tag: r.e_tag,
             version: r.version,
         })
+    }
+
+    /// The whole of a small object (an index, a commit record) and its version,
+    /// in one GET.
+    pub fn get(&self, key: &str) -> Result<(Bytes, Version)> {
+        let path = Path::from(key);
+        let fetched = block_on(async {
+            let r = self.objects()?.get(&path).await;
+            let r = match r {
+                Ok(r) => r,
+                Err(e) => return Err(self.error(key, e)),
+            };
+            let version = Version {
+                e_tag: r.meta.e_tag.clone(),
+                version: r.meta.version.clone(),
+            };
+            let data = r.bytes().await.map_err(|e| self.error(key, e))?;
+            Ok((data, version))
+        })?;
+        fetched
+    }
+
+    /// Every object under the folder `prefix` (all depths): key, size, ETag.
+    pub fn list(&self, prefix: &str) -> Result<Vec<(String, u64, Option<String>)>> {
+        let path = Path::from(prefix);
+        let listed = block_on(async {
+            let objects = self.objects()?;
+            let mut out = Vec::new();
+            let mut stream = objects.list(Some(&path));
+            while let Some(meta) = stream.next().await {
+                let meta = meta.map_err(|e| self.error(prefix, e))?;
+                out.push((meta.location.to_string(), meta.size, meta.e_tag));
+            }
+            Ok(out)
+        })?;
+        listed
     }
 
     /// Remove `key` (a key that is not there is not an error on S3).

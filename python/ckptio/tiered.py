@@ -1,0 +1,507 @@
+"""Tiered checkpoints: a fast local commit, drained to an object store.
+
+``Checkpointer(local, remote)``: ``save(step, state)`` returns at once with three
+futures, ``staged`` (the snapshot is taken: training may modify the state
+again), ``local`` (the step is durable in the local folder: NVMe or /dev/shm)
+and ``remote`` (durable in the store). A step is:
+
+- locally, the folder ``<local>/step-<step>/`` with its files and, written last
+  and atomically, ``ckptio-commit.json`` (what the step holds): a folder without
+  it is a save that died and is removed by the next ``Checkpointer``;
+- remotely, the same files under ``<remote>/step-<step>/`` (each one multipart
+  upload, whole or absent) and, put last with If-None-Match,
+  ``ckptio-commit.json``: a step is complete in the store once that object
+  is there, and never names a missing object.
+
+The drain runs on one background thread, in step order, retrying transient
+store errors (throttling, lost connections, 5xx) with exponential backoff, and
+is idempotent per step (an object already whole in the store is not sent again;
+a commit record already there with the same content counts as done). A local
+step is removed only once its remote copy is complete (``keep_local`` newest
+kept); a new ``Checkpointer`` on the same folders drains what the last process
+left. Layout, guarantees and figures: docs/objectstore.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from ckptio import _native
+from ckptio import safetensors as st
+from ckptio.dcp import FileSystemReader, FileSystemWriter
+from ckptio.errors import (
+    CommitConflictError,
+    StoreConnectionError,
+    StoreError,
+    StoreThrottledError,
+)
+from ckptio.io import remote as objstore
+from ckptio.io import transfer
+from ckptio.serialization import load as _load
+from ckptio.serialization import save as _save
+from ckptio.staging import DefaultStager, StagingOptions
+
+__all__ = ["Checkpointer", "SaveHandle", "FORMATS"]
+
+#: What a step holds, by format: the file name (DCP: a folder of files).
+FORMATS = {"torch": "state.pt", "safetensors": "model.safetensors", "dcp": None}
+COMMIT = "ckptio-commit.json"
+_STEP = re.compile(r"step-(\d+)$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+@dataclass(frozen=True)
+class SaveHandle:
+    """One ``Checkpointer.save``: ``staged`` (the snapshot is taken), ``local``
+    (its result: the local folder), ``remote`` (its result: the step's URL).
+    A failure is the exception of the future where it happened (and of the
+    ones after it)."""
+
+    step: int
+    staged: Future[None]
+    local: Future[str]
+    remote: Future[str]
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the step is durable in the store; its URL."""
+        return self.remote.result(timeout)
+
+
+def _transient(e: BaseException) -> bool:
+    if isinstance(e, (StoreThrottledError, StoreConnectionError)):
+        return True
+    # Other store answers (5xx) are worth another try; refusals and missing
+    # buckets, credentials and conflicts are not.
+    return type(e) is StoreError
+
+
+class Checkpointer:
+    """Saves to ``local`` (a folder), drained to ``remote`` (``s3://bucket/prefix``).
+
+    ``format``: ``"torch"`` (``ckptio.save`` of any state), ``"safetensors"`` (a
+    flat dict of tensors) or ``"dcp"`` (``torch.distributed.checkpoint`` with
+    ckptio's writer, one process). ``keep_local``: newest steps kept locally
+    (older ones go once their remote copy is complete); ``keep_remote``: newest
+    steps kept in the store (None: all). ``storage_options``: the store's
+    settings (``ckptio.save``). ``stager``: takes the snapshot (default
+    ``ckptio.staging.DefaultStager()``, pinned and reused save after save).
+    ``tries``/``backoff``/``max_backoff``: the drain's retries of transient
+    errors (seconds, doubled each try, with jitter).
+    """
+
+    def __init__(
+        self,
+        local: str | os.PathLike[str],
+        remote: str,
+        *,
+        keep_local: int = 2,
+        keep_remote: int | None = None,
+        format: str = "torch",
+        storage_options: objstore.StorageOptions = None,
+        stager: Any = None,
+        tries: int = 6,
+        backoff: float = 1.0,
+        max_backoff: float = 60.0,
+    ) -> None:
+        if not isinstance(remote, str) or not objstore.is_url(remote):
+            raise ValueError(f"remote must be an object URL (s3://, gs://, az://), not {remote!r}")
+        if objstore.is_url(local):
+            raise ValueError(f"local must be a local folder, not the URL {local!r}")
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {sorted(FORMATS)}, not {format!r}")
+        if not isinstance(keep_local, int) or keep_local < 1:
+            raise ValueError(f"keep_local must be an int >= 1, not {keep_local!r}")
+        if keep_remote is not None and (not isinstance(keep_remote, int) or keep_remote < 1):
+            raise ValueError(f"keep_remote must be None or an int >= 1, not {keep_remote!r}")
+        if tries < 1:
+            raise ValueError(f"tries must be >= 1, not {tries}")
+        objstore.check_options(remote, storage_options)
+        self.local = os.path.abspath(os.fspath(local))
+        self.remote = remote.rstrip("/")
+        self.format = format
+        self.keep_local = keep_local
+        self.keep_remote = keep_remote
+        self._options = dict(storage_options) if storage_options is not None else None
+        self._tries, self._backoff, self._max_backoff = tries, backoff, max_backoff
+        if stager is None:
+            # Each staged tensor a storage of its own: torch.save and
+            # safetensors write what they are given, slabs included.
+            stager = DefaultStager(StagingOptions(use_shared_memory=False, slabs=False))
+            self._own_stager = True
+        else:
+            self._own_stager = False
+        self._stager = stager
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckptio-tier-local")
+        self._drainer = ThreadPoolExecutor(1, thread_name_prefix="ckptio-tier-remote")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._last: SaveHandle | None = None
+        self._pending: list[Future[Any]] = []
+        #: Steps known complete in the store (filled by listings and drains).
+        self._in_store: set[int] = set()
+        os.makedirs(self.local, exist_ok=True)
+        self.resumed: list[int] = self._resume()
+
+    # -- what is where -----------------------------------------------------------------
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.local, step_name(step))
+
+    def _step_url(self, step: int) -> str:
+        return objstore.join(self.remote, step_name(step))
+
+    def local_steps(self) -> list[int]:
+        """Steps complete in the local folder, oldest first."""
+        found = []
+        for name in os.listdir(self.local):
+            m = _STEP.match(name)
+            if m and os.path.isfile(os.path.join(self.local, name, COMMIT)):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def remote_steps(self) -> list[int]:
+        """Steps complete in the store (their commit record is there), oldest first."""
+        found = set()
+        for url, _, _ in objstore.listing(self.remote, self._options):
+            tail = url[len(self.remote) :].strip("/").split("/")
+            if len(tail) == 2 and tail[1] == COMMIT and (m := _STEP.match(tail[0])):
+                found.add(int(m.group(1)))
+        with self._lock:
+            self._in_store |= found
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        """The newest step complete in any tier (None: no step). Where the store
+        cannot be listed, the local tier answers alone (with a warning)."""
+        steps = set(self.local_steps())
+        try:
+            steps |= set(self.remote_steps())
+        except StoreError as e:
+            warnings.warn(
+                f"ckptio.tiered: {self.remote} not listed ({e}); local steps only", stacklevel=2
+            )
+        return max(steps) if steps else None
+
+    def _local_manifest(self, step: int) -> dict[str, Any] | None:
+        """The step's local commit record where every file it names is whole."""
+        folder = self._step_dir(step)
+        try:
+            with open(os.path.join(folder, COMMIT), "rb") as fh:
+                manifest = json.loads(fh.read())
+            for name, size in manifest["files"]:
+                if os.path.getsize(os.path.join(folder, name)) != size:
+                    return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return manifest
+
+    # -- save --------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any) -> SaveHandle:
+        """Snapshot ``state`` and save it as ``step`` in both tiers, in the
+        background. Waits only for the previous save's local write (the
+        snapshot buffers are reused) when it has not finished yet."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be an int >= 0, not {step!r}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("ckptio.tiered.Checkpointer: save() after close()")
+            last = self._last
+        if last is not None:
+            if step <= last.step:
+                raise ValueError(f"step {step} is not after the last saved step {last.step}")
+            try:
+                last.local.result()
+            except BaseException:  # noqa: BLE001 - reported on that save's handle
+                pass
+        if os.path.exists(self._step_dir(step)) and self._local_manifest(step) is not None:
+            raise ValueError(f"step {step} is saved already in {self.local}")
+        staged_copy = self._stager.stage(state)
+        staged: Future[None] = Future()
+        local: Future[str] = Future()
+        remote_done: Future[str] = Future()
+
+        def write_local() -> None:
+            try:
+                sd = staged_copy.result() if isinstance(staged_copy, Future) else staged_copy
+            except BaseException as e:
+                for f in (staged, local, remote_done):
+                    f.set_exception(e)
+                return
+            staged.set_result(None)
+            try:
+                local.set_result(self._write_local(step, sd))
+            except BaseException as e:
+                local.set_exception(e)
+                remote_done.set_exception(e)
+                return
+            self._drainer.submit(self._drain_into, step, remote_done)
+
+        handle = SaveHandle(step, staged, local, remote_done)
+        with self._lock:
+            self._last = handle
+            self._pending.append(remote_done)
+        self._writer.submit(write_local)
+        return handle
+
+    def _write_local(self, step: int, state: Any) -> str:
+        folder = self._step_dir(step)
+        if os.path.exists(folder):  # a save of this step that died
+            shutil.rmtree(folder)
+        os.makedirs(folder)
+        _fsync_dir(self.local)
+        name = FORMATS[self.format]
+        if self.format == "torch":
+            _save(state, os.path.join(folder, str(name)))
+        elif self.format == "safetensors":
+            st.save_file(state, os.path.join(folder, str(name)))
+        else:
+            with _one_process():
+                dcp.save(state, storage_writer=FileSystemWriter(folder), no_dist=True)
+        files = sorted(
+            (n, os.path.getsize(os.path.join(folder, n)))
+            for n in os.listdir(folder)
+            if n != COMMIT and os.path.isfile(os.path.join(folder, n))
+        )
+        manifest = {"step": step, "format": self.format, "files": files}
+        _write_commit(os.path.join(folder, COMMIT), _manifest_bytes(manifest))
+        return folder
+
+    # -- drain -------------------------------------------------------------------------
+
+    def _drain_into(self, step: int, done: Future[str]) -> None:
+        try:
+            done.set_result(self._drain(step))
+        except BaseException as e:
+            done.set_exception(e)
+            return
+        try:
+            self._prune()
+        except (OSError, StoreError) as e:  # the next drain prunes again
+            warnings.warn(f"ckptio.tiered: pruning old steps failed: {e}", stacklevel=2)
+
+    def _drain(self, step: int) -> str:
+        """Upload a locally complete step, then its commit record; retried."""
+        manifest = self._local_manifest(step)
+        if manifest is None:
+            raise FileNotFoundError(f"{self._step_dir(step)}: not a complete local step")
+        url = self._step_url(step)
+        record = _manifest_bytes(manifest)
+        for attempt in range(self._tries):
+            try:
+                self._upload_step(step, manifest, url, record)
+                break
+            except BaseException as e:
+                if not _transient(e) or attempt + 1 == self._tries:
+                    raise
+                delay = min(self._max_backoff, self._backoff * 2**attempt)
+                time.sleep(delay * (0.5 + random.random() / 2))
+        with self._lock:
+            self._in_store.add(step)
+        return url
+
+    def _upload_step(self, step: int, manifest: dict[str, Any], url: str, record: bytes) -> None:
+        opts = self._options
+        there = {u: size for u, size, _ in objstore.listing(url, opts)}
+        commit_url = objstore.join(url, COMMIT)
+        if commit_url in there:
+            self._check_record(commit_url, record)
+            return
+        folder = self._step_dir(step)
+        for name, size in manifest["files"]:
+            obj = objstore.join(url, name)
+            if there.get(obj) == size:  # whole already (each upload is all or nothing)
+                continue
+            objstore.upload(os.path.join(folder, name), obj, opts)
+        try:
+            objstore.put_bytes(commit_url, record, opts, create=True)
+        except CommitConflictError:
+            self._check_record(commit_url, record)
+
+    def _check_record(self, commit_url: str, record: bytes) -> None:
+        data, _ = objstore.get_bytes(commit_url, self._options)
+        if data != record:
+            raise CommitConflictError(
+                17, "another save committed this step with other contents", commit_url
+            )
+
+    def _prune(self) -> None:
+        with self._lock:
+            in_store = set(self._in_store)
+        local = self.local_steps()
+        for step in local[: max(0, len(local) - self.keep_local)]:
+            if step in in_store:
+                folder = self._step_dir(step)
+                os.unlink(os.path.join(folder, COMMIT))  # incomplete first, then gone
+                shutil.rmtree(folder, ignore_errors=True)
+        if self.keep_remote is not None:
+            steps = sorted(in_store)
+            for step in steps[: max(0, len(steps) - self.keep_remote)]:
+                url = self._step_url(step)
+                objstore.delete(objstore.join(url, COMMIT), self._options)
+                for obj, _, _ in objstore.listing(url, self._options):
+                    objstore.delete(obj, self._options)
+                with self._lock:
+                    self._in_store.discard(step)
+
+    def _resume(self) -> list[int]:
+        """Remove local step folders of saves that died; drain the local steps
+        the store lacks (oldest first). The steps being drained."""
+        for name in os.listdir(self.local):
+            path = os.path.join(self.local, name)
+            if _STEP.match(name) and not os.path.isfile(os.path.join(path, COMMIT)):
+                shutil.rmtree(path, ignore_errors=True)
+        local = self.local_steps()
+        if not local:
+            return []
+        try:
+            stored = set(self.remote_steps())
+        except StoreError as e:
+            warnings.warn(
+                f"ckptio.tiered: {self.remote} not listed ({e}); draining all", stacklevel=2
+            )
+            stored = set()
+        todo = [s for s in local if s not in stored]
+        for step in todo:
+            done: Future[str] = Future()
+            with self._lock:
+                self._pending.append(done)
+            self._drainer.submit(self._drain_into, step, done)
+        return todo
+
+    # -- load --------------------------------------------------------------------------
+
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        out: Any = None,
+        map_location: Any = None,
+        group: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """What ``save`` saved as ``step`` (default: :meth:`latest`), read from the
+        local copy where it is complete and whole, else from the store.
+        ``out``: load in place (required for ``"dcp"``, as DCP loads in place);
+        ``group``: read once per process group (``ckptio.load``); other keywords
+        go to the format's load call."""
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise FileNotFoundError(f"no complete step in {self.local} or {self.remote}")
+        where = self._step_dir(step)
+        opts: dict[str, Any] = {}
+        if self._local_manifest(step) is None:
+            where = self._step_url(step)
+            try:
+                objstore.head(objstore.join(where, COMMIT), self._options)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(
+                    2, f"step {step} is complete in neither {self.local} nor the store", where
+                ) from e
+            opts = {"storage_options": self._options}
+        if self.format == "torch":
+            path = objstore.join(where, "state.pt") if opts else os.path.join(where, "state.pt")
+            return _load(path, map_location, out=out, group=group, **opts, **kwargs)
+        if self.format == "safetensors":
+            name = str(FORMATS["safetensors"])
+            path = objstore.join(where, name) if opts else os.path.join(where, name)
+            device = "cpu" if map_location is None else map_location
+            if out is not None:
+                return st.load_file(path, out=out, group=group, **opts, **kwargs)
+            return st.load_file(path, device, group=group, **opts, **kwargs)
+        return self._load_dcp(step, where, bool(opts), out, kwargs)
+
+    def _load_dcp(self, step: int, where: str, in_store: bool, out: Any, kw: Any) -> Any:
+        if out is None:
+            raise ValueError('a "dcp" checkpoint loads in place: pass out= (the state dict)')
+        if not in_store:
+            with _one_process():
+                dcp.load(out, storage_reader=FileSystemReader(where, **kw), no_dist=True)
+            return out
+        folder = os.path.join(objstore.scratch_dir(), f"ckptio-tier-{os.getpid()}-{step}")
+        os.makedirs(folder, exist_ok=True)
+        try:
+            for url, _, _ in objstore.listing(where, self._options):
+                name = url.rsplit("/", 1)[-1]
+                objstore.download(url, os.path.join(folder, name), self._options)
+            with _one_process():
+                dcp.load(out, storage_reader=FileSystemReader(folder, **kw), no_dist=True)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return out
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save (and every resumed drain) is durable in the
+        store or has failed; raises the first failure."""
+        with self._lock:
+            pending = list(self._pending)
+        first: BaseException | None = None
+        for f in pending:
+            e = f.exception(timeout)
+            if e is not None and first is None:
+                first = e
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Finish the saves under way (local and remote), then stop the threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._writer.shutdown(wait=True)
+        self._drainer.shutdown(wait=True)
+        if self._own_stager:
+            self._stager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP warns that it assumes one process even when told so (no_dist=True)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _write_commit(path: str, data: bytes) -> None:
+    transfer.commit_bytes(_native.AtomicWriter(path, "off", None, False), data)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

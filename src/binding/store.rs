@@ -1,0 +1,228 @@
+//! Object storage for Python: whole files to and from objects, small objects
+//! (an index, a commit record) put conditionally and read back, listings and
+//! deletes. Every call names its object by URL (`s3://bucket/key`, `gs://`,
+//! `az://`), takes `options` over the standard variables, and runs detached.
+//!
+//! Clients are kept per bucket, options and the store variables of the moment,
+//! and per process (a forked child makes its own): a checkpoint's many calls
+//! share one connection pool.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::store::{self, Precondition, Store, Transferred, Version};
+use crate::sync::lock;
+
+type Options = Vec<(String, String)>;
+
+/// The variables the clients read from the environment (the cache key holds
+/// them: a test or a user that changes the endpoint gets a new client).
+const ENV_PREFIXES: [&str; 3] = ["AWS_", "GOOGLE_", "AZURE_"];
+
+type ClientKey = (u32, String, Options, Vec<(String, String)>);
+
+static CLIENTS: Mutex<Option<HashMap<ClientKey, Store>>> = Mutex::new(None);
+
+fn options(opts: Option<&Bound<'_, PyDict>>) -> PyResult<Options> {
+    let mut out = Vec::new();
+    if let Some(d) = opts {
+        for (k, v) in d.iter() {
+            let v = match v.extract::<bool>() {
+                Ok(b) => b.to_string(),
+                Err(_) => v.str()?.to_string(),
+            };
+            out.push((k.extract::<String>()?, v));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The store of `url` (one client per bucket, options and environment) and
+/// the key it names.
+fn store_of(url: &str, opts: &Options) -> crate::Result<(Store, String)> {
+    let bucket = url
+        .split_once("://")
+        .map(|(scheme, rest)| format!("{scheme}://{}", rest.split('/').next().unwrap_or("")))
+        .unwrap_or_else(|| url.to_string());
+    let env: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| ENV_PREFIXES.iter().any(|p| k.starts_with(p)))
+        .collect();
+    let ck = (std::process::id(), bucket, opts.clone(), env);
+    let pairs: Vec<(&str, &str)> = opts.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    if let Some(s) = lock(&CLIENTS).get_or_insert_with(HashMap::new).get(&ck) {
+        let (_, key) = Store::parse_key(url)?;
+        return Ok((s.clone(), key));
+    }
+    let (store, key) = Store::parse(url, &pairs)?;
+    let mut clients = lock(&CLIENTS);
+    let map = clients.get_or_insert_with(HashMap::new);
+    // Another process's clients are never used again here.
+    map.retain(|k, _| k.0 == ck.0);
+    map.insert(ck, store.clone());
+    Ok((store, key))
+}
+
+fn version_dict<'py>(py: Python<'py>, v: &Version) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("e_tag", v.e_tag.as_deref())?;
+    d.set_item("version", v.version.as_deref())?;
+    Ok(d)
+}
+
+fn transferred_dict<'py>(py: Python<'py>, t: &Transferred) -> PyResult<Bound<'py, PyDict>> {
+    let d = version_dict(py, &t.version)?;
+    d.set_item("size", t.size)?;
+    d.set_item("parts", t.parts)?;
+    Ok(d)
+}
+
+/// Upload the file at `path` to `url` (one multipart upload; its completion is
+/// the commit).
+#[pyfunction]
+#[pyo3(signature = (url, path, options=None, threads=8, chunk=16777216))]
+pub fn store_upload<'py>(
+    py: Python<'py>,
+    url: &str,
+    path: PathBuf,
+    options: Option<&Bound<'py, PyDict>>,
+    threads: usize,
+    chunk: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = self::options(options)?;
+    let t = py.detach(|| {
+        let (s, key) = store_of(url, &opts)?;
+        store::upload_file(&s, &key, &path, chunk, threads)
+    })?;
+    transferred_dict(py, &t)
+}
+
+/// Download `url` into a new file at `path` (fsynced; not published).
+#[pyfunction]
+#[pyo3(signature = (url, path, options=None, threads=8, chunk=16777216))]
+pub fn store_download<'py>(
+    py: Python<'py>,
+    url: &str,
+    path: PathBuf,
+    options: Option<&Bound<'py, PyDict>>,
+    threads: usize,
+    chunk: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = self::options(options)?;
+    let t = py.detach(|| {
+        let (s, key) = store_of(url, &opts)?;
+        store::download_file(&s, &key, &path, chunk, threads)
+    })?;
+    transferred_dict(py, &t)
+}
+
+/// Put `data` at `url` in one PUT: `create` only if no object is there,
+/// `if_match` only if the object is still that ETag (else a
+/// CommitConflictError).
+#[pyfunction]
+#[pyo3(signature = (url, data, options=None, *, create=false, if_match=None))]
+pub fn store_put<'py>(
+    py: Python<'py>,
+    url: &str,
+    data: &Bound<'py, PyBytes>,
+    options: Option<&Bound<'py, PyDict>>,
+    create: bool,
+    if_match: Option<String>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = self::options(options)?;
+    let pre = match (create, if_match) {
+        (true, Some(_)) => {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "store_put: create and if_match exclude each other",
+            ))
+        }
+        (true, None) => Precondition::Absent,
+        (false, Some(e)) => Precondition::Matches(Version {
+            e_tag: Some(e),
+            version: None,
+        }),
+        (false, None) => Precondition::None,
+    };
+    let bytes = bytes::Bytes::copy_from_slice(data.as_bytes());
+    let v = py.detach(|| {
+        let (s, key) = store_of(url, &opts)?;
+        s.put(&key, bytes, pre)
+    })?;
+    version_dict(py, &v)
+}
+
+/// The whole of a small object and its version.
+#[pyfunction]
+#[pyo3(signature = (url, options=None))]
+pub fn store_get<'py>(
+    py: Python<'py>,
+    url: &str,
+    options: Option<&Bound<'py, PyDict>>,
+) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyDict>)> {
+    let opts = self::options(options)?;
+    let (data, v) = py.detach(|| {
+        let (s, key) = store_of(url, &opts)?;
+        s.get(&key)
+    })?;
+    Ok((PyBytes::new(py, &data), version_dict(py, &v)?))
+}
+
+/// Size and version of the object at `url`.
+#[pyfunction]
+#[pyo3(signature = (url, options=None))]
+pub fn store_head<'py>(
+    py: Python<'py>,
+    url: &str,
+    options: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = self::options(options)?;
+    let info = py.detach(|| {
+        let (s, key) = store_of(url, &opts)?;
+        s.head(&key)
+    })?;
+    let d = version_dict(py, &info.version)?;
+    d.set_item("size", info.size)?;
+    Ok(d)
+}
+
+/// Every object under the folder `url` (all depths): (URL, size, ETag).
+#[pyfunction]
+#[pyo3(signature = (url, options=None))]
+pub fn store_list(
+    py: Python<'_>,
+    url: &str,
+    options: Option<&Bound<'_, PyDict>>,
+) -> PyResult<Vec<(String, u64, Option<String>)>> {
+    let opts = self::options(options)?;
+    let listed = py.detach(|| {
+        let (s, key) = store_of(url, &opts)?;
+        let items = s.list(&key)?;
+        Ok::<_, crate::Error>(
+            items
+                .into_iter()
+                .map(|(k, size, tag)| (s.url(&k), size, tag))
+                .collect(),
+        )
+    })?;
+    Ok(listed)
+}
+
+/// Remove the object at `url` (one that is not there is not an error).
+#[pyfunction]
+#[pyo3(signature = (url, options=None))]
+pub fn store_delete(
+    py: Python<'_>,
+    url: &str,
+    options: Option<&Bound<'_, PyDict>>,
+) -> PyResult<()> {
+    let opts = self::options(options)?;
+    py.detach(|| {
+        let (s, key) = store_of(url, &opts)?;
+        s.delete(&key)
+    })?;
+    Ok(())
+}

@@ -1,0 +1,190 @@
+"""Object storage (issue 38) against a real S3 server (SeaweedFS on the
+loopback, tests/s3server.py): every single-object call on s3:// URLs, the
+configuration (storage_options, the AWS variables), the commit semantics
+(the old object whole until a save completes), and typed errors naming the URL."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+
+import ckptio
+import pytest
+import torch
+from ckptio.io import remote
+
+
+def _state(seed: int = 0, big: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sd = {
+        "w": torch.randn(256, 64, generator=g),
+        "b": torch.arange(10, dtype=torch.int64),
+        "h": torch.randn(33, generator=g).to(torch.bfloat16),
+    }
+    if big:
+        sd["big"] = torch.randint(0, 255, (big,), dtype=torch.uint8, generator=g)
+    return sd
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_save_and_load_round_trip_with_storage_options(s3, tmp_path):
+    sd = _state(big=40 << 20)  # 40 MiB: three parts of 16 MiB
+    url = s3.url("model.pt")
+    ckptio.save(sd, url, storage_options=s3.options)
+    assert remote.head(url, s3.options)["size"] > 40 << 20
+    _same(ckptio.load(url, storage_options=s3.options), sd)
+    _same(ckptio.load(url, storage_options=s3.options, verify=True), sd)
+    # The object is a plain torch.save file.
+    local = tmp_path / "copy.pt"
+    info = remote.download(url, local, s3.options)
+    assert info["parts"] == 3 and info["size"] == os.path.getsize(local)
+    _same(torch.load(local, weights_only=True), sd)
+
+
+def test_the_standard_variables_configure_the_store(s3, monkeypatch):
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    url = s3.url("env.pt")
+    ckptio.save(_state(1), url)
+    _same(ckptio.load(url), _state(1))
+
+
+def test_load_in_place_and_map_location(s3):
+    url = s3.url("inplace.pt")
+    sd = _state(2)
+    ckptio.save(sd, url, storage_options=s3.options)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    ckptio.load(url, out=out, storage_options=s3.options)
+    _same(out, sd)
+    meta = ckptio.load(url, map_location="meta", storage_options=s3.options)
+    assert meta["w"].device.type == "meta"
+
+
+def test_safetensors_round_trip(s3):
+    url = s3.url("model.safetensors")
+    sd = _state(3, big=1 << 20)
+    ckptio.safetensors.save_file(sd, url, {"step": "7"}, storage_options=s3.options)
+    _same(ckptio.safetensors.load_file(url, storage_options=s3.options), sd)
+    # ckptio.load hands a .safetensors key to safetensors, as torch.load does.
+    _same(ckptio.load(url, storage_options=s3.options), sd)
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    ckptio.safetensors.load_file(url, out=out, storage_options=s3.options)
+    _same(out, sd)
+
+
+def test_a_failed_save_leaves_the_old_object_whole(s3):
+    url = s3.url("keep.pt")
+    ckptio.save(_state(4), url, storage_options=s3.options)
+    before = remote.head(url, s3.options)
+    with pytest.raises((AttributeError, pickle.PicklingError)):
+        ckptio.save({"f": lambda: 0}, url, storage_options=s3.options)
+    assert remote.head(url, s3.options) == before
+    _same(ckptio.load(url, storage_options=s3.options), _state(4))
+    ckptio.save(_state(5), url, storage_options=s3.options)  # a completed save replaces it
+    _same(ckptio.load(url, storage_options=s3.options), _state(5))
+
+
+def test_no_scratch_copy_is_left_behind(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path))
+    url = s3.url("scratch.pt")
+    ckptio.save(_state(), url, storage_options=s3.options)
+    ckptio.load(url, storage_options=s3.options)
+    with pytest.raises(ckptio.StoreNotFoundError):
+        ckptio.load(s3.url("missing.pt"), storage_options=s3.options)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_missing_key_is_file_not_found_naming_the_url(s3):
+    url = s3.url("nothing-here.pt")
+    with pytest.raises(FileNotFoundError) as e:
+        ckptio.load(url, storage_options=s3.options)
+    assert isinstance(e.value, ckptio.StoreNotFoundError)
+    assert isinstance(e.value, ckptio.CkptioError)
+    assert e.value.filename == url and "no such key" in str(e.value)
+
+
+def test_a_missing_bucket_says_so(s3):
+    url = "s3://no-such-bucket-ckptio/x.pt"
+    with pytest.raises(ckptio.StoreNotFoundError, match="no such bucket"):
+        ckptio.load(url, storage_options=s3.options)
+
+
+def test_a_wrong_secret_is_a_permission_error(s3):
+    opts = dict(s3.options, secret_access_key="wrong")
+    with pytest.raises(PermissionError) as e:
+        ckptio.save(_state(), s3.url("denied.pt"), storage_options=opts)
+    assert isinstance(e.value, ckptio.StorePermissionError)
+
+
+def test_an_unreachable_store_is_a_connection_error(s3):
+    opts = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    with pytest.raises(ConnectionError) as e:
+        ckptio.load(s3.url("x.pt"), storage_options=opts)
+    assert isinstance(e.value, ckptio.StoreConnectionError)
+
+
+def test_bad_options_are_value_errors(s3, tmp_path):
+    with pytest.raises(ValueError, match="unknown storage option"):
+        ckptio.load(s3.url("x.pt"), storage_options=dict(s3.options, colour="blue"))
+    with pytest.raises(ValueError, match="storage_options applies to object-store URLs"):
+        ckptio.save(_state(), tmp_path / "local.pt", storage_options=s3.options)
+    with pytest.raises(ValueError, match="concurrency"):
+        ckptio.load(s3.url("x.pt"), storage_options=dict(s3.options, concurrency=0))
+    with pytest.raises(TypeError, match="storage_options must be a mapping"):
+        ckptio.load(s3.url("x.pt"), storage_options=[("a", "b")])
+    with pytest.raises(ValueError, match="not an object-store URL|not an s3"):
+        remote.head("s3:/broken", s3.options)
+
+
+def test_conditional_puts_are_typed_conflicts(s3):
+    url = s3.url("commit.json")
+    v1 = remote.put_bytes(url, b"one", s3.options, create=True)
+    with pytest.raises(ckptio.CommitConflictError) as e:
+        remote.put_bytes(url, b"two", s3.options, create=True)
+    assert isinstance(e.value, FileExistsError) and e.value.filename == url
+    v2 = remote.put_bytes(url, b"two", s3.options, if_match=v1["e_tag"])
+    with pytest.raises(ckptio.CommitConflictError):
+        remote.put_bytes(url, b"three", s3.options, if_match=v1["e_tag"])
+    data, v = remote.get_bytes(url, s3.options)
+    assert data == b"two" and v["e_tag"] == v2["e_tag"]
+
+
+def test_listing_and_delete(s3):
+    for name in ("a/1", "a/2", "b/1"):
+        remote.put_bytes(s3.url("tree", name), name.encode(), s3.options)
+    listed = sorted(u for u, _, _ in remote.listing(s3.url("tree", "a"), s3.options))
+    assert listed == [s3.url("tree", "a/1"), s3.url("tree", "a/2")]
+    remote.delete(s3.url("tree", "a/1"), s3.options)
+    remote.delete(s3.url("tree", "a/1"), s3.options)  # gone already: not an error
+    assert [u for u, _, _ in remote.listing(s3.url("tree"), s3.options)] == [
+        s3.url("tree", "a/2"),
+        s3.url("tree", "b/1"),
+    ]
+
+
+def _child_load(url, options, q):
+    try:
+        sd = ckptio.load(url, storage_options=options)
+        q.put(float(sd["w"].sum()))
+    except BaseException as e:  # pragma: no cover - reported to the parent
+        q.put(repr(e))
+
+
+def test_a_forked_child_makes_its_own_client(s3):
+    url = s3.url("fork.pt")
+    sd = _state(6)
+    ckptio.save(sd, url, storage_options=s3.options)  # the parent's client exists now
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_load, args=(url, s3.options, q))
+    p.start()
+    got = q.get(timeout=60)
+    p.join(30)
+    assert got == float(sd["w"].sum())
+    _same(ckptio.load(url, storage_options=s3.options), sd)  # and the parent's still works

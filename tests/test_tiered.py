@@ -1,0 +1,208 @@
+"""ckptio.tiered.Checkpointer (issue 38) against a real S3 server: the three
+futures, both tiers' layout, loads from either tier, pruning, retries, a drain
+killed and resumed by the next process, and bad arguments."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import ckptio
+import pytest
+import torch
+from ckptio.io import remote
+from ckptio.tiered import COMMIT, Checkpointer, step_name
+
+
+def _state(seed: int, n: int = 1000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "step": torch.tensor(seed)}
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _ckpt(tmp_path, s3, **kw):
+    return Checkpointer(tmp_path / "local", s3.url("run"), storage_options=s3.options, **kw)
+
+
+def test_save_gives_three_futures_and_both_tiers(tmp_path, s3):
+    with _ckpt(tmp_path, s3) as c:
+        h = c.save(10, _state(10))
+        h.staged.result(60)
+        folder = h.local.result(60)
+        assert folder == str(tmp_path / "local" / step_name(10))
+        assert sorted(os.listdir(folder)) == [COMMIT, "state.pt"]
+        url = h.remote.result(120)
+        assert url == s3.url("run", step_name(10))
+        assert sorted(u.rsplit("/", 1)[1] for u, _, _ in remote.listing(url, s3.options)) == [
+            COMMIT,
+            "state.pt",
+        ]
+        assert c.latest() == 10 and c.local_steps() == [10] and c.remote_steps() == [10]
+        _same(c.load(), _state(10))
+        _same(torch.load(os.path.join(folder, "state.pt"), weights_only=True), _state(10))
+
+
+def test_the_snapshot_is_taken_before_training_goes_on(tmp_path, s3):
+    sd = _state(1)
+    want = {k: v.clone() for k, v in sd.items()}
+    with _ckpt(tmp_path, s3) as c:
+        h = c.save(1, sd)
+        h.staged.result(60)
+        sd["w"].add_(1)  # training modifies the state once staged
+        h.wait(120)
+        _same(c.load(1), want)
+
+
+def test_load_falls_back_to_the_store(tmp_path, s3):
+    with _ckpt(tmp_path, s3) as c:
+        c.save(5, _state(5)).wait(120)
+        os.unlink(os.path.join(c.local, step_name(5), "state.pt"))  # the local copy is gone
+        _same(c.load(5), _state(5))
+        out = {k: torch.zeros_like(v) for k, v in _state(5).items()}
+        c.load(5, out=out)
+        _same(out, _state(5))
+        with pytest.raises(FileNotFoundError, match="step 6 is complete in neither"):
+            c.load(6)
+
+
+def test_keep_local_and_keep_remote_prune_old_steps(tmp_path, s3):
+    with _ckpt(tmp_path, s3, keep_local=1, keep_remote=2) as c:
+        for step in (1, 2, 3, 4):
+            c.save(step, _state(step))
+        c.wait(240)
+        assert c.local_steps() == [4]
+        assert c.remote_steps() == [3, 4]
+        assert not remote.listing(s3.url("run", step_name(1)), s3.options)
+        _same(c.load(3), _state(3))
+
+
+def test_a_store_that_is_down_keeps_the_local_copy_and_the_next_process_drains(tmp_path, s3):
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    c = Checkpointer(
+        tmp_path / "local", s3.url("run"), storage_options=down, keep_local=1, tries=2,
+        backoff=0.01,
+    )  # fmt: skip
+    h1 = c.save(1, _state(1))
+    h2 = c.save(2, _state(2))
+    h2.local.result(60)
+    with pytest.raises(ckptio.StoreConnectionError):
+        h1.remote.result(60)
+    with pytest.raises(ckptio.StoreConnectionError):
+        c.wait(60)
+    c.close()
+    assert Checkpointer.local_steps(c) == [1, 2]  # nothing pruned: not in the store
+    with _ckpt(tmp_path, s3, keep_local=1) as again:
+        assert again.resumed == [1, 2]
+        again.wait(240)
+        assert again.remote_steps() == [1, 2] and again.local_steps() == [2]
+        _same(again.load(1), _state(1))
+    with _ckpt(tmp_path, s3) as third:  # nothing left to drain
+        assert third.resumed == []
+
+
+def test_a_dead_local_save_is_removed(tmp_path, s3):
+    dead = tmp_path / "local" / step_name(7)
+    dead.mkdir(parents=True)
+    (dead / "state.pt").write_bytes(b"torn")
+    with _ckpt(tmp_path, s3) as c:
+        assert not dead.exists() and c.latest() is None
+        with pytest.raises(FileNotFoundError, match="no complete step"):
+            c.load()
+
+
+def test_a_step_committed_with_other_contents_is_a_conflict(tmp_path, s3):
+    url = s3.url("run", step_name(3), COMMIT)
+    remote.put_bytes(url, b'{"someone":"else"}', s3.options)
+    with _ckpt(tmp_path, s3) as c:
+        h = c.save(3, _state(3))
+        with pytest.raises(ckptio.CommitConflictError):
+            h.wait(120)
+
+
+def test_safetensors_and_dcp_formats(tmp_path, s3):
+    with _ckpt(tmp_path, s3, format="safetensors") as c:
+        c.save(1, _state(1)).wait(120)
+        _same(c.load(1), _state(1))
+        os.unlink(os.path.join(c.local, step_name(1), "model.safetensors"))
+        _same(c.load(1), _state(1))
+    tmp2 = tmp_path / "dcp"
+    tmp2.mkdir()
+    with Checkpointer(tmp2 / "local", s3.url("dcp"), storage_options=s3.options, format="dcp") as c:
+        c.save(2, _state(2)).wait(120)
+        out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
+        c.load(2, out=out)
+        _same(out, _state(2))
+        for name in os.listdir(os.path.join(c.local, step_name(2))):
+            os.unlink(os.path.join(c.local, step_name(2), name))
+        out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
+        c.load(2, out=out)  # from the store
+        _same(out, _state(2))
+        with pytest.raises(ValueError, match="loads in place"):
+            c.load(2)
+
+
+def test_bad_arguments(tmp_path, s3):
+    with pytest.raises(ValueError, match="remote must be an object URL"):
+        Checkpointer(tmp_path / "a", str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="local must be a local folder"):
+        Checkpointer(s3.url("x"), s3.url("y"))
+    with pytest.raises(ValueError, match="format"):
+        _ckpt(tmp_path, s3, format="pickle")
+    with pytest.raises(ValueError, match="keep_local"):
+        _ckpt(tmp_path, s3, keep_local=0)
+    with pytest.raises(ValueError, match="keep_remote"):
+        _ckpt(tmp_path, s3, keep_remote=0)
+    c = _ckpt(tmp_path, s3)
+    with pytest.raises(ValueError, match="step must be an int"):
+        c.save(-1, _state(0))
+    c.save(4, _state(4)).wait(120)
+    with pytest.raises(ValueError, match="not after the last saved step"):
+        c.save(4, _state(4))
+    c.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        c.save(5, _state(5))
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    from ckptio.tiered import Checkpointer
+    local, url, endpoint, key, secret = sys.argv[1:6]
+    opts = dict(endpoint=endpoint, access_key_id=key, secret_access_key=secret,
+                region="us-east-1", part_size="16M", concurrency="1")
+    c = Checkpointer(local, url, storage_options=opts)
+    h = c.save(1, {"big": torch.arange(48 << 20, dtype=torch.int32)})
+    h.local.result()
+    print("LOCAL", flush=True)
+    h.wait()
+    print("REMOTE", flush=True)
+    """
+)
+
+
+def test_a_drain_killed_midway_is_resumed(tmp_path, s3):
+    import s3server
+
+    args = [str(tmp_path / "local"), s3.url("run"), s3.endpoint, s3server.KEY_ID, s3server.SECRET]
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, *args], stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )  # fmt: skip
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "LOCAL"
+    child.send_signal(signal.SIGKILL)  # 192 MiB in 12 parts, one at a time: mid-drain
+    child.wait()
+    with _ckpt(tmp_path, s3) as c:
+        assert c.resumed == [1]
+        c.wait(300)
+        os.unlink(os.path.join(c.local, step_name(1), "state.pt"))
+        got = c.load(1)
+        assert torch.equal(got["big"], torch.arange(48 << 20, dtype=torch.int32))
