@@ -5,6 +5,7 @@ configuration (storage_options, the AWS variables), the commit semantics
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -188,3 +189,80 @@ def test_a_forked_child_makes_its_own_client(s3):
     p.join(30)
     assert got == float(sd["w"].sum())
     _same(ckptio.load(url, storage_options=s3.options), sd)  # and the parent's still works
+
+
+# --------------------------------------------------------------------------- sharded safetensors
+
+
+def _index_names(s3, url):
+    data, _ = remote.get_bytes(url + "/model.safetensors.index.json", s3.options)
+    return set(json.loads(data)["weight_map"].values())
+
+
+def _shard_names(s3, url):
+    return sorted(u[len(url) + 1 :] for u, _, _ in remote.listing(url, s3.options))
+
+
+def test_sharded_safetensors_commit_by_their_index(s3):
+    url = s3.url("sharded")
+    sd1 = {f"t{i}": torch.full((1024,), float(i)) for i in range(6)}  # 4 KiB each
+    st = ckptio.safetensors
+    st.save_sharded(sd1, url, max_shard_size="10KB", storage_options=s3.options)
+    gen1 = _shard_names(s3, url)
+    assert "model.safetensors.index.json" in gen1 and len(gen1) == 4
+    _same(st.load_sharded(url, storage_options=s3.options), sd1)
+    _same(st.load_sharded(url + "/model.safetensors.index.json", storage_options=s3.options), sd1)
+    # The next generation: new names; the previous one kept for readers of its index.
+    sd2 = {k: v + 100 for k, v in sd1.items()}
+    st.save_sharded(sd2, url, max_shard_size="10KB", storage_options=s3.options)
+    gen2 = _shard_names(s3, url)
+    assert set(gen1) - {"model.safetensors.index.json"} <= set(gen2) and len(gen2) == 7
+    _same(st.load_sharded(url, storage_options=s3.options), sd2)
+    # A third: what neither the new index nor the previous one names goes.
+    prev = set(_index_names(s3, url))
+    st.save_sharded(sd1, url, max_shard_size="10KB", storage_options=s3.options)
+    gen3 = set(_shard_names(s3, url))
+    assert gen3 == prev | set(_index_names(s3, url)) | {"model.safetensors.index.json"}
+    _same(st.load_sharded(url, storage_options=s3.options), sd1)
+    out = {k: torch.empty_like(v) for k, v in sd1.items()}
+    st.load_sharded(url, out=out, storage_options=s3.options)
+    _same(out, sd1)
+
+
+def test_sharded_safetensors_single_file_and_back(s3):
+    url = s3.url("single")
+    st = ckptio.safetensors
+    sd = {f"t{i}": torch.full((1024,), float(i)) for i in range(3)}
+    st.save_sharded(sd, url, storage_options=s3.options)  # one shard: model.safetensors
+    assert _shard_names(s3, url) == ["model.safetensors"]
+    _same(st.load_sharded(url, storage_options=s3.options), sd)
+    st.save_sharded(sd, url, max_shard_size="4KB", storage_options=s3.options)
+    _same(st.load_sharded(url, storage_options=s3.options), sd)
+    st.save_sharded(sd, url, storage_options=s3.options)  # back to one file: the index goes
+    assert "model.safetensors.index.json" not in _shard_names(s3, url)
+    _same(st.load_sharded(url, storage_options=s3.options), sd)
+
+
+def test_a_racing_sharded_save_is_a_conflict(s3, monkeypatch):
+    url = s3.url("race")
+    st = ckptio.safetensors
+    sd = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}
+    st.save_sharded(sd, url, max_shard_size="10KB", storage_options=s3.options)
+    real = remote.upload
+
+    def upload_then_race(path, obj, options=None):
+        info = real(path, obj, options)
+        if not getattr(upload_then_race, "raced", False):
+            upload_then_race.raced = True
+            # Another writer commits its index while this save uploads its shards.
+            remote.put_bytes(url + "/model.safetensors.index.json", b'{"weight_map":{}}', options)
+        return info
+
+    monkeypatch.setattr(remote, "upload", upload_then_race)
+    before = set(_shard_names(s3, url))
+    with pytest.raises(ckptio.CommitConflictError):
+        st.save_sharded(
+            {k: v * 2 for k, v in sd.items()}, url, max_shard_size="8KB",
+            storage_options=s3.options,
+        )  # fmt: skip
+    assert set(_shard_names(s3, url)) == before  # the loser's shards removed

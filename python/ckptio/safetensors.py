@@ -36,18 +36,21 @@ shards inside its folder.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ckptio import _native
-from ckptio.errors import SafetensorError
+from ckptio.errors import CommitConflictError, SafetensorError
 from ckptio.formats import safetensors as fmt
 from ckptio.formats.safetensors import DTYPES, INDEX_NAME, find_shared
 from ckptio.io import devices, memory, paths, remote, reports, transfer
@@ -131,7 +134,7 @@ def save_file(
     (``s3://...``, with ``storage_options``), as for ``ckptio.save``.
     """
     if remote.is_url(filename) or storage_options is not None:
-        kw = dict(
+        kw: dict[str, Any] = dict(
             threads=threads, chunk_size=chunk_size, direct=direct,
             device_backend=device_backend, backend=backend,
         )  # fmt: skip
@@ -301,7 +304,7 @@ def load_file(
     as for ``ckptio.load``.
     """
     if remote.is_url(filename) or storage_options is not None:
-        kw = dict(
+        kw: dict[str, Any] = dict(
             backend=backend, threads=threads, chunk_size=chunk_size, direct=direct,
             device_backend=device_backend, out=out, strict=strict, cast=cast, group=group,
         )  # fmt: skip
@@ -372,6 +375,7 @@ def save_sharded(
     direct: bool | str | None = None,
     device_backend: str | None = None,
     backend: str | None = None,
+    storage_options: remote.StorageOptions = None,
 ) -> None:
     """Save ``tensors`` into ``folder`` as the Hugging Face hub lays checkpoints out.
 
@@ -395,7 +399,27 @@ def save_sharded(
     sharded layouts, a reader that prefers ``model.safetensors`` to the index, as
     transformers does, switches when the other layout's files are removed.)
     Returns None like ``save_file``; ``ckptio.last_report()`` sums the shards.
+
+    ``folder`` may be an object URL (``s3://bucket/prefix``, with
+    ``storage_options``): the shards are written locally, uploaded under names
+    the store's current index does not use, then the index is put in one
+    conditional PUT (If-Match on the index the save started from, or
+    If-None-Match for a new checkpoint): a writer that raced this one makes it
+    fail with ``ckptio.CommitConflictError`` (its shards removed), never a mix.
+    After the commit, shards that neither the new index nor the previous one
+    names are removed (the previous generation stays for readers that hold its
+    index).
     """
+    if remote.is_url(folder) or storage_options is not None:
+        remote.check_options(folder, storage_options)
+        kw: dict[str, Any] = dict(
+            threads=threads, chunk_size=chunk_size, direct=direct,
+            device_backend=device_backend, backend=backend,
+        )  # fmt: skip
+        url = os.fsdecode(os.fspath(folder))
+        save = lambda p: save_sharded(tensors, p, max_shard_size, metadata, **kw)  # noqa: E731
+        _save_sharded_remote(url, storage_options, save)
+        return
     io = IoOptions.of(
         threads, chunk_size, direct, _device_backend(backend, device_backend, "save_sharded")
     )
@@ -465,6 +489,100 @@ def save_sharded(
     reports.report(out, t0, reports.merged(stats, io.backend), len(tensors))
 
 
+def _index_of(url: str, options: remote.StorageOptions) -> tuple[bytes, str | None] | None:
+    """The store's current index at ``url`` (a folder) and its ETag, or None."""
+    try:
+        data, version = remote.get_bytes(remote.join(url, fmt.INDEX_NAME), options)
+    except FileNotFoundError:
+        return None
+    return data, version["e_tag"]
+
+
+def _names(index: bytes | None) -> set[str]:
+    if index is None:
+        return set()
+    try:
+        wm = json.loads(index).get("weight_map") or {}
+        return {str(v) for v in wm.values()}
+    except (ValueError, AttributeError):
+        return set()
+
+
+def _save_sharded_remote(
+    url: str, options: remote.StorageOptions, save: Callable[[str], None]
+) -> None:
+    """``save`` into a scratch folder that holds the store's current index (so
+    that the new shards get names it does not use), the shards uploaded, the
+    index put conditionally (the commit), then the objects of neither
+    generation removed."""
+    old = _index_of(url, options)
+    folder = tempfile.mkdtemp(prefix="ckptio-stage-", dir=remote.scratch_dir())
+    uploaded: list[str] = []
+    try:
+        if old is not None:
+            with open(os.path.join(folder, fmt.INDEX_NAME), "wb") as fh:
+                fh.write(old[0])
+        save(folder)
+        files = sorted(f for f in os.listdir(folder) if fmt.SHARD_FILE.fullmatch(f))
+        for name in files:
+            obj = remote.join(url, name)
+            remote.upload(os.path.join(folder, name), obj, options)
+            uploaded.append(obj)
+        index_path = os.path.join(folder, fmt.INDEX_NAME)
+        new: bytes | None = None
+        if os.path.exists(index_path) and files != ["model.safetensors"]:
+            with open(index_path, "rb") as fh:
+                new = fh.read()
+            try:
+                remote.put_bytes(
+                    remote.join(url, fmt.INDEX_NAME), new, options,
+                    create=old is None, if_match=None if old is None else old[1],
+                )  # fmt: skip
+            except CommitConflictError:
+                for obj in uploaded:
+                    remote.delete(obj, options)
+                raise
+        elif old is not None:  # now one model.safetensors: the old index goes
+            remote.delete(remote.join(url, fmt.INDEX_NAME), options)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    keep = _names(new) | _names(None if old is None else old[0]) | {"model.safetensors"}
+    if new is not None:
+        keep.discard("model.safetensors")  # the single-file layout of before goes
+    for obj, _, _ in remote.listing(url, options):
+        name = obj[len(url.rstrip("/")) + 1 :]
+        if "/" not in name and fmt.SHARD_FILE.fullmatch(name) and name not in keep:
+            remote.delete(obj, options)
+
+
+@contextlib.contextmanager
+def _sharded_copy(url: str, options: remote.StorageOptions) -> Iterator[str]:
+    """A local copy of the sharded checkpoint at ``url`` (its folder or index):
+    the index and the shards it names, or a single model.safetensors."""
+    base, index_name = url.rstrip("/"), fmt.INDEX_NAME
+    if base.endswith(".json"):
+        base, index_name = base.rsplit("/", 1)
+    folder = tempfile.mkdtemp(prefix="ckptio-stage-", dir=remote.scratch_dir())
+    try:
+        try:
+            index, _ = remote.get_bytes(remote.join(base, index_name), options)
+        except FileNotFoundError:
+            index = None
+        if index is None:
+            names = ["model.safetensors"]
+        else:
+            with open(os.path.join(folder, index_name), "wb") as fh:
+                fh.write(index)
+            names = sorted(_names(index))
+        for name in names:
+            if "/" in name or name in (".", "..") or not name:
+                raise fmt.fail(url, f"the index names a shard outside its folder: {name!r}")
+            remote.download(remote.join(base, name), os.path.join(folder, name), options)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _remove(path: str) -> None:
     try:
         os.unlink(path)
@@ -486,6 +604,7 @@ def load_sharded(
     strict: bool = True,
     cast: bool = False,
     group: Any = None,
+    storage_options: remote.StorageOptions = None,
 ) -> dict[str, torch.Tensor]:
     """Load a sharded checkpoint (``*.safetensors.index.json`` + shards, or a folder
     holding one, or a folder with a single ``model.safetensors``) to ``device``
@@ -495,8 +614,19 @@ def load_sharded(
     tensor name in two shards is a FormatError. Returns all tensors of the
     shards, shard by shard in file order. The keywords are ``load_file``'s
     (``out``, ``strict``, ``cast``: load in place; ``group``: read once, share
-    over a process group).
+    over a process group). ``index_path_or_folder`` may be an object URL (of the
+    folder or the index, with ``storage_options``): the index and the shards it
+    names are read into a local scratch copy, loaded, and removed.
     """
+    if remote.is_url(index_path_or_folder) or storage_options is not None:
+        remote.check_options(index_path_or_folder, storage_options)
+        kw: dict[str, Any] = dict(
+            backend=backend, threads=threads, chunk_size=chunk_size, direct=direct,
+            device_backend=device_backend, out=out, strict=strict, cast=cast, group=group,
+        )  # fmt: skip
+        url = os.fsdecode(os.fspath(index_path_or_folder))
+        with _sharded_copy(url, storage_options) as local:
+            return load_sharded(local, device, **kw)
     io = IoOptions.of(
         threads, chunk_size, direct, _device_backend(backend, device_backend, "load_sharded")
     )

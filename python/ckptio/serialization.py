@@ -109,9 +109,11 @@ def save(
     (``ckptio.io.remote``; docs/objectstore.md).
     """
     if remote.is_url(f) or storage_options is not None:
-        kw = dict(threads=threads, chunk_size=chunk_size, direct=direct, backend=backend)
-        args = (pickle_module, pickle_protocol, _use_new_zipfile_serialization)
-        args += (_disable_byteorder_record,)
+        kw: dict[str, Any] = dict(
+            threads=threads, chunk_size=chunk_size, direct=direct, backend=backend
+        )
+        new_zip, no_byteorder = _use_new_zipfile_serialization, _disable_byteorder_record
+        args = (pickle_module, pickle_protocol, new_zip, no_byteorder)
         remote.via_local(f, storage_options, lambda p: save(obj, p, *args, **kw), write=True)
         return
     paths.file_like(f, "save", "write")
@@ -323,7 +325,7 @@ def load(
     parallel ranged GETs into a local scratch copy, loaded as above, and removed.
     """
     if remote.is_url(f) or storage_options is not None:
-        kw = dict(
+        kw: dict[str, Any] = dict(
             map_location=map_location, pickle_module=pickle_module, weights_only=weights_only,
             mmap=mmap, threads=threads, chunk_size=chunk_size, direct=direct, backend=backend,
             verify=verify, out=out, strict=strict, cast=cast, group=group,
