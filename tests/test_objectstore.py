@@ -14,6 +14,7 @@ import ckptio
 import pytest
 import torch
 from ckptio.io import remote
+from torch.distributed.checkpoint.api import CheckpointException
 
 
 def _state(seed: int = 0, big: int = 0) -> dict[str, torch.Tensor]:
@@ -266,3 +267,95 @@ def test_a_racing_sharded_save_is_a_conflict(s3, monkeypatch):
             storage_options=s3.options,
         )  # fmt: skip
     assert set(_shard_names(s3, url)) == before  # the loser's shards removed
+
+
+# --------------------------------------------------------------------------- DCP
+
+
+def _dcp_state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(64, 64, generator=g), "b": torch.arange(100) + seed, "n": seed}
+
+
+def _dcp_save(url, sd, s3, **kw):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemWriter
+
+    w = FileSystemWriter(url, storage_options=s3.options, **kw)
+    dcp.save(sd, storage_writer=w, no_dist=True)
+
+
+def _dcp_load(url, s3, seed):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+
+    out = {"a": torch.zeros(64, 64), "b": torch.zeros(100, dtype=torch.int64), "n": -1}
+    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
+    want = _dcp_state(seed)
+    assert torch.equal(out["a"], want["a"]) and torch.equal(out["b"], want["b"])
+    assert out["n"] == seed
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_commits_by_its_metadata(s3):
+    url = s3.url("dcp")
+    _dcp_save(url, _dcp_state(1), s3)
+    names1 = set(_shard_names(s3, url))
+    assert ".metadata" in names1 and len(names1) == 2
+    _dcp_load(url, s3, 1)
+    _dcp_save(url, _dcp_state(2), s3)
+    names2 = set(_shard_names(s3, url))
+    assert names1 < names2 and len(names2) == 3  # the previous generation kept
+    _dcp_load(url, s3, 2)
+    _dcp_save(url, _dcp_state(3), s3)
+    names3 = set(_shard_names(s3, url))
+    assert not (names1 - {".metadata"}) & names3 and len(names3) == 3
+    _dcp_load(url, s3, 3)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_checkpoint_id_takes_a_url(s3, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
+
+    url = s3.url("by-id")
+    w = FileSystemWriter(tmp_path / "unused")
+    w._store.options = s3.options  # options for the URL given by checkpoint_id
+    dcp.save(_dcp_state(4), checkpoint_id=url, storage_writer=w, no_dist=True)
+    assert ".metadata" in _shard_names(s3, url)
+    out = {"a": torch.zeros(64, 64), "b": torch.zeros(100, dtype=torch.int64), "n": -1}
+    r = FileSystemReader(url, storage_options=s3.options)
+    dcp.load(out, checkpoint_id=url, storage_reader=r, no_dist=True)
+    assert out["n"] == 4
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_racing_dcp_save_is_a_conflict(s3, monkeypatch):
+    from ckptio import dcp as ckdcp
+
+    url = s3.url("dcp-race")
+    _dcp_save(url, _dcp_state(1), s3)
+    before = set(_shard_names(s3, url))
+    real = ckdcp._Remote.upload
+
+    def upload_then_race(self, folder, names):
+        real(self, folder, names)
+        remote.put_bytes(url + "/.metadata", b"another writer", s3.options)
+
+    monkeypatch.setattr(ckdcp._Remote, "upload", upload_then_race)
+    # DCP reports a failed step as its CheckpointException, the cause named.
+    with pytest.raises(CheckpointException, match="CommitConflictError"):
+        _dcp_save(url, _dcp_state(2), s3)
+    assert set(_shard_names(s3, url)) == before
+
+
+@pytest.mark.slow
+def test_dcp_over_two_ranks_in_the_store(s3):
+    from test_dcp import _run_ranks
+
+    url = s3.url("ranks")
+    _run_ranks(2, "store", url, **s3.env)
+    # Two ranks' files per generation; the sync save's and the async saves' own.
+    names = _shard_names(s3, url + "/async")
+    assert names.count(".metadata") == 1 and len(names) == 5  # 2 generations x 2 ranks
+    _run_ranks(1, "store_load", url, **s3.env)  # one rank loads what two saved

@@ -59,6 +59,8 @@ import io
 import os
 import pickle
 import secrets
+import shutil
+import tempfile
 import threading
 from typing import Any
 
@@ -90,11 +92,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptio import _native
-from ckptio.errors import FormatError
+from ckptio.errors import CommitConflictError, FormatError
 from ckptio.formats import dcp as fmt
 from ckptio.formats import torchzip
 from ckptio.formats.dcp import read_metadata
-from ckptio.io import devices, transfer
+from ckptio.io import devices, remote, transfer
 from ckptio.io.engines import IoOptions
 from ckptio.io.paths import inside, open_regular
 from ckptio.io.units import align_up
@@ -145,6 +147,16 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     compatibility). ``_extensions=[ZStandard()]``: each item one zstd frame,
     compressed in Rust; other transforms and ``SerializationFormat.SAFETENSORS``
     are written by torch's own writer code (see the module doc).
+
+    ``path`` (or ``checkpoint_id``) may be an object URL (``s3://bucket/prefix``,
+    with ``storage_options``): each rank writes its data files to a local
+    scratch folder and uploads them (objects under names of this save's own);
+    the coordinator then puts ``.metadata`` in one conditional PUT (If-Match on
+    the ``.metadata`` the save started from, If-None-Match for a new
+    checkpoint), the commit: a writer that raced this one gets
+    ``ckptio.CommitConflictError`` (this save's data objects removed). After the
+    commit, data objects that neither the new nor the previous ``.metadata``
+    names are removed.
     """
 
     def __init__(
@@ -163,10 +175,15 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         chunk_size: int | None = None,
         direct: bool | str | None = None,
         backend: str | None = None,
+        storage_options: remote.StorageOptions = None,
     ) -> None:
         extra = _torch_args(
             _WRITER_ARGS, _extensions=_extensions, serialization_format=serialization_format
         )
+        remote.check_options(path, storage_options)
+        self._store = _Remote(path, storage_options)
+        if self._store.url is not None:
+            path = self._store.folder()
         _FileSystemWriter.__init__(
             self,
             path,
@@ -194,12 +211,29 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
         return BlockingAsyncStager.stage(self, state_dict)
 
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self._store.point(checkpoint_id)
+            if self._store.url is not None:
+                checkpoint_id = self._store.folder()
+        super().reset(checkpoint_id)
+
+    def storage_meta(self) -> Any:
+        meta = super().storage_meta()
+        if self._store.url is not None and meta is not None:
+            meta.checkpoint_id = self._store.url
+        return meta
+
     def _token(self) -> str:
-        """A generation token no file in the folder carries yet."""
+        """A generation token no file in the folder (or the store) carries yet."""
         try:
             taken = "\n".join(os.listdir(self.path))
         except OSError:
             taken = ""
+        if self._store.url is not None:
+            taken += "\n".join(
+                u for u, _, _ in remote.listing(self._store.url, self._store.options)
+            )
         while True:
             token = secrets.token_hex(4)
             if f"_{token}_" not in taken:
@@ -218,6 +252,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator names this generation's files: every rank's prefix carries the token.
         self._open_guard(fmt.METADATA)
+        self._store.remember(fmt.METADATA)
         token = self._token()
         return [
             dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{token}_"))
@@ -231,7 +266,10 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         :meth:`finish` commits into it, marks the save as in flight; no sweep
         removes a data file while it lives (``formats.dcp.sweep``). Then the
         leftovers of dead or failed saves go (this one's own guard aside): on a
-        nearly full disk they would make this save fail too."""
+        nearly full disk they would make this save fail too. (Saves to a store
+        commit there: their scratch folder needs no guard.)"""
+        if self._store.url is not None:
+            return
         guard = _guards.take(os.path.join(os.fspath(self.path), name))
         fmt.sweep(os.fspath(self.path), own=guard.tmp_path)
 
@@ -249,6 +287,20 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         return bool(exts) and not (len(exts) == 1 and type(exts[0]) is _ZStandard)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._store.url is None:
+            return self._write_files(plan, planner)
+        os.makedirs(self.path, exist_ok=True)
+        try:
+            results = self._write_files(plan, planner).wait()
+            names = sorted({wr.storage_data.relative_path for wr in results})
+            self._store.upload(os.fspath(self.path), names)
+        finally:
+            shutil.rmtree(self.path, ignore_errors=True)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_files(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._torch_writes():
             self.last_stats = []
             fut_torch: Future[list[WriteResult]] = _FileSystemWriter.write_data(self, plan, planner)
@@ -405,6 +457,10 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         name = f"__{self.rank}{fmt.METADATA}" if per_rank else fmt.METADATA
         target = os.path.join(os.fspath(self.path), name)
         data = pickle.dumps(metadata)
+        if self._store.url is not None:
+            files = {info.relative_path for info in storage_md.values()}
+            self._store.commit(name, data, files)
+            return
         guard = _guards.pop(target)
         if guard is None:  # no plan made here (a writer driven by hand)
             transfer.replace_file(target, data)
@@ -413,6 +469,100 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         # The earlier generations' data files, now named by no metadata. Best
         # effort: what cannot go now goes with the next save.
         fmt.sweep(os.fspath(self.path))
+
+
+class _Remote:
+    """A DCP checkpoint in an object store: the URL, the options, the local
+    scratch folder the files pass through, and the commit (see the writer's doc)."""
+
+    def __init__(self, path: Any, options: remote.StorageOptions) -> None:
+        self.options = options
+        self.url: str | None = None
+        self._folder: str | None = None
+        #: The commit object the save started from: (bytes, ETag), or None.
+        self._base: tuple[bytes, str | None] | None = None
+        self.point(path)
+
+    def point(self, path: Any) -> None:
+        self.url = os.fsdecode(os.fspath(path)).rstrip("/") if remote.is_url(path) else None
+
+    def folder(self) -> str:
+        if self._folder is None:
+            self._folder = tempfile.mkdtemp(prefix="ckptio-dcp-", dir=remote.scratch_dir())
+        return self._folder
+
+    def _join(self, name: str) -> str:
+        assert self.url is not None
+        return remote.join(self.url, name)
+
+    def remember(self, name: str) -> None:
+        """On the coordinator, before any data is written: the commit object now."""
+        if self.url is None:
+            return
+        try:
+            data, version = remote.get_bytes(self._join(name), self.options)
+            self._base = (data, version["e_tag"])
+        except FileNotFoundError:
+            self._base = None
+
+    def upload(self, folder: str, names: list[str]) -> None:
+        done: list[str] = []
+        try:
+            for name in names:
+                remote.upload(os.path.join(folder, name), self._join(name), self.options)
+                done.append(name)
+        except BaseException:
+            self._remove(done)
+            raise
+
+    def download(self, folder: str, names: list[str]) -> None:
+        for name in names:
+            inside(folder, name, "a DCP checkpoint's file")
+            remote.download(self._join(name), os.path.join(folder, name), self.options)
+
+    def _remove(self, names: Any) -> None:
+        for name in names:
+            with contextlib.suppress(OSError):
+                remote.delete(self._join(name), self.options)
+
+    def commit(self, name: str, data: bytes, files: set[str]) -> None:
+        """Put the commit object ``name`` conditionally; on a conflict this save's
+        data objects go. Then the objects of neither generation go."""
+        base = self._base
+        try:
+            remote.put_bytes(
+                self._join(name), data, self.options,
+                create=base is None, if_match=None if base is None else base[1],
+            )  # fmt: skip
+        except CommitConflictError:
+            self._remove(files)
+            raise
+        keep = set(files) | (self._files_of(base[0]) if base is not None else set())
+        assert self.url is not None
+        for url, _, _ in remote.listing(self.url, self.options):
+            obj = url[len(self.url) + 1 :]
+            if fmt.DATA_FILE.fullmatch(obj) and obj not in keep:
+                self._remove([obj])
+
+    def _files_of(self, data: bytes) -> set[str]:
+        """The data files a previous ``.metadata`` names (read as every
+        ``.metadata`` is: allow-listed); all of them where it cannot be read."""
+        folder = self.folder()
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, "previous" + fmt.METADATA)
+        try:
+            with open(path, "wb") as fh:
+                fh.write(data)
+            md = read_metadata(path)
+            return {info.relative_path for info in (md.storage_data or {}).values()}
+        except (FormatError, OSError, AttributeError):
+            return {
+                u[len(self.url or "") + 1 :]
+                for u, _, _ in remote.listing(self.url or "", self.options)
+            }
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 class _Guards:
@@ -492,7 +642,12 @@ class FileSystemReader(_TorchReader):
         trusted_metadata: bool = False,
         share: bool = True,
         process_group: Any = None,
+        storage_options: remote.StorageOptions = None,
     ) -> None:
+        remote.check_options(path, storage_options)
+        self._store = _Remote(path, storage_options)
+        if self._store.url is not None:
+            path = self._store.folder()
         super().__init__(path, **_torch_args(_READER_ARGS, _extension_registry=_extension_registry))
         for name, v in (
             ("verify", verify),
@@ -517,6 +672,10 @@ class FileSystemReader(_TorchReader):
         self.last_share: dict[str, int] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self._store.point(checkpoint_id)
+            if self._store.url is not None:
+                checkpoint_id = self._store.folder()
         super().reset(checkpoint_id)
         self._layouts = {}
         self._metas = {}
@@ -621,6 +780,9 @@ class FileSystemReader(_TorchReader):
         """``.metadata`` (``__{rank}.metadata`` with ``rank=``), unpickled with the
         allow-list and checked (see the module doc)."""
         path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
+        if self._store.url is not None:
+            os.makedirs(self.path, exist_ok=True)
+            self._store.download(os.fspath(self.path), [os.path.basename(path)])
         metadata = read_metadata(path, trusted=self.trusted_metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = _md.StorageMeta()
@@ -628,6 +790,16 @@ class FileSystemReader(_TorchReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._store.url is None:
+            return self._read_plan(plan, planner)
+        names = sorted({self.storage_data[r.storage_index].relative_path for r in plan.items})
+        try:
+            self._store.download(os.fspath(self.path), names)
+            return self._read_plan(plan, planner)
+        finally:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         shares = plan.storage_data
         self.last_share = {}
         if isinstance(shares, _Shares) and self._group() is not None:

