@@ -359,3 +359,65 @@ def test_dcp_over_two_ranks_in_the_store(s3):
     names = _shard_names(s3, url + "/async")
     assert names.count(".metadata") == 1 and len(names) == 5  # 2 generations x 2 ranks
     _run_ranks(1, "store_load", url, **s3.env)  # one rank loads what two saved
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def _cli(s3, *argv):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **s3.env, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run(
+        [sys.executable, "-m", "ckptio", *argv], capture_output=True, text=True, env=env,
+        timeout=300, check=False,
+    )  # fmt: skip
+
+
+def test_verify_and_listing_take_urls(s3):
+    url = s3.url("tools.pt")
+    ckptio.save(_state(7), url, storage_options=s3.options)
+    rep = ckptio.verify(url, storage_options=s3.options)
+    assert rep.ok and rep.records
+    assert [t.name for t in ckptio.listing(url, storage_options=s3.options).entries] != []
+    st_url = s3.url("tools-sharded")
+    sd = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}
+    ckptio.safetensors.save_sharded(sd, st_url, max_shard_size="10KB", storage_options=s3.options)
+    assert ckptio.verify(st_url, storage_options=s3.options).ok
+    with pytest.raises(ckptio.StoreNotFoundError):
+        ckptio.verify(s3.url("nothing"), storage_options=s3.options)
+
+
+def test_the_command_line_takes_urls(s3):
+    url = s3.url("cli.pt")
+    ckptio.save(_state(8), url, storage_options=s3.options)
+    r = _cli(s3, "ls", url)
+    assert r.returncode == 0 and "w" in r.stdout, r.stderr
+    r = _cli(s3, "verify", url)
+    assert r.returncode == 0 and ": ok: " in r.stdout, r.stdout + r.stderr
+    dst = s3.url("cli.safetensors")
+    r = _cli(s3, "convert", url, dst)
+    assert r.returncode == 0, r.stderr
+    _same(ckptio.safetensors.load_file(dst, storage_options=s3.options), _state(8))
+    r = _cli(s3, "verify", s3.url("missing.pt"))
+    assert r.returncode == 1 and "no such key" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_clean_aborts_dangling_uploads(s3):
+    boto3 = pytest.importorskip("boto3")
+    client = boto3.client(
+        "s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.options["access_key_id"],
+        aws_secret_access_key=s3.options["secret_access_key"], region_name="us-east-1",
+    )  # fmt: skip
+    bucket, _, prefix = s3.url("dangling").split("://", 1)[1].partition("/")
+    up = client.create_multipart_upload(Bucket=bucket, Key=prefix + "/dead.pt")
+    client.upload_part(
+        Bucket=bucket, Key=prefix + "/dead.pt", UploadId=up["UploadId"], PartNumber=1, Body=b"x"
+    )
+    r = _cli(s3, "clean", s3.url("dangling"))  # younger than a day: kept
+    assert r.returncode == 0 and "0 dangling uploads aborted" in r.stdout, r.stderr
+    r = _cli(s3, "clean", s3.url("dangling"), "--older-than", "0")
+    assert r.returncode == 0 and "1 dangling uploads aborted" in r.stdout, r.stderr
+    left = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    assert left == []

@@ -152,6 +152,40 @@ def via_local(
 
 
 @contextlib.contextmanager
+def local_tree(f: Any, options: StorageOptions = None) -> Iterator[str]:
+    """``f`` itself where it is local; for a URL, a scratch copy of what it names:
+    the object, else every object under the folder (a sharded or DCP
+    checkpoint), removed after the block."""
+    check_options(f, options)
+    if not is_url(f):
+        yield os.fspath(f)
+        return
+    url = os.fsdecode(os.fspath(f)).rstrip("/")
+    try:
+        head(url, options)
+        objects = None
+    except FileNotFoundError:
+        objects = listing(url, options)
+        if not objects:
+            raise
+    folder, path = _scratch_path(url)
+    try:
+        if objects is None:
+            download(url, path, options)
+        else:
+            for obj, _, _ in objects:
+                rel = obj[len(url) + 1 :]
+                if not rel or rel.startswith("/") or ".." in rel.split("/"):
+                    raise ValueError(f"{obj}: not a name inside {url}")
+                dst = os.path.join(path, *rel.split("/"))
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                download(obj, dst, options)
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def staged_save(url: str, options: StorageOptions = None) -> Iterator[str]:
     """A local path to write ``url``'s bytes to; once the block completes, the
     file is uploaded (the object replaced whole) and the local copy removed.

@@ -11,11 +11,14 @@ Every save does the same in its own folder first.
 
 from __future__ import annotations
 
+import datetime
 import os
+from typing import Any
 
 from ckptio import _native
 from ckptio.formats import dcp
 from ckptio.formats import safetensors as st_format
+from ckptio.io import remote
 
 
 def clean(folder: str | os.PathLike[str]) -> list[str]:
@@ -27,3 +30,55 @@ def clean(folder: str | os.PathLike[str]) -> list[str]:
     removed += dcp.sweep(path)
     removed += st_format.sweep(path)
     return removed
+
+
+#: storage_options keys -> boto3 client arguments, for :func:`abort_uploads`.
+_BOTO_ARGS = {
+    "endpoint": "endpoint_url",
+    "aws_endpoint": "endpoint_url",
+    "access_key_id": "aws_access_key_id",
+    "aws_access_key_id": "aws_access_key_id",
+    "secret_access_key": "aws_secret_access_key",
+    "aws_secret_access_key": "aws_secret_access_key",
+    "session_token": "aws_session_token",
+    "token": "aws_session_token",
+    "region": "region_name",
+    "aws_region": "region_name",
+}
+
+
+def abort_uploads(
+    url: str, older_than: float = 86400.0, storage_options: remote.StorageOptions = None
+) -> list[str]:
+    """Abort the multipart uploads under ``url`` (``s3://bucket/prefix``) begun
+    more than ``older_than`` seconds ago: what saves killed midway leave in a
+    store (invisible as objects, billed as storage). ``key (upload id)`` of each.
+
+    The store's own rule does the same without a command (S3's
+    ``AbortIncompleteMultipartUpload`` lifecycle rule; docs/objectstore.md).
+    Needs boto3 (the core's client cannot list uploads).
+    """
+    remote.check_options(url, storage_options)
+    if not url.startswith(("s3://", "s3a://")):
+        raise ValueError(f"{url}: aborting dangling uploads needs an s3:// URL")
+    try:
+        import boto3
+    except ImportError:
+        raise ImportError(
+            "ckptio clean s3://... lists dangling uploads with boto3: pip install boto3"
+        ) from None
+    bucket, _, prefix = url.split("://", 1)[1].partition("/")
+    kwargs: dict[str, Any] = {}
+    for key, value in (storage_options or {}).items():
+        if key in _BOTO_ARGS:
+            kwargs[_BOTO_ARGS[key]] = str(value)
+    client = boto3.client("s3", **kwargs)
+    cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=older_than)
+    aborted = []
+    pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix)
+    for page in pages:
+        for up in page.get("Uploads", []):
+            if up["Initiated"] <= cutoff:
+                client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
+                aborted.append(f"{up['Key']} ({up['UploadId']})")
+    return aborted

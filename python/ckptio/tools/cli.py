@@ -19,6 +19,7 @@ prints what a script reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -30,6 +31,7 @@ from typing import Any
 
 from ckptio.errors import FormatError
 from ckptio.formats import detect
+from ckptio.io import remote
 from ckptio.io.units import human_bytes, parse_size, size_text
 from ckptio.tools import bench, clean, describe
 from ckptio.tools.convert import convert
@@ -140,7 +142,13 @@ def _parser() -> argparse.ArgumentParser:
         "temp file, in any PID namespace or container), and the data files of DCP or sharded "
         "safetensors checkpoints that no .metadata or index names, while no save runs there.",
     )
-    cl.add_argument("folder")
+    cl.add_argument("folder", help="a folder, or s3://bucket/prefix: abort its dangling uploads")
+    cl.add_argument(
+        "--older-than",
+        type=float,
+        default=86400.0,
+        help="s3://: abort uploads begun more than this many seconds ago (default 1 day)",
+    )
     cl.add_argument("-q", "--quiet", action="store_true", help="print only errors")
     cl.add_argument("--json", action="store_true", help="print the removed files as JSON")
 
@@ -153,7 +161,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
-        return int(_COMMANDS[a.cmd](a))
+        with contextlib.ExitStack() as stack:
+            _local_copies(a, stack)
+            return int(_COMMANDS[a.cmd](a))
     except KeyboardInterrupt:
         print(f"ckptio {a.cmd}: interrupted", file=sys.stderr)
         return 130
@@ -163,6 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # bad input of any kind: one line, no traceback
         print(f"ckptio {a.cmd}: {_one_line(e)}", file=sys.stderr)
         return FAILED
+
+
+def _local_copies(a: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+    """Object URLs (``s3://...``, configured by the AWS_* variables) among the
+    arguments: what is read becomes a scratch copy, what is written a scratch
+    file uploaded once the command succeeds."""
+    if a.cmd == "clean" and remote.is_url(a.folder):
+        return  # clean acts on the store itself
+    for name in ("path", "src"):
+        value = getattr(a, name, None)
+        if value is not None and remote.is_url(value):
+            setattr(a, name, stack.enter_context(remote.local_tree(value)))
+    dst = getattr(a, "dst", None)
+    if dst is not None and remote.is_url(dst):
+        a.dst = stack.enter_context(remote.staged_save(dst))
 
 
 def _one_line(e: BaseException) -> str:
@@ -299,6 +324,15 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _cmd_clean(a: argparse.Namespace) -> int:
+    if remote.is_url(a.folder):
+        removed = clean.abort_uploads(a.folder, a.older_than)
+        if a.json:
+            _print_json({"url": a.folder, "aborted": removed})
+        elif not a.quiet:
+            for name in removed:
+                print(name)
+            print(f"{a.folder}: {len(removed)} dangling uploads aborted")
+        return OK
     removed = clean.clean(a.folder)
     if a.json:
         _print_json({"folder": a.folder, "removed": list(removed)})

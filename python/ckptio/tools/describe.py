@@ -24,6 +24,7 @@ from ckptio.errors import FormatError
 from ckptio.formats import dcp, torchzip
 from ckptio.formats import safetensors as st_format
 from ckptio.formats.detect import DCP, FORMATS, SAFETENSORS, SHARDED, TORCH, Detected, detect
+from ckptio.io import remote
 from ckptio.io.paths import inside, open_regular
 
 __all__ = [
@@ -122,8 +123,17 @@ class Listing:
         return d
 
 
-def listing(path: str | os.PathLike[str], source: Detected | None = None) -> Listing:
-    """Describe the checkpoint at ``path`` (any format :func:`detect` knows)."""
+def listing(
+    path: str | os.PathLike[str],
+    source: Detected | None = None,
+    *,
+    storage_options: remote.StorageOptions = None,
+) -> Listing:
+    """Describe the checkpoint at ``path`` (any format :func:`detect` knows; an
+    object URL is read from a scratch copy)."""
+    if remote.is_url(path) or storage_options is not None:
+        with remote.local_tree(path, storage_options) as local:
+            return listing(local)
     src = source or detect(path)
     if src.format == TORCH:
         return _torch(src)

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from ckptio import _native
 from ckptio.errors import FormatError, corrupt
 from ckptio.formats import dcp, detect, torchzip
-from ckptio.io import paths
+from ckptio.io import paths, remote
 from ckptio.io.engines import IoOptions
 from ckptio.tools import describe
 
@@ -89,6 +89,7 @@ def verify(
     chunk_size: int | None = None,
     direct: bool | str | None = None,
     progress: Callable[[int], None] | None = None,
+    storage_options: remote.StorageOptions = None,
 ) -> VerifyReport:
     """Check a checkpoint of any format ckptio reads (found from its content, see
     ``ckptio.formats.detect``): every record of a torch.save zip against its CRC-32, and
@@ -115,7 +116,14 @@ def verify(
     file) and the index against its shards; every tensor is then "unchecked".
 
     ``progress(n)``, where given, is called as each ``n`` bytes are checked.
+
+    ``f`` may be an object URL (of a file, or of a folder checkpoint; with
+    ``storage_options``): it is checked on a scratch copy.
     """
+    if remote.is_url(f) or storage_options is not None:
+        with remote.local_tree(f, storage_options) as local:
+            return verify(local, threads=threads, chunk_size=chunk_size, direct=direct,
+                          progress=progress)  # fmt: skip
     path = paths.path(f, "verify")
     io = IoOptions.of(threads, chunk_size, direct, None)
     engine = io.engine()
