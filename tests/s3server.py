@@ -51,6 +51,7 @@ class S3Server:
     folder: str
     log: str
     prefix_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    args: list[str] = field(default_factory=list)
 
     @property
     def options(self) -> dict[str, str]:
@@ -76,6 +77,15 @@ class S3Server:
     def url(self, *names: str) -> str:
         return "/".join([f"s3://{BUCKET}", self.prefix_id, *names])
 
+    def restart(self) -> None:
+        """Start the server again on its data and ports (after it was stopped)."""
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env
+            )
+        _wait_up(self)
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -83,6 +93,7 @@ class S3Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def start(binary: str) -> S3Server:
@@ -102,7 +113,7 @@ def start(binary: str) -> S3Server:
     env = dict(os.environ, AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET)
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env)
-    server = S3Server(f"http://127.0.0.1:{p[6]}", proc, folder, log)
+    server = S3Server(f"http://127.0.0.1:{p[6]}", proc, folder, log, args=args)
     _wait_up(server)
     return server
 
@@ -126,3 +137,82 @@ def _wait_up(server: S3Server) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"SeaweedFS not up after 90 s: see {server.log}")
         time.sleep(0.3)
+
+
+class FaultProxy:
+    """A loopback HTTP proxy to the server for fault tests: each request passes,
+    unless ``rule(request_line)`` says "slowdown" (503 SlowDown), "conflict"
+    (412) or "drop" (the connection closed unanswered). One request per
+    connection (the server is asked to close after each answer)."""
+
+    def __init__(self, upstream: str, rule) -> None:
+        import threading
+
+        self.upstream = int(upstream.rsplit(":", 1)[1])
+        self.rule = rule
+        self.lines: list[str] = []
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._stop = False
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._stop:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            f = conn.makefile("rb")
+            head, length = [], 0
+            while True:
+                line = f.readline()
+                if not line:
+                    return
+                low = line.lower()
+                if low.startswith(b"content-length:"):
+                    length = int(low.split(b":", 1)[1])
+                if low.startswith(b"connection:"):
+                    continue
+                if line == b"\r\n":
+                    break
+                head.append(line)
+            request = head[0].decode().strip()
+            self.lines.append(request)
+            action = self.rule(request)
+            body = f.read(length) if length else b""
+            if action == "drop":
+                return
+            if action in ("slowdown", "conflict"):
+                status, code = (
+                    ("503 Slow Down", "SlowDown")
+                    if action == "slowdown"
+                    else ("412 Precondition Failed", "PreconditionFailed")
+                )
+                xml = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+                conn.sendall(
+                    f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+                    f"Content-Length: {len(xml)}\r\nConnection: close\r\n\r\n".encode()
+                    + xml
+                )
+                return
+            with socket.create_connection(("127.0.0.1", self.upstream)) as up:
+                up.sendall(b"".join(head) + b"Connection: close\r\n\r\n" + body)
+                while chunk := up.recv(1 << 16):
+                    conn.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._sock.close()

@@ -9,6 +9,7 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import time
 
 import ckptio
 import pytest
@@ -421,3 +422,108 @@ def test_clean_aborts_dangling_uploads(s3):
     assert r.returncode == 0 and "1 dangling uploads aborted" in r.stdout, r.stderr
     left = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
     assert left == []
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _once(match, action):
+    """A proxy rule: ``action`` for the first request whose line holds ``match``."""
+    done = []
+
+    def rule(line):
+        if match in line and not done:
+            done.append(line)
+            return action
+        return "pass"
+
+    return rule
+
+
+@pytest.mark.parametrize("action", ["slowdown", "drop"])
+def test_a_failed_part_is_retried_and_the_object_is_whole(s3, action):
+    from s3server import FaultProxy
+
+    url = s3.url("retry.pt")
+    proxy = FaultProxy(s3.endpoint, _once("partNumber=2", action))
+    try:
+        opts = dict(s3.options, endpoint=proxy.endpoint, max_retries="3")
+        sd = _state(9, big=40 << 20)
+        ckptio.save(sd, url, storage_options=opts)
+        assert sum("partNumber=2" in line for line in proxy.lines) == 2  # failed, then retried
+        _same(ckptio.load(url, storage_options=s3.options, verify=True), sd)
+    finally:
+        proxy.close()
+
+
+def test_throttling_past_the_retries_is_typed_and_leaves_the_old_object(s3):
+    from s3server import FaultProxy
+
+    url = s3.url("throttled.pt")
+    ckptio.save(_state(1), url, storage_options=s3.options)
+    proxy = FaultProxy(s3.endpoint, lambda line: "slowdown" if "partNumber" in line else "pass")
+    try:
+        opts = dict(s3.options, endpoint=proxy.endpoint, max_retries="1", retry_timeout="5")
+        with pytest.raises(ckptio.StoreThrottledError) as e:
+            ckptio.save(_state(2, big=1 << 20), url, storage_options=opts)
+        assert isinstance(e.value, ConnectionError) and e.value.filename == url
+    finally:
+        proxy.close()
+    _same(ckptio.load(url, storage_options=s3.options), _state(1))
+
+
+def test_a_412_on_the_commit_is_a_conflict(s3):
+    from s3server import FaultProxy
+
+    url = s3.url("commit-412")
+    sd = {f"t{i}": torch.full((1024,), float(i)) for i in range(4)}
+    ckptio.safetensors.save_sharded(sd, url, max_shard_size="10KB", storage_options=s3.options)
+    before = set(_shard_names(s3, url))
+    index_put = "PUT /" + url.split("://", 1)[1] + "/model.safetensors.index.json"
+    proxy = FaultProxy(s3.endpoint, _once(index_put, "conflict"))
+    try:
+        opts = dict(s3.options, endpoint=proxy.endpoint)
+        with pytest.raises(ckptio.CommitConflictError):
+            ckptio.safetensors.save_sharded(
+                {k: v + 1 for k, v in sd.items()}, url, max_shard_size="10KB",
+                storage_options=opts,
+            )  # fmt: skip
+    finally:
+        proxy.close()
+    assert set(_shard_names(s3, url)) == before
+    _same(ckptio.safetensors.load_sharded(url, storage_options=s3.options), sd)
+
+
+@pytest.mark.slow
+def test_a_server_stopped_mid_save_is_a_typed_error_and_the_old_object_survives(tmp_path):
+    import s3server
+
+    binary = s3server.weed_binary()
+    if binary is None:
+        pytest.skip("no SeaweedFS binary")
+    server = s3server.start(binary)
+    try:
+        url = server.url("stopped.pt")
+        ckptio.save(_state(1), url, storage_options=server.options)
+        opts = dict(server.options, max_retries="1", retry_timeout="5", concurrency="1")
+        import threading
+
+        errors = []
+
+        def save():
+            try:
+                ckptio.save(_state(2, big=96 << 20), url, storage_options=opts)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+
+        t = threading.Thread(target=save)
+        t.start()
+        time.sleep(0.5)
+        server.proc.kill()  # the server dies while the parts go up
+        server.proc.wait()
+        t.join(120)
+        assert len(errors) == 1 and isinstance(errors[0], ckptio.StoreError), errors
+        server.restart()
+        _same(ckptio.load(url, storage_options=server.options, verify=True), _state(1))
+    finally:
+        server.stop()
