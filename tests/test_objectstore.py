@@ -527,3 +527,12 @@ def test_a_server_stopped_mid_save_is_a_typed_error_and_the_old_object_survives(
         _same(ckptio.load(url, storage_options=server.options, verify=True), _state(1))
     finally:
         server.stop()
+
+
+def test_load_state_dict_takes_a_url(s3):
+    model = torch.nn.Linear(16, 4)
+    url = s3.url("module.pt")
+    ckptio.save({"model": model.state_dict()}, url, storage_options=s3.options)
+    other = torch.nn.Linear(16, 4)
+    ckptio.load_state_dict(other, url, key="model", storage_options=s3.options)
+    assert torch.equal(other.weight, model.weight)

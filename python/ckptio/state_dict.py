@@ -37,7 +37,7 @@ from ckptio.formats import detect, torchzip, unpickled
 from ckptio.formats import safetensors as st_format
 from ckptio.formats.mapped import Mapped
 from ckptio.formats.unpickled import Placeholder
-from ckptio.io import devices, memory, paths
+from ckptio.io import devices, memory, paths, remote
 from ckptio.io.engines import IoOptions
 from ckptio.loading import sharing
 from ckptio.loading.inplace import (
@@ -868,6 +868,7 @@ def load_state_dict(
     backend: str | None = None,
     verify: bool = False,
     group: Any = None,
+    storage_options: remote.StorageOptions = None,
 ) -> Any:
     """``obj.load_state_dict(torch.load(f))``, with every tensor of the checkpoint
     read straight into ``obj``'s own tensors: no second copy of the checkpoint
@@ -893,7 +894,16 @@ def load_state_dict(
     ``weights_only`` and the engine knobs are ``ckptio.load``'s; so is
     ``group`` (every rank of a process group loads the same checkpoint into
     its own ``obj``, each byte read from storage by one rank and shared).
+    ``f`` may be an object URL (a file, or a sharded checkpoint's folder; with
+    ``storage_options``): it is read from a scratch copy.
     """
+    if remote.is_url(f) or storage_options is not None:
+        kw: dict[str, Any] = dict(
+            strict=strict, cast=cast, key=key, weights_only=weights_only, threads=threads,
+            chunk_size=chunk_size, direct=direct, backend=backend, verify=verify, group=group,
+        )  # fmt: skip
+        with remote.local_tree(f, storage_options) as local:
+            return load_state_dict(obj, local, **kw)
     t0 = time.perf_counter()
     check_flags(strict=strict, cast=cast, verify=verify)
     if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
