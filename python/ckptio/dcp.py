@@ -212,11 +212,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         return BlockingAsyncStager.stage(self, state_dict)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self._store.point(checkpoint_id)
-            if self._store.url is not None:
-                checkpoint_id = self._store.folder()
-        super().reset(checkpoint_id)
+        super().reset(self._store.reset(checkpoint_id))
 
     def storage_meta(self) -> Any:
         meta = super().storage_meta()
@@ -486,6 +482,14 @@ class _Remote:
     def point(self, path: Any) -> None:
         self.url = os.fsdecode(os.fspath(path)).rstrip("/") if remote.is_url(path) else None
 
+    def reset(self, checkpoint_id: Any) -> Any:
+        """A new ``checkpoint_id``: what torch's reset gets (the scratch folder
+        for a URL, else the id as it is)."""
+        if checkpoint_id is None:
+            return None
+        self.point(checkpoint_id)
+        return self.folder() if self.url is not None else checkpoint_id
+
     def folder(self) -> str:
         if self._folder is None:
             self._folder = tempfile.mkdtemp(prefix="ckptio-dcp-", dir=remote.scratch_dir())
@@ -672,11 +676,7 @@ class FileSystemReader(_TorchReader):
         self.last_share: dict[str, int] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self._store.point(checkpoint_id)
-            if self._store.url is not None:
-                checkpoint_id = self._store.folder()
-        super().reset(checkpoint_id)
+        super().reset(self._store.reset(checkpoint_id))
         self._layouts = {}
         self._metas = {}
 

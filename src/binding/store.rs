@@ -81,6 +81,26 @@ fn transferred_dict<'py>(py: Python<'py>, t: &Transferred) -> PyResult<Bound<'py
     Ok(d)
 }
 
+type FileTransfer = fn(&Store, &str, &std::path::Path, u64, usize) -> crate::Result<Transferred>;
+
+/// One whole-file transfer between `path` and `url`, detached.
+fn file_transfer<'py>(
+    py: Python<'py>,
+    url: &str,
+    path: PathBuf,
+    options: Option<&Bound<'py, PyDict>>,
+    threads: usize,
+    chunk: u64,
+    run: FileTransfer,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = self::options(options)?;
+    let t = py.detach(|| {
+        let (s, key) = store_of(url, &opts)?;
+        run(&s, &key, &path, chunk, threads)
+    })?;
+    transferred_dict(py, &t)
+}
+
 /// Upload the file at `path` to `url` (one multipart upload; its completion is
 /// the commit).
 #[pyfunction]
@@ -93,12 +113,7 @@ pub fn store_upload<'py>(
     threads: usize,
     chunk: u64,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = self::options(options)?;
-    let t = py.detach(|| {
-        let (s, key) = store_of(url, &opts)?;
-        store::upload_file(&s, &key, &path, chunk, threads)
-    })?;
-    transferred_dict(py, &t)
+    file_transfer(py, url, path, options, threads, chunk, store::upload_file)
 }
 
 /// Download `url` into a new file at `path` (fsynced; not published).
@@ -112,12 +127,7 @@ pub fn store_download<'py>(
     threads: usize,
     chunk: u64,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = self::options(options)?;
-    let t = py.detach(|| {
-        let (s, key) = store_of(url, &opts)?;
-        store::download_file(&s, &key, &path, chunk, threads)
-    })?;
-    transferred_dict(py, &t)
+    file_transfer(py, url, path, options, threads, chunk, store::download_file)
 }
 
 /// Put `data` at `url` in one PUT: `create` only if no object is there,

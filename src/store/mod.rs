@@ -178,12 +178,10 @@ impl Store {
                 _ => rest.push((k, v)),
             }
         }
-        let unknown = |k: &str| Error::invalid(format!("{url}: unknown storage option {k:?}"));
         let built = match scheme {
             ObjectStoreScheme::AmazonS3 => {
                 let mut b = AmazonS3Builder::from_env().with_url(url);
-                for (k, v) in rest {
-                    let key: AmazonS3ConfigKey = k.parse().map_err(|_| unknown(k))?;
+                for (key, v) in config_keys::<AmazonS3ConfigKey>(url, &rest)? {
                     b = b.with_config(key, v);
                 }
                 let http = b
@@ -192,41 +190,21 @@ impl Store {
                 if http {
                     b = b.with_allow_http(true);
                 }
-                b.with_retry(retry).build().map(|s| {
-                    let s = Arc::new(s);
-                    (
-                        s.clone() as Arc<dyn ObjectStore>,
-                        s as Arc<dyn MultipartStore>,
-                    )
-                })
+                b.with_retry(retry).build().map(clients)
             }
             ObjectStoreScheme::GoogleCloudStorage => {
                 let mut b = GoogleCloudStorageBuilder::from_env().with_url(url);
-                for (k, v) in rest {
-                    let key: GoogleConfigKey = k.parse().map_err(|_| unknown(k))?;
+                for (key, v) in config_keys::<GoogleConfigKey>(url, &rest)? {
                     b = b.with_config(key, v);
                 }
-                b.with_retry(retry).build().map(|s| {
-                    let s = Arc::new(s);
-                    (
-                        s.clone() as Arc<dyn ObjectStore>,
-                        s as Arc<dyn MultipartStore>,
-                    )
-                })
+                b.with_retry(retry).build().map(clients)
             }
             ObjectStoreScheme::MicrosoftAzure => {
                 let mut b = MicrosoftAzureBuilder::from_env().with_url(url);
-                for (k, v) in rest {
-                    let key: AzureConfigKey = k.parse().map_err(|_| unknown(k))?;
+                for (key, v) in config_keys::<AzureConfigKey>(url, &rest)? {
                     b = b.with_config(key, v);
                 }
-                b.with_retry(retry).build().map(|s| {
-                    let s = Arc::new(s);
-                    (
-                        s.clone() as Arc<dyn ObjectStore>,
-                        s as Arc<dyn MultipartStore>,
-                    )
-                })
+                b.with_retry(retry).build().map(clients)
             }
             _ => {
                 return Err(Error::invalid(format!(
@@ -390,6 +368,29 @@ impl Store {
     pub(crate) fn error(&self, key: &str, e: object_store::Error) -> Error {
         store_error(&self.url(key), e)
     }
+}
+
+type Clients = (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>);
+
+/// One client seen as both traits the store uses.
+fn clients<S: ObjectStore + MultipartStore>(s: S) -> Clients {
+    let s = Arc::new(s);
+    (s.clone(), s)
+}
+
+/// The client's configuration keys of `options` (an unknown one is an error).
+fn config_keys<'a, K: std::str::FromStr>(
+    url: &str,
+    options: &[(&str, &'a str)],
+) -> Result<Vec<(K, &'a str)>> {
+    options
+        .iter()
+        .map(|&(k, v)| {
+            k.parse()
+                .map(|key| (key, v))
+                .map_err(|_| Error::invalid(format!("{url}: unknown storage option {k:?}")))
+        })
+        .collect()
 }
 
 fn parse_option<T: std::str::FromStr>(url: &str, key: &str, value: &str) -> Result<T> {
