@@ -67,6 +67,21 @@ fn store_of(url: &str, opts: &Options) -> crate::Result<(Store, String)> {
     Ok((store, key))
 }
 
+/// `op` on the store of `url` and its key, detached.
+fn on_store<T: Send>(
+    py: Python<'_>,
+    url: &str,
+    options: Option<&Bound<'_, PyDict>>,
+    op: impl FnOnce(&Store, &str) -> crate::Result<T> + Send,
+) -> PyResult<T> {
+    let opts = self::options(options)?;
+    let out = py.detach(|| {
+        let (s, key) = store_of(url, &opts)?;
+        op(&s, &key)
+    })?;
+    Ok(out)
+}
+
 fn version_dict<'py>(py: Python<'py>, v: &Version) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("e_tag", v.e_tag.as_deref())?;
@@ -93,10 +108,8 @@ fn file_transfer<'py>(
     chunk: u64,
     run: FileTransfer,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = self::options(options)?;
-    let t = py.detach(|| {
-        let (s, key) = store_of(url, &opts)?;
-        run(&s, &key, &path, chunk, threads)
+    let t = on_store(py, url, options, |s, key| {
+        run(s, key, &path, chunk, threads)
     })?;
     transferred_dict(py, &t)
 }
@@ -143,7 +156,6 @@ pub fn store_put<'py>(
     create: bool,
     if_match: Option<String>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = self::options(options)?;
     let pre = match (create, if_match) {
         (true, Some(_)) => {
             return Err(pyo3::exceptions::PyValueError::new_err(
@@ -158,10 +170,7 @@ pub fn store_put<'py>(
         (false, None) => Precondition::None,
     };
     let bytes = bytes::Bytes::copy_from_slice(data.as_bytes());
-    let v = py.detach(|| {
-        let (s, key) = store_of(url, &opts)?;
-        s.put(&key, bytes, pre)
-    })?;
+    let v = on_store(py, url, options, |s, key| s.put(key, bytes, pre))?;
     version_dict(py, &v)
 }
 
@@ -173,11 +182,7 @@ pub fn store_get<'py>(
     url: &str,
     options: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyDict>)> {
-    let opts = self::options(options)?;
-    let (data, v) = py.detach(|| {
-        let (s, key) = store_of(url, &opts)?;
-        s.get(&key)
-    })?;
+    let (data, v) = on_store(py, url, options, |s, key| s.get(key))?;
     Ok((PyBytes::new(py, &data), version_dict(py, &v)?))
 }
 
@@ -189,11 +194,7 @@ pub fn store_head<'py>(
     url: &str,
     options: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = self::options(options)?;
-    let info = py.detach(|| {
-        let (s, key) = store_of(url, &opts)?;
-        s.head(&key)
-    })?;
+    let info = on_store(py, url, options, |s, key| s.head(key))?;
     let d = version_dict(py, &info.version)?;
     d.set_item("size", info.size)?;
     Ok(d)
@@ -207,18 +208,13 @@ pub fn store_list(
     url: &str,
     options: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<Vec<(String, u64, Option<String>)>> {
-    let opts = self::options(options)?;
-    let listed = py.detach(|| {
-        let (s, key) = store_of(url, &opts)?;
-        let items = s.list(&key)?;
-        Ok::<_, crate::Error>(
-            items
-                .into_iter()
-                .map(|(k, size, tag)| (s.url(&k), size, tag))
-                .collect(),
-        )
-    })?;
-    Ok(listed)
+    on_store(py, url, options, |s, key| {
+        let items = s.list(key)?;
+        Ok(items
+            .into_iter()
+            .map(|(k, size, tag)| (s.url(&k), size, tag))
+            .collect())
+    })
 }
 
 /// Remove the object at `url` (one that is not there is not an error).
@@ -229,10 +225,5 @@ pub fn store_delete(
     url: &str,
     options: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<()> {
-    let opts = self::options(options)?;
-    py.detach(|| {
-        let (s, key) = store_of(url, &opts)?;
-        s.delete(&key)
-    })?;
-    Ok(())
+    on_store(py, url, options, |s, key| s.delete(key))
 }
