@@ -206,3 +206,48 @@ def test_a_drain_killed_midway_is_resumed(tmp_path, s3):
         os.unlink(os.path.join(c.local, step_name(1), "state.pt"))
         got = c.load(1)
         assert torch.equal(got["big"], torch.arange(48 << 20, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------- DCP writer
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_the_tiered_dcp_writer_commits_locally_then_in_the_store(tmp_path, s3):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+    from ckptio.tiered import TieredWriter
+
+    url = s3.url("dcp-tiered")
+    writer = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
+    names = []
+    for step in (1, 2, 3):
+        dcp.save(_state(step), storage_writer=writer, no_dist=True)
+        out = {k: torch.zeros_like(v) for k, v in _state(step).items()}
+        dcp.load(out, storage_reader=FileSystemReader(tmp_path / "local"), no_dist=True)
+        _same(out, _state(step))  # locally durable when save returns
+        assert writer.remote_completion.result(120) == url
+        names.append({u.rsplit("/", 1)[1] for u, _, _ in remote.listing(url, s3.options)})
+        out = {k: torch.zeros_like(v) for k, v in _state(step).items()}
+        reader = FileSystemReader(url, storage_options=s3.options)
+        dcp.load(out, storage_reader=reader, no_dist=True)
+        _same(out, _state(step))
+    # One data file per save: the newest two generations stay, no rank marks.
+    assert len(names[0]) == 2 and len(names[1]) == 3 and len(names[2]) == 3
+    assert not any(n.startswith(".ckptio") for n in names[2])
+
+
+def test_the_tiered_dcp_writer_refuses_bad_tiers(tmp_path, s3):
+    from ckptio.tiered import TieredWriter
+
+    with pytest.raises(ValueError, match="remote must be an object URL"):
+        TieredWriter(tmp_path, str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="local must be a local folder"):
+        TieredWriter(s3.url("a"), s3.url("b"))
+
+
+@pytest.mark.slow
+def test_the_tiered_dcp_writer_over_two_ranks(tmp_path, s3):
+    from test_dcp import _run_ranks
+
+    _run_ranks(2, "tiered", s3.url("ranks"), CKPTIO_TIER_LOCAL=str(tmp_path), **s3.env)

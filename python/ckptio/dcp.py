@@ -541,32 +541,15 @@ class _Remote:
         except CommitConflictError:
             self._remove(files)
             raise
-        keep = set(files) | (self._files_of(base[0]) if base is not None else set())
+        previous = fmt.files_named(base[0], self._join(name)) if base is not None else set()
+        if previous is None:  # an old .metadata that cannot be read: remove nothing
+            return
+        keep = set(files) | previous
         assert self.url is not None
         for url, _, _ in remote.listing(self.url, self.options):
             obj = url[len(self.url) + 1 :]
             if fmt.DATA_FILE.fullmatch(obj) and obj not in keep:
                 self._remove([obj])
-
-    def _files_of(self, data: bytes) -> set[str]:
-        """The data files a previous ``.metadata`` names (read as every
-        ``.metadata`` is: allow-listed); all of them where it cannot be read."""
-        folder = self.folder()
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, "previous" + fmt.METADATA)
-        try:
-            with open(path, "wb") as fh:
-                fh.write(data)
-            md = read_metadata(path)
-            return {info.relative_path for info in (md.storage_data or {}).values()}
-        except (FormatError, OSError, AttributeError):
-            return {
-                u[len(self.url or "") + 1 :]
-                for u, _, _ in remote.listing(self.url or "", self.options)
-            }
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
 
 
 class _Guards:

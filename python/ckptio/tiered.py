@@ -38,7 +38,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio import _native
 from ckptio import safetensors as st
@@ -49,13 +51,14 @@ from ckptio.errors import (
     StoreError,
     StoreThrottledError,
 )
+from ckptio.formats import dcp as dcp_format
 from ckptio.io import remote as objstore
 from ckptio.io import transfer
 from ckptio.serialization import load as _load
 from ckptio.serialization import save as _save
 from ckptio.staging import DefaultStager, StagingOptions
 
-__all__ = ["Checkpointer", "SaveHandle", "FORMATS"]
+__all__ = ["Checkpointer", "SaveHandle", "TieredWriter", "FORMATS"]
 
 #: What a step holds, by format: the file name (DCP: a folder of files).
 FORMATS = {"torch": "state.pt", "safetensors": "model.safetensors", "dcp": None}
@@ -120,10 +123,7 @@ class Checkpointer:
         backoff: float = 1.0,
         max_backoff: float = 60.0,
     ) -> None:
-        if not isinstance(remote, str) or not objstore.is_url(remote):
-            raise ValueError(f"remote must be an object URL (s3://, gs://, az://), not {remote!r}")
-        if objstore.is_url(local):
-            raise ValueError(f"local must be a local folder, not the URL {local!r}")
+        _check_tiers(local, remote, storage_options)
         if format not in FORMATS:
             raise ValueError(f"format must be one of {sorted(FORMATS)}, not {format!r}")
         if not isinstance(keep_local, int) or keep_local < 1:
@@ -132,7 +132,6 @@ class Checkpointer:
             raise ValueError(f"keep_remote must be None or an int >= 1, not {keep_remote!r}")
         if tries < 1:
             raise ValueError(f"tries must be >= 1, not {tries}")
-        objstore.check_options(remote, storage_options)
         self.local = os.path.abspath(os.fspath(local))
         self.remote = remote.rstrip("/")
         self.format = format
@@ -481,6 +480,188 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------- DCP
+
+
+#: Where each rank says, in the store, that its files of a save are uploaded.
+RANKS_DONE = ".ckptio-ranks"
+
+
+class TieredWriter(FileSystemWriter):
+    """``ckptio.dcp.FileSystemWriter`` on a local folder, drained to ``remote``.
+
+    For ``dcp.save`` / ``dcp.async_save`` (any number of ranks): the save
+    commits locally as the local writer does (``upload_completion`` means
+    durable in ``local``); then, in the background, each rank uploads its own
+    data files and marks them done in the store, and the coordinator, once every
+    rank's mark is there, puts ``.metadata`` conditionally (the remote commit)
+    and removes the remote objects of neither generation. ``remote_completion``
+    (after a save: ``writer.remote_completion.result()``) is done when the
+    checkpoint is durable in the store, on the coordinator (elsewhere: when this
+    rank's files are uploaded). A rank's next save waits for its previous
+    upload first (the local folder's old files go with the next commit).
+    ``tries``/``backoff``: retries of transient errors, as ``Checkpointer``'s;
+    ``mark_timeout``: seconds the coordinator waits for the other ranks' marks.
+    Other keywords: ``ckptio.dcp.FileSystemWriter``'s.
+    """
+
+    def __init__(
+        self,
+        local: str | os.PathLike[str],
+        remote: str,
+        *,
+        storage_options: objstore.StorageOptions = None,
+        tries: int = 6,
+        backoff: float = 1.0,
+        mark_timeout: float = 3600.0,
+        **kwargs: Any,
+    ) -> None:
+        _check_tiers(local, remote, storage_options)
+        super().__init__(local, **kwargs)
+        self.remote = remote.rstrip("/")
+        self._options = dict(storage_options) if storage_options is not None else None
+        self._tries, self._backoff, self._mark_timeout = tries, backoff, mark_timeout
+        self._uploading: Future[None] | None = None
+        self.remote_completion: Future[str] = Future()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_uploading", None)
+        state.pop("remote_completion", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._uploading = None
+        self.remote_completion = Future()
+
+    def _retried(self, op: Any) -> Any:
+        for attempt in range(self._tries):
+            try:
+                return op()
+            except BaseException as e:
+                if not _transient(e) or attempt + 1 == self._tries:
+                    raise
+                time.sleep(min(60.0, self._backoff * 2**attempt) * (0.5 + random.random() / 2))
+        return None
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self._uploading is not None:  # this rank's previous save is in the store first
+            with contextlib.suppress(BaseException):
+                self._uploading.result()
+        fut = super().write_data(plan, planner)
+        results = fut.wait()
+        names = sorted({wr.storage_data.relative_path for wr in results})
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        token = _token_of(names)
+        uploading: Future[None] = Future()
+        self._uploading = uploading
+        if rank != 0:
+            self.remote_completion = Future()
+        done_for_rank = self.remote_completion if rank != 0 else None
+
+        def upload() -> None:
+            try:
+                for name in names:
+                    path = os.path.join(os.fspath(self.path), name)
+                    url = objstore.join(self.remote, name)
+                    self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
+                mark = objstore.join(self.remote, RANKS_DONE, token, str(rank))
+                self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
+                uploading.set_result(None)
+                if done_for_rank is not None:
+                    done_for_rank.set_result(self.remote)
+            except BaseException as e:
+                uploading.set_exception(e)
+                if done_for_rank is not None:
+                    done_for_rank.set_exception(e)
+
+        threading.Thread(target=upload, name="ckptio-tier-upload", daemon=True).start()
+        return fut
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        self.remote_completion = Future()
+        return super().prepare_global_plan(plans)
+
+    def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+        super().finish(metadata, results)  # the local commit
+        per_rank = [sorted({wr.storage_data.relative_path for wr in r}) for r in results]
+        files = {n for names in per_rank for n in names}
+        tokens = {_token_of(names) for names in per_rank if names}
+        done = self.remote_completion
+        data = _read_file(os.path.join(os.fspath(self.path), ".metadata"))
+
+        def commit() -> None:
+            try:
+                for token in tokens:
+                    self._await_marks(token, len(results))
+                self._commit(data, files)
+                done.set_result(self.remote)
+            except BaseException as e:
+                done.set_exception(e)
+
+        threading.Thread(target=commit, name="ckptio-tier-commit", daemon=True).start()
+
+    def _await_marks(self, token: str, ranks: int) -> None:
+        folder = objstore.join(self.remote, RANKS_DONE, token)
+        deadline = time.monotonic() + self._mark_timeout
+        while True:
+            listed = self._retried(lambda: objstore.listing(folder, self._options))
+            if len(listed) >= ranks:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{folder}: {len(listed)} of {ranks} ranks uploaded their files "
+                    f"within {self._mark_timeout:.0f} s"
+                )
+            time.sleep(0.2)
+
+    def _commit(self, data: bytes, files: set[str]) -> None:
+        """``.metadata`` put over the version there now, then the marks and the
+        objects that neither it nor the previous one names removed."""
+        meta_url = objstore.join(self.remote, ".metadata")
+        try:
+            old, version = objstore.get_bytes(meta_url, self._options)
+            base: str | None = version["e_tag"]
+            previous = dcp_format.files_named(old, meta_url)
+        except FileNotFoundError:
+            base, previous = None, set()
+        self._retried(
+            lambda: objstore.put_bytes(
+                meta_url, data, self._options, create=base is None, if_match=base
+            )
+        )
+        for url, _, _ in objstore.listing(self.remote, self._options):
+            name = url[len(self.remote) + 1 :]
+            if name.startswith(RANKS_DONE + "/"):
+                objstore.delete(url, self._options)
+            elif previous is not None and dcp_format.DATA_FILE.fullmatch(name):
+                if name not in files and name not in previous:
+                    objstore.delete(url, self._options)
+
+
+def _check_tiers(local: Any, remote: Any, storage_options: objstore.StorageOptions) -> None:
+    if not isinstance(remote, str) or not objstore.is_url(remote):
+        raise ValueError(f"remote must be an object URL (s3://, gs://, az://), not {remote!r}")
+    if objstore.is_url(local):
+        raise ValueError(f"local must be a local folder, not the URL {local!r}")
+    objstore.check_options(remote, storage_options)
+
+
+def _token_of(names: list[str]) -> str:
+    """The generation token in DCP data file names (``__{rank}_{token}_{n}.distcp``)."""
+    for name in names:
+        parts = name.split("_")
+        if len(parts) >= 5 and len(parts[3]) == 8:
+            return parts[3]
+    return "none"
+
+
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
 
 
 @contextlib.contextmanager

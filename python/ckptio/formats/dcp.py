@@ -424,6 +424,11 @@ def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Met
     p = os.fspath(path)
     with open_regular(p) as f:
         raw = f.read()
+    return parse_metadata(raw, p, trusted=trusted)
+
+
+def parse_metadata(raw: bytes, p: str, *, trusted: bool = False) -> Metadata:
+    """:func:`read_metadata` of bytes (``p`` names where they come from)."""
     try:
         with memory.gc_paused():  # many objects, no cycles: see memory.gc_paused
             md = _unpickle(raw, p, trusted)
@@ -441,6 +446,16 @@ def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Met
     except Exception as e:  # a value of a type no check expected (unhashable, not iterable)
         raise FormatError(f"{p}: not DCP metadata: {type(e).__name__}: {e}") from e
     return md
+
+
+def files_named(raw: bytes, where: str) -> set[str] | None:
+    """The data files a ``.metadata`` (its bytes) names; None where it cannot be
+    read (then no file may be taken as unnamed)."""
+    try:
+        md = parse_metadata(raw, where)
+    except FormatError:
+        return None
+    return {info.relative_path for info in (md.storage_data or {}).values()}
 
 
 def _unpickle(raw: bytes, path: str, trusted: bool) -> Any:
