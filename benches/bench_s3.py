@@ -6,10 +6,11 @@ loopback ports, started for the run and stopped at its end).
     python benches/bench_s3.py [--size 1G] [--rounds 3] [--device cpu] [--json OUT]
     python benches/bench_s3.py --size 64M --rounds 1     # a smoke test
 
-A state dict of ``--size`` bytes (``--shape llm``: benchlib's LLM shape, 1,995
-bf16 tensors, two embeddings and many small norms and biases; ``even``: equal
-tensors), random finite values, on ``--device`` (cuda: the tensors live on the
-GPU, saved from and loaded to it where the client allows).
+A state dict of about ``--size`` bytes (``--shape llm``: benchlib's LLM shape,
+1,995 bf16 tensors, two embeddings and many small norms and biases, 0.92 GiB
+at 1G; ``even``: equal tensors), random finite values, on ``--device`` (cuda:
+the tensors live on the GPU, saved from and loaded to it where the client
+allows).
 
 Each row is one client and one direction:
 
@@ -41,9 +42,13 @@ Every client op runs in a fresh subprocess (its imports, state dict and client
 made before the clock starts), so one client's memory and threads never meet
 another's; the peak RSS growth of a row is the child's ``ru_maxrss`` after the
 op less its RSS just before it (a load's includes the loaded state dict
-itself). Rounds interleave: every save, then every load, in one order in odd
-rounds and the reverse in even ones; each load reads the object its own client
-saved that round. A client that does not install or run is a note, not a crash.
+itself). CPU seconds per GiB moved, over the op alone: the client process (all
+its threads), the server, the rest of the machine (kernel threads and softirq,
+where loopback networking and the server's disk writeback run, and any other
+process) and steal (the hypervisor's). Rounds interleave: every save, then
+every load, in one order in odd rounds and the reverse in even ones; each load
+reads the object its own client saved that round. A client that does not
+install or run is a note, not a crash.
 """
 
 from __future__ import annotations
@@ -114,6 +119,7 @@ PEERS = {
     "save": ("s3torchconnector", "boto3 (torch.save + upload_file)"),
     "load": ("s3torchconnector", "boto3 (download_file + torch.load)"),
 }
+CPU_PARTS = ("client", "server", "others", "steal")
 PACKAGES = ("torch", "ckptio", "s3torchconnector", "boto3", "s3fs", "fsspec", "obstore")
 
 
@@ -150,9 +156,51 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _same_bytes(path: str) -> Callable[[Any], bool]:
+    """A check that a buffer holds the bytes of ``path`` (compared by torch, 8
+    bytes at a time: a memoryview comparison takes seconds per GiB)."""
+    import warnings
+
+    import torch
+
     with open(path, "rb") as f:
         want = f.read()
-    return lambda got: memoryview(got) == memoryview(want)
+
+    def flat(buf: Any) -> Any:
+        with warnings.catch_warnings():  # read-only buffers: never written here
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0)
+
+    w = flat(want)
+    body = len(want) // 8 * 8
+
+    def same(got: Any) -> bool:
+        g = flat(got)
+        if g.numel() != w.numel():
+            return False
+        return torch.equal(g[:body].view(torch.int64), w[:body].view(torch.int64)) and (
+            torch.equal(g[body:], w[body:])
+        )
+
+    return same
+
+
+def _cpu(pid: int) -> tuple[float, float, float, float]:
+    """CPU seconds so far: this process (all its threads), process ``pid`` (the
+    server), the whole machine (busy time of every core, /proc/stat: user, system,
+    irq and softirq, where the kernel's loopback networking runs) and the time
+    the hypervisor gave this VM's cores to others (steal)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        server = (int(fields[11]) + int(fields[12])) / tick
+    except OSError:
+        server = 0.0
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    busy = (v[0] + v[1] + v[2] + v[5] + v[6]) / tick
+    return ru.ru_utime + ru.ru_stime, server, busy, v[7] / tick
 
 
 def _boto3(s: dict[str, Any]) -> tuple[Any, Any]:
@@ -352,10 +400,19 @@ def child(spec: str) -> None:
         gc.collect()
         sync = _syncer(s["device"])
         rss0, peak0 = _rss(), _maxrss()
+        c0 = _cpu(s["server_pid"])
         t0 = time.perf_counter()
         got = run()
         sync()
         out["seconds"] = time.perf_counter() - t0
+        c1 = _cpu(s["server_pid"])
+        client, server, busy, steal = (b - a for a, b in zip(c0, c1, strict=True))
+        out["cpu"] = {
+            "client": client,
+            "server": server,
+            "others": busy - client - server,
+            "steal": steal,
+        }
         out["rss_growth"] = max(_maxrss() - rss0, 0)
         out["peak_before_over_rss"] = max(peak0 - rss0, 0)
         if not check(got):
@@ -451,11 +508,13 @@ def header(a: argparse.Namespace, weed: str) -> dict[str, Any]:
 def table(
     res: dict[str, dict[int, float]],
     rss: dict[str, list[int]],
+    cpu: dict[str, list[dict[str, float]]],
     notes: dict[str, str],
     rounds: int,
     bytes_of: Callable[[str], int],
 ) -> tuple[str, dict[str, Any]]:
-    """The markdown table of the run (GiB/s per round, medians, ratios) and its JSON."""
+    """The markdown table of the run (GiB/s per round, medians, ratios; peak RSS
+    growth and CPU seconds per GiB moved, medians) and its JSON."""
     lines, out = [], {}
     for direction in ("save", "load"):
         med: dict[str, float] = {}
@@ -468,7 +527,7 @@ def table(
         peers = [p for p in PEERS[direction] if p in med]
         cols = [f"r{i + 1}" for i in range(rounds)]
         head = ["", *cols, "median GiB/s", "x ceiling"] + [f"x {p.split(' ')[0]}" for p in peers]
-        head.append("peak RSS +GiB")
+        head += ["peak RSS +GiB", "CPU s/GiB: client", "server", "rest", "steal"]
         lines.append(f"\n{direction} (ceiling: {ceiling or 'none'})\n")
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + " --- |" * len(head))
@@ -487,6 +546,11 @@ def table(
             cells += [f"{med[row] / med[p]:.2f}" for p in peers]
             g = statistics.median(rss[key]) / GiB if rss.get(key) else None
             cells.append(f"{g:.2f}" if g is not None else "-")
+            per = {
+                w: statistics.median(c[w] for c in cpu[key]) / (bytes_of(row) / GiB)
+                for w in CPU_PARTS
+            }
+            cells += [f"{per[w]:.1f}" for w in CPU_PARTS]
             lines.append(f"| {row} | " + " | ".join(cells) + " |")
             if key in notes:
                 lines.append(f"| ({row}: {notes[key]}) |")
@@ -496,6 +560,7 @@ def table(
                 "x_ceiling": med[row] / raws[ceiling] if ceiling else None,
                 **{f"x_{p}": med[row] / med[p] for p in peers},
                 "peak_rss_growth_bytes": rss.get(key),
+                "cpu_seconds": cpu.get(key),
             }
         out[f"{direction}/ceiling"] = ceiling
     return "\n".join(lines), out
@@ -535,6 +600,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     res: dict[str, dict[int, float]] = {}
     rss: dict[str, list[int]] = {}
+    cpu: dict[str, list[dict[str, float]]] = {}
     notes: dict[str, str] = {}
     work = tempfile.mkdtemp(prefix="ckptio-s3bench-", dir=a.raw_dir)
     server = None
@@ -543,11 +609,12 @@ def main() -> None:
     def bytes_of(row: str) -> int:
         return info["file_bytes"] if row.startswith("raw:") else info["nbytes"]
 
-    def report() -> None:
+    def report(show: bool = True) -> None:
         if not info:
             return
-        text, js = table(res, rss, notes, a.rounds, bytes_of)
-        print(text, flush=True)
+        text, js = table(res, rss, cpu, notes, a.rounds, bytes_of)
+        if show:
+            print(text, flush=True)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(
@@ -558,6 +625,8 @@ def main() -> None:
         t = time.perf_counter()
         server = s3server.start(weed)
         stamp(f"SeaweedFS up at {server.endpoint} in {time.perf_counter() - t:.1f} s")
+        own0, srv0, busy0, steal0 = _cpu(server.proc.pid)
+        t_run = time.perf_counter()
         env = dict(os.environ, **server.env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
         base = {
@@ -576,6 +645,7 @@ def main() -> None:
             "scratch": a.scratch,
             "raw_dir": work,
             "raw_file": os.path.join(work, "ckpt.pt"),
+            "server_pid": server.proc.pid,
         }
         info = run_child("--prepare", base, env, a.timeout)
         if "error" in info:
@@ -608,16 +678,28 @@ def main() -> None:
                         continue
                     res.setdefault(key, {})[r] = out["seconds"]
                     rss.setdefault(key, []).append(out["rss_growth"])
+                    cpu.setdefault(key, []).append(c := out["cpu"])
                     stamp(
                         f"{d:4} {row}: {bytes_of(row) / out['seconds'] / GiB:.3f} GiB/s "
-                        f"({out['seconds']:.1f} s, peak RSS +{out['rss_growth'] / GiB:.2f} GiB) "
+                        f"({out['seconds']:.1f} s, peak RSS +{out['rss_growth'] / GiB:.2f} GiB, "
+                        f"CPU s: client {c['client']:.1f}, server {c['server']:.1f}, "
+                        f"rest {c['others']:.1f}, steal {c['steal']:.1f}) "
                         f"[{wall:.0f} s with set-up]"
                     )
             with contextlib.suppress(Exception):
                 _clean(server)
-            if r + 1 < a.rounds:
-                report()  # a run cut short keeps its figures
-        stamp("done")
+            report(show=False)  # the JSON of a run cut short keeps its figures
+        own, srv, busy, steal = _cpu(server.proc.pid)
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        kids = ru.ru_utime + ru.ru_stime
+        wall = time.perf_counter() - t_run
+        stamp(
+            f"done; CPU over the {wall:.0f} s of rounds and set-up ({os.cpu_count()} cores): "
+            f"machine {busy - busy0:.0f} core-s busy, of which client processes "
+            f"{kids:.0f}, server {srv - srv0:.0f}, this process {own - own0:.0f}, the rest "
+            f"{busy - busy0 - kids - (srv - srv0) - (own - own0):.0f} (kernel threads and "
+            f"softirq, other processes); stolen by the hypervisor {steal - steal0:.0f}"
+        )
         report()
     except SystemExit:
         stamp("stopped: what was measured so far")

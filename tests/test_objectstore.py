@@ -536,3 +536,64 @@ def test_load_state_dict_takes_a_url(s3):
     other = torch.nn.Linear(16, 4)
     ckptio.load_state_dict(other, url, key="model", storage_options=s3.options)
     assert torch.equal(other.weight, model.weight)
+
+
+# --------------------------------------------------------------------------- straight reads
+
+
+def test_load_file_reads_straight_into_the_tensors(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path))
+    url = s3.url("many.safetensors")
+    g = torch.Generator().manual_seed(3)
+    # 3,000 small tensors (neighbours share GETs) around two of 6 MiB, a bf16 one.
+    sd = {f"n{i}": torch.randn(17 + i % 5, generator=g) for i in range(3000)}
+    sd["big"] = torch.randn(6 << 18, generator=g)
+    sd["bf"] = torch.randn(3 << 20, generator=g).bfloat16()
+    ckptio.safetensors.save_file(sd, url, storage_options=s3.options)
+    opts = dict(s3.options, part_size="1M")  # GETs of at most 1 MiB
+    got = ckptio.safetensors.load_file(url, storage_options=opts)
+    _same(got, sd)
+    assert ckptio.last_report().backend == "store"
+    assert os.listdir(tmp_path) == []  # no scratch copy
+    remote.download(url, tmp_path / "local.safetensors", s3.options)
+    assert list(got) == list(ckptio.safetensors.load_file(tmp_path / "local.safetensors"))
+
+
+def test_a_header_past_the_first_read_is_read_whole(s3):
+    url = s3.url("long-header.safetensors")
+    sd = {f"a_long_tensor_name_{i:06d}_" + "x" * 200: torch.ones(1) for i in range(6000)}
+    ckptio.safetensors.save_file(sd, url, storage_options=s3.options)
+    head, _ = remote.read(url, 0, 8, s3.options)
+    assert int.from_bytes(head, "little") > 1 << 20  # longer than the first read
+    _same(ckptio.safetensors.load_file(url, storage_options=s3.options), sd)
+
+
+def test_a_bad_remote_header_is_a_safetensor_error_naming_the_url(s3):
+    url = s3.url("bad.safetensors")
+    remote.put_bytes(url, (50).to_bytes(8, "little") + b"{not json" + b" " * 41, s3.options)
+    with pytest.raises(ckptio.safetensors.SafetensorError, match="bad.safetensors.*JSON"):
+        ckptio.safetensors.load_file(url, storage_options=s3.options)
+    remote.put_bytes(url, (1 << 40).to_bytes(8, "little"), s3.options)
+    with pytest.raises(ckptio.safetensors.SafetensorError, match="header length"):
+        ckptio.safetensors.load_file(url, storage_options=s3.options)
+
+
+def test_straight_reads_refuse_bad_destinations(s3):
+    url = s3.url("dest.bin")
+    remote.put_bytes(url, bytes(range(256)) * 64, s3.options)
+    t = torch.zeros(1024, dtype=torch.uint8)
+    p = t.data_ptr()
+    remote.read_into(url, [(0, p, 512, -1), (512, p + 512, 512, -1)], [t], s3.options)
+    assert bytes(t.numpy()) == (bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match="overlap"):
+        remote.read_into(url, [(0, p, 512, -1), (0, p + 256, 512, -1)], [t], s3.options)
+    with pytest.raises(ValueError, match="segment 0"):
+        remote.read_into(url, [(0, p + 1000, 512, -1)], [t], s3.options)  # past the tensor
+    with pytest.raises(ValueError, match="host memory"):
+        remote.read_into(url, [(0, p, 16, 0)], [t], s3.options)
+    with pytest.raises(ValueError, match="past the object's end"):
+        remote.read_into(url, [(16000, p, 1000, -1)], [t], s3.options)
+    _, info = remote.read(url, 0, 1, s3.options)
+    remote.put_bytes(url, b"replaced", s3.options)  # a new version: a read of the old fails
+    with pytest.raises(ckptio.CommitConflictError, match="changed while it was read"):
+        remote.read_into(url, [(0, p, 8, -1)], [t], s3.options, e_tag=info["e_tag"])

@@ -42,6 +42,8 @@ __all__ = [
     "store_head",
     "store_list",
     "store_put",
+    "store_read",
+    "store_read_into",
     "store_upload",
     "CkptioError",
     "FormatError",
@@ -475,6 +477,26 @@ def store_list(
     url: str, options: dict[str, Any] | None = None
 ) -> list[tuple[str, int, str | None]]:
     """Every object under the folder ``url``: (URL, size, ETag)."""
+
+def store_read(
+    url: str,
+    offset: int,
+    length: int,
+    options: dict[str, Any] | None = None,
+    e_tag: str | None = None,
+) -> tuple[bytes, dict[str, Any]]:
+    """``length`` bytes from ``offset`` (of the version ``e_tag``), and size and version."""
+
+def store_read_into(
+    url: str,
+    segments: list[_Segment],
+    owners: _Owners,
+    options: dict[str, Any] | None = None,
+    threads: int = 8,
+    chunk: int = 16777216,
+    e_tag: str | None = None,
+) -> dict[str, Any]:
+    """(object offset, address, nbytes, -1) segments read straight into host memory."""
 
 def store_delete(url: str, options: dict[str, Any] | None = None) -> None:
     """Remove an object (a missing one is not an error)."""

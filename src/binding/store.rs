@@ -14,7 +14,10 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::store::{self, Precondition, Store, Transferred, Version};
+use crate::engine::Memory;
+use crate::store::{self, ObjectInfo, ObjectSource, Precondition, Store, Transferred, Version};
+
+use super::owners::Owners;
 use crate::sync::lock;
 
 type Options = Vec<(String, String)>;
@@ -195,9 +198,7 @@ pub fn store_head<'py>(
     options: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let info = on_store(py, url, options, |s, key| s.head(key))?;
-    let d = version_dict(py, &info.version)?;
-    d.set_item("size", info.size)?;
-    Ok(d)
+    info_dict(py, &info)
 }
 
 /// Every object under the folder `url` (all depths): (URL, size, ETag).
@@ -226,4 +227,99 @@ pub fn store_delete(
     options: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<()> {
     on_store(py, url, options, |s, key| s.delete(key))
+}
+
+fn open_source(s: &Store, key: &str, e_tag: Option<&str>) -> crate::Result<ObjectSource> {
+    match e_tag {
+        Some(t) => ObjectSource::open_version(s, key, t),
+        None => ObjectSource::open(s, key),
+    }
+}
+
+fn info_dict<'py>(py: Python<'py>, info: &ObjectInfo) -> PyResult<Bound<'py, PyDict>> {
+    let d = version_dict(py, &info.version)?;
+    d.set_item("size", info.size)?;
+    Ok(d)
+}
+
+/// `length` bytes of `url` from `offset` (fewer at its end), of the version
+/// `e_tag` names where given (else a CommitConflictError); with the object's
+/// size and version.
+#[pyfunction]
+#[pyo3(signature = (url, offset, length, options=None, e_tag=None))]
+pub fn store_read<'py>(
+    py: Python<'py>,
+    url: &str,
+    offset: u64,
+    length: u64,
+    options: Option<&Bound<'py, PyDict>>,
+    e_tag: Option<String>,
+) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyDict>)> {
+    let (data, info) = on_store(py, url, options, |s, key| {
+        let source = open_source(s, key, e_tag.as_deref())?;
+        let n = length.min(source.len().saturating_sub(offset));
+        let mut buf = vec![0u8; n as usize];
+        source.read_at(offset.min(source.len()), &mut buf)?;
+        Ok((buf, source.info().clone()))
+    })?;
+    Ok((PyBytes::new(py, &data), info_dict(py, &info)?))
+}
+
+/// Read (object offset, address, nbytes, device) segments of `url` straight
+/// into host memory that `owners` own (checked first, held until the call
+/// returns): ranged GETs of at most `chunk` bytes, `threads` at a time,
+/// neighbouring segments sharing a GET, all of the version `e_tag` names
+/// where given.
+#[pyfunction]
+#[pyo3(signature = (url, segments, owners, options=None, threads=8, chunk=16777216, e_tag=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn store_read_into<'py>(
+    py: Python<'py>,
+    url: &str,
+    segments: Vec<(u64, u64, u64, i32)>,
+    owners: Owners,
+    options: Option<&Bound<'py, PyDict>>,
+    threads: usize,
+    chunk: u64,
+    e_tag: Option<String>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let mut spans: Vec<(u64, u64)> = Vec::with_capacity(segments.len());
+    for (i, &(_, addr, len, dev)) in segments.iter().enumerate() {
+        if dev >= 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "segment {i}: reads from a store go to host memory (device {dev} given)"
+            )));
+        }
+        owners.check(Memory::Host, addr, len, || format!("segment {i}"))?;
+        spans.push((addr, len));
+    }
+    // Two destinations that overlap would be two writers of one byte.
+    spans.sort_unstable();
+    if let Some(w) = spans
+        .windows(2)
+        .find(|w| w[0].0 + w[0].1 > w[1].0 && w[1].1 > 0)
+    {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "destinations overlap at address {:#x}",
+            w[1].0
+        )));
+    }
+    let info = on_store(py, url, options, |s, key| {
+        let source = open_source(s, key, e_tag.as_deref())?;
+        let mut ranges: Vec<(u64, &mut [u8])> = segments
+            .iter()
+            .map(|&(offset, addr, len, _)| {
+                // SAFETY: every range lies inside host memory one of `owners`
+                // owns (checked above), which are held until the call returns;
+                // no two ranges overlap (checked above), so each slice is the
+                // only reference to its bytes while the GETs fill it.
+                let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
+                (offset, dst)
+            })
+            .collect();
+        source.read_ranges(&mut ranges, chunk, threads)?;
+        Ok(source.info().clone())
+    });
+    owners.release();
+    info_dict(py, &info?)
 }

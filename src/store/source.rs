@@ -28,6 +28,27 @@ impl ObjectSource {
     /// Open `key` for reading: its size and version now.
     pub fn open(store: &Store, key: &str) -> Result<Self> {
         let info = store.head(key)?;
+        Self::with_info(store, key, info)
+    }
+
+    /// Open `key` as the version `e_tag` names (a read that began with an
+    /// earlier call): a [`StoreErrorKind::Conflict`] where it changed since.
+    pub fn open_version(store: &Store, key: &str, e_tag: &str) -> Result<Self> {
+        let info = store.head(key)?;
+        if info.version.e_tag.as_deref() != Some(e_tag) {
+            return Err(Error::Store {
+                kind: crate::StoreErrorKind::Conflict,
+                url: store.url(key),
+                reason: format!(
+                    "the object changed while it was read (ETag {:?}, the read began at {e_tag:?})",
+                    info.version.e_tag
+                ),
+            });
+        }
+        Self::with_info(store, key, info)
+    }
+
+    fn with_info(store: &Store, key: &str, info: ObjectInfo) -> Result<Self> {
         Ok(ObjectSource {
             store: store.clone(),
             key: key.to_string(),
@@ -60,6 +81,9 @@ impl ObjectSource {
     /// Fill each `(offset, buffer)` with the object's bytes from `offset`:
     /// ranges cut into GETs of at most `piece` bytes (the part grid, so each
     /// GET is served by one stored part), `concurrency` of them at a time.
+    /// Ranges that follow each other in the object (a checkpoint's many small
+    /// tensors) share GETs up to `piece` bytes: one request fills several
+    /// buffers in turn.
     pub fn read_ranges(
         &self,
         ranges: &mut [(u64, &mut [u8])],
@@ -67,7 +91,7 @@ impl ObjectSource {
         concurrency: usize,
     ) -> Result<()> {
         let piece = usize::try_from(piece.max(1)).unwrap_or(usize::MAX);
-        let mut gets: Vec<(u64, &mut [u8])> = Vec::new();
+        let mut order: Vec<(u64, &mut [u8])> = Vec::with_capacity(ranges.len());
         for (offset, buf) in ranges.iter_mut() {
             let end = offset.checked_add(buf.len() as u64);
             if end.is_none_or(|e| e > self.info.size) {
@@ -81,23 +105,44 @@ impl ObjectSource {
             let mut at = *offset;
             for dst in buf.chunks_mut(piece) {
                 let n = dst.len() as u64;
-                gets.push((at, dst));
+                order.push((at, dst));
                 at += n;
             }
         }
+        order.sort_by_key(|(at, _)| *at);
+        // Consecutive pieces that touch join one GET while it stays within `piece`.
+        let mut gets: Vec<(u64, Vec<&mut [u8]>)> = Vec::new();
+        let mut get_len = 0usize;
+        for (at, dst) in order {
+            if dst.is_empty() {
+                continue;
+            }
+            if let Some((start, dsts)) = gets.last_mut() {
+                if *start + get_len as u64 == at && get_len + dst.len() <= piece {
+                    get_len += dst.len();
+                    dsts.push(dst);
+                    continue;
+                }
+            }
+            get_len = dst.len();
+            gets.push((at, vec![dst]));
+        }
         let work = stream::iter(gets)
-            .map(|(offset, dst)| self.get_into(offset, dst))
+            .map(|(offset, dsts)| self.get_into(offset, dsts))
             .buffer_unordered(concurrency.max(1))
             .try_collect::<()>();
         block_on(work)?
     }
 
-    async fn get_into(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
-        if dst.is_empty() {
+    /// One GET from `offset` filling `dsts` in turn (they follow each other in
+    /// the object).
+    async fn get_into(&self, offset: u64, mut dsts: Vec<&mut [u8]>) -> Result<()> {
+        let want: usize = dsts.iter().map(|d| d.len()).sum();
+        if want == 0 {
             return Ok(());
         }
         let opts = GetOptions {
-            range: Some(GetRange::Bounded(offset..offset + dst.len() as u64)),
+            range: Some(GetRange::Bounded(offset..offset + want as u64)),
             if_match: self.info.version.e_tag.clone(),
             ..Default::default()
         };
@@ -109,18 +154,27 @@ impl ObjectSource {
             .await
             .map_err(err)?
             .into_stream();
-        let mut filled = 0;
+        // (buffer, filled) as the body streams in.
+        let (mut cur, mut filled, mut total) = (0usize, 0usize, 0usize);
         while let Some(bytes) = body.next().await {
-            let bytes = bytes.map_err(err)?;
-            let end = filled + bytes.len();
-            if end > dst.len() {
-                return Err(self.short(offset, dst.len(), end));
+            let mut bytes = &bytes.map_err(err)?[..];
+            while !bytes.is_empty() {
+                let Some(dst) = dsts.get_mut(cur) else {
+                    return Err(self.short(offset, want, total + bytes.len()));
+                };
+                let n = (dst.len() - filled).min(bytes.len());
+                dst[filled..filled + n].copy_from_slice(&bytes[..n]);
+                bytes = &bytes[n..];
+                filled += n;
+                total += n;
+                if filled == dst.len() {
+                    cur += 1;
+                    filled = 0;
+                }
             }
-            dst[filled..end].copy_from_slice(&bytes);
-            filled = end;
         }
-        if filled != dst.len() {
-            return Err(self.short(offset, dst.len(), filled));
+        if total != want {
+            return Err(self.short(offset, want, total));
         }
         Ok(())
     }

@@ -383,14 +383,27 @@ def _pread_exact(fd: int, n: int, off: int, where: str) -> bytes:
 def read_header(fd: int, where: str) -> tuple[dict[str, str] | None, list[Entry], int]:
     """(metadata, entries in file order, data section offset) of an open file."""
     size = os.fstat(fd).st_size
+    first8 = _pread_exact(fd, 8, 0, where) if size >= 8 else b""
+    n = header_length(first8, size, where)
+    return header_of(_pread_exact(fd, n, 8, where), size, where)
+
+
+def header_length(first8: bytes, size: int, where: str) -> int:
+    """The header's length from a file's first 8 bytes, checked against its size."""
     if size < 8:
         raise fail(where, f"the file is {size} bytes, shorter than the 8-byte header length")
-    n = int.from_bytes(_pread_exact(fd, 8, 0, where), "little")
+    n = int.from_bytes(first8[:8], "little")
     if n > MAX_HEADER:
         raise fail(where, f"header length {n} is over safetensors' limit of {MAX_HEADER} bytes")
     if 8 + n > size:
         raise fail(where, f"header length {n} runs past the end of the file ({size} bytes)")
-    raw = _pread_exact(fd, n, 8, where)
+    return n
+
+
+def header_of(raw: bytes, size: int, where: str) -> tuple[dict[str, str] | None, list[Entry], int]:
+    """(metadata, entries in file order, data section offset) from the header's
+    bytes ``raw`` of a file of ``size`` bytes."""
+    n = len(raw)
     fast = _native.safetensors_header(raw, size - 8 - n, _ITEMSIZES)
     if fast is None:  # the Python validator says what is wrong (or reads the unusual)
         meta, entries = parse_header(raw, size - 8 - n, where)

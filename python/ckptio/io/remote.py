@@ -103,6 +103,33 @@ def put_bytes(
     return _native.store_put(url, data, client, create=create, if_match=if_match)
 
 
+def read(
+    url: str, offset: int, length: int, options: StorageOptions = None, e_tag: str | None = None
+) -> tuple[bytes, dict[str, Any]]:
+    """``length`` bytes of ``url`` from ``offset`` (fewer at its end), of the
+    version ``e_tag`` where given (``CommitConflictError`` if it changed); and
+    the object's size and version."""
+    client, _, _ = _split(options)
+    return _native.store_read(url, offset, length, client, e_tag)
+
+
+def read_into(
+    url: str,
+    segments: list[tuple[int, int, int, int]],
+    owners: list[Any],
+    options: StorageOptions = None,
+    e_tag: str | None = None,
+) -> dict[str, Any]:
+    """(object offset, address, nbytes, -1) segments of ``url`` read straight
+    into host memory that ``owners`` own, in parallel ranged GETs
+    (``concurrency`` x ``part_size``; neighbouring segments share GETs). The
+    object's size and version, and ``threads``."""
+    client, n, part = _split(options)
+    info = _native.store_read_into(url, segments, owners, client, n, part, e_tag)
+    info["threads"] = n
+    return info
+
+
 def get_bytes(url: str, options: StorageOptions = None) -> tuple[bytes, dict[str, Any]]:
     """A small object's bytes and version (``e_tag``)."""
     client, _, _ = _split(options)
