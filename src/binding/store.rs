@@ -132,7 +132,7 @@ pub fn store_upload<'py>(
     file_transfer(py, url, path, options, threads, chunk, store::upload_file)
 }
 
-/// Download `url` into a new file at `path` (fsynced; not published).
+/// Download `url` into a new file at `path` (a scratch copy: not fsynced).
 #[pyfunction]
 #[pyo3(signature = (url, path, options=None, threads=8, chunk=16777216))]
 pub fn store_download<'py>(

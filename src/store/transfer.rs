@@ -95,7 +95,7 @@ pub fn upload_file(
 /// Download `key` into a new file at `path` (created, or truncated), by ranged
 /// GETs of the object's part grid for `chunk`, all of the version the first
 /// HEAD saw (an object replaced meanwhile is a conflict). The file is
-/// fsynced; the caller names and publishes it.
+/// not fsynced: it is a scratch copy (a caller that publishes it syncs it).
 pub fn download_file(
     store: &Store,
     key: &str,
@@ -116,8 +116,6 @@ pub fn download_file(
         file.write_all_at(&buf, r.start)
             .map_err(|e| Error::io("write", Some(path.to_path_buf()), e))
     })?;
-    file.sync_all()
-        .map_err(|e| Error::io("fsync", Some(path.to_path_buf()), e))?;
     Ok(Transferred {
         size: info.size,
         parts: grid.count,

@@ -84,7 +84,7 @@ def upload(path: str | os.PathLike[str], url: str, options: StorageOptions = Non
 
 
 def download(url: str, path: str | os.PathLike[str], options: StorageOptions = None) -> dict:
-    """Download ``url`` into a new local file ``path`` (fsynced)."""
+    """Download ``url`` into a new local file ``path`` (not fsynced: a copy to read)."""
     client, n, part = _split(options)
     return _native.store_download(url, os.fspath(path), client, n, part)
 
@@ -152,13 +152,38 @@ def delete(url: str, options: StorageOptions = None) -> None:
     _native.store_delete(url, client)
 
 
-def scratch_dir() -> str:
-    """Where staged copies live: ``CKPTIO_SCRATCH``, else the temp folder."""
-    return os.environ.get("CKPTIO_SCRATCH") or tempfile.gettempdir()
+#: Memory-backed folder for copies that fit (see :func:`scratch_dir`).
+SHM = "/dev/shm"
 
 
-def _scratch_path(url: str) -> tuple[str, str]:
-    folder = tempfile.mkdtemp(prefix="ckptio-stage-", dir=scratch_dir())
+def scratch_dir(nbytes: int | None = None) -> str:
+    """Where staged copies live: ``CKPTIO_SCRATCH``; else, for a copy of
+    ``nbytes`` known in advance (a load), ``/dev/shm`` where it takes at most half
+    of both its free space and the memory available (the copy is then never
+    written to a disk); else the temp folder."""
+    chosen = os.environ.get("CKPTIO_SCRATCH")
+    if chosen:
+        return chosen
+    if nbytes is not None and nbytes <= _memory_room() // 2:
+        return SHM
+    return tempfile.gettempdir()
+
+
+def _memory_room() -> int:
+    """The smaller of /dev/shm's free space and MemAvailable (0 where unknown)."""
+    try:
+        st = os.statvfs(SHM)
+        with open("/proc/meminfo", "rb") as fh:
+            avail = next(
+                int(line.split()[1]) * 1024 for line in fh if line.startswith(b"MemAvailable:")
+            )
+    except (OSError, StopIteration, ValueError):
+        return 0
+    return min(st.f_bavail * st.f_frsize, avail)
+
+
+def _scratch_path(url: str, nbytes: int | None = None) -> tuple[str, str]:
+    folder = tempfile.mkdtemp(prefix="ckptio-stage-", dir=scratch_dir(nbytes))
     name = url.rstrip("/").rsplit("/", 1)[-1] or "object"
     return folder, os.path.join(folder, name)
 
@@ -189,13 +214,14 @@ def local_tree(f: Any, options: StorageOptions = None) -> Iterator[str]:
         return
     url = os.fsdecode(os.fspath(f)).rstrip("/")
     try:
-        head(url, options)
+        size = head(url, options)["size"]
         objects = None
     except FileNotFoundError:
         objects = listing(url, options)
         if not objects:
             raise
-    folder, path = _scratch_path(url)
+        size = sum(n for _, n, _ in objects)
+    folder, path = _scratch_path(url, size)
     try:
         if objects is None:
             download(url, path, options)
@@ -229,7 +255,8 @@ def staged_save(url: str, options: StorageOptions = None) -> Iterator[str]:
 def staged_load(url: str, options: StorageOptions = None) -> Iterator[str]:
     """A local copy of ``url`` (one version, read in parallel ranges) for the
     block to read; removed after it."""
-    folder, path = _scratch_path(url)
+    size = head(url, options)["size"]
+    folder, path = _scratch_path(url, size)
     try:
         download(url, path, options)
         yield path
