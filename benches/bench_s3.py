@@ -82,6 +82,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("save", "s3torchconnector", "sd"),
     ("save", "boto3 (torch.save + upload_file)", "sd"),
     ("save", "s3fs (torch.save into fs.open)", "sd"),
+    ("save", "ckptio.safetensors.save_file", "sd"),
     ("save", "raw: ckptio remote.upload", "raw"),
     ("save", "raw: boto3 upload_file", "raw"),
     ("save", "raw: obstore.put", "raw"),
@@ -90,6 +91,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("load", "s3torchconnector", "sd"),
     ("load", "boto3 (download_file + torch.load)", "sd"),
     ("load", "s3fs (torch.load from fs.open)", "sd"),
+    ("load", "ckptio.safetensors.load_file (straight into tensors)", "sd"),
+    ("load", "boto3 (download_file + safetensors load_file)", "sd"),
     ("load", "raw: ckptio remote.download", "raw"),
     ("load", "raw: boto3 download_file", "raw"),
     ("load", "raw: obstore.get", "raw"),
@@ -98,6 +101,9 @@ ROWS: list[tuple[str, str, str]] = [
 # The object each row writes or reads (a load reads what its client saved).
 OBJECT = {
     "ckptio.save": "ckptio.pt",
+    "ckptio.safetensors.save_file": "ckptio.safetensors",
+    "ckptio.safetensors.load_file (straight into tensors)": "ckptio.safetensors",
+    "boto3 (download_file + safetensors load_file)": "ckptio.safetensors",
     "ckptio.load": "ckptio.pt",
     "ckptio.save [scratch shm]": "ckptio-shm.pt",
     "ckptio.load [scratch shm]": "ckptio-shm.pt",
@@ -282,6 +288,9 @@ def setup(s: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
         if s["direction"] == "save":
             if row.startswith("ckptio.save"):
                 return lambda: ckptio.save(sd, url, storage_options=opts), ok_none
+            if row == "ckptio.safetensors.save_file":
+                save_st = ckptio.safetensors.save_file
+                return lambda: save_st(sd, url, storage_options=opts), ok_none
             if row == "s3torchconnector":
                 ck = _s3tc(s)
 
@@ -314,6 +323,24 @@ def setup(s: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
         else:
             if row.startswith("ckptio.load"):
                 return lambda: ckptio.load(url, map_location=dev, storage_options=opts), same
+            if row.startswith("ckptio.safetensors.load_file"):
+                load_st = ckptio.safetensors.load_file
+                return lambda: load_st(url, dev, storage_options=opts), same
+            if row == "boto3 (download_file + safetensors load_file)":
+                import safetensors.torch
+
+                client, cfg = _boto3(s)
+
+                def run_st() -> Any:
+                    fd, path = tempfile.mkstemp(suffix=".safetensors", dir=scratch)
+                    os.close(fd)
+                    try:
+                        client.download_file(s["bucket"], key, path, Config=cfg)
+                        return safetensors.torch.load_file(path, device=str(dev))
+                    finally:
+                        os.unlink(path)
+
+                return run_st, same
             if row == "s3torchconnector":
                 ck = _s3tc(s)
                 return lambda: torch.load(ck.reader(url), map_location=dev), same
