@@ -564,6 +564,11 @@ class TieredWriter(FileSystemWriter):
 
         def upload() -> None:
             try:
+                if not names:  # nothing of this rank's to upload, nothing to mark
+                    uploading.set_result(None)
+                    if done_for_rank is not None:
+                        done_for_rank.set_result(self.remote)
+                    return
                 for name in names:
                     path = os.path.join(os.fspath(self.path), name)
                     url = objstore.join(self.remote, name)
@@ -595,8 +600,8 @@ class TieredWriter(FileSystemWriter):
 
         def commit() -> None:
             try:
-                for token in tokens:
-                    self._await_marks(token, len(results))
+                for token in tokens:  # ranks without files (nothing to save) mark nothing
+                    self._await_marks(token, sum(1 for names in per_rank if names))
                 self._commit(data, files)
                 done.set_result(self.remote)
             except BaseException as e:
