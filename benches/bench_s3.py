@@ -209,6 +209,24 @@ def _cpu(pid: int) -> tuple[float, float, float, float]:
     return ru.ru_utime + ru.ru_stime, server, busy, v[7] / tick
 
 
+def _boto3_download_then(
+    s: dict[str, Any], key: str, scratch: str | None, suffix: str, read: Callable[[str], Any]
+) -> Callable[[], Any]:
+    """What a boto3 user does: download_file to a temp file, then ``read`` it."""
+    client, cfg = _boto3(s)
+
+    def run() -> Any:
+        fd, path = tempfile.mkstemp(suffix=suffix, dir=scratch)
+        os.close(fd)
+        try:
+            client.download_file(s["bucket"], key, path, Config=cfg)
+            return read(path)
+        finally:
+            os.unlink(path)
+
+    return run
+
+
 def _boto3(s: dict[str, Any]) -> tuple[Any, Any]:
     import boto3
     from boto3.s3.transfer import TransferConfig
@@ -329,34 +347,14 @@ def setup(s: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
             if row == "boto3 (download_file + safetensors load_file)":
                 import safetensors.torch
 
-                client, cfg = _boto3(s)
-
-                def run_st() -> Any:
-                    fd, path = tempfile.mkstemp(suffix=".safetensors", dir=scratch)
-                    os.close(fd)
-                    try:
-                        client.download_file(s["bucket"], key, path, Config=cfg)
-                        return safetensors.torch.load_file(path, device=str(dev))
-                    finally:
-                        os.unlink(path)
-
-                return run_st, same
+                read_st = lambda p: safetensors.torch.load_file(p, device=str(dev))  # noqa: E731
+                return _boto3_download_then(s, key, scratch, ".safetensors", read_st), same
             if row == "s3torchconnector":
                 ck = _s3tc(s)
                 return lambda: torch.load(ck.reader(url), map_location=dev), same
             if row.startswith("boto3"):
-                client, cfg = _boto3(s)
-
-                def run() -> Any:
-                    fd, path = tempfile.mkstemp(suffix=".pt", dir=scratch)
-                    os.close(fd)
-                    try:
-                        client.download_file(s["bucket"], key, path, Config=cfg)
-                        return torch.load(path, map_location=dev)
-                    finally:
-                        os.unlink(path)
-
-                return run, same
+                read_pt = lambda p: torch.load(p, map_location=dev)  # noqa: E731
+                return _boto3_download_then(s, key, scratch, ".pt", read_pt), same
             if row.startswith("s3fs"):
                 fs = _s3fs(s)
 
