@@ -14,7 +14,7 @@ import time
 import ckptio
 import pytest
 import torch
-from ckptio.io import remote
+from ckptio.io import remote, transfer
 from torch.distributed.checkpoint.api import CheckpointException
 
 
@@ -583,17 +583,17 @@ def test_straight_reads_refuse_bad_destinations(s3):
     remote.put_bytes(url, bytes(range(256)) * 64, s3.options)
     t = torch.zeros(1024, dtype=torch.uint8)
     p = t.data_ptr()
-    remote.read_into(url, [(0, p, 512, -1), (512, p + 512, 512, -1)], [t], s3.options)
+    transfer.read_from_store(url, [(0, p, 512, -1), (512, p + 512, 512, -1)], [t], s3.options)
     assert bytes(t.numpy()) == (bytes(range(256)) * 4)
     with pytest.raises(ValueError, match="overlap"):
-        remote.read_into(url, [(0, p, 512, -1), (0, p + 256, 512, -1)], [t], s3.options)
+        transfer.read_from_store(url, [(0, p, 512, -1), (0, p + 256, 512, -1)], [t], s3.options)
     with pytest.raises(ValueError, match="segment 0"):
-        remote.read_into(url, [(0, p + 1000, 512, -1)], [t], s3.options)  # past the tensor
+        transfer.read_from_store(url, [(0, p + 1000, 512, -1)], [t], s3.options)  # past the tensor
     with pytest.raises(ValueError, match="host memory"):
-        remote.read_into(url, [(0, p, 16, 0)], [t], s3.options)
+        transfer.read_from_store(url, [(0, p, 16, 0)], [t], s3.options)
     with pytest.raises(ValueError, match="past the object's end"):
-        remote.read_into(url, [(16000, p, 1000, -1)], [t], s3.options)
+        transfer.read_from_store(url, [(16000, p, 1000, -1)], [t], s3.options)
     _, info = remote.read(url, 0, 1, s3.options)
     remote.put_bytes(url, b"replaced", s3.options)  # a new version: a read of the old fails
     with pytest.raises(ckptio.CommitConflictError, match="changed while it was read"):
-        remote.read_into(url, [(0, p, 8, -1)], [t], s3.options, e_tag=info["e_tag"])
+        transfer.read_from_store(url, [(0, p, 8, -1)], [t], s3.options, e_tag=info["e_tag"])

@@ -55,7 +55,9 @@ def run_python(code: str, cwd, env: dict | None = None, timeout: int = 120):
 def test_every_transfer_goes_through_the_transfer_helper():
     """No module but ckptio.io.transfer calls the native transfers: the stream order
     and the owners cannot be forgotten by one format (the DCP reader once was)."""
-    calls = re.compile(r"(?<!transfer)\.(read_segments|write_segments|write_storages|read_into)\(")
+    calls = re.compile(
+        r"(?<!transfer)\.(read_segments|write_segments|write_storages|read_into|store_read_into)\("
+    )
     offenders = []
     files = list(PACKAGE.rglob("*.py"))
     assert len(files) > 20  # the package's subfolders too

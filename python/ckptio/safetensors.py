@@ -362,7 +362,7 @@ def _load_file_remote(
         if nbytes:
             segments.append((base + begin, st.data_ptr(), nbytes, -1))
             owners.append(t)
-    done = remote.read_into(url, segments, owners, options, e_tag)
+    done = transfer.read_from_store(url, segments, owners, options, e_tag)
     stats = {
         "bytes": sum(s[2] for s in segments), "backend": "store", "direct": False,
         "direct_reason": "an object store", "threads": done["threads"], "device_path": "store",

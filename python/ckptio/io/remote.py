@@ -60,7 +60,8 @@ def check_options(f: Any, storage_options: StorageOptions) -> None:
         raise TypeError(f"storage_options must be a mapping, not {type(storage_options).__name__}")
 
 
-def _split(options: StorageOptions) -> tuple[dict[str, Any], int, int]:
+def client_options(options: StorageOptions) -> tuple[dict[str, Any], int, int]:
+    """(the client's options, ``concurrency``, ``part_size``) of ``storage_options``."""
     client = dict(options or {})
     concurrency = int(client.pop("concurrency", 8))
     if concurrency < 1:
@@ -79,13 +80,13 @@ def join(url: str, *names: str) -> str:
 def upload(path: str | os.PathLike[str], url: str, options: StorageOptions = None) -> dict:
     """Upload the local file ``path`` to ``url``: the object appears whole, or
     not at all (a failed upload is aborted and the old object stays)."""
-    client, n, part = _split(options)
+    client, n, part = client_options(options)
     return _native.store_upload(url, os.fspath(path), client, n, part)
 
 
 def download(url: str, path: str | os.PathLike[str], options: StorageOptions = None) -> dict:
     """Download ``url`` into a new local file ``path`` (not fsynced: a copy to read)."""
-    client, n, part = _split(options)
+    client, n, part = client_options(options)
     return _native.store_download(url, os.fspath(path), client, n, part)
 
 
@@ -99,7 +100,7 @@ def put_bytes(
 ) -> dict[str, Any]:
     """One PUT of a small object; ``create``: only where none is (else
     ``CommitConflictError``); ``if_match``: only over that ETag."""
-    client, _, _ = _split(options)
+    client, _, _ = client_options(options)
     return _native.store_put(url, data, client, create=create, if_match=if_match)
 
 
@@ -109,46 +110,29 @@ def read(
     """``length`` bytes of ``url`` from ``offset`` (fewer at its end), of the
     version ``e_tag`` where given (``CommitConflictError`` if it changed); and
     the object's size and version."""
-    client, _, _ = _split(options)
+    client, _, _ = client_options(options)
     return _native.store_read(url, offset, length, client, e_tag)
-
-
-def read_into(
-    url: str,
-    segments: list[tuple[int, int, int, int]],
-    owners: list[Any],
-    options: StorageOptions = None,
-    e_tag: str | None = None,
-) -> dict[str, Any]:
-    """(object offset, address, nbytes, -1) segments of ``url`` read straight
-    into host memory that ``owners`` own, in parallel ranged GETs
-    (``concurrency`` x ``part_size``; neighbouring segments share GETs). The
-    object's size and version, and ``threads``."""
-    client, n, part = _split(options)
-    info = _native.store_read_into(url, segments, owners, client, n, part, e_tag)
-    info["threads"] = n
-    return info
 
 
 def get_bytes(url: str, options: StorageOptions = None) -> tuple[bytes, dict[str, Any]]:
     """A small object's bytes and version (``e_tag``)."""
-    client, _, _ = _split(options)
+    client, _, _ = client_options(options)
     return _native.store_get(url, client)
 
 
 def head(url: str, options: StorageOptions = None) -> dict[str, Any]:
-    client, _, _ = _split(options)
+    client, _, _ = client_options(options)
     return _native.store_head(url, client)
 
 
 def listing(url: str, options: StorageOptions = None) -> list[tuple[str, int, str | None]]:
     """Every object under the folder ``url``: (URL, size, ETag)."""
-    client, _, _ = _split(options)
+    client, _, _ = client_options(options)
     return _native.store_list(url, client)
 
 
 def delete(url: str, options: StorageOptions = None) -> None:
-    client, _, _ = _split(options)
+    client, _, _ = client_options(options)
     _native.store_delete(url, client)
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from ckptio import _native
+from ckptio.io import remote
 from ckptio.io.devices import streams
 from ckptio.io.engines import IoOptions
 
@@ -320,3 +321,22 @@ def commit_bytes(writer: _native.AtomicWriter, data: bytes) -> None:
     except BaseException:
         writer.abort()
         raise
+
+
+def read_from_store(
+    url: str,
+    segments: list[tuple[int, int, int, int]],
+    owners: list[Any],
+    options: remote.StorageOptions = None,
+    e_tag: str | None = None,
+) -> dict[str, Any]:
+    """(object offset, address, nbytes, -1) segments of the object ``url`` read
+    straight into host memory that ``owners`` own (checked by the core, held
+    until the call returns; device segments are refused: no stream to order),
+    by parallel ranged GETs (``concurrency`` x ``part_size``; neighbouring
+    segments share GETs) of the version ``e_tag`` where given. The object's
+    size and version, and ``threads``."""
+    client, n, part = remote.client_options(options)
+    info = _native.store_read_into(url, segments, owners, client, n, part, e_tag)
+    info["threads"] = n
+    return info
