@@ -60,7 +60,6 @@ import os
 import pickle
 import secrets
 import shutil
-import tempfile
 import threading
 from typing import Any
 
@@ -492,7 +491,7 @@ class _Remote:
 
     def folder(self) -> str:
         if self._folder is None:
-            self._folder = tempfile.mkdtemp(prefix="ckptio-dcp-", dir=remote.scratch_dir())
+            self._folder = remote.scratch_folder(prefix="ckptio-dcp-")
         return self._folder
 
     def _join(self, name: str) -> str:

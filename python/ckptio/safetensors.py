@@ -41,7 +41,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -561,7 +560,7 @@ def _save_sharded_remote(
     index put conditionally (the commit), then the objects of neither
     generation removed."""
     old = _index_of(url, options)
-    folder = tempfile.mkdtemp(prefix="ckptio-stage-", dir=remote.scratch_dir())
+    folder = remote.scratch_folder()
     uploaded: list[str] = []
     try:
         if old is not None:
@@ -607,7 +606,7 @@ def _sharded_copy(url: str, options: remote.StorageOptions) -> Iterator[str]:
     base, index_name = url.rstrip("/"), fmt.INDEX_NAME
     if base.endswith(".json"):
         base, index_name = base.rsplit("/", 1)
-    folder = tempfile.mkdtemp(prefix="ckptio-stage-", dir=remote.scratch_dir())
+    folder = remote.scratch_folder()
     try:
         try:
             index, _ = remote.get_bytes(remote.join(base, index_name), options)

@@ -426,25 +426,15 @@ class Checkpointer:
             if out is not None:
                 return st.load_file(path, out=out, group=group, **opts, **kwargs)
             return st.load_file(path, device, group=group, **opts, **kwargs)
-        return self._load_dcp(step, where, bool(opts), out, kwargs)
+        return self._load_dcp(where, bool(opts), out, kwargs)
 
-    def _load_dcp(self, step: int, where: str, in_store: bool, out: Any, kw: Any) -> Any:
+    def _load_dcp(self, where: str, in_store: bool, out: Any, kw: Any) -> Any:
         if out is None:
             raise ValueError('a "dcp" checkpoint loads in place: pass out= (the state dict)')
-        if not in_store:
-            with _one_process():
-                dcp.load(out, storage_reader=FileSystemReader(where, **kw), no_dist=True)
-            return out
-        folder = os.path.join(objstore.scratch_dir(), f"ckptio-tier-{os.getpid()}-{step}")
-        os.makedirs(folder, exist_ok=True)
-        try:
-            for url, _, _ in objstore.listing(where, self._options):
-                name = url.rsplit("/", 1)[-1]
-                objstore.download(url, os.path.join(folder, name), self._options)
-            with _one_process():
-                dcp.load(out, storage_reader=FileSystemReader(folder, **kw), no_dist=True)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        if in_store:  # ckptio's reader takes the URL: .metadata, then the files it needs
+            kw = dict(kw, storage_options=self._options)
+        with _one_process():
+            dcp.load(out, storage_reader=FileSystemReader(where, **kw), no_dist=True)
         return out
 
     # -- lifetime ----------------------------------------------------------------------

@@ -166,8 +166,14 @@ def _memory_room() -> int:
     return min(st.f_bavail * st.f_frsize, avail)
 
 
+def scratch_folder(nbytes: int | None = None, prefix: str = "ckptio-stage-") -> str:
+    """A new folder for staged copies (of ``nbytes`` where known), in
+    :func:`scratch_dir`; the caller removes it."""
+    return tempfile.mkdtemp(prefix=prefix, dir=scratch_dir(nbytes))
+
+
 def _scratch_path(url: str, nbytes: int | None = None) -> tuple[str, str]:
-    folder = tempfile.mkdtemp(prefix="ckptio-stage-", dir=scratch_dir(nbytes))
+    folder = scratch_folder(nbytes)
     name = url.rstrip("/").rsplit("/", 1)[-1] or "object"
     return folder, os.path.join(folder, name)
 
