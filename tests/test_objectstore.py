@@ -597,3 +597,113 @@ def test_straight_reads_refuse_bad_destinations(s3):
     remote.put_bytes(url, b"replaced", s3.options)  # a new version: a read of the old fails
     with pytest.raises(ckptio.CommitConflictError, match="changed while it was read"):
         transfer.read_from_store(url, [(0, p, 8, -1)], [t], s3.options, e_tag=info["e_tag"])
+
+
+def _torch_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(1000, generator=g)
+    sd: dict = {
+        "w": torch.randn(256, 64, generator=g),
+        "base": base,
+        "view": base[10:20],  # shares base's storage
+        "empty": torch.zeros(0),
+        "bf": torch.randn(3 << 18, generator=g).bfloat16(),
+        "nested": {"l": [torch.ones(3), 4, "x"], "t": (torch.arange(5), 2.5)},
+    }
+    sd.update({f"n{i}": torch.randn(5 + i % 3, generator=g) for i in range(600)})
+    return sd
+
+
+def _same_tree(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same_tree(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same_tree(x, y)
+    else:
+        assert a == b
+
+
+def test_load_reads_torch_objects_straight_into_the_tensors(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path))
+    sd = _torch_state(4)
+    opts = dict(s3.options, part_size="1M")  # GETs of at most 1 MiB
+    torch.save(sd, tmp_path.parent / "plain.pt")
+    for name, put in [
+        ("ours.pt", lambda url: ckptio.save(sd, url, storage_options=s3.options)),
+        ("torch.pt", lambda url: remote.upload(tmp_path.parent / "plain.pt", url, s3.options)),
+    ]:
+        url = s3.url(name)
+        put(url)
+        for map_location in (None, "cpu", {"cpu": "cpu"}, torch.device("cpu")):
+            got = ckptio.load(url, map_location=map_location, storage_options=opts)
+            _same_tree(sd, got)
+            assert ckptio.last_report().backend == "store", (name, map_location)
+            assert (
+                got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+            )
+            assert os.listdir(tmp_path) == []  # no scratch copy
+
+
+def _rezip(src, dst, extra: bytes = b"") -> None:
+    """The records of ``src`` written again by Python's zipfile (no data
+    descriptors, no alignment; ``extra`` in every local header)."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zi, zipfile.ZipFile(dst, "w") as zo:
+        for info in zi.infolist():
+            new = zipfile.ZipInfo(info.filename, info.date_time)
+            new.extra = extra
+            zo.writestr(new, zi.read(info.filename))
+
+
+def test_another_zip_layout_is_confirmed_or_read_through_a_copy(s3, tmp_path):
+    sd = _torch_state(5)
+    torch.save(sd, tmp_path / "plain.pt")
+    # Python's zipfile without extra fields: the offsets guessed hold, checked.
+    _rezip(tmp_path / "plain.pt", tmp_path / "bare.pt")
+    url = s3.url("bare.pt")
+    remote.upload(tmp_path / "bare.pt", url, s3.options)
+    _same_tree(sd, ckptio.load(url, storage_options=s3.options))
+    assert ckptio.last_report().backend == "store"
+    # An extra field in each local header: the guesses are wrong, the headers
+    # read with the data say so, and the object is read through a local copy.
+    _rezip(tmp_path / "plain.pt", tmp_path / "extra.pt", extra=b"\xfe\xca\x03\x00abc")
+    url = s3.url("extra.pt")
+    remote.upload(tmp_path / "extra.pt", url, s3.options)
+    _same_tree(sd, ckptio.load(url, storage_options=s3.options))
+    assert ckptio.last_report().backend != "store"
+
+
+def test_torch_objects_that_need_torch_load_go_through_a_copy(s3):
+    url = s3.url("odd.pt")
+    sd = {"w": torch.ones(4), "size": torch.Size([2, 3]), "set": {1, 2}}
+    ckptio.save(sd, url, storage_options=s3.options)
+    got = ckptio.load(url, storage_options=s3.options, weights_only=False)
+    assert got["size"] == torch.Size([2, 3]) and got["set"] == {1, 2}
+    assert torch.equal(got["w"], sd["w"])
+    # verify=True checks CRC-32s over a local copy
+    _same_tree(
+        {"w": sd["w"]},
+        {"w": ckptio.load(url, storage_options=s3.options, verify=True, weights_only=False)["w"]},
+    )
+
+
+def test_a_damaged_torch_object_is_a_format_error_naming_the_url(s3, tmp_path):
+    sd = _torch_state(6)
+    ckptio.save(sd, tmp_path / "x.pt")
+    data = (tmp_path / "x.pt").read_bytes()
+    for name, bad in [
+        ("cut.pt", data[: len(data) // 2]),  # no end record
+        ("short.pt", data[:100]),
+        ("nopkl.pt", data.replace(b"/data.pkl", b"/data.pkx")),
+    ]:
+        url = s3.url(name)
+        remote.put_bytes(url, bad, s3.options)
+        with pytest.raises(ckptio.FormatError, match=name):
+            ckptio.load(url, storage_options=s3.options)

@@ -27,6 +27,7 @@ __all__ = [
     "stage_device_copy",
     "stage_pin",
     "unpickle",
+    "zip_headers_match",
     "AtomicWriter",
     "BufferRegistration",
     "DeviceFile",
@@ -44,6 +45,7 @@ __all__ = [
     "store_put",
     "store_read",
     "store_read_into",
+    "store_torch_map",
     "store_upload",
     "CkptioError",
     "FormatError",
@@ -504,6 +506,27 @@ def store_read_into(
     e_tag: str | None = None,
 ) -> dict[str, Any]:
     """(object offset, address, nbytes, -1) segments read straight into host memory."""
+
+def store_torch_map(
+    url: str,
+    options: dict[str, Any] | None = None,
+    threads: int = 8,
+    chunk: int = 16777216,
+    tail: int = 1048576,
+) -> tuple[
+    dict[str, Any],
+    str,
+    list[tuple[str, int, int]],
+    dict[str, bytes],
+    list[tuple[str, int, int]],
+]:
+    """A torch.save archive in a store mapped in few requests: size and version,
+    prefix, (record, data offset, size), the small records' bytes, and
+    (storage record, local header offset, predicted data offset)."""
+
+def zip_headers_match(heads: list[tuple[str, int, int]], bytes: bytes) -> list[str]:
+    """The records of ``heads`` whose local header (in ``bytes``, back to back)
+    does not put their data at the predicted offset."""
 
 def store_delete(url: str, options: dict[str, Any] | None = None) -> None:
     """Remove an object (a missing one is not an error)."""

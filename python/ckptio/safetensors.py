@@ -361,11 +361,7 @@ def _load_file_remote(
         if nbytes:
             segments.append((base + begin, st.data_ptr(), nbytes, -1))
             owners.append(t)
-    done = transfer.read_from_store(url, segments, owners, options, e_tag)
-    stats = {
-        "bytes": sum(s[2] for s in segments), "backend": "store", "direct": False,
-        "direct_reason": "an object store", "threads": done["threads"], "device_path": "store",
-    }  # fmt: skip
+    stats = transfer.read_from_store(url, segments, owners, options, e_tag)
     reports.report(url, t0, stats, len(tensors))
     if want.type != "cpu":
         return {k: v.to(want) for k, v in tensors.items()}

@@ -321,9 +321,21 @@ def load(
     say what came from storage and from the other ranks. See docs/group.md.
 
     ``f`` may be an object URL (``s3://bucket/key``, ``gs://``, ``az://``; with
-    ``storage_options`` as for ``save``): one version of the object is read in
-    parallel ranged GETs into a local scratch copy, loaded as above, and removed.
+    ``storage_options`` as for ``save``): one version of the object is read by
+    parallel ranged GETs, a plain state dict's storages straight into its
+    tensors (its directory and small records in two requests, each storage's
+    local header in the same GET as its bytes; CUDA destinations through host
+    memory); with ``out=``, ``group=``, ``verify=True``, pickle arguments or
+    what torch.load must unpickle, into a local scratch copy, loaded as
+    above, and removed.
     """
+    straight = _straight_from_store(map_location, pickle_module, mmap, verify, out, group)
+    if remote.is_url(f) and straight and not pickle_load_args:
+        remote.check_options(f, storage_options)
+        resolve_weights_only(weights_only, pickle_module)
+        obj = _load_remote(os.fsdecode(os.fspath(f)), map_location, storage_options)
+        if obj is not _NOT_STRAIGHT:
+            return obj
     if remote.is_url(f) or storage_options is not None:
         kw: dict[str, Any] = dict(
             map_location=map_location, pickle_module=pickle_module, weights_only=weights_only,
@@ -369,6 +381,77 @@ def load(
         return _by_torch(t0, path, why, map_location, mmap=mmap, name=shown, **torch_kw)
     assert archive is not None
     return _load_archive(t0, archive, map_location, torch_kw, io, verify)
+
+
+#: What ``_load_remote`` returns where the object goes through a scratch copy.
+_NOT_STRAIGHT = object()
+
+
+def _straight_from_store(
+    map_location: MapLocation,
+    pickle_module: Any,
+    mmap: bool | None,
+    verify: bool,
+    out: Any,
+    group: Any,
+) -> bool:
+    """Whether a load from a store may read the storages straight into new
+    tensors (``_load_remote``): none of what needs a local file."""
+    return (
+        out is None and group is None and verify is False and pickle_module is None
+        and not (mmap or (mmap is None and _torch_config.load.mmap))
+        and (map_location is None or isinstance(map_location, (str, torch.device, dict)))
+    )  # fmt: skip
+
+
+def _load_remote(url: str, map_location: MapLocation, options: remote.StorageOptions) -> Any:
+    """A torch.save object loaded from a store with no local copy: the
+    directory and small records mapped in few requests, the pickle read
+    natively, each storage's bytes read into host memory by ranged GETs of one
+    version that also bring its local header (which confirms where the data
+    lies), then moved to its device. ``_NOT_STRAIGHT`` where the archive or its
+    pickle needs torch.load, or its layout is not torch.save's."""
+    t0 = time.perf_counter()
+    if url.endswith(".safetensors"):
+        return _NOT_STRAIGHT
+    info, prefix, records, small, heads = remote.map_torch(url, options)
+    archive = torchzip.Records(url, torchzip.StoredRecords(url, prefix, small), records)
+    if f"{prefix}/data.pkl" not in archive.where:
+        raise corrupt(url, "no data.pkl record: not a torch.save checkpoint")
+    if f"{prefix}/constants.pkl" in archive.where or not torchzip.native_byteorder(archive):
+        return _NOT_STRAIGHT
+    got = torchzip.native_pickle(archive)
+    if got is None:
+        return _NOT_STRAIGHT
+    parsed, found = got
+    dests = []
+    for _, _, _, location in found:
+        dev = devices.fill_device(map_location, location)
+        if dev is None:  # a location torch.load must restore
+            return _NOT_STRAIGHT
+        dests.append(dev)
+    header_of = {data: (name, lh) for name, lh, data in heads}
+    cpu = torch.device("cpu")
+    storages = [memory.empty_storage(n, cpu) for _, n, _, _ in found]
+    used = [(off, n, st) for (off, n, _, _), st in zip(found, storages, strict=True) if n]
+    spans = [(*header_of[off], off) for off, _, _ in used]
+    head_bytes = torch.empty(sum(off - lh for _, lh, off in spans), dtype=torch.uint8)
+    segments: list[tuple[int, int, int, int]] = []
+    at = head_bytes.data_ptr()
+    for (_, lh, off), (_, n, st) in zip(spans, used, strict=True):
+        # The local header and the data follow each other: one GET brings both.
+        segments += [(lh, at, off - lh, -1), (off, st.data_ptr(), n, -1)]
+        at += off - lh
+    owners = [head_bytes, *(st for _, _, st in used)]
+    stats = transfer.read_from_store(url, segments, owners, options, info["e_tag"])
+    if _native.zip_headers_match(spans, head_bytes.numpy().tobytes()):
+        return _NOT_STRAIGHT  # not torch.save's layout: the scratch copy reads it
+    for i, dev in enumerate(dests):
+        if dev.type != "cpu":
+            storages[i] = storages[i].to(device=dev)
+    obj = torchzip.rebuild(parsed, storages, [f[2] for f in found], url)
+    reports.report(url, t0, stats, len(found))
+    return obj
 
 
 def _torch_loads(path: str, map_location: MapLocation, mmap: bool | None) -> str | None:

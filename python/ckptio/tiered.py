@@ -287,14 +287,17 @@ class Checkpointer:
 
     def _drain_into(self, step: int, done: Future[str]) -> None:
         try:
-            done.set_result(self._drain(step))
+            url = self._drain(step)
         except BaseException as e:
             done.set_exception(e)
             return
+        # Pruned before the future completes: wait() returns on the tiers as kept.
         try:
             self._prune()
         except (OSError, StoreError) as e:  # the next drain prunes again
             warnings.warn(f"ckptio.tiered: pruning old steps failed: {e}", stacklevel=2)
+        finally:
+            done.set_result(url)
 
     def _drain(self, step: int) -> str:
         """Upload a locally complete step, then its commit record; retried."""

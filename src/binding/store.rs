@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::engine::Memory;
+use crate::format::zipmap;
 use crate::store::{self, ObjectInfo, ObjectSource, Precondition, Store, Transferred, Version};
 
 use super::owners::Owners;
@@ -263,6 +264,117 @@ pub fn store_read<'py>(
         Ok((buf, source.info().clone()))
     })?;
     Ok((PyBytes::new(py, &data), info_dict(py, &info)?))
+}
+
+/// An object as the zip mapper's batched reader: each batch one
+/// [`ObjectSource::read_ranges`] (concurrent GETs of one version).
+struct ObjectRanges<'a> {
+    source: &'a ObjectSource,
+    threads: usize,
+    chunk: u64,
+}
+
+impl zipmap::RangeReader for ObjectRanges<'_> {
+    fn size(&self) -> u64 {
+        self.source.len()
+    }
+
+    fn read_ranges(&self, ranges: &mut [(u64, &mut [u8])]) -> crate::Result<()> {
+        self.source.read_ranges(ranges, self.chunk, self.threads)
+    }
+}
+
+/// What [`store_torch_map`] returns: the object's size and version, the
+/// archive's prefix, [(record, data offset, size)], the small records' bytes,
+/// and [(record, local header offset, predicted data offset)].
+type TorchMap<'py> = (
+    Bound<'py, PyDict>,
+    String,
+    Vec<(String, u64, u64)>,
+    Bound<'py, PyDict>,
+    Vec<(String, u64, u64)>,
+);
+
+/// Map the torch.save archive at `url` in few requests
+/// ([`zipmap::map_remote`]): its end and directory from the last `tail`
+/// bytes, the small records (pickle, version...) read whole in one batch, each
+/// storage's data offset predicted, to be confirmed by [`zip_headers_match`]
+/// over the bytes from its local header to its data, read with the data.
+#[pyfunction]
+#[pyo3(signature = (url, options=None, threads=8, chunk=16777216, tail=1048576))]
+pub fn store_torch_map<'py>(
+    py: Python<'py>,
+    url: &str,
+    options: Option<&Bound<'py, PyDict>>,
+    threads: usize,
+    chunk: u64,
+    tail: u64,
+) -> PyResult<TorchMap<'py>> {
+    let (m, info) = on_store(py, url, options, |s, key| {
+        let source = ObjectSource::open(s, key)?;
+        let ranges = ObjectRanges {
+            source: &source,
+            threads: threads.max(1),
+            chunk: chunk.max(1),
+        };
+        let shown = std::path::PathBuf::from(source.url());
+        Ok((
+            zipmap::map_remote(&ranges, Some(&shown), tail)?,
+            source.info().clone(),
+        ))
+    })?;
+    let small = PyDict::new(py);
+    for (name, data) in &m.small {
+        small.set_item(name, PyBytes::new(py, data))?;
+    }
+    let a = &m.archive;
+    let records = a
+        .records
+        .iter()
+        .map(|r| (r.name.clone(), r.data_offset, r.size))
+        .collect();
+    let heads = m
+        .predicted
+        .iter()
+        .map(|&i| {
+            let r = &a.records[i];
+            (r.name.clone(), r.header_offset, r.data_offset)
+        })
+        .collect();
+    Ok((
+        info_dict(py, &info)?,
+        a.prefix().to_owned(),
+        records,
+        small,
+        heads,
+    ))
+}
+
+/// The records of `heads` ([(record, local header offset, data offset)], as
+/// [`store_torch_map`] gives them) whose local header, in `bytes` (each
+/// record's bytes from its header to its data, back to back in that order),
+/// does not put the data where predicted: empty when every guess held.
+#[pyfunction]
+pub fn zip_headers_match(heads: Vec<(String, u64, u64)>, bytes: &[u8]) -> Vec<String> {
+    let mut at = 0usize;
+    let mut wrong = Vec::new();
+    for (name, header_offset, data_offset) in heads {
+        let n = data_offset.saturating_sub(header_offset) as usize;
+        let head = bytes.get(at..at.saturating_add(n)).unwrap_or(&[]);
+        at = at.saturating_add(n);
+        let r = zipmap::Record {
+            name,
+            header_offset,
+            data_offset,
+            size: 0,
+            crc32: 0,
+            cd_entry_offset: 0,
+        };
+        if !zipmap::local_header_matches(&r, head) {
+            wrong.push(r.name);
+        }
+    }
+    wrong
 }
 
 /// Read (object offset, address, nbytes, device) segments of `url` straight

@@ -190,6 +190,206 @@ pub fn map_bytes(bytes: &[u8]) -> Result<Archive> {
 }
 
 /// Random access to the archive, so files and memory share one parser.
+/// Bytes read in batches: an object store answers many ranges in one call
+/// (concurrent requests), where a file would read them one by one.
+pub trait RangeReader {
+    fn size(&self) -> u64;
+    /// Fills each `(offset, buffer)`; callers only ask for ranges inside `size()`.
+    fn read_ranges(&self, ranges: &mut [(u64, &mut [u8])]) -> Result<()>;
+}
+
+/// A torch.save archive mapped from a [`RangeReader`] in few batches.
+#[derive(Debug)]
+pub struct RemoteArchive {
+    pub archive: Archive,
+    /// The bytes of each record outside `<prefix>/data/` (the pickle, the
+    /// version...), of at most [`SMALL_RECORD_MAX`] bytes each.
+    pub small: Vec<(String, Vec<u8>)>,
+    /// Storage records (under `<prefix>/data/`) whose data offset is
+    /// predicted, not read: the caller reads `[header_offset, data_offset)`
+    /// with the data and confirms it with [`local_header_matches`].
+    pub predicted: Vec<usize>,
+}
+
+/// Records outside `<prefix>/data/` larger than this are not read by
+/// [`map_remote`] (a pickle past it is torch.load's anyway).
+pub const SMALL_RECORD_MAX: u64 = 64 << 20;
+
+/// Maps a torch.save archive that lies behind a [`RangeReader`] (an object):
+/// the end records and the central directory from the last `tail` bytes (a
+/// second read only where the directory is longer); every record outside
+/// `<prefix>/data/` read whole with its local header in one batch; each
+/// storage's data offset predicted from the layout torch.save writes (records
+/// back to back, each followed by its data descriptor, data aligned to the
+/// `.storage_alignment` record, 64 without one), for the caller to confirm
+/// from the local header it reads in the same request as the data. Storages
+/// thus cost no request of their own before their data is read.
+pub fn map_remote<R: RangeReader>(
+    src: &R,
+    path: Option<&Path>,
+    tail: u64,
+) -> Result<RemoteArchive> {
+    let bad = |reason: String| Error::format(path, reason);
+    let cached = Cached::new(src, tail)?;
+    let (mut records, end, cd_end) = directory(&cached, path)?;
+    let prefix = records
+        .first()
+        .and_then(|r| r.name.split_once('/'))
+        .map_or(String::new(), |(p, _)| p.to_owned());
+    let data_prefix = format!("{prefix}/data/");
+    let mut order: Vec<usize> = (0..records.len()).collect();
+    order.sort_unstable_by_key(|&i| records[i].header_offset);
+    // Where each record's span (local header, data, descriptor) ends.
+    let mut next = vec![end.cd_offset; records.len()];
+    for w in order.windows(2) {
+        next[w[0]] = records[w[1]].header_offset;
+    }
+    let small_ids: Vec<usize> = order
+        .iter()
+        .copied()
+        .filter(|&i| !records[i].name.starts_with(&data_prefix))
+        .filter(|&i| records[i].size <= SMALL_RECORD_MAX)
+        .collect();
+    let mut bufs = Vec::with_capacity(small_ids.len());
+    for &i in &small_ids {
+        let r = &records[i];
+        // To the next record, or as far as its header, data and descriptor can reach.
+        let most = (LH_LEN + r.name.len() + usize::from(u16::MAX) + 24) as u64 + r.size;
+        let span = next[i]
+            .checked_sub(r.header_offset)
+            .filter(|&n| n >= (LH_LEN + r.name.len()) as u64)
+            .map(|n| n.min(most));
+        let Some(span) = span else {
+            return Err(bad(format!(
+                "record {:?}: its local header at offset {} does not fit before the next \
+                 record (at {})",
+                r.name, r.header_offset, next[i]
+            )));
+        };
+        bufs.push(vec![0u8; span as usize]);
+    }
+    {
+        let mut ranges: Vec<(u64, &mut [u8])> = small_ids
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(&i, b)| (records[i].header_offset, b.as_mut_slice()))
+            .collect();
+        src.read_ranges(&mut ranges)?;
+    }
+    let mut small = Vec::with_capacity(small_ids.len());
+    for (&i, buf) in small_ids.iter().zip(bufs) {
+        let r = &mut records[i];
+        resolve_one(r, &buf[..LH_LEN + r.name.len()], src.size(), &bad)?;
+        let at = (r.data_offset - r.header_offset) as usize;
+        let data = buf.get(at..at + r.size as usize).ok_or_else(|| {
+            bad(format!(
+                "record {:?}: {} bytes of data at offset {} run into the next record",
+                r.name, r.size, r.data_offset
+            ))
+        })?;
+        small.push((r.name.clone(), data.to_vec()));
+    }
+    let align = small
+        .iter()
+        .find(|(n, _)| *n == format!("{prefix}/.storage_alignment"))
+        .and_then(|(_, b)| std::str::from_utf8(b).ok()?.trim().parse::<u64>().ok())
+        .filter(|&a| a > 0)
+        .unwrap_or(64);
+    let mut predicted = Vec::new();
+    for &i in &order {
+        let r = &mut records[i];
+        if !r.name.starts_with(&data_prefix) {
+            continue;
+        }
+        let first = r.header_offset + (LH_LEN + r.name.len()) as u64;
+        if r.size == 0 {
+            r.data_offset = first; // nothing is read from it
+            continue;
+        }
+        // Data descriptor: 16 bytes (signed), 24 (ZIP64), 12 (unsigned), none.
+        let guess = [16u64, 24, 12, 0]
+            .iter()
+            .filter_map(|d| next[i].checked_sub(d + r.size))
+            .find(|&d| d >= first && d % align == 0)
+            .unwrap_or(first);
+        if guess.checked_add(r.size).is_none_or(|e| e > src.size()) {
+            return Err(bad(format!(
+                "record {:?}: {} bytes of data at offset {guess} run past the end of the \
+                 file ({} bytes); is it truncated?",
+                r.name,
+                r.size,
+                src.size()
+            )));
+        }
+        r.data_offset = guess;
+        predicted.push(i);
+    }
+    check_layout(&records, end.cd_offset, cd_end, &bad)?;
+    Ok(RemoteArchive {
+        archive: Archive {
+            records,
+            file_len: src.size(),
+            eocd_offset: end.eocd_offset,
+            comment: end.comment,
+        },
+        small,
+        predicted,
+    })
+}
+
+/// Whether `head`, the bytes from `r`'s local header to its data, is that
+/// record's local header and puts its data at `r.data_offset`.
+pub fn local_header_matches(r: &Record, head: &[u8]) -> bool {
+    let want = LH_LEN + r.name.len();
+    if head.len() < want {
+        return false;
+    }
+    let mut c = r.clone();
+    let ok = resolve_one(&mut c, &head[..want], u64::MAX, &|m| Error::format(None, m)).is_ok();
+    ok && c.data_offset == r.data_offset
+}
+
+/// A [`RangeReader`]'s tail, read once, as a [`Source`]: the end records and
+/// (usually) the central directory come from it; other reads go to the reader.
+struct Cached<'a, R> {
+    inner: &'a R,
+    tail_start: u64,
+    tail: Vec<u8>,
+}
+
+impl<'a, R: RangeReader> Cached<'a, R> {
+    fn new(inner: &'a R, tail: u64) -> Result<Self> {
+        let n = inner
+            .size()
+            .min(tail.max((EOCD_LEN + MAX_COMMENT_LEN) as u64));
+        let tail_start = inner.size() - n;
+        let mut buf = vec![0u8; n as usize];
+        inner.read_ranges(&mut [(tail_start, buf.as_mut_slice())])?;
+        Ok(Cached {
+            inner,
+            tail_start,
+            tail: buf,
+        })
+    }
+}
+
+impl<R: RangeReader> Source for Cached<'_, R> {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        if offset >= self.tail_start {
+            let at = (offset - self.tail_start) as usize;
+            if let Some(src) = self.tail.get(at..at + buf.len()) {
+                buf.copy_from_slice(src);
+                return Ok(());
+            }
+        }
+        self.inner.read_ranges(&mut [(offset, buf)])
+    }
+}
+
 trait Source {
     fn size(&self) -> u64;
     /// Fills `buf` from `offset`; callers only ask for ranges inside `size()`.
@@ -262,6 +462,21 @@ struct End {
 
 fn map<S: Source>(src: &S, path: Option<&Path>) -> Result<Archive> {
     let bad = |reason: String| Error::format(path, reason);
+    let (mut records, end, cd_end) = directory(src, path)?;
+    resolve_data_offsets(src, &mut records, &bad)?;
+    check_layout(&records, end.cd_offset, cd_end, &bad)?;
+    Ok(Archive {
+        records,
+        file_len: src.size(),
+        eocd_offset: end.eocd_offset,
+        comment: end.comment,
+    })
+}
+
+/// The records of the central directory (data offsets not resolved yet), the
+/// end records, and where the directory ends.
+fn directory<S: Source>(src: &S, path: Option<&Path>) -> Result<(Vec<Record>, End, u64)> {
+    let bad = |reason: String| Error::format(path, reason);
     let file_len = src.size();
     let end = find_end(src, &bad)?;
 
@@ -288,21 +503,13 @@ fn map<S: Source>(src: &S, path: Option<&Path>) -> Result<Archive> {
         )));
     }
     let cd = read_vec(src, end.cd_offset, end.cd_size, path)?;
-    let mut records = parse_central_directory(&cd, &end, &bad)?;
+    let records = parse_central_directory(&cd, &end, &bad)?;
 
     let mut names = HashSet::with_capacity(records.len());
     if let Some(dup) = records.iter().find(|r| !names.insert(r.name.as_str())) {
         return Err(bad(format!("duplicate record name {:?}", dup.name)));
     }
-
-    resolve_data_offsets(src, &mut records, &bad)?;
-    check_layout(&records, end.cd_offset, cd_end, &bad)?;
-    Ok(Archive {
-        records,
-        file_len,
-        eocd_offset: end.eocd_offset,
-        comment: end.comment,
-    })
+    Ok((records, end, cd_end))
 }
 
 /// Finds the classic end record, then the ZIP64 one through its locator if present.
@@ -2011,5 +2218,87 @@ mod tests {
                 check(&v);
             }
         }
+    }
+
+    /// Bytes behind a [`RangeReader`] that counts its batches.
+    struct Batches(Vec<u8>, std::cell::Cell<usize>);
+
+    impl RangeReader for Batches {
+        fn size(&self) -> u64 {
+            self.0.len() as u64
+        }
+
+        fn read_ranges(&self, ranges: &mut [(u64, &mut [u8])]) -> Result<()> {
+            self.1.set(self.1.get() + 1);
+            for (at, buf) in ranges.iter_mut() {
+                let at = *at as usize;
+                buf.copy_from_slice(&self.0[at..at + buf.len()]);
+            }
+            Ok(())
+        }
+    }
+
+    /// What map_remote finds: map()'s records, the small records' bytes, and
+    /// every predicted data offset confirmed by its local header.
+    #[track_caller]
+    fn check_remote(bytes: Vec<u8>, tail: u64, batches: usize) -> RemoteArchive {
+        let want = map_bytes(&bytes).unwrap();
+        let src = Batches(bytes, std::cell::Cell::new(0));
+        let got = map_remote(&src, None, tail).unwrap();
+        assert_eq!(src.1.get(), batches);
+        for (a, b) in got.archive.records.iter().zip(&want.records) {
+            assert_eq!(
+                (&a.name, a.header_offset, a.size),
+                (&b.name, b.header_offset, b.size)
+            );
+            if a.size > 0 {
+                assert_eq!(a.data_offset, b.data_offset, "{}", a.name);
+            }
+        }
+        for (name, data) in &got.small {
+            let r = want.get(name).unwrap();
+            let at = r.data_offset as usize;
+            assert_eq!(&src.0[at..at + r.size as usize], &data[..], "{name}");
+        }
+        for &i in &got.predicted {
+            let r = &got.archive.records[i];
+            let head = &src.0[r.header_offset as usize..r.data_offset as usize];
+            assert!(local_header_matches(r, head), "{}", r.name);
+        }
+        got
+    }
+
+    #[test]
+    fn remote_maps_torch_archives_in_two_batches() {
+        for name in ["torch_small_a64.pt", "torch_small_a4096.pt"] {
+            let got = check_remote(std::fs::read(fixture(name)).unwrap(), 1 << 20, 2);
+            assert!(!got.predicted.is_empty());
+            assert!(got.small.iter().any(|(n, _)| n.ends_with("/data.pkl")));
+        }
+        check_remote(small().to_vec(), 1 << 20, 2);
+        // A tail too short for the directory: one more read.
+        let many: Vec<Data> = (0..2000).map(|_| Data::Bytes(&[3; 100])).collect();
+        let bytes = torch_like(64, &many).to_vec();
+        check_remote(bytes, 0, 3);
+    }
+
+    #[test]
+    fn remote_prediction_is_refused_by_another_layout() {
+        // Python's zipfile: no descriptors, no alignment; the guess is wrong and
+        // the local header says so.
+        let bytes = std::fs::read(fixture("zipfile_stored.zip")).unwrap();
+        let src = Batches(bytes.clone(), std::cell::Cell::new(0));
+        let got = map_remote(&src, None, 1 << 20).unwrap();
+        let want = map_bytes(&bytes).unwrap();
+        for &i in &got.predicted {
+            let r = &got.archive.records[i];
+            let right = r.data_offset == want.records[i].data_offset;
+            let end = (r.data_offset as usize).max(r.header_offset as usize);
+            let head = &bytes[r.header_offset as usize..end];
+            assert_eq!(local_header_matches(r, head), right, "{}", r.name);
+        }
+        // A header that names another record, or is cut short, never matches.
+        let r = &got.archive.records[0];
+        assert!(!local_header_matches(r, &bytes[..10]));
     }
 }

@@ -39,7 +39,7 @@ import threading
 import types
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.serialization import config as _torch_config
@@ -471,14 +471,38 @@ def is_torchscript(path: str) -> bool:
         return False
 
 
+class RecordReader(Protocol):
+    """What reads an archive's small records: the native reader of a file, or
+    :class:`StoredRecords`."""
+
+    @property
+    def prefix(self) -> str: ...
+
+    def read_record(self, name: str) -> bytes: ...
+
+
+class StoredRecords:
+    """The reader of an archive in an object store: the records read with its
+    directory (``remote.map_torch``: all but the storages, whose bytes go
+    straight into tensors)."""
+
+    def __init__(self, url: str, prefix: str, small: dict[str, bytes]) -> None:
+        self.url, self.prefix, self._small = url, prefix, small
+
+    def read_record(self, name: str) -> bytes:
+        try:
+            return self._small[name]
+        except KeyError:
+            raise corrupt(self.url, f"record {name} was not read with the directory") from None
+
+
 @dataclasses.dataclass
-class Archive:
-    """A torch.save archive opened for reading: the native reader (the file
-    mapped, its records found once), the records, and the file's name in
-    messages (``path``: a ``/proc/self/fd/N`` for file objects is named by them)."""
+class Records:
+    """A torch.save archive's records, what reads its small ones, and its name
+    in messages (``path``: a ``/proc/self/fd/N`` for file objects is named by them)."""
 
     path: str
-    reader: _native.Reader
+    reader: RecordReader
     #: (record name, data offset, size) in file order.
     records: list[tuple[str, int, int]]
 
@@ -496,6 +520,14 @@ class Archive:
         """Data offset -> size of each storage's record."""
         data_prefix = f"{self.prefix}/data/"
         return {off: n for name, off, n in self.records if name.startswith(data_prefix)}
+
+
+@dataclasses.dataclass
+class Archive(Records):
+    """A torch.save file opened for reading: the native reader (the file
+    mapped, its records found once)."""
+
+    reader: _native.Reader
 
     def fileno(self) -> int:
         return self.reader.fileno()
@@ -529,7 +561,7 @@ def torch_reads(path: str, fd: int | None = None) -> None:
         raise corrupt(path, f"torch's reader refuses the archive: {msg}") from e
 
 
-def native_byteorder(archive: Archive) -> bool:
+def native_byteorder(archive: Records) -> bool:
     """Whether the storages are in this machine's byte order. Without a byteorder
     record torch assumes what ``torch.serialization.get_default_load_endianness()``
     says: little-endian unless it was set to BIG or NATIVE."""
@@ -565,7 +597,7 @@ _MIN_VERSION, _MAX_VERSION = 1, 10
 _VERSION = re.compile(rb"\s*(\d+)")
 
 
-def _torch_opens(archive: Archive) -> bool:
+def _torch_opens(archive: Records) -> bool:
     """The checks torch.load makes of the records it reads besides the pickle
     and the storages: a version in the range it reads, a storage alignment
     that is an int, a serialization id in UTF-8. False where torch.load must
@@ -596,7 +628,7 @@ def _torch_opens(archive: Archive) -> bool:
 
 
 def native_pickle(
-    archive: Archive,
+    archive: Records,
 ) -> tuple[_native.Unpickled, list[tuple[int, int, torch.dtype, str]]] | None:
     """The pickle read natively (``_native.unpickle``: plain tensors, Parameters
     and containers, see src/format/pickle.rs) and its storages as (file offset,

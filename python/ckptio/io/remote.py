@@ -114,6 +114,20 @@ def read(
     return _native.store_read(url, offset, length, client, e_tag)
 
 
+def map_torch(
+    url: str, options: StorageOptions = None
+) -> tuple[
+    dict[str, Any], str, list[tuple[str, int, int]], dict[str, bytes], list[tuple[str, int, int]]
+]:
+    """The torch.save archive at ``url`` mapped in few requests
+    (``_native.store_torch_map``): the object's size and version, the archive's
+    prefix, its records (name, data offset, size), the bytes of every record
+    but the storages, and (storage record, local header offset, predicted data
+    offset) for the reader to confirm (``_native.zip_headers_match``)."""
+    client, n, part = client_options(options)
+    return _native.store_torch_map(url, client, max(n, 16), part)
+
+
 def get_bytes(url: str, options: StorageOptions = None) -> tuple[bytes, dict[str, Any]]:
     """A small object's bytes and version (``e_tag``)."""
     client, _, _ = client_options(options)

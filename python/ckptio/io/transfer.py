@@ -335,8 +335,11 @@ def read_from_store(
     until the call returns; device segments are refused: no stream to order),
     by parallel ranged GETs (``concurrency`` x ``part_size``; neighbouring
     segments share GETs) of the version ``e_tag`` where given. The object's
-    size and version, and ``threads``."""
+    size and version, and the stats of a report (``reports.report``)."""
     client, n, part = remote.client_options(options)
     info = _native.store_read_into(url, segments, owners, client, n, part, e_tag)
-    info["threads"] = n
+    info.update(
+        bytes=sum(s[2] for s in segments), backend="store", direct=False,
+        direct_reason="an object store", threads=n, device_path="store",
+    )  # fmt: skip
     return info
