@@ -707,3 +707,37 @@ def test_a_damaged_torch_object_is_a_format_error_naming_the_url(s3, tmp_path):
         remote.put_bytes(url, bad, s3.options)
         with pytest.raises(ckptio.FormatError, match=name):
             ckptio.load(url, storage_options=s3.options)
+
+
+def test_save_streams_the_archive_from_memory_byte_for_byte(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
+    os.mkdir(tmp_path / "scratch")
+    sd = _torch_state(7)
+    sd["big"] = torch.randint(0, 255, (40 << 20,), dtype=torch.uint8)  # 3 parts of 16 MiB
+    url = s3.url("streamed.pt")
+    ckptio.save(sd, url, storage_options=s3.options)
+    assert ckptio.last_report().backend == "store"
+    assert os.listdir(tmp_path / "scratch") == []  # no local copy
+    # The archive a save to a file makes: layout, records, CRC-32s, comment
+    # (all but the serialization id, new for each save).
+    ckptio.save(sd, tmp_path / "local.pt")
+    remote.download(url, tmp_path / "back.pt", s3.options)
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "back.pt") as a, zipfile.ZipFile(tmp_path / "local.pt") as b:
+        assert a.comment == b.comment
+        ia, ib = a.infolist(), b.infolist()
+        assert [
+            (i.filename, i.header_offset, i.CRC) for i in ia if "serialization_id" not in i.filename
+        ] == [
+            (i.filename, i.header_offset, i.CRC) for i in ib if "serialization_id" not in i.filename
+        ]
+        assert a.testzip() is None
+    assert os.path.getsize(tmp_path / "back.pt") == os.path.getsize(tmp_path / "local.pt")
+    assert ckptio.verify(url, storage_options=s3.options)
+    _same_tree(sd, ckptio.load(url, storage_options=s3.options))
+    # torch's own pickling arguments still go through a scratch file.
+    ckptio.save(
+        sd, url, storage_options=s3.options, _use_new_zipfile_serialization=True, pickle_protocol=4
+    )
+    _same_tree(sd, torch.load(tmp_path / "back.pt", weights_only=True))

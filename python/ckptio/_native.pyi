@@ -47,6 +47,7 @@ __all__ = [
     "store_read_into",
     "store_torch_map",
     "store_upload",
+    "store_upload_archive",
     "CkptioError",
     "FormatError",
     "BackendUnavailableError",
@@ -506,6 +507,16 @@ def store_read_into(
     e_tag: str | None = None,
 ) -> dict[str, Any]:
     """(object offset, address, nbytes, -1) segments read straight into host memory."""
+
+def store_upload_archive(
+    url: str,
+    entries: list[tuple[str, bytes | tuple[int, int, int], int]],
+    owners: _Owners,
+    options: dict[str, Any] | None = None,
+    threads: int = 8,
+    chunk: int = 16777216,
+) -> dict[str, Any]:
+    """A torch.save archive uploaded part by part straight from host memory."""
 
 def store_torch_map(
     url: str,

@@ -102,12 +102,20 @@ def save(
     copies wait for it on the GPU; the host is not blocked for it).
 
     ``f`` may be an object URL (``s3://bucket/key``, ``gs://``, ``az://``): the
-    file is written to a local scratch folder (``CKPTIO_SCRATCH``, else the
-    temp folder) and uploaded in parallel parts as one multipart upload, whose
-    completion replaces the object whole (a failed save leaves the old one).
-    ``storage_options``: the store's settings over the standard variables
-    (``ckptio.io.remote``; docs/objectstore.md).
+    archive is uploaded in parallel parts as one multipart upload, whose
+    completion replaces the object whole (a failed save leaves the old one);
+    the parts are made straight from the tensors' host memory (CRC-32s as the
+    bytes pass), or, for storages in device memory and torch's own pickling
+    arguments, from a file written first in a local scratch folder
+    (``CKPTIO_SCRATCH``, else the temp folder). ``storage_options``: the
+    store's settings over the standard variables (``ckptio.io.remote``;
+    docs/objectstore.md).
     """
+    torch_args = (pickle_module, pickle_protocol, _disable_byteorder_record)
+    if remote.is_url(f) and _torch_writes(_use_new_zipfile_serialization) is None:
+        remote.check_options(f, storage_options)
+        if _packs(*torch_args) and _save_remote(obj, os.fsdecode(os.fspath(f)), storage_options):
+            return
     if remote.is_url(f) or storage_options is not None:
         kw: dict[str, Any] = dict(
             threads=threads, chunk_size=chunk_size, direct=direct, backend=backend
@@ -117,7 +125,6 @@ def save(
         remote.via_local(f, storage_options, lambda p: save(obj, p, *args, **kw), write=True)
         return
     paths.file_like(f, "save", "write")
-    torch_args = (pickle_module, pickle_protocol, _disable_byteorder_record)
     io = IoOptions.of(threads, chunk_size, direct, backend)
     t0 = time.perf_counter()
     engine = io.engine()
@@ -192,6 +199,21 @@ def _save_packed(obj: object, path: str, engine: _native.Engine, io: IoOptions, 
         writer.abort()
         raise
     reports.report(path, t0, stats, len(storages))
+
+
+def _save_remote(obj: object, url: str, options: remote.StorageOptions) -> bool:
+    """``save`` to an object, the archive laid out here and uploaded part by
+    part straight from the storages' memory; False (nothing uploaded) where a
+    storage is in device memory: the caller saves through a scratch file."""
+    t0 = time.perf_counter()
+    with memory.gc_paused():
+        pkl, storages = torchzip.pickled(obj)
+        entries = torchzip.archive_entries(pkl, storages, torchzip.asked_alignment())
+    if any(isinstance(body, tuple) and body[2] >= 0 for _, body, _ in entries):
+        return False
+    stats = transfer.upload_archive(url, entries, [s[4] for s in storages], options)
+    reports.report(url, t0, stats, len(storages))
+    return True
 
 
 def _save_object(

@@ -16,9 +16,11 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::engine::Memory;
 use crate::format::zipmap;
+use crate::format::zipstream::PartedArchive;
 use crate::store::{self, ObjectInfo, ObjectSource, Precondition, Store, Transferred, Version};
 
 use super::owners::Owners;
+use super::writer::{entries_of, RawBody};
 use crate::sync::lock;
 
 type Options = Vec<(String, String)>;
@@ -264,6 +266,37 @@ pub fn store_read<'py>(
         Ok((buf, source.info().clone()))
     })?;
     Ok((PyBytes::new(py, &data), info_dict(py, &info)?))
+}
+
+/// Upload a torch.save archive straight from memory to `url`: `entries` =
+/// [(record name, bytes or (address, nbytes, -1), alignment)] in file order,
+/// the storages' host memory owned by `owners` (checked, held until this
+/// returns; left unmodified meanwhile). The archive is laid out as a file
+/// save lays it out and made part by part of the grid for `chunk`, `threads`
+/// parts at a time, CRC-32s as the bytes pass: one multipart upload, no local
+/// copy; its completion is the commit.
+#[pyfunction]
+#[pyo3(signature = (url, entries, owners, options=None, threads=8, chunk=16777216))]
+pub fn store_upload_archive<'py>(
+    py: Python<'py>,
+    url: &str,
+    entries: Vec<(String, RawBody<'py>, u64)>,
+    owners: Owners,
+    options: Option<&Bound<'py, PyDict>>,
+    threads: usize,
+    chunk: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let entries = entries_of(entries, &owners)?;
+    let t = on_store(py, url, options, |s, key| {
+        // SAFETY: every memory record lies inside its owners' memory (checked
+        // by entries_of), held until this returns and left unmodified by the
+        // caller (documented contract); device memory is refused by new().
+        let a = unsafe { PartedArchive::new(&entries, chunk)? };
+        let grid = store::part_grid(a.len(), chunk)?;
+        let a = a.with_part_size(grid.part_size);
+        store::upload_parts(s, key, grid, threads, |idx, buf| a.fill(idx, buf))
+    })?;
+    transferred_dict(py, &t)
 }
 
 /// An object as the zip mapper's batched reader: each batch one

@@ -47,9 +47,38 @@ type ZstdItem = (Vec<u8>, u64, u64, Vec<u8>, Vec<usize>);
 /// bytes object. (Storages first: the variants are tried in order, and a
 /// failed try costs an exception object.)
 #[derive(FromPyObject)]
-enum RawBody<'py> {
+pub(super) enum RawBody<'py> {
     Memory((u64, u64, i32)),
     Bytes(Bound<'py, PyBytes>),
+}
+
+/// An archive's records from Python's (name, body, alignment), every memory
+/// record checked against `owners`.
+pub(super) fn entries_of(
+    raw: Vec<(String, RawBody<'_>, u64)>,
+    owners: &Owners,
+) -> PyResult<Vec<Entry>> {
+    let entries: Vec<Entry> = raw
+        .into_iter()
+        .map(|(name, body, align)| Entry {
+            name,
+            body: match body {
+                RawBody::Bytes(b) => Body::Bytes(b.as_bytes().to_vec()),
+                RawBody::Memory((addr, len, dev)) => Body::Memory {
+                    addr,
+                    len,
+                    memory: memory(dev),
+                },
+            },
+            align,
+        })
+        .collect();
+    for e in &entries {
+        if let Body::Memory { addr, len, memory } = e.body {
+            owners.check(memory, addr, len, || format!("record {:?}", e.name))?;
+        }
+    }
+    Ok(entries)
 }
 
 /// What a call on a committed or aborted writer meets.
@@ -166,26 +195,7 @@ impl AtomicWriter {
         owners: Owners,
         streams: Streams,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let entries: Vec<Entry> = entries
-            .into_iter()
-            .map(|(name, body, align)| Entry {
-                name,
-                body: match body {
-                    RawBody::Bytes(b) => Body::Bytes(b.as_bytes().to_vec()),
-                    RawBody::Memory((addr, len, dev)) => Body::Memory {
-                        addr,
-                        len,
-                        memory: memory(dev),
-                    },
-                },
-                align,
-            })
-            .collect();
-        for e in &entries {
-            if let Body::Memory { addr, len, memory } = e.body {
-                owners.check(memory, addr, len, || format!("record {:?}", e.name))?;
-            }
-        }
+        let entries = entries_of(entries, &owners)?;
         let ask = Ask {
             streams,
             ..Ask::default()

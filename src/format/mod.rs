@@ -13,5 +13,6 @@ pub mod pickle;
 pub mod safetensors;
 pub mod statedict;
 pub mod zipmap;
+pub mod zipstream;
 pub mod zipwrite;
 pub mod zstd;

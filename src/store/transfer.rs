@@ -14,7 +14,7 @@ use std::sync::Mutex;
 
 use bytes::Bytes;
 
-use super::{part_grid, MultipartSink, ObjectInfo, ObjectSource, Store, Version};
+use super::{part_grid, MultipartSink, ObjectInfo, ObjectSource, PartGrid, Store, Version};
 use crate::sync::lock;
 use crate::{Error, Result};
 
@@ -76,17 +76,33 @@ pub fn upload_file(
         .map_err(|e| Error::io("stat", Some(path.to_path_buf()), e))?
         .len();
     let grid = part_grid(size, chunk)?;
+    upload_parts(store, key, grid, threads, |idx, buf| {
+        file.read_exact_at(buf, grid.range(idx).start)
+            .map_err(|e| Error::io("read", Some(path.to_path_buf()), e))
+    })
+}
+
+/// Upload an object cut as `grid` whose parts `fill(idx, buffer)` makes, as
+/// one multipart upload: `threads` parts at a time, taken in order (a part
+/// may wait for the parts before it, never after), each in a buffer of its
+/// own; its completion is the commit, and a failed upload is aborted.
+pub fn upload_parts(
+    store: &Store,
+    key: &str,
+    grid: PartGrid,
+    threads: usize,
+    fill: impl Fn(usize, &mut [u8]) -> Result<()> + Sync,
+) -> Result<Transferred> {
     let sink = MultipartSink::create(store, key, grid)?;
     each_part(grid.count, threads, |idx| {
         let r = grid.range(idx);
         let mut buf = vec![0u8; (r.end - r.start) as usize];
-        file.read_exact_at(&mut buf, r.start)
-            .map_err(|e| Error::io("read", Some(path.to_path_buf()), e))?;
+        fill(idx, &mut buf)?;
         sink.put_part(idx, Bytes::from(buf))
     })?;
     let version = sink.commit()?;
     Ok(Transferred {
-        size,
+        size: grid.total,
         parts: grid.count,
         version,
     })

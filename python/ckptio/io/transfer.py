@@ -338,8 +338,27 @@ def read_from_store(
     size and version, and the stats of a report (``reports.report``)."""
     client, n, part = remote.client_options(options)
     info = _native.store_read_into(url, segments, owners, client, n, part, e_tag)
+    return _store_stats(info, sum(s[2] for s in segments), n)
+
+
+def upload_archive(
+    url: str,
+    entries: list[tuple[str, Any, int]],
+    owners: list[Any],
+    options: remote.StorageOptions = None,
+) -> dict[str, Any]:
+    """A torch.save archive (``entries`` as for ``write_archive``, storages in
+    host memory that ``owners`` own) uploaded to ``url`` part by part straight
+    from memory: one multipart upload, committed by its completion. The
+    object's size and version, and the stats of a report."""
+    client, n, part = remote.client_options(options)
+    info = _native.store_upload_archive(url, entries, owners, client, n, part)
+    return _store_stats(info, info["size"], n)
+
+
+def _store_stats(info: dict[str, Any], nbytes: int, threads: int) -> dict[str, Any]:
     info.update(
-        bytes=sum(s[2] for s in segments), backend="store", direct=False,
-        direct_reason="an object store", threads=n, device_path="store",
+        bytes=nbytes, backend="store", direct=False, direct_reason="an object store",
+        threads=threads, device_path="store",
     )  # fmt: skip
     return info
