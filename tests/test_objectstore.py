@@ -125,6 +125,24 @@ def test_a_wrong_secret_is_a_permission_error(s3):
     assert isinstance(e.value, ckptio.StorePermissionError)
 
 
+def test_no_credentials_is_a_credentials_error_naming_the_url(s3, monkeypatch):
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME", "/nonexistent")  # no ~/.aws either
+    opts = {k: v for k, v in s3.options.items() if k not in ("access_key_id", "secret_access_key")}
+    # No keys: the client asks the instance metadata service, here a closed port.
+    opts["metadata_endpoint"] = "http://127.0.0.1:9"
+    url = s3.url("nocreds.pt")
+    for call in (
+        lambda: ckptio.load(url, storage_options=opts),
+        lambda: ckptio.save(_state(), url, storage_options=opts),
+    ):
+        with pytest.raises(PermissionError, match="no credentials.*metadata service") as e:
+            call()
+        assert isinstance(e.value, ckptio.StoreCredentialsError)
+        assert e.value.filename == url
+
+
 def test_an_unreachable_store_is_a_connection_error(s3):
     opts = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
     with pytest.raises(ConnectionError) as e:

@@ -410,11 +410,36 @@ fn url_tail(url: &str, key: &str) -> usize {
 
 /// The typed error of a failed request on `url`.
 pub(crate) fn store_error(url: &str, e: object_store::Error) -> Error {
+    let kind = classify(&e);
+    let reason = if kind == StoreErrorKind::NoCredentials && from_metadata_service(&chain(&e)) {
+        format!(
+            "none in storage_options or the environment's variables, and none from the \
+             instance or container metadata service ({})",
+            chain(&e)
+        )
+    } else {
+        chain(&e)
+    };
     Error::Store {
-        kind: classify(&e),
+        kind,
         url: url.to_string(),
-        reason: chain(&e),
+        reason,
     }
+}
+
+/// Whether a failed request was the client's fetch of credentials from the
+/// instance or container metadata service (AWS IMDS and ECS, GCP, Azure): the
+/// client goes there when no credentials were given.
+fn from_metadata_service(text: &str) -> bool {
+    [
+        "/latest/api/token",
+        "/latest/meta-data/iam",
+        "169.254.170.2",
+        "computeMetadata/",
+        "/metadata/identity/oauth2/token",
+    ]
+    .iter()
+    .any(|m| text.contains(m))
 }
 
 /// The kind of a client error, from its variant, then from the HTTP status or
@@ -427,6 +452,7 @@ fn classify(e: &object_store::Error) -> StoreErrorKind {
         E::NotFound { .. } => StoreErrorKind::NoSuchKey,
         E::Precondition { .. } | E::AlreadyExists { .. } => StoreErrorKind::Conflict,
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => StoreErrorKind::AccessDenied,
+        _ if from_metadata_service(&text) => StoreErrorKind::NoCredentials,
         _ => {
             // The client's retry error, which holds the HTTP status, is not
             // public: its status is read from its text, "status code: 503".

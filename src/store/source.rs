@@ -16,6 +16,25 @@ use super::runtime::block_on;
 use super::{ObjectInfo, Store};
 use crate::{Error, Result};
 
+/// Gaps of at most this many bytes between ranges are read and dropped
+/// rather than cost a GET of their own.
+const GAP: usize = 1 << 20;
+
+/// Where the bytes of one GET go, in turn.
+enum Dst<'a> {
+    Fill(&'a mut [u8]),
+    Skip(usize),
+}
+
+impl Dst<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Dst::Fill(d) => d.len(),
+            Dst::Skip(n) => *n,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct ObjectSource {
     store: Store,
@@ -82,8 +101,8 @@ impl ObjectSource {
     /// ranges cut into GETs of at most `piece` bytes (the part grid, so each
     /// GET is served by one stored part), `concurrency` of them at a time.
     /// Ranges that follow each other in the object (a checkpoint's many small
-    /// tensors) share GETs up to `piece` bytes: one request fills several
-    /// buffers in turn.
+    /// tensors), or lie within [`GAP`] of each other, share GETs up to `piece`
+    /// bytes: one request fills several buffers in turn.
     pub fn read_ranges(
         &self,
         ranges: &mut [(u64, &mut [u8])],
@@ -110,22 +129,30 @@ impl ObjectSource {
             }
         }
         order.sort_by_key(|(at, _)| *at);
-        // Consecutive pieces that touch join one GET while it stays within `piece`.
-        let mut gets: Vec<(u64, Vec<&mut [u8]>)> = Vec::new();
+        // Pieces that follow each other, or are apart by at most GAP bytes
+        // (read and dropped: a torch.save archive's descriptors and local
+        // headers between its storages), join one GET while it stays within
+        // `piece`: a request costs more than the bytes of a small gap.
+        let mut gets: Vec<(u64, Vec<Dst<'_>>)> = Vec::new();
         let mut get_len = 0usize;
         for (at, dst) in order {
             if dst.is_empty() {
                 continue;
             }
             if let Some((start, dsts)) = gets.last_mut() {
-                if *start + get_len as u64 == at && get_len + dst.len() <= piece {
-                    get_len += dst.len();
-                    dsts.push(dst);
+                let end = *start + get_len as u64;
+                let gap = at.checked_sub(end).map(|g| g as usize);
+                if let Some(gap) = gap.filter(|&g| g <= GAP && get_len + g + dst.len() <= piece) {
+                    if gap > 0 {
+                        dsts.push(Dst::Skip(gap));
+                    }
+                    get_len += gap + dst.len();
+                    dsts.push(Dst::Fill(dst));
                     continue;
                 }
             }
             get_len = dst.len();
-            gets.push((at, vec![dst]));
+            gets.push((at, vec![Dst::Fill(dst)]));
         }
         let work = stream::iter(gets)
             .map(|(offset, dsts)| self.get_into(offset, dsts))
@@ -134,10 +161,10 @@ impl ObjectSource {
         block_on(work)?
     }
 
-    /// One GET from `offset` filling `dsts` in turn (they follow each other in
-    /// the object).
-    async fn get_into(&self, offset: u64, mut dsts: Vec<&mut [u8]>) -> Result<()> {
-        let want: usize = dsts.iter().map(|d| d.len()).sum();
+    /// One GET from `offset` filling (or skipping) `dsts` in turn (they follow
+    /// each other in the object).
+    async fn get_into(&self, offset: u64, mut dsts: Vec<Dst<'_>>) -> Result<()> {
+        let want: usize = dsts.iter().map(Dst::len).sum();
         if want == 0 {
             return Ok(());
         }
@@ -154,7 +181,7 @@ impl ObjectSource {
             .await
             .map_err(err)?
             .into_stream();
-        // (buffer, filled) as the body streams in.
+        // (destination, filled) as the body streams in.
         let (mut cur, mut filled, mut total) = (0usize, 0usize, 0usize);
         while let Some(bytes) = body.next().await {
             let mut bytes = &bytes.map_err(err)?[..];
@@ -163,7 +190,9 @@ impl ObjectSource {
                     return Err(self.short(offset, want, total + bytes.len()));
                 };
                 let n = (dst.len() - filled).min(bytes.len());
-                dst[filled..filled + n].copy_from_slice(&bytes[..n]);
+                if let Dst::Fill(d) = dst {
+                    d[filled..filled + n].copy_from_slice(&bytes[..n]);
+                }
                 bytes = &bytes[n..];
                 filled += n;
                 total += n;
