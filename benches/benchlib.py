@@ -327,49 +327,6 @@ def fresh_memory_fault_s(
     return madvise_s(list(zip(bases, sizes, strict=True)), threads, piece)
 
 
-def meminfo(key: str) -> int:
-    """Bytes of ``key`` (``MemAvailable``, ``MemTotal``...) in /proc/meminfo; 0 if absent."""
-    with open("/proc/meminfo") as f:
-        for ln in f:
-            if ln.startswith(key + ":"):
-                return int(ln.split()[1]) * 1024
-    return 0
-
-
-def warm_spare_memory(limit_s: float = 25.0, threads: int = 16) -> dict[str, Any]:
-    """Touch (huge pages) and free all the memory this run can spare (all that
-    is available but 8 GiB or a tenth of the RAM, whichever is more), once, in
-    8 GiB steps for at most ``limit_s`` seconds: a VM backs guest memory on its
-    first touch, and huge pages come from blocks nobody touched yet as long as
-    there are any; measurements after it see memory as a host that has been up
-    a while has it. Returns {"gib": touched, "seconds", "spare_gib",
-    "available_gib"} ("gib" 0: nothing to spare)."""
-    avail = meminfo("MemAvailable")
-    spare = (avail - max(8 * GiB, meminfo("MemTotal") // 10)) // GiB
-    out: dict[str, Any] = {"gib": 0, "seconds": 0.0, "spare_gib": max(spare, 0)}
-    out["available_gib"] = avail / GiB
-    if spare < 1:
-        return out
-    maps: list[mmap.mmap] = []
-    t0 = time.perf_counter()
-    try:
-        while len(maps) < spare and time.perf_counter() - t0 < limit_s:
-            step = [
-                mmap.mmap(-1, GiB, flags=mmap.MAP_PRIVATE) for _ in range(min(8, spare - len(maps)))
-            ]
-            for m in step:
-                m.madvise(mmap.MADV_HUGEPAGE)
-            maps += step
-            addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in step]
-            madvise_s([(x, GiB) for x in addrs], threads)
-        out["seconds"] = time.perf_counter() - t0
-    finally:
-        for m in maps:
-            m.close()
-    out["gib"] = len(maps)
-    return out
-
-
 class EngineReads:
     """Seconds the native reads took (every ``read_segments`` call, summed) since
     :meth:`reset`: the engine's share of a load; the rest is Python, unpickling

@@ -22,13 +22,6 @@
 #   scripts/gpu_check.sh stbench # benches/bench_safetensors.py --device cuda (8G), JSON to $OUT
 #                                # (.whl/ must hold the safetensors wheel; fastsafetensors optional)
 #   scripts/gpu_check.sh staging # benches/bench_staging.py: first host staging by kind of memory
-#   scripts/gpu_check.sh firstsnap # issue 37's first snapshot (about 3 minutes at 8 GiB):
-#                                # benches/bench_first_snapshot.py, a fresh process per measurement:
-#                                # dcp.async_save with DefaultStager() and no prepare(), pipelined
-#                                # (new) and as before (old, CKPTIO_STAGING_PIPELINE=off), against the
-#                                # floor (fault-in + registration) in the same process; prepare()
-#                                # both ways; JSON to $OUT (FIRSTSNAP_ARGS adds arguments, e.g.
-#                                # "--memory private" or "--cases new,old,snapshot"; FIRSTSNAP_TIMEOUT)
 #   scripts/gpu_check.sh zstd    # fidelity tests (CPU and GPU), then benches/bench_dcp_zstd.py:
 #                                # DCP + ZStandard, ckptio (Rust, all cores) vs torch (ZSTD_SIZE)
 #   scripts/gpu_check.sh profile # benches/bench_profile_disk.py: saves and cold loads (by phase)
@@ -192,12 +185,6 @@ stbench)
     ;;
 staging)
     $PY benches/bench_staging.py --size ${STAGING_SIZE:-8G} 2>&1 | tee "$OUT/bench_staging.log" || rc=1
-    ;;
-firstsnap)
-    grep -H . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled \
-        /sys/module/page_reporting/parameters/page_reporting_order 2>/dev/null
-    timeout ${FIRSTSNAP_TIMEOUT:-200} $PY benches/bench_first_snapshot.py --json "$OUT/bench_first_snapshot.json" \
-        ${FIRSTSNAP_ARGS:-} 2>&1 | tee "$OUT/bench_first_snapshot.log" || rc=1
     ;;
 memory)
     grep -H . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled \

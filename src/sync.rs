@@ -48,18 +48,6 @@ pub(crate) fn wait<'a, T>(cv: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, 
     cv.wait(g).unwrap_or_else(|p| p.into_inner())
 }
 
-/// `cv` waited on with `g` for at most `timeout` (as [`wait`]).
-pub(crate) fn wait_timeout<'a, T>(
-    cv: &Condvar,
-    g: MutexGuard<'a, T>,
-    timeout: std::time::Duration,
-) -> MutexGuard<'a, T> {
-    match cv.wait_timeout(g, timeout) {
-        Ok((g, _)) => g,
-        Err(p) => p.into_inner().0,
-    }
-}
-
 /// Starts `run` on a thread named `name` unless `running` holds this
 /// process's pid (a forked child starts its own); whether one runs now. A
 /// thread that cannot start (a pid limit) leaves `running` as it was.

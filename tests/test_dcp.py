@@ -265,60 +265,6 @@ def test_prepare_then_stage(async_staging):
         st.prepare(sd)
 
 
-def test_staging_reports_where_its_time_went():
-    # last_stats: the walk, the allocation and the native copy with its parts
-    # (thread-seconds), for a first staging and a later one.
-    sd = {"w": torch.randn(1 << 18), "small": torch.arange(9), "n": 1}
-    with DefaultStager(StagingOptions(use_async_staging=False)) as st:
-        for _ in range(2):
-            st.stage(sd)
-            s = st.last_stats
-            for k in ("walk_s", "alloc_s", "stage_s", "seconds", "pinned_at_s", "fault_s"):
-                assert s[k] >= 0, k
-            for k in ("register_s", "copy_s", "sync_s", "idle_s"):
-                assert s[k] >= 0, k
-            assert s["pipelined"] is True and s["registrations"] == 0  # nothing to pin on a CPU
-            assert s["bytes"] == s["staged_bytes"] == (1 << 20) + 9 * 8
-            assert s["stage_s"] >= s["walk_s"] + s["alloc_s"] + s["seconds"]
-
-
-@pytest.mark.parametrize("value", ["off", "0", "on", "1", ""])
-def test_staging_pipeline_switch_is_read_at_each_call(monkeypatch, value):
-    # CKPTIO_STAGING_PIPELINE: on by default, off brings back the design before
-    # it (A/B measurements); either stages the same bytes.
-    from ckptio import _native
-
-    monkeypatch.setenv("CKPTIO_STAGING_PIPELINE", value)
-    sd = {"w": torch.randn(1000), "v": torch.arange(5)}
-    with DefaultStager(StagingOptions(use_async_staging=False)) as st:
-        out = st.stage(sd)
-        assert st.last_stats["pipelined"] is (value not in ("off", "0"))
-        assert torch.equal(out["w"], sd["w"]) and torch.equal(out["v"], sd["v"])
-        st.prepare(sd).result()
-    src = torch.arange(64, dtype=torch.uint8)
-    dst = torch.zeros(64, dtype=torch.uint8)
-    pin = _native.HostPin(dst, dst.data_ptr(), 64, pin=True)
-    stats = _native.stage_copy([(src.data_ptr(), -1, pin, 0, 64)], [src])
-    assert torch.equal(dst, src) and stats["pipelined"] is (value not in ("off", "0"))
-
-
-def test_a_malformed_staging_pipeline_switch_is_an_error(monkeypatch):
-    from ckptio import _native
-
-    monkeypatch.setenv("CKPTIO_STAGING_PIPELINE", "sometimes")
-    src = torch.arange(64, dtype=torch.uint8)
-    dst = torch.zeros(64, dtype=torch.uint8)
-    pin = _native.HostPin(dst, dst.data_ptr(), 64, pin=True)
-    with pytest.raises(ValueError, match="CKPTIO_STAGING_PIPELINE"):
-        _native.stage_copy([(src.data_ptr(), -1, pin, 0, 64)], [src])
-    with pytest.raises(ValueError, match="CKPTIO_STAGING_PIPELINE"):
-        _native.stage_pin([pin])
-    with DefaultStager(StagingOptions(use_async_staging=True)) as st:
-        with pytest.raises(ValueError, match="CKPTIO_STAGING_PIPELINE"):
-            st.stage({"w": torch.randn(10)}).result()
-    assert not dst.any()
-
-
 def test_stager_accepts_torch_options_and_protocol():
     from torch.distributed.checkpoint.staging import AsyncStager
     from torch.distributed.checkpoint.staging import StagingOptions as TorchOptions

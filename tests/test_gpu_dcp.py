@@ -1,7 +1,5 @@
 """Staging and DCP with CUDA tensors (run on the GPU machine; skipped without CUDA)."""
 
-import gc
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -80,12 +78,10 @@ def test_copies_made_by_the_walk_wait_for_the_callers_stream():
             assert torch.equal(staged["c"], z.conj().resolve_conj().cpu()), i
 
 
-@pytest.mark.parametrize("pipeline", ["on", "off"], ids=["pipelined", "unpipelined"])
 @pytest.mark.parametrize("shared", [False, True], ids=["anon", "shared"])
-def test_prepare_pins_buffers_ahead(monkeypatch, shared, pipeline):
+def test_prepare_pins_buffers_ahead(shared):
     # prepare() pins the buffers in the background; the first save then copies
     # into pinned memory only, and is exact.
-    monkeypatch.setenv("CKPTIO_STAGING_PIPELINE", pipeline)
     sd = cuda_state()
     with DefaultStager(StagingOptions(use_shared_memory=shared)) as st:
         n = st.prepare(sd).result()
@@ -96,72 +92,8 @@ def test_prepare_pins_buffers_ahead(monkeypatch, shared, pipeline):
             for k in ("w", "b", "t", "cpu", "v"):
                 assert torch.equal(staged[k].cpu(), sd[k].cpu()), (i, k)
             assert st.last_stats["unpinned_device_bytes"] == 0
-            assert st.last_stats["registrations"] == 0  # prepare() made them all
             assert st.pinned_bytes() == n
     assert st.pinned_bytes() == 0
-
-
-@pytest.mark.parametrize("pipeline", ["on", "off"], ids=["pipelined", "unpipelined"])
-@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
-def test_first_snapshot_through_async_save(tmp_path, monkeypatch, shared, pipeline):
-    # A trainer's first save: dcp.async_save with a new stager, no prepare().
-    # Its buffers are fresh: a large one (several copy chunks and many fault-in
-    # pieces), a middle one, and a slab taking both small CUDA storages and a
-    # CPU one (host and device copies into one buffer). Each buffer is
-    # registered once, whole, before any device copy lands in it: every byte
-    # is exact, nothing lands unpinned, staged tensors copy back to the GPU
-    # (one registration per buffer), later saves register nothing, and closing
-    # gives every pinned byte back.
-    import ckptio
-    from ckptio import _native
-
-    monkeypatch.setenv("CKPTIO_STAGING_PIPELINE", pipeline)
-    gc.collect()  # pins of other tests' dropped stagers go now, not during this one
-    ckptio.release_buffers()
-    held = _native.pinned_memory()["held"]
-    g = torch.Generator(device="cuda").manual_seed(5)
-    sizes = {"big": 150 * 2**20 + 5, "mid": 9 * 2**20 + 7, "small": 3000, "one": 1}
-    sd = {
-        k: torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)
-        for k, n in sizes.items()
-    }
-    sd["cpu"] = torch.arange(1000, dtype=torch.int64)
-    state = {"model": sd}
-    # Storages under 1 MiB share one slab, in slots 16 bytes apart.
-    slab = sum(-(-n // 16) * 16 for n in (3000, 1, 8000))
-    st = DefaultStager(StagingOptions(use_shared_memory=shared))
-    try:
-        for i in range(3):
-            for t in sd.values():
-                t.add_(i + 1)  # queued on the current stream before the save
-            r = dcp.async_save(
-                state,
-                storage_writer=FileSystemWriter(tmp_path / str(i)),
-                async_stager=st,
-                no_dist=True,
-            )
-            r.staging_completion.result()
-            staged = st._future.result()["model"]
-            for k, v in sd.items():
-                assert torch.equal(staged[k].to(v.device), v), (i, k)
-                assert not staged[k].is_cuda
-            back = staged["big"][7:].to("cuda", non_blocking=True)
-            assert torch.equal(back, sd["big"][7:])
-            stats = st.last_stats
-            assert stats["unpinned_device_bytes"] == 0
-            assert stats["pipelined"] == (pipeline == "on")
-            assert stats["registrations"] == (3 if i == 0 else 0), i
-            assert st.pinned_bytes() == sizes["big"] + sizes["mid"] + slab
-            r.upload_completion.result()
-            out = {"model": {k: torch.zeros_like(v) for k, v in sd.items()}}
-            dcp.load(out, storage_reader=FileSystemReader(tmp_path / str(i)), no_dist=True)
-            for k, v in sd.items():
-                assert torch.equal(out["model"][k], v), (i, k)
-    finally:
-        st.close()
-    assert st.pinned_bytes() == 0
-    ckptio.release_buffers()
-    assert _native.pinned_memory()["held"] == held
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])

@@ -344,9 +344,8 @@ def advise_huge(addr: int, nbytes: int, shared: bool) -> bool:
 
 @final
 class HostPin:
-    """Pinning state of host memory of ``owner`` (held), page-locked whole before the first
-    device copy into it; ``[addr, addr + nbytes)`` must lie inside ``owner``'s host memory
-    (ValueError)."""
+    """Pinning state of host memory of ``owner`` (held), page-locked whole by the first copy;
+    ``[addr, addr + nbytes)`` must lie inside ``owner``'s host memory (ValueError)."""
 
     def __new__(
         cls, owner: Any, addr: int, nbytes: int, pin: bool = True, chunk_size: int = 67108864
@@ -360,16 +359,10 @@ def stage_copy(
     copies: list[tuple[int, int, HostPin, int, int]], owners: _Owners, threads: int = 8
 ) -> dict[str, Any]:
     """Copy (src address, src device, pin, dst offset, nbytes) jobs in parallel; sources
-    inside ``owners``, destinations disjoint from each other and from host sources.
-    Destinations not pinned yet are faulted in, registered in order and copied into as a
-    pipeline (``CKPTIO_STAGING_PIPELINE``). Returns counts (bytes, device_bytes,
-    unpinned_device_bytes, pieces, threads, registrations, pipelined) and where the time
-    went: seconds, pinned_at_s (when the last registration ended), and the thread-seconds
-    fault_s, register_s, copy_s, sync_s, idle_s."""
+    inside ``owners``, destinations disjoint from each other and from host sources."""
 
 def stage_pin(pins: list[HostPin], threads: int = 8) -> int:
-    """Pin every one of ``pins`` not yet pinned (fault-in on ``threads`` threads, registration
-    in order); returns the bytes now pinned."""
+    """Pin every one of ``pins`` not yet pinned; returns the bytes now pinned."""
 
 def stage_device_copy(
     device: int, stream: int, copies: list[tuple[int, int, int]], owners: _Owners

@@ -14,7 +14,7 @@ use crate::Error;
 use super::Owners;
 
 /// Pinning state of host memory owned by `owner` (a staging buffer's storage):
-/// page-locked whole before the first device copy into it (copies into it go in
+/// page-locked whole by the first copy that reaches it (copies into it go in
 /// `chunk_size` pieces, pinned bytes count against the pinned-memory cap),
 /// unlocked on `close()` or when this object goes. Holds `owner`, so the
 /// memory stays mapped for as long as it may be pinned.
@@ -98,11 +98,10 @@ pub(super) fn stage_pin(
         .iter()
         .map(|p| p.get().get())
         .collect::<PyResult<Vec<_>>>()?;
-    let pinned = py.detach(move || {
+    Ok(py.detach(move || {
         let refs: Vec<&crate::gpu::staging::HostPin> = pins.iter().map(|p| p.as_ref()).collect();
         crate::gpu::staging::pin_all(&refs, threads)
-    })?;
-    Ok(pinned)
+    }))
 }
 
 /// Queue device-to-device copies `(dst, src, nbytes)` on the CUDA stream
@@ -160,7 +159,7 @@ pub(super) fn stage_device_copy(
 type RawCopy<'py> = (u64, i32, Bound<'py, HostPin>, u64, u64);
 
 /// Copy tensor memory into staging buffers on `threads` threads; returns when
-/// every byte has landed, with counts and where the time went (`CopyStats`). Every source must lie in the memory of `owners`
+/// every byte has landed. Every source must lie in the memory of `owners`
 /// (the pins hold the destinations), which are held until then; nobody may
 /// modify the sources meanwhile.
 #[pyfunction]
@@ -211,14 +210,5 @@ pub(super) fn stage_copy<'py>(
     d.set_item("unpinned_device_bytes", st.unpinned_device_bytes)?;
     d.set_item("pieces", st.pieces)?;
     d.set_item("threads", st.threads)?;
-    d.set_item("pipelined", st.pipelined)?;
-    d.set_item("registrations", st.registrations)?;
-    d.set_item("seconds", st.seconds)?;
-    d.set_item("pinned_at_s", st.pinned_at_s)?;
-    d.set_item("fault_s", st.fault_s)?;
-    d.set_item("register_s", st.register_s)?;
-    d.set_item("copy_s", st.copy_s)?;
-    d.set_item("sync_s", st.sync_s)?;
-    d.set_item("idle_s", st.idle_s)?;
     Ok(d)
 }

@@ -273,16 +273,6 @@ pub fn populate(addr: usize, len: usize, threads: usize, piece: usize) {
     });
 }
 
-/// MADV_POPULATE_WRITE over `[addr, addr+len)` (`addr` page aligned, writable
-/// memory the caller owns) in one call; whether the kernel did it. Unlike
-/// [`populate`] it never writes a page itself where the kernel lacks the advice:
-/// other threads may be writing the range meanwhile.
-pub fn populate_quietly(addr: usize, len: usize) -> bool {
-    // SAFETY: the range lies in the caller's writable memory; the advice
-    // faults its pages in without changing their contents.
-    unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE) == 0 }
-}
-
 /// Runs `f(0..n)` on up to `threads` threads (the worker threads, this one
 /// included), each taking the next index until none is left.
 pub fn for_each_on_threads(n: usize, threads: usize, f: impl Fn(usize) + Sync) {
