@@ -759,3 +759,23 @@ def test_save_streams_the_archive_from_memory_byte_for_byte(s3, tmp_path, monkey
         sd, url, storage_options=s3.options, _use_new_zipfile_serialization=True, pickle_protocol=4
     )
     _same_tree(sd, torch.load(tmp_path / "back.pt", weights_only=True))
+
+
+def test_safetensors_save_file_streams_from_memory_byte_for_byte(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
+    os.mkdir(tmp_path / "scratch")
+    g = torch.Generator().manual_seed(8)
+    sd = {f"t{i}": torch.randn(100 + i, generator=g) for i in range(50)}
+    sd["big"] = torch.randn(10 << 20, generator=g)  # 40 MiB: three parts
+    sd["empty"] = torch.zeros(0)
+    sd["bf"] = torch.randn(77, generator=g).bfloat16()
+    url = s3.url("streamed.safetensors")
+    ckptio.safetensors.save_file(sd, url, metadata={"k": "v"}, storage_options=s3.options)
+    assert ckptio.last_report().backend == "store"
+    assert os.listdir(tmp_path / "scratch") == []  # no local copy
+    ckptio.safetensors.save_file(sd, tmp_path / "local.safetensors", metadata={"k": "v"})
+    remote.download(url, tmp_path / "back.safetensors", s3.options)
+    assert (tmp_path / "back.safetensors").read_bytes() == (
+        tmp_path / "local.safetensors"
+    ).read_bytes()
+    _same(ckptio.safetensors.load_file(url, storage_options=s3.options), sd)

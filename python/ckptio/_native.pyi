@@ -48,6 +48,7 @@ __all__ = [
     "store_torch_map",
     "store_upload",
     "store_upload_archive",
+    "store_upload_image",
     "CkptioError",
     "FormatError",
     "BackendUnavailableError",
@@ -510,6 +511,18 @@ def store_upload_archive(
     chunk: int = 16777216,
 ) -> dict[str, Any]:
     """A torch.save archive uploaded part by part straight from host memory."""
+
+def store_upload_image(
+    url: str,
+    head: bytes,
+    segments: list[_Segment],
+    owners: _Owners,
+    total: int,
+    options: dict[str, Any] | None = None,
+    threads: int = 8,
+    chunk: int = 16777216,
+) -> dict[str, Any]:
+    """An object of header bytes and host memory segments uploaded part by part."""
 
 def store_torch_map(
     url: str,

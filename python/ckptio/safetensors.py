@@ -132,6 +132,10 @@ def save_file(
     ``ckptio.last_report()`` says how it ran. ``filename`` may be an object URL
     (``s3://...``, with ``storage_options``), as for ``ckptio.save``.
     """
+    if remote.is_url(filename):
+        remote.check_options(filename, storage_options)
+        if _save_file_remote(tensors, os.fsdecode(os.fspath(filename)), metadata, storage_options):
+            return
     if remote.is_url(filename) or storage_options is not None:
         kw: dict[str, Any] = dict(
             threads=threads, chunk_size=chunk_size, direct=direct,
@@ -147,6 +151,33 @@ def save_file(
     path = paths.path(filename, "safetensors.save_file")
     stats = _save_file(tensors, path, metadata, io)
     reports.report(path, t0, stats, len(tensors))
+
+
+def _save_file_remote(
+    tensors: Mapping[str, torch.Tensor],
+    url: str,
+    metadata: Mapping[str, str] | None,
+    options: remote.StorageOptions,
+) -> bool:
+    """``save_file`` to an object, uploaded part by part straight from the
+    tensors' host memory; False (nothing uploaded) where a tensor is in device
+    memory: the caller saves through a scratch file."""
+    t0 = time.perf_counter()
+    lay = fmt.layout(tensors, metadata)
+    base = len(lay.header)
+    keep, segments = [], []
+    for _, t, begin, end in lay.items:
+        if end == begin:
+            continue
+        if t.is_cuda:
+            return False
+        if not t.is_cpu:
+            t = t.to("cpu")  # as safetensors does for other devices
+        keep.append(t)
+        segments.append((base + begin, t.data_ptr(), end - begin, -1))
+    stats = transfer.upload_image(url, lay.header, segments, keep, lay.file_len, options)
+    reports.report(url, t0, stats, len(lay.items))
+    return True
 
 
 def _save_file(

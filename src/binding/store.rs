@@ -15,12 +15,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::engine::Memory;
+use crate::format::parts::{PartedArchive, PartedImage};
 use crate::format::zipmap;
-use crate::format::zipstream::PartedArchive;
 use crate::store::{self, ObjectInfo, ObjectSource, Precondition, Store, Transferred, Version};
 
 use super::owners::Owners;
 use super::writer::{entries_of, RawBody};
+use super::{to_segments, RawSegment};
 use crate::sync::lock;
 
 type Options = Vec<(String, String)>;
@@ -295,6 +296,43 @@ pub fn store_upload_archive<'py>(
         let grid = store::part_grid(a.len(), chunk)?;
         let a = a.with_part_size(grid.part_size);
         store::upload_parts(s, key, grid, threads, |idx, buf| a.fill(idx, buf))
+    })?;
+    transferred_dict(py, &t)
+}
+
+/// Upload an object made of `head` (at offset 0) and `segments` = [(object
+/// offset, address, nbytes, -1)] of host memory that `owners` own (checked,
+/// held until this returns, left unmodified meanwhile), `total` bytes in all:
+/// made part by part of the grid for `chunk`, `threads` parts at a time, as
+/// one multipart upload (a safetensors file straight from its tensors).
+#[pyfunction]
+#[pyo3(signature = (url, head, segments, owners, total, options=None, threads=8, chunk=16777216))]
+#[allow(clippy::too_many_arguments)] // the Python signature
+pub fn store_upload_image<'py>(
+    py: Python<'py>,
+    url: &str,
+    head: Vec<u8>,
+    segments: Vec<RawSegment>,
+    owners: Owners,
+    total: u64,
+    options: Option<&Bound<'py, PyDict>>,
+    threads: usize,
+    chunk: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let segs = to_segments(segments);
+    for (i, s) in segs.iter().enumerate() {
+        owners.check(s.memory, s.addr, s.len, || format!("segment {i}"))?;
+    }
+    let t = on_store(py, url, options, |s, key| {
+        // SAFETY: every segment lies inside its owners' memory (checked above),
+        // held until this returns and left unmodified by the caller
+        // (documented contract); device memory is refused by new().
+        let image = unsafe { PartedImage::new(head, segs, total)? };
+        let grid = store::part_grid(image.len(), chunk)?;
+        store::upload_parts(s, key, grid, threads, |idx, buf| {
+            image.fill(grid.range(idx).start, buf);
+            Ok(())
+        })
     })?;
     transferred_dict(py, &t)
 }

@@ -9,10 +9,10 @@
 //! - [`zstd`]: DCP items as zstd frames (torch's ZStandard stream transform).
 
 pub mod integrity;
+pub mod parts;
 pub mod pickle;
 pub mod safetensors;
 pub mod statedict;
 pub mod zipmap;
-pub mod zipstream;
 pub mod zipwrite;
 pub mod zstd;

@@ -356,6 +356,23 @@ def upload_archive(
     return _store_stats(info, info["size"], n)
 
 
+def upload_image(
+    url: str,
+    head: bytes,
+    segments: list[tuple[int, int, int, int]],
+    owners: list[Any],
+    total: int,
+    options: remote.StorageOptions = None,
+) -> dict[str, Any]:
+    """An object of ``total`` bytes, ``head`` at offset 0 and (object offset,
+    address, nbytes, -1) segments of host memory that ``owners`` own,
+    uploaded to ``url`` part by part straight from memory: one multipart
+    upload. The object's size and version, and the stats of a report."""
+    client, n, part = remote.client_options(options)
+    info = _native.store_upload_image(url, head, segments, owners, total, client, n, part)
+    return _store_stats(info, info["size"], n)
+
+
 def _store_stats(info: dict[str, Any], nbytes: int, threads: int) -> dict[str, Any]:
     info.update(
         bytes=nbytes, backend="store", direct=False, direct_reason="an object store",

@@ -1,13 +1,16 @@
-//! A torch.save archive as a sequence of parts, for a sink that takes parts
-//! (a multipart upload) instead of a file: no byte goes through a local copy.
+//! Checkpoints as sequences of parts, for a sink that takes parts (a
+//! multipart upload) instead of a file: no byte goes through a local copy.
+//! [`PartedImage`]: header bytes and memory ranges (a safetensors file);
+//! [`PartedArchive`]: a torch.save archive, whose CRC-32s follow the data.
 //!
-//! Any thread may fill any part: its bytes come from the [`Layout`] (headers,
+//! Any thread may fill any part: its bytes come from the layout (headers,
 //! descriptors, small records) and from the storages' host memory. The one
-//! thing a part cannot know alone is a CRC-32 written after the data: each
-//! part records the CRC-32 of every storage piece it copies, and a part that
-//! holds a data descriptor (or the central directory) waits until the parts
-//! before it have copied theirs, then combines the pieces. Parts are taken in
-//! order, so the wait is for copies already under way, never for uploads.
+//! thing an archive's part cannot know alone is a CRC-32 written after the
+//! data: each part records the CRC-32 of every storage piece it copies, and a
+//! part that holds a data descriptor (or the central directory) waits until
+//! the parts before it have copied theirs, then combines the pieces. Parts are
+//! taken in order, so the wait is for copies already under way, never for
+//! uploads.
 
 use std::sync::{Condvar, Mutex, OnceLock};
 
@@ -151,29 +154,15 @@ impl<'a> PartedArchive<'a> {
         }
         let cd = self.layout.cd_offset;
         let mut pieces = Vec::new();
-        let first = self
-            .segs
-            .partition_point(|(s, _)| s.file_offset + s.len <= start);
-        for (seg, entry) in &self.segs[first..] {
-            let (s0, s1) = (seg.file_offset, seg.file_offset + seg.len);
-            if s0 >= end {
-                break;
-            }
-            let (a, b) = (s0.max(start), s1.min(end).min(cd));
-            if a >= b {
-                continue;
-            }
-            // SAFETY: header segments point into the layout, memory ones into
-            // the caller's host memory (checked host in `new`, readable per its
-            // contract); [a, b) lies inside the segment.
-            let src = unsafe {
-                std::slice::from_raw_parts((seg.addr + (a - s0)) as *const u8, (b - a) as usize)
-            };
-            buf[(a - start) as usize..(b - start) as usize].copy_from_slice(src);
-            if let Some(i) = entry {
-                pieces.push((*i, a - s0, crc32fast::hash(src), b - a));
-            }
-        }
+        // SAFETY: header segments point into the layout, memory ones into the
+        // caller's host memory (checked host in `new`, readable per its contract).
+        unsafe {
+            copy_range(&self.segs, start, cd, buf, |entry, at, src| {
+                if let Some(i) = entry {
+                    pieces.push((i, at, crc32fast::hash(src), src.len() as u64));
+                }
+            })
+        };
         {
             let mut p = lock(&self.progress);
             for (i, at, crc, n) in pieces {
@@ -245,6 +234,106 @@ impl<'a> PartedArchive<'a> {
         let tail = self.layout.tail(self.entries, &crcs, &self.comment)?;
         debug_assert_eq!(self.layout.cd_offset + tail.len() as u64, self.total);
         Ok(self.tail.get_or_init(|| tail))
+    }
+}
+
+/// Copies into `buf` (the bytes from `start`) what `segs` (in file order, not
+/// overlapping) hold of `[start, min(start + buf.len(), stop))`, calling
+/// `piece(tag, offset in the segment, bytes)` for each piece copied.
+///
+/// # Safety
+/// Every segment's `[addr, addr + len)` must be readable host memory.
+unsafe fn copy_range<T: Copy>(
+    segs: &[(Segment, T)],
+    start: u64,
+    stop: u64,
+    buf: &mut [u8],
+    mut piece: impl FnMut(T, u64, &[u8]),
+) {
+    let end = start + buf.len() as u64;
+    let first = segs.partition_point(|(s, _)| s.file_offset + s.len <= start);
+    for (seg, tag) in &segs[first..] {
+        let (s0, s1) = (seg.file_offset, seg.file_offset + seg.len);
+        if s0 >= end {
+            break;
+        }
+        let (a, b) = (s0.max(start), s1.min(end).min(stop));
+        if a >= b {
+            continue;
+        }
+        // SAFETY: readable (the caller's contract); [a, b) lies inside the segment.
+        let src = unsafe {
+            std::slice::from_raw_parts((seg.addr + (a - s0)) as *const u8, (b - a) as usize)
+        };
+        buf[(a - start) as usize..(b - start) as usize].copy_from_slice(src);
+        piece(*tag, a - s0, src);
+    }
+}
+
+/// An object made of header bytes at offset 0 and host memory ranges after
+/// them (a safetensors file), cut into parts.
+pub struct PartedImage {
+    /// The header as a segment, then the memory ranges, in file order.
+    segs: Vec<(Segment, ())>,
+    _head: Vec<u8>,
+    total: u64,
+}
+
+impl PartedImage {
+    /// `head` at offset 0 and `segs` (host memory at their file offsets,
+    /// after the head, not overlapping), `total` bytes in all (gaps are zeros).
+    ///
+    /// # Safety
+    /// Each segment's memory must stay readable and unmodified while parts
+    /// are filled.
+    pub unsafe fn new(head: Vec<u8>, segs: Vec<Segment>, total: u64) -> Result<Self> {
+        let mut all = vec![(
+            Segment {
+                file_offset: 0,
+                addr: head.as_ptr() as u64,
+                len: head.len() as u64,
+                memory: Memory::Host,
+            },
+            (),
+        )];
+        all.extend(segs.into_iter().map(|s| (s, ())));
+        all.sort_unstable_by_key(|(s, _)| s.file_offset);
+        let mut end = 0;
+        for (s, _) in &all {
+            if s.len > 0 && s.memory != Memory::Host {
+                return Err(Error::invalid(
+                    "parts are made from host memory only (a device segment given)",
+                ));
+            }
+            if s.file_offset < end || s.file_offset.saturating_add(s.len) > total {
+                return Err(Error::invalid(format!(
+                    "segment at {} of {} bytes overlaps another or lies past the end ({total})",
+                    s.file_offset, s.len
+                )));
+            }
+            end = s.file_offset + s.len;
+        }
+        Ok(PartedImage {
+            segs: all,
+            _head: head,
+            total,
+        })
+    }
+
+    pub fn len(&self) -> u64 {
+        self.total
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.total == 0
+    }
+
+    /// Fill `buf` with the bytes from `start` (zeros where no segment is).
+    pub fn fill(&self, start: u64, buf: &mut [u8]) {
+        buf.fill(0);
+        // SAFETY: the head is ours; the rest is host memory readable per the
+        // contract of `new`.
+        unsafe { copy_range(&self.segs, start, u64::MAX, buf, |_, _, _| {}) };
     }
 }
 
@@ -361,5 +450,38 @@ mod tests {
         // SAFETY: nothing is read.
         let e = unsafe { PartedArchive::new(&es, 64) }.err().unwrap();
         assert!(e.to_string().contains("host memory"), "{e}");
+    }
+
+    #[test]
+    fn an_image_is_its_head_and_segments_in_any_part() {
+        let a: Vec<u8> = (0..1000).map(|i| i as u8).collect();
+        let b: Vec<u8> = (0..333).map(|i| (i * 3) as u8).collect();
+        let seg = |at: u64, v: &Vec<u8>| Segment {
+            file_offset: at,
+            addr: v.as_ptr() as u64,
+            len: v.len() as u64,
+            memory: Memory::Host,
+        };
+        let head = b"header!!".to_vec();
+        // SAFETY: `a` and `b` outlive the image.
+        let img = unsafe { PartedImage::new(head.clone(), vec![seg(1400, &b), seg(8, &a)], 1800) }
+            .unwrap();
+        let mut want = vec![0u8; 1800];
+        want[..8].copy_from_slice(&head);
+        want[8..1008].copy_from_slice(&a);
+        want[1400..1733].copy_from_slice(&b);
+        for part in [1usize, 7, 100, 1800] {
+            let mut got = vec![9u8; 1800];
+            for (k, chunk) in got.chunks_mut(part).enumerate() {
+                img.fill((k * part) as u64, chunk);
+            }
+            assert_eq!(got, want, "part {part}");
+        }
+        // SAFETY: nothing is read: refused before.
+        let overlap = unsafe { PartedImage::new(head.clone(), vec![seg(4, &a)], 1800) };
+        assert!(overlap.is_err());
+        // SAFETY: as above.
+        let past = unsafe { PartedImage::new(head, vec![seg(1000, &a)], 1800) };
+        assert!(past.err().unwrap().to_string().contains("past the end"));
     }
 }
