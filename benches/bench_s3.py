@@ -21,9 +21,11 @@ Each row is one client and one direction:
 Clients, at the same part size and concurrency (``--part-size``,
 ``--concurrency``) where they take one:
 
-- ``ckptio.save`` / ``ckptio.load`` with ``storage_options`` (staged through a
-  local scratch file: ``CKPTIO_SCRATCH``, else the temp folder, as a user gets
-  it); the same with the scratch in /dev/shm (``[scratch shm]``).
+- ``ckptio.save`` / ``ckptio.load`` with ``storage_options``: host tensors
+  streamed from memory as parts / read straight into new tensors; CUDA
+  tensors staged through a local scratch file (``CKPTIO_SCRATCH``, else the
+  temp folder, as a user gets it); the same with ``CKPTIO_SCRATCH=/dev/shm``
+  (``[scratch shm]``: the same path as the plain row for host tensors).
 - s3torchconnector: ``torch.save`` into ``S3Checkpoint.writer``, ``torch.load``
   of ``S3Checkpoint.reader`` (path-style addressing, its part size set).
 - boto3: ``torch.save`` to a temp file then ``upload_file``; ``download_file``
