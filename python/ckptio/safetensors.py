@@ -163,32 +163,20 @@ def _save_file_remote(
     tensors' host memory; False (nothing uploaded) where a tensor is in device
     memory: the caller saves through a scratch file."""
     t0 = time.perf_counter()
-    lay = fmt.layout(tensors, metadata)
-    base = len(lay.header)
-    keep, segments = [], []
-    for _, t, begin, end in lay.items:
-        if end == begin:
-            continue
-        if t.is_cuda:
-            return False
-        if not t.is_cpu:
-            t = t.to("cpu")  # as safetensors does for other devices
-        keep.append(t)
-        segments.append((base + begin, t.data_ptr(), end - begin, -1))
+    lay, segments, keep = _file_segments(tensors, metadata)
+    if any(dev >= 0 for *_, dev in segments):
+        return False
     stats = transfer.upload_image(url, lay.header, segments, keep, lay.file_len, options)
     reports.report(url, t0, stats, len(lay.items))
     return True
 
 
-def _save_file(
-    tensors: Mapping[str, torch.Tensor],
-    path: str,
-    metadata: Mapping[str, str] | None,
-    io: IoOptions,
-    sweep: bool = True,
-) -> dict[str, Any]:
-    """Write one safetensors file; the transfer's stats. ``sweep``: remove temp
-    files of dead saves in the folder first."""
+def _file_segments(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+) -> tuple[fmt.Layout, list[tuple[int, int, int, int]], list[torch.Tensor]]:
+    """A safetensors file laid out: its layout, the (file offset, address,
+    nbytes, device code) of every tensor's bytes, and the tensors that own
+    them (other devices' copied to the host, as safetensors does)."""
     lay = fmt.layout(tensors, metadata)
     base = len(lay.header)
     keep, segments = [], []
@@ -200,6 +188,19 @@ def _save_file(
         keep.append(t)
         # get_device(): -1 for host memory, the CUDA ordinal otherwise (device codes)
         segments.append((base + begin, t.data_ptr(), end - begin, t.get_device()))
+    return lay, segments, keep
+
+
+def _save_file(
+    tensors: Mapping[str, torch.Tensor],
+    path: str,
+    metadata: Mapping[str, str] | None,
+    io: IoOptions,
+    sweep: bool = True,
+) -> dict[str, Any]:
+    """Write one safetensors file; the transfer's stats. ``sweep``: remove temp
+    files of dead saves in the folder first."""
+    lay, segments, keep = _file_segments(tensors, metadata)
     writer = _native.AtomicWriter(path, io.direct, io.backend, sweep)
     try:
         writer.write_bytes(0, lay.header)
