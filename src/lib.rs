@@ -6,7 +6,8 @@
 //! ```text
 //!   binding   (PyO3, `python` feature)  one file per Python class; checks every
 //!      |       address range against its owners, runs every blocking call detached
-//!   format    zipmap, zipwrite          torch.save archives: read, written in one pass
+//!   format    zipmap, zipwrite, parts   torch.save archives: read (files, objects),
+//!      |                                written in one pass, cut into upload parts
 //!      |      integrity                 CRC-32 fields, record checks
 //!      |      pickle, statedict         torch's state-dict pickles: read, written
 //!      |      safetensors, zstd         safetensors headers, DCP items as zstd frames
