@@ -705,6 +705,11 @@ def test_torch_objects_that_need_torch_load_go_through_a_copy(s3):
     got = ckptio.load(url, storage_options=s3.options, weights_only=False)
     assert got["size"] == torch.Size([2, 3]) and got["set"] == {1, 2}
     assert torch.equal(got["w"], sd["w"])
+    # torch's legacy (non-zip) format: torch.load reads the local copy.
+    legacy = s3.url("legacy.pt")
+    opts = s3.options
+    ckptio.save({"w": sd["w"]}, legacy, storage_options=opts, _use_new_zipfile_serialization=False)
+    assert torch.equal(ckptio.load(legacy, storage_options=opts)["w"], sd["w"])
     # verify=True checks CRC-32s over a local copy
     _same_tree(
         {"w": sd["w"]},

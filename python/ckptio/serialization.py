@@ -436,7 +436,10 @@ def _load_remote(url: str, map_location: MapLocation, options: remote.StorageOpt
     t0 = time.perf_counter()
     if url.endswith(".safetensors"):
         return _NOT_STRAIGHT
-    info, prefix, records, small, heads = remote.map_torch(url, options)
+    try:
+        info, prefix, records, small, heads = remote.map_torch(url, options)
+    except FormatError:  # no zip (torch's legacy format) or a damaged one: torch.load says
+        return _NOT_STRAIGHT
     archive = torchzip.Records(url, torchzip.StoredRecords(url, prefix, small), records)
     if f"{prefix}/data.pkl" not in archive.where:
         raise corrupt(url, "no data.pkl record: not a torch.save checkpoint")
