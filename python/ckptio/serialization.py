@@ -438,8 +438,10 @@ def _load_remote(url: str, map_location: MapLocation, options: remote.StorageOpt
         return _NOT_STRAIGHT
     try:
         info, prefix, records, small, heads = remote.map_torch(url, options)
-    except FormatError:  # no zip (torch's legacy format) or a damaged one: torch.load says
-        return _NOT_STRAIGHT
+    except FormatError:
+        if torchzip.is_legacy(remote.read(url, 0, 14, options)[0]):
+            return _NOT_STRAIGHT  # torch's legacy format: torch.load reads a local copy
+        raise
     archive = torchzip.Records(url, torchzip.StoredRecords(url, prefix, small), records)
     if f"{prefix}/data.pkl" not in archive.where:
         raise corrupt(url, "no data.pkl record: not a torch.save checkpoint")
