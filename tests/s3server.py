@@ -77,14 +77,29 @@ class S3Server:
     def url(self, *names: str) -> str:
         return "/".join([f"s3://{BUCKET}", self.prefix_id, *names])
 
-    def restart(self) -> None:
-        """Start the server again on its data and ports (after it was stopped)."""
+    def restart(self, *readable: str) -> None:
+        """Start the server again on its data and ports (after it was stopped),
+        and wait until the ``readable`` objects read back: the S3 gateway
+        answers before its volume server is registered again, and a GET in
+        between is a 500."""
         env = dict(os.environ, AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env
             )
         _wait_up(self)
+        from ckptio.io import remote
+
+        deadline = time.monotonic() + 60
+        for url in readable:
+            while True:
+                try:
+                    remote.read(url, 0, 1, dict(self.options, max_retries="0"))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.3)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -541,7 +541,7 @@ def test_a_server_stopped_mid_save_is_a_typed_error_and_the_old_object_survives(
         server.proc.wait()
         t.join(120)
         assert len(errors) == 1 and isinstance(errors[0], ckptio.StoreError), errors
-        server.restart()
+        server.restart(url)
         _same(ckptio.load(url, storage_options=server.options, verify=True), _state(1))
     finally:
         server.stop()
