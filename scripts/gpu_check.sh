@@ -76,6 +76,15 @@ udev_on()  { mkdir -p /run/udev/data; printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_
 udev_off() { rm -f "/run/udev/data/b$majmin"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 $PY -c 'import torch, ckptio; print("torch", torch.__version__, "ckptio", ckptio.__version__)'
+# .s3/ carried: the peers' wheels, and SeaweedFS (weed.xz) for the s3 mode and the store tests.
+s3_prep() {
+    if ls .s3/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .s3/*.whl 2>&1 | grep -v 'WARNING: Target'
+    fi
+    [ -x /tmp/weed ] || [ ! -f .s3/weed.xz ] || $PY -c 'import lzma, os, shutil; shutil.copyfileobj(lzma.open(".s3/weed.xz"), open("/tmp/weed", "wb")); os.chmod("/tmp/weed", 0o755)'
+    [ -x /tmp/weed ] && export CKPTIO_WEED=/tmp/weed
+    return 0
+}
 rc=0
 for mode in "${@:-tests}"; do
 echo "##### mode $mode"
@@ -110,6 +119,8 @@ gputests)
     # cuFile (with it); GPUTESTS_ARGS adds pytest arguments (e.g. -k), GPUTESTS_PATHS
     # picks test files or node ids (default: tests), GPUTESTS_PHASES the phases
     # (default "bounce cufile"; all of tests/ takes about 270 s per phase: a call each).
+    # With .s3/ carried, the store tests' GPU cases run against a SeaweedFS too.
+    s3_prep
     for phase in ${GPUTESTS_PHASES:-bounce cufile}; do
         if [ "$phase" = cufile ]; then udev_on; else udev_off; fi
         CKPTIO_EXPECT_BACKEND=$phase timeout ${GPUTESTS_TIMEOUT:-270} $PY -m pytest ${GPUTESTS_PATHS:-tests} -m gpu -q -p no:cacheprovider -rfEs ${GPUTESTS_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_$phase.log" | tail -25
@@ -122,10 +133,7 @@ rust)
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     ;;
 s3)
-    if ls .s3/*.whl >/dev/null 2>&1; then
-        $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .s3/*.whl 2>&1 | grep -v 'WARNING: Target'
-    fi
-    [ -x /tmp/weed ] || $PY -c 'import lzma, os, shutil; shutil.copyfileobj(lzma.open(".s3/weed.xz"), open("/tmp/weed", "wb")); os.chmod("/tmp/weed", 0o755)'
+    s3_prep
     CKPTIO_WEED=/tmp/weed timeout ${S3_TIMEOUT:-300} $PY benches/bench_s3.py --device cuda --json "$OUT/bench_s3.json" \
         ${S3_ARGS:-} 2>&1 | tee "$OUT/bench_s3.log" || rc=1
     ;;

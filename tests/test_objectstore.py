@@ -607,7 +607,7 @@ def test_straight_reads_refuse_bad_destinations(s3):
         transfer.read_from_store(url, [(0, p, 512, -1), (0, p + 256, 512, -1)], [t], s3.options)
     with pytest.raises(ValueError, match="segment 0"):
         transfer.read_from_store(url, [(0, p + 1000, 512, -1)], [t], s3.options)  # past the tensor
-    with pytest.raises(ValueError, match="host memory"):
+    with pytest.raises(ValueError, match="segment 0"):  # host memory said to be device 0's
         transfer.read_from_store(url, [(0, p, 16, 0)], [t], s3.options)
     with pytest.raises(ValueError, match="past the object's end"):
         transfer.read_from_store(url, [(16000, p, 1000, -1)], [t], s3.options)
@@ -784,3 +784,78 @@ def test_safetensors_save_file_streams_from_memory_byte_for_byte(s3, tmp_path, m
         tmp_path / "local.safetensors"
     ).read_bytes()
     _same(ckptio.safetensors.load_file(url, storage_options=s3.options), sd)
+
+
+# --------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+
+
+def _on_cuda(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.cuda()
+    if isinstance(tree, dict):
+        return {k: _on_cuda(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_on_cuda(v) for v in tree)
+    return tree
+
+
+def _on_cpu(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: _on_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_on_cpu(v) for v in tree)
+    return tree
+
+
+@gpu
+def test_cuda_save_streams_from_device_memory_after_the_callers_stream(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
+    os.mkdir(tmp_path / "scratch")
+    sd = _on_cuda(_torch_state(9))  # "view" still shares "base"'s storage
+    sd["host"] = torch.arange(1000)  # host and device storages in one archive
+    a = torch.randn(2048, 2048, device="cuda")
+    # 40 MiB across three parts, made by a kernel still queued when save is called.
+    sd["big"] = (a @ a).flatten().repeat(3)[: 10 << 20]
+    url = s3.url("cuda.pt")
+    ckptio.save(sd, url, storage_options=s3.options)
+    assert ckptio.last_report().backend == "store"
+    assert os.listdir(tmp_path / "scratch") == []  # no local copy
+    ckptio.save(_on_cpu(sd), tmp_path / "local.pt")  # what a file save of the same bytes makes
+    remote.download(url, tmp_path / "back.pt", s3.options)
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "back.pt") as x, zipfile.ZipFile(tmp_path / "local.pt") as y:
+        assert [(i.filename, i.CRC) for i in x.infolist() if "data/" in i.filename] == [
+            (i.filename, i.CRC) for i in y.infolist() if "data/" in i.filename
+        ]
+        assert x.testzip() is None
+    assert ckptio.verify(url, storage_options=s3.options)
+    back = ckptio.load(url, storage_options=s3.options)
+    assert back["big"].is_cuda and back["host"].is_cpu
+    _same_tree(_on_cpu(sd), _on_cpu(back))
+    assert back["view"].untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr()
+
+
+@gpu
+def test_cuda_safetensors_save_file_streams_byte_for_byte(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
+    os.mkdir(tmp_path / "scratch")
+    g = torch.Generator().manual_seed(10)
+    sd = {f"t{i}": torch.randn(100 + i, generator=g) for i in range(50)}
+    sd["big"] = torch.randn(10 << 20, generator=g)
+    sd["bf"] = torch.randn(77, generator=g).bfloat16()
+    sd["empty"] = torch.zeros(0)
+    on_gpu = {k: (v.cuda() if i % 2 else v) for i, (k, v) in enumerate(sd.items())}
+    url = s3.url("cuda.safetensors")
+    ckptio.safetensors.save_file(on_gpu, url, storage_options=s3.options)
+    assert ckptio.last_report().backend == "store"
+    assert os.listdir(tmp_path / "scratch") == []
+    ckptio.safetensors.save_file(sd, tmp_path / "local.safetensors")
+    remote.download(url, tmp_path / "back.safetensors", s3.options)
+    assert (tmp_path / "back.safetensors").read_bytes() == (
+        tmp_path / "local.safetensors"
+    ).read_bytes()

@@ -499,8 +499,9 @@ def store_read_into(
     threads: int = 8,
     chunk: int = 16777216,
     e_tag: str | None = None,
+    streams: list[tuple[int, int]] = ...,
 ) -> dict[str, Any]:
-    """(object offset, address, nbytes, -1) segments read straight into host memory."""
+    """(object offset, address, nbytes, device) segments read straight into host or CUDA memory."""
 
 def store_upload_archive(
     url: str,
@@ -509,8 +510,9 @@ def store_upload_archive(
     options: dict[str, Any] | None = None,
     threads: int = 8,
     chunk: int = 16777216,
+    streams: list[tuple[int, int]] = ...,
 ) -> dict[str, Any]:
-    """A torch.save archive uploaded part by part straight from host memory."""
+    """A torch.save archive uploaded part by part straight from host or CUDA memory."""
 
 def store_upload_image(
     url: str,
@@ -521,8 +523,9 @@ def store_upload_image(
     options: dict[str, Any] | None = None,
     threads: int = 8,
     chunk: int = 16777216,
+    streams: list[tuple[int, int]] = ...,
 ) -> dict[str, Any]:
-    """An object of header bytes and host memory segments uploaded part by part."""
+    """An object of header bytes and host or CUDA memory segments uploaded part by part."""
 
 def store_torch_map(
     url: str,

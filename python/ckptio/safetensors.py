@@ -132,17 +132,9 @@ def save_file(
     ``ckptio.last_report()`` says how it ran. ``filename`` may be an object URL
     (``s3://...``, with ``storage_options``), as for ``ckptio.save``.
     """
+    remote.check_options(filename, storage_options)
     if remote.is_url(filename):
-        remote.check_options(filename, storage_options)
-        if _save_file_remote(tensors, os.fsdecode(os.fspath(filename)), metadata, storage_options):
-            return
-    if remote.is_url(filename) or storage_options is not None:
-        kw: dict[str, Any] = dict(
-            threads=threads, chunk_size=chunk_size, direct=direct,
-            device_backend=device_backend, backend=backend,
-        )  # fmt: skip
-        call = lambda p: save_file(tensors, p, metadata, **kw)  # noqa: E731
-        remote.via_local(filename, storage_options, call, write=True)
+        _save_file_remote(tensors, os.fsdecode(os.fspath(filename)), metadata, storage_options)
         return
     t0 = time.perf_counter()
     io = IoOptions.of(
@@ -158,17 +150,13 @@ def _save_file_remote(
     url: str,
     metadata: Mapping[str, str] | None,
     options: remote.StorageOptions,
-) -> bool:
+) -> None:
     """``save_file`` to an object, uploaded part by part straight from the
-    tensors' host memory; False (nothing uploaded) where a tensor is in device
-    memory: the caller saves through a scratch file."""
+    tensors' memory (host or CUDA)."""
     t0 = time.perf_counter()
     lay, segments, keep = _file_segments(tensors, metadata)
-    if any(dev >= 0 for *_, dev in segments):
-        return False
     stats = transfer.upload_image(url, lay.header, segments, keep, lay.file_len, options)
     reports.report(url, t0, stats, len(lay.items))
-    return True
 
 
 def _file_segments(
@@ -370,11 +358,13 @@ _FIRST_READ = 1 << 20
 def _load_file_remote(
     url: str, device: Device, options: remote.StorageOptions
 ) -> dict[str, torch.Tensor]:
-    """``load_file`` of an object: the header in one ranged GET, tensors made in
-    host memory, their bytes read straight into them by ranged GETs of one
-    version (neighbours sharing GETs), then moved to ``device``."""
+    """``load_file`` of an object: the header in one ranged GET, tensors made on
+    ``device``, their bytes read straight into them by ranged GETs of one
+    version (neighbours sharing GETs; CUDA memory filled through a bounded
+    host buffer)."""
     t0 = time.perf_counter()
-    want, _ = _devices(device)
+    want, fill = _devices(device)
+    dest = fill or torch.device("cpu")  # another device: copied from host memory after
     head, info = remote.read(url, 0, _FIRST_READ, options)
     size, e_tag = info["size"], info["e_tag"]
     n = fmt.header_length(head, size, url)
@@ -384,18 +374,18 @@ def _load_file_remote(
     meta, entries, base = fmt.header_of(raw, size, url)
     tensors: dict[str, torch.Tensor] = {}
     segments, owners = [], []
-    cpu = torch.device("cpu")
+    code = -1 if dest.type == "cpu" else dest.index
     for name, dtype, shape, begin, end in entries:
         nbytes = end - begin
-        st = memory.empty_storage(nbytes, cpu, 0)
-        t = torch.empty(0, dtype=dtype).set_(st, 0, shape)
+        st = memory.empty_storage(nbytes, dest, 0)
+        t = torch.empty(0, dtype=dtype, device=dest).set_(st, 0, shape)
         tensors[name] = t
         if nbytes:
-            segments.append((base + begin, st.data_ptr(), nbytes, -1))
+            segments.append((base + begin, st.data_ptr(), nbytes, code))
             owners.append(t)
     stats = transfer.read_from_store(url, segments, owners, options, e_tag)
     reports.report(url, t0, stats, len(tensors))
-    if want.type != "cpu":
+    if dest != want:
         return {k: v.to(want) for k, v in tensors.items()}
     return tensors
 

@@ -104,9 +104,9 @@ def save(
     ``f`` may be an object URL (``s3://bucket/key``, ``gs://``, ``az://``): the
     archive is uploaded in parallel parts as one multipart upload, whose
     completion replaces the object whole (a failed save leaves the old one);
-    the parts are made straight from the tensors' host memory (CRC-32s as the
-    bytes pass), or, for storages in device memory and torch's own pickling
-    arguments, from a file written first in a local scratch folder
+    the parts are made straight from the tensors' memory, host or CUDA
+    (CRC-32s as the bytes pass), or, for torch's own pickling arguments and
+    legacy format, from a file written first in a local scratch folder
     (``CKPTIO_SCRATCH``, else the temp folder). ``storage_options``: the
     store's settings over the standard variables (``ckptio.io.remote``;
     docs/objectstore.md).
@@ -114,7 +114,8 @@ def save(
     torch_args = (pickle_module, pickle_protocol, _disable_byteorder_record)
     if remote.is_url(f) and _torch_writes(_use_new_zipfile_serialization) is None:
         remote.check_options(f, storage_options)
-        if _packs(*torch_args) and _save_remote(obj, os.fsdecode(os.fspath(f)), storage_options):
+        if _packs(*torch_args):
+            _save_remote(obj, os.fsdecode(os.fspath(f)), storage_options)
             return
     if remote.is_url(f) or storage_options is not None:
         kw: dict[str, Any] = dict(
@@ -201,19 +202,15 @@ def _save_packed(obj: object, path: str, engine: _native.Engine, io: IoOptions, 
     reports.report(path, t0, stats, len(storages))
 
 
-def _save_remote(obj: object, url: str, options: remote.StorageOptions) -> bool:
+def _save_remote(obj: object, url: str, options: remote.StorageOptions) -> None:
     """``save`` to an object, the archive laid out here and uploaded part by
-    part straight from the storages' memory; False (nothing uploaded) where a
-    storage is in device memory: the caller saves through a scratch file."""
+    part straight from the storages' memory (host or CUDA)."""
     t0 = time.perf_counter()
     with memory.gc_paused():
         pkl, storages = torchzip.pickled(obj)
         entries = torchzip.archive_entries(pkl, storages, torchzip.asked_alignment())
-    if any(isinstance(body, tuple) and body[2] >= 0 for _, body, _ in entries):
-        return False
     stats = transfer.upload_archive(url, entries, [s[4] for s in storages], options)
     reports.report(url, t0, stats, len(storages))
-    return True
 
 
 def _save_object(
@@ -429,10 +426,11 @@ def _straight_from_store(
 def _load_remote(url: str, map_location: MapLocation, options: remote.StorageOptions) -> Any:
     """A torch.save object loaded from a store with no local copy: the
     directory and small records mapped in few requests, the pickle read
-    natively, each storage's bytes read into host memory by ranged GETs of one
-    version that also bring its local header (which confirms where the data
-    lies), then moved to its device. ``_NOT_STRAIGHT`` where the archive or its
-    pickle needs torch.load, or its layout is not torch.save's."""
+    natively, each storage's bytes read into its memory (host, or CUDA through
+    a bounded host buffer) by ranged GETs of one version that also bring its
+    local header (which confirms where the data lies). ``_NOT_STRAIGHT`` where
+    the archive or its pickle needs torch.load, or its layout is not
+    torch.save's."""
     t0 = time.perf_counter()
     if url.endswith(".safetensors"):
         return _NOT_STRAIGHT
@@ -458,24 +456,26 @@ def _load_remote(url: str, map_location: MapLocation, options: remote.StorageOpt
             return _NOT_STRAIGHT
         dests.append(dev)
     header_of = {data: (name, lh) for name, lh, data in heads}
-    cpu = torch.device("cpu")
-    storages = [memory.empty_storage(n, cpu) for _, n, _, _ in found]
+    storages = [
+        memory.empty_storage(n, dev) for (_, n, _, _), dev in zip(found, dests, strict=True)
+    ]
     used = [(off, n, st) for (off, n, _, _), st in zip(found, storages, strict=True) if n]
     spans = [(*header_of[off], off) for off, _, _ in used]
     head_bytes = torch.empty(sum(off - lh for _, lh, off in spans), dtype=torch.uint8)
     segments: list[tuple[int, int, int, int]] = []
     at = head_bytes.data_ptr()
     for (_, lh, off), (_, n, st) in zip(spans, used, strict=True):
-        # The local header and the data follow each other: one GET brings both.
-        segments += [(lh, at, off - lh, -1), (off, st.data_ptr(), n, -1)]
+        # The local header and the data follow each other: one GET brings both
+        # (CUDA storages: the data through the core's bounded host buffer).
+        segments += [
+            (lh, at, off - lh, -1),
+            (off, st.data_ptr(), n, devices.device_code(st, "storage")),
+        ]
         at += off - lh
     owners = [head_bytes, *(st for _, _, st in used)]
     stats = transfer.read_from_store(url, segments, owners, options, info["e_tag"])
     if _native.zip_headers_match(spans, head_bytes.numpy().tobytes()):
         return _NOT_STRAIGHT  # not torch.save's layout: the scratch copy reads it
-    for i, dev in enumerate(dests):
-        if dev.type != "cpu":
-            storages[i] = storages[i].to(device=dev)
     obj = torchzip.rebuild(parsed, storages, [f[2] for f in found], url)
     reports.report(url, t0, stats, len(found))
     return obj

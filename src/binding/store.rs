@@ -14,14 +14,16 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::engine::Memory;
+use crate::engine::{Memory, Segment};
 use crate::format::parts::{PartedArchive, PartedImage};
 use crate::format::zipmap;
+use crate::format::zipwrite::Body;
+use crate::gpu::order::After;
 use crate::store::{self, ObjectInfo, ObjectSource, Precondition, Store, Transferred, Version};
 
 use super::owners::Owners;
 use super::writer::{entries_of, RawBody};
-use super::{to_segments, RawSegment};
+use super::{to_segments, RawSegment, Streams};
 use crate::sync::lock;
 
 type Options = Vec<(String, String)>;
@@ -270,14 +272,17 @@ pub fn store_read<'py>(
 }
 
 /// Upload a torch.save archive straight from memory to `url`: `entries` =
-/// [(record name, bytes or (address, nbytes, -1), alignment)] in file order,
-/// the storages' host memory owned by `owners` (checked, held until this
-/// returns; left unmodified meanwhile). The archive is laid out as a file
-/// save lays it out and made part by part of the grid for `chunk`, `threads`
-/// parts at a time, CRC-32s as the bytes pass: one multipart upload, no local
-/// copy; its completion is the commit.
+/// [(record name, bytes or (address, nbytes, device), alignment)] in file
+/// order, the storages' memory (host, or CUDA device `device`) owned by
+/// `owners` (checked, held until this returns; left unmodified meanwhile),
+/// `streams` = [(device, raw CUstream)] the caller's streams, whose queued
+/// work the copies wait for. The archive is laid out as a file save lays it
+/// out and made part by part of the grid for `chunk`, `threads` parts at a
+/// time, CRC-32s as the bytes pass: one multipart upload, no local copy; its
+/// completion is the commit.
 #[pyfunction]
-#[pyo3(signature = (url, entries, owners, options=None, threads=8, chunk=16777216))]
+#[pyo3(signature = (url, entries, owners, options=None, threads=8, chunk=16777216, streams=Vec::new()))]
+#[allow(clippy::too_many_arguments)] // the Python signature
 pub fn store_upload_archive<'py>(
     py: Python<'py>,
     url: &str,
@@ -286,27 +291,40 @@ pub fn store_upload_archive<'py>(
     options: Option<&Bound<'py, PyDict>>,
     threads: usize,
     chunk: u64,
+    streams: Streams,
 ) -> PyResult<Bound<'py, PyDict>> {
     let entries = entries_of(entries, &owners)?;
+    let devices = entries.iter().filter_map(|e| match e.body {
+        Body::Memory {
+            memory: Memory::Cuda(d),
+            len,
+            ..
+        } if len > 0 => Some(d),
+        _ => None,
+    });
+    let after = caller_order(devices, &streams)?;
     let t = on_store(py, url, options, |s, key| {
+        after.wait_on_host()?;
         // SAFETY: every memory record lies inside its owners' memory (checked
         // by entries_of), held until this returns and left unmodified by the
-        // caller (documented contract); device memory is refused by new().
-        let a = unsafe { PartedArchive::new(&entries, chunk)? };
+        // caller (documented contract); the caller's streams are done with it.
+        let a =
+            unsafe { PartedArchive::new(&entries, |n| Ok(store::part_grid(n, chunk)?.part_size))? };
         let grid = store::part_grid(a.len(), chunk)?;
-        let a = a.with_part_size(grid.part_size);
         store::upload_parts(s, key, grid, threads, |idx, buf| a.fill(idx, buf))
     })?;
     transferred_dict(py, &t)
 }
 
 /// Upload an object made of `head` (at offset 0) and `segments` = [(object
-/// offset, address, nbytes, -1)] of host memory that `owners` own (checked,
-/// held until this returns, left unmodified meanwhile), `total` bytes in all:
-/// made part by part of the grid for `chunk`, `threads` parts at a time, as
-/// one multipart upload (a safetensors file straight from its tensors).
+/// offset, address, nbytes, device)] of host or CUDA memory that `owners` own
+/// (checked, held until this returns, left unmodified meanwhile), `total`
+/// bytes in all, after the work queued on `streams` (as for
+/// `store_upload_archive`): made part by part of the grid for `chunk`,
+/// `threads` parts at a time, as one multipart upload (a safetensors file
+/// straight from its tensors).
 #[pyfunction]
-#[pyo3(signature = (url, head, segments, owners, total, options=None, threads=8, chunk=16777216))]
+#[pyo3(signature = (url, head, segments, owners, total, options=None, threads=8, chunk=16777216, streams=Vec::new()))]
 #[allow(clippy::too_many_arguments)] // the Python signature
 pub fn store_upload_image<'py>(
     py: Python<'py>,
@@ -318,23 +336,50 @@ pub fn store_upload_image<'py>(
     options: Option<&Bound<'py, PyDict>>,
     threads: usize,
     chunk: u64,
+    streams: Streams,
 ) -> PyResult<Bound<'py, PyDict>> {
     let segs = to_segments(segments);
     for (i, s) in segs.iter().enumerate() {
         owners.check(s.memory, s.addr, s.len, || format!("segment {i}"))?;
     }
+    let devices = segs.iter().filter_map(|s| match s.memory {
+        Memory::Cuda(d) if s.len > 0 => Some(d),
+        _ => None,
+    });
+    let after = caller_order(devices, &streams)?;
     let t = on_store(py, url, options, |s, key| {
+        after.wait_on_host()?;
         // SAFETY: every segment lies inside its owners' memory (checked above),
         // held until this returns and left unmodified by the caller
-        // (documented contract); device memory is refused by new().
+        // (documented contract); the caller's streams are done with it.
         let image = unsafe { PartedImage::new(head, segs, total)? };
         let grid = store::part_grid(image.len(), chunk)?;
         store::upload_parts(s, key, grid, threads, |idx, buf| {
-            image.fill(grid.range(idx).start, buf);
-            Ok(())
+            image.fill(grid.range(idx).start, buf)
         })
     })?;
     transferred_dict(py, &t)
+}
+
+/// Orders memories so that one device's ranges sort together.
+fn memory_rank(m: Memory) -> i64 {
+    match m {
+        Memory::Host => -1,
+        Memory::Cuda(d) => d as i64,
+    }
+}
+
+/// Events on the caller's `streams` for each device in `devices`: the
+/// upload's copies start once the work queued there before the call is done.
+fn caller_order(devices: impl Iterator<Item = i32>, streams: &Streams) -> PyResult<After> {
+    let mut devices: Vec<i32> = devices.collect();
+    devices.sort_unstable();
+    devices.dedup();
+    if devices.is_empty() {
+        return Ok(After::none());
+    }
+    // SAFETY: the caller hands its live current streams (devices.streams()).
+    Ok(unsafe { After::record(&devices, streams)? })
 }
 
 /// An object as the zip mapper's batched reader: each batch one
@@ -449,12 +494,13 @@ pub fn zip_headers_match(heads: Vec<(String, u64, u64)>, bytes: &[u8]) -> Vec<St
 }
 
 /// Read (object offset, address, nbytes, device) segments of `url` straight
-/// into host memory that `owners` own (checked first, held until the call
-/// returns): ranged GETs of at most `chunk` bytes, `threads` at a time,
-/// neighbouring segments sharing a GET, all of the version `e_tag` names
-/// where given.
+/// into memory that `owners` own (checked first, held until the call
+/// returns): host memory (device -1) from ranged GETs of at most `chunk`
+/// bytes, `threads` at a time, neighbouring segments sharing a GET; CUDA
+/// memory through a host buffer of threads x chunk, after the work queued on
+/// the caller's `streams`; all of the version `e_tag` names where given.
 #[pyfunction]
-#[pyo3(signature = (url, segments, owners, options=None, threads=8, chunk=16777216, e_tag=None))]
+#[pyo3(signature = (url, segments, owners, options=None, threads=8, chunk=16777216, e_tag=None, streams=Vec::new()))]
 #[allow(clippy::too_many_arguments)]
 pub fn store_read_into<'py>(
     py: Python<'py>,
@@ -465,42 +511,49 @@ pub fn store_read_into<'py>(
     threads: usize,
     chunk: u64,
     e_tag: Option<String>,
+    streams: Streams,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let mut spans: Vec<(u64, u64)> = Vec::with_capacity(segments.len());
-    for (i, &(_, addr, len, dev)) in segments.iter().enumerate() {
-        if dev >= 0 {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "segment {i}: reads from a store go to host memory (device {dev} given)"
-            )));
-        }
-        owners.check(Memory::Host, addr, len, || format!("segment {i}"))?;
-        spans.push((addr, len));
+    let mut segs: Vec<(u64, Segment)> = Vec::with_capacity(segments.len());
+    for (i, &(offset, addr, len, dev)) in segments.iter().enumerate() {
+        let memory = super::memory(dev);
+        owners.check(memory, addr, len, || format!("segment {i}"))?;
+        segs.push((
+            offset,
+            Segment {
+                file_offset: offset,
+                addr,
+                len,
+                memory,
+            },
+        ));
     }
     // Two destinations that overlap would be two writers of one byte.
-    spans.sort_unstable();
+    let mut spans: Vec<(Memory, u64, u64)> = segs
+        .iter()
+        .map(|(_, s)| (s.memory, s.addr, s.len))
+        .collect();
+    spans.sort_unstable_by_key(|s| (memory_rank(s.0), s.1));
     if let Some(w) = spans
         .windows(2)
-        .find(|w| w[0].0 + w[0].1 > w[1].0 && w[1].1 > 0)
+        .find(|w| w[0].0 == w[1].0 && w[0].1 + w[0].2 > w[1].1 && w[1].2 > 0)
     {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
             "destinations overlap at address {:#x}",
-            w[1].0
+            w[1].1
         )));
     }
+    let devices = segs.iter().filter_map(|(_, s)| match s.memory {
+        Memory::Cuda(d) if s.len > 0 => Some(d),
+        _ => None,
+    });
+    let after = caller_order(devices, &streams)?;
     let info = on_store(py, url, options, |s, key| {
         let source = open_source(s, key, e_tag.as_deref())?;
-        let mut ranges: Vec<(u64, &mut [u8])> = segments
-            .iter()
-            .map(|&(offset, addr, len, _)| {
-                // SAFETY: every range lies inside host memory one of `owners`
-                // owns (checked above), which are held until the call returns;
-                // no two ranges overlap (checked above), so each slice is the
-                // only reference to its bytes while the GETs fill it.
-                let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
-                (offset, dst)
-            })
-            .collect();
-        source.read_ranges(&mut ranges, chunk, threads)?;
+        after.wait_on_host()?;
+        // SAFETY: every range lies inside memory one of `owners` owns
+        // (checked above), held until the call returns; no two overlap
+        // (checked above); the caller's streams are done with device memory.
+        unsafe { store::read_segments(&source, &segs, chunk, threads)? };
         Ok(source.info().clone())
     });
     owners.release();

@@ -21,6 +21,7 @@ use crate::sync::{lock, wait};
 use super::integrity;
 use super::zipwrite::{Body, Entry, Layout};
 use crate::engine::Segment;
+use crate::gpu::cuda::Copies;
 
 /// The parts' shared state: which parts have copied their bytes, and the
 /// CRC-32 of each storage piece copied so far.
@@ -50,22 +51,17 @@ pub struct PartedArchive<'a> {
 }
 
 impl<'a> PartedArchive<'a> {
-    /// Lay out `entries` (storages in host memory only) as parts of
-    /// `part_size` bytes.
+    /// Lay out `entries` (storages in host or device memory) as parts of
+    /// `part_size(archive length)` bytes (a store's grid for that length).
     ///
     /// # Safety
     /// Each `Body::Memory` range must stay readable and unmodified while the
-    /// parts are filled.
-    pub unsafe fn new(entries: &'a [Entry], part_size: u64) -> Result<Self> {
-        if let Some(e) = entries
-            .iter()
-            .find(|e| matches!(e.body, Body::Memory { memory, len, .. } if len > 0 && memory != Memory::Host))
-        {
-            return Err(Error::invalid(format!(
-                "record {:?}: parts are made from host memory only",
-                e.name
-            )));
-        }
+    /// parts are filled (device memory: no stream of the caller's still
+    /// writes it).
+    pub unsafe fn new(
+        entries: &'a [Entry],
+        part_size: impl FnOnce(u64) -> Result<u64>,
+    ) -> Result<Self> {
         let layout = Layout::new(entries)?;
         // Header segments point into the layout's heap buffers, which stay put
         // when the layout moves into the archive.
@@ -85,7 +81,7 @@ impl<'a> PartedArchive<'a> {
         // Every CRC-32 is computed here: nothing is left unchecked.
         let comment = integrity::comment_for(&[], false);
         let total = layout.file_len(entries, comment.len());
-        let part_size = part_size.max(1);
+        let part_size = part_size(total)?.max(1);
         let count = total.div_ceil(part_size) as usize;
         Ok(PartedArchive {
             entries,
@@ -103,14 +99,6 @@ impl<'a> PartedArchive<'a> {
             changed: Condvar::new(),
             tail: OnceLock::new(),
         })
-    }
-
-    /// The same archive cut into parts of `part_size` bytes (a store's grid).
-    pub fn with_part_size(mut self, part_size: u64) -> Self {
-        self.part_size = part_size.max(1);
-        let count = self.total.div_ceil(self.part_size) as usize;
-        lock(&self.progress).copied = vec![false; count];
-        self
     }
 
     /// The archive's length.
@@ -155,13 +143,13 @@ impl<'a> PartedArchive<'a> {
         let cd = self.layout.cd_offset;
         let mut pieces = Vec::new();
         // SAFETY: header segments point into the layout, memory ones into the
-        // caller's host memory (checked host in `new`, readable per its contract).
+        // caller's memory, readable per the contract of `new`.
         unsafe {
             copy_range(&self.segs, start, cd, buf, |entry, at, src| {
                 if let Some(i) = entry {
                     pieces.push((i, at, crc32fast::hash(src), src.len() as u64));
                 }
-            })
+            })?
         };
         {
             let mut p = lock(&self.progress);
@@ -239,19 +227,24 @@ impl<'a> PartedArchive<'a> {
 
 /// Copies into `buf` (the bytes from `start`) what `segs` (in file order, not
 /// overlapping) hold of `[start, min(start + buf.len(), stop))`, calling
-/// `piece(tag, offset in the segment, bytes)` for each piece copied.
+/// `piece(tag, offset in the segment, bytes)` for each piece copied. Host
+/// memory is copied at once, device memory by copies on streams of this
+/// thread's, all awaited before the first piece is reported.
 ///
 /// # Safety
-/// Every segment's `[addr, addr + len)` must be readable host memory.
+/// Every segment's `[addr, addr + len)` must be readable memory of its kind
+/// (device memory no stream of the caller's still writes), unmodified meanwhile.
 unsafe fn copy_range<T: Copy>(
     segs: &[(Segment, T)],
     start: u64,
     stop: u64,
     buf: &mut [u8],
     mut piece: impl FnMut(T, u64, &[u8]),
-) {
+) -> Result<()> {
     let end = start + buf.len() as u64;
     let first = segs.partition_point(|(s, _)| s.file_offset + s.len <= start);
+    let mut device: Option<Copies> = None;
+    let mut copied = Vec::new();
     for (seg, tag) in &segs[first..] {
         let (s0, s1) = (seg.file_offset, seg.file_offset + seg.len);
         if s0 >= end {
@@ -261,13 +254,30 @@ unsafe fn copy_range<T: Copy>(
         if a >= b {
             continue;
         }
-        // SAFETY: readable (the caller's contract); [a, b) lies inside the segment.
-        let src = unsafe {
-            std::slice::from_raw_parts((seg.addr + (a - s0)) as *const u8, (b - a) as usize)
-        };
-        buf[(a - start) as usize..(b - start) as usize].copy_from_slice(src);
-        piece(*tag, a - s0, src);
+        let (lo, hi) = ((a - start) as usize, (b - start) as usize);
+        let src = seg.addr + (a - s0);
+        match seg.memory {
+            Memory::Host => {
+                // SAFETY: readable (the caller's contract); [a, b) lies inside the segment.
+                let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, hi - lo) };
+                buf[lo..hi].copy_from_slice(bytes);
+            }
+            // SAFETY: the source per the caller's contract; `buf` is untouched
+            // until the copies are awaited (`finish`, or the drop on an error).
+            Memory::Cuda(d) => unsafe {
+                let copies = device.get_or_insert_with(Copies::default);
+                copies.queue_to_host(d, buf[lo..hi].as_mut_ptr(), src, hi - lo)?
+            },
+        }
+        copied.push((*tag, a - s0, lo, hi));
     }
+    if let Some(copies) = device {
+        copies.finish()?;
+    }
+    for (tag, at, lo, hi) in copied {
+        piece(tag, at, &buf[lo..hi]);
+    }
+    Ok(())
 }
 
 /// An object made of header bytes at offset 0 and host memory ranges after
@@ -280,12 +290,13 @@ pub struct PartedImage {
 }
 
 impl PartedImage {
-    /// `head` at offset 0 and `segs` (host memory at their file offsets,
-    /// after the head, not overlapping), `total` bytes in all (gaps are zeros).
+    /// `head` at offset 0 and `segs` (host or device memory at their file
+    /// offsets, after the head, not overlapping), `total` bytes in all (gaps
+    /// are zeros).
     ///
     /// # Safety
     /// Each segment's memory must stay readable and unmodified while parts
-    /// are filled.
+    /// are filled (device memory: no stream of the caller's still writes it).
     pub unsafe fn new(head: Vec<u8>, segs: Vec<Segment>, total: u64) -> Result<Self> {
         let mut all = vec![(
             Segment {
@@ -300,11 +311,6 @@ impl PartedImage {
         all.sort_unstable_by_key(|(s, _)| s.file_offset);
         let mut end = 0;
         for (s, _) in &all {
-            if s.len > 0 && s.memory != Memory::Host {
-                return Err(Error::invalid(
-                    "parts are made from host memory only (a device segment given)",
-                ));
-            }
             if s.file_offset < end || s.file_offset.saturating_add(s.len) > total {
                 return Err(Error::invalid(format!(
                     "segment at {} of {} bytes overlaps another or lies past the end ({total})",
@@ -329,11 +335,11 @@ impl PartedImage {
     }
 
     /// Fill `buf` with the bytes from `start` (zeros where no segment is).
-    pub fn fill(&self, start: u64, buf: &mut [u8]) {
+    pub fn fill(&self, start: u64, buf: &mut [u8]) -> Result<()> {
         buf.fill(0);
-        // SAFETY: the head is ours; the rest is host memory readable per the
+        // SAFETY: the head is ours; the rest is memory readable per the
         // contract of `new`.
-        unsafe { copy_range(&self.segs, start, u64::MAX, buf, |_, _, _| {}) };
+        unsafe { copy_range(&self.segs, start, u64::MAX, buf, |_, _, _| {}) }
     }
 }
 
@@ -423,7 +429,7 @@ mod tests {
             (1 << 20, 2),
         ] {
             // SAFETY: `data` outlives the archive.
-            let a = unsafe { PartedArchive::new(&es, part).unwrap() };
+            let a = unsafe { PartedArchive::new(&es, |_| Ok(part)).unwrap() };
             let bytes = image(&a, threads);
             assert_eq!(bytes.len() as u64, a.len());
             let m = zipmap::map_bytes(&bytes).unwrap();
@@ -442,14 +448,19 @@ mod tests {
     }
 
     #[test]
-    fn device_memory_is_refused() {
+    fn device_memory_needs_the_driver() {
+        if crate::gpu::cuda::driver().is_ok() {
+            return; // a GPU host: the GPU tests cover device parts
+        }
         let mut es = entries(&[vec![1u8; 8]]);
         if let Body::Memory { memory, .. } = &mut es[2].body {
             *memory = Memory::Cuda(0);
         }
-        // SAFETY: nothing is read.
-        let e = unsafe { PartedArchive::new(&es, 64) }.err().unwrap();
-        assert!(e.to_string().contains("host memory"), "{e}");
+        // SAFETY: no device memory is read: there is no driver.
+        let a = unsafe { PartedArchive::new(&es, Ok) }.unwrap();
+        let mut buf = vec![0u8; a.len() as usize];
+        let e = a.fill(0, &mut buf).err().unwrap();
+        assert!(e.to_string().to_lowercase().contains("cuda"), "{e}");
     }
 
     #[test]
@@ -473,7 +484,7 @@ mod tests {
         for part in [1usize, 7, 100, 1800] {
             let mut got = vec![9u8; 1800];
             for (k, chunk) in got.chunks_mut(part).enumerate() {
-                img.fill((k * part) as u64, chunk);
+                img.fill((k * part) as u64, chunk).unwrap();
             }
             assert_eq!(got, want, "part {part}");
         }

@@ -558,6 +558,83 @@ impl Drop for Stream {
 // is thread-safe, and `Stream` holds no thread-local state.
 unsafe impl Send for Stream {}
 
+/// Copies between device memory and host memory the caller owns, queued on
+/// streams of their own (one per device) and awaited together: what a thread
+/// that fills a store's part from GPU memory, or fills GPU memory from a
+/// GET's bytes, needs. Dropped unfinished (an error midway), it still waits
+/// for what it queued, so no copy outlives its host memory.
+#[derive(Debug, Default)]
+pub struct Copies {
+    streams: Vec<Stream>,
+}
+
+impl Copies {
+    fn stream(&mut self, device: i32) -> Result<&Stream> {
+        let k = match self.streams.iter().position(|s| s.device() == device) {
+            Some(k) => k,
+            None => {
+                self.streams.push(Stream::new(device)?);
+                self.streams.len() - 1
+            }
+        };
+        driver()?.make_current(device)?;
+        Ok(&self.streams[k])
+    }
+
+    /// Queues a copy of `len` bytes from `src` on `device` to `dst`.
+    ///
+    /// # Safety
+    /// - `dst..dst+len` must be host memory writable by us that no one reads
+    ///   or writes until [`Copies::finish`] returns or `self` is dropped.
+    /// - `src..src+len` must be memory of `device` that stays allocated and
+    ///   unmodified until then (the caller's streams are done with it).
+    pub unsafe fn queue_to_host(
+        &mut self,
+        device: i32,
+        dst: *mut u8,
+        src: u64,
+        len: usize,
+    ) -> Result<()> {
+        let stream = self.stream(device)?;
+        // SAFETY: the caller guarantees both ranges until the streams are synchronized.
+        unsafe { driver()?.memcpy_dtoh_async(dst, src, len, stream) }
+    }
+
+    /// Queues a copy of `len` bytes from host memory `src` to `dst` on `device`.
+    ///
+    /// # Safety
+    /// - `src..src+len` must be readable host memory, unmodified and alive
+    ///   until [`Copies::finish`] returns or `self` is dropped.
+    /// - `dst..dst+len` must be memory of `device` that no one else uses until
+    ///   then (the caller's streams are done with it).
+    pub unsafe fn queue_to_device(
+        &mut self,
+        device: i32,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<()> {
+        let stream = self.stream(device)?;
+        // SAFETY: the caller guarantees both ranges until the streams are synchronized.
+        unsafe { driver()?.memcpy_htod_async(dst, src, len, stream) }
+    }
+
+    /// Waits until every queued copy is done; the first copy error surfaces here.
+    pub fn finish(mut self) -> Result<()> {
+        let streams = std::mem::take(&mut self.streams);
+        streams.iter().try_for_each(Stream::synchronize)
+    }
+}
+
+impl Drop for Copies {
+    fn drop(&mut self) {
+        for s in &self.streams {
+            // Unfinished: the destinations may be freed right after this.
+            let _ = s.synchronize();
+        }
+    }
+}
+
 /// A point in a stream's work (cuEvent, without timing): recorded on a
 /// stream the caller owns (one of torch's), then waited for by another stream
 /// or by the host. Dropping it destroys the event; work already waiting on it

@@ -15,6 +15,8 @@ use std::sync::Mutex;
 use bytes::Bytes;
 
 use super::{part_grid, MultipartSink, ObjectInfo, ObjectSource, PartGrid, Store, Version};
+use crate::engine::{Memory, Segment};
+use crate::gpu::cuda::Copies;
 use crate::sync::lock;
 use crate::{Error, Result};
 
@@ -137,4 +139,72 @@ pub fn download_file(
         parts: grid.count,
         version: info.version,
     })
+}
+
+/// Read `segments` (each at its object offset) of `source` into their memory:
+/// host memory straight from the GETs; device memory through a host buffer
+/// of `threads` x `chunk` bytes, filled by one round of GETs and copied up
+/// before the next round, so in-flight memory stays threads x chunk.
+///
+/// # Safety
+/// Every segment's memory must be writable memory of its kind, alive until
+/// this returns, overlapping no other segment, and used by no one else
+/// meanwhile (device memory: the caller's streams are done with it).
+pub unsafe fn read_segments(
+    source: &ObjectSource,
+    segments: &[(u64, Segment)],
+    chunk: u64,
+    threads: usize,
+) -> Result<()> {
+    let mut host: Vec<(u64, &mut [u8])> = Vec::new();
+    // (object offset, device, address, length) pieces of at most `chunk`.
+    let mut pieces: Vec<(u64, i32, u64, u64)> = Vec::new();
+    for &(offset, ref s) in segments {
+        match s.memory {
+            // SAFETY: writable and ours alone (the caller's contract).
+            Memory::Host => host.push((offset, unsafe {
+                std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize)
+            })),
+            Memory::Cuda(d) => {
+                let mut at = 0;
+                while at < s.len {
+                    let n = (s.len - at).min(chunk.max(1));
+                    pieces.push((offset + at, d, s.addr + at, n));
+                    at += n;
+                }
+            }
+        }
+    }
+    source.read_ranges(&mut host, chunk, threads)?;
+    if pieces.is_empty() {
+        return Ok(());
+    }
+    pieces.sort_unstable_by_key(|p| p.0);
+    let round = threads.max(1);
+    let most: u64 = pieces
+        .chunks(round)
+        .map(|r| r.iter().map(|p| p.3).sum())
+        .max()
+        .unwrap_or(0);
+    let mut buf = vec![0u8; most as usize];
+    for r in pieces.chunks(round) {
+        let mut ranges: Vec<(u64, &mut [u8])> = Vec::with_capacity(r.len());
+        let mut rest = &mut buf[..];
+        for p in r {
+            let (dst, tail) = rest.split_at_mut(p.3 as usize);
+            ranges.push((p.0, dst));
+            rest = tail;
+        }
+        source.read_ranges(&mut ranges, chunk, threads)?;
+        let mut copies = Copies::default();
+        let mut at = 0usize;
+        for &(_, d, addr, n) in r {
+            // SAFETY: the buffer outlives the copies (awaited below, or by the
+            // drop on an error); the destination per the caller's contract.
+            unsafe { copies.queue_to_device(d, addr, buf[at..].as_ptr(), n as usize)? };
+            at += n as usize;
+        }
+        copies.finish()?;
+    }
+    Ok(())
 }

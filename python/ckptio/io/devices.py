@@ -35,8 +35,12 @@ def device_code(storage: torch.UntypedStorage | torch.Tensor, what: str) -> int:
 
 
 def streams(devices: Iterable[int]) -> list[tuple[int, int]]:
-    """(device, raw CUstream) of the current stream of each CUDA device in ``devices``."""
-    return [(d, torch.cuda.current_stream(d).cuda_stream) for d in sorted(set(devices)) if d >= 0]
+    """(device, raw CUstream) of the current stream of each CUDA device in
+    ``devices``; none without CUDA (the core then refuses the device memory)."""
+    wanted = sorted({d for d in devices if d >= 0})
+    if not wanted or not torch.cuda.is_available():
+        return []
+    return [(d, torch.cuda.current_stream(d).cuda_stream) for d in wanted]
 
 
 def engine_device(location: str) -> torch.device | None:

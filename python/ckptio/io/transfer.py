@@ -330,14 +330,18 @@ def read_from_store(
     options: remote.StorageOptions = None,
     e_tag: str | None = None,
 ) -> dict[str, Any]:
-    """(object offset, address, nbytes, -1) segments of the object ``url`` read
-    straight into host memory that ``owners`` own (checked by the core, held
-    until the call returns; device segments are refused: no stream to order),
-    by parallel ranged GETs (``concurrency`` x ``part_size``; neighbouring
-    segments share GETs) of the version ``e_tag`` where given. The object's
-    size and version, and the stats of a report (``reports.report``)."""
+    """(object offset, address, nbytes, device) segments of the object ``url``
+    read straight into memory that ``owners`` own (checked by the core, held
+    until the call returns) by parallel ranged GETs (``concurrency`` x
+    ``part_size``; neighbouring segments share GETs) of the version ``e_tag``
+    where given: host memory (device -1) from the GETs, CUDA memory through a
+    host buffer of concurrency x part_size, after the work queued on the
+    current streams. The object's size and version, and the stats of a
+    report (``reports.report``)."""
     client, n, part = remote.client_options(options)
-    info = _native.store_read_into(url, segments, owners, client, n, part, e_tag)
+    info = _native.store_read_into(
+        url, segments, owners, client, n, part, e_tag, _streams_of(segments)
+    )
     return _store_stats(info, sum(s[2] for s in segments), n)
 
 
@@ -348,11 +352,13 @@ def upload_archive(
     options: remote.StorageOptions = None,
 ) -> dict[str, Any]:
     """A torch.save archive (``entries`` as for ``write_archive``, storages in
-    host memory that ``owners`` own) uploaded to ``url`` part by part straight
-    from memory: one multipart upload, committed by its completion. The
-    object's size and version, and the stats of a report."""
+    host or CUDA memory that ``owners`` own) uploaded to ``url`` part by part
+    straight from memory, after the work queued on the current streams: one
+    multipart upload, committed by its completion. The object's size and
+    version, and the stats of a report."""
     client, n, part = remote.client_options(options)
-    info = _native.store_upload_archive(url, entries, owners, client, n, part)
+    devices = (e[1][2] for e in entries if isinstance(e[1], tuple))
+    info = _native.store_upload_archive(url, entries, owners, client, n, part, streams(devices))
     return _store_stats(info, info["size"], n)
 
 
@@ -365,11 +371,14 @@ def upload_image(
     options: remote.StorageOptions = None,
 ) -> dict[str, Any]:
     """An object of ``total`` bytes, ``head`` at offset 0 and (object offset,
-    address, nbytes, -1) segments of host memory that ``owners`` own,
-    uploaded to ``url`` part by part straight from memory: one multipart
-    upload. The object's size and version, and the stats of a report."""
+    address, nbytes, device) segments of host or CUDA memory that ``owners``
+    own, uploaded to ``url`` part by part straight from memory, after the work
+    queued on the current streams: one multipart upload. The object's size
+    and version, and the stats of a report."""
     client, n, part = remote.client_options(options)
-    info = _native.store_upload_image(url, head, segments, owners, total, client, n, part)
+    info = _native.store_upload_image(
+        url, head, segments, owners, total, client, n, part, _streams_of(segments)
+    )
     return _store_stats(info, info["size"], n)
 
 
