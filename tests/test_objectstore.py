@@ -783,6 +783,10 @@ def test_safetensors_save_file_streams_from_memory_byte_for_byte(s3, tmp_path, m
     assert (tmp_path / "back.safetensors").read_bytes() == (
         tmp_path / "local.safetensors"
     ).read_bytes()
+    back = ckptio.safetensors.load_file(url, device="cuda", storage_options=s3.options)
+    assert os.listdir(tmp_path / "scratch") == []
+    assert all(t.is_cuda for t in back.values())
+    _same(_on_cpu(back), sd)
     _same(ckptio.safetensors.load_file(url, storage_options=s3.options), sd)
 
 
@@ -835,6 +839,8 @@ def test_cuda_save_streams_from_device_memory_after_the_callers_stream(s3, tmp_p
         assert x.testzip() is None
     assert ckptio.verify(url, storage_options=s3.options)
     back = ckptio.load(url, storage_options=s3.options)
+    assert ckptio.last_report().backend == "store"  # straight into the CUDA storages
+    assert os.listdir(tmp_path / "scratch") == []
     assert back["big"].is_cuda and back["host"].is_cpu
     _same_tree(_on_cpu(sd), _on_cpu(back))
     assert back["view"].untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr()
@@ -859,3 +865,7 @@ def test_cuda_safetensors_save_file_streams_byte_for_byte(s3, tmp_path, monkeypa
     assert (tmp_path / "back.safetensors").read_bytes() == (
         tmp_path / "local.safetensors"
     ).read_bytes()
+    back = ckptio.safetensors.load_file(url, device="cuda", storage_options=s3.options)
+    assert os.listdir(tmp_path / "scratch") == []
+    assert all(t.is_cuda for t in back.values())
+    _same(_on_cpu(back), sd)
