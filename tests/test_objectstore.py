@@ -249,6 +249,41 @@ def test_sharded_safetensors_commit_by_their_index(s3):
     _same(out, sd1)
 
 
+def test_load_sharded_reads_the_shards_straight_and_checks_the_index(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path))
+    url = s3.url("straight-sharded")
+    st = ckptio.safetensors
+    g = torch.Generator().manual_seed(3)
+    sd = {f"t{i}": torch.randn(1000 + i, generator=g) for i in range(9)}
+    sd["bf"] = torch.randn(33, generator=g).bfloat16()
+    sd["empty"] = torch.zeros(0)
+    st.save_sharded(sd, url, max_shard_size="12KB", storage_options=s3.options)
+    back = st.load_sharded(url, storage_options=s3.options)
+    _same(back, sd)
+    assert ckptio.last_report().backend == "store"
+    assert os.listdir(tmp_path) == []  # no scratch copy
+    index_url = url + "/model.safetensors.index.json"
+    index = json.loads(remote.get_bytes(index_url, s3.options)[0])
+    # An index that is no JSON, one whose weight_map points outside its folder,
+    # one that puts a tensor in the wrong shard, one that names a missing shard.
+    wrong = dict(index["weight_map"])
+    moved = next(iter(wrong))
+    wrong[moved] = next(v for v in wrong.values() if v != wrong[moved])
+    for bad, error, match in [
+        (b"{not json", ckptio.safetensors.SafetensorError, "index.json: not a safetensors index"),
+        (json.dumps({"weight_map": {"t0": "../x.safetensors"}}).encode(),
+         ckptio.safetensors.SafetensorError, "not a file name"),
+        (json.dumps({"weight_map": wrong}).encode(),
+         ckptio.safetensors.SafetensorError, f"tensor '{moved}'"),
+        (json.dumps({"weight_map": {"t0": "gone.safetensors"}}).encode(),
+         FileNotFoundError, "gone.safetensors"),
+    ]:  # fmt: skip
+        remote.put_bytes(index_url, bad, s3.options)
+        with pytest.raises(error, match=match):
+            st.load_sharded(url, storage_options=s3.options)
+    assert os.listdir(tmp_path) == []
+
+
 def test_sharded_safetensors_single_file_and_back(s3):
     url = s3.url("single")
     st = ckptio.safetensors
@@ -783,10 +818,6 @@ def test_safetensors_save_file_streams_from_memory_byte_for_byte(s3, tmp_path, m
     assert (tmp_path / "back.safetensors").read_bytes() == (
         tmp_path / "local.safetensors"
     ).read_bytes()
-    back = ckptio.safetensors.load_file(url, device="cuda", storage_options=s3.options)
-    assert os.listdir(tmp_path / "scratch") == []
-    assert all(t.is_cuda for t in back.values())
-    _same(_on_cpu(back), sd)
     _same(ckptio.safetensors.load_file(url, storage_options=s3.options), sd)
 
 

@@ -358,13 +358,21 @@ _FIRST_READ = 1 << 20
 def _load_file_remote(
     url: str, device: Device, options: remote.StorageOptions
 ) -> dict[str, torch.Tensor]:
-    """``load_file`` of an object: the header in one ranged GET, tensors made on
-    ``device``, their bytes read straight into them by ranged GETs of one
-    version (neighbours sharing GETs; CUDA memory filled through a bounded
-    host buffer)."""
+    """``load_file`` of an object, with no local copy (``_read_remote``)."""
     t0 = time.perf_counter()
     want, fill = _devices(device)
-    dest = fill or torch.device("cpu")  # another device: copied from host memory after
+    tensors, stats = _read_remote(url, fill or torch.device("cpu"), options)
+    reports.report(url, t0, stats, len(tensors))
+    return _finish(tensors, want, fill)
+
+
+def _read_remote(
+    url: str, dest: torch.device, options: remote.StorageOptions
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors of the safetensors object ``url``, made on ``dest`` (cpu
+    or CUDA), and the read's stats: the header in one ranged GET, the tensors'
+    bytes read straight into them by ranged GETs of one version (neighbours
+    sharing GETs; CUDA memory filled through a bounded host buffer)."""
     head, info = remote.read(url, 0, _FIRST_READ, options)
     size, e_tag = info["size"], info["e_tag"]
     n = fmt.header_length(head, size, url)
@@ -383,11 +391,32 @@ def _load_file_remote(
         if nbytes:
             segments.append((base + begin, st.data_ptr(), nbytes, code))
             owners.append(t)
-    stats = transfer.read_from_store(url, segments, owners, options, e_tag)
-    reports.report(url, t0, stats, len(tensors))
-    if dest != want:
-        return {k: v.to(want) for k, v in tensors.items()}
-    return tensors
+    return tensors, transfer.read_from_store(url, segments, owners, options, e_tag)
+
+
+def _load_sharded_remote(
+    url: str, device: Device, options: remote.StorageOptions
+) -> dict[str, torch.Tensor]:
+    """``load_sharded`` of a folder (or index) in a store, with no local copy:
+    the index in one GET, then each shard it names read as ``load_file`` reads
+    an object (a single model.safetensors where there is no index)."""
+    t0 = time.perf_counter()
+    want, fill = _devices(device)
+    base, _, _, wm, files = _remote_shards(url, options)
+    read = [_read_remote(remote.join(base, f), fill or torch.device("cpu"), options) for f in files]
+    tensors = fmt.gather(url, files, [r[0] for r in read], wm)
+    reports.report(url, t0, reports.merged([r[1] for r in read], "store"), len(tensors))
+    return _finish(tensors, want, fill)
+
+
+def _index_url(url: str) -> tuple[str, str]:
+    """(the folder's URL, the index's name) of a sharded checkpoint's URL (its
+    folder, or its index)."""
+    base = url.rstrip("/")
+    if base.endswith(".json"):
+        folder, name = base.rsplit("/", 1)
+        return folder, name
+    return base, fmt.INDEX_NAME
 
 
 def load(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
@@ -617,28 +646,36 @@ def _save_sharded_remote(
             remote.delete(obj, options)
 
 
+def _remote_shards(
+    url: str, options: remote.StorageOptions
+) -> tuple[str, str, bytes | None, dict[str, str] | None, list[str]]:
+    """The sharded checkpoint at ``url`` (its folder or index): the folder's
+    URL, the index's name, its bytes and weight_map (None: no index, a single
+    model.safetensors) and the shard files it names, in first-named order."""
+    base, index_name = _index_url(url)
+    try:
+        index, _ = remote.get_bytes(remote.join(base, index_name), options)
+    except FileNotFoundError:
+        return base, index_name, None, None, ["model.safetensors"]
+    wm = fmt.weight_map_of(index, remote.join(base, index_name))
+    files = list(dict.fromkeys(wm.values()))
+    for name in files:
+        if name in (".", "..") or not name:
+            raise fmt.fail(url, f"the index names a shard outside its folder: {name!r}")
+    return base, index_name, index, wm, files
+
+
 @contextlib.contextmanager
 def _sharded_copy(url: str, options: remote.StorageOptions) -> Iterator[str]:
     """A local copy of the sharded checkpoint at ``url`` (its folder or index):
     the index and the shards it names, or a single model.safetensors."""
-    base, index_name = url.rstrip("/"), fmt.INDEX_NAME
-    if base.endswith(".json"):
-        base, index_name = base.rsplit("/", 1)
+    base, index_name, index, _, files = _remote_shards(url, options)
     folder = remote.scratch_folder()
     try:
-        try:
-            index, _ = remote.get_bytes(remote.join(base, index_name), options)
-        except FileNotFoundError:
-            index = None
-        if index is None:
-            names = ["model.safetensors"]
-        else:
+        if index is not None:
             with open(os.path.join(folder, index_name), "wb") as fh:
                 fh.write(index)
-            names = sorted(_names(index))
-        for name in names:
-            if "/" in name or name in (".", "..") or not name:
-                raise fmt.fail(url, f"the index names a shard outside its folder: {name!r}")
+        for name in files:
             remote.download(remote.join(base, name), os.path.join(folder, name), options)
         yield folder
     finally:
@@ -677,8 +714,9 @@ def load_sharded(
     shards, shard by shard in file order. The keywords are ``load_file``'s
     (``out``, ``strict``, ``cast``: load in place; ``group``: read once, share
     over a process group). ``index_path_or_folder`` may be an object URL (of the
-    folder or the index, with ``storage_options``): the index and the shards it
-    names are read into a local scratch copy, loaded, and removed.
+    folder or the index, with ``storage_options``): the index in one GET, each
+    shard's tensors read straight into memory by ranged GETs (with ``out`` or
+    ``group``: the index and shards go through a local scratch copy).
     """
     if remote.is_url(index_path_or_folder) or storage_options is not None:
         remote.check_options(index_path_or_folder, storage_options)
@@ -687,6 +725,8 @@ def load_sharded(
             device_backend=device_backend, out=out, strict=strict, cast=cast, group=group,
         )  # fmt: skip
         url = os.fsdecode(os.fspath(index_path_or_folder))
+        if out is None and group is None:
+            return _load_sharded_remote(url, device, storage_options)
         with _sharded_copy(url, storage_options) as local:
             return load_sharded(local, device, **kw)
     io = IoOptions.of(

@@ -437,28 +437,36 @@ def shard_files(index_path_or_folder: str) -> tuple[str, dict[str, str] | None]:
                     p,
                 )
     with open_regular(p) as f:
-        try:
-            index = json.loads(f.read())
-        except ValueError as e:
-            raise SafetensorError(f"{p}: not a safetensors index: invalid JSON: {e}") from None
-        except RecursionError:
-            raise SafetensorError(f"{p}: not a safetensors index: nested too deeply") from None
+        wm = weight_map_of(f.read(), p)
+    folder = os.path.dirname(p) or "."
+    for v in set(wm.values()):
+        inside(folder, v, f"{p}: shard", blobs=True, error=SafetensorError)
+    return folder, wm
+
+
+def weight_map_of(data: bytes, where: str) -> dict[str, str]:
+    """The weight_map (tensor name -> shard file name) of the index ``data``
+    read from ``where`` (named in errors); each shard a plain file name of the
+    index's folder."""
+    try:
+        index = json.loads(data)
+    except ValueError as e:
+        raise SafetensorError(f"{where}: not a safetensors index: invalid JSON: {e}") from None
+    except RecursionError:
+        raise SafetensorError(f"{where}: not a safetensors index: nested too deeply") from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise SafetensorError(
-            f"{p}: not a safetensors index: no weight_map of tensor name -> shard file name"
+            f"{where}: not a safetensors index: no weight_map of tensor name -> shard file name"
         )
-    folder = os.path.dirname(p) or "."
     for name, v in wm.items():
         # A shard is a file of this folder (or, in a hub cache snapshot, a link to its blobs).
         if os.path.basename(v) != v:
             raise SafetensorError(
-                f"{p}: weight_map puts tensor {name!r} in {v!r}, not a file name of the "
+                f"{where}: weight_map puts tensor {name!r} in {v!r}, not a file name of the "
                 "index's folder"
             )
-    for v in set(wm.values()):
-        inside(folder, v, f"{p}: shard", blobs=True, error=SafetensorError)
-    return folder, wm
+    return wm
 
 
 def shard_names(folder: str, k: int) -> list[str]:
