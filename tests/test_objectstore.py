@@ -752,6 +752,37 @@ def test_torch_objects_that_need_torch_load_go_through_a_copy(s3):
     )
 
 
+def test_verify_checks_every_crc_of_a_straight_load(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
+    os.mkdir(tmp_path / "scratch")
+    sd = _torch_state(11)
+    sd["big"] = torch.randn(5 << 20)  # 20 MiB: two parts
+    url = s3.url("verified.pt")
+    ckptio.save(sd, url, storage_options=s3.options)
+    _same_tree(sd, ckptio.load(url, storage_options=s3.options, verify=True))
+    rep = ckptio.last_report()
+    assert rep.backend == "store" and rep.verified and rep.unchecked == ()
+    assert os.listdir(tmp_path / "scratch") == []  # straight, no scratch copy
+    # A byte flipped in a storage, and one in the pickle: FormatErrors naming
+    # the record; without verify the storage's flip loads unnoticed.
+    ckptio.save(sd, tmp_path / "x.pt")
+    data = bytearray((tmp_path / "x.pt").read_bytes())
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "x.pt") as z:
+        infos = {i.filename.split("/", 1)[1]: i for i in z.infolist()}
+    big_key = next(k for k, i in infos.items() if i.file_size == 20 << 20)
+    for record in [big_key, "data.pkl"]:
+        bad = bytearray(data)
+        i = infos[record]
+        at = i.header_offset + 30 + len(i.filename.encode()) + len(i.extra) + i.file_size // 2
+        bad[at] ^= 0x40
+        remote.put_bytes(url, bytes(bad), s3.options)
+        with pytest.raises(ckptio.FormatError, match=f"{record}.*is corrupt"):
+            ckptio.load(url, storage_options=s3.options, verify=True)
+    assert os.listdir(tmp_path / "scratch") == []
+
+
 def test_a_damaged_torch_object_is_a_format_error_naming_the_url(s3, tmp_path):
     sd = _torch_state(6)
     ckptio.save(sd, tmp_path / "x.pt")
@@ -869,8 +900,9 @@ def test_cuda_save_streams_from_device_memory_after_the_callers_stream(s3, tmp_p
         ]
         assert x.testzip() is None
     assert ckptio.verify(url, storage_options=s3.options)
-    back = ckptio.load(url, storage_options=s3.options)
-    assert ckptio.last_report().backend == "store"  # straight into the CUDA storages
+    back = ckptio.load(url, storage_options=s3.options, verify=True)
+    rep = ckptio.last_report()  # straight into the CUDA storages, CRC-32s checked on the way
+    assert rep.backend == "store" and rep.verified and rep.unchecked == ()
     assert os.listdir(tmp_path / "scratch") == []
     assert back["big"].is_cuda and back["host"].is_cpu
     _same_tree(_on_cpu(sd), _on_cpu(back))

@@ -500,6 +500,7 @@ def store_read_into(
     chunk: int = 16777216,
     e_tag: str | None = None,
     streams: list[tuple[int, int]] = ...,
+    crc: bool = False,
 ) -> dict[str, Any]:
     """(object offset, address, nbytes, device) segments read straight into host or CUDA memory."""
 
@@ -536,7 +537,7 @@ def store_torch_map(
 ) -> tuple[
     dict[str, Any],
     str,
-    list[tuple[str, int, int]],
+    list[tuple[str, int, int, int | None]],
     dict[str, bytes],
     list[tuple[str, int, int]],
 ]:

@@ -21,6 +21,7 @@ import os
 import pickle
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -343,16 +344,16 @@ def load(
     ``storage_options`` as for ``save``): one version of the object is read by
     parallel ranged GETs, a plain state dict's storages straight into its
     tensors (its directory and small records in two requests, each storage's
-    local header in the same GET as its bytes; CUDA destinations through host
-    memory); with ``out=``, ``group=``, ``verify=True``, pickle arguments or
-    what torch.load must unpickle, into a local scratch copy, loaded as
-    above, and removed.
+    local header in the same GET as its bytes; CUDA destinations through a
+    bounded host buffer; ``verify=True`` checks the CRC-32s on the way); with
+    ``out=``, ``group=``, pickle arguments or what torch.load must unpickle,
+    into a local scratch copy, loaded as above, and removed.
     """
     straight = _straight_from_store(map_location, pickle_module, mmap, verify, out, group)
     if remote.is_url(f) and straight and not pickle_load_args:
         remote.check_options(f, storage_options)
         resolve_weights_only(weights_only, pickle_module)
-        obj = _load_remote(os.fsdecode(os.fspath(f)), map_location, storage_options)
+        obj = _load_remote(os.fsdecode(os.fspath(f)), map_location, storage_options, verify)
         if obj is not _NOT_STRAIGHT:
             return obj
     if remote.is_url(f) or storage_options is not None:
@@ -417,20 +418,23 @@ def _straight_from_store(
     """Whether a load from a store may read the storages straight into new
     tensors (``_load_remote``): none of what needs a local file."""
     return (
-        out is None and group is None and verify is False and pickle_module is None
+        out is None and group is None and pickle_module is None
         and not (mmap or (mmap is None and _torch_config.load.mmap))
         and (map_location is None or isinstance(map_location, (str, torch.device, dict)))
     )  # fmt: skip
 
 
-def _load_remote(url: str, map_location: MapLocation, options: remote.StorageOptions) -> Any:
+def _load_remote(
+    url: str, map_location: MapLocation, options: remote.StorageOptions, verify: bool
+) -> Any:
     """A torch.save object loaded from a store with no local copy: the
     directory and small records mapped in few requests, the pickle read
     natively, each storage's bytes read into its memory (host, or CUDA through
     a bounded host buffer) by ranged GETs of one version that also bring its
-    local header (which confirms where the data lies). ``_NOT_STRAIGHT`` where
-    the archive or its pickle needs torch.load, or its layout is not
-    torch.save's."""
+    local header (which confirms where the data lies). ``verify``: every
+    record's CRC-32 checked (the small ones before the pickle is read, each
+    storage's over its bytes as they arrive). ``_NOT_STRAIGHT`` where the
+    archive or its pickle needs torch.load, or its layout is not torch.save's."""
     t0 = time.perf_counter()
     if url.endswith(".safetensors"):
         return _NOT_STRAIGHT
@@ -440,9 +444,14 @@ def _load_remote(url: str, map_location: MapLocation, options: remote.StorageOpt
         if torchzip.is_legacy(remote.read(url, 0, 14, options)[0]):
             return _NOT_STRAIGHT  # torch's legacy format: torch.load reads a local copy
         raise
-    archive = torchzip.Records(url, torchzip.StoredRecords(url, prefix, small), records)
+    declared = {name: crc for name, _, _, crc in records}
+    rows = [(name, off, n) for name, off, n, _ in records]
+    archive = torchzip.Records(url, torchzip.StoredRecords(url, prefix, small), rows)
     if f"{prefix}/data.pkl" not in archive.where:
         raise corrupt(url, "no data.pkl record: not a torch.save checkpoint")
+    if verify:  # the pickle and the small records, before anything is decoded
+        for name, data in small.items():
+            _check_crc(url, name, declared.get(name), zlib.crc32(data))
     if f"{prefix}/constants.pkl" in archive.where or not torchzip.native_byteorder(archive):
         return _NOT_STRAIGHT
     got = torchzip.native_pickle(archive)
@@ -473,12 +482,34 @@ def _load_remote(url: str, map_location: MapLocation, options: remote.StorageOpt
         ]
         at += off - lh
     owners = [head_bytes, *(st for _, _, st in used)]
-    stats = transfer.read_from_store(url, segments, owners, options, info["e_tag"])
+    stats = transfer.read_from_store(url, segments, owners, options, info["e_tag"], verify)
     if _native.zip_headers_match(spans, head_bytes.numpy().tobytes()):
         return _NOT_STRAIGHT  # not torch.save's layout: the scratch copy reads it
+    unchecked: list[str] = []
+    if verify:
+        name_at = {off: name for name, off, _ in rows}
+        for seg, crc in zip(segments[1::2], stats.pop("crc32")[1::2], strict=True):
+            name = name_at[seg[0]]  # (object offset, address, nbytes, device)
+            if declared.get(name) is None:
+                unchecked.append(name)
+            _check_crc(url, name, declared.get(name), crc)
+        for name in small:
+            if declared.get(name) is None:
+                unchecked.append(name)
     obj = torchzip.rebuild(parsed, storages, [f[2] for f in found], url)
-    reports.report(url, t0, stats, len(found))
+    reports.report(url, t0, stats, len(found), verify, tuple(unchecked))
     return obj
+
+
+def _check_crc(url: str, name: str, declared: int | None, actual: int) -> None:
+    """A record whose bytes do not have the CRC-32 its archive declares is a
+    FormatError naming both (None: the archive declares none to check)."""
+    if declared is not None and declared != actual:
+        raise corrupt(
+            url,
+            f"record {name!r} is corrupt: its bytes have CRC-32 {actual:#010x}, "
+            f"the archive stores {declared:#010x}",
+        )
 
 
 def _torch_loads(path: str, map_location: MapLocation, mmap: bool | None) -> str | None:

@@ -16,8 +16,8 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::engine::{Memory, Segment};
 use crate::format::parts::{PartedArchive, PartedImage};
-use crate::format::zipmap;
 use crate::format::zipwrite::Body;
+use crate::format::{integrity, zipmap};
 use crate::gpu::order::After;
 use crate::store::{self, ObjectInfo, ObjectSource, Precondition, Store, Transferred, Version};
 
@@ -401,12 +401,13 @@ impl zipmap::RangeReader for ObjectRanges<'_> {
 }
 
 /// What [`store_torch_map`] returns: the object's size and version, the
-/// archive's prefix, [(record, data offset, size)], the small records' bytes,
+/// archive's prefix, [(record, data offset, size, declared CRC-32 or None)],
+/// the small records' bytes,
 /// and [(record, local header offset, predicted data offset)].
 type TorchMap<'py> = (
     Bound<'py, PyDict>,
     String,
-    Vec<(String, u64, u64)>,
+    Vec<(String, u64, u64, Option<u32>)>,
     Bound<'py, PyDict>,
     Vec<(String, u64, u64)>,
 );
@@ -444,10 +445,18 @@ pub fn store_torch_map<'py>(
         small.set_item(name, PyBytes::new(py, data))?;
     }
     let a = &m.archive;
+    // Each record's CRC-32 where the archive declares one (for verify=True).
     let records = a
         .records
         .iter()
-        .map(|r| (r.name.clone(), r.data_offset, r.size))
+        .zip(integrity::declared(a))
+        .map(|(r, d)| {
+            let crc = match d {
+                integrity::Declared::Crc(c) => Some(c),
+                integrity::Declared::Unchecked => None,
+            };
+            (r.name.clone(), r.data_offset, r.size, crc)
+        })
         .collect();
     let heads = m
         .predicted
@@ -499,8 +508,9 @@ pub fn zip_headers_match(heads: Vec<(String, u64, u64)>, bytes: &[u8]) -> Vec<St
 /// bytes, `threads` at a time, neighbouring segments sharing a GET; CUDA
 /// memory through a host buffer of threads x chunk, after the work queued on
 /// the caller's `streams`; all of the version `e_tag` names where given.
+/// `crc`: the answer's "crc32" holds each segment's CRC-32.
 #[pyfunction]
-#[pyo3(signature = (url, segments, owners, options=None, threads=8, chunk=16777216, e_tag=None, streams=Vec::new()))]
+#[pyo3(signature = (url, segments, owners, options=None, threads=8, chunk=16777216, e_tag=None, streams=Vec::new(), crc=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn store_read_into<'py>(
     py: Python<'py>,
@@ -512,6 +522,7 @@ pub fn store_read_into<'py>(
     chunk: u64,
     e_tag: Option<String>,
     streams: Streams,
+    crc: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut segs: Vec<(u64, Segment)> = Vec::with_capacity(segments.len());
     for (i, &(offset, addr, len, dev)) in segments.iter().enumerate() {
@@ -553,9 +564,14 @@ pub fn store_read_into<'py>(
         // SAFETY: every range lies inside memory one of `owners` owns
         // (checked above), held until the call returns; no two overlap
         // (checked above); the caller's streams are done with device memory.
-        unsafe { store::read_segments(&source, &segs, chunk, threads)? };
-        Ok(source.info().clone())
+        let crcs = unsafe { store::read_segments(&source, &segs, chunk, threads, crc)? };
+        Ok((source.info().clone(), crcs))
     });
     owners.release();
-    info_dict(py, &info?)
+    let (info, crcs) = info?;
+    let d = info_dict(py, &info)?;
+    if crc {
+        d.set_item("crc32", crcs)?;
+    }
+    Ok(d)
 }

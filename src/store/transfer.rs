@@ -144,7 +144,8 @@ pub fn download_file(
 /// Read `segments` (each at its object offset) of `source` into their memory:
 /// host memory straight from the GETs; device memory through a host buffer
 /// of `threads` x `chunk` bytes, filled by one round of GETs and copied up
-/// before the next round, so in-flight memory stays threads x chunk.
+/// before the next round, so in-flight memory stays threads x chunk. With
+/// `crc`, each segment's CRC-32, computed where its bytes are in host memory.
 ///
 /// # Safety
 /// Every segment's memory must be writable memory of its kind, alive until
@@ -155,35 +156,46 @@ pub unsafe fn read_segments(
     segments: &[(u64, Segment)],
     chunk: u64,
     threads: usize,
-) -> Result<()> {
+    crc: bool,
+) -> Result<Vec<Option<u32>>> {
     let mut host: Vec<(u64, &mut [u8])> = Vec::new();
-    // (object offset, device, address, length) pieces of at most `chunk`.
-    let mut pieces: Vec<(u64, i32, u64, u64)> = Vec::new();
-    for &(offset, ref s) in segments {
+    let mut host_of: Vec<usize> = Vec::new();
+    // (object offset, segment, device, address, length) pieces of at most `chunk`.
+    let mut pieces: Vec<(u64, usize, i32, u64, u64)> = Vec::new();
+    for (i, &(offset, ref s)) in segments.iter().enumerate() {
         match s.memory {
-            // SAFETY: writable and ours alone (the caller's contract).
-            Memory::Host => host.push((offset, unsafe {
-                std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize)
-            })),
+            Memory::Host => {
+                // SAFETY: writable and ours alone (the caller's contract).
+                host.push((offset, unsafe {
+                    std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize)
+                }));
+                host_of.push(i);
+            }
             Memory::Cuda(d) => {
                 let mut at = 0;
                 while at < s.len {
                     let n = (s.len - at).min(chunk.max(1));
-                    pieces.push((offset + at, d, s.addr + at, n));
+                    pieces.push((offset + at, i, d, s.addr + at, n));
                     at += n;
                 }
             }
         }
     }
     source.read_ranges(&mut host, chunk, threads)?;
-    if pieces.is_empty() {
-        return Ok(());
+    // Per segment: (offset in it, CRC-32, length) of each piece hashed.
+    let hashed: Mutex<Vec<Vec<(u64, u32, u64)>>> = Mutex::new(vec![Vec::new(); segments.len()]);
+    if crc {
+        each_part(host.len(), threads, |k| {
+            let c = crc32fast::hash(host[k].1);
+            lock(&hashed)[host_of[k]].push((0, c, host[k].1.len() as u64));
+            Ok(())
+        })?;
     }
     pieces.sort_unstable_by_key(|p| p.0);
     let round = threads.max(1);
     let most: u64 = pieces
         .chunks(round)
-        .map(|r| r.iter().map(|p| p.3).sum())
+        .map(|r| r.iter().map(|p| p.4).sum())
         .max()
         .unwrap_or(0);
     let mut buf = vec![0u8; most as usize];
@@ -191,20 +203,38 @@ pub unsafe fn read_segments(
         let mut ranges: Vec<(u64, &mut [u8])> = Vec::with_capacity(r.len());
         let mut rest = &mut buf[..];
         for p in r {
-            let (dst, tail) = rest.split_at_mut(p.3 as usize);
+            let (dst, tail) = rest.split_at_mut(p.4 as usize);
             ranges.push((p.0, dst));
             rest = tail;
         }
         source.read_ranges(&mut ranges, chunk, threads)?;
         let mut copies = Copies::default();
         let mut at = 0usize;
-        for &(_, d, addr, n) in r {
+        for &(offset, i, d, addr, n) in r {
             // SAFETY: the buffer outlives the copies (awaited below, or by the
             // drop on an error); the destination per the caller's contract.
             unsafe { copies.queue_to_device(d, addr, buf[at..].as_ptr(), n as usize)? };
+            if crc {
+                let c = crc32fast::hash(&buf[at..at + n as usize]);
+                lock(&hashed)[i].push((offset - segments[i].0, c, n));
+            }
             at += n as usize;
         }
         copies.finish()?;
     }
-    Ok(())
+    let hashed = hashed.into_inner().unwrap_or_else(|p| p.into_inner());
+    Ok(hashed
+        .into_iter()
+        .map(|mut ps| {
+            if !crc {
+                return None;
+            }
+            ps.sort_unstable_by_key(|p| p.0);
+            let mut h = crc32fast::Hasher::new();
+            for (_, c, n) in ps {
+                h.combine(&crc32fast::Hasher::new_with_initial_len(c, n));
+            }
+            Some(h.finalize())
+        })
+        .collect())
 }

@@ -117,11 +117,16 @@ def read(
 def map_torch(
     url: str, options: StorageOptions = None
 ) -> tuple[
-    dict[str, Any], str, list[tuple[str, int, int]], dict[str, bytes], list[tuple[str, int, int]]
+    dict[str, Any],
+    str,
+    list[tuple[str, int, int, int | None]],
+    dict[str, bytes],
+    list[tuple[str, int, int]],
 ]:
     """The torch.save archive at ``url`` mapped in few requests
     (``_native.store_torch_map``): the object's size and version, the archive's
-    prefix, its records (name, data offset, size), the bytes of every record
+    prefix, its records (name, data offset, size, declared CRC-32 or None where
+    the archive says it computed none), the bytes of every record
     but the storages, and (storage record, local header offset, predicted data
     offset) for the reader to confirm (``_native.zip_headers_match``)."""
     client, n, part = client_options(options)

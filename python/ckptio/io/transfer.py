@@ -329,6 +329,7 @@ def read_from_store(
     owners: list[Any],
     options: remote.StorageOptions = None,
     e_tag: str | None = None,
+    crc: bool = False,
 ) -> dict[str, Any]:
     """(object offset, address, nbytes, device) segments of the object ``url``
     read straight into memory that ``owners`` own (checked by the core, held
@@ -337,10 +338,10 @@ def read_from_store(
     where given: host memory (device -1) from the GETs, CUDA memory through a
     host buffer of concurrency x part_size, after the work queued on the
     current streams. The object's size and version, and the stats of a
-    report (``reports.report``)."""
+    report (``reports.report``); with ``crc``, "crc32": each segment's CRC-32."""
     client, n, part = remote.client_options(options)
     info = _native.store_read_into(
-        url, segments, owners, client, n, part, e_tag, _streams_of(segments)
+        url, segments, owners, client, n, part, e_tag, _streams_of(segments), crc
     )
     return _store_stats(info, sum(s[2] for s in segments), n)
 
