@@ -237,6 +237,34 @@ def test_the_tiered_dcp_writer_commits_locally_then_in_the_store(tmp_path, s3):
     assert not any(n.startswith(".ckptio") for n in names[2])
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_a_tiered_dcp_drain_left_unfinished_is_resumed_by_the_next_writer(tmp_path, s3):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+    from ckptio.tiered import TieredWriter
+
+    url = s3.url("dcp-resume")
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    first = TieredWriter(tmp_path / "local", url, storage_options=down, tries=1)
+    assert first.resumed is None  # nothing committed locally yet
+    dcp.save(_state(1), storage_writer=first, no_dist=True)  # durable locally
+    with pytest.raises(ckptio.StoreConnectionError):
+        first.remote_completion.result(60)
+    assert remote.listing(url, s3.options) == []
+    again = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
+    assert again.resumed is not None and again.resumed.result(120) == url
+    out = {k: torch.zeros_like(v) for k, v in _state(1).items()}
+    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
+    _same(out, _state(1))
+    third = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
+    assert third.resumed is not None and third.resumed.result(60) == url  # nothing to do
+    dcp.save(_state(2), storage_writer=third, no_dist=True)  # the next save goes on as usual
+    assert third.remote_completion.result(120) == url
+    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
+    _same(out, _state(2))
+
+
 def test_the_tiered_dcp_writer_refuses_bad_tiers(tmp_path, s3):
     from ckptio.tiered import TieredWriter
 

@@ -495,6 +495,11 @@ class TieredWriter(FileSystemWriter):
     checkpoint is durable in the store, on the coordinator (elsewhere: when this
     rank's files are uploaded). A rank's next save waits for its previous
     upload first (the local folder's old files go with the next commit).
+    A new writer on a local folder whose committed checkpoint the store lacks
+    (the process that saved it died mid-drain) drains it in the background
+    (``resumed``: its future, None where there was nothing to drain or the
+    local folder lacks files other hosts' ranks wrote); the next save waits
+    for it.
     ``tries``/``backoff``: retries of transient errors, as ``Checkpointer``'s;
     ``mark_timeout``: seconds the coordinator waits for the other ranks' marks.
     Other keywords: ``ckptio.dcp.FileSystemWriter``'s.
@@ -516,19 +521,67 @@ class TieredWriter(FileSystemWriter):
         self.remote = remote.rstrip("/")
         self._options = dict(storage_options) if storage_options is not None else None
         self._tries, self._backoff, self._mark_timeout = tries, backoff, mark_timeout
-        self._uploading: Future[None] | None = None
+        self._uploading: Future[Any] | None = None
         self.remote_completion: Future[str] = Future()
+        #: The drain of a checkpoint committed in ``local`` that a process
+        #: which died left unfinished, resumed in the background (None: none).
+        self.resumed: Future[str] | None = self._resume()
+        self._uploading = self.resumed  # the next save waits for it
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("_uploading", None)
         state.pop("remote_completion", None)
+        state.pop("resumed", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._uploading = None
         self.remote_completion = Future()
+        self.resumed = None
+
+    def _resume(self) -> Future[str] | None:
+        """Drain the checkpoint committed in the local folder where the store
+        lacks it (its ``.metadata`` differs or is missing): the files it names
+        that the store lacks uploaded, then the remote commit, as a save's
+        drain does. None where there is no local commit, or where it names
+        files this host does not hold (other hosts' ranks: their next save
+        commits anew)."""
+        folder = os.fspath(self.path)
+        meta = os.path.join(folder, ".metadata")
+        if not os.path.isfile(meta):
+            return None
+        data = _read_file(meta)
+        files = dcp_format.files_named(data, meta)
+        if files is None or not all(os.path.isfile(os.path.join(folder, n)) for n in files):
+            return None
+        done: Future[str] = Future()
+
+        def drain() -> None:
+            try:
+                meta_url = objstore.join(self.remote, ".metadata")
+                with contextlib.suppress(FileNotFoundError):
+                    if objstore.get_bytes(meta_url, self._options)[0] == data:
+                        done.set_result(self.remote)  # the store has it
+                        return
+                there = {u: n for u, n, _ in objstore.listing(self.remote, self._options)}
+                for name in sorted(files):
+                    path, url = os.path.join(folder, name), objstore.join(self.remote, name)
+                    if there.get(url) == os.path.getsize(path):
+                        continue  # whole already (each upload is all or nothing)
+                    self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
+                try:
+                    self._commit(data, files)
+                except CommitConflictError:  # another process resumed it first
+                    if objstore.get_bytes(meta_url, self._options)[0] != data:
+                        raise
+                done.set_result(self.remote)
+            except BaseException as e:
+                done.set_exception(e)
+
+        threading.Thread(target=drain, name="ckptio-tier-resume", daemon=True).start()
+        return done
 
     def _retried(self, op: Any) -> Any:
         for attempt in range(self._tries):
