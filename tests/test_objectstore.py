@@ -582,6 +582,57 @@ def test_a_server_stopped_mid_save_is_a_typed_error_and_the_old_object_survives(
         server.stop()
 
 
+GROUP_WORKER = """
+import json, os, sys
+import torch, torch.distributed as dist
+import ckptio
+base, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+opts = json.loads(os.environ["CKPTIO_TEST_S3"])
+st = ckptio.safetensors
+calls = {
+    "pt": lambda: ckptio.load(base + "/group.pt", group=dist.group.WORLD, storage_options=opts),
+    "st": lambda: st.load_file(base + "/group.safetensors", group=dist.group.WORLD,
+                               storage_options=opts),
+    "sharded": lambda: st.load_sharded(base + "/sharded", group=dist.group.WORLD,
+                                       storage_options=opts),
+}
+reps = {}
+for name, call in calls.items():
+    got = call()
+    rep = ckptio.last_report()
+    torch.save(got, f"{out}/{name}{dist.get_rank()}.pt")
+    reps[name] = {"read": rep.bytes_read, "received": rep.bytes_received, "bytes": rep.nbytes}
+with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
+    json.dump(reps, f)
+dist.destroy_process_group()
+"""
+
+
+def test_a_group_reads_an_object_once_and_shares_it(s3, tmp_path):
+    from test_dcp import _run_ranks
+
+    sd = _torch_state(12)
+    sd["big"] = torch.randn(6 << 20)  # 24 MiB: split between the ranks
+    flat = {f"t{i}": torch.randn(1 << 18) for i in range(12)}  # 12 MiB in 1 MiB tensors
+    base = s3.url("grouped")
+    ckptio.save(sd, base + "/group.pt", storage_options=s3.options)
+    ckptio.safetensors.save_file(flat, base + "/group.safetensors", storage_options=s3.options)
+    ckptio.safetensors.save_sharded(
+        flat, base + "/sharded", max_shard_size="5MB", storage_options=s3.options
+    )
+    argv = ["-c", GROUP_WORKER, base, str(tmp_path)]
+    _run_ranks(2, "store-group", str(tmp_path), argv=argv, CKPTIO_TEST_S3=json.dumps(s3.options))
+    reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for name, want in [("pt", sd), ("st", flat), ("sharded", flat)]:
+        got = [r[name] for r in reps]
+        total = got[0]["bytes"]
+        assert sum(g["read"] for g in got) == total, (name, got)  # each byte from the store once
+        assert all(g["read"] + g["received"] == total and g["read"] < total for g in got), got
+        for r in range(2):
+            _same_tree(want, torch.load(tmp_path / f"{name}{r}.pt", weights_only=True))
+
+
 def test_load_state_dict_takes_a_url(s3):
     model = torch.nn.Linear(16, 4)
     url = s3.url("module.pt")

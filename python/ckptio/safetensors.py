@@ -325,7 +325,7 @@ def load_file(
     if remote.is_url(filename) or storage_options is not None:
         remote.check_options(filename, storage_options)
         url = os.fsdecode(os.fspath(filename))
-        if out is None and sharing.current() is None:  # straight into new tensors
+        if out is None:  # straight into new tensors (once per group, where there is one)
             return _load_file_remote(url, device, storage_options)
         kw: dict[str, Any] = dict(
             backend=backend, threads=threads, chunk_size=chunk_size, direct=direct,
@@ -358,54 +358,94 @@ _FIRST_READ = 1 << 20
 def _load_file_remote(
     url: str, device: Device, options: remote.StorageOptions
 ) -> dict[str, torch.Tensor]:
-    """``load_file`` of an object, with no local copy (``_read_remote``)."""
+    """``load_file`` of an object, with no local copy (``_plan_remote``)."""
     t0 = time.perf_counter()
     want, fill = _devices(device)
-    tensors, stats = _read_remote(url, fill or torch.device("cpu"), options)
-    reports.report(url, t0, stats, len(tensors))
-    return _finish(tensors, want, fill)
+    plan = _plan_remote(url, fill or torch.device("cpu"), options)
+    stats = _read_remote([plan], options)
+    reports.report(url, t0, stats, len(plan.tensors))
+    return _finish(plan.tensors, want, fill)
 
 
-def _read_remote(
-    url: str, dest: torch.device, options: remote.StorageOptions
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors of the safetensors object ``url``, made on ``dest`` (cpu
-    or CUDA), and the read's stats: the header in one ranged GET, the tensors'
-    bytes read straight into them by ranged GETs of one version (neighbours
-    sharing GETs; CUDA memory filled through a bounded host buffer)."""
+@dataclasses.dataclass
+class _RemotePlan:
+    """One object's tensors made empty, and the ranged reads that fill them."""
+
+    url: str
+    size: int
+    e_tag: str | None
+    tensors: dict[str, torch.Tensor]
+    #: (object offset, address, nbytes, device), and the tensor owning each.
+    segments: list[tuple[int, int, int, int]]
+    owners: list[torch.Tensor]
+    #: (name, object offset, nbytes) of every tensor: what ranks compare.
+    rows: list[tuple[str, int, int]]
+
+
+def _plan_remote(url: str, dest: torch.device, options: remote.StorageOptions) -> _RemotePlan:
+    """The safetensors object ``url``'s tensors made on ``dest`` (cpu or
+    CUDA): the header in one ranged GET (a second where it is longer than
+    1 MiB), of the version later reads pin."""
     head, info = remote.read(url, 0, _FIRST_READ, options)
     size, e_tag = info["size"], info["e_tag"]
     n = fmt.header_length(head, size, url)
     raw = head[8 : 8 + n]
     if len(raw) < n:
         raw += remote.read(url, 8 + len(raw), n - len(raw), options, e_tag)[0]
-    meta, entries, base = fmt.header_of(raw, size, url)
-    tensors: dict[str, torch.Tensor] = {}
-    segments, owners = [], []
+    _, entries, base = fmt.header_of(raw, size, url)
+    plan = _RemotePlan(url, size, e_tag, {}, [], [], [])
     code = -1 if dest.type == "cpu" else dest.index
     for name, dtype, shape, begin, end in entries:
         nbytes = end - begin
         st = memory.empty_storage(nbytes, dest, 0)
         t = torch.empty(0, dtype=dtype, device=dest).set_(st, 0, shape)
-        tensors[name] = t
+        plan.tensors[name] = t
+        plan.rows.append((name, base + begin, nbytes))
         if nbytes:
-            segments.append((base + begin, st.data_ptr(), nbytes, code))
-            owners.append(t)
-    return tensors, transfer.read_from_store(url, segments, owners, options, e_tag)
+            plan.segments.append((base + begin, st.data_ptr(), nbytes, code))
+            plan.owners.append(t)
+    return plan
+
+
+def _read_remote(plans: list[_RemotePlan], options: remote.StorageOptions) -> dict[str, Any]:
+    """Fill the plans' tensors by ranged GETs of each object's version
+    (neighbours sharing GETs; CUDA memory through a bounded host buffer); in
+    a group, once over it: each rank GETs its share, the collectives bring
+    the rest. The merged stats."""
+    shared = sharing.current()
+    if shared is None:
+        stats = [
+            transfer.read_from_store(p.url, p.segments, p.owners, options, p.e_tag) for p in plans
+        ]
+        return reports.merged(stats, "store")
+    files = [
+        sharing.SharedFile(p.url, transfer.StoredObject(p.url, options, p.e_tag, p.rows), p.size)
+        for p in plans
+    ]
+    pieces = [
+        piece
+        for i, p in enumerate(plans)
+        for piece in sharing.segment_pieces(i, p.segments, p.owners)
+    ]
+    return shared.read(files, pieces, IoOptions.of(None, None, None, None))
 
 
 def _load_sharded_remote(
     url: str, device: Device, options: remote.StorageOptions
 ) -> dict[str, torch.Tensor]:
     """``load_sharded`` of a folder (or index) in a store, with no local copy:
-    the index in one GET, then each shard it names read as ``load_file`` reads
-    an object (a single model.safetensors where there is no index)."""
+    the index in one GET, every shard's header, then their tensors read as
+    ``load_file`` reads an object (a single model.safetensors where there is
+    no index)."""
     t0 = time.perf_counter()
     want, fill = _devices(device)
     base, _, _, wm, files = _remote_shards(url, options)
-    read = [_read_remote(remote.join(base, f), fill or torch.device("cpu"), options) for f in files]
-    tensors = fmt.gather(url, files, [r[0] for r in read], wm)
-    reports.report(url, t0, reports.merged([r[1] for r in read], "store"), len(tensors))
+    plans = [
+        _plan_remote(remote.join(base, f), fill or torch.device("cpu"), options) for f in files
+    ]
+    tensors = fmt.gather(url, files, [p.tensors for p in plans], wm)
+    stats = _read_remote(plans, options)
+    reports.report(url, t0, stats, len(tensors))
     return _finish(tensors, want, fill)
 
 
@@ -715,8 +755,8 @@ def load_sharded(
     (``out``, ``strict``, ``cast``: load in place; ``group``: read once, share
     over a process group). ``index_path_or_folder`` may be an object URL (of the
     folder or the index, with ``storage_options``): the index in one GET, each
-    shard's tensors read straight into memory by ranged GETs (with ``out`` or
-    ``group``: the index and shards go through a local scratch copy).
+    shard's tensors read straight into memory by ranged GETs (with ``out``:
+    the index and shards go through a local scratch copy).
     """
     if remote.is_url(index_path_or_folder) or storage_options is not None:
         remote.check_options(index_path_or_folder, storage_options)
@@ -725,7 +765,7 @@ def load_sharded(
             device_backend=device_backend, out=out, strict=strict, cast=cast, group=group,
         )  # fmt: skip
         url = os.fsdecode(os.fspath(index_path_or_folder))
-        if out is None and group is None:
+        if out is None:  # straight (once per group, where there is one)
             return _load_sharded_remote(url, device, storage_options)
         with _sharded_copy(url, storage_options) as local:
             return load_sharded(local, device, **kw)

@@ -349,7 +349,8 @@ def load(
     ``out=``, ``group=``, pickle arguments or what torch.load must unpickle,
     into a local scratch copy, loaded as above, and removed.
     """
-    straight = _straight_from_store(map_location, pickle_module, mmap, verify, out, group)
+    grouped = group is not None or sharing.current() is not None
+    straight = _straight_from_store(map_location, pickle_module, mmap, verify and grouped, out)
     if remote.is_url(f) and straight and not pickle_load_args:
         remote.check_options(f, storage_options)
         resolve_weights_only(weights_only, pickle_module)
@@ -411,14 +412,13 @@ def _straight_from_store(
     map_location: MapLocation,
     pickle_module: Any,
     mmap: bool | None,
-    verify: bool,
+    verify_in_group: bool,
     out: Any,
-    group: Any,
 ) -> bool:
     """Whether a load from a store may read the storages straight into new
     tensors (``_load_remote``): none of what needs a local file."""
     return (
-        out is None and group is None and pickle_module is None
+        out is None and not verify_in_group and pickle_module is None
         and not (mmap or (mmap is None and _torch_config.load.mmap))
         and (map_location is None or isinstance(map_location, (str, torch.device, dict)))
     )  # fmt: skip
@@ -482,7 +482,15 @@ def _load_remote(
         ]
         at += off - lh
     owners = [head_bytes, *(st for _, _, st in used)]
-    stats = transfer.read_from_store(url, segments, owners, options, info["e_tag"], verify)
+    shared = sharing.current()
+    if shared is not None:  # read once over the group (verify: through the scratch copy)
+        obj = transfer.StoredObject(url, options, info["e_tag"], rows)
+        each = [o for _, _, st in used for o in (head_bytes, st)]  # one owner per segment
+        pieces = sharing.segment_pieces(0, segments, each)
+        io = IoOptions.of(None, None, None, None)
+        stats = shared.read([sharing.SharedFile(url, obj, info["size"])], pieces, io)
+    else:
+        stats = transfer.read_from_store(url, segments, owners, options, info["e_tag"], verify)
     if _native.zip_headers_match(spans, head_bytes.numpy().tobytes()):
         return _NOT_STRAIGHT  # not torch.save's layout: the scratch copy reads it
     unchecked: list[str] = []

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -243,10 +244,26 @@ def _read(
 
 
 class File(Protocol):
-    """A file of a read of several files: its name in reports, the native file."""
+    """A file of a read of several files: its name in reports, the native file
+    (or an object in a store)."""
 
     path: str
-    file: _native.Reader | _native.DeviceFile
+    file: _native.Reader | _native.DeviceFile | StoredObject
+
+
+@dataclasses.dataclass
+class StoredObject:
+    """An object in a store read as a file of a group's read: its URL, the
+    store's settings, the version every read pins (``version``: its ETag) and
+    its records (name, data offset, size) for the ranks to compare."""
+
+    url: str
+    options: remote.StorageOptions
+    version: str | None
+    rows: list[tuple[str, int, int]]
+
+    def records(self) -> list[tuple[str, int, int]]:
+        return self.rows
 
 
 def read_files(
@@ -258,8 +275,29 @@ def read_files(
     """Read ``per_file`` ({index in ``files``: (segments, owners)}), the files side
     by side (:meth:`IoOptions.shared_engine`); one stats dict per file, with
     "path". ``verify``: each whole record read from a ``Reader`` is checked
-    against its CRC-32."""
-    engine, workers = io.shared_engine(len(per_file))
+    against its CRC-32. Objects in a store are read by ranged GETs of their
+    pinned version (no engine: the store's client has threads of its own)."""
+    stored = [fi for fi in per_file if isinstance(files[fi].file, StoredObject)]
+    got_stored = {}
+    for fi in stored:
+        obj = files[fi].file
+        assert isinstance(obj, StoredObject)
+        stats = read_from_store(obj.url, *per_file[fi], obj.options, obj.version)
+        got_stored[fi] = dict(stats, path=files[fi].path, bytes_read=stats["bytes"])
+    if len(stored) == len(per_file):
+        return [got_stored[fi] for fi in per_file]
+    return _read_local_files(files, per_file, io, verify, got_stored)
+
+
+def _read_local_files(
+    files: Sequence[File],
+    per_file: dict[int, tuple[list[Segment], list[Any]]],
+    io: IoOptions,
+    verify: bool,
+    done: dict[int, dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """``read_files`` of the local files (those not in ``done``)."""
+    engine, workers = io.shared_engine(len(per_file) - len(done))
 
     def one(fi: int) -> dict[str, Any]:
         segs, owners = per_file[fi]
@@ -267,12 +305,13 @@ def read_files(
         check = verify and isinstance(f.file, _native.Reader)
         return dict(read(f.file, engine, segs, owners, verify=check), path=f.path)
 
-    order = list(per_file)
+    order = [fi for fi in per_file if fi not in done]
+    got: dict[int, dict[str, Any]] = dict(done)
     if workers == 1:
-        return [one(fi) for fi in order]
+        got.update((fi, one(fi)) for fi in order)
+        return [got[fi] for fi in per_file]
     todo = iter(order)
     lock = threading.Lock()
-    got: dict[int, dict[str, Any]] = {}
 
     def drain() -> None:  # each worker takes the next file until none is left
         while True:
@@ -296,7 +335,7 @@ def read_files(
                 errors.append(e)
     if errors:
         raise errors[0]
-    return [got[fi] for fi in order]
+    return [got[fi] for fi in per_file]
 
 
 def release_buffers() -> int:

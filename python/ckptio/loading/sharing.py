@@ -360,9 +360,12 @@ class Session:
 
 def _records_digest(f: Any) -> str:
     """A digest of a file's records: a torch archive's (name, offset, size)
-    table, a safetensors file's header."""
+    table (and an object's version), a safetensors file's header."""
     h = hashlib.sha1()
     native = f.file
+    version = getattr(native, "version", None)  # an object in a store: the one read
+    if version is not None:
+        h.update(f"version\0{version}\n".encode())
     if hasattr(native, "records"):
         for name, off, size in native.records():
             # Without the archive's prefix (the file's name when torch saved it).
