@@ -443,6 +443,41 @@ def test_verify_and_listing_take_urls(s3):
         ckptio.verify(s3.url("nothing"), storage_options=s3.options)
 
 
+def test_listing_and_verify_read_a_torch_object_straight(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
+    os.mkdir(tmp_path / "scratch")
+    sd = _torch_state(13)
+    sd["big"] = torch.randn(5 << 20)  # 20 MiB: hashed in pieces of the part size
+    url = s3.url("listed.pt")
+    ckptio.save(sd, url, storage_options=s3.options)
+    ckptio.save(sd, tmp_path / "local.pt")
+    here = ckptio.listing(tmp_path / "local.pt")
+    there = ckptio.listing(url, storage_options=s3.options)
+    assert there.path == url and there.format == here.format
+
+    def rows(lst):  # the serialization id is new for each save
+        return [(e.name, e.offset, e.nbytes, e.crc32 if "serial" not in e.name else 0) for e in lst]
+
+    assert rows(there.entries) == rows(here.entries)
+    assert [e.tensors for e in there.entries] == [e.tensors for e in here.entries]
+    seen = []
+    rep = ckptio.verify(url, storage_options=s3.options, progress=seen.append)
+    assert rep.ok and sum(seen) > 20 << 20
+    assert [(r.name, r.state) for r in rep.records] == [
+        (r.name, r.state) for r in ckptio.verify(tmp_path / "local.pt").records
+    ]
+    assert os.listdir(tmp_path / "scratch") == []  # no scratch copy for either
+    data = bytearray((tmp_path / "local.pt").read_bytes())
+    data[-(3 << 20)] ^= 1  # inside "big", the last storage
+    remote.put_bytes(url, bytes(data), s3.options)
+    bad = ckptio.verify(url, storage_options=s3.options)
+    assert not bad.ok and [r.name.rsplit("/", 1)[1] for r in bad.bad] == [
+        next(e.name for e in here.entries if e.nbytes == 20 << 20).rsplit("/", 1)[1]
+    ]
+    with pytest.raises(ckptio.FormatError, match="records do not match"):
+        bad.raise_if_bad()
+
+
 def test_the_command_line_takes_urls(s3):
     url = s3.url("cli.pt")
     ckptio.save(_state(8), url, storage_options=s3.options)

@@ -44,6 +44,7 @@ __all__ = [
     "store_list",
     "store_put",
     "store_read",
+    "store_crc32",
     "store_read_into",
     "store_torch_map",
     "store_upload",
@@ -490,6 +491,16 @@ def store_read(
     e_tag: str | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
     """``length`` bytes from ``offset`` (of the version ``e_tag``), and size and version."""
+
+def store_crc32(
+    url: str,
+    ranges: list[tuple[int, int]],
+    options: dict[str, Any] | None = None,
+    threads: int = 8,
+    chunk: int = 16777216,
+    e_tag: str | None = None,
+) -> list[int]:
+    """The CRC-32 of each (offset, length) range of an object, in bounded memory."""
 
 def store_read_into(
     url: str,

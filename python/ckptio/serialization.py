@@ -439,16 +439,19 @@ def _load_remote(
     if url.endswith(".safetensors"):
         return _NOT_STRAIGHT
     try:
-        info, prefix, records, small, heads = remote.map_torch(url, options)
+        stored = torchzip.map_stored(url, options)
     except FormatError:
         if torchzip.is_legacy(remote.read(url, 0, 14, options)[0]):
             return _NOT_STRAIGHT  # torch's legacy format: torch.load reads a local copy
         raise
-    declared = {name: crc for name, _, _, crc in records}
-    rows = [(name, off, n) for name, off, n, _ in records]
-    archive = torchzip.Records(url, torchzip.StoredRecords(url, prefix, small), rows)
-    if f"{prefix}/data.pkl" not in archive.where:
-        raise corrupt(url, "no data.pkl record: not a torch.save checkpoint")
+    info, archive, declared, heads, small = (
+        stored.info,
+        stored.archive,
+        stored.declared,
+        stored.heads,
+        stored.small,
+    )
+    prefix, rows = archive.prefix, archive.records
     if verify:  # the pickle and the small records, before anything is decoded
         for name, data in small.items():
             _check_crc(url, name, declared.get(name), zlib.crc32(data))

@@ -212,12 +212,12 @@ mod _native {
     use super::{
         advise_huge, clean_temps, cufile_register_buffer, env_threads, info, map_archive,
         map_archives, pinned_memory, release_buffers, safetensors_header, stage_copy,
-        stage_device_copy, stage_pin, store::store_delete, store::store_download, store::store_get,
-        store::store_head, store::store_list, store::store_put, store::store_read,
-        store::store_read_into, store::store_torch_map, store::store_upload,
-        store::store_upload_archive, store::store_upload_image, store::zip_headers_match, unpickle,
-        AtomicWriter, BufferRegistration, DeviceFile, Engine, HostMemory, HostPin, Reader,
-        StateDictPickler, Unpickled,
+        stage_device_copy, stage_pin, store::store_crc32, store::store_delete,
+        store::store_download, store::store_get, store::store_head, store::store_list,
+        store::store_put, store::store_read, store::store_read_into, store::store_torch_map,
+        store::store_upload, store::store_upload_archive, store::store_upload_image,
+        store::zip_headers_match, unpickle, AtomicWriter, BufferRegistration, DeviceFile, Engine,
+        HostMemory, HostPin, Reader, StateDictPickler, Unpickled,
     };
 
     use super::*;

@@ -361,6 +361,27 @@ pub fn store_upload_image<'py>(
     transferred_dict(py, &t)
 }
 
+/// The CRC-32 of each of `ranges` = [(object offset, length)] of `url` (of
+/// the version `e_tag` names where given), read by ranged GETs of at most
+/// `chunk` bytes through a buffer of `threads` of them: a whole object
+/// checked in bounded memory, nothing kept.
+#[pyfunction]
+#[pyo3(signature = (url, ranges, options=None, threads=8, chunk=16777216, e_tag=None))]
+pub fn store_crc32<'py>(
+    py: Python<'py>,
+    url: &str,
+    ranges: Vec<(u64, u64)>,
+    options: Option<&Bound<'py, PyDict>>,
+    threads: usize,
+    chunk: u64,
+    e_tag: Option<String>,
+) -> PyResult<Vec<u32>> {
+    on_store(py, url, options, |s, key| {
+        let source = open_source(s, key, e_tag.as_deref())?;
+        store::hash_ranges(&source, &ranges, chunk, threads)
+    })
+}
+
 /// Orders memories so that one device's ranges sort together.
 fn memory_rank(m: Memory) -> i64 {
     match m {

@@ -247,7 +247,8 @@ pub fn map_remote<R: RangeReader>(
     let small_ids: Vec<usize> = order
         .iter()
         .copied()
-        .filter(|&i| !records[i].name.starts_with(&data_prefix))
+        // Empty storages too: their headers alone say where their (no) data is.
+        .filter(|&i| !records[i].name.starts_with(&data_prefix) || records[i].size == 0)
         .filter(|&i| records[i].size <= SMALL_RECORD_MAX)
         .collect();
     let mut bufs = Vec::with_capacity(small_ids.len());
@@ -298,14 +299,10 @@ pub fn map_remote<R: RangeReader>(
     let mut predicted = Vec::new();
     for &i in &order {
         let r = &mut records[i];
-        if !r.name.starts_with(&data_prefix) {
-            continue;
+        if !r.name.starts_with(&data_prefix) || r.size == 0 {
+            continue; // read with the small records
         }
         let first = r.header_offset + (LH_LEN + r.name.len()) as u64;
-        if r.size == 0 {
-            r.data_offset = first; // nothing is read from it
-            continue;
-        }
         // Data descriptor: 16 bytes (signed), 24 (ZIP64), 12 (unsigned), none.
         let guess = [16u64, 24, 12, 0]
             .iter()

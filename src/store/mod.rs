@@ -49,7 +49,9 @@ use crate::{Error, Result};
 pub use runtime::block_on;
 pub use sink::MultipartSink;
 pub use source::ObjectSource;
-pub use transfer::{download_file, read_segments, upload_file, upload_parts, Transferred};
+pub use transfer::{
+    download_file, hash_ranges, read_segments, upload_file, upload_parts, Transferred,
+};
 
 /// The smallest part ckptio uploads (S3 accepts 5 MiB; fewer, larger parts
 /// cost fewer requests and stay under the part limit longer).

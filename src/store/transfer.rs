@@ -192,36 +192,30 @@ pub unsafe fn read_segments(
         })?;
     }
     pieces.sort_unstable_by_key(|p| p.0);
-    let round = threads.max(1);
-    let most: u64 = pieces
-        .chunks(round)
-        .map(|r| r.iter().map(|p| p.4).sum())
-        .max()
-        .unwrap_or(0);
-    let mut buf = vec![0u8; most as usize];
-    for r in pieces.chunks(round) {
-        let mut ranges: Vec<(u64, &mut [u8])> = Vec::with_capacity(r.len());
-        let mut rest = &mut buf[..];
-        for p in r {
-            let (dst, tail) = rest.split_at_mut(p.4 as usize);
-            ranges.push((p.0, dst));
-            rest = tail;
-        }
-        source.read_ranges(&mut ranges, chunk, threads)?;
-        let mut copies = Copies::default();
-        let mut at = 0usize;
-        for &(offset, i, d, addr, n) in r {
-            // SAFETY: the buffer outlives the copies (awaited below, or by the
-            // drop on an error); the destination per the caller's contract.
-            unsafe { copies.queue_to_device(d, addr, buf[at..].as_ptr(), n as usize)? };
+    let spans: Vec<(u64, u64)> = pieces.iter().map(|p| (p.0, p.4)).collect();
+    let copies = std::cell::RefCell::new(Copies::default());
+    through_buffer(
+        source,
+        &spans,
+        chunk,
+        threads,
+        |k, bytes| {
+            let (offset, i, d, addr, n) = pieces[k];
+            // SAFETY: `bytes` stays put until `round_done` (the copies are awaited
+            // there, or by the drop on an error); the destination per the caller's
+            // contract.
+            unsafe {
+                copies
+                    .borrow_mut()
+                    .queue_to_device(d, addr, bytes.as_ptr(), n as usize)?
+            };
             if crc {
-                let c = crc32fast::hash(&buf[at..at + n as usize]);
-                lock(&hashed)[i].push((offset - segments[i].0, c, n));
+                lock(&hashed)[i].push((offset - segments[i].0, crc32fast::hash(bytes), n));
             }
-            at += n as usize;
-        }
-        copies.finish()?;
-    }
+            Ok(())
+        },
+        || copies.take().finish(),
+    )?;
     let hashed = hashed.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok(hashed
         .into_iter()
@@ -237,4 +231,85 @@ pub unsafe fn read_segments(
             Some(h.finalize())
         })
         .collect())
+}
+
+/// Reads `spans` ((object offset, length), in object order, each at most
+/// `chunk`) of `source` through one host buffer of `threads` spans: a round
+/// of GETs fills it, `each(k, bytes)` takes span `k`'s bytes, `round_done()`
+/// ends the round (called after an error too) before the buffer is filled
+/// again or freed.
+fn through_buffer(
+    source: &ObjectSource,
+    spans: &[(u64, u64)],
+    chunk: u64,
+    threads: usize,
+    mut each: impl FnMut(usize, &[u8]) -> Result<()>,
+    mut round_done: impl FnMut() -> Result<()>,
+) -> Result<()> {
+    let round = threads.max(1);
+    let most = spans
+        .chunks(round)
+        .map(|r| r.iter().map(|s| s.1).sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    let mut buf = vec![0u8; most as usize];
+    for (n, r) in spans.chunks(round).enumerate() {
+        let mut ranges: Vec<(u64, &mut [u8])> = Vec::with_capacity(r.len());
+        let mut rest = &mut buf[..];
+        for &(offset, len) in r {
+            let (dst, tail) = rest.split_at_mut(len as usize);
+            ranges.push((offset, dst));
+            rest = tail;
+        }
+        let read = source.read_ranges(&mut ranges, chunk, threads);
+        let mut taken = read.map(|()| 0usize);
+        for (j, &(_, len)) in r.iter().enumerate() {
+            taken = taken.and_then(|at| {
+                each(n * round + j, &buf[at..at + len as usize])?;
+                Ok(at + len as usize)
+            });
+        }
+        // Even after an error: what `each` started on the buffer ends before it goes.
+        let done = round_done();
+        taken?;
+        done?;
+    }
+    Ok(())
+}
+
+/// The CRC-32 of each of `ranges` ((object offset, length)) of `source`,
+/// read by GETs of at most `chunk` bytes through a buffer of `threads`
+/// of them: no more memory than that, whatever the object's size.
+pub fn hash_ranges(
+    source: &ObjectSource,
+    ranges: &[(u64, u64)],
+    chunk: u64,
+    threads: usize,
+) -> Result<Vec<u32>> {
+    let chunk = chunk.max(1);
+    let mut spans: Vec<(u64, u64, usize)> = Vec::new();
+    for (i, &(offset, len)) in ranges.iter().enumerate() {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(chunk);
+            spans.push((offset + at, n, i));
+            at += n;
+        }
+    }
+    spans.sort_unstable_by_key(|s| s.0);
+    let mut hashers: Vec<crc32fast::Hasher> = vec![crc32fast::Hasher::new(); ranges.len()];
+    let flat: Vec<(u64, u64)> = spans.iter().map(|s| (s.0, s.1)).collect();
+    // Pieces of a range come in object order: each extends its range's hash.
+    through_buffer(
+        source,
+        &flat,
+        chunk,
+        threads,
+        |k, bytes| {
+            hashers[spans[k].2].update(bytes);
+            Ok(())
+        },
+        || Ok(()),
+    )?;
+    Ok(hashers.into_iter().map(|h| h.finalize()).collect())
 }

@@ -48,7 +48,7 @@ from ckptio import _native
 from ckptio.errors import CkptioError, LocationError, corrupt
 from ckptio.formats import unpickled
 from ckptio.formats.mapped import Mapped
-from ckptio.io import devices, memory
+from ckptio.io import devices, memory, remote
 
 #: Storage alignment of files ckptio writes (what O_DIRECT and GPUDirect Storage want).
 STORAGE_ALIGNMENT = 4096
@@ -533,6 +533,31 @@ class Archive(Records):
         return self.reader.fileno()
 
 
+@dataclasses.dataclass
+class StoredArchive:
+    """A torch.save archive in an object store, mapped in few requests
+    (``remote.map_torch``): the object's size and version (``info``), its
+    records (the small ones' bytes with them), each record's declared CRC-32
+    (None: the archive says none was computed), and (storage record, local
+    header offset, predicted data offset) for the reader to confirm."""
+
+    info: dict[str, Any]
+    archive: Records
+    declared: dict[str, int | None]
+    heads: list[tuple[str, int, int]]
+    small: dict[str, bytes]
+
+
+def map_stored(url: str, options: remote.StorageOptions = None) -> StoredArchive:
+    """Map the torch.save archive at ``url`` (FormatError where it is none)."""
+    info, prefix, records, small, heads = remote.map_torch(url, options)
+    rows = [(name, off, n) for name, off, n, _ in records]
+    archive = Records(url, StoredRecords(url, prefix, small), rows)
+    if f"{prefix}/data.pkl" not in archive.where:
+        raise corrupt(url, "no data.pkl record: not a torch.save checkpoint")
+    return StoredArchive(info, archive, {n: c for n, _, _, c in records}, heads, small)
+
+
 def open_archive(
     path: str, direct: str | None, backend: str | None, name: str | None = None
 ) -> Archive:
@@ -843,7 +868,7 @@ def check_locations(archive: Archive, locations: Mapping[int, Any]) -> None:
         ok.add(loc)
 
 
-def check_pickle(archive: Archive) -> None:
+def check_pickle(archive: Records) -> None:
     """What a load relies on in the pickle, checked without running any of it
     (``ckptio.verify``: if it says ok, the file loads): every storage it declares
     has a data record of exactly its size, under a key that names one, with a
@@ -996,21 +1021,41 @@ def list_records(path: str, *, weights_only: bool = True) -> list[RecordInfo]:
     """
     archive = open_archive(path, "off", None)
     reader = archive.reader
-    native_byteorder(archive)  # torch.load would fail on a bad one, untyped
-    native = native_pickle(archive)
-    if native is not None:
-        parsed, found = native
-        storages = []
-        for off, n, _, _ in found:
-            st = torch.UntypedStorage(n, device="meta")
-            st._checkpoint_offset = off
-            storages.append(st)
-        meta = rebuild(parsed, storages, [x[2] for x in found], path)
-    else:
+    meta = _meta_of(archive)
+    if meta is None:
         with unpickling(path):
             meta = torch.load(
                 f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
             )
+    return _record_infos(archive, meta, dict(reader.checksums()))
+
+
+def list_stored_records(stored: StoredArchive) -> list[RecordInfo] | None:
+    """``list_records`` of an archive in a store, from its mapping alone (no
+    tensor bytes read); None where only torch.load reads its pickle."""
+    meta = _meta_of(stored.archive)
+    return None if meta is None else _record_infos(stored.archive, meta, stored.declared)
+
+
+def _meta_of(archive: Records) -> Any:
+    """The archive's object with every storage on the meta device (each
+    carrying its ``_checkpoint_offset``), its pickle read natively; None
+    where torch.load must read it."""
+    native_byteorder(archive)  # torch.load would fail on a bad one, untyped
+    native = native_pickle(archive)
+    if native is None:
+        return None
+    parsed, found = native
+    storages = []
+    for off, n, _, _ in found:
+        st = torch.UntypedStorage(n, device="meta")
+        st._checkpoint_offset = off
+        storages.append(st)
+    return rebuild(parsed, storages, [x[2] for x in found], archive.path)
+
+
+def _record_infos(archive: Records, meta: Any, crcs: dict[str, int | None]) -> list[RecordInfo]:
+    path = archive.path
     by_offset: dict[int, list[TensorInfo]] = {}
     sizes = {off: size for _, off, size in archive.records}
     for name, t in _tensors(meta, "", set()):
@@ -1029,7 +1074,6 @@ def list_records(path: str, *, weights_only: bool = True) -> list[RecordInfo]:
                 name or "<root>", t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
             )
         )
-    crcs = dict(reader.checksums())
     return [
         RecordInfo(
             name,

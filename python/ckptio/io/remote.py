@@ -133,6 +133,19 @@ def map_torch(
     return _native.store_torch_map(url, client, max(n, 16), part)
 
 
+def crc32_ranges(
+    url: str,
+    ranges: list[tuple[int, int]],
+    options: StorageOptions = None,
+    e_tag: str | None = None,
+) -> list[int]:
+    """The CRC-32 of each (offset, length) range of ``url`` (of the version
+    ``e_tag`` where given), read by ranged GETs through a buffer of
+    ``concurrency`` x ``part_size``: nothing kept, memory bounded."""
+    client, n, part = client_options(options)
+    return _native.store_crc32(url, ranges, client, n, part, e_tag)
+
+
 def get_bytes(url: str, options: StorageOptions = None) -> tuple[bytes, dict[str, Any]]:
     """A small object's bytes and version (``e_tag``)."""
     client, _, _ = client_options(options)

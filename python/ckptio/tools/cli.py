@@ -181,6 +181,8 @@ def _local_copies(a: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     file uploaded once the command succeeds."""
     if a.cmd == "clean" and remote.is_url(a.folder):
         return  # clean acts on the store itself
+    if a.cmd in ("ls", "verify"):
+        return  # they read a torch.save object straight, anything else from a scratch copy
     for name in ("path", "src"):
         value = getattr(a, name, None)
         if value is not None and remote.is_url(value):
@@ -188,6 +190,15 @@ def _local_copies(a: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     dst = getattr(a, "dst", None)
     if dst is not None and remote.is_url(dst):
         a.dst = stack.enter_context(remote.staged_save(dst))
+
+
+def _object_size(url: str) -> int:
+    """The size of the object at ``url``; 0 for a folder (or nothing: verify
+    then says which)."""
+    try:
+        return int(remote.head(url)["size"])
+    except FileNotFoundError:
+        return 0
 
 
 def _one_line(e: BaseException) -> str:
@@ -230,8 +241,10 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    src = detect.detect(a.path)  # a missing path: its error alone
-    total = describe.checkpoint_bytes(src)
+    if remote.is_url(a.path):
+        total = _object_size(a.path)
+    else:
+        total = describe.checkpoint_bytes(detect.detect(a.path))  # a missing path: its error alone
     with Progress(f"verifying {a.path}", total, enabled=False if a.quiet else None) as p:
         rep = verify(a.path, progress=p.add)
     if a.json:

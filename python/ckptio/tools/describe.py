@@ -130,7 +130,12 @@ def listing(
     storage_options: remote.StorageOptions = None,
 ) -> Listing:
     """Describe the checkpoint at ``path`` (any format :func:`detect` knows; an
-    object URL is read from a scratch copy)."""
+    object URL: a torch.save object from its directory and small records, a
+    few small GETs; anything else from a scratch copy)."""
+    if remote.is_url(path):
+        stored = _stored_torch(os.fsdecode(os.fspath(path)), storage_options)
+        if stored is not None:
+            return stored
     if remote.is_url(path) or storage_options is not None:
         with remote.local_tree(path, storage_options) as local:
             return listing(local)
@@ -149,8 +154,27 @@ def _dtype(dt: torch.dtype) -> str:
 
 
 def _torch(src: Detected) -> Listing:
+    entries = _torch_entries(torchzip.list_records(src.root))
+    return Listing(src.path, TORCH, (("", os.path.getsize(src.root)),), entries)
+
+
+def _stored_torch(url: str, options: remote.StorageOptions) -> Listing | None:
+    """A torch.save object in a store listed from its mapping, no tensor byte
+    read; None where it is none (a folder, another format) or only torch.load
+    reads its pickle: the scratch copy decides."""
+    try:
+        stored = torchzip.map_stored(url, options)
+    except (FormatError, FileNotFoundError):
+        return None
+    records = torchzip.list_stored_records(stored)
+    if records is None:
+        return None
+    return Listing(url, TORCH, (("", stored.info["size"]),), _torch_entries(records))
+
+
+def _torch_entries(records: list[torchzip.RecordInfo]) -> tuple[Entry, ...]:
     entries = []
-    for r in torchzip.list_records(src.root):
+    for r in records:
         tensors = tuple(
             Tensor(
                 t.name,
@@ -162,7 +186,7 @@ def _torch(src: Detected) -> Listing:
         )
         state = "unchecked" if r.crc32 is None else "stored"
         entries.append(Entry("", r.name, r.offset, r.nbytes, r.offset, state, r.crc32, tensors))
-    return Listing(src.path, TORCH, (("", os.path.getsize(src.root)),), tuple(entries))
+    return tuple(entries)
 
 
 def _safetensors_file(path: str, rel: str) -> tuple[dict[str, str] | None, list[Entry]]:
