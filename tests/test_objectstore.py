@@ -668,6 +668,36 @@ def test_a_group_reads_an_object_once_and_shares_it(s3, tmp_path):
             _same_tree(want, torch.load(tmp_path / f"{name}{r}.pt", weights_only=True))
 
 
+def test_load_in_place_reads_straight_into_the_destinations(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
+    os.mkdir(tmp_path / "scratch")
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.LayerNorm(1024))
+    sd = {"model": model.state_dict(), "step": 7, "big": torch.randn(5 << 20)}
+    url = s3.url("inplace.pt")
+    ckptio.save(sd, url, storage_options=s3.options)
+    other = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.LayerNorm(1024))
+    out = {"model": other.state_dict(), "step": 0, "big": torch.zeros(5 << 20)}
+    ptrs = [t.data_ptr() for t in out["model"].values()]
+    got = ckptio.load(url, out=out, storage_options=s3.options, verify=True)
+    rep = ckptio.last_report()
+    assert rep.backend == "store" and rep.verified
+    assert os.listdir(tmp_path / "scratch") == []  # straight, no scratch copy
+    assert got["step"] == 7 and torch.equal(got["big"], sd["big"])
+    assert [t.data_ptr() for t in got["model"].values()] == ptrs  # filled in place
+    for k, v in sd["model"].items():
+        assert torch.equal(other.state_dict()[k], v), k
+    # What the straight path leaves to the scratch copy still loads, or fails as there.
+    half = {"model": {k: v.half() for k, v in other.state_dict().items()}, "step": 0,
+            "big": torch.zeros(5 << 20)}  # fmt: skip
+    with pytest.raises(ckptio.DtypeMismatchError):
+        ckptio.load(url, out=half, storage_options=s3.options)
+    ckptio.load(url, out=half, storage_options=s3.options, cast=True)
+    assert torch.equal(half["big"], sd["big"])
+    with pytest.raises(ckptio.KeyMismatchError):
+        ckptio.load(url, out={"big": torch.zeros(5 << 20)}, storage_options=s3.options)
+    assert os.listdir(tmp_path / "scratch") == []
+
+
 def test_load_state_dict_takes_a_url(s3):
     model = torch.nn.Linear(16, 4)
     url = s3.url("module.pt")

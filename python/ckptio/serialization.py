@@ -350,6 +350,14 @@ def load(
     into a local scratch copy, loaded as above, and removed.
     """
     grouped = group is not None or sharing.current() is not None
+    if remote.is_url(f) and out is not None and not (grouped or pickle_load_args or mmap):
+        remote.check_options(f, storage_options)
+        inplace.check_flags(strict=strict, cast=cast, verify=verify)
+        if map_location is None and pickle_module is None:
+            resolve_weights_only(weights_only, pickle_module)
+            got = _load_into_remote(os.fsdecode(os.fspath(f)), out, storage_options, verify)
+            if got is not _NOT_STRAIGHT:
+                return got
     straight = _straight_from_store(map_location, pickle_module, mmap, verify and grouped, out)
     if remote.is_url(f) and straight and not pickle_load_args:
         remote.check_options(f, storage_options)
@@ -510,6 +518,96 @@ def _load_remote(
     obj = torchzip.rebuild(parsed, storages, [f[2] for f in found], url)
     reports.report(url, t0, stats, len(found), verify, tuple(unchecked))
     return obj
+
+
+def _load_into_remote(url: str, out: Any, options: remote.StorageOptions, verify: bool) -> Any:
+    """``load(url, out=out)`` with no local copy, for the usual case: every
+    tensor of the checkpoint pairs with a destination of ``out`` (and every
+    destination with one), each of the same dtype and shape, contiguous,
+    plain CPU or CUDA memory, none overlapping another. Then the storages'
+    local headers are read and confirmed first (nothing is written before),
+    and each tensor's bytes read by ranged GETs straight into its
+    destination (``verify``: only where each covers its whole record, whose
+    CRC-32 is then checked). ``_NOT_STRAIGHT`` otherwise: the scratch copy
+    loads it, with the in-place machinery's checks and errors."""
+    t0 = time.perf_counter()
+    try:
+        stored = torchzip.map_stored(url, options)
+    except FormatError:
+        return _NOT_STRAIGHT  # the scratch copy reads it, or names what is wrong
+    archive, declared = stored.archive, stored.declared
+    if f"{archive.prefix}/constants.pkl" in archive.where or not torchzip.native_byteorder(archive):
+        return _NOT_STRAIGHT
+    if verify:  # the pickle and the small records, before anything is decoded
+        for name, data in stored.small.items():
+            _check_crc(url, name, declared.get(name), zlib.crc32(data))
+    meta = torchzip.meta_object(archive)
+    if meta is None:
+        return _NOT_STRAIGHT
+    result, pairs, missing, unexpected = inplace.pair_structure(meta, out)
+    if missing or unexpected:
+        return _NOT_STRAIGHT
+    sizes = archive.data
+    segments: list[tuple[int, int, int, int]] = []
+    dests: list[torch.Tensor] = []
+    records: list[int] = []  # the storage (data offset) of each segment
+    for key, src, dest in pairs:
+        if not (
+            inplace.direct_destination(dest)
+            and src.dtype == dest.dtype
+            and src.shape == dest.shape
+            and src.is_contiguous()
+        ):
+            return _NOT_STRAIGHT
+        n = dest.numel() * dest.element_size()
+        if not n:
+            continue
+        at = src.untyped_storage()._checkpoint_offset
+        if verify and (src.storage_offset() or n != sizes[at]):
+            return _NOT_STRAIGHT  # a CRC-32 covers a whole record only
+        off = at + src.storage_offset() * src.element_size()
+        segments.append((off, dest.data_ptr(), n, devices.device_code(dest, key)))
+        dests.append(dest)
+        records.append(at)
+    spans = sorted((s[3], s[1], s[1] + s[2]) for s in segments)
+    if any(a[0] == b[0] and a[2] > b[1] for a, b in zip(spans, spans[1:], strict=False)):
+        return _NOT_STRAIGHT  # destinations that share memory (tied weights)
+    if not _headers_confirmed(url, stored, set(records), options):
+        return _NOT_STRAIGHT
+    e_tag = stored.info["e_tag"]
+    try:
+        stats = transfer.read_from_store(url, segments, dests, options, e_tag, verify)
+    except Exception as e:
+        raise inplace.partial_error(f"reading {url} into the destinations failed midway", e) from e
+    unchecked: list[str] = []
+    if verify:
+        name_at = {off: name for name, off, _ in archive.records}
+        for at, crc in zip(records, stats.pop("crc32"), strict=True):
+            if declared.get(name_at[at]) is None:
+                unchecked.append(name_at[at])
+            _check_crc(url, name_at[at], declared.get(name_at[at]), crc)
+    # The bytes went in through the data pointers: tell autograd, as copy_ would.
+    torch.autograd.graph.increment_version([d for d in dests if not d.is_inference()])
+    reports.report(url, t0, stats, len(dests), verify, tuple(unchecked))
+    return result
+
+
+def _headers_confirmed(
+    url: str, stored: torchzip.StoredArchive, offsets: set[int], options: remote.StorageOptions
+) -> bool:
+    """Whether the storages at the predicted data ``offsets`` are where the
+    map put them: their local headers read (one batch of small GETs) and
+    checked."""
+    spans = [(name, lh, off) for name, lh, off in stored.heads if off in offsets]
+    if not spans:
+        return True
+    head_bytes = torch.empty(sum(off - lh for _, lh, off in spans), dtype=torch.uint8)
+    segments, at = [], head_bytes.data_ptr()
+    for _, lh, off in spans:
+        segments.append((lh, at, off - lh, -1))
+        at += off - lh
+    transfer.read_from_store(url, segments, [head_bytes], options, stored.info["e_tag"])
+    return not _native.zip_headers_match(spans, head_bytes.numpy().tobytes())
 
 
 def _check_crc(url: str, name: str, declared: int | None, actual: int) -> None:

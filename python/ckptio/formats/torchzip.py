@@ -1021,7 +1021,7 @@ def list_records(path: str, *, weights_only: bool = True) -> list[RecordInfo]:
     """
     archive = open_archive(path, "off", None)
     reader = archive.reader
-    meta = _meta_of(archive)
+    meta = meta_object(archive)
     if meta is None:
         with unpickling(path):
             meta = torch.load(
@@ -1033,11 +1033,11 @@ def list_records(path: str, *, weights_only: bool = True) -> list[RecordInfo]:
 def list_stored_records(stored: StoredArchive) -> list[RecordInfo] | None:
     """``list_records`` of an archive in a store, from its mapping alone (no
     tensor bytes read); None where only torch.load reads its pickle."""
-    meta = _meta_of(stored.archive)
+    meta = meta_object(stored.archive)
     return None if meta is None else _record_infos(stored.archive, meta, stored.declared)
 
 
-def _meta_of(archive: Records) -> Any:
+def meta_object(archive: Records) -> Any:
     """The archive's object with every storage on the meta device (each
     carrying its ``_checkpoint_offset``), its pickle read natively; None
     where torch.load must read it."""

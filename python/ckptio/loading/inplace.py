@@ -147,15 +147,7 @@ class Files:
         :class:`Placeholder` not made yet), and a plain contiguous CPU or CUDA
         destination of its dtype and shape, writable here. None: ask
         :func:`_check` and :func:`_item`."""
-        if (
-            type(dest) not in _PLAIN_TYPES
-            or not (dest.is_cpu or dest.is_cuda)
-            or dest.layout != _STRIDED
-            or dest.is_conj()
-            or dest.is_neg()
-            or dest.is_inference()
-            or not dest.is_contiguous()
-        ):
+        if not direct_destination(dest):
             return None
         if type(src) is Placeholder:
             if not src.contiguous or src.dtype != dest.dtype or src.shape != dest.shape:
@@ -185,6 +177,20 @@ class Files:
 
 
 _STRIDED = torch.strided
+
+
+def direct_destination(dest: Any) -> bool:
+    """Whether bytes may be read straight into ``dest``'s memory: a plain
+    contiguous CPU or CUDA tensor, writable here (no inference tensor)."""
+    return not (
+        type(dest) not in _PLAIN_TYPES
+        or not (dest.is_cpu or dest.is_cuda)
+        or dest.layout != _STRIDED
+        or dest.is_conj()
+        or dest.is_neg()
+        or dest.is_inference()
+        or not dest.is_contiguous()
+    )
 
 
 #: Returned by a walk's function: leave this entry out (None in a sequence).
