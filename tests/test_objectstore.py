@@ -698,6 +698,31 @@ def test_load_in_place_reads_straight_into_the_destinations(s3, tmp_path, monkey
     assert os.listdir(tmp_path / "scratch") == []
 
 
+def test_safetensors_in_place_from_a_store_reads_straight(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
+    os.mkdir(tmp_path / "scratch")
+    st = ckptio.safetensors
+    g = torch.Generator().manual_seed(14)
+    sd = {f"t{i}": torch.randn(3000 + i, generator=g) for i in range(8)}
+    sd["bf"] = torch.randn(40, generator=g).bfloat16()
+    sd["empty"] = torch.zeros(0)
+    one, many = s3.url("inplace.safetensors"), s3.url("inplace-sharded")
+    st.save_file(sd, one, storage_options=s3.options)
+    st.save_sharded(sd, many, max_shard_size="30KB", storage_options=s3.options)
+    for load, url in [(st.load_file, one), (st.load_sharded, many)]:
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        ptrs = {k: v.data_ptr() for k, v in out.items()}
+        got = load(url, out=out, storage_options=s3.options)
+        assert ckptio.last_report().backend == "store"
+        assert {k: v.data_ptr() for k, v in got.items()} == ptrs
+        _same(got, sd)
+        with pytest.raises(ckptio.DtypeMismatchError):  # the scratch copy's checks
+            load(url, out=dict(out, bf=torch.zeros(40)), storage_options=s3.options)
+        with pytest.raises(ckptio.KeyMismatchError):
+            load(url, out={"t0": out["t0"]}, storage_options=s3.options)
+    assert os.listdir(tmp_path / "scratch") == []
+
+
 def test_load_state_dict_takes_a_url(s3):
     model = torch.nn.Linear(16, 4)
     url = s3.url("module.pt")

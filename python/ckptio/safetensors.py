@@ -327,6 +327,10 @@ def load_file(
         url = os.fsdecode(os.fspath(filename))
         if out is None:  # straight into new tensors (once per group, where there is one)
             return _load_file_remote(url, device, storage_options)
+        if device == "cpu" and isinstance(strict, bool) and isinstance(cast, bool):
+            got = _load_into_remote(url, [url], out, storage_options)
+            if got is not None:
+                return got
         kw: dict[str, Any] = dict(
             backend=backend, threads=threads, chunk_size=chunk_size, direct=direct,
             device_backend=device_backend, out=out, strict=strict, cast=cast, group=group,
@@ -386,13 +390,7 @@ def _plan_remote(url: str, dest: torch.device, options: remote.StorageOptions) -
     """The safetensors object ``url``'s tensors made on ``dest`` (cpu or
     CUDA): the header in one ranged GET (a second where it is longer than
     1 MiB), of the version later reads pin."""
-    head, info = remote.read(url, 0, _FIRST_READ, options)
-    size, e_tag = info["size"], info["e_tag"]
-    n = fmt.header_length(head, size, url)
-    raw = head[8 : 8 + n]
-    if len(raw) < n:
-        raw += remote.read(url, 8 + len(raw), n - len(raw), options, e_tag)[0]
-    _, entries, base = fmt.header_of(raw, size, url)
+    size, e_tag, entries, base = _remote_header(url, options)
     plan = _RemotePlan(url, size, e_tag, {}, [], [], [])
     code = -1 if dest.type == "cpu" else dest.index
     for name, dtype, shape, begin, end in entries:
@@ -405,6 +403,75 @@ def _plan_remote(url: str, dest: torch.device, options: remote.StorageOptions) -
             plan.segments.append((base + begin, st.data_ptr(), nbytes, code))
             plan.owners.append(t)
     return plan
+
+
+def _remote_header(
+    url: str, options: remote.StorageOptions
+) -> tuple[int, str | None, list[tuple[str, torch.dtype, list[int], int, int]], int]:
+    """(size, version, entries, data offset) of the safetensors object
+    ``url``: its header in one ranged GET (a second where it is longer than
+    1 MiB), of the version later reads pin."""
+    head, info = remote.read(url, 0, _FIRST_READ, options)
+    size, e_tag = info["size"], info["e_tag"]
+    n = fmt.header_length(head, size, url)
+    raw = head[8 : 8 + n]
+    if len(raw) < n:
+        raw += remote.read(url, 8 + len(raw), n - len(raw), options, e_tag)[0]
+    _, entries, base = fmt.header_of(raw, size, url)
+    return size, e_tag, entries, base
+
+
+def _load_into_remote(
+    name: str, urls: list[str], out: Any, options: remote.StorageOptions, wm: Any = None
+) -> dict[str, torch.Tensor] | None:
+    """``load_file`` / ``load_sharded`` with ``out`` from a store, with no
+    local copy, for the usual case: the objects' tensors and ``out``'s names
+    the same, each destination of its tensor's dtype and shape, contiguous
+    plain CPU or CUDA memory, none sharing memory. Each tensor's bytes then go
+    by ranged GETs straight into its destination. None otherwise: the scratch
+    copy loads it, with the in-place checks and errors."""
+    t0 = time.perf_counter()
+    if not isinstance(out, Mapping) or sharing.current() is not None:
+        return None
+    heads = [_remote_header(u, options) for u in urls]
+    files = [u.rsplit("/", 1)[1] for u in urls]
+    names = [{e[0]: e for e in entries} for _, _, entries, _ in heads]
+    fmt.gather(name, files, [dict.fromkeys(n) for n in names], wm)  # type: ignore[arg-type]
+    if sum(len(n) for n in names) != len(out) or any(k not in out for n in names for k in n):
+        return None
+    result: dict[str, torch.Tensor] = {}
+    reads = []
+    spans = []
+    for url, (_, e_tag, entries, base) in zip(urls, heads, strict=True):
+        segments, dests = [], []
+        for key, dtype, shape, begin, end in entries:
+            dest = out[key]
+            if not (
+                inplace.direct_destination(dest)
+                and dest.dtype == dtype
+                and tuple(dest.shape) == tuple(shape)
+            ):
+                return None
+            result[key] = dest
+            if end > begin:
+                code = devices.device_code(dest, key)
+                segments.append((base + begin, dest.data_ptr(), end - begin, code))
+                dests.append(dest)
+                spans.append((code, dest.data_ptr(), dest.data_ptr() + end - begin))
+        reads.append((url, segments, dests, e_tag))
+    spans.sort()
+    if any(a[0] == b[0] and a[2] > b[1] for a, b in zip(spans, spans[1:], strict=False)):
+        return None  # destinations that share memory
+    stats = []
+    try:
+        for url, segments, dests, e_tag in reads:
+            stats.append(transfer.read_from_store(url, segments, dests, options, e_tag))
+    except Exception as e:
+        raise inplace.partial_error(f"reading {name} into the destinations failed midway", e) from e
+    done = [d for _, _, dests, _ in reads for d in dests if not d.is_inference()]
+    torch.autograd.graph.increment_version(done)  # written through their pointers
+    reports.report(name, t0, reports.merged(stats, "store"), len(result))
+    return result
 
 
 def _read_remote(plans: list[_RemotePlan], options: remote.StorageOptions) -> dict[str, Any]:
@@ -767,6 +834,12 @@ def load_sharded(
         url = os.fsdecode(os.fspath(index_path_or_folder))
         if out is None:  # straight (once per group, where there is one)
             return _load_sharded_remote(url, device, storage_options)
+        if device == "cpu" and isinstance(strict, bool) and isinstance(cast, bool):
+            base, _, _, wm, files = _remote_shards(url, storage_options)
+            shards = [remote.join(base, f) for f in files]
+            got = _load_into_remote(url, shards, out, storage_options, wm)
+            if got is not None:
+                return got
         with _sharded_copy(url, storage_options) as local:
             return load_sharded(local, device, **kw)
     io = IoOptions.of(
