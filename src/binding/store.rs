@@ -579,13 +579,23 @@ pub fn store_read_into<'py>(
         _ => None,
     });
     let after = caller_order(devices, &streams)?;
+    let on_device = segs
+        .iter()
+        .any(|(_, s)| s.memory != Memory::Host && s.len > 0);
     let info = on_store(py, url, options, |s, key| {
         let source = open_source(s, key, e_tag.as_deref())?;
         after.wait_on_host()?;
         // SAFETY: every range lies inside memory one of `owners` owns
         // (checked above), held until the call returns; no two overlap
         // (checked above); the caller's streams are done with device memory.
-        let crcs = unsafe { store::read_segments(&source, &segs, chunk, threads, crc)? };
+        let read = || unsafe { store::read_segments(&source, &segs, chunk, threads, crc) };
+        // Device copies run on this (Python's) thread: its current context,
+        // torch's current device, is put back after them.
+        let crcs = if on_device {
+            crate::gpu::cuda::driver()?.keeping_current(read)?
+        } else {
+            read()?
+        };
         Ok((source.info().clone(), crcs))
     });
     owners.release();
