@@ -623,7 +623,7 @@ import torch, torch.distributed as dist
 import ckptio
 base, out = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")
-opts = json.loads(os.environ["CKPTIO_TEST_S3"])
+opts = json.loads(os.environ["GROUP_TEST_S3_OPTIONS"])
 st = ckptio.safetensors
 calls = {
     "pt": lambda: ckptio.load(base + "/group.pt", group=dist.group.WORLD, storage_options=opts),
@@ -657,7 +657,7 @@ def test_a_group_reads_an_object_once_and_shares_it(s3, tmp_path):
         flat, base + "/sharded", max_shard_size="5MB", storage_options=s3.options
     )
     argv = ["-c", GROUP_WORKER, base, str(tmp_path)]
-    _run_ranks(2, "store-group", str(tmp_path), argv=argv, CKPTIO_TEST_S3=json.dumps(s3.options))
+    _run_ranks(2, "store-group", str(tmp_path), argv=argv, GROUP_TEST_S3_OPTIONS=json.dumps(s3.options))
     reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name, want in [("pt", sd), ("st", flat), ("sharded", flat)]:
         got = [r[name] for r in reps]
