@@ -483,6 +483,8 @@ def test_the_command_line_takes_urls(s3):
     ckptio.save(_state(8), url, storage_options=s3.options)
     r = _cli(s3, "ls", url)
     assert r.returncode == 0 and "w" in r.stdout, r.stderr
+    r = _cli(s3, "inspect", url)
+    assert r.returncode == 0 and "archive/data.pkl" in r.stdout, r.stderr
     r = _cli(s3, "verify", url)
     assert r.returncode == 0 and ": ok: " in r.stdout, r.stdout + r.stderr
     dst = s3.url("cli.safetensors")

@@ -181,7 +181,7 @@ def _local_copies(a: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     file uploaded once the command succeeds."""
     if a.cmd == "clean" and remote.is_url(a.folder):
         return  # clean acts on the store itself
-    if a.cmd in ("ls", "verify"):
+    if a.cmd in ("ls", "inspect", "verify"):
         return  # they read a torch.save object straight, anything else from a scratch copy
     for name in ("path", "src"):
         value = getattr(a, name, None)
