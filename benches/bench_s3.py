@@ -21,11 +21,10 @@ Each row is one client and one direction:
 Clients, at the same part size and concurrency (``--part-size``,
 ``--concurrency``) where they take one:
 
-- ``ckptio.save`` / ``ckptio.load`` with ``storage_options``: host tensors
-  streamed from memory as parts / read straight into new tensors; CUDA
-  tensors staged through a local scratch file (``CKPTIO_SCRATCH``, else the
-  temp folder, as a user gets it); the same with ``CKPTIO_SCRATCH=/dev/shm``
-  (``[scratch shm]``: the same path as the plain row for host tensors).
+- ``ckptio.save`` / ``ckptio.load`` with ``storage_options``: the tensors
+  (host or CUDA) streamed from memory as parts / read straight into new
+  tensors; ``[in place]``: ``ckptio.load(url, out=)`` into tensors allocated
+  before the timed call (what a resume into a built model does).
 - s3torchconnector: ``torch.save`` into ``S3Checkpoint.writer``, ``torch.load``
   of ``S3Checkpoint.reader`` (path-style addressing, its part size set).
 - boto3: ``torch.save`` to a temp file then ``upload_file``; ``download_file``
@@ -80,7 +79,6 @@ T0 = time.perf_counter()
 # (direction, row, kind): kind "sd" moves a state dict, "raw" the prepared bytes.
 ROWS: list[tuple[str, str, str]] = [
     ("save", "ckptio.save", "sd"),
-    ("save", "ckptio.save [scratch shm]", "sd"),
     ("save", "s3torchconnector", "sd"),
     ("save", "boto3 (torch.save + upload_file)", "sd"),
     ("save", "s3fs (torch.save into fs.open)", "sd"),
@@ -89,7 +87,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("save", "raw: boto3 upload_file", "raw"),
     ("save", "raw: obstore.put", "raw"),
     ("load", "ckptio.load", "sd"),
-    ("load", "ckptio.load [scratch shm]", "sd"),
+    ("load", "ckptio.load [in place]", "sd"),
     ("load", "s3torchconnector", "sd"),
     ("load", "boto3 (download_file + torch.load)", "sd"),
     ("load", "s3fs (torch.load from fs.open)", "sd"),
@@ -107,8 +105,7 @@ OBJECT = {
     "ckptio.safetensors.load_file (straight into tensors)": "ckptio.safetensors",
     "boto3 (download_file + safetensors load_file)": "ckptio.safetensors",
     "ckptio.load": "ckptio.pt",
-    "ckptio.save [scratch shm]": "ckptio-shm.pt",
-    "ckptio.load [scratch shm]": "ckptio-shm.pt",
+    "ckptio.load [in place]": "ckptio.pt",
     "s3torchconnector": "s3tc.pt",
     "boto3 (torch.save + upload_file)": "boto3.pt",
     "boto3 (download_file + torch.load)": "boto3.pt",
@@ -294,9 +291,7 @@ def setup(s: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
     row, url, dev = s["row"], s["url"], s["device"]
     key = url.split("/", 3)[3]
     opts = dict(s["options"], concurrency=s["concurrency"], part_size=s["part_size"])
-    if row.endswith("[scratch shm]"):
-        os.environ["CKPTIO_SCRATCH"] = "/dev/shm"
-    elif s["scratch"]:
+    if s["scratch"]:
         os.environ["CKPTIO_SCRATCH"] = s["scratch"]
     scratch = remote.scratch_dir()
     ok_none: Callable[[Any], bool] = lambda _: True  # noqa: E731
@@ -341,6 +336,9 @@ def setup(s: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
 
                 return run, ok_none
         else:
+            if row == "ckptio.load [in place]":
+                out = {k: torch.empty_like(v, device=dev) for k, v in sd.items()}
+                return lambda: ckptio.load(url, out=out, storage_options=opts), same
             if row.startswith("ckptio.load"):
                 return lambda: ckptio.load(url, map_location=dev, storage_options=opts), same
             if row.startswith("ckptio.safetensors.load_file"):
