@@ -478,6 +478,35 @@ def test_listing_and_verify_read_a_torch_object_straight(s3, tmp_path, monkeypat
         bad.raise_if_bad()
 
 
+def test_listing_and_verify_read_safetensors_headers_straight(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
+    os.mkdir(tmp_path / "scratch")
+    st = ckptio.safetensors
+    g = torch.Generator().manual_seed(15)
+    sd = {f"t{i}": torch.randn(2000 + i, generator=g) for i in range(6)}
+    one, many = s3.url("listed.safetensors"), s3.url("listed-sharded")
+    st.save_file(sd, one, metadata={"k": "v"}, storage_options=s3.options)
+    st.save_file(sd, tmp_path / "one.safetensors", metadata={"k": "v"})
+    st.save_sharded(sd, many, max_shard_size="20KB", storage_options=s3.options)
+    st.save_sharded(sd, tmp_path / "many", max_shard_size="20KB")
+
+    def rows(lst):
+        return [(e.name, e.offset, e.nbytes, e.tensors) for e in lst.entries]
+
+    for url, local in [
+        (one, tmp_path / "one.safetensors"),
+        (many, tmp_path / "many"),
+        (many + "/model.safetensors.index.json", tmp_path / "many"),
+    ]:
+        there, here = ckptio.listing(url, storage_options=s3.options), ckptio.listing(local)
+        assert there.format == here.format and rows(there) == rows(here), url
+        assert [n for _, n in there.files] == [n for _, n in here.files]
+        assert there.metadata == here.metadata
+        rep = ckptio.verify(url, storage_options=s3.options)
+        assert rep.ok and len(rep.unchecked) == len(sd) and rep.format == here.format
+    assert os.listdir(tmp_path / "scratch") == []  # headers and index only
+
+
 def test_the_command_line_takes_urls(s3):
     url = s3.url("cli.pt")
     ckptio.save(_state(8), url, storage_options=s3.options)
@@ -659,7 +688,9 @@ def test_a_group_reads_an_object_once_and_shares_it(s3, tmp_path):
         flat, base + "/sharded", max_shard_size="5MB", storage_options=s3.options
     )
     argv = ["-c", GROUP_WORKER, base, str(tmp_path)]
-    _run_ranks(2, "store-group", str(tmp_path), argv=argv, GROUP_TEST_S3_OPTIONS=json.dumps(s3.options))
+    _run_ranks(
+        2, "store-group", str(tmp_path), argv=argv, GROUP_TEST_S3_OPTIONS=json.dumps(s3.options)
+    )
     reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name, want in [("pt", sd), ("st", flat), ("sharded", flat)]:
         got = [r[name] for r in reps]

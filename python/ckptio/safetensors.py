@@ -355,10 +355,6 @@ def load_file(
     return _finish(plan.tensors, want, fill)
 
 
-#: The first read of a remote file: its header in one request, for most files.
-_FIRST_READ = 1 << 20
-
-
 def _load_file_remote(
     url: str, device: Device, options: remote.StorageOptions
 ) -> dict[str, torch.Tensor]:
@@ -390,7 +386,7 @@ def _plan_remote(url: str, dest: torch.device, options: remote.StorageOptions) -
     """The safetensors object ``url``'s tensors made on ``dest`` (cpu or
     CUDA): the header in one ranged GET (a second where it is longer than
     1 MiB), of the version later reads pin."""
-    size, e_tag, entries, base = _remote_header(url, options)
+    size, e_tag, _, entries, base = fmt.read_stored_header(url, options)
     plan = _RemotePlan(url, size, e_tag, {}, [], [], [])
     code = -1 if dest.type == "cpu" else dest.index
     for name, dtype, shape, begin, end in entries:
@@ -405,22 +401,6 @@ def _plan_remote(url: str, dest: torch.device, options: remote.StorageOptions) -
     return plan
 
 
-def _remote_header(
-    url: str, options: remote.StorageOptions
-) -> tuple[int, str | None, list[tuple[str, torch.dtype, list[int], int, int]], int]:
-    """(size, version, entries, data offset) of the safetensors object
-    ``url``: its header in one ranged GET (a second where it is longer than
-    1 MiB), of the version later reads pin."""
-    head, info = remote.read(url, 0, _FIRST_READ, options)
-    size, e_tag = info["size"], info["e_tag"]
-    n = fmt.header_length(head, size, url)
-    raw = head[8 : 8 + n]
-    if len(raw) < n:
-        raw += remote.read(url, 8 + len(raw), n - len(raw), options, e_tag)[0]
-    _, entries, base = fmt.header_of(raw, size, url)
-    return size, e_tag, entries, base
-
-
 def _load_into_remote(
     name: str, urls: list[str], out: Any, options: remote.StorageOptions, wm: Any = None
 ) -> dict[str, torch.Tensor] | None:
@@ -433,16 +413,16 @@ def _load_into_remote(
     t0 = time.perf_counter()
     if not isinstance(out, Mapping) or sharing.current() is not None:
         return None
-    heads = [_remote_header(u, options) for u in urls]
+    heads = [fmt.read_stored_header(u, options) for u in urls]
     files = [u.rsplit("/", 1)[1] for u in urls]
-    names = [{e[0]: e for e in entries} for _, _, entries, _ in heads]
+    names = [{e[0]: e for e in entries} for _, _, _, entries, _ in heads]
     fmt.gather(name, files, [dict.fromkeys(n) for n in names], wm)  # type: ignore[arg-type]
     if sum(len(n) for n in names) != len(out) or any(k not in out for n in names for k in n):
         return None
     result: dict[str, torch.Tensor] = {}
     reads = []
     spans = []
-    for url, (_, e_tag, entries, base) in zip(urls, heads, strict=True):
+    for url, (_, e_tag, _, entries, base) in zip(urls, heads, strict=True):
         segments, dests = [], []
         for key, dtype, shape, begin, end in entries:
             dest = out[key]

@@ -36,7 +36,7 @@ import torch
 from ckptio import _native
 from ckptio.errors import FormatError, SafetensorError
 from ckptio.formats.mapped import Mapped
-from ckptio.io import memory
+from ckptio.io import memory, remote
 from ckptio.io.paths import inside, open_regular, sweep_unnamed
 
 #: safetensors dtype name -> torch dtype (those this torch has).
@@ -386,6 +386,26 @@ def read_header(fd: int, where: str) -> tuple[dict[str, str] | None, list[Entry]
     first8 = _pread_exact(fd, 8, 0, where) if size >= 8 else b""
     n = header_length(first8, size, where)
     return header_of(_pread_exact(fd, n, 8, where), size, where)
+
+
+#: What the first GET of a stored object's header asks for.
+FIRST_READ = 1 << 20
+
+
+def read_stored_header(
+    url: str, options: remote.StorageOptions = None
+) -> tuple[int, str | None, dict[str, str] | None, list[Entry], int]:
+    """(size, version, metadata, entries in file order, data section offset)
+    of the safetensors object ``url``: its header in one ranged GET (a second
+    where it is longer than 1 MiB), of the version later reads pin."""
+    head, info = remote.read(url, 0, FIRST_READ, options)
+    size, e_tag = info["size"], info["e_tag"]
+    n = header_length(head, size, url)
+    raw = head[8 : 8 + n]
+    if len(raw) < n:
+        raw += remote.read(url, 8 + len(raw), n - len(raw), options, e_tag)[0]
+    meta, entries, base = header_of(raw, size, url)
+    return size, e_tag, meta, entries, base
 
 
 def header_length(first8: bytes, size: int, where: str) -> int:

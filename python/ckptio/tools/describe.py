@@ -130,10 +130,9 @@ def listing(
     storage_options: remote.StorageOptions = None,
 ) -> Listing:
     """Describe the checkpoint at ``path`` (any format :func:`detect` knows; an
-    object URL: a torch.save object from its directory and small records, a
-    few small GETs; anything else from a scratch copy)."""
+    object URL: see :func:`stored_listing`, else from a scratch copy)."""
     if remote.is_url(path):
-        stored = _stored_torch(os.fsdecode(os.fspath(path)), storage_options)
+        stored = stored_listing(os.fsdecode(os.fspath(path)), storage_options)
         if stored is not None:
             return stored
     if remote.is_url(path) or storage_options is not None:
@@ -158,18 +157,51 @@ def _torch(src: Detected) -> Listing:
     return Listing(src.path, TORCH, (("", os.path.getsize(src.root)),), entries)
 
 
-def _stored_torch(url: str, options: remote.StorageOptions) -> Listing | None:
-    """A torch.save object in a store listed from its mapping, no tensor byte
-    read; None where it is none (a folder, another format) or only torch.load
-    reads its pickle: the scratch copy decides."""
+def stored_listing(url: str, options: remote.StorageOptions = None) -> Listing | None:
+    """A checkpoint in a store described from a few small GETs, no tensor byte
+    read: a torch.save object from its directory and small records, a
+    safetensors object from its header, a sharded one (its folder or index)
+    from the index and each shard's header. None for anything else (a DCP
+    folder, a damaged object, a pickle only torch.load reads): a scratch copy
+    decides."""
+    if url.endswith(".json"):
+        return _stored_sharded(url, options)
     try:
         stored = torchzip.map_stored(url, options)
-    except (FormatError, FileNotFoundError):
-        return None
+    except FileNotFoundError:  # a folder
+        return _stored_sharded(url, options)
+    except FormatError:
+        return _stored_safetensors(url, options)
     records = torchzip.list_stored_records(stored)
     if records is None:
         return None
     return Listing(url, TORCH, (("", stored.info["size"]),), _torch_entries(records))
+
+
+def _stored_safetensors(url: str, options: remote.StorageOptions) -> Listing | None:
+    try:
+        size, _, meta, entries, base = st_format.read_stored_header(url, options)
+    except FormatError:
+        return None
+    return Listing(url, SAFETENSORS, (("", size),), tuple(_st_entries("", entries, base)), meta)
+
+
+def _stored_sharded(url: str, options: remote.StorageOptions) -> Listing | None:
+    base = url.rstrip("/")
+    index_url = base if base.endswith(".json") else remote.join(base, st_format.INDEX_NAME)
+    folder = index_url.rsplit("/", 1)[0]
+    try:
+        data, _ = remote.get_bytes(index_url, options)
+        wm = st_format.weight_map_of(data, index_url)
+        files = list(dict.fromkeys(wm.values()))
+        heads = [st_format.read_stored_header(remote.join(folder, f), options) for f in files]
+    except (FileNotFoundError, FormatError):
+        return None
+    per_file = [_st_entries(f, h[3], h[4]) for f, h in zip(files, heads, strict=True)]
+    st_format.gather(index_url, files, [{e.name: e for e in es} for es in per_file], wm)
+    sizes = tuple((f, h[0]) for f, h in zip(files, heads, strict=True))
+    entries = tuple(e for es in per_file for e in es)
+    return Listing(url, SHARDED, sizes, entries, heads[0][2] if heads else None)
 
 
 def _torch_entries(records: list[torchzip.RecordInfo]) -> tuple[Entry, ...]:
@@ -192,7 +224,11 @@ def _torch_entries(records: list[torchzip.RecordInfo]) -> tuple[Entry, ...]:
 def _safetensors_file(path: str, rel: str) -> tuple[dict[str, str] | None, list[Entry]]:
     with open_regular(path) as f:
         meta, entries, base = st_format.read_header(f.fileno(), path)
-    return meta, [
+    return meta, _st_entries(rel, entries, base)
+
+
+def _st_entries(rel: str, entries: list[st_format.Entry], base: int) -> list[Entry]:
+    return [
         Entry(
             rel,
             e.name,

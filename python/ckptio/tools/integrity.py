@@ -121,8 +121,9 @@ def verify(
     ``f`` may be an object URL (of a file, or of a folder checkpoint; with
     ``storage_options``): a torch.save object is checked by ranged GETs, its
     records hashed as they arrive (memory bounded by ``concurrency`` x
-    ``part_size``, nothing kept; torch's own zip reader is not asked); other
-    formats and folders on a scratch copy.
+    ``part_size``, nothing kept; torch's own zip reader is not asked); a
+    safetensors object or sharded checkpoint by its headers and index; DCP
+    folders on a scratch copy.
     """
     if remote.is_url(f):
         rep = _verify_stored(os.fsdecode(os.fspath(f)), storage_options, progress)
@@ -170,12 +171,21 @@ def verify(
 def _verify_stored(
     url: str, options: remote.StorageOptions, progress: Callable[[int], None] | None
 ) -> VerifyReport | None:
-    """``verify`` of a torch.save object in a store; None where it is none (a
-    folder, another format): the scratch copy decides."""
+    """``verify`` of a checkpoint in a store that :func:`describe.stored_listing`
+    reads (a torch.save object: every record hashed by ranged GETs; safetensors:
+    headers and index); None for anything else: the scratch copy decides."""
     try:
-        stored = torchzip.map_stored(url, options)
+        stored = None if url.endswith(".json") else torchzip.map_stored(url, options)
     except (FormatError, FileNotFoundError):
-        return None
+        stored = None
+    if stored is None:  # safetensors: no checksums; its header(s) and index checked
+        lst = describe.stored_listing(url, options)
+        if lst is None or lst.format == detect.TORCH:
+            return None
+        if progress is not None:
+            progress(sum(n for _, n in lst.files))
+        checks = tuple(RecordCheck(e.name, "unchecked", None, None) for e in lst.entries)
+        return VerifyReport(url, checks, None, lst.format)
     archive, declared = stored.archive, stored.declared
     checks: dict[str, RecordCheck] = {}
 
