@@ -18,6 +18,15 @@ from ckptio.io import remote, transfer
 from torch.distributed.checkpoint.api import CheckpointException
 
 
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """``CKPTIO_SCRATCH`` an empty folder: a test then checks that no copy went there."""
+    folder = tmp_path / "scratch"
+    folder.mkdir()
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(folder))
+    return folder
+
+
 def _state(seed: int = 0, big: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     sd = {
@@ -443,9 +452,7 @@ def test_verify_and_listing_take_urls(s3):
         ckptio.verify(s3.url("nothing"), storage_options=s3.options)
 
 
-def test_listing_and_verify_read_a_torch_object_straight(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
-    os.mkdir(tmp_path / "scratch")
+def test_listing_and_verify_read_a_torch_object_straight(s3, tmp_path, scratch):
     sd = _torch_state(13)
     sd["big"] = torch.randn(5 << 20)  # 20 MiB: hashed in pieces of the part size
     url = s3.url("listed.pt")
@@ -466,7 +473,7 @@ def test_listing_and_verify_read_a_torch_object_straight(s3, tmp_path, monkeypat
     assert [(r.name, r.state) for r in rep.records] == [
         (r.name, r.state) for r in ckptio.verify(tmp_path / "local.pt").records
     ]
-    assert os.listdir(tmp_path / "scratch") == []  # no scratch copy for either
+    assert os.listdir(scratch) == []  # no scratch copy for either
     data = bytearray((tmp_path / "local.pt").read_bytes())
     data[-(3 << 20)] ^= 1  # inside "big", the last storage
     remote.put_bytes(url, bytes(data), s3.options)
@@ -478,9 +485,7 @@ def test_listing_and_verify_read_a_torch_object_straight(s3, tmp_path, monkeypat
         bad.raise_if_bad()
 
 
-def test_listing_and_verify_read_safetensors_headers_straight(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
-    os.mkdir(tmp_path / "scratch")
+def test_listing_and_verify_read_safetensors_headers_straight(s3, tmp_path, scratch):
     st = ckptio.safetensors
     g = torch.Generator().manual_seed(15)
     sd = {f"t{i}": torch.randn(2000 + i, generator=g) for i in range(6)}
@@ -504,7 +509,7 @@ def test_listing_and_verify_read_safetensors_headers_straight(s3, tmp_path, monk
         assert there.metadata == here.metadata
         rep = ckptio.verify(url, storage_options=s3.options)
         assert rep.ok and len(rep.unchecked) == len(sd) and rep.format == here.format
-    assert os.listdir(tmp_path / "scratch") == []  # headers and index only
+    assert os.listdir(scratch) == []  # headers and index only
 
 
 def test_the_command_line_takes_urls(s3):
@@ -701,9 +706,7 @@ def test_a_group_reads_an_object_once_and_shares_it(s3, tmp_path):
             _same_tree(want, torch.load(tmp_path / f"{name}{r}.pt", weights_only=True))
 
 
-def test_load_in_place_reads_straight_into_the_destinations(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
-    os.mkdir(tmp_path / "scratch")
+def test_load_in_place_reads_straight_into_the_destinations(s3, tmp_path, scratch):
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.LayerNorm(1024))
     sd = {"model": model.state_dict(), "step": 7, "big": torch.randn(5 << 20)}
     url = s3.url("inplace.pt")
@@ -714,7 +717,7 @@ def test_load_in_place_reads_straight_into_the_destinations(s3, tmp_path, monkey
     got = ckptio.load(url, out=out, storage_options=s3.options, verify=True)
     rep = ckptio.last_report()
     assert rep.backend == "store" and rep.verified
-    assert os.listdir(tmp_path / "scratch") == []  # straight, no scratch copy
+    assert os.listdir(scratch) == []  # straight, no scratch copy
     assert got["step"] == 7 and torch.equal(got["big"], sd["big"])
     assert [t.data_ptr() for t in got["model"].values()] == ptrs  # filled in place
     for k, v in sd["model"].items():
@@ -728,12 +731,10 @@ def test_load_in_place_reads_straight_into_the_destinations(s3, tmp_path, monkey
     assert torch.equal(half["big"], sd["big"])
     with pytest.raises(ckptio.KeyMismatchError):
         ckptio.load(url, out={"big": torch.zeros(5 << 20)}, storage_options=s3.options)
-    assert os.listdir(tmp_path / "scratch") == []
+    assert os.listdir(scratch) == []
 
 
-def test_safetensors_in_place_from_a_store_reads_straight(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
-    os.mkdir(tmp_path / "scratch")
+def test_safetensors_in_place_from_a_store_reads_straight(s3, tmp_path, scratch):
     st = ckptio.safetensors
     g = torch.Generator().manual_seed(14)
     sd = {f"t{i}": torch.randn(3000 + i, generator=g) for i in range(8)}
@@ -753,7 +754,7 @@ def test_safetensors_in_place_from_a_store_reads_straight(s3, tmp_path, monkeypa
             load(url, out=dict(out, bf=torch.zeros(40)), storage_options=s3.options)
         with pytest.raises(ckptio.KeyMismatchError):
             load(url, out={"t0": out["t0"]}, storage_options=s3.options)
-    assert os.listdir(tmp_path / "scratch") == []
+    assert os.listdir(scratch) == []
 
 
 def test_load_state_dict_takes_a_url(s3):
@@ -926,9 +927,7 @@ def test_torch_objects_that_need_torch_load_go_through_a_copy(s3):
     )
 
 
-def test_verify_checks_every_crc_of_a_straight_load(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
-    os.mkdir(tmp_path / "scratch")
+def test_verify_checks_every_crc_of_a_straight_load(s3, tmp_path, scratch):
     sd = _torch_state(11)
     sd["big"] = torch.randn(5 << 20)  # 20 MiB: two parts
     url = s3.url("verified.pt")
@@ -936,7 +935,7 @@ def test_verify_checks_every_crc_of_a_straight_load(s3, tmp_path, monkeypatch):
     _same_tree(sd, ckptio.load(url, storage_options=s3.options, verify=True))
     rep = ckptio.last_report()
     assert rep.backend == "store" and rep.verified and rep.unchecked == ()
-    assert os.listdir(tmp_path / "scratch") == []  # straight, no scratch copy
+    assert os.listdir(scratch) == []  # straight, no scratch copy
     # A byte flipped in a storage, and one in the pickle: FormatErrors naming
     # the record; without verify the storage's flip loads unnoticed.
     ckptio.save(sd, tmp_path / "x.pt")
@@ -954,7 +953,7 @@ def test_verify_checks_every_crc_of_a_straight_load(s3, tmp_path, monkeypatch):
         remote.put_bytes(url, bytes(bad), s3.options)
         with pytest.raises(ckptio.FormatError, match=f"{record}.*is corrupt"):
             ckptio.load(url, storage_options=s3.options, verify=True)
-    assert os.listdir(tmp_path / "scratch") == []
+    assert os.listdir(scratch) == []
 
 
 def test_a_damaged_torch_object_is_a_format_error_naming_the_url(s3, tmp_path):
@@ -972,15 +971,13 @@ def test_a_damaged_torch_object_is_a_format_error_naming_the_url(s3, tmp_path):
             ckptio.load(url, storage_options=s3.options)
 
 
-def test_save_streams_the_archive_from_memory_byte_for_byte(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
-    os.mkdir(tmp_path / "scratch")
+def test_save_streams_the_archive_from_memory_byte_for_byte(s3, tmp_path, scratch):
     sd = _torch_state(7)
     sd["big"] = torch.randint(0, 255, (40 << 20,), dtype=torch.uint8)  # 3 parts of 16 MiB
     url = s3.url("streamed.pt")
     ckptio.save(sd, url, storage_options=s3.options)
     assert ckptio.last_report().backend == "store"
-    assert os.listdir(tmp_path / "scratch") == []  # no local copy
+    assert os.listdir(scratch) == []  # no local copy
     # The archive a save to a file makes: layout, records, CRC-32s, comment
     # (all but the serialization id, new for each save).
     ckptio.save(sd, tmp_path / "local.pt")
@@ -1006,9 +1003,7 @@ def test_save_streams_the_archive_from_memory_byte_for_byte(s3, tmp_path, monkey
     _same_tree(sd, torch.load(tmp_path / "back.pt", weights_only=True))
 
 
-def test_safetensors_save_file_streams_from_memory_byte_for_byte(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
-    os.mkdir(tmp_path / "scratch")
+def test_safetensors_save_file_streams_from_memory_byte_for_byte(s3, tmp_path, scratch):
     g = torch.Generator().manual_seed(8)
     sd = {f"t{i}": torch.randn(100 + i, generator=g) for i in range(50)}
     sd["big"] = torch.randn(10 << 20, generator=g)  # 40 MiB: three parts
@@ -1017,7 +1012,7 @@ def test_safetensors_save_file_streams_from_memory_byte_for_byte(s3, tmp_path, m
     url = s3.url("streamed.safetensors")
     ckptio.safetensors.save_file(sd, url, metadata={"k": "v"}, storage_options=s3.options)
     assert ckptio.last_report().backend == "store"
-    assert os.listdir(tmp_path / "scratch") == []  # no local copy
+    assert os.listdir(scratch) == []  # no local copy
     ckptio.safetensors.save_file(sd, tmp_path / "local.safetensors", metadata={"k": "v"})
     remote.download(url, tmp_path / "back.safetensors", s3.options)
     assert (tmp_path / "back.safetensors").read_bytes() == (
@@ -1043,9 +1038,7 @@ def _to(tree, device: str):
 
 
 @gpu
-def test_cuda_save_streams_from_device_memory_after_the_callers_stream(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
-    os.mkdir(tmp_path / "scratch")
+def test_cuda_save_streams_from_device_memory_after_the_callers_stream(s3, tmp_path, scratch):
     sd = _to(_torch_state(9), "cuda")  # "view" still shares "base"'s storage
     sd["host"] = torch.arange(1000)  # host and device storages in one archive
     a = torch.randn(2048, 2048, device="cuda")
@@ -1054,7 +1047,7 @@ def test_cuda_save_streams_from_device_memory_after_the_callers_stream(s3, tmp_p
     url = s3.url("cuda.pt")
     ckptio.save(sd, url, storage_options=s3.options)
     assert ckptio.last_report().backend == "store"
-    assert os.listdir(tmp_path / "scratch") == []  # no local copy
+    assert os.listdir(scratch) == []  # no local copy
     ckptio.save(sd, tmp_path / "local.pt")  # what a file save of the same tensors makes
     remote.download(url, tmp_path / "back.pt", s3.options)
     import zipfile
@@ -1070,16 +1063,14 @@ def test_cuda_save_streams_from_device_memory_after_the_callers_stream(s3, tmp_p
     back = ckptio.load(url, storage_options=s3.options, verify=True)
     rep = ckptio.last_report()  # straight into the CUDA storages, CRC-32s checked on the way
     assert rep.backend == "store" and rep.verified and rep.unchecked == ()
-    assert os.listdir(tmp_path / "scratch") == []
+    assert os.listdir(scratch) == []
     assert back["big"].is_cuda and back["host"].is_cpu
     _same_tree(_to(sd, "cpu"), _to(back, "cpu"))
     assert back["view"].untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr()
 
 
 @gpu
-def test_cuda_safetensors_save_file_streams_byte_for_byte(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "scratch"))
-    os.mkdir(tmp_path / "scratch")
+def test_cuda_safetensors_save_file_streams_byte_for_byte(s3, tmp_path, scratch):
     g = torch.Generator().manual_seed(10)
     sd = {f"t{i}": torch.randn(100 + i, generator=g) for i in range(50)}
     sd["big"] = torch.randn(10 << 20, generator=g)
@@ -1089,13 +1080,13 @@ def test_cuda_safetensors_save_file_streams_byte_for_byte(s3, tmp_path, monkeypa
     url = s3.url("cuda.safetensors")
     ckptio.safetensors.save_file(on_gpu, url, storage_options=s3.options)
     assert ckptio.last_report().backend == "store"
-    assert os.listdir(tmp_path / "scratch") == []
+    assert os.listdir(scratch) == []
     ckptio.safetensors.save_file(sd, tmp_path / "local.safetensors")
     remote.download(url, tmp_path / "back.safetensors", s3.options)
     assert (tmp_path / "back.safetensors").read_bytes() == (
         tmp_path / "local.safetensors"
     ).read_bytes()
     back = ckptio.safetensors.load_file(url, device="cuda", storage_options=s3.options)
-    assert os.listdir(tmp_path / "scratch") == []
+    assert os.listdir(scratch) == []
     assert all(t.is_cuda for t in back.values())
     _same(_to(back, "cpu"), sd)
