@@ -379,6 +379,65 @@ fn parts_put_in_any_order_from_many_threads_then_ranged_reads() {
 }
 
 #[test]
+fn segments_and_hashes_of_ranges_through_bounded_buffers() {
+    let Some(weed) = Weed::start("segments_and_hashes") else {
+        return;
+    };
+    let store = weed.store();
+    let data = pattern((9 * MIB + 321) as usize, 2);
+    let path = std::env::temp_dir().join(format!("ckptio-hash-{}", std::process::id()));
+    std::fs::write(&path, &data).unwrap();
+    upload_file(&store, "h/obj", &path, 4 * MIB, 3).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let src = ObjectSource::open(&store, "h/obj").unwrap();
+    // Ranges longer than the piece, at odd offsets, one empty, out of order.
+    let ranges = [
+        (5 * MIB + 3, 4 * MIB),
+        (0, 1),
+        (17, 0),
+        (MIB - 1, 3 * MIB + 2),
+    ];
+    for (chunk, threads) in [(MIB, 1), (MIB / 3, 4), (8 * MIB, 2)] {
+        let got = hash_ranges(&src, &ranges, chunk, threads).unwrap();
+        let want: Vec<u32> = ranges
+            .iter()
+            .map(|&(o, n)| crc32fast::hash(&data[o as usize..(o + n) as usize]))
+            .collect();
+        assert_eq!(got, want, "chunk {chunk}, threads {threads}");
+    }
+    // Host segments read with their CRC-32s.
+    let (mut a, mut b) = (vec![0u8; (2 * MIB) as usize], vec![0u8; 1000]);
+    let segs = [
+        (
+            MIB,
+            crate::engine::Segment {
+                file_offset: MIB,
+                addr: a.as_mut_ptr() as u64,
+                len: a.len() as u64,
+                memory: crate::engine::Memory::Host,
+            },
+        ),
+        (
+            7,
+            crate::engine::Segment {
+                file_offset: 7,
+                addr: b.as_mut_ptr() as u64,
+                len: b.len() as u64,
+                memory: crate::engine::Memory::Host,
+            },
+        ),
+    ];
+    // SAFETY: `a` and `b` are ours, distinct, alive past the call.
+    let crcs = unsafe { read_segments(&src, &segs, MIB / 2, 3, true).unwrap() };
+    assert!(a == data[MIB as usize..(3 * MIB) as usize]);
+    assert_eq!(b, data[7..1007]);
+    assert_eq!(
+        crcs,
+        vec![Some(crc32fast::hash(&a)), Some(crc32fast::hash(&b))]
+    );
+}
+
+#[test]
 fn an_uncommitted_upload_leaves_the_old_object_whole() {
     let Some(weed) = Weed::start("an_uncommitted_upload") else {
         return;
