@@ -906,6 +906,14 @@ def test_another_zip_layout_is_confirmed_or_read_through_a_copy(s3, tmp_path):
     remote.upload(tmp_path / "extra.pt", url, s3.options)
     _same_tree(sd, ckptio.load(url, storage_options=s3.options))
     assert ckptio.last_report().backend != "store"
+    # Loads in place: the headers come with the data; where they say the layout
+    # is another, the copy writes every destination again.
+    from torch.utils._pytree import tree_map
+
+    for name, straight in [("bare.pt", True), ("extra.pt", False)]:
+        out = tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t, sd)
+        _same_tree(sd, ckptio.load(s3.url(name), out=out, storage_options=s3.options))
+        assert (ckptio.last_report().backend == "store") == straight, name
 
 
 def test_torch_objects_that_need_torch_load_go_through_a_copy(s3):

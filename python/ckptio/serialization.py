@@ -524,12 +524,13 @@ def _load_into_remote(url: str, out: Any, options: remote.StorageOptions, verify
     """``load(url, out=out)`` with no local copy, for the usual case: every
     tensor of the checkpoint pairs with a destination of ``out`` (and every
     destination with one), each of the same dtype and shape, contiguous,
-    plain CPU or CUDA memory, none overlapping another. Then the storages'
-    local headers are read and confirmed first (nothing is written before),
-    and each tensor's bytes read by ranged GETs straight into its
-    destination (``verify``: only where each covers its whole record, whose
-    CRC-32 is then checked). ``_NOT_STRAIGHT`` otherwise: the scratch copy
-    loads it, with the in-place machinery's checks and errors."""
+    plain CPU or CUDA memory, none overlapping another. Then each tensor's
+    bytes are read by ranged GETs straight into its destination, each
+    storage's local header in the same GET, checked once they are in
+    (``verify``: only where each tensor covers its whole record, whose CRC-32
+    is then checked). ``_NOT_STRAIGHT`` otherwise, or where a header says the
+    layout is not torch.save's: the scratch copy loads it (writing every
+    destination again), with the in-place machinery's checks and errors."""
     t0 = time.perf_counter()
     try:
         stored = torchzip.map_stored(url, options)
@@ -572,17 +573,28 @@ def _load_into_remote(url: str, out: Any, options: remote.StorageOptions, verify
     spans = sorted((s[3], s[1], s[1] + s[2]) for s in segments)
     if any(a[0] == b[0] and a[2] > b[1] for a, b in zip(spans, spans[1:], strict=False)):
         return _NOT_STRAIGHT  # destinations that share memory (tied weights)
-    if not _headers_confirmed(url, stored, set(records), options):
-        return _NOT_STRAIGHT
+    # Each storage's local header rides in the GET of its bytes (a pass of its
+    # own costs a request per large tensor): it is checked once they are in.
+    used = set(records)
+    spans = [(name, lh, off) for name, lh, off in stored.heads if off in used]
+    head_bytes = torch.empty(sum(off - lh for _, lh, off in spans), dtype=torch.uint8)
+    heads, ptr = [], head_bytes.data_ptr()
+    for _, lh, off in spans:
+        heads.append((lh, ptr, off - lh, -1))
+        ptr += off - lh
     e_tag = stored.info["e_tag"]
     try:
-        stats = transfer.read_from_store(url, segments, dests, options, e_tag, verify)
+        stats = transfer.read_from_store(
+            url, heads + segments, [head_bytes, *dests], options, e_tag, verify
+        )
     except Exception as e:
         raise inplace.partial_error(f"reading {url} into the destinations failed midway", e) from e
+    if _native.zip_headers_match(spans, head_bytes.numpy().tobytes()):
+        return _NOT_STRAIGHT  # not torch.save's layout: the scratch copy writes them all again
     unchecked: list[str] = []
     if verify:
         name_at = {off: name for name, off, _ in archive.records}
-        for at, crc in zip(records, stats.pop("crc32"), strict=True):
+        for at, crc in zip(records, stats.pop("crc32")[len(heads) :], strict=True):
             if declared.get(name_at[at]) is None:
                 unchecked.append(name_at[at])
             _check_crc(url, name_at[at], declared.get(name_at[at]), crc)
@@ -590,24 +602,6 @@ def _load_into_remote(url: str, out: Any, options: remote.StorageOptions, verify
     torch.autograd.graph.increment_version([d for d in dests if not d.is_inference()])
     reports.report(url, t0, stats, len(dests), verify, tuple(unchecked))
     return result
-
-
-def _headers_confirmed(
-    url: str, stored: torchzip.StoredArchive, offsets: set[int], options: remote.StorageOptions
-) -> bool:
-    """Whether the storages at the predicted data ``offsets`` are where the
-    map put them: their local headers read (one batch of small GETs) and
-    checked."""
-    spans = [(name, lh, off) for name, lh, off in stored.heads if off in offsets]
-    if not spans:
-        return True
-    head_bytes = torch.empty(sum(off - lh for _, lh, off in spans), dtype=torch.uint8)
-    segments, at = [], head_bytes.data_ptr()
-    for _, lh, off in spans:
-        segments.append((lh, at, off - lh, -1))
-        at += off - lh
-    transfer.read_from_store(url, segments, [head_bytes], options, stored.info["e_tag"])
-    return not _native.zip_headers_match(spans, head_bytes.numpy().tobytes())
 
 
 def _check_crc(url: str, name: str, declared: int | None, actual: int) -> None:
