@@ -421,7 +421,6 @@ def _load_into_remote(
         return None
     result: dict[str, torch.Tensor] = {}
     reads = []
-    spans = []
     for url, (_, e_tag, _, entries, base) in zip(urls, heads, strict=True):
         segments, dests = [], []
         for key, dtype, shape, begin, end in entries:
@@ -437,10 +436,8 @@ def _load_into_remote(
                 code = devices.device_code(dest, key)
                 segments.append((base + begin, dest.data_ptr(), end - begin, code))
                 dests.append(dest)
-                spans.append((code, dest.data_ptr(), dest.data_ptr() + end - begin))
         reads.append((url, segments, dests, e_tag))
-    spans.sort()
-    if any(a[0] == b[0] and a[2] > b[1] for a, b in zip(spans, spans[1:], strict=False)):
+    if transfer.destinations_overlap([s for _, segs, _, _ in reads for s in segs]):
         return None  # destinations that share memory
     stats = []
     try:
@@ -486,7 +483,7 @@ def _load_sharded_remote(
     no index)."""
     t0 = time.perf_counter()
     want, fill = _devices(device)
-    base, _, _, wm, files = _remote_shards(url, options)
+    base, _, _, wm, files = fmt.stored_shards(url, options)
     plans = [
         _plan_remote(remote.join(base, f), fill or torch.device("cpu"), options) for f in files
     ]
@@ -494,16 +491,6 @@ def _load_sharded_remote(
     stats = _read_remote(plans, options)
     reports.report(url, t0, stats, len(tensors))
     return _finish(tensors, want, fill)
-
-
-def _index_url(url: str) -> tuple[str, str]:
-    """(the folder's URL, the index's name) of a sharded checkpoint's URL (its
-    folder, or its index)."""
-    base = url.rstrip("/")
-    if base.endswith(".json"):
-        folder, name = base.rsplit("/", 1)
-        return folder, name
-    return base, fmt.INDEX_NAME
 
 
 def load(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
@@ -733,30 +720,11 @@ def _save_sharded_remote(
             remote.delete(obj, options)
 
 
-def _remote_shards(
-    url: str, options: remote.StorageOptions
-) -> tuple[str, str, bytes | None, dict[str, str] | None, list[str]]:
-    """The sharded checkpoint at ``url`` (its folder or index): the folder's
-    URL, the index's name, its bytes and weight_map (None: no index, a single
-    model.safetensors) and the shard files it names, in first-named order."""
-    base, index_name = _index_url(url)
-    try:
-        index, _ = remote.get_bytes(remote.join(base, index_name), options)
-    except FileNotFoundError:
-        return base, index_name, None, None, ["model.safetensors"]
-    wm = fmt.weight_map_of(index, remote.join(base, index_name))
-    files = list(dict.fromkeys(wm.values()))
-    for name in files:
-        if name in (".", "..") or not name:
-            raise fmt.fail(url, f"the index names a shard outside its folder: {name!r}")
-    return base, index_name, index, wm, files
-
-
 @contextlib.contextmanager
 def _sharded_copy(url: str, options: remote.StorageOptions) -> Iterator[str]:
     """A local copy of the sharded checkpoint at ``url`` (its folder or index):
     the index and the shards it names, or a single model.safetensors."""
-    base, index_name, index, _, files = _remote_shards(url, options)
+    base, index_name, index, _, files = fmt.stored_shards(url, options)
     folder = remote.scratch_folder()
     try:
         if index is not None:
@@ -815,7 +783,7 @@ def load_sharded(
         if out is None:  # straight (once per group, where there is one)
             return _load_sharded_remote(url, device, storage_options)
         if device == "cpu" and isinstance(strict, bool) and isinstance(cast, bool):
-            base, _, _, wm, files = _remote_shards(url, storage_options)
+            base, _, _, wm, files = fmt.stored_shards(url, storage_options)
             shards = [remote.join(base, f) for f in files]
             got = _load_into_remote(url, shards, out, storage_options, wm)
             if got is not None:

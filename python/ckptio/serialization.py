@@ -570,8 +570,7 @@ def _load_into_remote(url: str, out: Any, options: remote.StorageOptions, verify
         segments.append((off, dest.data_ptr(), n, devices.device_code(dest, key)))
         dests.append(dest)
         records.append(at)
-    spans = sorted((s[3], s[1], s[1] + s[2]) for s in segments)
-    if any(a[0] == b[0] and a[2] > b[1] for a, b in zip(spans, spans[1:], strict=False)):
+    if transfer.destinations_overlap(segments):
         return _NOT_STRAIGHT  # destinations that share memory (tied weights)
     # Each storage's local header rides in the GET of its bytes (a pass of its
     # own costs a request per large tensor): it is checked once they are in.

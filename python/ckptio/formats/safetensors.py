@@ -408,6 +408,28 @@ def read_stored_header(
     return size, e_tag, meta, entries, base
 
 
+def stored_shards(
+    url: str, options: remote.StorageOptions = None
+) -> tuple[str, str, bytes | None, dict[str, str] | None, list[str]]:
+    """The sharded checkpoint at ``url`` in a store (its folder or its index):
+    the folder's URL, the index's name, its bytes and weight_map (None: no
+    index, a single model.safetensors) and the shard files it names, in
+    first-named order."""
+    base, index_name = url.rstrip("/"), INDEX_NAME
+    if base.endswith(".json"):
+        base, index_name = base.rsplit("/", 1)
+    try:
+        index, _ = remote.get_bytes(remote.join(base, index_name), options)
+    except FileNotFoundError:
+        return base, index_name, None, None, ["model.safetensors"]
+    wm = weight_map_of(index, remote.join(base, index_name))
+    files = list(dict.fromkeys(wm.values()))
+    for name in files:
+        if name in (".", "..") or not name:
+            raise fail(url, f"the index names a shard outside its folder: {name!r}")
+    return base, index_name, index, wm, files
+
+
 def header_length(first8: bytes, size: int, where: str) -> int:
     """The header's length from a file's first 8 bytes, checked against its size."""
     if size < 8:

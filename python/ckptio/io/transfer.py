@@ -362,6 +362,13 @@ def commit_bytes(writer: _native.AtomicWriter, data: bytes) -> None:
         raise
 
 
+def destinations_overlap(segments: Sequence[Segment]) -> bool:
+    """Whether two of ``segments`` write the same memory (tied weights, views
+    of one tensor): a read into them would be two writers of one byte."""
+    spans = sorted((s[3], s[1], s[1] + s[2]) for s in segments if s[2])
+    return any(a[0] == b[0] and a[2] > b[1] for a, b in zip(spans, spans[1:], strict=False))
+
+
 def read_from_store(
     url: str,
     segments: list[tuple[int, int, int, int]],

@@ -187,17 +187,15 @@ def _stored_safetensors(url: str, options: remote.StorageOptions) -> Listing | N
 
 
 def _stored_sharded(url: str, options: remote.StorageOptions) -> Listing | None:
-    base = url.rstrip("/")
-    index_url = base if base.endswith(".json") else remote.join(base, st_format.INDEX_NAME)
-    folder = index_url.rsplit("/", 1)[0]
     try:
-        data, _ = remote.get_bytes(index_url, options)
-        wm = st_format.weight_map_of(data, index_url)
-        files = list(dict.fromkeys(wm.values()))
+        folder, index_name, index, wm, files = st_format.stored_shards(url, options)
+        if index is None:  # no index: the folder may hold anything (a copy decides)
+            return None
         heads = [st_format.read_stored_header(remote.join(folder, f), options) for f in files]
     except (FileNotFoundError, FormatError):
         return None
     per_file = [_st_entries(f, h[3], h[4]) for f, h in zip(files, heads, strict=True)]
+    index_url = remote.join(folder, index_name)
     st_format.gather(index_url, files, [{e.name: e for e in es} for es in per_file], wm)
     sizes = tuple((f, h[0]) for f, h in zip(files, heads, strict=True))
     entries = tuple(e for es in per_file for e in es)
