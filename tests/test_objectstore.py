@@ -766,6 +766,95 @@ def test_load_state_dict_takes_a_url(s3):
     assert torch.equal(other.weight, model.weight)
 
 
+class _Tied(torch.nn.Module):
+    """An LLM's shape in small: tied embedding and head, bf16 matrices, 1-D norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32, dtype=torch.bfloat16)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {"q": torch.nn.Linear(32, 32, dtype=torch.bfloat16),
+                 "norm": torch.nn.LayerNorm(32, dtype=torch.bfloat16)}
+            ) for _ in range(3)
+        )  # fmt: skip
+        self.head = torch.nn.Linear(32, 64, bias=False, dtype=torch.bfloat16)
+        self.head.weight = self.embed.weight
+        self.register_buffer("steps", torch.tensor(5))
+
+
+def _fresh_tied(seed: int) -> _Tied:
+    torch.manual_seed(seed)
+    return _Tied()
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "sharded"])
+def test_load_state_dict_reads_straight_into_the_module(s3, scratch, fmt):
+    model = _fresh_tied(1)
+    sd = model.state_dict()
+    if fmt == "torch":
+        url = s3.url("tied.pt")
+        ckptio.save({"model": sd, "step": 3}, url, storage_options=s3.options)
+        kw = dict(key="model", verify=True)
+    else:  # safetensors keeps one of the tied names (load_state_dict's strict=False finds it)
+        flat = {k: v for k, v in sd.items() if k != "head.weight"}
+        url = s3.url("tied.safetensors" if fmt == "safetensors" else "tied-sharded")
+        if fmt == "safetensors":
+            ckptio.safetensors.save_file(flat, url, storage_options=s3.options)
+        else:
+            ckptio.safetensors.save_sharded(flat, url, max_shard_size="4KB",
+                                            storage_options=s3.options)  # fmt: skip
+        kw = dict(strict=False)
+    other = _fresh_tied(2)
+    ptrs = [t.data_ptr() for t in other.state_dict().values()]
+    versions = other.embed.weight._version
+    got = ckptio.load_state_dict(other, url, storage_options=s3.options, **kw)
+    rep = ckptio.last_report()
+    assert rep.backend == "store" and rep.verified == (fmt == "torch")
+    assert os.listdir(scratch) == []  # straight, no scratch copy
+    assert [t.data_ptr() for t in other.state_dict().values()] == ptrs  # in place
+    assert other.embed.weight._version > versions  # autograd sees the write
+    _same(other.state_dict(), sd)
+    if fmt == "torch":
+        assert tuple(got) == ([], [])
+    else:  # as torch says it: the head's name is missing, though tied to the embedding
+        assert tuple(got) == (["head.weight"], []) and rep.missing_keys == ("head.weight",)
+    assert other.head.weight is other.embed.weight
+
+
+def test_load_state_dict_from_a_store_falls_back_where_torchs_steps_must_run(s3, scratch):
+    model = _fresh_tied(3)
+    url = s3.url("fallback.pt")
+    ckptio.save(model.state_dict(), url, storage_options=s3.options)
+    opts = s3.options
+    # A load_state_dict post-hook: torch's own steps, from the scratch copy.
+    other, seen = _fresh_tied(4), []
+    other.register_load_state_dict_post_hook(lambda m, keys: seen.append(keys))
+    ckptio.load_state_dict(other, url, storage_options=opts)
+    assert len(seen) == 1 and os.listdir(scratch) == []  # the scratch copy is removed
+    _same(other.state_dict(), model.state_dict())
+    # Another dtype: the scratch copy's typed error, then its cast.
+    half = _fresh_tied(5).float()
+    with pytest.raises(ckptio.DtypeMismatchError):
+        ckptio.load_state_dict(half, url, storage_options=opts)
+    ckptio.load_state_dict(half, url, storage_options=opts, cast=True)
+    assert torch.equal(half.embed.weight, model.embed.weight.float())
+    # Keys torch's strict check refuses: torch's message, as from a local file.
+    small = torch.nn.Linear(32, 64, bias=False, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        ckptio.load_state_dict(small, url, storage_options=opts)
+    got = ckptio.load_state_dict(_fresh_tied(6), url, storage_options=opts, strict=False)
+    assert tuple(got) == ([], [])
+    got = ckptio.load_state_dict(torch.nn.Linear(2, 2), url, storage_options=opts, strict=False)
+    assert tuple(got) == (["weight", "bias"], list(model.state_dict()))
+    # verify=True of safetensors: the scratch copy's error.
+    st_url = s3.url("fallback.safetensors")
+    ckptio.safetensors.save_file({"w": torch.ones(3)}, st_url, storage_options=opts)
+    with pytest.raises(ValueError, match="verify=True"):
+        ckptio.load_state_dict(torch.nn.Linear(3, 1), st_url, storage_options=opts, verify=True)
+    assert os.listdir(scratch) == []
+
+
 # --------------------------------------------------------------------------- straight reads
 
 

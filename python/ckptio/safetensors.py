@@ -55,7 +55,7 @@ from ckptio.formats.safetensors import DTYPES, INDEX_NAME, find_shared
 from ckptio.io import devices, memory, paths, remote, reports, transfer
 from ckptio.io.engines import IoOptions
 from ckptio.io.units import parse_size
-from ckptio.loading import inplace, sharing
+from ckptio.loading import inplace, sharing, stored
 
 __all__ = [
     "SafetensorError",
@@ -406,49 +406,22 @@ def _load_into_remote(
 ) -> dict[str, torch.Tensor] | None:
     """``load_file`` / ``load_sharded`` with ``out`` from a store, with no
     local copy, for the usual case: the objects' tensors and ``out``'s names
-    the same, each destination of its tensor's dtype and shape, contiguous
-    plain CPU or CUDA memory, none sharing memory. Each tensor's bytes then go
-    by ranged GETs straight into its destination. None otherwise: the scratch
-    copy loads it, with the in-place checks and errors."""
+    the same, each read straight into its destination (``loading.stored``).
+    None otherwise: the scratch copy loads it, with the in-place checks and
+    errors."""
     t0 = time.perf_counter()
     if not isinstance(out, Mapping) or sharing.current() is not None:
         return None
-    heads = [fmt.read_stored_header(u, options) for u in urls]
-    files = [u.rsplit("/", 1)[1] for u in urls]
-    names = [{e[0]: e for e in entries} for _, _, _, entries, _ in heads]
-    fmt.gather(name, files, [dict.fromkeys(n) for n in names], wm)  # type: ignore[arg-type]
-    if sum(len(n) for n in names) != len(out) or any(k not in out for n in names for k in n):
+    tensors, files = stored.open_safetensors(name, urls, options, wm)
+    if len(tensors) != len(out) or any(k not in out for k in tensors):
         return None
-    result: dict[str, torch.Tensor] = {}
-    reads = []
-    for url, (_, e_tag, _, entries, base) in zip(urls, heads, strict=True):
-        segments, dests = [], []
-        for key, dtype, shape, begin, end in entries:
-            dest = out[key]
-            if not (
-                inplace.direct_destination(dest)
-                and dest.dtype == dtype
-                and tuple(dest.shape) == tuple(shape)
-            ):
-                return None
-            result[key] = dest
-            if end > begin:
-                code = devices.device_code(dest, key)
-                segments.append((base + begin, dest.data_ptr(), end - begin, code))
-                dests.append(dest)
-        reads.append((url, segments, dests, e_tag))
-    if transfer.destinations_overlap([s for _, segs, _, _ in reads for s in segs]):
-        return None  # destinations that share memory
-    stats = []
-    try:
-        for url, segments, dests, e_tag in reads:
-            stats.append(transfer.read_from_store(url, segments, dests, options, e_tag))
-    except Exception as e:
-        raise inplace.partial_error(f"reading {name} into the destinations failed midway", e) from e
-    done = [d for _, _, dests, _ in reads for d in dests if not d.is_inference()]
-    torch.autograd.graph.increment_version(done)  # written through their pointers
-    reports.report(name, t0, reports.merged(stats, "store"), len(result))
-    return result
+    pairs = [(k, src, out[k]) for k, src in tensors.items()]
+    got = stored.read_into(name, files, pairs, options)
+    if got is None:
+        return None
+    stats, _, _ = got
+    reports.report(name, t0, stats, len(tensors))
+    return {k: out[k] for k in tensors}
 
 
 def _read_remote(plans: list[_RemotePlan], options: remote.StorageOptions) -> dict[str, Any]:

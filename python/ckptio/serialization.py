@@ -21,7 +21,6 @@ import os
 import pickle
 import time
 import warnings
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +38,7 @@ from ckptio.io.devices import MapLocation
 from ckptio.io.engines import IoOptions
 from ckptio.io.reports import IOReport as IOReport
 from ckptio.io.reports import last_report as last_report
-from ckptio.loading import inplace, sharing
+from ckptio.loading import inplace, sharing, stored
 
 __all__ = ["save", "load", "records", "last_report", "IOReport", "RecordInfo", "TensorInfo"]
 
@@ -447,22 +446,15 @@ def _load_remote(
     if url.endswith(".safetensors"):
         return _NOT_STRAIGHT
     try:
-        stored = torchzip.map_stored(url, options)
+        mapped = torchzip.map_stored(url, options)
     except FormatError:
         if torchzip.is_legacy(remote.read(url, 0, 14, options)[0]):
             return _NOT_STRAIGHT  # torch's legacy format: torch.load reads a local copy
         raise
-    info, archive, declared, heads, small = (
-        stored.info,
-        stored.archive,
-        stored.declared,
-        stored.heads,
-        stored.small,
-    )
+    info, archive, declared, heads = mapped.info, mapped.archive, mapped.declared, mapped.heads
     prefix, rows = archive.prefix, archive.records
-    if verify:  # the pickle and the small records, before anything is decoded
-        for name, data in small.items():
-            _check_crc(url, name, declared.get(name), zlib.crc32(data))
+    # The pickle and the small records, before anything is decoded.
+    small_unchecked = stored.check_small_records(url, mapped) if verify else []
     if f"{prefix}/constants.pkl" in archive.where or not torchzip.native_byteorder(archive):
         return _NOT_STRAIGHT
     got = torchzip.native_pickle(archive)
@@ -504,17 +496,14 @@ def _load_remote(
         stats = transfer.read_from_store(url, segments, owners, options, info["e_tag"], verify)
     if _native.zip_headers_match(spans, head_bytes.numpy().tobytes()):
         return _NOT_STRAIGHT  # not torch.save's layout: the scratch copy reads it
-    unchecked: list[str] = []
+    unchecked = list(small_unchecked)
     if verify:
         name_at = {off: name for name, off, _ in rows}
         for seg, crc in zip(segments[1::2], stats.pop("crc32")[1::2], strict=True):
             name = name_at[seg[0]]  # (object offset, address, nbytes, device)
             if declared.get(name) is None:
                 unchecked.append(name)
-            _check_crc(url, name, declared.get(name), crc)
-        for name in small:
-            if declared.get(name) is None:
-                unchecked.append(name)
+            stored.check_crc(url, name, declared.get(name), crc)
     obj = torchzip.rebuild(parsed, storages, [f[2] for f in found], url)
     reports.report(url, t0, stats, len(found), verify, tuple(unchecked))
     return obj
@@ -523,95 +512,25 @@ def _load_remote(
 def _load_into_remote(url: str, out: Any, options: remote.StorageOptions, verify: bool) -> Any:
     """``load(url, out=out)`` with no local copy, for the usual case: every
     tensor of the checkpoint pairs with a destination of ``out`` (and every
-    destination with one), each of the same dtype and shape, contiguous,
-    plain CPU or CUDA memory, none overlapping another. Then each tensor's
-    bytes are read by ranged GETs straight into its destination, each
-    storage's local header in the same GET, checked once they are in
-    (``verify``: only where each tensor covers its whole record, whose CRC-32
+    destination with one), each read straight into it (``loading.stored``;
+    ``verify``: only where each tensor covers its whole record, whose CRC-32
     is then checked). ``_NOT_STRAIGHT`` otherwise, or where a header says the
     layout is not torch.save's: the scratch copy loads it (writing every
     destination again), with the in-place machinery's checks and errors."""
     t0 = time.perf_counter()
-    try:
-        stored = torchzip.map_stored(url, options)
-    except FormatError:
-        return _NOT_STRAIGHT  # the scratch copy reads it, or names what is wrong
-    archive, declared = stored.archive, stored.declared
-    if f"{archive.prefix}/constants.pkl" in archive.where or not torchzip.native_byteorder(archive):
+    opened = stored.open_archive(url, options, verify)
+    if opened is None:
         return _NOT_STRAIGHT
-    if verify:  # the pickle and the small records, before anything is decoded
-        for name, data in stored.small.items():
-            _check_crc(url, name, declared.get(name), zlib.crc32(data))
-    meta = torchzip.meta_object(archive)
-    if meta is None:
-        return _NOT_STRAIGHT
+    meta, files, small_unchecked = opened
     result, pairs, missing, unexpected = inplace.pair_structure(meta, out)
     if missing or unexpected:
         return _NOT_STRAIGHT
-    sizes = archive.data
-    segments: list[tuple[int, int, int, int]] = []
-    dests: list[torch.Tensor] = []
-    records: list[int] = []  # the storage (data offset) of each segment
-    for key, src, dest in pairs:
-        if not (
-            inplace.direct_destination(dest)
-            and src.dtype == dest.dtype
-            and src.shape == dest.shape
-            and src.is_contiguous()
-        ):
-            return _NOT_STRAIGHT
-        n = dest.numel() * dest.element_size()
-        if not n:
-            continue
-        at = src.untyped_storage()._checkpoint_offset
-        if verify and (src.storage_offset() or n != sizes[at]):
-            return _NOT_STRAIGHT  # a CRC-32 covers a whole record only
-        off = at + src.storage_offset() * src.element_size()
-        segments.append((off, dest.data_ptr(), n, devices.device_code(dest, key)))
-        dests.append(dest)
-        records.append(at)
-    if transfer.destinations_overlap(segments):
-        return _NOT_STRAIGHT  # destinations that share memory (tied weights)
-    # Each storage's local header rides in the GET of its bytes (a pass of its
-    # own costs a request per large tensor): it is checked once they are in.
-    used = set(records)
-    spans = [(name, lh, off) for name, lh, off in stored.heads if off in used]
-    head_bytes = torch.empty(sum(off - lh for _, lh, off in spans), dtype=torch.uint8)
-    heads, ptr = [], head_bytes.data_ptr()
-    for _, lh, off in spans:
-        heads.append((lh, ptr, off - lh, -1))
-        ptr += off - lh
-    e_tag = stored.info["e_tag"]
-    try:
-        stats = transfer.read_from_store(
-            url, heads + segments, [head_bytes, *dests], options, e_tag, verify
-        )
-    except Exception as e:
-        raise inplace.partial_error(f"reading {url} into the destinations failed midway", e) from e
-    if _native.zip_headers_match(spans, head_bytes.numpy().tobytes()):
-        return _NOT_STRAIGHT  # not torch.save's layout: the scratch copy writes them all again
-    unchecked: list[str] = []
-    if verify:
-        name_at = {off: name for name, off, _ in archive.records}
-        for at, crc in zip(records, stats.pop("crc32")[len(heads) :], strict=True):
-            if declared.get(name_at[at]) is None:
-                unchecked.append(name_at[at])
-            _check_crc(url, name_at[at], declared.get(name_at[at]), crc)
-    # The bytes went in through the data pointers: tell autograd, as copy_ would.
-    torch.autograd.graph.increment_version([d for d in dests if not d.is_inference()])
-    reports.report(url, t0, stats, len(dests), verify, tuple(unchecked))
+    got = stored.read_into(url, files, pairs, options, verify)
+    if got is None:
+        return _NOT_STRAIGHT
+    stats, unchecked, n = got
+    reports.report(url, t0, stats, n, verify, (*small_unchecked, *unchecked))
     return result
-
-
-def _check_crc(url: str, name: str, declared: int | None, actual: int) -> None:
-    """A record whose bytes do not have the CRC-32 its archive declares is a
-    FormatError naming both (None: the archive declares none to check)."""
-    if declared is not None and declared != actual:
-        raise corrupt(
-            url,
-            f"record {name!r} is corrupt: its bytes have CRC-32 {actual:#010x}, "
-            f"the archive stores {declared:#010x}",
-        )
 
 
 def _torch_loads(path: str, map_location: MapLocation, mmap: bool | None) -> str | None:

@@ -37,9 +37,9 @@ from ckptio.formats import detect, torchzip, unpickled
 from ckptio.formats import safetensors as st_format
 from ckptio.formats.mapped import Mapped
 from ckptio.formats.unpickled import Placeholder
-from ckptio.io import devices, memory, paths, remote
+from ckptio.io import devices, memory, paths, remote, reports
 from ckptio.io.engines import IoOptions
-from ckptio.loading import sharing
+from ckptio.loading import sharing, stored
 from ckptio.loading.inplace import (
     Files,
     Plan,
@@ -894,10 +894,21 @@ def load_state_dict(
     ``weights_only`` and the engine knobs are ``ckptio.load``'s; so is
     ``group`` (every rank of a process group loads the same checkpoint into
     its own ``obj``, each byte read from storage by one rank and shared).
-    ``f`` may be an object URL (a file, or a sharded checkpoint's folder; with
-    ``storage_options``): it is read from a scratch copy.
+    ``f`` may be an object URL (a torch.save or safetensors object, or a
+    sharded checkpoint's folder or index; with ``storage_options``): for a
+    module whose submodules all load with torch's default steps (no hooks or
+    overrides), each tensor read by ranged GETs straight into its parameter
+    or buffer where it has the same dtype and shape; else (an optimizer, a
+    ``group``, a cast, a mismatch to report) from a local scratch copy.
     """
     if remote.is_url(f) or storage_options is not None:
+        remote.check_options(f, storage_options)
+        check_flags(strict=strict, cast=cast, verify=verify)
+        if group is None and sharing.current() is None:
+            url = os.fsdecode(os.fspath(f))
+            got = _load_stored(obj, url, strict, key, verify, storage_options)
+            if got is not _NOT_STRAIGHT:
+                return got
         kw: dict[str, Any] = dict(
             strict=strict, cast=cast, key=key, weights_only=weights_only, threads=threads,
             chunk_size=chunk_size, direct=direct, backend=backend, verify=verify, group=group,
@@ -920,6 +931,54 @@ def load_state_dict(
     if isinstance(obj, torch.nn.Module):
         return _load_module(obj, state_dict, run, strict=strict, t0=t0)
     return _load_optimizer(obj, state_dict, run, t0=t0)
+
+
+#: What :func:`_load_stored` returns where the scratch copy must load it.
+_NOT_STRAIGHT = object()
+
+
+def _load_stored(
+    obj: Any, url: str, strict: bool, key: Any, verify: bool, options: remote.StorageOptions
+) -> Any:
+    """``load_state_dict(module, url)`` with no local copy, where every submodule
+    is plain (:func:`_plain_walk`) and each of the checkpoint's tensors it takes
+    is of its destination's dtype and shape (``loading.stored``): torch's
+    ``IncompatibleKeys``. ``_NOT_STRAIGHT`` otherwise, and where strict finds
+    keys missing or unexpected (the scratch copy raises torch's error)."""
+    t0 = time.perf_counter()
+    if not isinstance(obj, torch.nn.Module) or (
+        type(obj).load_state_dict is not torch.nn.Module.load_state_dict
+    ):
+        return _NOT_STRAIGHT
+    opened = stored.open_source(url, options, verify)
+    if opened is None:
+        return _NOT_STRAIGHT
+    state_dict, files, small_unchecked = opened
+    for k in () if key is None else key if isinstance(key, tuple) else (key,):
+        if not isinstance(state_dict, Mapping) or k not in state_dict:
+            return _NOT_STRAIGHT
+        state_dict = state_dict[k]
+    if not isinstance(state_dict, Mapping) or any(
+        isinstance(k, str) and k.endswith(_EXTRA) for k in state_dict
+    ):
+        return _NOT_STRAIGHT
+    fast = _plain_walk(obj, state_dict, getattr(state_dict, "_metadata", None))
+    if fast is None:
+        return _NOT_STRAIGHT
+    copies, missing, unexpected, errors = fast
+    if errors or (strict and (missing or unexpected)):
+        return _NOT_STRAIGHT
+    got = stored.read_into(url, files, copies, options, verify)
+    if got is None:
+        return _NOT_STRAIGHT
+    stats, unchecked, n = got
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    reports.report(
+        url, t0, stats, n, verify, (*small_unchecked, *unchecked), tuple(missing),
+        tuple(unexpected),
+    )  # fmt: skip
+    return _IncompatibleKeys(missing, unexpected)
 
 
 # --------------------------------------------------------------------------- read on use
