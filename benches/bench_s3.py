@@ -24,7 +24,9 @@ Clients, at the same part size and concurrency (``--part-size``,
 - ``ckptio.save`` / ``ckptio.load`` with ``storage_options``: the tensors
   (host or CUDA) streamed from memory as parts / read straight into new
   tensors; ``[in place]``: ``ckptio.load(url, out=)`` into tensors allocated
-  before the timed call (what a resume into a built model does).
+  before the timed call (what a resume into a built model does);
+  ``load_state_dict [in place]``: ``ckptio.load_state_dict(model, url)`` into
+  a module tree built before the timed call.
 - s3torchconnector: ``torch.save`` into ``S3Checkpoint.writer``, ``torch.load``
   of ``S3Checkpoint.reader`` (path-style addressing, its part size set).
 - boto3: ``torch.save`` to a temp file then ``upload_file``; ``download_file``
@@ -88,6 +90,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("save", "raw: obstore.put", "raw"),
     ("load", "ckptio.load", "sd"),
     ("load", "ckptio.load [in place]", "sd"),
+    ("load", "ckptio.load_state_dict [in place]", "sd"),
     ("load", "s3torchconnector", "sd"),
     ("load", "boto3 (download_file + torch.load)", "sd"),
     ("load", "s3fs (torch.load from fs.open)", "sd"),
@@ -106,6 +109,7 @@ OBJECT = {
     "boto3 (download_file + safetensors load_file)": "ckptio.safetensors",
     "ckptio.load": "ckptio.pt",
     "ckptio.load [in place]": "ckptio.pt",
+    "ckptio.load_state_dict [in place]": "ckptio.pt",
     "s3torchconnector": "s3tc.pt",
     "boto3 (torch.save + upload_file)": "boto3.pt",
     "boto3 (download_file + torch.load)": "boto3.pt",
@@ -336,6 +340,18 @@ def setup(s: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
 
                 return run, ok_none
         else:
+            if row == "ckptio.load_state_dict [in place]":
+                import benchlib
+
+                shapes = {k: list(v.shape) for k, v in sd.items()}
+                dtype = next(iter(sd.values())).dtype
+                model = benchlib.module_of(shapes, dtype, dev)
+
+                def run() -> Any:
+                    ckptio.load_state_dict(model, url, storage_options=opts)
+                    return model.state_dict()
+
+                return run, same
             if row == "ckptio.load [in place]":
                 out = {k: torch.empty_like(v, device=dev) for k, v in sd.items()}
                 return lambda: ckptio.load(url, out=out, storage_options=opts), same

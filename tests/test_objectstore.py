@@ -377,6 +377,67 @@ def test_dcp_commits_by_its_metadata(s3):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("writer", ["ckptio", "torch"])
+def test_dcp_reader_reads_a_store_straight_into_the_state_dict(s3, tmp_path, scratch, writer):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+
+    g = torch.Generator().manual_seed(5)
+    sd = {
+        "big": torch.randn(3 << 18, generator=g),  # 3 MiB: a 4 KiB-aligned item of ckptio's
+        "bf": torch.randn(77, 5, generator=g).bfloat16(),
+        "m": torch.randn(40, 30, generator=g),
+        "empty": torch.zeros(0),
+        "step": 9,
+        "name": "run-1",
+    }
+    url = s3.url(f"dcp-straight-{writer}")
+    if writer == "ckptio":
+        _dcp_save(url, sd, s3)
+    else:  # torch's own writer, its files uploaded as they are
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
+        for name in os.listdir(tmp_path / "t"):
+            remote.upload(tmp_path / "t" / name, remote.join(url, name), s3.options)
+    out = {
+        "big": torch.zeros(3 << 18), "bf": torch.zeros(77, 5, dtype=torch.bfloat16),
+        "m": torch.zeros(30, 40).t(),  # strided: through a temporary, then copied
+        "empty": torch.zeros(0), "step": 0, "name": "",
+    }  # fmt: skip
+    ptr = out["big"].data_ptr()
+    r = FileSystemReader(url, storage_options=s3.options)
+    dcp.load(out, storage_reader=r, no_dist=True)
+    assert os.listdir(scratch) == []  # no local copy, none left behind
+    assert out["big"].data_ptr() == ptr and out["step"] == 9 and out["name"] == "run-1"
+    for k in ("big", "bf", "m", "empty"):
+        assert out[k].dtype == sd[k].dtype and torch.equal(out[k], sd[k]), k
+    assert r.last_stats and all(s["backend"] == "store" for s in r.last_stats)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_reader_of_another_layout_reads_the_scratch_copy(s3, scratch, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+    from ckptio.formats import dcp as dcp_format
+
+    url = s3.url("dcp-other-layout")
+    _dcp_save(url, _dcp_state(6), s3)
+    real = dcp_format.item_zip
+
+    def wrong(dtype, shape, align=dcp_format.ALIGN):
+        z = real(dtype, shape, align)
+        return z._replace(head=bytes(len(z.head)))  # a head the object does not have
+
+    monkeypatch.setattr(dcp_format, "item_zip", wrong)
+    out = {"a": torch.zeros(64, 64), "b": torch.zeros(100, dtype=torch.int64), "n": -1}
+    r = FileSystemReader(url, storage_options=s3.options)
+    dcp.load(out, storage_reader=r, no_dist=True)
+    want = _dcp_state(6)
+    assert torch.equal(out["a"], want["a"]) and torch.equal(out["b"], want["b"])
+    assert all(s["backend"] != "store" for s in r.last_stats)  # read from the copy
+    assert os.listdir(scratch) == []  # which is removed
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_checkpoint_id_takes_a_url(s3, tmp_path):
     import torch.distributed.checkpoint as dcp
     from ckptio.dcp import FileSystemReader, FileSystemWriter

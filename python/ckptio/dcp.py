@@ -26,7 +26,9 @@ bytes move:
   other's files.
 - The reader maps each item's zip header once and reads tensor bytes straight
   into the destination tensors, GPU included (the planner's tensors, or a
-  temporary on the same device when the request is a strided slice).
+  temporary on the same device when the request is a strided slice); from an
+  object store by ranged GETs, each item's zip head predicted from
+  ``.metadata`` and checked in the same GETs (no local copy).
 - Nothing in the folder is trusted: ``.metadata`` is unpickled with an
   allow-list (DCP's metadata classes, torch sizes, dtypes and layouts, plain
   containers and values; ``FormatError`` naming the file and the global
@@ -494,7 +496,7 @@ class _Remote:
             self._folder = remote.scratch_folder(prefix="ckptio-dcp-")
         return self._folder
 
-    def _join(self, name: str) -> str:
+    def join(self, name: str) -> str:
         assert self.url is not None
         return remote.join(self.url, name)
 
@@ -503,7 +505,7 @@ class _Remote:
         if self.url is None:
             return
         try:
-            data, version = remote.get_bytes(self._join(name), self.options)
+            data, version = remote.get_bytes(self.join(name), self.options)
             self._base = (data, version["e_tag"])
         except FileNotFoundError:
             self._base = None
@@ -512,7 +514,7 @@ class _Remote:
         done: list[str] = []
         try:
             for name in names:
-                remote.upload(os.path.join(folder, name), self._join(name), self.options)
+                remote.upload(os.path.join(folder, name), self.join(name), self.options)
                 done.append(name)
         except BaseException:
             self._remove(done)
@@ -521,12 +523,12 @@ class _Remote:
     def download(self, folder: str, names: list[str]) -> None:
         for name in names:
             inside(folder, name, "a DCP checkpoint's file")
-            remote.download(self._join(name), os.path.join(folder, name), self.options)
+            remote.download(self.join(name), os.path.join(folder, name), self.options)
 
     def _remove(self, names: Any) -> None:
         for name in names:
             with contextlib.suppress(OSError):
-                remote.delete(self._join(name), self.options)
+                remote.delete(self.join(name), self.options)
 
     def commit(self, name: str, data: bytes, files: set[str]) -> None:
         """Put the commit object ``name`` conditionally; on a conflict this save's
@@ -534,13 +536,13 @@ class _Remote:
         base = self._base
         try:
             remote.put_bytes(
-                self._join(name), data, self.options,
+                self.join(name), data, self.options,
                 create=base is None, if_match=None if base is None else base[1],
             )  # fmt: skip
         except CommitConflictError:
             self._remove(files)
             raise
-        previous = fmt.files_named(base[0], self._join(name)) if base is not None else set()
+        previous = fmt.files_named(base[0], self.join(name)) if base is not None else set()
         if previous is None:  # an old .metadata that cannot be read: remove nothing
             return
         keep = set(files) | previous
@@ -653,6 +655,7 @@ class FileSystemReader(_TorchReader):
         self.share = share
         self.process_group = process_group
         self._sizes: dict[str, tuple[torch.dtype, int]] = {}
+        self._metadata: Metadata | None = None
         #: The last load's sharing: items (and bytes) this rank read for the
         #: others, and received from them.
         self.last_share: dict[str, int] = {}
@@ -666,6 +669,7 @@ class FileSystemReader(_TorchReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata
         self._sizes = {
             fqn: (md.properties.dtype, 0)
             for fqn, md in metadata.state_dict_metadata.items()
@@ -762,10 +766,12 @@ class FileSystemReader(_TorchReader):
         """``.metadata`` (``__{rank}.metadata`` with ``rank=``), unpickled with the
         allow-list and checked (see the module doc)."""
         path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
-        if self._store.url is not None:
-            os.makedirs(self.path, exist_ok=True)
-            self._store.download(os.fspath(self.path), [os.path.basename(path)])
-        metadata = read_metadata(path, trusted=self.trusted_metadata)
+        if self._store.url is not None:  # one GET, no local copy
+            url = self._store.join(os.path.basename(path))
+            raw, _ = remote.get_bytes(url, self._store.options)
+            metadata = fmt.parse_metadata(raw, url, trusted=self.trusted_metadata)
+        else:
+            metadata = read_metadata(path, trusted=self.trusted_metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = _md.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -774,12 +780,113 @@ class FileSystemReader(_TorchReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._store.url is None:
             return self._read_plan(plan, planner)
-        names = sorted({self.storage_data[r.storage_index].relative_path for r in plan.items})
         try:
+            if self._read_stored(plan, planner):
+                fut: Future[None] = Future()
+                fut.set_result(None)
+                return fut
+            names = sorted({self.storage_data[r.storage_index].relative_path for r in plan.items})
+            os.makedirs(self.path, exist_ok=True)
             self._store.download(os.fspath(self.path), names)
             return self._read_plan(plan, planner)
         finally:
             shutil.rmtree(self.path, ignore_errors=True)
+
+    def _read_stored(self, plan: LoadPlan, planner: LoadPlanner) -> bool:
+        """``read_data`` from a store with no local copy: each data file's
+        version pinned by a HEAD, then ranged GETs of each tensor request's bytes
+        straight into its destination (as ``_plan_read`` places them: a strided
+        or partial request through a temporary of the item's tensor) and of each
+        bytes item, with the zip head of every tensor item in the same GETs.
+        The head is predicted from the item's dtype and shape (``item_zip``:
+        what ckptio's and torch's writers write, at either alignment) and
+        compared byte for byte once in: it confirms where the data lies. False
+        (the caller reads the plan from a scratch copy, writing every
+        destination again) where it does not apply: ``verify``, a group's
+        shared read, items with stream transforms, an item of another layout."""
+        if self.verify or (isinstance(plan.storage_data, _Shares) and self._group() is not None):
+            return False
+        folder, store = os.fspath(self.path), self._store
+        by_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            info: _StorageInfo = self.storage_data[req.storage_index]
+            if getattr(info, "transform_descriptors", None):
+                return False
+            by_file.setdefault(info.relative_path, []).append(req)
+        reads = []
+        commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
+        blobs: list[tuple[Any, torch.Tensor]] = []
+        for rel, reqs in by_file.items():
+            inside(folder, rel, store.join(fmt.METADATA))  # a name of the checkpoint's folder
+            url = store.join(rel)
+            head = remote.head(url, store.options)
+            segments: list[tuple[int, int, int, int]] = []
+            owners: list[torch.Tensor] = []
+            heads: dict[int, bytes] = {}  # item offset -> its predicted zip head
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                if info.offset + info.length > head["size"]:
+                    return False  # the scratch copy's reader names what is wrong
+                if req.type == LoadItemType.BYTE_IO:
+                    buf = torch.empty(info.length, dtype=torch.uint8)
+                    if info.length:
+                        segments.append((info.offset, buf.data_ptr(), info.length, -1))
+                        owners.append(buf)
+                    blobs.append((req, buf))
+                    continue
+                layout = self._predicted_item(req, info)
+                if layout is None:
+                    return False
+                meta, item = layout
+                heads[info.offset] = item.head
+                data_off = info.offset + item.data_off
+                self._plan_read(url, req, planner, meta, data_off, segments, owners, commits)
+            spans = sorted(heads.items())
+            got = torch.empty(sum(len(h) for _, h in spans), dtype=torch.uint8)
+            at = got.data_ptr()
+            for off, h in spans:
+                segments.append((off, at, len(h), -1))
+                at += len(h)
+            reads.append((url, segments, [*owners, got], head["e_tag"], spans, got))
+        self.last_stats = []
+        for url, segments, owners, e_tag, spans, got in reads:
+            stats = transfer.read_from_store(url, segments, owners, store.options, e_tag)
+            if got.numpy().tobytes() != b"".join(h for _, h in spans):
+                return False  # not the layout predicted: the scratch copy reads it all again
+            self.last_stats.append(dict(stats, path=url))
+        for req, buf in blobs:
+            planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
+        for req, target, tmp, src in commits:
+            if tmp is not None:
+                view = tmp.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
+                target.copy_(view)
+            planner.commit_tensor(req, target)
+        return True
+
+    def _predicted_item(
+        self, req: Any, info: _StorageInfo
+    ) -> tuple[torch.Tensor, fmt.ItemZip] | None:
+        """(the item's tensor on the meta device, its zip as a writer lays it
+        out) from ``.metadata``'s dtype and chunk shape: the alignment whose
+        item length is the stored one (ckptio's 4 KiB for large items, torch's
+        64 bytes); None where neither is."""
+        if self._metadata is None:
+            return None
+        md = self._metadata.state_dict_metadata.get(req.storage_index.fqn)
+        if not isinstance(md, _md.TensorStorageMetadata):
+            return None
+        want = req.storage_index.offset
+        chunk = next(
+            (c for c in md.chunks if want is None or tuple(c.offsets) == tuple(want)), None
+        )
+        if chunk is None:
+            return None
+        shape, dtype = tuple(int(n) for n in chunk.sizes), md.properties.dtype
+        for align in (fmt.ALIGN, 64):
+            item = fmt.item_zip(dtype, shape, align)
+            if item.length == info.length:
+                return torch.empty(shape, dtype=dtype, device="meta"), item
+        return None
 
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         shares = plan.storage_data
