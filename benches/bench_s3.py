@@ -29,6 +29,11 @@ Clients, at the same part size and concurrency (``--part-size``,
   a module tree built before the timed call.
 - s3torchconnector: ``torch.save`` into ``S3Checkpoint.writer``, ``torch.load``
   of ``S3Checkpoint.reader`` (path-style addressing, its part size set).
+- DCP: ``dcp.save`` / ``dcp.load`` (one process) with ckptio's
+  ``FileSystemWriter(url)`` / ``FileSystemReader(url)`` and with
+  s3torchconnector's ``S3StorageWriter`` (``thread_count`` = the concurrency) /
+  ``S3StorageReader`` (its default reader), into a state dict of tensors made
+  before the timed call.
 - boto3: ``torch.save`` to a temp file then ``upload_file``; ``download_file``
   then ``torch.load`` (the transfer manager, TransferConfig of the same part
   size and concurrency), in the same scratch folder as ckptio's.
@@ -85,6 +90,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("save", "boto3 (torch.save + upload_file)", "sd"),
     ("save", "s3fs (torch.save into fs.open)", "sd"),
     ("save", "ckptio.safetensors.save_file", "sd"),
+    ("save", "ckptio.dcp (FileSystemWriter)", "sd"),
+    ("save", "s3torchconnector DCP (S3StorageWriter)", "sd"),
     ("save", "raw: ckptio remote.upload", "raw"),
     ("save", "raw: boto3 upload_file", "raw"),
     ("save", "raw: obstore.put", "raw"),
@@ -96,6 +103,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("load", "s3fs (torch.load from fs.open)", "sd"),
     ("load", "ckptio.safetensors.load_file (straight into tensors)", "sd"),
     ("load", "boto3 (download_file + safetensors load_file)", "sd"),
+    ("load", "ckptio.dcp (FileSystemReader)", "sd"),
+    ("load", "s3torchconnector DCP (S3StorageReader)", "sd"),
     ("load", "raw: ckptio remote.download", "raw"),
     ("load", "raw: boto3 download_file", "raw"),
     ("load", "raw: obstore.get", "raw"),
@@ -111,6 +120,10 @@ OBJECT = {
     "ckptio.load [in place]": "ckptio.pt",
     "ckptio.load_state_dict [in place]": "ckptio.pt",
     "s3torchconnector": "s3tc.pt",
+    "ckptio.dcp (FileSystemWriter)": "ckptio-dcp",
+    "ckptio.dcp (FileSystemReader)": "ckptio-dcp",
+    "s3torchconnector DCP (S3StorageWriter)": "s3tc-dcp",
+    "s3torchconnector DCP (S3StorageReader)": "s3tc-dcp",
     "boto3 (torch.save + upload_file)": "boto3.pt",
     "boto3 (download_file + torch.load)": "boto3.pt",
     "s3fs (torch.save into fs.open)": "s3fs.pt",
@@ -125,8 +138,16 @@ OBJECT = {
 }
 # The peers every row is also compared with, per direction.
 PEERS = {
-    "save": ("s3torchconnector", "boto3 (torch.save + upload_file)"),
-    "load": ("s3torchconnector", "boto3 (download_file + torch.load)"),
+    "save": (
+        "s3torchconnector",
+        "boto3 (torch.save + upload_file)",
+        "s3torchconnector DCP (S3StorageWriter)",
+    ),
+    "load": (
+        "s3torchconnector",
+        "boto3 (download_file + torch.load)",
+        "s3torchconnector DCP (S3StorageReader)",
+    ),
 }
 CPU_PARTS = ("client", "server", "others", "steal")
 PACKAGES = ("torch", "ckptio", "s3torchconnector", "boto3", "s3fs", "fsspec", "obstore")
@@ -273,6 +294,28 @@ def _s3tc(s: dict[str, Any]) -> Any:
     return S3Checkpoint(region=s["region"], endpoint=s["endpoint"], s3client_config=cfg)
 
 
+def _dcp_client(s: dict[str, Any], row: str, url: str, opts: dict[str, Any]) -> Any:
+    """The DCP storage writer or reader of a row."""
+    if row.startswith("ckptio.dcp"):
+        from ckptio import dcp as ckdcp
+
+        cls = ckdcp.FileSystemWriter if s["direction"] == "save" else ckdcp.FileSystemReader
+        return cls(url, storage_options=opts)
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+    cfg = S3ClientConfig(force_path_style=True, part_size=s["part_size"])
+    if s["direction"] == "save":
+        client = S3StorageWriter(s["region"], url, s3client_config=cfg,
+                                 thread_count=s["concurrency"])  # fmt: skip
+    else:
+        client = S3StorageReader(s["region"], url, s3client_config=cfg)
+    # Its file system makes a client without an endpoint: the run's server's.
+    client.fs._client = S3Client(s["region"], endpoint=s["endpoint"], s3client_config=cfg)
+    return client
+
+
 def _s3fs(s: dict[str, Any]) -> Any:
     import s3fs
 
@@ -318,6 +361,11 @@ def setup(s: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
                         torch.save(sd, w)
 
                 return run, ok_none
+            if "DCP" in row or row.startswith("ckptio.dcp"):
+                import torch.distributed.checkpoint as dcp
+
+                writer = _dcp_client(s, row, url, opts)
+                return lambda: dcp.save(sd, storage_writer=writer, no_dist=True), ok_none
             if row.startswith("boto3"):
                 client, cfg = _boto3(s)
 
@@ -340,6 +388,17 @@ def setup(s: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
 
                 return run, ok_none
         else:
+            if "DCP" in row or row.startswith("ckptio.dcp"):
+                import torch.distributed.checkpoint as dcp
+
+                reader = _dcp_client(s, row, url, opts)
+                out = {k: torch.empty_like(v, device=dev) for k, v in sd.items()}
+
+                def run() -> Any:
+                    dcp.load(out, storage_reader=reader, no_dist=True)
+                    return out
+
+                return run, same
             if row == "ckptio.load_state_dict [in place]":
                 import benchlib
 
@@ -567,7 +626,7 @@ def table(
         ceiling = max(raws, key=raws.__getitem__) if raws else None
         peers = [p for p in PEERS[direction] if p in med]
         cols = [f"r{i + 1}" for i in range(rounds)]
-        head = ["", *cols, "median GiB/s", "x ceiling"] + [f"x {p.split(' ')[0]}" for p in peers]
+        head = ["", *cols, "median GiB/s", "x ceiling"] + [f"x {p.split(' (')[0]}" for p in peers]
         head += ["peak RSS +GiB", "CPU s/GiB: client", "server", "rest", "steal"]
         lines.append(f"\n{direction} (ceiling: {ceiling or 'none'})\n")
         lines.append("| " + " | ".join(head) + " |")

@@ -590,6 +590,33 @@ def test_the_command_line_takes_urls(s3):
     assert r.returncode == 1 and "no such key" in r.stderr and r.stderr.count("\n") == 1
 
 
+def test_convert_moves_objects_with_no_local_copy(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path / "none"))  # a scratch copy would fail
+    sd = _state(8)
+    src, st, back = s3.url("conv.pt"), s3.url("conv.safetensors"), s3.url("conv-back.pt")
+    ckptio.save(sd, src, storage_options=s3.options)
+    r = _cli(s3, "convert", src, st)
+    assert r.returncode == 0, r.stderr
+    _same(ckptio.safetensors.load_file(st, storage_options=s3.options), sd)
+    assert ckptio.safetensors.metadata(st, storage_options=s3.options) == {"format": "pt"}
+    r = _cli(s3, "convert", st, back)
+    assert r.returncode == 0 and "is not kept" in r.stdout + r.stderr, r.stderr
+    _same(ckptio.load(back, storage_options=s3.options), sd)
+    local = tmp_path / "local.safetensors"
+    r = _cli(s3, "convert", src, str(local))  # a store to a file, and back
+    assert r.returncode == 0, r.stderr
+    _same(ckptio.safetensors.load_file(local), sd)
+    r = _cli(s3, "convert", str(local), s3.url("from-local.pt"))
+    assert r.returncode == 0, r.stderr
+    _same(ckptio.load(s3.url("from-local.pt"), storage_options=s3.options), sd)
+    r = _cli(s3, "convert", s3.url("missing.pt"), str(tmp_path / "x.safetensors"))
+    assert r.returncode == 1 and "no such key" in r.stderr and r.stderr.count("\n") == 1
+    ckptio.save({"n": 1}, s3.url("odd.pt"), storage_options=s3.options)  # not a tensor
+    r = _cli(s3, "convert", s3.url("odd.pt"), s3.url("odd.safetensors"))
+    assert r.returncode == 1 and "not a tensor" in r.stderr, r.stderr
+    assert not remote.listing(s3.url("odd.safetensors"), s3.options)  # nothing published
+
+
 def test_clean_aborts_dangling_uploads(s3):
     boto3 = pytest.importorskip("boto3")
     client = boto3.client(

@@ -495,8 +495,14 @@ def load(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     return out
 
 
-def metadata(filename: str | os.PathLike[str]) -> dict[str, str] | None:
-    """The ``__metadata__`` of a safetensors file (the header is validated, no data is read)."""
+def metadata(
+    filename: str | os.PathLike[str], *, storage_options: remote.StorageOptions = None
+) -> dict[str, str] | None:
+    """The ``__metadata__`` of a safetensors file (the header is validated, no data
+    is read); of an object URL, its header in one ranged GET."""
+    remote.check_options(filename, storage_options)
+    if remote.is_url(filename):
+        return fmt.read_stored_header(os.fsdecode(os.fspath(filename)), storage_options)[2]
     path = paths.path(filename, "safetensors.metadata")
     with paths.open_regular(path) as f:
         return fmt.read_header(f.fileno(), path)[0]

@@ -20,6 +20,7 @@ import os
 
 from ckptio.errors import FormatError
 from ckptio.formats import dcp, torchzip
+from ckptio.io import remote
 from ckptio.io.paths import open_regular
 
 TORCH = "torch.save"
@@ -73,16 +74,9 @@ def detect(path: str | os.PathLike[str]) -> Detected:
     with open_regular(p) as f:
         head = f.read(16)
         size = os.fstat(f.fileno()).st_size
-    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
-        return Detected(TORCH, p, p)
-    if torchzip.is_legacy(head[:14]):
-        raise FormatError(
-            f"{p}: a legacy torch.save file (torch < 1.6, not a zip archive): torch.load "
-            "reads it; ckptio's commands read zip checkpoints"
-        )
-    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
-    if 2 <= n <= size - 8:  # a header length that fits: safetensors (its parser judges the rest)
-        return Detected(SAFETENSORS, p, p)
+    single = _single_file(p, head, size)
+    if single is not None:
+        return Detected(single, p, p)
     if head.lstrip()[:1] == b"{" and size <= _MAX_INDEX:
         if _is_index(p):
             return Detected(SHARDED, p, p)
@@ -93,6 +87,35 @@ def detect(path: str | os.PathLike[str]) -> Detected:
         f"{p}: not a checkpoint ckptio reads ({what}): neither a torch.save zip archive, "
         "a safetensors file or index, nor a DCP checkpoint"
     )
+
+
+def _single_file(p: str, head: bytes, size: int) -> str | None:
+    """TORCH or SAFETENSORS from a file's first 16 bytes and its size, else None;
+    a FormatError for torch's legacy format."""
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return TORCH
+    if torchzip.is_legacy(head[:14]):
+        raise FormatError(
+            f"{p}: a legacy torch.save file (torch < 1.6, not a zip archive): torch.load "
+            "reads it; ckptio's commands read zip checkpoints"
+        )
+    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+    if 2 <= n <= size - 8:  # a header length that fits: safetensors (its parser judges the rest)
+        return SAFETENSORS
+    return None
+
+
+def detect_stored(url: str, options: remote.StorageOptions = None) -> Detected:
+    """:func:`detect` of a single object in a store (a torch.save archive or a
+    safetensors file), from its first bytes: one ranged GET.
+    FileNotFoundError where there is no such object (a folder included);
+    FormatError naming the URL for any other content."""
+    head, info = remote.read(url, 0, 16, options)
+    found = _single_file(url, head, info["size"])
+    if found is None:
+        what = "an empty object" if info["size"] == 0 else f"it starts with {head[:8]!r}"
+        raise FormatError(f"{url}: not a torch.save archive nor a safetensors file ({what})")
+    return Detected(found, url, url)
 
 
 def _is_index(path: str) -> bool:

@@ -183,6 +183,8 @@ def _local_copies(a: argparse.Namespace, stack: contextlib.ExitStack) -> None:
         return  # clean acts on the store itself
     if a.cmd in ("ls", "inspect", "verify"):
         return  # they read a torch.save object straight, anything else from a scratch copy
+    if a.cmd == "convert" and (not remote.is_url(a.src) or _is_object(a.src)):
+        return  # read straight from the store, written straight to it
     for name in ("path", "src"):
         value = getattr(a, name, None)
         if value is not None and remote.is_url(value):
@@ -190,6 +192,15 @@ def _local_copies(a: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     dst = getattr(a, "dst", None)
     if dst is not None and remote.is_url(dst):
         a.dst = stack.enter_context(remote.staged_save(dst))
+
+
+def _is_object(url: str) -> bool:
+    """Whether ``url`` names an object (not a folder, nor nothing)."""
+    try:
+        remote.head(url)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _object_size(url: str) -> int:
@@ -271,13 +282,15 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 
 def _cmd_convert(a: argparse.Namespace) -> int:
-    src = detect.detect(a.src)
+    stored = remote.is_url(a.src)
+    src = detect.detect_stored(a.src) if stored else detect.detect(a.src)
     if src.format not in (detect.TORCH, detect.SAFETENSORS):
         raise FormatError(
             f"{a.src} is a {src.format} checkpoint; convert takes a torch.save file or a "
             "safetensors file"
         )
-    total = 2 * describe.checkpoint_bytes(src)  # read once, written once
+    # Read once, written once.
+    total = 2 * (_object_size(a.src) if stored else describe.checkpoint_bytes(src))
     with Progress(f"converting {a.src}", total, enabled=False if a.quiet else None) as p:
         start = io_bytes()
         p.follow(lambda: io_bytes() - start)

@@ -28,6 +28,7 @@ import torch
 from ckptio import safetensors as cst
 from ckptio.errors import ConversionError, FormatError
 from ckptio.formats import detect
+from ckptio.io import remote
 from ckptio.serialization import last_report, load, save
 
 FORMATS = ("safetensors", "torch")
@@ -116,8 +117,16 @@ def convert(
     source: detect.Detected | None = None,
 ) -> str:
     """Convert ``src`` into ``dst``; returns the format written. ``source``: what
-    ``formats.detect`` found ``src`` to be, where the caller asked already."""
-    found = source or detect.detect(src)
+    ``formats.detect`` found ``src`` to be, where the caller asked already.
+    Either may be an object URL (configured by the AWS_* variables): the
+    tensors are then read straight from the store and streamed to it, with no
+    local copy."""
+    if source is not None:
+        found = source
+    elif remote.is_url(src):
+        found = detect.detect_stored(os.fsdecode(os.fspath(src)))
+    else:
+        found = detect.detect(src)
     formats = {detect.TORCH: "torch", detect.SAFETENSORS: "safetensors"}
     if found.format not in formats:
         raise FormatError(
