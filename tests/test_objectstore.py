@@ -380,7 +380,7 @@ def test_dcp_commits_by_its_metadata(s3):
 @pytest.mark.parametrize("writer", ["ckptio", "torch"])
 def test_dcp_reader_reads_a_store_straight_into_the_state_dict(s3, tmp_path, scratch, writer):
     import torch.distributed.checkpoint as dcp
-    from ckptio.dcp import FileSystemReader
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
 
     g = torch.Generator().manual_seed(5)
     sd = {
@@ -392,8 +392,27 @@ def test_dcp_reader_reads_a_store_straight_into_the_state_dict(s3, tmp_path, scr
         "name": "run-1",
     }
     url = s3.url(f"dcp-straight-{writer}")
-    if writer == "ckptio":
-        _dcp_save(url, sd, s3)
+    if writer == "ckptio":  # streamed from memory, nothing written locally
+        w = FileSystemWriter(url, storage_options=s3.options)
+        dcp.save(sd, storage_writer=w, no_dist=True)
+        assert w.last_stats and all(s["backend"] == "store" for s in w.last_stats)
+        assert os.listdir(scratch) == []
+        with pytest.raises(CheckpointException, match="overwrite"):  # torch's check, in the store
+            w = FileSystemWriter(url, storage_options=s3.options, overwrite=False)
+            dcp.save(sd, storage_writer=w, no_dist=True)
+        # Byte for byte the file the local writer makes of the same plan
+        # (the data file's token aside), CRC-32s included: torch's reader reads it.
+        [data] = [u for u, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
+        local = tmp_path / "local"
+        dcp.save(sd, storage_writer=FileSystemWriter(local), no_dist=True)
+        [mine] = [n for n in os.listdir(local) if n.endswith(".distcp")]
+        assert remote.get_bytes(data, s3.options)[0] == (local / mine).read_bytes()
+        remote.download(data, tmp_path / "t.distcp", s3.options)
+        remote.download(remote.join(url, ".metadata"), tmp_path / ".metadata", s3.options)
+        os.rename(tmp_path / "t.distcp", tmp_path / os.path.basename(data))
+        back = {"big": torch.zeros(3 << 18)}
+        dcp.load(back, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+        assert torch.equal(back["big"], sd["big"])
     else:  # torch's own writer, its files uploaded as they are
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "t"), no_dist=True)
         for name in os.listdir(tmp_path / "t"):
@@ -460,13 +479,14 @@ def test_a_racing_dcp_save_is_a_conflict(s3, monkeypatch):
     url = s3.url("dcp-race")
     _dcp_save(url, _dcp_state(1), s3)
     before = set(_shard_names(s3, url))
-    real = ckdcp._Remote.upload
+    real = ckdcp.FileSystemWriter._upload_files
 
-    def upload_then_race(self, folder, names):
-        real(self, folder, names)
+    def upload_then_race(self, plan, planner):
+        got = real(self, plan, planner)
         remote.put_bytes(url + "/.metadata", b"another writer", s3.options)
+        return got
 
-    monkeypatch.setattr(ckdcp._Remote, "upload", upload_then_race)
+    monkeypatch.setattr(ckdcp.FileSystemWriter, "_upload_files", upload_then_race)
     # DCP reports a failed step as its CheckpointException, the cause named.
     with pytest.raises(CheckpointException, match="CommitConflictError"):
         _dcp_save(url, _dcp_state(2), s3)
@@ -1275,3 +1295,33 @@ def test_cuda_safetensors_save_file_streams_byte_for_byte(s3, tmp_path, scratch)
     assert os.listdir(scratch) == []
     assert all(t.is_cuda for t in back.values())
     _same(_to(back, "cpu"), sd)
+
+
+@gpu
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_cuda_dcp_save_and_load_stream_with_the_stores_crc32s(s3, tmp_path, scratch):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
+
+    g = torch.Generator().manual_seed(11)
+    sd = {f"t{i}": torch.randn(300 + i, generator=g) for i in range(20)}
+    sd["big"] = torch.randn(10 << 20, generator=g)  # 40 MiB across three parts
+    sd["bf"] = torch.randn(77, 5, generator=g).bfloat16()
+    on_gpu = {k: (v.cuda() if i % 2 else v) for i, (k, v) in enumerate(sd.items())}
+    url = s3.url("cuda-dcp")
+    w = FileSystemWriter(url, storage_options=s3.options)
+    dcp.save(on_gpu, storage_writer=w, no_dist=True)
+    assert all(s["backend"] == "store" for s in w.last_stats)
+    assert os.listdir(scratch) == []
+    # The CRC-32s the parts computed from device memory: verify=True checks each
+    # (through the scratch copy: a verifying reader reads files).
+    out = {k: torch.zeros_like(v) for k, v in on_gpu.items()}
+    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options, verify=True),
+             no_dist=True)  # fmt: skip
+    _same(_to(out, "cpu"), sd)
+    out = {k: torch.zeros_like(v) for k, v in on_gpu.items()}
+    r = FileSystemReader(url, storage_options=s3.options)
+    dcp.load(out, storage_reader=r, no_dist=True)  # straight into CUDA memory
+    assert all(s["backend"] == "store" for s in r.last_stats)
+    assert os.listdir(scratch) == []
+    _same(_to(out, "cpu"), sd)

@@ -536,8 +536,10 @@ def store_upload_image(
     threads: int = 8,
     chunk: int = 16777216,
     streams: list[tuple[int, int]] = ...,
+    patches: list[tuple[int, int]] = ...,
 ) -> dict[str, Any]:
-    """An object of header bytes and host or CUDA memory segments uploaded part by part."""
+    """An object of header bytes and host or CUDA memory segments uploaded part by
+    part; ``patches``: (segment index, object offset) where a segment's CRC-32 goes."""
 
 def store_torch_map(
     url: str,

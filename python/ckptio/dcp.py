@@ -24,6 +24,9 @@ bytes move:
   relative paths, torch's included. Two saves into one folder at once are not
   supported (as with torch's writer): the later commit wins and may remove the
   other's files.
+- Into an object store (a URL), each data file is uploaded part by part
+  straight from the tensors' memory, byte for byte the file the local writer
+  makes (CRC-32s included); ``.metadata`` is the commit, a conditional PUT.
 - The reader maps each item's zip header once and reads tensor bytes straight
   into the destination tensors, GPU included (the planner's tensors, or a
   temporary on the same device when the request is a strided slice); from an
@@ -198,6 +201,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self._io = IoOptions.of(threads, chunk_size, direct, backend)
         self.last_stats: list[dict[str, Any]] = []
+        self._file_system()
 
     # The writer travels to DCP's checkpoint process (PROCESS mode): the stager's
     # buffers and threads stay behind.
@@ -214,12 +218,33 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().reset(self._store.reset(checkpoint_id))
+        self._file_system()
+
+    def _file_system(self) -> None:
+        """torch's file system for a folder, or for a store one that makes no
+        scratch folder in ``prepare_local_plan``: only what writes into it
+        does (a save streamed to the store writes nothing locally)."""
+        self.fs = _fs.FileSystem() if self._store.url is None else _StoreScratch()
 
     def storage_meta(self) -> Any:
         meta = super().storage_meta()
         if self._store.url is not None and meta is not None:
             meta.checkpoint_id = self._store.url
         return meta
+
+    def _metadata_exists(self) -> bool:
+        """torch's check before a save (``overwrite=False`` refuses an existing
+        checkpoint), of the store where the checkpoint is a URL."""
+        if self._store.url is None:
+            return bool(super()._metadata_exists())
+        name = os.path.basename(
+            os.fspath(self._get_metadata_path(None if self.use_collectives else 0))
+        )
+        try:
+            remote.head(self._store.join(name), self._store.options)
+        except FileNotFoundError:
+            return False
+        return True
 
     def _token(self) -> str:
         """A generation token no file in the folder (or the store) carries yet."""
@@ -286,7 +311,9 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._store.url is None:
             return self._write_files(plan, planner)
-        os.makedirs(self.path, exist_ok=True)
+        if not (self._torch_writes() or self._extensions()):
+            return self._upload_files(plan, planner)
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
         try:
             results = self._write_files(plan, planner).wait()
             names = sorted({wr.storage_data.relative_path for wr in results})
@@ -297,23 +324,46 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         fut.set_result(results)
         return fut
 
+    def _buckets(self, plan: SavePlan) -> list[tuple[str, list[Any]]]:
+        """Each data file of this rank's plan: (name, items)."""
+        prefix: _StoragePrefix = plan.storage_data
+        if self.single_file_per_rank:
+            buckets = _split_by_size_and_type(self.thread_count, plan.items)
+        else:
+            buckets = [[item] for item in plan.items]
+        return [(f"{prefix.prefix}{n}{DEFAULT_SUFFIX}", b) for n, b in enumerate(buckets)]
+
+    def _upload_files(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """``write_data`` into a store with no local copy: each data file
+        uploaded straight from memory (``_upload_file``); on a failure, the
+        files this rank uploaded go before the error does."""
+        results: list[WriteResult] = []
+        self.last_stats = []
+        done: list[str] = []
+        try:
+            for name, items in self._buckets(plan):
+                results += self._upload_file(name, items, planner)
+                done.append(name)
+        except BaseException:
+            self._store.remove(done)
+            raise
+        finally:
+            shutil.rmtree(self.path, ignore_errors=True)  # the scratch folder, unused
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
     def _write_files(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._torch_writes():
             self.last_stats = []
             fut_torch: Future[list[WriteResult]] = _FileSystemWriter.write_data(self, plan, planner)
             return fut_torch
         write_file = self._write_file_zstd if self._extensions() else self._write_file
-        prefix: _StoragePrefix = plan.storage_data
-        if self.single_file_per_rank:
-            buckets = _split_by_size_and_type(self.thread_count, plan.items)
-        else:
-            buckets = [[item] for item in plan.items]
         results: list[WriteResult] = []
         self.last_stats = []
         written: list[str] = []
         try:
-            for n, items in enumerate(buckets):
-                name = f"{prefix.prefix}{n}{DEFAULT_SUFFIX}"
+            for n, (name, items) in enumerate(self._buckets(plan)):
                 path = os.path.join(self.path, name)
                 # Temp files of dead saves go before this rank's first file, once.
                 results += write_file(path, name, items, planner, sweep=n == 0)
@@ -330,6 +380,48 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         fut.set_result(results)
         return fut
 
+    def _image(
+        self, name: str, items: list[Any], planner: SavePlanner
+    ) -> tuple[fmt.FileImage, list[WriteResult], list[torch.Tensor]]:
+        """The data file ``name`` of ``items`` laid out (``FileImage``), its
+        write results, and the tensors made contiguous here (they must live
+        until the bytes are written)."""
+        image = fmt.FileImage()
+        results = []
+        keep = []
+        for item in items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                offset = align_up(image.end, torchzip.TORCH_ALIGNMENT)
+                image.bytes_at(offset, blob)
+                length = len(blob)
+            else:
+                t = data.detach()
+                if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                    t = t.contiguous().resolve_conj().resolve_neg()
+                keep.append(t)
+                nbytes = t.numel() * t.element_size()
+                align = fmt.ALIGN if nbytes >= fmt.PACK_ITEMS else torchzip.TORCH_ALIGNMENT
+                z = fmt.item_zip(t.dtype, tuple(t.shape), align)
+                offset = align_up(image.end, align)
+                image.bytes_at(offset, z.head)
+                length = z.length
+                if nbytes:
+                    dev = devices.device_code(t.untyped_storage(), f"item {item.index.fqn}")
+                    tail = offset + z.data_off + nbytes
+                    crc_at = [tail + at for at in z.crc_at]
+                    image.memory_at(offset + z.data_off, t.data_ptr(), nbytes, dev, crc_at)
+                    image.bytes_at(tail, z.tail)
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=length,
+                    storage_data=_StorageInfo(name, offset, length),
+                )
+            )
+        return image, results, keep
+
     def _write_file(
         self, path: str, name: str, items: list[Any], planner: SavePlanner, sweep: bool
     ) -> list[WriteResult]:
@@ -337,40 +429,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         engine = opts.engine()
         writer = _native.AtomicWriter(path, opts.direct, opts.backend, sweep)
         try:
-            image = fmt.FileImage()
-            results = []
-            keep = []  # tensors made contiguous here live until the write is done
-            for item in items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                    offset = align_up(image.end, torchzip.TORCH_ALIGNMENT)
-                    image.bytes_at(offset, blob)
-                    length = len(blob)
-                else:
-                    t = data.detach()
-                    if not t.is_contiguous() or t.is_conj() or t.is_neg():
-                        t = t.contiguous().resolve_conj().resolve_neg()
-                    keep.append(t)
-                    nbytes = t.numel() * t.element_size()
-                    align = fmt.ALIGN if nbytes >= fmt.PACK_ITEMS else torchzip.TORCH_ALIGNMENT
-                    z = fmt.item_zip(t.dtype, tuple(t.shape), align)
-                    offset = align_up(image.end, align)
-                    image.bytes_at(offset, z.head)
-                    length = z.length
-                    if nbytes:
-                        dev = devices.device_code(t.untyped_storage(), f"item {item.index.fqn}")
-                        tail = offset + z.data_off + nbytes
-                        crc_at = [tail + at for at in z.crc_at]
-                        image.memory_at(offset + z.data_off, t.data_ptr(), nbytes, dev, crc_at)
-                        image.bytes_at(tail, z.tail)
-                results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=length,
-                        storage_data=_StorageInfo(name, offset, length),
-                    )
-                )
+            image, results, keep = self._image(name, items, planner)
             buf = torch.frombuffer(image.blob, dtype=torch.uint8) if image.blob else None
             segments = image.segments(buf.data_ptr() if buf is not None else 0)
             # One pass: headers, data and tails; each item's CRC-32 goes into its
@@ -391,6 +450,22 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         except BaseException:
             writer.abort()
             raise
+
+    def _upload_file(self, name: str, items: list[Any], planner: SavePlanner) -> list[WriteResult]:
+        """The data file ``name`` of ``items`` uploaded to the store part by part
+        straight from the tensors' memory (host or CUDA), its headers and tails
+        from the image, each item's CRC-32 put into its zip as the parts pass:
+        one multipart upload, whose completion makes the object."""
+        image, results, keep = self._image(name, items, planner)
+        buf = torch.frombuffer(image.blob, dtype=torch.uint8) if image.blob else None
+        segments = image.segments(buf.data_ptr() if buf is not None else 0)
+        owners = [*keep, buf] if buf is not None else keep
+        url = self._store.join(name)
+        stats = transfer.upload_image(
+            url, b"", segments, owners, image.end, self._store.options, image.patches
+        )
+        self.last_stats.append(dict(stats, path=url))
+        return results
 
     def _write_file_zstd(
         self, path: str, name: str, items: list[Any], planner: SavePlanner, sweep: bool
@@ -468,6 +543,15 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         fmt.sweep(os.fspath(self.path))
 
 
+class _StoreScratch(_fs.FileSystem):
+    """torch's file system over a store writer's scratch folder, which
+    ``write_data`` makes where files pass through it (torch makes it before
+    any write)."""
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        pass
+
+
 class _Remote:
     """A DCP checkpoint in an object store: the URL, the options, the local
     scratch folder the files pass through, and the commit (see the writer's doc)."""
@@ -492,8 +576,11 @@ class _Remote:
         return self.folder() if self.url is not None else checkpoint_id
 
     def folder(self) -> str:
+        """The scratch folder the files pass through where they cannot go
+        straight (a name of its own, made only by what writes into it: a
+        straight save or load needs no writable scratch)."""
         if self._folder is None:
-            self._folder = remote.scratch_folder(prefix="ckptio-dcp-")
+            self._folder = os.path.join(remote.scratch_dir(), f"ckptio-dcp-{secrets.token_hex(8)}")
         return self._folder
 
     def join(self, name: str) -> str:
@@ -517,7 +604,7 @@ class _Remote:
                 remote.upload(os.path.join(folder, name), self.join(name), self.options)
                 done.append(name)
         except BaseException:
-            self._remove(done)
+            self.remove(done)
             raise
 
     def download(self, folder: str, names: list[str]) -> None:
@@ -525,7 +612,7 @@ class _Remote:
             inside(folder, name, "a DCP checkpoint's file")
             remote.download(self.join(name), os.path.join(folder, name), self.options)
 
-    def _remove(self, names: Any) -> None:
+    def remove(self, names: Any) -> None:
         for name in names:
             with contextlib.suppress(OSError):
                 remote.delete(self.join(name), self.options)
@@ -540,7 +627,7 @@ class _Remote:
                 create=base is None, if_match=None if base is None else base[1],
             )  # fmt: skip
         except CommitConflictError:
-            self._remove(files)
+            self.remove(files)
             raise
         previous = fmt.files_named(base[0], self.join(name)) if base is not None else set()
         if previous is None:  # an old .metadata that cannot be read: remove nothing
@@ -550,7 +637,7 @@ class _Remote:
         for url, _, _ in remote.listing(self.url, self.options):
             obj = url[len(self.url) + 1 :]
             if fmt.DATA_FILE.fullmatch(obj) and obj not in keep:
-                self._remove([obj])
+                self.remove([obj])
 
 
 class _Guards:
@@ -786,7 +873,7 @@ class FileSystemReader(_TorchReader):
                 fut.set_result(None)
                 return fut
             names = sorted({self.storage_data[r.storage_index].relative_path for r in plan.items})
-            os.makedirs(self.path, exist_ok=True)
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
             self._store.download(os.fspath(self.path), names)
             return self._read_plan(plan, planner)
         finally:

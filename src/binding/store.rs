@@ -322,9 +322,10 @@ pub fn store_upload_archive<'py>(
 /// bytes in all, after the work queued on `streams` (as for
 /// `store_upload_archive`): made part by part of the grid for `chunk`,
 /// `threads` parts at a time, as one multipart upload (a safetensors file
-/// straight from its tensors).
+/// straight from its tensors; a DCP data file, `patches` = [(segment index,
+/// object offset)] saying where each segment's CRC-32 goes, after it).
 #[pyfunction]
-#[pyo3(signature = (url, head, segments, owners, total, options=None, threads=8, chunk=16777216, streams=Vec::new()))]
+#[pyo3(signature = (url, head, segments, owners, total, options=None, threads=8, chunk=16777216, streams=Vec::new(), patches=Vec::new()))]
 #[allow(clippy::too_many_arguments)] // the Python signature
 pub fn store_upload_image<'py>(
     py: Python<'py>,
@@ -337,6 +338,7 @@ pub fn store_upload_image<'py>(
     threads: usize,
     chunk: u64,
     streams: Streams,
+    patches: Vec<(usize, u64)>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let segs = to_segments(segments);
     for (i, s) in segs.iter().enumerate() {
@@ -352,11 +354,13 @@ pub fn store_upload_image<'py>(
         // SAFETY: every segment lies inside its owners' memory (checked above),
         // held until this returns and left unmodified by the caller
         // (documented contract); the caller's streams are done with it.
-        let image = unsafe { PartedImage::new(head, segs, total)? };
+        let image = unsafe {
+            PartedImage::new(head, segs, total, &patches, |n| {
+                Ok(store::part_grid(n, chunk)?.part_size)
+            })?
+        };
         let grid = store::part_grid(image.len(), chunk)?;
-        store::upload_parts(s, key, grid, threads, |idx, buf| {
-            image.fill(grid.range(idx).start, buf)
-        })
+        store::upload_parts(s, key, grid, threads, |idx, buf| image.fill(idx, buf))
     })?;
     transferred_dict(py, &t)
 }

@@ -1,6 +1,7 @@
 //! Checkpoints as sequences of parts, for a sink that takes parts (a
 //! multipart upload) instead of a file: no byte goes through a local copy.
-//! [`PartedImage`]: header bytes and memory ranges (a safetensors file);
+//! [`PartedImage`]: header bytes and memory ranges (a safetensors file, or a
+//! DCP data file whose items' CRC-32 fields follow their data);
 //! [`PartedArchive`]: a torch.save archive, whose CRC-32s follow the data.
 //!
 //! Any thread may fill any part: its bytes come from the layout (headers,
@@ -24,13 +25,87 @@ use crate::engine::Segment;
 use crate::gpu::cuda::Copies;
 
 /// The parts' shared state: which parts have copied their bytes, and the
-/// CRC-32 of each storage piece copied so far.
+/// CRC-32 of each piece of a tracked range copied so far.
 #[derive(Default)]
 struct Progress {
     copied: Vec<bool>,
-    /// Per entry: (offset in the record, CRC-32, length) of each piece copied.
+    /// Per range: (offset in the range, CRC-32, length) of each piece copied.
     pieces: Vec<Vec<(u64, u32, u64)>>,
     failed: bool,
+}
+
+/// CRC-32s of memory ranges (an archive's storages, a DCP file's tensors)
+/// written after their data: each part records the CRC-32 of every piece it
+/// copies, and a part that holds a CRC field waits until the parts before
+/// the field have copied theirs, then combines the pieces.
+struct Crcs {
+    part_size: u64,
+    progress: Mutex<Progress>,
+    changed: Condvar,
+}
+
+impl Crcs {
+    fn new(total: u64, part_size: u64, ranges: usize) -> Self {
+        Crcs {
+            part_size,
+            progress: Mutex::new(Progress {
+                copied: vec![false; total.div_ceil(part_size) as usize],
+                pieces: vec![Vec::new(); ranges],
+                failed: false,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn parts(&self) -> usize {
+        lock(&self.progress).copied.len()
+    }
+
+    /// Part `idx` has copied its bytes: `pieces` = (range, offset in it, CRC-32, length).
+    fn copied(&self, idx: usize, pieces: Vec<(usize, u64, u32, u64)>) {
+        {
+            let mut p = lock(&self.progress);
+            for (i, at, crc, n) in pieces {
+                p.pieces[i].push((at, crc, n));
+            }
+            p.copied[idx] = true;
+        }
+        self.changed.notify_all();
+    }
+
+    /// A part failed: the parts waiting on it fail too.
+    fn failed(&self) {
+        lock(&self.progress).failed = true;
+        self.changed.notify_all();
+    }
+
+    /// Waits until every part holding bytes before `upto` has copied them.
+    fn wait_copied(&self, upto: u64) -> Result<std::sync::MutexGuard<'_, Progress>> {
+        let last = (upto.saturating_sub(1) / self.part_size) as usize;
+        let mut p = lock(&self.progress);
+        loop {
+            if p.failed {
+                return Err(Error::invalid("another part of the object failed"));
+            }
+            if p.copied[..=last.min(p.copied.len() - 1)].iter().all(|&c| c) {
+                return Ok(p);
+            }
+            p = wait(&self.changed, p);
+        }
+    }
+
+    /// Range `i`'s CRC-32, once every piece of it (ending at `data_end`) is copied.
+    fn crc_of(&self, i: usize, data_end: u64) -> Result<u32> {
+        let p = self.wait_copied(data_end)?;
+        let mut pieces = p.pieces[i].clone();
+        drop(p);
+        pieces.sort_unstable_by_key(|x| x.0);
+        let mut h = crc32fast::Hasher::new();
+        for (_, crc, n) in pieces {
+            h.combine(&crc32fast::Hasher::new_with_initial_len(crc, n));
+        }
+        Ok(h.finalize())
+    }
 }
 
 /// An archive laid out and cut into parts of `part_size` bytes.
@@ -42,11 +117,9 @@ pub struct PartedArchive<'a> {
     segs: Vec<(Segment, Option<usize>)>,
     /// (file offset of a data descriptor's CRC-32 field, entry), in file order.
     fields: Vec<(u64, usize)>,
-    part_size: u64,
     total: u64,
     comment: String,
-    progress: Mutex<Progress>,
-    changed: Condvar,
+    crcs: Crcs,
     tail: OnceLock<Vec<u8>>,
 }
 
@@ -82,21 +155,14 @@ impl<'a> PartedArchive<'a> {
         let comment = integrity::comment_for(&[], false);
         let total = layout.file_len(entries, comment.len());
         let part_size = part_size(total)?.max(1);
-        let count = total.div_ceil(part_size) as usize;
         Ok(PartedArchive {
             entries,
             layout,
             segs,
             fields,
-            part_size,
             total,
             comment,
-            progress: Mutex::new(Progress {
-                copied: vec![false; count],
-                pieces: vec![Vec::new(); entries.len()],
-                failed: false,
-            }),
-            changed: Condvar::new(),
+            crcs: Crcs::new(total, part_size, entries.len()),
             tail: OnceLock::new(),
         })
     }
@@ -112,34 +178,26 @@ impl<'a> PartedArchive<'a> {
 
     /// How many parts.
     pub fn parts(&self) -> usize {
-        lock(&self.progress).copied.len()
+        self.crcs.parts()
     }
 
     /// The byte range of part `idx`.
     fn range(&self, idx: usize) -> (u64, u64) {
-        let start = idx as u64 * self.part_size;
-        (start, (start + self.part_size).min(self.total))
+        part_range(idx, self.crcs.part_size, self.total)
     }
 
     /// Fill `buf` (of part `idx`'s length) with the part's bytes.
     pub fn fill(&self, idx: usize, buf: &mut [u8]) -> Result<()> {
         let r = self.fill_inner(idx, buf);
         if r.is_err() {
-            lock(&self.progress).failed = true;
-            self.changed.notify_all();
+            self.crcs.failed();
         }
         r
     }
 
     fn fill_inner(&self, idx: usize, buf: &mut [u8]) -> Result<()> {
         let (start, end) = self.range(idx);
-        if buf.len() as u64 != end - start {
-            return Err(Error::invalid(format!(
-                "part {idx}: {} bytes given for {}",
-                buf.len(),
-                end - start
-            )));
-        }
+        check_part(idx, buf, start, end)?;
         let cd = self.layout.cd_offset;
         let mut pieces = Vec::new();
         // SAFETY: header segments point into the layout, memory ones into the
@@ -151,24 +209,12 @@ impl<'a> PartedArchive<'a> {
                 }
             })?
         };
-        {
-            let mut p = lock(&self.progress);
-            for (i, at, crc, n) in pieces {
-                p.pieces[i].push((at, crc, n));
-            }
-            p.copied[idx] = true;
-        }
-        self.changed.notify_all();
+        self.crcs.copied(idx, pieces);
         // Data descriptors in this part: their CRC-32 fields (4 bytes, which
         // may straddle two parts).
-        let first = self.fields.partition_point(|&(f, _)| f + 4 <= start);
-        for &(field, i) in &self.fields[first..] {
-            if field >= end {
-                break;
-            }
-            let crc = self.crc_of(i, field - 4)?;
-            put_clipped(buf, start, field, &crc.to_le_bytes());
-        }
+        put_fields(&self.fields, buf, start, end, |i, field| {
+            self.crcs.crc_of(i, field - 4)
+        })?;
         if end > cd {
             let tail = self.tail()?;
             let a = start.max(cd);
@@ -176,34 +222,6 @@ impl<'a> PartedArchive<'a> {
                 .copy_from_slice(&tail[(a - cd) as usize..(end - cd) as usize]);
         }
         Ok(())
-    }
-
-    /// Waits until every part holding bytes before `upto` has copied them.
-    fn wait_copied(&self, upto: u64) -> Result<std::sync::MutexGuard<'_, Progress>> {
-        let last = (upto.saturating_sub(1) / self.part_size) as usize;
-        let mut p = lock(&self.progress);
-        loop {
-            if p.failed {
-                return Err(Error::invalid("another part of the archive failed"));
-            }
-            if p.copied[..=last.min(p.copied.len() - 1)].iter().all(|&c| c) {
-                return Ok(p);
-            }
-            p = wait(&self.changed, p);
-        }
-    }
-
-    /// Entry `i`'s CRC-32, once every piece of it (ending at `data_end`) is copied.
-    fn crc_of(&self, i: usize, data_end: u64) -> Result<u32> {
-        let p = self.wait_copied(data_end)?;
-        let mut pieces = p.pieces[i].clone();
-        drop(p);
-        pieces.sort_unstable_by_key(|x| x.0);
-        let mut h = crc32fast::Hasher::new();
-        for (_, crc, n) in pieces {
-            h.combine(&crc32fast::Hasher::new_with_initial_len(crc, n));
-        }
-        Ok(h.finalize())
     }
 
     /// The central directory and end records, made once every CRC-32 is known.
@@ -216,7 +234,7 @@ impl<'a> PartedArchive<'a> {
             crcs.push(match &e.body {
                 Body::Bytes(b) => crc32fast::hash(b),
                 Body::Memory { len: 0, .. } => 0,
-                Body::Memory { len, .. } => self.crc_of(i, placed.data_offset + len)?,
+                Body::Memory { len, .. } => self.crcs.crc_of(i, placed.data_offset + len)?,
             });
         }
         let tail = self.layout.tail(self.entries, &crcs, &self.comment)?;
@@ -280,24 +298,53 @@ unsafe fn copy_range<T: Copy>(
     Ok(())
 }
 
-/// An object made of header bytes at offset 0 and host memory ranges after
-/// them (a safetensors file), cut into parts.
+/// An object made of header bytes at offset 0 and memory ranges after them
+/// (a safetensors file; a DCP data file, its items' headers and tails as
+/// host ranges), cut into parts; each range's CRC-32 may be written into
+/// fields after it (a zip's data descriptor and directory entry).
 pub struct PartedImage {
-    /// The header as a segment, then the memory ranges, in file order.
-    segs: Vec<(Segment, ())>,
+    /// The header as a segment, then the memory ranges, in file order, each
+    /// with its index among the ranges given (None: the header).
+    segs: Vec<(Segment, Option<usize>)>,
     _head: Vec<u8>,
+    /// (file offset of a CRC-32 field, range), in file order.
+    fields: Vec<(u64, usize)>,
+    /// The end of each range given.
+    ends: Vec<u64>,
     total: u64,
+    crcs: Crcs,
 }
 
 impl PartedImage {
     /// `head` at offset 0 and `segs` (host or device memory at their file
     /// offsets, after the head, not overlapping), `total` bytes in all (gaps
-    /// are zeros).
+    /// are zeros), cut into parts of `part_size(total)` bytes; `patches` =
+    /// [(index in `segs`, file offset)]: where a range's CRC-32 goes, after it.
     ///
     /// # Safety
     /// Each segment's memory must stay readable and unmodified while parts
     /// are filled (device memory: no stream of the caller's still writes it).
-    pub unsafe fn new(head: Vec<u8>, segs: Vec<Segment>, total: u64) -> Result<Self> {
+    pub unsafe fn new(
+        head: Vec<u8>,
+        segs: Vec<Segment>,
+        total: u64,
+        patches: &[(usize, u64)],
+        part_size: impl FnOnce(u64) -> Result<u64>,
+    ) -> Result<Self> {
+        let ends: Vec<u64> = segs.iter().map(|s| s.file_offset + s.len).collect();
+        let mut fields = Vec::with_capacity(patches.len());
+        for &(i, at) in patches {
+            match ends.get(i) {
+                Some(&e) if at >= e && at.saturating_add(4) <= total => fields.push((at, i)),
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "CRC-32 field at {at} of range {i}: no such range, or not after it \
+                         and inside the object ({total} bytes)"
+                    )))
+                }
+            }
+        }
+        fields.sort_unstable();
         let mut all = vec![(
             Segment {
                 file_offset: 0,
@@ -305,9 +352,9 @@ impl PartedImage {
                 len: head.len() as u64,
                 memory: Memory::Host,
             },
-            (),
+            None,
         )];
-        all.extend(segs.into_iter().map(|s| (s, ())));
+        all.extend(segs.into_iter().enumerate().map(|(i, s)| (s, Some(i))));
         all.sort_unstable_by_key(|(s, _)| s.file_offset);
         let mut end = 0;
         for (s, _) in &all {
@@ -319,10 +366,15 @@ impl PartedImage {
             }
             end = s.file_offset + s.len;
         }
+        let part_size = part_size(total)?.max(1);
+        let crcs = Crcs::new(total, part_size, ends.len());
         Ok(PartedImage {
             segs: all,
             _head: head,
+            fields,
+            ends,
             total,
+            crcs,
         })
     }
 
@@ -334,13 +386,74 @@ impl PartedImage {
         self.total == 0
     }
 
-    /// Fill `buf` with the bytes from `start` (zeros where no segment is).
-    pub fn fill(&self, start: u64, buf: &mut [u8]) -> Result<()> {
+    /// Fill `buf` (of part `idx`'s length) with the part's bytes (zeros where
+    /// no segment is).
+    pub fn fill(&self, idx: usize, buf: &mut [u8]) -> Result<()> {
+        let r = self.fill_inner(idx, buf);
+        if r.is_err() {
+            self.crcs.failed();
+        }
+        r
+    }
+
+    fn fill_inner(&self, idx: usize, buf: &mut [u8]) -> Result<()> {
+        let (start, end) = part_range(idx, self.crcs.part_size, self.total);
+        check_part(idx, buf, start, end)?;
         buf.fill(0);
+        let tracked = !self.fields.is_empty();
+        let mut pieces = Vec::new();
         // SAFETY: the head is ours; the rest is memory readable per the
         // contract of `new`.
-        unsafe { copy_range(&self.segs, start, u64::MAX, buf, |_, _, _| {}) }
+        unsafe {
+            copy_range(&self.segs, start, u64::MAX, buf, |tag, at, src| {
+                if let (true, Some(i)) = (tracked, tag) {
+                    pieces.push((i, at, crc32fast::hash(src), src.len() as u64));
+                }
+            })?
+        };
+        self.crcs.copied(idx, pieces);
+        put_fields(&self.fields, buf, start, end, |i, _| {
+            self.crcs.crc_of(i, self.ends[i])
+        })
     }
+}
+
+/// The byte range of part `idx` of an object of `total` bytes.
+fn part_range(idx: usize, part_size: u64, total: u64) -> (u64, u64) {
+    let start = idx as u64 * part_size;
+    (start, (start + part_size).min(total))
+}
+
+/// An error where `buf` is not of part `idx`'s length.
+fn check_part(idx: usize, buf: &[u8], start: u64, end: u64) -> Result<()> {
+    if buf.len() as u64 != end - start {
+        return Err(Error::invalid(format!(
+            "part {idx}: {} bytes given for {}",
+            buf.len(),
+            end - start
+        )));
+    }
+    Ok(())
+}
+
+/// Fills the CRC-32 fields of `fields` ((file offset, range), in file order)
+/// that fall in the part `[start, end)` with `crc(range, field offset)`
+/// (4 bytes, which may straddle two parts).
+fn put_fields(
+    fields: &[(u64, usize)],
+    buf: &mut [u8],
+    start: u64,
+    end: u64,
+    crc: impl Fn(usize, u64) -> Result<u32>,
+) -> Result<()> {
+    let first = fields.partition_point(|&(f, _)| f + 4 <= start);
+    for &(field, i) in &fields[first..] {
+        if field >= end {
+            break;
+        }
+        put_clipped(buf, start, field, &crc(i, field)?.to_le_bytes());
+    }
+    Ok(())
 }
 
 /// Writes the part of `bytes` (at file offset `at`) that falls in the buffer
@@ -464,7 +577,7 @@ mod tests {
     }
 
     #[test]
-    fn an_image_is_its_head_and_segments_in_any_part() {
+    fn an_image_is_its_head_segments_and_crc_fields_in_any_part() {
         let a: Vec<u8> = (0..1000).map(|i| i as u8).collect();
         let b: Vec<u8> = (0..333).map(|i| (i * 3) as u8).collect();
         let seg = |at: u64, v: &Vec<u8>| Segment {
@@ -474,25 +587,54 @@ mod tests {
             memory: Memory::Host,
         };
         let head = b"header!!".to_vec();
-        // SAFETY: `a` and `b` outlive the image.
-        let img = unsafe { PartedImage::new(head.clone(), vec![seg(1400, &b), seg(8, &a)], 1800) }
-            .unwrap();
         let mut want = vec![0u8; 1800];
         want[..8].copy_from_slice(&head);
         want[8..1008].copy_from_slice(&a);
         want[1400..1733].copy_from_slice(&b);
-        for part in [1usize, 7, 100, 1800] {
-            let mut got = vec![9u8; 1800];
-            for (k, chunk) in got.chunks_mut(part).enumerate() {
-                img.fill((k * part) as u64, chunk).unwrap();
-            }
+        // CRC-32 fields after their ranges: `a`'s twice (one straddling parts), `b`'s once.
+        let patches = [(1, 1010), (0, 1790), (1, 1200)];
+        want[1010..1014].copy_from_slice(&crc32fast::hash(&a).to_le_bytes());
+        want[1200..1204].copy_from_slice(&crc32fast::hash(&a).to_le_bytes());
+        want[1790..1794].copy_from_slice(&crc32fast::hash(&b).to_le_bytes());
+        for (part, threads) in [(1u64, 3), (7, 2), (100, 4), (1800, 1)] {
+            let segs = vec![seg(1400, &b), seg(8, &a)];
+            // SAFETY: `a` and `b` outlive the image.
+            let img = unsafe { PartedImage::new(head.clone(), segs, 1800, &patches, |_| Ok(part)) }
+                .unwrap();
+            let n = 1800usize.div_ceil(part as usize);
+            let bufs: Vec<Mutex<Vec<u8>>> = (0..n)
+                .map(|i| {
+                    let (s, e) = part_range(i, part, 1800);
+                    Mutex::new(vec![9u8; (e - s) as usize])
+                })
+                .collect();
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(|| loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        if i >= bufs.len() {
+                            return;
+                        }
+                        img.fill(i, &mut lock(&bufs[i])).unwrap();
+                    });
+                }
+            });
+            let got: Vec<u8> = bufs
+                .into_iter()
+                .flat_map(|b| b.into_inner().unwrap())
+                .collect();
             assert_eq!(got, want, "part {part}");
         }
+        let ok = |_| Ok(1800);
         // SAFETY: nothing is read: refused before.
-        let overlap = unsafe { PartedImage::new(head.clone(), vec![seg(4, &a)], 1800) };
+        let overlap = unsafe { PartedImage::new(head.clone(), vec![seg(4, &a)], 1800, &[], ok) };
         assert!(overlap.is_err());
         // SAFETY: as above.
-        let past = unsafe { PartedImage::new(head, vec![seg(1000, &a)], 1800) };
+        let past = unsafe { PartedImage::new(head.clone(), vec![seg(1000, &a)], 1800, &[], ok) };
         assert!(past.err().unwrap().to_string().contains("past the end"));
+        // SAFETY: as above.
+        let before = unsafe { PartedImage::new(head, vec![seg(8, &a)], 1800, &[(0, 500)], ok) };
+        assert!(before.err().unwrap().to_string().contains("not after it"));
     }
 }

@@ -416,15 +416,18 @@ def upload_image(
     owners: list[Any],
     total: int,
     options: remote.StorageOptions = None,
+    patches: list[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """An object of ``total`` bytes, ``head`` at offset 0 and (object offset,
     address, nbytes, device) segments of host or CUDA memory that ``owners``
     own, uploaded to ``url`` part by part straight from memory, after the work
-    queued on the current streams: one multipart upload. The object's size
-    and version, and the stats of a report."""
+    queued on the current streams: one multipart upload. ``patches``: [(segment
+    index, object offset)] where a segment's CRC-32 goes (after it: a zip's
+    data descriptor), as for ``write``. The object's size and version, and
+    the stats of a report."""
     client, n, part = remote.client_options(options)
     info = _native.store_upload_image(
-        url, head, segments, owners, total, client, n, part, _streams_of(segments)
+        url, head, segments, owners, total, client, n, part, _streams_of(segments), patches or []
     )
     return _store_stats(info, info["size"], n)
 
