@@ -775,13 +775,21 @@ calls = {
                                storage_options=opts),
     "sharded": lambda: st.load_sharded(base + "/sharded", group=dist.group.WORLD,
                                        storage_options=opts),
+    "verified": lambda: ckptio.load(base + "/group.pt", group=dist.group.WORLD, verify=True,
+                                    storage_options=opts),
 }
 reps = {}
 for name, call in calls.items():
     got = call()
     rep = ckptio.last_report()
     torch.save(got, f"{out}/{name}{dist.get_rank()}.pt")
-    reps[name] = {"read": rep.bytes_read, "received": rep.bytes_received, "bytes": rep.nbytes}
+    reps[name] = {"read": rep.bytes_read, "received": rep.bytes_received, "bytes": rep.nbytes,
+                  "backend": rep.backend, "verified": rep.verified, "unchecked": rep.unchecked}
+try:  # a flipped byte: the rank that reads it says where, the other that a peer failed
+    ckptio.load(base + "/bad.pt", group=dist.group.WORLD, verify=True, storage_options=opts)
+    reps["bad"] = "loaded"
+except Exception as e:
+    reps["bad"] = type(e).__name__ + ": " + str(e)
 with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
     json.dump(reps, f)
 dist.destroy_process_group()
@@ -800,18 +808,29 @@ def test_a_group_reads_an_object_once_and_shares_it(s3, tmp_path):
     ckptio.safetensors.save_sharded(
         flat, base + "/sharded", max_shard_size="5MB", storage_options=s3.options
     )
+    bad = tmp_path / "bad.pt"
+    ckptio.save(sd, bad)
+    data = bytearray(bad.read_bytes())
+    big = next(r for r in ckptio.records(bad) if any(t.name == "big" for t in r.tensors))
+    data[big.offset + 1000] ^= 0xFF
+    remote.put_bytes(base + "/bad.pt", bytes(data), s3.options)
     argv = ["-c", GROUP_WORKER, base, str(tmp_path)]
     _run_ranks(
         2, "store-group", str(tmp_path), argv=argv, GROUP_TEST_S3_OPTIONS=json.dumps(s3.options)
     )
     reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for name, want in [("pt", sd), ("st", flat), ("sharded", flat)]:
+    for name, want in [("pt", sd), ("st", flat), ("sharded", flat), ("verified", sd)]:
         got = [r[name] for r in reps]
+        assert all(g["backend"] == "store" for g in got), got  # straight, no scratch copy
         total = got[0]["bytes"]
         assert sum(g["read"] for g in got) == total, (name, got)  # each byte from the store once
         assert all(g["read"] + g["received"] == total and g["read"] < total for g in got), got
         for r in range(2):
             _same_tree(want, torch.load(tmp_path / f"{name}{r}.pt", weights_only=True))
+    assert all(r["verified"]["verified"] and r["verified"]["unchecked"] == [] for r in reps)
+    bad = sorted(r["bad"] for r in reps)
+    assert bad[0].startswith("FormatError") and "is corrupt" in bad[0], bad
+    assert bad[1].startswith("PeerLoadError"), bad
 
 
 def test_load_in_place_reads_straight_into_the_destinations(s3, tmp_path, scratch):

@@ -81,6 +81,17 @@ def corrupt(where: str, what: str) -> FormatError:
     return FormatError(f"{where}: not a usable checkpoint: {what}{hint}")
 
 
+def check_crc(where: str, name: str, declared: int | None, actual: int) -> None:
+    """A record whose bytes do not have the CRC-32 its archive declares is a
+    FormatError naming both (None: the archive declares none to check)."""
+    if declared is not None and declared != actual:
+        raise corrupt(
+            where,
+            f"record {name!r} is corrupt: its bytes have CRC-32 {actual:#010x}, "
+            f"the archive stores {declared:#010x}",
+        )
+
+
 class LocationError(CkptioError):
     """A storage of the checkpoint was saved on a device this machine lacks (a CUDA
     device where there is none, or not that many): torch.load's own message, the

@@ -357,7 +357,7 @@ def load(
             got = _load_into_remote(os.fsdecode(os.fspath(f)), out, storage_options, verify)
             if got is not _NOT_STRAIGHT:
                 return got
-    straight = _straight_from_store(map_location, pickle_module, mmap, verify and grouped, out)
+    straight = _straight_from_store(map_location, pickle_module, mmap, out)
     if remote.is_url(f) and straight and not pickle_load_args:
         remote.check_options(f, storage_options)
         resolve_weights_only(weights_only, pickle_module)
@@ -419,13 +419,12 @@ def _straight_from_store(
     map_location: MapLocation,
     pickle_module: Any,
     mmap: bool | None,
-    verify_in_group: bool,
     out: Any,
 ) -> bool:
     """Whether a load from a store may read the storages straight into new
     tensors (``_load_remote``): none of what needs a local file."""
     return (
-        out is None and not verify_in_group and pickle_module is None
+        out is None and pickle_module is None
         and not (mmap or (mmap is None and _torch_config.load.mmap))
         and (map_location is None or isinstance(map_location, (str, torch.device, dict)))
     )  # fmt: skip
@@ -451,7 +450,7 @@ def _load_remote(
         if torchzip.is_legacy(remote.read(url, 0, 14, options)[0]):
             return _NOT_STRAIGHT  # torch's legacy format: torch.load reads a local copy
         raise
-    info, archive, declared, heads = mapped.info, mapped.archive, mapped.declared, mapped.heads
+    info, archive, heads = mapped.info, mapped.archive, mapped.heads
     prefix, rows = archive.prefix, archive.records
     # The pickle and the small records, before anything is decoded.
     small_unchecked = stored.check_small_records(url, mapped) if verify else []
@@ -485,25 +484,21 @@ def _load_remote(
         ]
         at += off - lh
     owners = [head_bytes, *(st for _, _, st in used)]
+    records = stored.storage_records(mapped) if verify else {}
     shared = sharing.current()
-    if shared is not None:  # read once over the group (verify: through the scratch copy)
-        obj = transfer.StoredObject(url, options, info["e_tag"], rows)
+    if shared is not None:  # read once over the group; a CRC-32 needs its record whole
+        obj = transfer.StoredObject(url, options, info["e_tag"], rows, records)
         each = [o for _, _, st in used for o in (head_bytes, st)]  # one owner per segment
-        pieces = sharing.segment_pieces(0, segments, each)
+        pieces = sharing.segment_pieces(0, segments, each, splittable=not verify)
         io = IoOptions.of(None, None, None, None)
-        stats = shared.read([sharing.SharedFile(url, obj, info["size"])], pieces, io)
+        stats = shared.read([sharing.SharedFile(url, obj, info["size"])], pieces, io, verify)
     else:
         stats = transfer.read_from_store(url, segments, owners, options, info["e_tag"], verify)
+        if verify:
+            stats.update(transfer.check_records(url, records, segments, stats.pop("crc32")))
     if _native.zip_headers_match(spans, head_bytes.numpy().tobytes()):
         return _NOT_STRAIGHT  # not torch.save's layout: the scratch copy reads it
-    unchecked = list(small_unchecked)
-    if verify:
-        name_at = {off: name for name, off, _ in rows}
-        for seg, crc in zip(segments[1::2], stats.pop("crc32")[1::2], strict=True):
-            name = name_at[seg[0]]  # (object offset, address, nbytes, device)
-            if declared.get(name) is None:
-                unchecked.append(name)
-            stored.check_crc(url, name, declared.get(name), crc)
+    unchecked = [*small_unchecked, *stats.get("unchecked", ())]
     obj = torchzip.rebuild(parsed, storages, [f[2] for f in found], url)
     reports.report(url, t0, stats, len(found), verify, tuple(unchecked))
     return obj

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from ckptio import _native
+from ckptio.errors import check_crc
 from ckptio.io import remote
 from ckptio.io.devices import streams
 from ckptio.io.engines import IoOptions
@@ -261,6 +262,9 @@ class StoredObject:
     options: remote.StorageOptions
     version: str | None
     rows: list[tuple[str, int, int]]
+    #: A torch.save archive's storage records by data offset: (name, size,
+    #: declared CRC-32 or None), what a verifying read checks whole reads against.
+    declared: dict[int, tuple[str, int, int | None]] = dataclasses.field(default_factory=dict)
 
     def records(self) -> list[tuple[str, int, int]]:
         return self.rows
@@ -274,19 +278,46 @@ def read_files(
 ) -> list[dict[str, Any]]:
     """Read ``per_file`` ({index in ``files``: (segments, owners)}), the files side
     by side (:meth:`IoOptions.shared_engine`); one stats dict per file, with
-    "path". ``verify``: each whole record read from a ``Reader`` is checked
-    against its CRC-32. Objects in a store are read by ranged GETs of their
-    pinned version (no engine: the store's client has threads of its own)."""
+    "path". ``verify``: each whole record read from a ``Reader`` (or of an
+    object's ``declared`` records) is checked against its CRC-32 ("verified",
+    "unchecked": the records' names). Objects in a store are read by ranged
+    GETs of their pinned version (no engine: the store's client has threads of
+    its own)."""
     stored = [fi for fi in per_file if isinstance(files[fi].file, StoredObject)]
     got_stored = {}
     for fi in stored:
         obj = files[fi].file
         assert isinstance(obj, StoredObject)
-        stats = read_from_store(obj.url, *per_file[fi], obj.options, obj.version)
+        check = verify and bool(obj.declared)
+        segs, owners = per_file[fi]
+        stats = read_from_store(obj.url, segs, owners, obj.options, obj.version, check)
+        if check:
+            stats.update(check_records(obj.url, obj.declared, segs, stats.pop("crc32")))
         got_stored[fi] = dict(stats, path=files[fi].path, bytes_read=stats["bytes"])
     if len(stored) == len(per_file):
         return [got_stored[fi] for fi in per_file]
     return _read_local_files(files, per_file, io, verify, got_stored)
+
+
+def check_records(
+    url: str,
+    declared: dict[int, tuple[str, int, int | None]],
+    segments: Sequence[Segment],
+    crcs: list[int],
+) -> dict[str, list[str]]:
+    """The CRC-32s (``crcs``, one per segment) of the segments of ``url`` that
+    read a whole record of ``declared`` (data offset -> (name, size, CRC-32 or
+    None)) checked, a FormatError naming the first that differs: "verified"
+    and "unchecked" (none declared) record names."""
+    verified, unchecked = [], []
+    for (off, _, n, _), crc in zip(segments, crcs, strict=True):
+        rec = declared.get(off)
+        if rec is None or rec[1] != n:
+            continue  # not a whole record (a header, a piece another rank reads)
+        name, _, want = rec
+        check_crc(url, name, want, crc)
+        (unchecked if want is None else verified).append(name)
+    return {"verified": verified, "unchecked": unchecked}
 
 
 def _read_local_files(

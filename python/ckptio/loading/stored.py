@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ckptio import _native
-from ckptio.errors import FormatError, corrupt
+from ckptio.errors import FormatError, check_crc
 from ckptio.formats import safetensors as st_format
 from ckptio.formats import torchzip
 from ckptio.io import devices, remote, reports, transfer
@@ -47,23 +47,16 @@ class StoredFile:
 
     @classmethod
     def of_archive(cls, stored: torchzip.StoredArchive) -> StoredFile:
-        archive, declared = stored.archive, stored.declared
-        data = archive.data
-        records = {
-            off: (name, n, declared.get(name)) for name, off, n in archive.records if off in data
-        }
-        return cls(archive.path, stored.info["e_tag"], list(stored.heads), records)
+        return cls(stored.archive.path, stored.info["e_tag"], list(stored.heads),
+                   storage_records(stored))  # fmt: skip
 
 
-def check_crc(url: str, name: str, declared: int | None, actual: int) -> None:
-    """A record whose bytes do not have the CRC-32 its archive declares is a
-    FormatError naming both (None: the archive declares none to check)."""
-    if declared is not None and declared != actual:
-        raise corrupt(
-            url,
-            f"record {name!r} is corrupt: its bytes have CRC-32 {actual:#010x}, "
-            f"the archive stores {declared:#010x}",
-        )
+def storage_records(stored: torchzip.StoredArchive) -> dict[int, tuple[str, int, int | None]]:
+    """Each storage record of a stored archive by data offset: (name, size,
+    declared CRC-32 or None)."""
+    archive, declared = stored.archive, stored.declared
+    data = archive.data
+    return {off: (name, n, declared.get(name)) for name, off, n in archive.records if off in data}
 
 
 def check_small_records(url: str, stored: torchzip.StoredArchive) -> list[str]:
@@ -258,10 +251,6 @@ def _read_file(
         return None  # not torch.save's layout
     unchecked: list[str] = []
     if verify:
-        for (off, _, _, _), crc in zip(segments[len(heads) :], stats.pop("crc32")[len(heads) :],
-                                       strict=True):  # fmt: skip
-            name, _, declared = f.records[off]
-            if declared is None:
-                unchecked.append(name)
-            check_crc(f.url, name, declared, crc)
+        stats.update(transfer.check_records(f.url, f.records, segments, stats.pop("crc32")))
+        unchecked = stats["unchecked"]
     return stats, unchecked
