@@ -778,6 +778,19 @@ calls = {
     "verified": lambda: ckptio.load(base + "/group.pt", group=dist.group.WORLD, verify=True,
                                     storage_options=opts),
 }
+# In place: a torch.save object, a safetensors object, a module (built before the call).
+ref = st.load_file(base + "/group.safetensors", storage_options=opts)
+outs = [{k: torch.zeros_like(v) for k, v in ref.items()} for _ in range(2)]
+model = torch.nn.Module()
+for k, v in ref.items():
+    model.register_parameter(k, torch.nn.Parameter(torch.zeros_like(v)))
+calls["pt_out"] = lambda: ckptio.load(base + "/flat.pt", out=outs[0], group=dist.group.WORLD,
+                                      verify=True, storage_options=opts)
+calls["st_out"] = lambda: st.load_file(base + "/group.safetensors", out=outs[1],
+                                       group=dist.group.WORLD, storage_options=opts)
+calls["module"] = lambda: (ckptio.load_state_dict(model, base + "/flat.pt",
+                                                  group=dist.group.WORLD, storage_options=opts),
+                           model.state_dict())[1]
 reps = {}
 for name, call in calls.items():
     got = call()
@@ -805,6 +818,7 @@ def test_a_group_reads_an_object_once_and_shares_it(s3, tmp_path):
     base = s3.url("grouped")
     ckptio.save(sd, base + "/group.pt", storage_options=s3.options)
     ckptio.safetensors.save_file(flat, base + "/group.safetensors", storage_options=s3.options)
+    ckptio.save(flat, base + "/flat.pt", storage_options=s3.options)
     ckptio.safetensors.save_sharded(
         flat, base + "/sharded", max_shard_size="5MB", storage_options=s3.options
     )
@@ -819,7 +833,9 @@ def test_a_group_reads_an_object_once_and_shares_it(s3, tmp_path):
         2, "store-group", str(tmp_path), argv=argv, GROUP_TEST_S3_OPTIONS=json.dumps(s3.options)
     )
     reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for name, want in [("pt", sd), ("st", flat), ("sharded", flat), ("verified", sd)]:
+    named = [("pt", sd), ("st", flat), ("sharded", flat), ("verified", sd)]
+    named += [("pt_out", flat), ("st_out", flat), ("module", flat)]
+    for name, want in named:
         got = [r[name] for r in reps]
         assert all(g["backend"] == "store" for g in got), got  # straight, no scratch copy
         total = got[0]["bytes"]

@@ -406,11 +406,11 @@ def _load_into_remote(
 ) -> dict[str, torch.Tensor] | None:
     """``load_file`` / ``load_sharded`` with ``out`` from a store, with no
     local copy, for the usual case: the objects' tensors and ``out``'s names
-    the same, each read straight into its destination (``loading.stored``).
-    None otherwise: the scratch copy loads it, with the in-place checks and
-    errors."""
+    the same, each read straight into its destination (``loading.stored``;
+    in a group, once over it). None otherwise: the scratch copy loads it, with
+    the in-place checks and errors."""
     t0 = time.perf_counter()
-    if not isinstance(out, Mapping) or sharing.current() is not None:
+    if not isinstance(out, Mapping):
         return None
     tensors, files = stored.open_safetensors(name, urls, options, wm)
     if len(tensors) != len(out) or any(k not in out for k in tensors):

@@ -348,8 +348,7 @@ def load(
     ``out=``, ``group=``, pickle arguments or what torch.load must unpickle,
     into a local scratch copy, loaded as above, and removed.
     """
-    grouped = group is not None or sharing.current() is not None
-    if remote.is_url(f) and out is not None and not (grouped or pickle_load_args or mmap):
+    if remote.is_url(f) and out is not None and not (pickle_load_args or mmap):
         remote.check_options(f, storage_options)
         inplace.check_flags(strict=strict, cast=cast, verify=verify)
         if map_location is None and pickle_module is None:

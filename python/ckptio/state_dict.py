@@ -898,17 +898,17 @@ def load_state_dict(
     sharded checkpoint's folder or index; with ``storage_options``): for a
     module whose submodules all load with torch's default steps (no hooks or
     overrides), each tensor read by ranged GETs straight into its parameter
-    or buffer where it has the same dtype and shape; else (an optimizer, a
-    ``group``, a cast, a mismatch to report) from a local scratch copy.
+    or buffer where it has the same dtype and shape (with ``group``, once over
+    it); else (an optimizer, a cast, a mismatch to report) from a local
+    scratch copy.
     """
     if remote.is_url(f) or storage_options is not None:
         remote.check_options(f, storage_options)
         check_flags(strict=strict, cast=cast, verify=verify)
-        if group is None and sharing.current() is None:
-            url = os.fsdecode(os.fspath(f))
-            got = _load_stored(obj, url, strict, key, verify, storage_options)
-            if got is not _NOT_STRAIGHT:
-                return got
+        url = os.fsdecode(os.fspath(f))
+        got = _load_stored(obj, url, strict, key, verify, storage_options)
+        if got is not _NOT_STRAIGHT:
+            return got
         kw: dict[str, Any] = dict(
             strict=strict, cast=cast, key=key, weights_only=weights_only, threads=threads,
             chunk_size=chunk_size, direct=direct, backend=backend, verify=verify, group=group,

@@ -29,7 +29,8 @@ from ckptio.errors import FormatError, check_crc
 from ckptio.formats import safetensors as st_format
 from ckptio.formats import torchzip
 from ckptio.io import devices, remote, reports, transfer
-from ckptio.loading import inplace
+from ckptio.io.engines import IoOptions
+from ckptio.loading import inplace, sharing
 
 
 @dataclasses.dataclass
@@ -39,6 +40,10 @@ class StoredFile:
 
     url: str
     e_tag: str | None
+    #: The object's size, and its records (name, data offset, size): what the
+    #: ranks of a group compare before they share a read.
+    size: int
+    rows: list[tuple[str, int, int]]
     #: (record name, local header offset, data offset) of each storage: the
     #: header rides in the GET of its bytes and is checked once they are in.
     heads: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
@@ -47,8 +52,9 @@ class StoredFile:
 
     @classmethod
     def of_archive(cls, stored: torchzip.StoredArchive) -> StoredFile:
-        return cls(stored.archive.path, stored.info["e_tag"], list(stored.heads),
-                   storage_records(stored))  # fmt: skip
+        info, archive = stored.info, stored.archive
+        return cls(archive.path, info["e_tag"], info["size"], list(archive.records),
+                   list(stored.heads), storage_records(stored))  # fmt: skip
 
 
 def storage_records(stored: torchzip.StoredArchive) -> dict[int, tuple[str, int, int | None]]:
@@ -115,8 +121,9 @@ def open_safetensors(
     read, one GET each), and their :class:`StoredFile` list."""
     files, metas = [], []
     for i, url in enumerate(urls):
-        _, e_tag, _, entries, base = st_format.read_stored_header(url, options)
-        files.append(StoredFile(url, e_tag))
+        size, e_tag, _, entries, base = st_format.read_stored_header(url, options)
+        rows = [(key, base + begin, end - begin) for key, _, _, begin, end in entries]
+        files.append(StoredFile(url, e_tag, size, rows))
         metas.append(
             {
                 key: meta_tensor(i, base + begin, dtype, shape, end - begin)
@@ -212,45 +219,74 @@ def read_into(
     per_file: dict[int, list[tuple[tuple[int, int, int, int], torch.Tensor]]] = {}
     for seg, (fi, _, dest) in zip(segments, chosen.values(), strict=True):
         per_file.setdefault(fi, []).append((seg, dest))
-    stats, unchecked = [], []
-    for fi, reads in per_file.items():
-        got = _read_file(what, files[fi], reads, options, verify)
-        if got is None:
-            return None
-        stats.append(got[0])
-        unchecked += got[1]
-    dests = [d for _, _, d in chosen.values() if not d.is_inference()]
-    torch.autograd.graph.increment_version(dests)  # written through their pointers
-    return reports.merged(stats, "store"), tuple(unchecked), len(chosen)
-
-
-def _read_file(
-    what: str,
-    f: StoredFile,
-    reads: list[tuple[tuple[int, int, int, int], torch.Tensor]],
-    options: remote.StorageOptions,
-    verify: bool,
-) -> tuple[dict[str, Any], list[str]] | None:
-    """:func:`read_into`'s reads of one object: each storage's local header in
-    the GET of its bytes (a pass of its own costs a request per large tensor),
-    checked once they are in; ``verify``: each record's CRC-32."""
-    used = {seg[0] for seg, _ in reads}
-    spans = [(name, lh, off) for name, lh, off in f.heads if off in used]
-    head_bytes = torch.empty(sum(off - lh for _, lh, off in spans), dtype=torch.uint8)
-    heads, ptr = [], head_bytes.data_ptr()
-    for _, lh, off in spans:
-        heads.append((lh, ptr, off - lh, -1))
-        ptr += off - lh
-    segments = heads + [seg for seg, _ in reads]
-    owners = [head_bytes, *(d for _, d in reads)]
+    plans = {fi: _Reads(files[fi], reads) for fi, reads in per_file.items()}
     try:
-        stats = transfer.read_from_store(f.url, segments, owners, options, f.e_tag, verify)
+        shared = sharing.current()
+        if shared is None:
+            stats = [p.read(options, verify) for p in plans.values()]
+        else:
+            stats = [_read_shared(shared, plans, options, verify)]
     except Exception as e:
         raise inplace.partial_error(f"reading {what} into the destinations failed midway", e) from e
-    if spans and _native.zip_headers_match(spans, head_bytes.numpy().tobytes()):
+    if any(p.moved() for p in plans.values()):
         return None  # not torch.save's layout
-    unchecked: list[str] = []
-    if verify:
-        stats.update(transfer.check_records(f.url, f.records, segments, stats.pop("crc32")))
-        unchecked = stats["unchecked"]
-    return stats, unchecked
+    unchecked = tuple(n for st in stats for n in st.get("unchecked", ()))
+    dests = [d for _, _, d in chosen.values() if not d.is_inference()]
+    torch.autograd.graph.increment_version(dests)  # written through their pointers
+    return reports.merged(stats, "store"), unchecked, len(chosen)
+
+
+class _Reads:
+    """:func:`read_into`'s reads of one object: each storage's local header in
+    the GET of its bytes (a pass of its own costs a request per large tensor),
+    checked once they are in (:meth:`moved`)."""
+
+    def __init__(
+        self, f: StoredFile, reads: list[tuple[tuple[int, int, int, int], torch.Tensor]]
+    ) -> None:
+        used = {seg[0] for seg, _ in reads}
+        self.f = f
+        self.spans = [(name, lh, off) for name, lh, off in f.heads if off in used]
+        self.head_bytes = torch.empty(sum(off - lh for _, lh, off in self.spans), dtype=torch.uint8)
+        heads, ptr = [], self.head_bytes.data_ptr()
+        for _, lh, off in self.spans:
+            heads.append((lh, ptr, off - lh, -1))
+            ptr += off - lh
+        self.segments = heads + [seg for seg, _ in reads]
+        #: One owner per segment.
+        self.owners = [self.head_bytes] * len(heads) + [d for _, d in reads]
+
+    def read(self, options: remote.StorageOptions, verify: bool) -> dict[str, Any]:
+        """Read alone (``verify``: each whole record's CRC-32 checked)."""
+        f = self.f
+        stats = transfer.read_from_store(
+            f.url, self.segments, self.owners, options, f.e_tag, verify
+        )
+        if verify:
+            stats.update(transfer.check_records(f.url, f.records, self.segments,
+                                                stats.pop("crc32")))  # fmt: skip
+        return stats
+
+    def moved(self) -> bool:
+        """Whether a local header read says its data is not where predicted."""
+        return bool(self.spans) and bool(
+            _native.zip_headers_match(self.spans, self.head_bytes.numpy().tobytes())
+        )
+
+
+def _read_shared(
+    shared: sharing.Session,
+    plans: dict[int, _Reads],
+    options: remote.StorageOptions,
+    verify: bool,
+) -> dict[str, Any]:
+    """The reads of ``plans``, once over the group: each rank GETs its share
+    (with ``verify``, whole records, each checked by the rank that reads it),
+    the collectives bring the rest."""
+    files, pieces = [], []
+    for i, p in enumerate(plans.values()):
+        f = p.f
+        obj = transfer.StoredObject(f.url, options, f.e_tag, f.rows, f.records if verify else {})
+        files.append(sharing.SharedFile(f.url, obj, f.size))
+        pieces += sharing.segment_pieces(i, p.segments, p.owners, splittable=not verify)
+    return shared.read(files, pieces, IoOptions.of(None, None, None, None), verify)
