@@ -584,7 +584,7 @@ def test_item_template_is_a_torch_save_zip(dtype, shape):
 
     from ckptio.formats.dcp import item_zip as _item_zip
 
-    head, data_off, tail, length, _ = _item_zip(dtype, shape)
+    head, data_off, tail, length, *_ = _item_zip(dtype, shape)
     nbytes = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
     assert length == data_off + nbytes + len(tail)
     assert data_off % 4096 == 0 or nbytes == 0  # an empty record has no data to align
@@ -598,8 +598,11 @@ def test_item_template_is_a_torch_save_zip(dtype, shape):
 def test_item_template_past_4gib_needs_no_memory():
     from ckptio.formats.dcp import item_zip as _item_zip
 
-    head, data_off, tail, length, crc_at = _item_zip(torch.uint8, (5 << 30,))
+    head, data_off, tail, length, crc_at, volatile = _item_zip(torch.uint8, (5 << 30,))
     assert len(crc_at) == 2  # data descriptor and central directory
+    # What each save makes anew: the serialization id's digits and its two CRC-32s.
+    assert sorted(n for _, n in volatile) == [4, 4, 40]
+    assert all(tail[at : at + n].isdigit() for at, n in volatile if n == 40)
     assert data_off % 4096 == 0 and length == data_off + (5 << 30) + len(tail)
     assert len(head) < 1 << 20 and len(tail) < 1 << 20
 

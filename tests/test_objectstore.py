@@ -430,6 +430,24 @@ def test_dcp_reader_reads_a_store_straight_into_the_state_dict(s3, tmp_path, scr
     for k in ("big", "bf", "m", "empty"):
         assert out[k].dtype == sd[k].dtype and torch.equal(out[k], sd[k]), k
     assert r.last_stats and all(s["backend"] == "store" for s in r.last_stats)
+    # verify=True: every item's CRC-32 checked on the way, still with no local copy.
+    out["big"].zero_()
+    r = FileSystemReader(url, storage_options=s3.options, verify=True)
+    dcp.load(out, storage_reader=r, no_dist=True)
+    assert torch.equal(out["big"], sd["big"]) and os.listdir(scratch) == []
+    verified = [n for st in r.last_stats for n in st["verified"]]
+    assert r.last_stats[0]["backend"] == "store", r.last_stats
+    assert {"big", "bf", "m"} <= set(verified)
+    # A flipped byte in the big tensor's data: a FormatError naming the file and the item.
+    [data] = [u for u, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
+    raw = bytearray(remote.get_bytes(data, s3.options)[0])
+    item = r.storage_data[next(k for k in r.storage_data if k.fqn == "big")]
+    raw[item.offset + item.length // 2] ^= 0xFF
+    remote.put_bytes(data, bytes(raw), s3.options)
+    r = FileSystemReader(url, storage_options=s3.options, verify=True)
+    with pytest.raises(CheckpointException, match="item 'big' at bytes .* CRC-32"):
+        dcp.load(out, storage_reader=r, no_dist=True)
+    assert os.listdir(scratch) == []
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -887,11 +887,15 @@ class FileSystemReader(_TorchReader):
         bytes item, with the zip head of every tensor item in the same GETs.
         The head is predicted from the item's dtype and shape (``item_zip``:
         what ckptio's and torch's writers write, at either alignment) and
-        compared byte for byte once in: it confirms where the data lies. False
-        (the caller reads the plan from a scratch copy, writing every
-        destination again) where it does not apply: ``verify``, a group's
-        shared read, items with stream transforms, an item of another layout."""
-        if self.verify or (isinstance(plan.storage_data, _Shares) and self._group() is not None):
+        compared byte for byte once in: it confirms where the data lies.
+        ``verify``: each item's tail is read and compared too (but for the data
+        record's CRC-32 fields: the small records' CRC-32s are then the
+        predicted ones), and the data's CRC-32, computed as its bytes arrive,
+        checked against the directory's (0: none stored). False (the caller
+        reads the plan from a scratch copy, writing every destination again)
+        where it does not apply: a group's shared read, items with stream
+        transforms, an item of another layout."""
+        if isinstance(plan.storage_data, _Shares) and self._group() is not None:
             return False
         folder, store = os.fspath(self.path), self._store
         by_file: dict[str, list[Any]] = {}
@@ -909,7 +913,11 @@ class FileSystemReader(_TorchReader):
             head = remote.head(url, store.options)
             segments: list[tuple[int, int, int, int]] = []
             owners: list[torch.Tensor] = []
-            heads: dict[int, bytes] = {}  # item offset -> its predicted zip head
+            # Object offset -> (the bytes predicted there, (offset, length) in them
+            # not compared: CRC-32s and what each save makes anew).
+            known: dict[int, tuple[bytes, tuple[tuple[int, int], ...]]] = {}
+            # (data segment, object offset of the stored CRC-32, item name, item offset)
+            checks: list[tuple[int, int, str, int]] = []
             for req in reqs:
                 info = self.storage_data[req.storage_index]
                 if info.offset + info.length > head["size"]:
@@ -925,21 +933,31 @@ class FileSystemReader(_TorchReader):
                 if layout is None:
                     return False
                 meta, item = layout
-                heads[info.offset] = item.head
+                known[info.offset] = (item.head, ())
                 data_off = info.offset + item.data_off
-                self._plan_read(url, req, planner, meta, data_off, segments, owners, commits)
-            spans = sorted(heads.items())
-            got = torch.empty(sum(len(h) for _, h in spans), dtype=torch.uint8)
+                seg = self._plan_read(url, req, planner, meta, data_off, segments, owners, commits)
+                if self.verify and seg is not None and item.crc_at:
+                    tail = data_off + meta.untyped_storage().nbytes()
+                    known[tail] = (item.tail, (*((k, 4) for k in item.crc_at), *item.volatile))
+                    # The directory's CRC-32 (the last field), as the reader takes it.
+                    checks.append((seg, tail + item.crc_at[-1], req.storage_index.fqn, info.offset))
+            spans = sorted(known.items())
+            got = torch.empty(sum(len(b) for _, (b, _) in spans), dtype=torch.uint8)
             at = got.data_ptr()
-            for off, h in spans:
-                segments.append((off, at, len(h), -1))
-                at += len(h)
-            reads.append((url, segments, [*owners, got], head["e_tag"], spans, got))
+            for off, (b, _) in spans:
+                segments.append((off, at, len(b), -1))
+                at += len(b)
+            reads.append((url, segments, [*owners, got], head["e_tag"], spans, got, checks))
         self.last_stats = []
-        for url, segments, owners, e_tag, spans, got in reads:
-            stats = transfer.read_from_store(url, segments, owners, store.options, e_tag)
-            if got.numpy().tobytes() != b"".join(h for _, h in spans):
+        for url, segments, owners, e_tag, spans, got, checks in reads:
+            stats = transfer.read_from_store(
+                url, segments, owners, store.options, e_tag, self.verify
+            )
+            placed = _placed(spans, got.numpy().tobytes())
+            if placed is None:
                 return False  # not the layout predicted: the scratch copy reads it all again
+            if self.verify:
+                stats = dict(stats, **_checked_items(url, checks, stats.pop("crc32"), placed))
             self.last_stats.append(dict(stats, path=url))
         for req, buf in blobs:
             planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
@@ -1293,6 +1311,50 @@ class FileSystemReader(_TorchReader):
         # as_strided's offset counts from the buffer's start, not the view's.
         offset = typed.storage_offset() + meta.storage_offset()
         return typed.as_strided(meta.shape, meta.stride(), offset)
+
+
+def _placed(
+    spans: list[tuple[int, tuple[bytes, tuple[tuple[int, int], ...]]]], got: bytes
+) -> dict[int, int] | None:
+    """Each 4-byte field left out of the comparison, by object offset -> its
+    value, where the bytes read (``got``: the spans back to back) are the
+    predicted ones elsewhere; None where they differ."""
+    fields: dict[int, int] = {}
+    at = 0
+    for off, (want, skip) in spans:
+        have = got[at : at + len(want)]
+        at += len(want)
+        if skip:
+            masked = bytearray(have)
+            for k, n in skip:
+                if n == 4:
+                    fields[off + k] = int.from_bytes(have[k : k + 4], "little")
+                masked[k : k + n] = want[k : k + n]
+            have = bytes(masked)
+        if have != want:
+            return None
+    return fields
+
+
+def _checked_items(
+    url: str, checks: list[tuple[int, int, str, int]], crcs: list[int], fields: dict[int, int]
+) -> dict[str, list[str]]:
+    """Each item's data CRC-32 (``crcs``, per segment) against the one its zip
+    stores (0: none stored, as torch's writer leaves it unset): a FormatError
+    naming the file and item on a mismatch; "verified" and "unchecked" names."""
+    verified, unchecked = [], []
+    for seg, field, name, at in checks:
+        stored = fields[field]
+        if stored == 0:
+            unchecked.append(name)
+        elif crcs[seg] != stored:
+            raise FormatError(
+                f"{url}: item {name!r} at bytes {at}: its tensor bytes have "
+                f"CRC-32 {crcs[seg]:08x}, the item stores {stored:08x}"
+            )
+        else:
+            verified.append(name)
+    return {"verified": verified, "unchecked": unchecked}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -416,7 +416,7 @@ def _load_into_remote(
     if len(tensors) != len(out) or any(k not in out for k in tensors):
         return None
     pairs = [(k, src, out[k]) for k, src in tensors.items()]
-    got = stored.read_into(name, files, pairs, options)
+    got = stored.read_pairs(name, files, pairs, options)
     if got is None:
         return None
     stats, _, _ = got

@@ -519,7 +519,7 @@ def _load_into_remote(url: str, out: Any, options: remote.StorageOptions, verify
     result, pairs, missing, unexpected = inplace.pair_structure(meta, out)
     if missing or unexpected:
         return _NOT_STRAIGHT
-    got = stored.read_into(url, files, pairs, options, verify)
+    got = stored.read_pairs(url, files, pairs, options, verify)
     if got is None:
         return _NOT_STRAIGHT
     stats, unchecked, n = got

@@ -968,7 +968,7 @@ def _load_stored(
     copies, missing, unexpected, errors = fast
     if errors or (strict and (missing or unexpected)):
         return _NOT_STRAIGHT
-    got = stored.read_into(url, files, copies, options, verify)
+    got = stored.read_pairs(url, files, copies, options, verify)
     if got is None:
         return _NOT_STRAIGHT
     stats, unchecked, n = got

@@ -88,6 +88,9 @@ class ItemZip(NamedTuple):
     tail: bytes  # the zip after the data
     length: int
     crc_at: tuple[int, ...]  # offsets in ``tail`` of the data record's CRC-32 fields
+    #: (offset, length) in ``tail`` of what differs from one save to the next:
+    #: the serialization id record's 40 digits and its CRC-32 fields.
+    volatile: tuple[tuple[int, int], ...] = ()
 
 
 def _crc_fields(tail: bytes, name: bytes) -> tuple[int, ...]:
@@ -129,7 +132,23 @@ def item_zip(dtype: torch.dtype, shape: tuple[int, ...], align: int = ALIGN) -> 
     if sink.parts and sink.parts[-1][0] + len(sink.parts[-1][1]) != data_off + nbytes + len(tail):
         raise AssertionError("unexpected torch.save layout under skip_data")
     crc_at = _crc_fields(bytes(tail), b"archive/data/0")
-    return ItemZip(bytes(head), data_off, bytes(tail), data_off + nbytes + len(tail), crc_at)
+    # The serialization id: its 40 digits, its data descriptor's CRC-32 and its
+    # directory entry's (the last field _crc_fields finds).
+    sid = b"archive/.data/serialization_id"
+    volatile = [(at, 4) for at in _crc_fields(bytes(tail), sid)[-1:]]
+    i = tail.find(b"PK\x03\x04")
+    while i >= 0:
+        n, x = struct.unpack_from("<HH", tail, i + 26)
+        if tail[i + 30 : i + 30 + n] == sid:
+            d = i + 30 + n + x
+            volatile.append((d, 40))
+            if tail[d + 40 : d + 44] == b"PK\x07\x08":
+                volatile.append((d + 44, 4))
+            break
+        i = tail.find(b"PK\x03\x04", i + 30 + n + x)
+    return ItemZip(
+        bytes(head), data_off, bytes(tail), data_off + nbytes + len(tail), crc_at, tuple(volatile)
+    )
 
 
 #: Items of this many bytes or more start on a 4 KiB boundary of their file,

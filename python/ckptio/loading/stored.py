@@ -7,7 +7,7 @@ device, its storage carrying where its bytes lie (:func:`meta_tensor`: the
 object, by index into the load's :class:`StoredFile` list, and the offset in
 it; torch.save archives: ``torchzip.meta_object``). The caller pairs those
 tensors with destinations as a local load in place does, and
-:func:`read_into` reads each pair's bytes by ranged GETs straight into its
+:func:`read_pairs` reads each pair's bytes by ranged GETs straight into its
 destination, for the usual case only: same dtype and shape, contiguous
 plain CPU or CUDA memory. Anything else is ``None`` (nothing written, or,
 after a torch.save header says the layout is not torch.save's, every
@@ -175,7 +175,7 @@ def _source_of(src: torch.Tensor) -> tuple[int, int]:
     )
 
 
-def read_into(
+def read_pairs(
     what: str,
     files: list[StoredFile],
     pairs: Iterable[tuple[str, torch.Tensor, Any]],
@@ -237,7 +237,7 @@ def read_into(
 
 
 class _Reads:
-    """:func:`read_into`'s reads of one object: each storage's local header in
+    """:func:`read_pairs`'s reads of one object: each storage's local header in
     the GET of its bytes (a pass of its own costs a request per large tensor),
     checked once they are in (:meth:`moved`)."""
 
