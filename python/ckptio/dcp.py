@@ -957,7 +957,8 @@ class FileSystemReader(_TorchReader):
             if placed is None:
                 return False  # not the layout predicted: the scratch copy reads it all again
             if self.verify:
-                stats = dict(stats, **_checked_items(url, checks, stats.pop("crc32"), placed))
+                named = [(seg, placed[field], name, at) for seg, field, name, at in checks]
+                stats = dict(stats, **_checked_items(url, named, stats.pop("crc32")))
             self.last_stats.append(dict(stats, path=url))
         for req, buf in blobs:
             planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
@@ -1169,20 +1170,8 @@ class FileSystemReader(_TorchReader):
                 big = transfer.read(dev_file, engine, segments, owners, verify=self.verify)
                 stats = dict(big, bytes=big["bytes"] + stats.get("bytes", 0))
         if self.verify:
-            verified, unchecked = [], []
-            crcs = stats.pop("crc32", [])
-            for i, stored, req, at in checks:
-                name = req.storage_index.fqn
-                if stored is None or crcs[i] is None:
-                    unchecked.append(name)
-                elif crcs[i] != stored:
-                    raise FormatError(
-                        f"{path}: item {name!r} at bytes {at}: its tensor bytes have "
-                        f"CRC-32 {crcs[i]:08x}, the item stores {stored:08x}"
-                    )
-                else:
-                    verified.append(name)
-            stats = dict(stats, verified=verified, unchecked=unchecked)
+            named = [(i, stored, req.storage_index.fqn, at) for i, stored, req, at in checks]
+            stats = dict(stats, **_checked_items(path, named, stats.pop("crc32", [])))
         self.last_stats.append(dict(stats, path=path))
         # On the current stream, as the destinations' other users run: from a
         # pinned buffer (its allocator keeps it until the copies have run).
@@ -1337,19 +1326,20 @@ def _placed(
 
 
 def _checked_items(
-    url: str, checks: list[tuple[int, int, str, int]], crcs: list[int], fields: dict[int, int]
+    path: str, checks: list[tuple[int, int | None, str, int]], crcs: list[int | None]
 ) -> dict[str, list[str]]:
-    """Each item's data CRC-32 (``crcs``, per segment) against the one its zip
-    stores (0: none stored, as torch's writer leaves it unset): a FormatError
-    naming the file and item on a mismatch; "verified" and "unchecked" names."""
+    """Each item's data CRC-32 (``crcs``, per segment; None: not computed, cuFile
+    moved the bytes) against the one its zip stores (``checks``: (segment,
+    stored CRC-32, item name, item offset); None or 0: none stored): a
+    FormatError naming the file and item on a mismatch; "verified" and
+    "unchecked" names."""
     verified, unchecked = [], []
-    for seg, field, name, at in checks:
-        stored = fields[field]
-        if stored == 0:
+    for seg, stored, name, at in checks:
+        if not stored or crcs[seg] is None:
             unchecked.append(name)
         elif crcs[seg] != stored:
             raise FormatError(
-                f"{url}: item {name!r} at bytes {at}: its tensor bytes have "
+                f"{path}: item {name!r} at bytes {at}: its tensor bytes have "
                 f"CRC-32 {crcs[seg]:08x}, the item stores {stored:08x}"
             )
         else:

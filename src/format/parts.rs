@@ -499,14 +499,23 @@ mod tests {
         v
     }
 
-    /// The parts, filled by `threads` threads taking them in order (as an
-    /// upload does), joined.
+    /// The parts of an archive, filled by `threads` threads taking them in
+    /// order (as an upload does), joined.
     fn image(a: &PartedArchive, threads: usize) -> Vec<u8> {
-        let bufs: Vec<Mutex<Vec<u8>>> = (0..a.parts())
-            .map(|i| {
-                let (s, e) = a.range(i);
-                Mutex::new(vec![0u8; (e - s) as usize])
-            })
+        let ranges: Vec<(u64, u64)> = (0..a.parts()).map(|i| a.range(i)).collect();
+        filled(&ranges, threads, |i, buf| a.fill(i, buf))
+    }
+
+    /// Parts of these byte ranges, filled by `threads` threads taking them in
+    /// order, joined.
+    fn filled(
+        ranges: &[(u64, u64)],
+        threads: usize,
+        fill: impl Fn(usize, &mut [u8]) -> Result<()> + Sync,
+    ) -> Vec<u8> {
+        let bufs: Vec<Mutex<Vec<u8>>> = ranges
+            .iter()
+            .map(|(s, e)| Mutex::new(vec![9u8; (e - s) as usize]))
             .collect();
         let next = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|s| {
@@ -516,7 +525,7 @@ mod tests {
                     if i >= bufs.len() {
                         return;
                     }
-                    a.fill(i, &mut lock(&bufs[i])).unwrap();
+                    fill(i, &mut lock(&bufs[i])).unwrap();
                 });
             }
         });
@@ -601,29 +610,10 @@ mod tests {
             // SAFETY: `a` and `b` outlive the image.
             let img = unsafe { PartedImage::new(head.clone(), segs, 1800, &patches, |_| Ok(part)) }
                 .unwrap();
-            let n = 1800usize.div_ceil(part as usize);
-            let bufs: Vec<Mutex<Vec<u8>>> = (0..n)
-                .map(|i| {
-                    let (s, e) = part_range(i, part, 1800);
-                    Mutex::new(vec![9u8; (e - s) as usize])
-                })
+            let ranges: Vec<(u64, u64)> = (0..1800usize.div_ceil(part as usize))
+                .map(|i| part_range(i, part, 1800))
                 .collect();
-            let next = std::sync::atomic::AtomicUsize::new(0);
-            std::thread::scope(|s| {
-                for _ in 0..threads {
-                    s.spawn(|| loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        if i >= bufs.len() {
-                            return;
-                        }
-                        img.fill(i, &mut lock(&bufs[i])).unwrap();
-                    });
-                }
-            });
-            let got: Vec<u8> = bufs
-                .into_iter()
-                .flat_map(|b| b.into_inner().unwrap())
-                .collect();
+            let got = filled(&ranges, threads, |i, buf| img.fill(i, buf));
             assert_eq!(got, want, "part {part}");
         }
         let ok = |_| Ok(1800);
