@@ -126,8 +126,13 @@ def main() -> None:
         stager.close()
         for sub, step in (("sync", 0), ("async", 2)):
             out = empty_like(sharded(full_state(0), mesh))
-            dcp.load(out, storage_reader=FileSystemReader(f"{ckpt}/{sub}"))
+            reader = FileSystemReader(f"{ckpt}/{sub}")
+            dcp.load(out, storage_reader=reader)
             check(out, full_state(step), f"store/{sub}")
+            # Each rank's shards straight from the store, the replicated items shared.
+            stats, shared = reader.last_stats, reader.last_share
+            assert stats and all(st["backend"] == "store" for st in stats), stats
+            assert shared.get("items_sent", 0) + shared.get("items_received", 0) > 0, shared
     elif scenario == "tiered":
         # ckpt is an s3:// URL, CKPTIO_TIER_LOCAL the local folder: async saves
         # commit locally, then every rank's files and the coordinator's

@@ -867,19 +867,14 @@ class FileSystemReader(_TorchReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._store.url is None:
             return self._read_plan(plan, planner)
-        try:
-            if self._read_stored(plan, planner):
-                fut: Future[None] = Future()
-                fut.set_result(None)
-                return fut
-            names = sorted({self.storage_data[r.storage_index].relative_path for r in plan.items})
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
-            self._store.download(os.fspath(self.path), names)
+        try:  # each rank's own reads: straight from the store (_read_items)
             return self._read_plan(plan, planner)
         finally:
             shutil.rmtree(self.path, ignore_errors=True)
 
-    def _read_stored(self, plan: LoadPlan, planner: LoadPlanner) -> bool:
+    def _read_stored(
+        self, items: list[Any], planner: LoadPlanner, kept: dict[int, Any] | None
+    ) -> bool:
         """``read_data`` from a store with no local copy: each data file's
         version pinned by a HEAD, then ranged GETs of each tensor request's bytes
         straight into its destination (as ``_plan_read`` places them: a strided
@@ -892,14 +887,12 @@ class FileSystemReader(_TorchReader):
         record's CRC-32 fields: the small records' CRC-32s are then the
         predicted ones), and the data's CRC-32, computed as its bytes arrive,
         checked against the directory's (0: none stored). False (the caller
-        reads the plan from a scratch copy, writing every destination again)
-        where it does not apply: a group's shared read, items with stream
-        transforms, an item of another layout."""
-        if isinstance(plan.storage_data, _Shares) and self._group() is not None:
-            return False
+        reads the items from a scratch copy, writing every destination again)
+        where it does not apply: items with stream transforms, an item of
+        another layout. ``kept`` as for ``_read_items``."""
         folder, store = os.fspath(self.path), self._store
         by_file: dict[str, list[Any]] = {}
-        for req in plan.items:
+        for req in items:
             info: _StorageInfo = self.storage_data[req.storage_index]
             if getattr(info, "transform_descriptors", None):
                 return False
@@ -961,12 +954,17 @@ class FileSystemReader(_TorchReader):
                 stats = dict(stats, **_checked_items(url, named, stats.pop("crc32")))
             self.last_stats.append(dict(stats, path=url))
         for req, buf in blobs:
-            planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
+            blob = buf.numpy().tobytes()
+            planner.load_bytes(req, io.BytesIO(blob))
+            if kept is not None:
+                kept[id(req)] = blob
         for req, target, tmp, src in commits:
             if tmp is not None:
                 view = tmp.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
                 target.copy_(view)
             planner.commit_tensor(req, target)
+            if kept is not None:
+                kept[id(req)] = target
         return True
 
     def _predicted_item(
@@ -1059,7 +1057,15 @@ class FileSystemReader(_TorchReader):
         self, items: list[Any], planner: LoadPlanner, kept: dict[int, Any] | None = None
     ) -> None:
         """Read ``items`` (each request's bytes into its destination, committed);
-        ``kept``: id(request) -> the destination filled (bytes for BYTE_IO)."""
+        ``kept``: id(request) -> the destination filled (bytes for BYTE_IO).
+        From a store, straight where ``_read_stored`` can, else from a scratch
+        copy of the data files they need."""
+        if self._store.url is not None:
+            if self._read_stored(items, planner, kept):
+                return
+            names = sorted({self.storage_data[r.storage_index].relative_path for r in items})
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            self._store.download(os.fspath(self.path), names)
         per_file: dict[str, list[Any]] = {}
         transformed = []
         for req in items:
