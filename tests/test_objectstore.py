@@ -1366,11 +1366,11 @@ def test_cuda_dcp_save_and_load_stream_with_the_stores_crc32s(s3, tmp_path, scra
     dcp.save(on_gpu, storage_writer=w, no_dist=True)
     assert all(s["backend"] == "store" for s in w.last_stats)
     assert os.listdir(scratch) == []
-    # The CRC-32s the parts computed from device memory: verify=True checks each
-    # (through the scratch copy: a verifying reader reads files).
+    # The CRC-32s the parts computed from device memory: verify=True checks each.
     out = {k: torch.zeros_like(v) for k, v in on_gpu.items()}
-    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options, verify=True),
-             no_dist=True)  # fmt: skip
+    r = FileSystemReader(url, storage_options=s3.options, verify=True)
+    dcp.load(out, storage_reader=r, no_dist=True)
+    assert all(s["backend"] == "store" and not s["unchecked"] for s in r.last_stats)
     _same(_to(out, "cpu"), sd)
     out = {k: torch.zeros_like(v) for k, v in on_gpu.items()}
     r = FileSystemReader(url, storage_options=s3.options)
