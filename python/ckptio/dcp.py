@@ -958,13 +958,7 @@ class FileSystemReader(_TorchReader):
             planner.load_bytes(req, io.BytesIO(blob))
             if kept is not None:
                 kept[id(req)] = blob
-        for req, target, tmp, src in commits:
-            if tmp is not None:
-                view = tmp.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
-                target.copy_(view)
-            planner.commit_tensor(req, target)
-            if kept is not None:
-                kept[id(req)] = target
+        _commit(planner, commits, kept)
         return True
 
     def _predicted_item(
@@ -1187,13 +1181,7 @@ class FileSystemReader(_TorchReader):
             planner.commit_tensor(req, target)
             if kept is not None:
                 kept[id(req)] = target
-        for req, target, tmp, src in commits:
-            if tmp is not None:
-                view = tmp.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
-                target.copy_(view)
-            planner.commit_tensor(req, target)
-            if kept is not None:
-                kept[id(req)] = target
+        _commit(planner, commits, kept)
 
     def _plan_read(
         self,
@@ -1306,6 +1294,23 @@ class FileSystemReader(_TorchReader):
         # as_strided's offset counts from the buffer's start, not the view's.
         offset = typed.storage_offset() + meta.storage_offset()
         return typed.as_strided(meta.shape, meta.stride(), offset)
+
+
+def _commit(
+    planner: LoadPlanner,
+    commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]],
+    kept: dict[int, Any] | None,
+) -> None:
+    """Each read request committed to the planner, after its temporary (where
+    it was read into one) is copied into its destination; ``kept`` as for
+    ``_read_items``."""
+    for req, target, tmp, src in commits:
+        if tmp is not None:
+            view = tmp.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
+            target.copy_(view)
+        planner.commit_tensor(req, target)
+        if kept is not None:
+            kept[id(req)] = target
 
 
 def _placed(
