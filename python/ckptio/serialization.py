@@ -449,8 +449,8 @@ def _load_remote(
         if torchzip.is_legacy(remote.read(url, 0, 14, options)[0]):
             return _NOT_STRAIGHT  # torch's legacy format: torch.load reads a local copy
         raise
-    info, archive, heads = mapped.info, mapped.archive, mapped.heads
-    prefix, rows = archive.prefix, archive.records
+    archive = mapped.archive
+    prefix = archive.prefix
     # The pickle and the small records, before anything is decoded.
     small_unchecked = stored.check_small_records(url, mapped) if verify else []
     if f"{prefix}/constants.pkl" in archive.where or not torchzip.native_byteorder(archive):
@@ -465,37 +465,19 @@ def _load_remote(
         if dev is None:  # a location torch.load must restore
             return _NOT_STRAIGHT
         dests.append(dev)
-    header_of = {data: (name, lh) for name, lh, data in heads}
     storages = [
         memory.empty_storage(n, dev) for (_, n, _, _), dev in zip(found, dests, strict=True)
     ]
-    used = [(off, n, st) for (off, n, _, _), st in zip(found, storages, strict=True) if n]
-    spans = [(*header_of[off], off) for off, _, _ in used]
-    head_bytes = torch.empty(sum(off - lh for _, lh, off in spans), dtype=torch.uint8)
-    segments: list[tuple[int, int, int, int]] = []
-    at = head_bytes.data_ptr()
-    for (_, lh, off), (_, n, st) in zip(spans, used, strict=True):
-        # The local header and the data follow each other: one GET brings both
-        # (CUDA storages: the data through the core's bounded host buffer).
-        segments += [
-            (lh, at, off - lh, -1),
-            (off, st.data_ptr(), n, devices.device_code(st, "storage")),
-        ]
-        at += off - lh
-    owners = [head_bytes, *(st for _, _, st in used)]
-    records = stored.storage_records(mapped) if verify else {}
-    shared = sharing.current()
-    if shared is not None:  # read once over the group; a CRC-32 needs its record whole
-        obj = transfer.StoredObject(url, options, info["e_tag"], rows, records)
-        each = [o for _, _, st in used for o in (head_bytes, st)]  # one owner per segment
-        pieces = sharing.segment_pieces(0, segments, each, splittable=not verify)
-        io = IoOptions.of(None, None, None, None)
-        stats = shared.read([sharing.SharedFile(url, obj, info["size"])], pieces, io, verify)
-    else:
-        stats = transfer.read_from_store(url, segments, owners, options, info["e_tag"], verify)
-        if verify:
-            stats.update(transfer.check_records(url, records, segments, stats.pop("crc32")))
-    if _native.zip_headers_match(spans, head_bytes.numpy().tobytes()):
+    # Each storage's local header and data follow each other: one GET brings
+    # both (CUDA storages: the data through the core's bounded host buffer).
+    reads = [
+        ((off, st.data_ptr(), n, devices.device_code(st, "storage")), st)
+        for (off, n, _, _), st in zip(found, storages, strict=True)
+        if n
+    ]
+    plan = stored.Reads(stored.StoredFile.of_archive(mapped), reads)
+    [stats] = stored.read_all([plan], options, verify)  # once over a group, where there is one
+    if plan.moved():
         return _NOT_STRAIGHT  # not torch.save's layout: the scratch copy reads it
     unchecked = [*small_unchecked, *stats.get("unchecked", ())]
     obj = torchzip.rebuild(parsed, storages, [f[2] for f in found], url)

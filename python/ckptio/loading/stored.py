@@ -219,16 +219,12 @@ def read_pairs(
     per_file: dict[int, list[tuple[tuple[int, int, int, int], torch.Tensor]]] = {}
     for seg, (fi, _, dest) in zip(segments, chosen.values(), strict=True):
         per_file.setdefault(fi, []).append((seg, dest))
-    plans = {fi: _Reads(files[fi], reads) for fi, reads in per_file.items()}
+    plans = [Reads(files[fi], reads) for fi, reads in per_file.items()]
     try:
-        shared = sharing.current()
-        if shared is None:
-            stats = [p.read(options, verify) for p in plans.values()]
-        else:
-            stats = [_read_shared(shared, plans, options, verify)]
+        stats = read_all(plans, options, verify)
     except Exception as e:
         raise inplace.partial_error(f"reading {what} into the destinations failed midway", e) from e
-    if any(p.moved() for p in plans.values()):
+    if any(p.moved() for p in plans):
         return None  # not torch.save's layout
     unchecked = tuple(n for st in stats for n in st.get("unchecked", ()))
     dests = [d for _, _, d in chosen.values() if not d.is_inference()]
@@ -236,8 +232,9 @@ def read_pairs(
     return reports.merged(stats, "store"), unchecked, len(chosen)
 
 
-class _Reads:
-    """:func:`read_pairs`'s reads of one object: each storage's local header in
+class Reads:
+    """The reads of one object into memory (a load's new storages, a load in
+    place's destinations): each storage's local header in
     the GET of its bytes (a pass of its own costs a request per large tensor),
     checked once they are in (:meth:`moved`)."""
 
@@ -274,19 +271,20 @@ class _Reads:
         )
 
 
-def _read_shared(
-    shared: sharing.Session,
-    plans: dict[int, _Reads],
-    options: remote.StorageOptions,
-    verify: bool,
-) -> dict[str, Any]:
-    """The reads of ``plans``, once over the group: each rank GETs its share
-    (with ``verify``, whole records, each checked by the rank that reads it),
-    the collectives bring the rest."""
+def read_all(
+    plans: list[Reads], options: remote.StorageOptions, verify: bool
+) -> list[dict[str, Any]]:
+    """The reads of ``plans``: each alone (its stats), or, in a group's call,
+    once over the group (one stats dict: each rank GETs its share, with
+    ``verify`` whole records, each checked by the rank that reads it; the
+    collectives bring the rest)."""
+    shared = sharing.current()
+    if shared is None:
+        return [p.read(options, verify) for p in plans]
     files, pieces = [], []
-    for i, p in enumerate(plans.values()):
+    for i, p in enumerate(plans):
         f = p.f
         obj = transfer.StoredObject(f.url, options, f.e_tag, f.rows, f.records if verify else {})
         files.append(sharing.SharedFile(f.url, obj, f.size))
         pieces += sharing.segment_pieces(i, p.segments, p.owners, splittable=not verify)
-    return shared.read(files, pieces, IoOptions.of(None, None, None, None), verify)
+    return [shared.read(files, pieces, IoOptions.of(None, None, None, None), verify)]
