@@ -823,7 +823,12 @@ except Exception as e:
     reps["bad"] = type(e).__name__ + ": " + str(e)
 with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
     json.dump(reps, f)
-dist.destroy_process_group()
+dist.barrier()
+# After the group's failed load above, the gloo teardown at exit once aborted a rank
+# ("terminate called without an active exception") with every result written: the
+# results are checked, not the teardown (an open question, in the closing note).
+sys.stdout.flush()
+os._exit(0)
 """
 
 
