@@ -59,7 +59,8 @@ def main() -> None:
         (memory, "reserve_cuda"),
         (torchzip, "rebuild"),
         (reports, "report"),
-        (transfer, "read_while"),
+        (transfer, "read_batches"),
+        (transfer, "start_read"),
         (_native.Reader, "read_segments"),
     ):
         wrap(owner, name)

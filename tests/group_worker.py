@@ -42,6 +42,7 @@ def state(seed: int) -> dict:
         "small": [torch.randn(i + 1, generator=g) for i in range(40)],
         "ints": torch.randint(0, 1000, (5000,), generator=g),
         "flags": torch.rand(999, generator=g) > 0.5,
+        "empty": torch.zeros(0, 3),  # a storage of no bytes: nothing to read or share
         "step": 7,
     }
     sd["view"] = sd["big"][10:20]

@@ -375,6 +375,41 @@ def test_reader_errors_are_typed(tmp_path):
         )
 
 
+def test_reader_reads_large_items_in_batches_beside_the_small_ones(tmp_path, monkeypatch):
+    """The large items of a data file go to the engine in growing batches (8, 32,
+    ...) while the rest are planned, the small ones in one buffer with the
+    first batch: every item lands, each once; a bad request in a later batch
+    raises only once the batches already reading are done."""
+    import ckptio.dcp as cdcp
+
+    sd = {f"big{i:02d}": torch.randn(256 * 1024 + i) for i in range(45)}  # > 1 MiB items
+    sd.update({f"small{i:02d}": torch.randn(7 + i) for i in range(30)})
+    sd["strided"] = torch.randn(600, 700)
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    out = zeros_like(sd)
+    out["strided"] = torch.zeros(700, 600).t()  # a column-major destination
+    reader = FileSystemReader(tmp_path)
+    calls = []
+    real = cdcp.transfer.start_read
+    monkeypatch.setattr(
+        cdcp.transfer, "start_read", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k)
+    )
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert_same(sd, out)
+    assert calls[0] == 30 + 8 and len(calls) >= 3, calls  # small items + first batch, then more
+    assert sum(calls) == 30 + 46  # every item read once
+    # Every tensor's bytes; the small items' zips are read whole (their headers too).
+    assert 0 <= reader.last_stats[0]["bytes"] - sum(t.nbytes for t in sd.values()) < 30 << 12
+    # A destination of another dtype in the third batch: a typed error, raised
+    # once the reads in flight are done (their destinations are the engine's).
+    bad = zeros_like(sd)
+    bad["big44"] = torch.zeros(256 * 1024 + 44, dtype=torch.float64)
+    calls.clear()
+    with pytest.raises(BaseException, match="FormatError.*big44.*float64"):
+        dcp.load(bad, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    assert len(calls) >= 2, calls
+
+
 def test_metadata_replaced_atomically(tmp_path):
     sd = {"w": torch.randn(10)}
     dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)

@@ -358,3 +358,36 @@ def test_a_save_into_a_file_object_carries_every_crc32(tmp_path):
     assert len(bad) == 1 and bad[0].name.endswith("/data/0"), bad
     with open(p, "rb") as f, pytest.raises(ckptio.FormatError, match="data/0"):
         ckptio.load(f, verify=True)
+
+
+def test_a_load_reads_each_batch_while_the_next_is_allocated(tmp_path, monkeypatch):
+    """ckptio.load allocates its storages in batches (8, then 4x the last) and the
+    engine reads each as soon as it exists: every storage once, CRC-32s of all
+    batches checked with verify=True, a flipped byte in the last batch named
+    once the batches already reading are done."""
+    from ckptio.io import transfer
+
+    sd = {f"t{i}": torch.randn(i + 100 * (i % 3)) for i in range(60)}
+    sd["t0"] = torch.zeros(0, 4)  # no bytes: nothing to read
+    sd["tied"] = sd["t5"]
+    p = tmp_path / "m.pt"
+    ckptio.save(sd, p)
+    calls: list[int] = []
+    real = transfer.start_read
+    monkeypatch.setattr(
+        transfer, "start_read", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k)
+    )
+    got = ckptio.load(p, verify=True)
+    rep = ckptio.last_report()
+    assert calls == [7, 32, 20], calls
+    assert rep.verified and rep.unchecked == ()
+    assert_same(sd, got)
+    assert got["tied"].data_ptr() == got["t5"].data_ptr()
+    rec = next(r for r in ckptio.records(p) if any(t.name == "t57" for t in r.tensors))
+    data = bytearray(p.read_bytes())
+    data[rec.offset + 3] ^= 0x10
+    p.write_bytes(bytes(data))
+    calls.clear()
+    with pytest.raises(ckptio.FormatError, match=rec.name):
+        ckptio.load(p, verify=True)
+    assert len(calls) == 3

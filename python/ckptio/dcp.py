@@ -100,7 +100,7 @@ from ckptio.errors import CommitConflictError, FormatError
 from ckptio.formats import dcp as fmt
 from ckptio.formats import torchzip
 from ckptio.formats.dcp import read_metadata
-from ckptio.io import devices, remote, transfer
+from ckptio.io import devices, remote, reports, transfer
 from ckptio.io.engines import IoOptions
 from ckptio.io.paths import inside, open_regular
 from ckptio.io.units import align_up
@@ -1135,6 +1135,11 @@ class FileSystemReader(_TorchReader):
     def _read_file(
         self, path: str, reqs: list[Any], planner: LoadPlanner, kept: dict[int, Any] | None
     ) -> None:
+        """Read ``reqs`` of one data file into their destinations, committed.
+        The engine starts on the small items' buffer and a first batch of the
+        large items, and reads each later batch (four times the last) while the
+        rest are planned and the small items are cut out of their buffer: the
+        Python per item runs beside the reads, not before them."""
         opts = self._io
         engine = opts.engine()
         dev_file = _native.DeviceFile(path, False, opts.direct, opts.backend)
@@ -1142,33 +1147,58 @@ class FileSystemReader(_TorchReader):
         owners: list[torch.Tensor] = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
         small: list[tuple[Any, _StorageInfo]] = []
+        large: list[tuple[Any, _StorageInfo]] = []
         # (segment index, stored CRC-32 or None, request, item offset) when verifying
         checks: list[tuple[int, int | None, Any, int]] = []
+        copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        jobs: list[transfer.Job[dict[str, Any]]] = []
         with open_regular(path) as f:
-            for req in reqs:
-                info: _StorageInfo = self.storage_data[req.storage_index]
-                if req.type == LoadItemType.BYTE_IO:
-                    f.seek(info.offset)
-                    blob = f.read(info.length)
-                    planner.load_bytes(req, io.BytesIO(blob))
-                    if kept is not None:
-                        kept[id(req)] = blob
-                elif info.length <= fmt.SMALL_ITEM and not self.verify:
-                    small.append((req, info))
-                else:
-                    meta, data_off, crc = self._layout(f, path, info)
-                    seg = self._plan_read(
-                        path, req, planner, meta, data_off, segments, owners, commits
-                    )
-                    if self.verify and seg is not None:
-                        checks.append((seg, crc, req, info.offset))
-            copies, stats = self._read_small(path, f, dev_file, engine, small, planner)
-            if segments:
-                # The destinations may still be in use by work queued on the
-                # current streams: the engine's copies are ordered after it.
-                # Verifying, the I/O threads also return each segment's CRC-32.
-                big = transfer.read(dev_file, engine, segments, owners, verify=self.verify)
-                stats = dict(big, bytes=big["bytes"] + stats.get("bytes", 0))
+            try:
+                for req in reqs:
+                    info: _StorageInfo = self.storage_data[req.storage_index]
+                    if req.type == LoadItemType.BYTE_IO:
+                        f.seek(info.offset)
+                        blob = f.read(info.length)
+                        planner.load_bytes(req, io.BytesIO(blob))
+                        if kept is not None:
+                            kept[id(req)] = blob
+                    elif info.length <= fmt.SMALL_ITEM and not self.verify:
+                        small.append((req, info))
+                    else:
+                        large.append((req, info))
+                box = pending = _SmallBox.of(small, planner) if small else None
+                done, batch = 0, 1 if self.verify else _FIRST_BATCH
+                while done < len(large) or box is not None:
+                    # Verifying: one read, whose CRC-32s ``checks`` indexes.
+                    upto = len(large) if self.verify else done + batch
+                    first = len(segments)
+                    for req, info in large[done:upto]:
+                        meta, data_off, crc = self._layout(f, path, info)
+                        seg = self._plan_read(
+                            path, req, planner, meta, data_off, segments, owners, commits
+                        )
+                        if self.verify and seg is not None:
+                            checks.append((seg, crc, req, info.offset))
+                    done, batch = upto, batch * 4
+                    segs, own = segments[first:], owners[first:]
+                    if box is not None:  # with the first batch: jobs[0]
+                        segs, own, box = box.segments + segs, [box.buf, *own], None
+                    if segs:
+                        # The destinations may still be in use by work queued on
+                        # the current streams: the engine's copies are ordered
+                        # after it. Verifying, it also returns each CRC-32.
+                        jobs.append(
+                            transfer.start_read(dev_file, engine, segs, own, verify=self.verify)
+                        )
+                if pending is not None:
+                    jobs[0].result()
+                    copies = pending.cut(self, path, f, planner)
+            except BaseException:
+                for job in jobs:  # the destinations stay the engine's until then
+                    with contextlib.suppress(BaseException):
+                        job.result()
+                raise
+            stats = reports.merged(transfer.wait_all(jobs), opts.backend)
         if self.verify:
             named = [(i, stored, req.storage_index.fqn, at) for i, stored, req, at in checks]
             stats = dict(stats, **_checked_items(path, named, stats.pop("crc32", [])))
@@ -1224,45 +1254,6 @@ class FileSystemReader(_TorchReader):
             commits.append((req, target, tmp, src))
         return len(segments) - 1
 
-    def _read_small(
-        self,
-        path: str,
-        f: io.BufferedReader,
-        dev_file: _native.DeviceFile,
-        engine: _native.Engine,
-        small: list[tuple[Any, _StorageInfo]],
-        planner: LoadPlanner,
-    ) -> tuple[list[tuple[Any, torch.Tensor, torch.Tensor]], dict[str, Any]]:
-        """Small items read whole into one host buffer in one engine pass (items
-        side by side share I/Os), their zips mapped and pickles read natively
-        (one read per distinct pickle: items of one dtype and shape share it):
-        ([(request, destination, source view in the buffer)] to copy, the
-        read's report)."""
-        if not small:
-            return [], {}
-        targets = [planner.resolve_tensor(req).detach() for req, _ in small]
-        spans = sorted({(info.offset, info.length) for _, info in small})
-        place, at = {}, 0
-        for span in spans:
-            at = align_up(at, torchzip.TORCH_ALIGNMENT)  # every item's bytes aligned as in the file
-            place[span] = at
-            at += span[1]
-        # Pinned when copies go to a GPU: they then run asynchronously.
-        buf = torch.empty(at, dtype=torch.uint8, pin_memory=any(t.is_cuda for t in targets))
-        base = buf.data_ptr()
-        segs = [(off, base + place[(off, n)], n, -1) for off, n in spans]
-        stats = transfer.read(dev_file, engine, segs, [buf])
-        maps = _native.map_archives(base, at, [(place[s], s[1]) for s in spans], [buf])
-        items = {}
-        for span, got in zip(spans, maps, strict=True):
-            items[span] = self._small_item(path, f, buf, place[span], span, got)
-        out = []
-        for (req, info), target in zip(small, targets, strict=True):
-            item = items[(info.offset, info.length)]
-            src = narrow_tensor_by_index(item, req.storage_offsets, req.lengths)
-            out.append((req, target, _checked(path, req, src, target)))
-        return out, stats
-
     def _small_item(
         self,
         path: str,
@@ -1294,6 +1285,61 @@ class FileSystemReader(_TorchReader):
         # as_strided's offset counts from the buffer's start, not the view's.
         offset = typed.storage_offset() + meta.storage_offset()
         return typed.as_strided(meta.shape, meta.stride(), offset)
+
+
+#: Large items of a data file planned before its first read starts.
+_FIRST_BATCH = 8
+
+
+@dataclasses.dataclass
+class _SmallBox:
+    """A data file's small items, read whole into one host buffer in the engine
+    pass of its first batch (items side by side share I/Os), then cut out: their
+    zips mapped and pickles read natively (one per distinct pickle: items of
+    one dtype and shape share it)."""
+
+    small: list[tuple[Any, _StorageInfo]]
+    #: The first item's destination, resolved before the read: a buffer for
+    #: copies to a GPU is pinned (they then run asynchronously).
+    first: torch.Tensor
+    buf: torch.Tensor
+    #: (file offset, length) of each item -> its offset in ``buf``.
+    place: dict[tuple[int, int], int]
+    segments: list[tuple[int, int, int, int]]
+
+    @classmethod
+    def of(cls, small: list[tuple[Any, _StorageInfo]], planner: LoadPlanner) -> _SmallBox:
+        first = planner.resolve_tensor(small[0][0]).detach()
+        spans = sorted({(info.offset, info.length) for _, info in small})
+        place, at = {}, 0
+        for span in spans:
+            at = align_up(at, torchzip.TORCH_ALIGNMENT)  # every item's bytes aligned as in the file
+            place[span] = at
+            at += span[1]
+        buf = torch.empty(at, dtype=torch.uint8, pin_memory=first.is_cuda)
+        segs = [(off, buf.data_ptr() + place[(off, n)], n, -1) for off, n in spans]
+        return cls(small, first, buf, place, segs)
+
+    def cut(
+        self, reader: FileSystemReader, path: str, f: io.BufferedReader, planner: LoadPlanner
+    ) -> list[tuple[Any, torch.Tensor, torch.Tensor]]:
+        """Once ``buf`` is read: [(request, destination, source view in the
+        buffer)] to copy."""
+        buf, place = self.buf, self.place
+        spans = sorted(place)
+        maps = _native.map_archives(
+            buf.data_ptr(), buf.numel(), [(place[s], s[1]) for s in spans], [buf]
+        )
+        items = {}
+        for span, got in zip(spans, maps, strict=True):
+            items[span] = reader._small_item(path, f, buf, place[span], span, got)
+        out = []
+        for k, (req, info) in enumerate(self.small):
+            target = self.first if k == 0 else planner.resolve_tensor(req).detach()
+            item = items[(info.offset, info.length)]
+            src = narrow_tensor_by_index(item, req.storage_offsets, req.lengths)
+            out.append((req, target, _checked(path, req, src, target)))
+        return out
 
 
 def _commit(

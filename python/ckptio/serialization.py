@@ -17,11 +17,12 @@ into it. ``out=`` loads in place (``ckptio.loading.inplace``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -649,8 +650,9 @@ def _load_archive(
     native = None
     if torch_kw["pickle_module"] is None and len(torch_kw) == 2:  # no pickle arguments
         native = _plan_native(archive, map_location)
+    shared = sharing.current()
     if native is not None:
-        segments, owners, build = native
+        segments, owners = native.everything() if shared is not None else ([], [])
     else:
         restorer = _Restorer(map_location, list(archive.data.values()), shown)
         # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
@@ -666,20 +668,21 @@ def _load_archive(
             # must then be the caller's own (a str, device or dict): torch loads it.
             return _by_torch(t0, src, "a tensor subclass", map_location, name=shown, **torch_kw)
         segments, owners = restorer.segments(archive.data)
+    count = len(segments)  # the storages read
     # Memory handed out by the caching allocator may still be in use by work
     # queued on the current stream: the engine's copies are ordered after it.
-    shared = sharing.current()
     if shared is not None:  # read once over the group
         src_file = sharing.SharedFile(shown, archive.reader, os.fstat(archive.fileno()).st_size)
         # A CRC-32 is checked over a whole record read: not split with verify.
         pieces = sharing.segment_pieces(0, segments, owners, splittable=not verify)
         stats = shared.read([src_file], pieces, io, verify)
         if native is not None:
-            obj = build()
-    elif native is not None:  # the tensors are made while the engine reads
-        stats, obj = transfer.read_while(
-            archive.reader, io.engine(), segments, owners, build, verify=verify
+            obj = native.build()
+    elif native is not None:  # the storages allocated and the tensors made while the engine reads
+        stats, obj = transfer.read_batches(
+            archive.reader, io.engine(), native.batches(), native.build, verify=verify
         )
+        count = sum(1 for st in native.storages if st.nbytes())
     else:
         stats = transfer.read(archive.reader, io.engine(), segments, owners, verify=verify)
     if verify:
@@ -689,22 +692,17 @@ def _load_archive(
         if rest:  # records torch filled itself (other devices, callables)
             rows = archive.reader.verify(io.engine(), rest, strict=True)
             unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
-        reports.report(shown, t0, stats, len(segments), True, tuple(unchecked))
+        reports.report(shown, t0, stats, count, True, tuple(unchecked))
     else:
-        reports.report(shown, t0, stats, len(segments))
+        reports.report(shown, t0, stats, count)
     return obj
 
 
-@memory.gc_paused()  # a storage and a tensor per record: see memory.gc_paused
-def _plan_native(
-    archive: torchzip.Archive, map_location: MapLocation
-) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage], Callable[[], Any]] | None:
+def _plan_native(archive: torchzip.Archive, map_location: MapLocation) -> _Native | None:
     """Load without torch.load: the pickle read natively (``torchzip.native_pickle``),
-    each storage allocated on its destination, the object made once the engine
-    has read the bytes (``torchzip.rebuild``). Returns (the engine's reads, their
-    owners, the builder), or None where torch.load must run: see
-    ``torchzip.native_pickle``, and a callable map_location, a location the
-    engine does not fill."""
+    the storages' destinations found (and a CUDA reservation made for them);
+    None where torch.load must run: see ``torchzip.native_pickle``, and a
+    callable map_location, a location the engine does not fill."""
     if callable(map_location) and not isinstance(map_location, torch.device):
         return None
     got = torchzip.native_pickle(archive)
@@ -723,16 +721,60 @@ def _plan_native(
     if isinstance(map_location, (str, torch.device)):
         for dev in {d for d in dests if d.type == "cuda"}:
             memory.reserve_cuda(dev, [f[1] for f in found])
-    storages: list[torch.UntypedStorage] = []
-    segments = []
-    for (off, n, _, _), dev in zip(found, dests, strict=True):
-        st = memory.empty_storage(n, dev, off % memory.PAGE)
-        storages.append(st)
-        if n:
-            segments.append((off, st.data_ptr(), n, -1 if dev.type == "cpu" else dev.index))
-    dtypes = [f[2] for f in found]
-    path = archive.path
-    return segments, storages, lambda: torchzip.rebuild(parsed, storages, dtypes, path)
+    return _Native(parsed, found, dests, archive.path)
+
+
+#: Storages allocated before a load's first read starts (then four times as
+#: many a batch): the engine reads while the rest are allocated.
+FIRST_BATCH = 8
+
+
+@dataclasses.dataclass
+class _Native:
+    """A load planned by :func:`_plan_native`: the pickle, each storage's (file
+    offset, nbytes, dtype, location) and destination; its storages once
+    allocated (:meth:`batches`), the object made over them (:meth:`build`)."""
+
+    parsed: _native.Unpickled
+    found: list[tuple[int, int, torch.dtype, str]]
+    dests: list[torch.device]
+    path: str
+    storages: list[torch.UntypedStorage] = dataclasses.field(default_factory=list)
+
+    def batches(
+        self, first: int = FIRST_BATCH
+    ) -> Iterator[tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]]:
+        """Each storage allocated empty on its destination, ``first`` of them,
+        then four times the last batch: the engine's reads of each batch and
+        their owners (its non-empty storages), yielded as soon as allocated."""
+        at, n = 0, first
+        while at < len(self.found):
+            segments, owners = [], []
+            with memory.gc_paused():  # a storage per record: see memory.gc_paused
+                for (off, size, _, _), dev in zip(
+                    self.found[at : at + n], self.dests[at : at + n], strict=True
+                ):
+                    st = memory.empty_storage(size, dev, off % memory.PAGE)
+                    self.storages.append(st)
+                    if size:
+                        code = -1 if dev.type == "cpu" else dev.index
+                        segments.append((off, st.data_ptr(), size, code))
+                        owners.append(st)
+            at, n = at + n, n * 4
+            yield segments, owners
+
+    def everything(self) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]:
+        """Every storage allocated: (the engine's reads, their owners)."""
+        segments, owners = [], []
+        for segs, owns in self.batches(max(len(self.found), 1)):
+            segments += segs
+            owners += owns
+        return segments, owners
+
+    def build(self) -> Any:
+        """The object over the storages (all allocated, read or being read)."""
+        dtypes = [f[2] for f in self.found]
+        return torchzip.rebuild(self.parsed, self.storages, dtypes, self.path)
 
 
 class _Restorer:

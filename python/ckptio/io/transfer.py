@@ -23,12 +23,12 @@ import dataclasses
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from ckptio import _native
 from ckptio.errors import check_crc
-from ckptio.io import remote
+from ckptio.io import remote, reports
 from ckptio.io.devices import streams
 from ckptio.io.engines import IoOptions
 
@@ -121,16 +121,84 @@ def read_while(
     ``meanwhile``'s result). ``meanwhile`` must not touch the destinations'
     bytes: making the tensors of a load over its storages is what it is for.
     An error of the read comes first, then one of ``meanwhile``."""
-    streams = _streams_of(segments)  # the caller's current streams (thread-local)
-    job = submit(lambda: _read(source, engine, segments, owners, streams, verify))
+    return read_batches(source, engine, iter([(segments, owners)]), meanwhile, verify=verify)
+
+
+def read_batches(
+    source: _native.Reader,
+    engine: _native.Engine,
+    batches: Iterator[tuple[list[Segment], list[Any]]],
+    meanwhile: Callable[[], T],
+    *,
+    verify: bool = False,
+) -> tuple[dict[str, Any], T]:
+    """:func:`read_while` of the (segments, owners) batches ``batches`` yields,
+    each read on a kept thread as soon as it is yielded: the engine reads the
+    first while the next are made (their destinations allocated, say) on the
+    calling thread, then ``meanwhile()`` runs. Stats merged over the batches
+    (with ``verify``, their "verified" and "unchecked" records joined)."""
+    jobs: list[Job[dict[str, Any]]] = []
     try:
-        # Let the read reach the engine (which lets go of the GIL) before the
-        # Python of ``meanwhile`` holds the GIL for up to a switch interval (5 ms).
-        job.started.wait()
+        for segments, owners in batches:
+            if not segments:
+                continue
+            jobs.append(start_read(source, engine, segments, owners, verify=verify))
+            if len(jobs) == 1:
+                # Let the read reach the engine (which lets go of the GIL) before
+                # the Python here holds the GIL for up to a switch interval (5 ms).
+                jobs[0].started.wait()
         result = meanwhile()
-    finally:
-        stats = job.result()  # raises the read's error first
+    except BaseException as err:
+        # The destinations stay the engine's until every read is done; a read's
+        # error is raised first, then the one of the batches or ``meanwhile``.
+        failed: BaseException | None = None
+        for job in jobs:
+            try:
+                job.result()
+            except BaseException as e:  # noqa: BLE001 - raised below
+                failed = failed or e
+        if failed is not None:
+            raise failed from err
+        raise
+    done = wait_all(jobs)
+    if len(done) == 1:
+        return done[0], result
+    stats = reports.merged(done)
+    if verify:
+        stats["verified"] = [n for st in done for n in st["verified"]]
+        stats["unchecked"] = [n for st in done for n in st["unchecked"]]
     return stats, result
+
+
+def start_read(
+    source: _native.Reader | _native.DeviceFile,
+    engine: _native.Engine,
+    segments: list[Segment],
+    owners: list[Any],
+    *,
+    verify: bool = False,
+) -> Job[dict[str, Any]]:
+    """:func:`read` on a kept thread, ordered after the work queued on the
+    caller's current streams: its :class:`Job`, whose ``result()`` is the read's
+    stats. Until then the destinations are the engine's: the caller must wait
+    for the job (also when it fails meanwhile) before it touches or frees them."""
+    streams = _streams_of(segments)  # the caller's current streams (thread-local)
+    return submit(lambda: _read(source, engine, segments, owners, streams, verify))
+
+
+def wait_all(jobs: Sequence[Job[T]]) -> list[T]:
+    """Every job's result once all are done (each waited for, whatever the
+    others did); the first error raised after that."""
+    results: list[Any] = []
+    error: BaseException | None = None
+    for job in jobs:
+        try:
+            results.append(job.result())
+        except BaseException as e:  # noqa: BLE001 - raised once all are done
+            error = error or e
+    if error is not None:
+        raise error
+    return results
 
 
 class Job(Generic[T]):
