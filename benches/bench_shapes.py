@@ -310,7 +310,46 @@ def profile(p: dict[str, str], device: str, nbytes: int) -> dict[str, float]:
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
     print("\n".join(s.getvalue().splitlines()[:40]), flush=True)
+    out.update(profile_dcp(p, device))
     return out
+
+
+def profile_dcp(p: dict[str, str], device: str) -> dict[str, float]:
+    """dcp.load with ckptio's reader split into its steps, each timed alone as
+    torch's dcp.load runs them: the reader's ``.metadata``, torch's planner (per
+    item: the floor ckptio's reader cannot go under), the reader's read_data;
+    the median of three each."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    dests = ckptio.load(p["pt"], map_location=device)
+    parts: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        sync(device)
+        t0 = time.perf_counter()
+        got = fn(*args, **kw)
+        sync(device)
+        parts.setdefault(name, []).append(time.perf_counter() - t0)
+        return got
+
+    def read_data(reader: Any, local: Any, planner: DefaultLoadPlanner) -> None:
+        reader.read_data(local, planner).wait()
+
+    def plan(planner: DefaultLoadPlanner, md: Any) -> Any:
+        planner.set_up_planner(dests, md, True)
+        return planner.create_local_plan()
+
+    for _ in range(3):
+        reader = ckptio.dcp.FileSystemReader(p["dcp"])
+        timed("dcp_load_s", dcp.load, dests, storage_reader=reader, no_dist=True)
+        reader = ckptio.dcp.FileSystemReader(p["dcp"])
+        md = timed("dcp_metadata_s", reader.read_metadata)
+        planner = DefaultLoadPlanner()
+        local = timed("dcp_torch_planner_s", plan, planner, md)
+        reader.set_up_storage_reader(md, True)
+        local = reader.prepare_local_plan(local)
+        timed("dcp_read_data_s", read_data, reader, local, planner)
+    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 # Issue 37's targets: every ckptio loader >= 0.85x the pinned copy and >= 0.95x the

@@ -328,15 +328,17 @@ def fresh_memory_fault_s(
 
 
 class EngineReads:
-    """Seconds the native reads took (every ``read_segments`` call, summed) since
-    :meth:`reset`: the engine's share of a load; the rest is Python, unpickling
-    and allocating the destinations. One at a time, until :meth:`close`."""
+    """Seconds in which a native read ran (the union of the ``read_segments``
+    calls' spans: a load's batches may read side by side) since :meth:`reset`:
+    the engine's share of a load; the rest is Python, unpickling and allocating
+    the destinations. One load at a time, until :meth:`close`."""
 
     def __init__(self, pkg: Any = None) -> None:
         """``pkg``: ``ckptio`` (default), or a copy of it at another commit."""
         pkg = pkg if pkg is not None else ckptio
-        self.seconds = 0.0
         self.calls = 0
+        self._spans: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
         self._inner: list[tuple[type, Any]] = []
         for cls in (pkg._native.Reader, pkg._native.DeviceFile):
             self._wrap(cls)
@@ -350,13 +352,25 @@ class EngineReads:
             try:
                 return inner(obj, *args, **kw)
             finally:
-                self.seconds += time.perf_counter() - t
-                self.calls += 1
+                with self._lock:
+                    self._spans.append((t, time.perf_counter()))
+                    self.calls += 1
 
         cls.read_segments = timed  # type: ignore[attr-defined]
 
+    @property
+    def seconds(self) -> float:
+        busy, end = 0.0, float("-inf")
+        with self._lock:
+            spans = sorted(self._spans)
+        for a, b in spans:
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        return busy
+
     def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+        with self._lock:
+            self._spans, self.calls = [], 0
 
     def close(self) -> None:
         """Put the native methods back."""

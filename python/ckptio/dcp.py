@@ -1167,19 +1167,18 @@ class FileSystemReader(_TorchReader):
                     else:
                         large.append((req, info))
                 box = pending = _SmallBox.of(small, planner) if small else None
-                done, batch = 0, 1 if self.verify else _FIRST_BATCH
-                while done < len(large) or box is not None:
-                    # Verifying: one read, whose CRC-32s ``checks`` indexes.
-                    upto = len(large) if self.verify else done + batch
+                # Verifying: one read, whose CRC-32s ``checks`` indexes.
+                first_batch = len(large) if self.verify else transfer.FIRST_BATCH
+                ranges = list(transfer.batch_ranges(len(large), first_batch))
+                for lo, hi in ranges or [(0, 0)]:
                     first = len(segments)
-                    for req, info in large[done:upto]:
+                    for req, info in large[lo:hi]:
                         meta, data_off, crc = self._layout(f, path, info)
                         seg = self._plan_read(
                             path, req, planner, meta, data_off, segments, owners, commits
                         )
                         if self.verify and seg is not None:
                             checks.append((seg, crc, req, info.offset))
-                    done, batch = upto, batch * 4
                     segs, own = segments[first:], owners[first:]
                     if box is not None:  # with the first batch: jobs[0]
                         segs, own, box = box.segments + segs, [box.buf, *own], None
@@ -1285,10 +1284,6 @@ class FileSystemReader(_TorchReader):
         # as_strided's offset counts from the buffer's start, not the view's.
         offset = typed.storage_offset() + meta.storage_offset()
         return typed.as_strided(meta.shape, meta.stride(), offset)
-
-
-#: Large items of a data file planned before its first read starts.
-_FIRST_BATCH = 8
 
 
 @dataclasses.dataclass

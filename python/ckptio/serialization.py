@@ -724,11 +724,6 @@ def _plan_native(archive: torchzip.Archive, map_location: MapLocation) -> _Nativ
     return _Native(parsed, found, dests, archive.path)
 
 
-#: Storages allocated before a load's first read starts (then four times as
-#: many a batch): the engine reads while the rest are allocated.
-FIRST_BATCH = 8
-
-
 @dataclasses.dataclass
 class _Native:
     """A load planned by :func:`_plan_native`: the pickle, each storage's (file
@@ -742,25 +737,22 @@ class _Native:
     storages: list[torch.UntypedStorage] = dataclasses.field(default_factory=list)
 
     def batches(
-        self, first: int = FIRST_BATCH
+        self, first: int = transfer.FIRST_BATCH
     ) -> Iterator[tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]]:
-        """Each storage allocated empty on its destination, ``first`` of them,
-        then four times the last batch: the engine's reads of each batch and
-        their owners (its non-empty storages), yielded as soon as allocated."""
-        at, n = 0, first
-        while at < len(self.found):
+        """Each storage allocated empty on its destination, in batches
+        (``transfer.batch_ranges``): the engine's reads of each batch and their
+        owners (its non-empty storages), yielded as soon as allocated."""
+        for lo, hi in transfer.batch_ranges(len(self.found), first):
             segments, owners = [], []
             with memory.gc_paused():  # a storage per record: see memory.gc_paused
-                for (off, size, _, _), dev in zip(
-                    self.found[at : at + n], self.dests[at : at + n], strict=True
-                ):
+                found, dests = self.found[lo:hi], self.dests[lo:hi]
+                for (off, size, _, _), dev in zip(found, dests, strict=True):
                     st = memory.empty_storage(size, dev, off % memory.PAGE)
                     self.storages.append(st)
                     if size:
                         code = -1 if dev.type == "cpu" else dev.index
                         segments.append((off, st.data_ptr(), size, code))
                         owners.append(st)
-            at, n = at + n, n * 4
             yield segments, owners
 
     def everything(self) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]:

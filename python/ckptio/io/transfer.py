@@ -107,6 +107,20 @@ def read(
     return _read(source, engine, segments, owners, _streams_of(segments), verify)
 
 
+#: Destinations made before a load's first read starts; each later batch is
+#: four times the last: the engine reads a batch while the next are made.
+FIRST_BATCH = 8
+
+
+def batch_ranges(n: int, first: int = FIRST_BATCH) -> Iterator[tuple[int, int]]:
+    """(start, end) of each batch of ``n`` destinations: ``first``, then four
+    times the last."""
+    at, size = 0, max(first, 1)
+    while at < n:
+        yield at, min(n, at + size)
+        at, size = at + size, size * 4
+
+
 def read_while(
     source: _native.Reader,
     engine: _native.Engine,
