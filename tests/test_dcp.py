@@ -396,10 +396,14 @@ def test_reader_reads_large_items_in_batches_beside_the_small_ones(tmp_path, mon
     )
     dcp.load(out, storage_reader=reader, no_dist=True)
     assert_same(sd, out)
-    assert calls[0] == 30 + 8 and len(calls) >= 3, calls  # small items + first batch, then more
-    assert sum(calls) == 30 + 46  # every item read once
-    # Every tensor's bytes; the small items' zips are read whole (their headers too).
-    assert 0 <= reader.last_stats[0]["bytes"] - sum(t.nbytes for t in sd.values()) < 30 << 12
+    # The small items' buffer and the first 8 large items with their zip heads
+    # (where the data lies is predicted, the heads read to confirm it), then more.
+    assert calls[0] == 30 + 2 * 8 and len(calls) == 3, calls
+    assert sum(calls) == 30 + 2 * 46  # every item read once
+    # Every tensor's bytes, and the zips around them: the small items' read whole,
+    # the large items' heads (20 KiB at ckptio's 4 KiB alignment).
+    extra = reader.last_stats[0]["bytes"] - sum(t.nbytes for t in sd.values())
+    assert 46 * 20 << 10 <= extra < (30 + 46) * 24 << 10
     # A destination of another dtype in the third batch: a typed error, raised
     # once the reads in flight are done (their destinations are the engine's).
     bad = zeros_like(sd)
@@ -408,6 +412,22 @@ def test_reader_reads_large_items_in_batches_beside_the_small_ones(tmp_path, mon
     with pytest.raises(BaseException, match="FormatError.*big44.*float64"):
         dcp.load(bad, storage_reader=FileSystemReader(tmp_path), no_dist=True)
     assert len(calls) >= 2, calls
+    # Heads that differ from the prediction (another writer's layout): the file
+    # is read again with every item's zip mapped, and the destinations hold it.
+    from ckptio.formats import dcp as dcp_format
+
+    real_zip = dcp_format.item_zip
+
+    def wrong(dtype, shape, align=dcp_format.ALIGN):
+        z = real_zip(dtype, shape, align)
+        return z._replace(head=bytes(len(z.head)))
+
+    monkeypatch.setattr(dcp_format, "item_zip", wrong)
+    out = zeros_like(sd)
+    calls.clear()
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    assert_same(sd, out)
+    assert len(calls) == 6 and sum(calls) == 2 * (30 + 46) + 46, calls
 
 
 def test_metadata_replaced_atomically(tmp_path):

@@ -166,13 +166,14 @@ def test_dcp_items_every_rank_reads_are_read_once(results, request):
 
 
 def within(read: int, data: int) -> bool:
-    return data <= read <= data * 1.01
+    return data <= read <= data * 1.01 + (48 << 10)
 
 
 def check_dcp(got: list[dict]) -> None:
     rep, shard, n = got[0]["rep_bytes"], got[0]["shard_bytes"], len(got)
-    # Small items (<= 1 MiB) are read whole, their zip headers with them: the
-    # bytes read are the data plus at most 1% of headers.
+    # Small items (<= 1 MiB) are read whole, their zip headers with them, and
+    # the two large ones (rep2, rep3) with their zip heads (20 KiB each, read to
+    # confirm where the data lies): the data plus at most 1% and 48 KiB.
     assert within(sum(g["share"]["bytes_read"] for g in got), rep + shard)
     for g in got:
         assert within(g["alone"]["bytes_read"], rep + shard // n)  # share=False: as before

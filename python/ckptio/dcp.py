@@ -1133,13 +1133,22 @@ class FileSystemReader(_TorchReader):
         return self._io.engine()
 
     def _read_file(
-        self, path: str, reqs: list[Any], planner: LoadPlanner, kept: dict[int, Any] | None
+        self,
+        path: str,
+        reqs: list[Any],
+        planner: LoadPlanner,
+        kept: dict[int, Any] | None,
+        predict: bool = True,
     ) -> None:
         """Read ``reqs`` of one data file into their destinations, committed.
         The engine starts on the small items' buffer and a first batch of the
         large items, and reads each later batch (four times the last) while the
         rest are planned and the small items are cut out of their buffer: the
-        Python per item runs beside the reads, not before them."""
+        Python per item runs beside the reads, not before them. ``predict``:
+        where each large item's data lies is predicted from its dtype and shape
+        (``_predicted_item``, as from a store) and its zip head read in the same
+        pass and compared; where one differs, the file is read again with each
+        item's zip mapped (``_layout``), which the destinations then hold."""
         opts = self._io
         engine = opts.engine()
         dev_file = _native.DeviceFile(path, False, opts.direct, opts.backend)
@@ -1148,8 +1157,11 @@ class FileSystemReader(_TorchReader):
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
         small: list[tuple[Any, _StorageInfo]] = []
         large: list[tuple[Any, _StorageInfo]] = []
+        blobs: list[tuple[Any, bytes]] = []
         # (segment index, stored CRC-32 or None, request, item offset) when verifying
         checks: list[tuple[int, int | None, Any, int]] = []
+        # The predicted zip heads of each batch, and the buffer they are read into.
+        heads: list[tuple[list[tuple[int, tuple[bytes, tuple[()]]]], torch.Tensor]] = []
         copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         jobs: list[transfer.Job[dict[str, Any]]] = []
         with open_regular(path) as f:
@@ -1158,10 +1170,7 @@ class FileSystemReader(_TorchReader):
                     info: _StorageInfo = self.storage_data[req.storage_index]
                     if req.type == LoadItemType.BYTE_IO:
                         f.seek(info.offset)
-                        blob = f.read(info.length)
-                        planner.load_bytes(req, io.BytesIO(blob))
-                        if kept is not None:
-                            kept[id(req)] = blob
+                        blobs.append((req, f.read(info.length)))
                     elif info.length <= fmt.SMALL_ITEM and not self.verify:
                         small.append((req, info))
                     else:
@@ -1172,14 +1181,30 @@ class FileSystemReader(_TorchReader):
                 ranges = list(transfer.batch_ranges(len(large), first_batch))
                 for lo, hi in ranges or [(0, 0)]:
                     first = len(segments)
+                    known: list[tuple[int, tuple[bytes, tuple[()]]]] = []
                     for req, info in large[lo:hi]:
-                        meta, data_off, crc = self._layout(f, path, info)
+                        guess = predict and not self.verify
+                        layout = self._predicted_item(req, info) if guess else None
+                        if layout is not None:
+                            meta, item = layout
+                            data_off = info.offset + item.data_off
+                            known.append((info.offset, (item.head, ())))
+                        else:
+                            meta, data_off, crc = self._layout(f, path, info)
                         seg = self._plan_read(
                             path, req, planner, meta, data_off, segments, owners, commits
                         )
                         if self.verify and seg is not None:
                             checks.append((seg, crc, req, info.offset))
                     segs, own = segments[first:], owners[first:]
+                    if known:
+                        got = torch.empty(sum(len(b) for _, (b, _) in known), dtype=torch.uint8)
+                        at = got.data_ptr()
+                        for off, (b, _) in known:
+                            segs.append((off, at, len(b), -1))
+                            at += len(b)
+                        own.append(got)
+                        heads.append((known, got))
                     if box is not None:  # with the first batch: jobs[0]
                         segs, own, box = box.segments + segs, [box.buf, *own], None
                     if segs:
@@ -1198,10 +1223,17 @@ class FileSystemReader(_TorchReader):
                         job.result()
                 raise
             stats = reports.merged(transfer.wait_all(jobs), opts.backend)
+        if any(_placed(known, got.numpy().tobytes()) is None for known, got in heads):
+            # Not the layout predicted: every item's zip mapped, read again.
+            return self._read_file(path, reqs, planner, kept, predict=False)
         if self.verify:
             named = [(i, stored, req.storage_index.fqn, at) for i, stored, req, at in checks]
             stats = dict(stats, **_checked_items(path, named, stats.pop("crc32", [])))
         self.last_stats.append(dict(stats, path=path))
+        for req, blob in blobs:
+            planner.load_bytes(req, io.BytesIO(blob))
+            if kept is not None:
+                kept[id(req)] = blob
         # On the current stream, as the destinations' other users run: from a
         # pinned buffer (its allocator keeps it until the copies have run).
         for _, target, src in copies:
