@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import ckptio
+import pytest
 
 PACKAGE = pathlib.Path(ckptio.__file__).resolve().parent
 
@@ -159,3 +160,46 @@ def test_an_idle_kept_thread_holds_nothing_of_a_failed_read():
             break
         time.sleep(0.01)
     assert ref() is None
+
+
+def test_batched_reads_wait_for_every_batch_and_raise_the_reads_error_first(tmp_path, monkeypatch):
+    """transfer.read_batches: a batch that fails to be made, or ``meanwhile``
+    failing, returns only once every batch handed to the engine is read (their
+    destinations are the engine's until then); a read's error comes first, the
+    other chained to it."""
+    import torch
+    from ckptio import _native
+    from ckptio.io import transfer
+    from ckptio.io.engines import IoOptions
+
+    p = tmp_path / "f"
+    p.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    reader = _native.DeviceFile(str(p), False, None, None)
+    eng = IoOptions().engine()
+    dests = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(4)]
+    jobs: list[transfer.Job] = []
+    real = transfer.start_read
+
+    def start(*a, **k):
+        jobs.append(real(*a, **k))
+        return jobs[-1]
+
+    def batches(fail_at: int | None, past_end: bool = False):
+        for i, d in enumerate(dests):
+            if i == fail_at:
+                raise ValueError("making batch failed")
+            off = (1 << 20) if past_end and i == 1 else i << 16
+            yield [(off, d.data_ptr(), d.numel(), -1)], [d]
+
+    monkeypatch.setattr(transfer, "start_read", start)
+    stats, got = transfer.read_batches(reader, eng, batches(None), lambda: 7)
+    assert got == 7 and stats["bytes"] == 4 << 16 and len(jobs) == 4
+    assert all(torch.equal(d, torch.arange(256, dtype=torch.uint8).repeat(256)) for d in dests)
+    jobs.clear()
+    with pytest.raises(ValueError, match="making batch failed"):
+        transfer.read_batches(reader, eng, batches(2), lambda: 7)
+    # Both batches made were read before the error came out.
+    assert len(jobs) == 2 and all(j.done.is_set() for j in jobs)
+    with pytest.raises(ckptio.FormatError) as ei:  # a read past the end of the file
+        transfer.read_batches(reader, eng, batches(None, past_end=True), lambda: 1 / 0)
+    assert isinstance(ei.value.__cause__, ZeroDivisionError)
