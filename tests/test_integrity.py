@@ -361,7 +361,7 @@ def test_a_save_into_a_file_object_carries_every_crc32(tmp_path):
 
 
 def test_a_load_reads_each_batch_while_the_next_is_allocated(tmp_path, monkeypatch):
-    """ckptio.load allocates its storages in batches (8, then 4x the last) and the
+    """ckptio.load allocates GPU storages in batches (8, then 4x the last) and the
     engine reads each as soon as it exists: every storage once, CRC-32s of all
     batches checked with verify=True, a flipped byte in the last batch named
     once the batches already reading are done."""
@@ -377,6 +377,12 @@ def test_a_load_reads_each_batch_while_the_next_is_allocated(tmp_path, monkeypat
     monkeypatch.setattr(
         transfer, "start_read", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k)
     )
+    # Host memory: one batch (copies keep every core busy); GPU memory (as
+    # here, forced): 8 first, then 4x the last.
+    got = ckptio.load(p, verify=True)
+    assert len(calls) == 1, calls
+    calls.clear()
+    monkeypatch.setattr(transfer, "first_batch", lambda n, to_gpu: transfer.FIRST_BATCH)
     got = ckptio.load(p, verify=True)
     rep = ckptio.last_report()
     assert calls == [7, 32, 20], calls

@@ -243,11 +243,14 @@ class _Plan:
     owners: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def batches(
-        self, first: int = transfer.FIRST_BATCH
+        self, first: int | None = None
     ) -> Iterator[tuple[list[tuple[int, int, int, int]], list[torch.Tensor]]]:
-        """Each tensor made empty on ``fill``, in batches (``transfer.batch_ranges``):
-        the reads of each batch and their owners, yielded as soon as made."""
+        """Each tensor made empty on ``fill``, in batches (``transfer.batch_ranges``;
+        ``first``, else ``transfer.first_batch``): the reads of each batch and
+        their owners, yielded as soon as made."""
         fill = self.fill
+        if first is None:
+            first = transfer.first_batch(len(self.entries), fill.type == "cuda")
         dev = -1 if fill.type == "cpu" else fill.index if fill.index is not None else 0
         # An empty tensor per dtype: ``proto.new()`` makes another (as torch.empty(0)
         # does, in a third of the time).

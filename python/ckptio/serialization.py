@@ -737,11 +737,15 @@ class _Native:
     storages: list[torch.UntypedStorage] = dataclasses.field(default_factory=list)
 
     def batches(
-        self, first: int = transfer.FIRST_BATCH
+        self, first: int | None = None
     ) -> Iterator[tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]]:
         """Each storage allocated empty on its destination, in batches
-        (``transfer.batch_ranges``): the engine's reads of each batch and their
-        owners (its non-empty storages), yielded as soon as allocated."""
+        (``transfer.batch_ranges``; ``first``, else ``transfer.first_batch``):
+        the engine's reads of each batch and their owners (its non-empty
+        storages), yielded as soon as allocated."""
+        if first is None:
+            to_gpu = any(d.type == "cuda" for d in self.dests)
+            first = transfer.first_batch(len(self.found), to_gpu)
         for lo, hi in transfer.batch_ranges(len(self.found), first):
             segments, owners = [], []
             with memory.gc_paused():  # a storage per record: see memory.gc_paused
