@@ -810,15 +810,17 @@ def load_sharded(
         tensors = fmt.gather(src, files, [p.tensors for p in plans], wm)
         _read_shared(shared, src, t0, plans, io)
         return _finish(tensors, want, fill)
-    # Each file read (on kept threads, the engine's threads shared) as soon as
-    # its tensors are made, while the next file's are made.
-    engine, _ = io.shared_engine(len(files))
+    # Each file read (on kept threads, ``workers`` at a time, sharing the
+    # engine's threads) as soon as its tensors are made, while the next file's are.
+    engine, workers = io.shared_engine(len(files))
     plans, jobs = [], []
     try:
         for f in files:
             plan = _plan(os.path.join(folder, f), home, io).made()
             plans.append(plan)
             if plan.segments:
+                if len(jobs) >= workers:
+                    jobs[-workers].result()
                 jobs.append(transfer.start_read(plan.file, engine, plan.segments, plan.owners))
         tensors = fmt.gather(src, files, [p.tensors for p in plans], wm)
     except BaseException:
