@@ -163,10 +163,10 @@ def test_an_idle_kept_thread_holds_nothing_of_a_failed_read():
 
 
 def test_batched_reads_wait_for_every_batch_and_raise_the_reads_error_first(tmp_path, monkeypatch):
-    """transfer.read_batches: a batch that fails to be made, or ``meanwhile``
-    failing, returns only once every batch handed to the engine is read (their
-    destinations are the engine's until then); a read's error comes first, the
-    other chained to it."""
+    """transfer.read_batches: one read at a time, in order; a batch that fails to
+    be made, or ``meanwhile`` failing, returns only once every batch handed to
+    the engine is read (their destinations are the engine's until then); a
+    read's error comes first, the other chained to it."""
     import torch
     from ckptio import _native
     from ckptio.io import transfer
@@ -181,6 +181,7 @@ def test_batched_reads_wait_for_every_batch_and_raise_the_reads_error_first(tmp_
     real = transfer.start_read
 
     def start(*a, **k):
+        assert all(j.done.is_set() for j in jobs)  # one read at a time
         jobs.append(real(*a, **k))
         return jobs[-1]
 
@@ -188,7 +189,7 @@ def test_batched_reads_wait_for_every_batch_and_raise_the_reads_error_first(tmp_
         for i, d in enumerate(dests):
             if i == fail_at:
                 raise ValueError("making batch failed")
-            off = (1 << 20) if past_end and i == 1 else i << 16
+            off = (1 << 20) if past_end and i == 3 else i << 16
             yield [(off, d.data_ptr(), d.numel(), -1)], [d]
 
     monkeypatch.setattr(transfer, "start_read", start)

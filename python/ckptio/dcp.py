@@ -100,7 +100,7 @@ from ckptio.errors import CommitConflictError, FormatError
 from ckptio.formats import dcp as fmt
 from ckptio.formats import torchzip
 from ckptio.formats.dcp import read_metadata
-from ckptio.io import devices, remote, reports, transfer
+from ckptio.io import devices, remote, transfer
 from ckptio.io.engines import IoOptions
 from ckptio.io.paths import inside, open_regular
 from ckptio.io.units import align_up
@@ -1163,7 +1163,7 @@ class FileSystemReader(_TorchReader):
         # The predicted zip heads of each batch, and the buffer they are read into.
         heads: list[tuple[list[tuple[int, tuple[bytes, tuple[()]]]], torch.Tensor]] = []
         copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-        jobs: list[transfer.Job[dict[str, Any]]] = []
+        reads = transfer.Pipeline(dev_file, engine, verify=self.verify)
         with open_regular(path) as f:
             try:
                 for req in reqs:
@@ -1205,24 +1205,19 @@ class FileSystemReader(_TorchReader):
                             at += len(b)
                         own.append(got)
                         heads.append((known, got))
-                    if box is not None:  # with the first batch: jobs[0]
+                    if box is not None:  # with the first batch: read 0
                         segs, own, box = box.segments + segs, [box.buf, *own], None
-                    if segs:
-                        # The destinations may still be in use by work queued on
-                        # the current streams: the engine's copies are ordered
-                        # after it. Verifying, it also returns each CRC-32.
-                        jobs.append(
-                            transfer.start_read(dev_file, engine, segs, own, verify=self.verify)
-                        )
+                    # The destinations may still be in use by work queued on the
+                    # current streams: the engine's copies are ordered after it.
+                    # Verifying, it also returns each CRC-32.
+                    reads.add(segs, own)
                 if pending is not None:
-                    jobs[0].result()
+                    reads.result(0)
                     copies = pending.cut(self, path, f, planner)
-            except BaseException:
-                for job in jobs:  # the destinations stay the engine's until then
-                    with contextlib.suppress(BaseException):
-                        job.result()
+            except BaseException as err:
+                reads.abandon(err)  # the destinations stay the engine's until then
                 raise
-            stats = reports.merged(transfer.wait_all(jobs), opts.backend)
+            stats = reads.stats(opts.backend)
         if any(_placed(known, got.numpy().tobytes()) is None for known, got in heads):
             # Not the layout predicted: every item's zip mapped, read again.
             return self._read_file(path, reqs, planner, kept, predict=False)

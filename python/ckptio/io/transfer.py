@@ -156,41 +156,77 @@ def read_batches(
     verify: bool = False,
 ) -> tuple[dict[str, Any], T]:
     """:func:`read_while` of the (segments, owners) batches ``batches`` yields,
-    each read on a kept thread as soon as it is yielded: the engine reads the
-    first while the next are made (their destinations allocated, say) on the
-    calling thread, then ``meanwhile()`` runs. Stats merged over the batches
-    (with ``verify``, their "verified" and "unchecked" records joined)."""
-    jobs: list[Job[dict[str, Any]]] = []
+    each read (a :class:`Pipeline`) as soon as it is yielded and the one before
+    is read: the engine reads a batch while the next is made (its destinations
+    allocated, say) on the calling thread, then ``meanwhile()`` runs. Stats
+    merged over the batches (with ``verify``, "verified" and "unchecked" joined)."""
+    reads = Pipeline(source, engine, verify=verify)
     try:
         for segments, owners in batches:
-            if not segments:
-                continue
-            jobs.append(start_read(source, engine, segments, owners, verify=verify))
-            if len(jobs) == 1:
-                # Let the read reach the engine (which lets go of the GIL) before
-                # the Python here holds the GIL for up to a switch interval (5 ms).
-                jobs[0].started.wait()
+            reads.add(segments, owners)
         result = meanwhile()
     except BaseException as err:
-        # The destinations stay the engine's until every read is done; a read's
-        # error is raised first, then the one of the batches or ``meanwhile``.
+        reads.abandon(err)
+        raise
+    return reads.stats(), result
+
+
+class Pipeline:
+    """A load's reads of one file, handed to the engine in order, one at a time
+    (each engine call takes its threads' lanes: calls side by side would take
+    more, pinned for GPU memory), each on a kept thread while the caller makes
+    the next. Until :meth:`stats` or :meth:`abandon` returns, the destinations
+    are the engine's."""
+
+    def __init__(
+        self, source: _native.Reader | _native.DeviceFile, engine: _native.Engine, *, verify: bool
+    ) -> None:
+        self.source, self.engine, self.verify = source, engine, verify
+        self.jobs: list[Job[dict[str, Any]]] = []
+
+    def add(self, segments: list[Segment], owners: list[Any]) -> int | None:
+        """Read ``segments`` once the reads before are done (a read's error is
+        raised here); the index of its stats, None for no segments."""
+        if not segments:
+            return None
+        if self.jobs:
+            self.jobs[-1].result()
+        job = start_read(self.source, self.engine, segments, owners, verify=self.verify)
+        self.jobs.append(job)
+        # Let the read reach the engine (which lets go of the GIL) before the
+        # caller's Python holds the GIL for up to a switch interval (5 ms).
+        job.started.wait()
+        return len(self.jobs) - 1
+
+    def result(self, index: int) -> dict[str, Any]:
+        """The stats of read ``index`` once it is done."""
+        return self.jobs[index].result()
+
+    def stats(self, backend: str | None = None) -> dict[str, Any]:
+        """Every read done: their stats merged (bytes summed; with ``verify``,
+        "verified" and "unchecked" joined, "crc32" concatenated; ``backend``:
+        the one asked for, said where nothing was read)."""
+        done = wait_all(self.jobs)
+        if len(done) == 1:
+            return done[0]
+        out = reports.merged(done, backend)
+        for key in ("verified", "unchecked", "crc32"):
+            if any(key in st for st in done):
+                out[key] = [x for st in done for x in st.get(key, ())]
+        return out
+
+    def abandon(self, err: BaseException) -> None:
+        """Wait for every read after ``err`` (the caller's), and raise a read's
+        error first, chained to it; return where the reads went well (the
+        caller raises ``err``)."""
         failed: BaseException | None = None
-        for job in jobs:
+        for job in self.jobs:
             try:
                 job.result()
             except BaseException as e:  # noqa: BLE001 - raised below
                 failed = failed or e
-        if failed is not None:
+        if failed is not None and failed is not err:
             raise failed from err
-        raise
-    done = wait_all(jobs)
-    if len(done) == 1:
-        return done[0], result
-    stats = reports.merged(done)
-    if verify:
-        stats["verified"] = [n for st in done for n in st["verified"]]
-        stats["unchecked"] = [n for st in done for n in st["unchecked"]]
-    return stats, result
 
 
 def start_read(
