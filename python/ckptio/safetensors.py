@@ -226,7 +226,7 @@ def _devices(device: Device) -> tuple[torch.device, torch.device | None]:
 
 @dataclasses.dataclass
 class _Plan:
-    """One file's header read, its tensors made empty (:meth:`batches`) and the
+    """One file's header read, its tensors made empty (:meth:`made`) and the
     reads that fill them."""
 
     path: str
@@ -242,51 +242,35 @@ class _Plan:
     #: What owns the memory of each segment.
     owners: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
-    def batches(
-        self, first: int | None = None
-    ) -> Iterator[tuple[list[tuple[int, int, int, int]], list[torch.Tensor]]]:
-        """Each tensor made empty on ``fill``, in batches (``transfer.batch_ranges``;
-        ``first``, else ``transfer.first_batch``): the reads of each batch and
-        their owners, yielded as soon as made."""
+    def made(self) -> _Plan:
+        """Every tensor made empty on ``fill``, with the read that fills it."""
         fill = self.fill
-        if first is None:
-            first = transfer.first_batch(len(self.entries), fill.type == "cuda")
         dev = -1 if fill.type == "cpu" else fill.index if fill.index is not None else 0
         # An empty tensor per dtype: ``proto.new()`` makes another (as torch.empty(0)
         # does, in a third of the time).
         protos: dict[torch.dtype, torch.Tensor] = {}
-        for lo, hi in transfer.batch_ranges(len(self.entries), first):
-            segments, owners = [], []
-            with memory.gc_paused():  # a storage and a tensor each: see memory.gc_paused
-                for name, dtype, shape, begin, end in self.entries[lo:hi]:
-                    nbytes = end - begin
-                    off = self.base + begin
-                    # Host memory starts where the file offset does relative to 4 KiB
-                    # (when the dtype's alignment allows it): O_DIRECT lands straight in it.
-                    phase = off % memory.PAGE if off % max(dtype.itemsize, 1) == 0 else 0
-                    st = memory.empty_storage(nbytes, fill, phase)
-                    proto = protos.get(dtype)
-                    if proto is None:
-                        proto = protos[dtype] = torch.empty(0, dtype=dtype, device=fill)
-                    t = proto.new().set_(st, 0, shape)
-                    self.tensors[name] = t
-                    if nbytes:
-                        segments.append((off, st.data_ptr(), nbytes, dev))
-                        owners.append(t)
-            self.segments += segments
-            self.owners += owners
-            yield segments, owners
-
-    def made(self) -> _Plan:
-        """Every tensor made (:meth:`batches` all at once)."""
-        for _ in self.batches(max(len(self.entries), 1)):
-            pass
+        with memory.gc_paused():  # a storage and a tensor each: see memory.gc_paused
+            for name, dtype, shape, begin, end in self.entries:
+                nbytes = end - begin
+                off = self.base + begin
+                # Host memory starts where the file offset does relative to 4 KiB
+                # (when the dtype's alignment allows it): O_DIRECT lands straight in it.
+                phase = off % memory.PAGE if off % max(dtype.itemsize, 1) == 0 else 0
+                st = memory.empty_storage(nbytes, fill, phase)
+                proto = protos.get(dtype)
+                if proto is None:
+                    proto = protos[dtype] = torch.empty(0, dtype=dtype, device=fill)
+                t = proto.new().set_(st, 0, shape)
+                self.tensors[name] = t
+                if nbytes:
+                    self.segments.append((off, st.data_ptr(), nbytes, dev))
+                    self.owners.append(t)
         return self
 
 
 def _plan(path: str, fill: torch.device, io: IoOptions) -> _Plan:
     """``path`` opened, its header read, room reserved on a CUDA ``fill``; the
-    tensors are made by the plan's ``batches`` or ``made``."""
+    tensors are made by the plan's ``made``."""
     f = _native.DeviceFile(path, False, io.direct, io.backend)
     meta, entries, base = fmt.read_header(f.fileno(), path)
     if fill.type == "cuda":
@@ -371,9 +355,10 @@ def load_file(
     if shared is not None:
         _read_shared(shared, path, t0, [plan.made()], io)
         return _finish(plan.tensors, want, fill)
+    plan.made()
     # Memory handed out by the caching allocator may still be in use by work
     # queued on the current stream: the engine's copies are ordered after it.
-    stats, _ = transfer.read_batches(plan.file, io.engine(), plan.batches(), lambda: None)
+    stats = transfer.read(plan.file, io.engine(), plan.segments, plan.owners)
     reports.report(path, t0, stats, len(plan.tensors))
     return _finish(plan.tensors, want, fill)
 

@@ -22,7 +22,6 @@ import os
 import pickle
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -652,7 +651,7 @@ def _load_archive(
         native = _plan_native(archive, map_location)
     shared = sharing.current()
     if native is not None:
-        segments, owners = native.everything() if shared is not None else ([], [])
+        segments, owners = native.allocate()
     else:
         restorer = _Restorer(map_location, list(archive.data.values()), shown)
         # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
@@ -678,11 +677,10 @@ def _load_archive(
         stats = shared.read([src_file], pieces, io, verify)
         if native is not None:
             obj = native.build()
-    elif native is not None:  # the storages allocated and the tensors made while the engine reads
-        stats, obj = transfer.read_batches(
-            archive.reader, io.engine(), native.batches(), native.build, verify=verify
+    elif native is not None:  # the tensors are made while the engine reads
+        stats, obj = transfer.read_while(
+            archive.reader, io.engine(), segments, owners, native.build, verify=verify
         )
-        count = sum(1 for st in native.storages if st.nbytes())
     else:
         stats = transfer.read(archive.reader, io.engine(), segments, owners, verify=verify)
     if verify:
@@ -728,7 +726,7 @@ def _plan_native(archive: torchzip.Archive, map_location: MapLocation) -> _Nativ
 class _Native:
     """A load planned by :func:`_plan_native`: the pickle, each storage's (file
     offset, nbytes, dtype, location) and destination; its storages once
-    allocated (:meth:`batches`), the object made over them (:meth:`build`)."""
+    allocated (:meth:`allocate`), the object made over them (:meth:`build`)."""
 
     parsed: _native.Unpickled
     found: list[tuple[int, int, torch.dtype, str]]
@@ -736,35 +734,18 @@ class _Native:
     path: str
     storages: list[torch.UntypedStorage] = dataclasses.field(default_factory=list)
 
-    def batches(
-        self, first: int | None = None
-    ) -> Iterator[tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]]:
-        """Each storage allocated empty on its destination, in batches
-        (``transfer.batch_ranges``; ``first``, else ``transfer.first_batch``):
-        the engine's reads of each batch and their owners (its non-empty
-        storages), yielded as soon as allocated."""
-        if first is None:
-            to_gpu = any(d.type == "cuda" for d in self.dests)
-            first = transfer.first_batch(len(self.found), to_gpu)
-        for lo, hi in transfer.batch_ranges(len(self.found), first):
-            segments, owners = [], []
-            with memory.gc_paused():  # a storage per record: see memory.gc_paused
-                found, dests = self.found[lo:hi], self.dests[lo:hi]
-                for (off, size, _, _), dev in zip(found, dests, strict=True):
-                    st = memory.empty_storage(size, dev, off % memory.PAGE)
-                    self.storages.append(st)
-                    if size:
-                        code = -1 if dev.type == "cpu" else dev.index
-                        segments.append((off, st.data_ptr(), size, code))
-                        owners.append(st)
-            yield segments, owners
-
-    def everything(self) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]:
-        """Every storage allocated: (the engine's reads, their owners)."""
+    def allocate(self) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]:
+        """Each storage allocated empty on its destination: the engine's reads and
+        their owners (the non-empty storages)."""
         segments, owners = [], []
-        for segs, owns in self.batches(max(len(self.found), 1)):
-            segments += segs
-            owners += owns
+        with memory.gc_paused():  # a storage per record: see memory.gc_paused
+            for (off, size, _, _), dev in zip(self.found, self.dests, strict=True):
+                st = memory.empty_storage(size, dev, off % memory.PAGE)
+                self.storages.append(st)
+                if size:
+                    code = -1 if dev.type == "cpu" else dev.index
+                    segments.append((off, st.data_ptr(), size, code))
+                    owners.append(st)
         return segments, owners
 
     def build(self) -> Any:

@@ -107,18 +107,10 @@ def read(
     return _read(source, engine, segments, owners, _streams_of(segments), verify)
 
 
-#: Destinations made before a load's first read starts; each later batch is
-#: four times the last: the engine reads a batch while the next are made.
+#: Destinations a DCP read plans before its first read starts; each later
+#: batch is four times the last: the engine reads a batch while the next is
+#: planned.
 FIRST_BATCH = 8
-
-
-def first_batch(n: int, to_gpu: bool) -> int:
-    """How many of ``n`` destinations a load makes before its first read:
-    :data:`FIRST_BATCH` where they are GPU memory (the engine's threads then
-    wait on copies, leaving cores to the caller's allocations), else all at
-    once (copies into host memory keep every core busy: in batches, loads from
-    /dev/shm into host memory ran 3-5% slower on a 2-core machine)."""
-    return FIRST_BATCH if to_gpu else max(n, 1)
 
 
 def batch_ranges(n: int, first: int = FIRST_BATCH) -> Iterator[tuple[int, int]]:
