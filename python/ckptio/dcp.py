@@ -935,11 +935,8 @@ class FileSystemReader(_TorchReader):
                     # The directory's CRC-32 (the last field), as the reader takes it.
                     checks.append((seg, tail + item.crc_at[-1], req.storage_index.fqn, info.offset))
             spans = sorted(known.items())
-            got = torch.empty(sum(len(b) for _, (b, _) in spans), dtype=torch.uint8)
-            at = got.data_ptr()
-            for off, (b, _) in spans:
-                segments.append((off, at, len(b), -1))
-                at += len(b)
+            expected, got = _expected_reads(spans)
+            segments += expected
             reads.append((url, segments, [*owners, got], head["e_tag"], spans, got, checks))
         self.last_stats = []
         for url, segments, owners, e_tag, spans, got, checks in reads:
@@ -1179,11 +1176,11 @@ class FileSystemReader(_TorchReader):
                 # Verifying: one read, whose CRC-32s ``checks`` indexes.
                 first_batch = len(large) if self.verify else transfer.FIRST_BATCH
                 ranges = list(transfer.batch_ranges(len(large), first_batch))
+                guess = predict and not self.verify
                 for lo, hi in ranges or [(0, 0)]:
                     first = len(segments)
                     known: list[tuple[int, tuple[bytes, tuple[()]]]] = []
                     for req, info in large[lo:hi]:
-                        guess = predict and not self.verify
                         layout = self._predicted_item(req, info) if guess else None
                         if layout is not None:
                             meta, item = layout
@@ -1198,11 +1195,8 @@ class FileSystemReader(_TorchReader):
                             checks.append((seg, crc, req, info.offset))
                     segs, own = segments[first:], owners[first:]
                     if known:
-                        got = torch.empty(sum(len(b) for _, (b, _) in known), dtype=torch.uint8)
-                        at = got.data_ptr()
-                        for off, (b, _) in known:
-                            segs.append((off, at, len(b), -1))
-                            at += len(b)
+                        expected, got = _expected_reads(known)
+                        segs += expected
                         own.append(got)
                         heads.append((known, got))
                     if box is not None:  # with the first batch: read 0
@@ -1379,6 +1373,20 @@ def _commit(
         planner.commit_tensor(req, target)
         if kept is not None:
             kept[id(req)] = target
+
+
+def _expected_reads(
+    spans: list[tuple[int, tuple[bytes, tuple[tuple[int, int], ...]]]],
+) -> tuple[list[tuple[int, int, int, int]], torch.Tensor]:
+    """The reads of the bytes ``spans`` predicts ((offset, (bytes, fields left
+    out)) in order), back to back into one host buffer: (the segments, the
+    buffer), which :func:`_placed` then compares."""
+    got = torch.empty(sum(len(b) for _, (b, _) in spans), dtype=torch.uint8)
+    segments, at = [], got.data_ptr()
+    for off, (b, _) in spans:
+        segments.append((off, at, len(b), -1))
+        at += len(b)
+    return segments, got
 
 
 def _placed(

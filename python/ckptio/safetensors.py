@@ -226,56 +226,50 @@ def _devices(device: Device) -> tuple[torch.device, torch.device | None]:
 
 @dataclasses.dataclass
 class _Plan:
-    """One file's header read, its tensors made empty (:meth:`made`) and the
-    reads that fill them."""
+    """One file's tensors allocated empty and the reads that fill them."""
 
     path: str
     file: _native.DeviceFile
     metadata: dict[str, str] | None
-    #: (name, dtype, shape, begin, end) of each tensor, as the header says.
-    entries: list[tuple[str, torch.dtype, list[int], int, int]]
-    #: The file offset of the data.
-    base: int
-    fill: torch.device
-    tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    segments: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    tensors: dict[str, torch.Tensor]
+    segments: list[tuple[int, int, int, int]]
     #: What owns the memory of each segment.
-    owners: list[torch.Tensor] = dataclasses.field(default_factory=list)
-
-    def made(self) -> _Plan:
-        """Every tensor made empty on ``fill``, with the read that fills it."""
-        fill = self.fill
-        dev = -1 if fill.type == "cpu" else fill.index if fill.index is not None else 0
-        # An empty tensor per dtype: ``proto.new()`` makes another (as torch.empty(0)
-        # does, in a third of the time).
-        protos: dict[torch.dtype, torch.Tensor] = {}
-        with memory.gc_paused():  # a storage and a tensor each: see memory.gc_paused
-            for name, dtype, shape, begin, end in self.entries:
-                nbytes = end - begin
-                off = self.base + begin
-                # Host memory starts where the file offset does relative to 4 KiB
-                # (when the dtype's alignment allows it): O_DIRECT lands straight in it.
-                phase = off % memory.PAGE if off % max(dtype.itemsize, 1) == 0 else 0
-                st = memory.empty_storage(nbytes, fill, phase)
-                proto = protos.get(dtype)
-                if proto is None:
-                    proto = protos[dtype] = torch.empty(0, dtype=dtype, device=fill)
-                t = proto.new().set_(st, 0, shape)
-                self.tensors[name] = t
-                if nbytes:
-                    self.segments.append((off, st.data_ptr(), nbytes, dev))
-                    self.owners.append(t)
-        return self
+    owners: list[torch.Tensor]
 
 
+@memory.gc_paused()
 def _plan(path: str, fill: torch.device, io: IoOptions) -> _Plan:
-    """``path`` opened, its header read, room reserved on a CUDA ``fill``; the
-    tensors are made by the plan's ``made``."""
     f = _native.DeviceFile(path, False, io.direct, io.backend)
     meta, entries, base = fmt.read_header(f.fileno(), path)
+    tensors, segments, owners = {}, [], []
+    dev = -1 if fill.type == "cpu" else fill.index if fill.index is not None else 0
     if fill.type == "cuda":
         memory.reserve_cuda(fill, [e[4] - e[3] for e in entries])
-    return _Plan(path, f, meta, entries, base, fill)
+    # An empty tensor per dtype: ``proto.new()`` makes another (as torch.empty(0)
+    # does, in a third of the time).
+    protos: dict[torch.dtype, torch.Tensor] = {}
+    for name, dtype, shape, begin, end in entries:
+        nbytes = end - begin
+        off = base + begin
+        # Host memory starts where the file offset does relative to 4 KiB (when
+        # the dtype's alignment allows it): O_DIRECT lands straight in it.
+        phase = off % memory.PAGE if off % max(dtype.itemsize, 1) == 0 else 0
+        st = memory.empty_storage(nbytes, fill, phase)
+        proto = protos.get(dtype)
+        if proto is None:
+            proto = protos[dtype] = torch.empty(0, dtype=dtype, device=fill)
+        t = proto.new().set_(st, 0, shape)
+        tensors[name] = t
+        if nbytes:
+            segments.append((off, st.data_ptr(), nbytes, dev))
+            owners.append(t)
+    return _Plan(path, f, meta, tensors, segments, owners)
+
+
+def _read(plan: _Plan, engine: _native.Engine) -> dict[str, Any]:
+    # Memory handed out by the caching allocator may still be in use by work
+    # queued on the current stream: the engine's copies are ordered after it.
+    return transfer.read(plan.file, engine, plan.segments, plan.owners)
 
 
 def _finish(
@@ -353,12 +347,9 @@ def load_file(
     plan = _plan(path, fill or torch.device("cpu"), io)
     shared = sharing.current()
     if shared is not None:
-        _read_shared(shared, path, t0, [plan.made()], io)
+        _read_shared(shared, path, t0, [plan], io)
         return _finish(plan.tensors, want, fill)
-    plan.made()
-    # Memory handed out by the caching allocator may still be in use by work
-    # queued on the current stream: the engine's copies are ordered after it.
-    stats = transfer.read(plan.file, io.engine(), plan.segments, plan.owners)
+    stats = _read(plan, io.engine())
     reports.report(path, t0, stats, len(plan.tensors))
     return _finish(plan.tensors, want, fill)
 
@@ -791,7 +782,7 @@ def load_sharded(
     home = fill or torch.device("cpu")
     shared = sharing.current()
     if shared is not None:
-        plans = [_plan(os.path.join(folder, f), home, io).made() for f in files]
+        plans = [_plan(os.path.join(folder, f), home, io) for f in files]
         tensors = fmt.gather(src, files, [p.tensors for p in plans], wm)
         _read_shared(shared, src, t0, plans, io)
         return _finish(tensors, want, fill)
@@ -801,17 +792,15 @@ def load_sharded(
     plans, jobs = [], []
     try:
         for f in files:
-            plan = _plan(os.path.join(folder, f), home, io).made()
+            plan = _plan(os.path.join(folder, f), home, io)
             plans.append(plan)
             if plan.segments:
                 if len(jobs) >= workers:
                     jobs[-workers].result()
                 jobs.append(transfer.start_read(plan.file, engine, plan.segments, plan.owners))
         tensors = fmt.gather(src, files, [p.tensors for p in plans], wm)
-    except BaseException:
-        for job in jobs:  # the destinations stay the engine's until then
-            with contextlib.suppress(BaseException):
-                job.result()
+    except BaseException as err:
+        transfer.settle(jobs, err)  # the destinations stay the engine's until then
         raise
     stats = transfer.wait_all(jobs)
     reports.report(src, t0, reports.merged(stats, io.backend), len(tensors))

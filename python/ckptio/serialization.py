@@ -17,11 +17,11 @@ into it. ``out=`` loads in place (``ckptio.loading.inplace``).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -649,9 +649,8 @@ def _load_archive(
     native = None
     if torch_kw["pickle_module"] is None and len(torch_kw) == 2:  # no pickle arguments
         native = _plan_native(archive, map_location)
-    shared = sharing.current()
     if native is not None:
-        segments, owners = native.allocate()
+        segments, owners, build = native
     else:
         restorer = _Restorer(map_location, list(archive.data.values()), shown)
         # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
@@ -667,19 +666,19 @@ def _load_archive(
             # must then be the caller's own (a str, device or dict): torch loads it.
             return _by_torch(t0, src, "a tensor subclass", map_location, name=shown, **torch_kw)
         segments, owners = restorer.segments(archive.data)
-    count = len(segments)  # the storages read
     # Memory handed out by the caching allocator may still be in use by work
     # queued on the current stream: the engine's copies are ordered after it.
+    shared = sharing.current()
     if shared is not None:  # read once over the group
         src_file = sharing.SharedFile(shown, archive.reader, os.fstat(archive.fileno()).st_size)
         # A CRC-32 is checked over a whole record read: not split with verify.
         pieces = sharing.segment_pieces(0, segments, owners, splittable=not verify)
         stats = shared.read([src_file], pieces, io, verify)
         if native is not None:
-            obj = native.build()
+            obj = build()
     elif native is not None:  # the tensors are made while the engine reads
         stats, obj = transfer.read_while(
-            archive.reader, io.engine(), segments, owners, native.build, verify=verify
+            archive.reader, io.engine(), segments, owners, build, verify=verify
         )
     else:
         stats = transfer.read(archive.reader, io.engine(), segments, owners, verify=verify)
@@ -690,17 +689,22 @@ def _load_archive(
         if rest:  # records torch filled itself (other devices, callables)
             rows = archive.reader.verify(io.engine(), rest, strict=True)
             unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
-        reports.report(shown, t0, stats, count, True, tuple(unchecked))
+        reports.report(shown, t0, stats, len(segments), True, tuple(unchecked))
     else:
-        reports.report(shown, t0, stats, count)
+        reports.report(shown, t0, stats, len(segments))
     return obj
 
 
-def _plan_native(archive: torchzip.Archive, map_location: MapLocation) -> _Native | None:
+@memory.gc_paused()  # a storage and a tensor per record: see memory.gc_paused
+def _plan_native(
+    archive: torchzip.Archive, map_location: MapLocation
+) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage], Callable[[], Any]] | None:
     """Load without torch.load: the pickle read natively (``torchzip.native_pickle``),
-    the storages' destinations found (and a CUDA reservation made for them);
-    None where torch.load must run: see ``torchzip.native_pickle``, and a
-    callable map_location, a location the engine does not fill."""
+    each storage allocated on its destination, the object made once the engine
+    has read the bytes (``torchzip.rebuild``). Returns (the engine's reads, their
+    owners: the storages that hold bytes, the builder), or None where torch.load
+    must run: see ``torchzip.native_pickle``, and a callable map_location, a
+    location the engine does not fill."""
     if callable(map_location) and not isinstance(map_location, torch.device):
         return None
     got = torchzip.native_pickle(archive)
@@ -719,39 +723,17 @@ def _plan_native(archive: torchzip.Archive, map_location: MapLocation) -> _Nativ
     if isinstance(map_location, (str, torch.device)):
         for dev in {d for d in dests if d.type == "cuda"}:
             memory.reserve_cuda(dev, [f[1] for f in found])
-    return _Native(parsed, found, dests, archive.path)
-
-
-@dataclasses.dataclass
-class _Native:
-    """A load planned by :func:`_plan_native`: the pickle, each storage's (file
-    offset, nbytes, dtype, location) and destination; its storages once
-    allocated (:meth:`allocate`), the object made over them (:meth:`build`)."""
-
-    parsed: _native.Unpickled
-    found: list[tuple[int, int, torch.dtype, str]]
-    dests: list[torch.device]
-    path: str
-    storages: list[torch.UntypedStorage] = dataclasses.field(default_factory=list)
-
-    def allocate(self) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]:
-        """Each storage allocated empty on its destination: the engine's reads and
-        their owners (the non-empty storages)."""
-        segments, owners = [], []
-        with memory.gc_paused():  # a storage per record: see memory.gc_paused
-            for (off, size, _, _), dev in zip(self.found, self.dests, strict=True):
-                st = memory.empty_storage(size, dev, off % memory.PAGE)
-                self.storages.append(st)
-                if size:
-                    code = -1 if dev.type == "cpu" else dev.index
-                    segments.append((off, st.data_ptr(), size, code))
-                    owners.append(st)
-        return segments, owners
-
-    def build(self) -> Any:
-        """The object over the storages (all allocated, read or being read)."""
-        dtypes = [f[2] for f in self.found]
-        return torchzip.rebuild(self.parsed, self.storages, dtypes, self.path)
+    storages: list[torch.UntypedStorage] = []
+    segments, owners = [], []
+    for (off, n, _, _), dev in zip(found, dests, strict=True):
+        st = memory.empty_storage(n, dev, off % memory.PAGE)
+        storages.append(st)
+        if n:
+            segments.append((off, st.data_ptr(), n, -1 if dev.type == "cpu" else dev.index))
+            owners.append(st)
+    dtypes = [f[2] for f in found]
+    path = archive.path
+    return segments, owners, lambda: torchzip.rebuild(parsed, storages, dtypes, path)
 
 
 class _Restorer:

@@ -208,17 +208,22 @@ class Pipeline:
         return out
 
     def abandon(self, err: BaseException) -> None:
-        """Wait for every read after ``err`` (the caller's), and raise a read's
-        error first, chained to it; return where the reads went well (the
-        caller raises ``err``)."""
-        failed: BaseException | None = None
-        for job in self.jobs:
-            try:
-                job.result()
-            except BaseException as e:  # noqa: BLE001 - raised below
-                failed = failed or e
-        if failed is not None and failed is not err:
-            raise failed from err
+        """:func:`settle` the reads after ``err`` (the caller's)."""
+        settle(self.jobs, err)
+
+
+def settle(jobs: Sequence[Job[Any]], err: BaseException) -> None:
+    """Wait for every job after ``err`` (the caller's: their destinations stay
+    the engine's until then), and raise a job's error first, chained to it;
+    return where the jobs went well (the caller raises ``err``)."""
+    failed: BaseException | None = None
+    for job in jobs:
+        try:
+            job.result()
+        except BaseException as e:  # noqa: BLE001 - raised below
+            failed = failed or e
+    if failed is not None and failed is not err:
+        raise failed from err
 
 
 def start_read(
