@@ -451,6 +451,49 @@ def test_dcp_reader_reads_a_store_straight_into_the_state_dict(s3, tmp_path, scr
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_reader_decodes_compressed_items_in_memory(s3, scratch, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, _Remote
+    from torch.distributed.checkpoint import _extension as ext
+
+    if not ext.ZStandard.is_available():
+        pytest.skip("torch's ZStandard needs zstandard or pyzstd")
+    g = torch.Generator().manual_seed(8)
+    sd = {
+        "big": torch.randn(3 << 18, generator=g),  # 3 MiB
+        "m": torch.randn(40, 30, generator=g),
+        "bf": torch.randn(77, 5, generator=g).bfloat16(),
+        "step": 9,
+    }
+    url = s3.url("dcp-zstd")
+    _dcp_save(url, sd, s3, _extensions=[ext.ZStandard()])
+    assert os.listdir(scratch) == []
+
+    def no_copy(*args):
+        raise AssertionError("a scratch copy was downloaded")
+
+    monkeypatch.setattr(_Remote, "download", no_copy)
+    monkeypatch.setattr(ckptio.dcp, "CODED_BATCH", 1 << 20)  # the big item alone, then the rest
+    out = {
+        "big": torch.zeros(3 << 18), "m": torch.zeros(30, 40).t(),  # strided: copied into
+        "bf": torch.zeros(77, 5, dtype=torch.bfloat16), "step": 0,
+    }  # fmt: skip
+    r = FileSystemReader(url, storage_options=s3.options)
+    dcp.load(out, storage_reader=r, no_dist=True)
+    for k in ("big", "m", "bf"):
+        assert out[k].dtype == sd[k].dtype and torch.equal(out[k], sd[k]), k
+    assert out["step"] == 9 and os.listdir(scratch) == []
+    assert len(r.last_stats) >= 2 and all(s["backend"] == "store" for s in r.last_stats)
+    # An object cut short: a FormatError naming it and the item past its end.
+    [data] = [u for u, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
+    raw = remote.get_bytes(data, s3.options)[0]
+    remote.put_bytes(data, raw[: len(raw) // 2], s3.options)
+    r = FileSystemReader(url, storage_options=s3.options)
+    with pytest.raises(CheckpointException, match="lies beyond the object's end"):
+        dcp.load(out, storage_reader=r, no_dist=True)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_reader_of_another_layout_reads_the_scratch_copy(s3, scratch, monkeypatch):
     import torch.distributed.checkpoint as dcp
     from ckptio.dcp import FileSystemReader

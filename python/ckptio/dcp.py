@@ -66,6 +66,7 @@ import pickle
 import secrets
 import shutil
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -123,6 +124,10 @@ _WRITER_ARGS = inspect.signature(_FileSystemWriter.__init__).parameters
 _READER_ARGS = inspect.signature(_TorchReader.__init__).parameters
 
 _DCP_VERSION: str | None = getattr(_fs, "CURRENT_DCP_VERSION", None)
+
+#: Stored bytes of items with stream transforms a store reader fetches into
+#: host memory before decoding them (an item larger than this: alone).
+CODED_BATCH = 256 << 20
 
 
 def _torch_args(accepted: Any, **given: Any) -> dict[str, Any]:
@@ -788,7 +793,7 @@ class FileSystemReader(_TorchReader):
         """What identifies the bytes a request reads (None: not shared: items
         with stream transforms, which torch's code reads)."""
         info: _StorageInfo = self.storage_data[req.storage_index]
-        if getattr(info, "transform_descriptors", None):
+        if fmt.transformed(info):
             return None
         idx = req.storage_index
         offset = None if idx.offset is None else tuple(idx.offset)
@@ -888,14 +893,13 @@ class FileSystemReader(_TorchReader):
         predicted ones), and the data's CRC-32, computed as its bytes arrive,
         checked against the directory's (0: none stored). False (the caller
         reads the items from a scratch copy, writing every destination again)
-        where it does not apply: items with stream transforms, an item of
-        another layout. ``kept`` as for ``_read_items``."""
+        where it does not apply: an item of another layout. Items with stream
+        transforms are not given here (``_read_coded``). ``kept`` as for
+        ``_read_items``."""
         folder, store = os.fspath(self.path), self._store
         by_file: dict[str, list[Any]] = {}
         for req in items:
             info: _StorageInfo = self.storage_data[req.storage_index]
-            if getattr(info, "transform_descriptors", None):
-                return False
             by_file.setdefault(info.relative_path, []).append(req)
         reads = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
@@ -957,6 +961,58 @@ class FileSystemReader(_TorchReader):
                 kept[id(req)] = blob
         _commit(planner, commits, kept)
         return True
+
+    def _read_coded(self, reqs: list[Any], planner: LoadPlanner) -> None:
+        """Items with stream transforms from a store, with no local copy: each
+        data file's version pinned by a HEAD, the items' stored bytes fetched
+        by ranged GETs into host memory, at most :data:`CODED_BATCH` of them
+        at a time, then decoded by torch's reader code (its extension
+        registry) from that memory."""
+        folder, store = os.fspath(self.path), self._store
+        by_file: dict[str, list[Any]] = {}
+        for req in reqs:
+            by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for rel, rs in by_file.items():
+            inside(folder, rel, store.join(fmt.METADATA))  # a name of the checkpoint's folder
+            url = store.join(rel)
+            head = remote.head(url, store.options)
+            rs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+            batch: list[Any] = []
+            spans: dict[int, int] = {}  # offset -> length of the items in the batch
+            for i, req in enumerate(rs):
+                info: _StorageInfo = self.storage_data[req.storage_index]
+                if info.offset + info.length > head["size"]:
+                    raise FormatError(
+                        f"{url}: item {req.storage_index.fqn!r} at bytes {info.offset}"
+                        f"..+{info.length} lies beyond the object's end ({head['size']} bytes)"
+                    )
+                batch.append(req)
+                spans[info.offset] = max(spans.get(info.offset, 0), info.length)
+                if i + 1 == len(rs) or sum(spans.values()) >= CODED_BATCH:
+                    self._decode_fetched(rel, url, head["e_tag"], spans, batch, planner)
+                    batch, spans = [], {}
+
+    def _decode_fetched(
+        self,
+        rel: str,
+        url: str,
+        e_tag: str | None,
+        spans: dict[int, int],
+        reqs: list[Any],
+        planner: LoadPlanner,
+    ) -> None:
+        bufs = {off: torch.empty(n, dtype=torch.uint8) for off, n in spans.items() if n}
+        segments = [(off, b.data_ptr(), b.numel(), -1) for off, b in bufs.items()]
+        owners = list(bufs.values())
+        stats = transfer.read_from_store(url, segments, owners, self._store.options, e_tag)
+        self.last_stats.append(dict(stats, path=url))
+        ranges = {off: memoryview(b.numpy()) for off, b in bufs.items()}
+        ranges.update((off, memoryview(b"")) for off, n in spans.items() if not n)
+        fs, self.fs = self.fs, _Fetched({rel: fmt.SparseSource(url, ranges)})
+        try:
+            super().read_data(LoadPlan(reqs), planner).wait()
+        finally:
+            self.fs = fs
 
     def _predicted_item(
         self, req: Any, info: _StorageInfo
@@ -1049,10 +1105,14 @@ class FileSystemReader(_TorchReader):
     ) -> None:
         """Read ``items`` (each request's bytes into its destination, committed);
         ``kept``: id(request) -> the destination filled (bytes for BYTE_IO).
-        From a store, straight where ``_read_stored`` can, else from a scratch
+        From a store, straight where ``_read_stored`` can (items with stream
+        transforms fetched into memory and decoded there), else from a scratch
         copy of the data files they need."""
         if self._store.url is not None:
-            if self._read_stored(items, planner, kept):
+            coded = [r for r in items if fmt.transformed(self.storage_data[r.storage_index])]
+            plain = [r for r in items if not fmt.transformed(self.storage_data[r.storage_index])]
+            if self._read_stored(plain, planner, kept):
+                self._read_coded(coded, planner)
                 return
             names = sorted({self.storage_data[r.storage_index].relative_path for r in items})
             os.makedirs(self.path, mode=0o700, exist_ok=True)
@@ -1061,7 +1121,7 @@ class FileSystemReader(_TorchReader):
         transformed = []
         for req in items:
             info: _StorageInfo = self.storage_data[req.storage_index]
-            if getattr(info, "transform_descriptors", None):
+            if fmt.transformed(info):
                 transformed.append(req)
                 continue
             per_file.setdefault(info.relative_path, []).append(req)
@@ -1305,6 +1365,23 @@ class FileSystemReader(_TorchReader):
         # as_strided's offset counts from the buffer's start, not the view's.
         offset = typed.storage_offset() + meta.storage_offset()
         return typed.as_strided(meta.shape, meta.stride(), offset)
+
+
+class _Fetched:
+    """torch's reader's file system, for one read, over data files' ranges
+    fetched from a store (a ``SparseSource`` per file)."""
+
+    def __init__(self, sources: dict[str, fmt.SparseSource]) -> None:
+        self.sources = sources
+
+    def concat_path(self, path: Any, suffix: str) -> str:
+        return suffix
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[fmt.SparseSource]:
+        source = self.sources[os.fspath(path)]
+        source.seek(0)
+        yield source
 
 
 @dataclasses.dataclass

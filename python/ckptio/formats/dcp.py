@@ -18,6 +18,7 @@ are raw bytes.
 
 from __future__ import annotations
 
+import bisect
 import copyreg
 import functools
 import io
@@ -80,6 +81,54 @@ class _SparseSink(io.RawIOBase):
 
     def tell(self) -> int:
         return self.pos
+
+
+class SparseSource(io.RawIOBase):
+    """A read-only stream over ranges of a file fetched into memory (file
+    offset -> bytes): torch's DCP reader seeks to each item and reads it. A
+    read outside the ranges is an OSError (what was fetched is wrong), never zeros."""
+
+    def __init__(self, name: str, ranges: dict[int, memoryview]) -> None:
+        super().__init__()
+        self.name = name
+        self._ranges = ranges
+        self._starts = sorted(ranges)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence not in (io.SEEK_SET, io.SEEK_CUR):
+            raise io.UnsupportedOperation(f"{self.name}: a fetched range seeks from its start")
+        self._pos = offset if whence == io.SEEK_SET else self._pos + offset
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        if not len(out):
+            return 0
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        data = self._ranges[self._starts[i]] if i >= 0 else memoryview(b"")
+        at = self._pos - self._starts[i] if i >= 0 else 0
+        if at >= len(data):
+            raise OSError(f"{self.name}: bytes at {self._pos} were not fetched")
+        n = min(len(out), len(data) - at)
+        out[:n] = data[at : at + n]
+        self._pos += n
+        return n
+
+
+def transformed(info: Any) -> bool:
+    """Whether a DCP item (its ``_StorageInfo``) went through stream transforms
+    (torch's ZStandard, ...): its bytes are a torch.save zip only once decoded."""
+    return bool(getattr(info, "transform_descriptors", None))
 
 
 class ItemZip(NamedTuple):

@@ -294,7 +294,7 @@ def _dcp(src: Detected) -> Listing:
         note = "" if whole else f"shard at {list(offsets or ())} of {list(meta.size)}"
         tensor = Tensor(fqn, _dtype(meta.properties.dtype), sizes, note)
         name = fqn if whole else f"{fqn} {list(offsets or ())}"
-        if getattr(info, "transform_descriptors", None):
+        if dcp.transformed(info):
             entries.append(
                 Entry(
                     rel, name, info.offset, info.length, info.offset, "compressed", None, (tensor,)

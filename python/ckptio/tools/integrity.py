@@ -252,9 +252,8 @@ def _verify_dcp(
             md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)
         ):
             name = f"{index.fqn} ({info.relative_path}@{info.offset})"
-            if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata) or getattr(
-                info, "transform_descriptors", None
-            ):
+            bytes_item = isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
+            if bytes_item or dcp.transformed(info):
                 out.append(RecordCheck(name, "unchecked", None, None))
                 if progress is not None:
                     progress(info.length)
