@@ -152,6 +152,17 @@ def test_a_rank_whose_read_fails_in_place(two):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("results", ["two", "four"])
+def test_no_session_outlives_its_call(results, request):
+    # A failed call's error must not hold its session in a reference cycle: the
+    # session holds the group, which destroy_process_group() then cannot free,
+    # and gloo's threads, alive at the interpreter's exit, can abort it there.
+    ranks = request.getfixturevalue(results)
+    left = {(n, rank): r["sessions_left"] for rank, res in enumerate(ranks) for n, r in res.items()}
+    assert not any(left.values()), left
+
+
+@pytest.mark.slow
 def test_the_group_is_usable_after_failures(two):
     check_shared(ok(two, "after"))
 

@@ -650,7 +650,10 @@ class _Rounds:
         dist.all_reduce(status, group=s.group)
         failed = [q for q, v in enumerate(status.tolist()) if v]
         if failed:
-            self._fail(failed, err)
+            try:
+                self._fail(failed, err)
+            finally:
+                del err  # see _fail
         works = [
             dist.broadcast(t, src=dist.get_global_rank(s.group, q), group=s.group, async_op=True)
             for q, land in lands
@@ -704,7 +707,15 @@ class _Rounds:
         mine = None if err is None else (type(err).__name__, _short(str(err)))
         s.dist.all_gather_object(msgs, mine, group=s.group)
         if err is not None:
-            raise err
+            # Frames that hold the error they raise make a cycle through its
+            # traceback, which keeps the group (and its backend's threads)
+            # alive until the garbage collector runs: destroy_process_group()
+            # then frees nothing, and gloo's threads, still alive at exit, can
+            # abort the process ("terminate called without an active exception").
+            try:
+                raise err
+            finally:
+                del err
         q = failed[0]
         kind, msg = msgs[q] or ("?", "")
         raise PeerLoadError(f"{s.what}: rank {q} failed to read its share: {kind}: {msg}", q, kind)
