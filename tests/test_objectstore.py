@@ -451,6 +451,39 @@ def test_dcp_reader_reads_a_store_straight_into_the_state_dict(s3, tmp_path, scr
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_reader_reads_a_store_in_batches_while_it_plans(s3, scratch, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+    from ckptio.formats import dcp as dcp_format
+
+    g = torch.Generator().manual_seed(11)
+    sd = {f"t{i:02d}": torch.randn(64 + i, 33, generator=g) for i in range(45)}  # 8+32+5
+    url = s3.url("dcp-batches")
+    _dcp_save(url, sd, s3)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    r = FileSystemReader(url, storage_options=s3.options, verify=True)
+    dcp.load(out, storage_reader=r, no_dist=True)
+    _same(out, sd)
+    [st] = r.last_stats  # one file: its batches' stats as one
+    assert st["backend"] == "store" and sorted(st["verified"]) == sorted(sd)
+    assert st["bytes"] >= sum(t.nbytes for t in sd.values())
+    # An item of the third batch not where predicted: every item read again
+    # from the scratch copy, after the batches in flight are done.
+    real = dcp_format.item_zip
+
+    def wrong(dtype, shape, align=dcp_format.ALIGN):
+        z = real(dtype, shape, align)
+        return z._replace(head=bytes(len(z.head))) if shape == (64 + 42, 33) else z
+
+    monkeypatch.setattr(dcp_format, "item_zip", wrong)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    r = FileSystemReader(url, storage_options=s3.options)
+    dcp.load(out, storage_reader=r, no_dist=True)
+    _same(out, sd)
+    assert all(s["backend"] != "store" for s in r.last_stats) and os.listdir(scratch) == []
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_reader_decodes_compressed_items_in_memory(s3, scratch, monkeypatch):
     import torch.distributed.checkpoint as dcp
     from ckptio.dcp import FileSystemReader, _Remote

@@ -881,7 +881,8 @@ class FileSystemReader(_TorchReader):
         self, items: list[Any], planner: LoadPlanner, kept: dict[int, Any] | None
     ) -> bool:
         """``read_data`` from a store with no local copy: each data file's
-        version pinned by a HEAD, then ranged GETs of each tensor request's bytes
+        version pinned by a HEAD, then ranged GETs (in batches of requests, each
+        fetched while the next is planned) of each tensor request's bytes
         straight into its destination (as ``_plan_read`` places them: a strided
         or partial request through a temporary of the item's tensor) and of each
         bytes item, with the zip head of every tensor item in the same GETs.
@@ -901,59 +902,46 @@ class FileSystemReader(_TorchReader):
         for req in items:
             info: _StorageInfo = self.storage_data[req.storage_index]
             by_file.setdefault(info.relative_path, []).append(req)
-        reads = []
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
         blobs: list[tuple[Any, torch.Tensor]] = []
+        self.last_stats = []
         for rel, reqs in by_file.items():
             inside(folder, rel, store.join(fmt.METADATA))  # a name of the checkpoint's folder
             url = store.join(rel)
             head = remote.head(url, store.options)
-            segments: list[tuple[int, int, int, int]] = []
-            owners: list[torch.Tensor] = []
-            # Object offset -> (the bytes predicted there, (offset, length) in them
-            # not compared: CRC-32s and what each save makes anew).
-            known: dict[int, tuple[bytes, tuple[tuple[int, int], ...]]] = {}
-            # (data segment, object offset of the stored CRC-32, item name, item offset)
-            checks: list[tuple[int, int, str, int]] = []
-            for req in reqs:
-                info = self.storage_data[req.storage_index]
-                if info.offset + info.length > head["size"]:
-                    return False  # the scratch copy's reader names what is wrong
-                if req.type == LoadItemType.BYTE_IO:
-                    buf = torch.empty(info.length, dtype=torch.uint8)
-                    if info.length:
-                        segments.append((info.offset, buf.data_ptr(), info.length, -1))
-                        owners.append(buf)
-                    blobs.append((req, buf))
+            # Batches (8 items, then four times the last): the GETs of one
+            # while the next is planned, one batch in flight at a time.
+            reads = transfer.Pipeline.of_store(url, store.options, head["e_tag"], self.verify)
+            batches, mismatch = [], False
+            try:
+                for lo, hi in transfer.batch_ranges(len(reqs)):
+                    size = head["size"]
+                    plan = self._plan_stored(url, size, reqs[lo:hi], planner, commits, blobs)
+                    if plan is None:
+                        mismatch = True
+                        break
+                    segments, owners, spans, got, checks = plan
+                    batches.append((reads.add(segments, owners), spans, got, checks))
+            except BaseException as err:
+                reads.abandon(err)
+                raise
+            results = transfer.wait_all(reads.jobs)  # every read done; the first error raised
+            done = []
+            for index, spans, got, checks in batches:
+                placed = _placed(spans, got.numpy().tobytes())
+                if placed is None:
+                    mismatch = True
+                if placed is None or mismatch or index is None:
                     continue
-                layout = self._predicted_item(req, info)
-                if layout is None:
-                    return False
-                meta, item = layout
-                known[info.offset] = (item.head, ())
-                data_off = info.offset + item.data_off
-                seg = self._plan_read(url, req, planner, meta, data_off, segments, owners, commits)
-                if self.verify and seg is not None and item.crc_at:
-                    tail = data_off + meta.untyped_storage().nbytes()
-                    known[tail] = (item.tail, (*((k, 4) for k in item.crc_at), *item.volatile))
-                    # The directory's CRC-32 (the last field), as the reader takes it.
-                    checks.append((seg, tail + item.crc_at[-1], req.storage_index.fqn, info.offset))
-            spans = sorted(known.items())
-            expected, got = _expected_reads(spans)
-            segments += expected
-            reads.append((url, segments, [*owners, got], head["e_tag"], spans, got, checks))
-        self.last_stats = []
-        for url, segments, owners, e_tag, spans, got, checks in reads:
-            stats = transfer.read_from_store(
-                url, segments, owners, store.options, e_tag, self.verify
-            )
-            placed = _placed(spans, got.numpy().tobytes())
-            if placed is None:
-                return False  # not the layout predicted: the scratch copy reads it all again
-            if self.verify:
-                named = [(seg, placed[field], name, at) for seg, field, name, at in checks]
-                stats = dict(stats, **_checked_items(url, named, stats.pop("crc32")))
-            self.last_stats.append(dict(stats, path=url))
+                stats = results[index]
+                if self.verify:
+                    named = [(seg, placed[field], name, at) for seg, field, name, at in checks]
+                    stats = dict(stats, **_checked_items(url, named, stats.pop("crc32")))
+                done.append(stats)
+            if mismatch:  # not the layout predicted: the scratch copy reads it all again
+                return False
+            if done:
+                self.last_stats.append(dict(transfer.merged(done), path=url))
         for req, buf in blobs:
             blob = buf.numpy().tobytes()
             planner.load_bytes(req, io.BytesIO(blob))
@@ -961,6 +949,52 @@ class FileSystemReader(_TorchReader):
                 kept[id(req)] = blob
         _commit(planner, commits, kept)
         return True
+
+    def _plan_stored(
+        self,
+        url: str,
+        size: int,
+        reqs: list[Any],
+        planner: LoadPlanner,
+        commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]],
+        blobs: list[tuple[Any, torch.Tensor]],
+    ) -> tuple[list[Any], list[torch.Tensor], list[Any], torch.Tensor, list[Any]] | None:
+        """The reads of a batch of one object's requests (see ``_read_stored``):
+        (segments, owners, predicted spans, their buffer, CRC-32 checks); None
+        where a request does not fit the object or its layout is not predicted."""
+        segments: list[tuple[int, int, int, int]] = []
+        owners: list[torch.Tensor] = []
+        # Object offset -> (the bytes predicted there, (offset, length) in them
+        # not compared: CRC-32s and what each save makes anew).
+        known: dict[int, tuple[bytes, tuple[tuple[int, int], ...]]] = {}
+        # (data segment, object offset of the stored CRC-32, item name, item offset)
+        checks: list[tuple[int, int, str, int]] = []
+        for req in reqs:
+            info = self.storage_data[req.storage_index]
+            if info.offset + info.length > size:
+                return None
+            if req.type == LoadItemType.BYTE_IO:
+                buf = torch.empty(info.length, dtype=torch.uint8)
+                if info.length:
+                    segments.append((info.offset, buf.data_ptr(), info.length, -1))
+                    owners.append(buf)
+                blobs.append((req, buf))
+                continue
+            layout = self._predicted_item(req, info)
+            if layout is None:
+                return None
+            meta, item = layout
+            known[info.offset] = (item.head, ())
+            data_off = info.offset + item.data_off
+            seg = self._plan_read(url, req, planner, meta, data_off, segments, owners, commits)
+            if self.verify and seg is not None and item.crc_at:
+                tail = data_off + meta.untyped_storage().nbytes()
+                known[tail] = (item.tail, (*((k, 4) for k in item.crc_at), *item.volatile))
+                # The directory's CRC-32 (the last field), as the reader takes it.
+                checks.append((seg, tail + item.crc_at[-1], req.storage_index.fqn, info.offset))
+        spans = sorted(known.items())
+        expected, got = _expected_reads(spans)
+        return segments + expected, [*owners, got], spans, got, checks
 
     def _read_coded(self, reqs: list[Any], planner: LoadPlanner) -> None:
         """Items with stream transforms from a store, with no local copy: each
@@ -1220,7 +1254,7 @@ class FileSystemReader(_TorchReader):
         # The predicted zip heads of each batch, and the buffer they are read into.
         heads: list[tuple[list[tuple[int, tuple[bytes, tuple[()]]]], torch.Tensor]] = []
         copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-        reads = transfer.Pipeline(dev_file, engine, verify=self.verify)
+        reads = transfer.Pipeline.of_file(dev_file, engine, verify=self.verify)
         with open_regular(path) as f:
             try:
                 for req in reqs:

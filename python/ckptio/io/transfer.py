@@ -152,7 +152,7 @@ def read_batches(
     is read: the engine reads a batch while the next is made (its destinations
     allocated, say) on the calling thread, then ``meanwhile()`` runs. Stats
     merged over the batches (with ``verify``, "verified" and "unchecked" joined)."""
-    reads = Pipeline(source, engine, verify=verify)
+    reads = Pipeline.of_file(source, engine, verify=verify)
     try:
         for segments, owners in batches:
             reads.add(segments, owners)
@@ -164,17 +164,30 @@ def read_batches(
 
 
 class Pipeline:
-    """A load's reads of one file, handed to the engine in order, one at a time
-    (each engine call takes its threads' lanes: calls side by side would take
-    more, pinned for GPU memory), each on a kept thread while the caller makes
-    the next. Until :meth:`stats` or :meth:`abandon` returns, the destinations
-    are the engine's."""
+    """A load's reads of one file (or one object's version), handed to the
+    engine (or the store's GETs) in order, one at a time (each engine call takes
+    its threads' lanes: calls side by side would take more, pinned for GPU
+    memory; each store read its concurrency's requests and buffers), each on a
+    kept thread while the caller makes the next. Until :meth:`stats` or
+    :meth:`abandon` returns, the destinations are the reads'."""
 
-    def __init__(
-        self, source: _native.Reader | _native.DeviceFile, engine: _native.Engine, *, verify: bool
-    ) -> None:
-        self.source, self.engine, self.verify = source, engine, verify
+    def __init__(self, start: Callable[[list[Segment], list[Any]], Job[dict[str, Any]]]) -> None:
+        self._start = start
         self.jobs: list[Job[dict[str, Any]]] = []
+
+    @classmethod
+    def of_file(
+        cls, source: _native.Reader | _native.DeviceFile, engine: _native.Engine, *, verify: bool
+    ) -> Pipeline:
+        """Engine reads of ``source`` (:func:`start_read`)."""
+        return cls(lambda segs, owners: start_read(source, engine, segs, owners, verify=verify))
+
+    @classmethod
+    def of_store(
+        cls, url: str, options: remote.StorageOptions, e_tag: str | None, crc: bool
+    ) -> Pipeline:
+        """Ranged GETs of version ``e_tag`` of ``url`` (:func:`read_from_store`)."""
+        return cls(lambda segs, owners: start_store_read(url, segs, owners, options, e_tag, crc))
 
     def add(self, segments: list[Segment], owners: list[Any]) -> int | None:
         """Read ``segments`` once the reads before are done (a read's error is
@@ -183,7 +196,7 @@ class Pipeline:
             return None
         if self.jobs:
             self.jobs[-1].result()
-        job = start_read(self.source, self.engine, segments, owners, verify=self.verify)
+        job = self._start(segments, owners)
         self.jobs.append(job)
         # Let the read reach the engine (which lets go of the GIL) before the
         # caller's Python holds the GIL for up to a switch interval (5 ms).
@@ -198,18 +211,22 @@ class Pipeline:
         """Every read done: their stats merged (bytes summed; with ``verify``,
         "verified" and "unchecked" joined, "crc32" concatenated; ``backend``:
         the one asked for, said where nothing was read)."""
-        done = wait_all(self.jobs)
-        if len(done) == 1:
-            return done[0]
-        out = reports.merged(done, backend)
-        for key in ("verified", "unchecked", "crc32"):
-            if any(key in st for st in done):
-                out[key] = [x for st in done for x in st.get(key, ())]
-        return out
+        return merged(wait_all(self.jobs), backend)
 
     def abandon(self, err: BaseException) -> None:
         """:func:`settle` the reads after ``err`` (the caller's)."""
         settle(self.jobs, err)
+
+
+def merged(done: list[dict[str, Any]], backend: str | None = None) -> dict[str, Any]:
+    """Reads' stats as one read's (see :meth:`Pipeline.stats`)."""
+    if len(done) == 1:
+        return done[0]
+    out = reports.merged(done, backend)
+    for key in ("verified", "unchecked", "crc32"):
+        if any(key in st for st in done):
+            out[key] = [x for st in done for x in st.get(key, ())]
+    return out
 
 
 def settle(jobs: Sequence[Job[Any]], err: BaseException) -> None:
@@ -540,10 +557,34 @@ def read_from_store(
     host buffer of concurrency x part_size, after the work queued on the
     current streams. The object's size and version, and the stats of a
     report (``reports.report``); with ``crc``, "crc32": each segment's CRC-32."""
+    return _store_read(url, segments, owners, options, e_tag, crc, _streams_of(segments))
+
+
+def start_store_read(
+    url: str,
+    segments: list[tuple[int, int, int, int]],
+    owners: list[Any],
+    options: remote.StorageOptions,
+    e_tag: str | None,
+    crc: bool,
+) -> Job[dict[str, Any]]:
+    """:func:`read_from_store` on a kept thread, ordered after the work queued
+    on the caller's current streams (as :func:`start_read`)."""
+    streams = _streams_of(segments)  # the caller's current streams (thread-local)
+    return submit(lambda: _store_read(url, segments, owners, options, e_tag, crc, streams))
+
+
+def _store_read(
+    url: str,
+    segments: list[tuple[int, int, int, int]],
+    owners: list[Any],
+    options: remote.StorageOptions,
+    e_tag: str | None,
+    crc: bool,
+    streams: list[tuple[int, int]],
+) -> dict[str, Any]:
     client, n, part = remote.client_options(options)
-    info = _native.store_read_into(
-        url, segments, owners, client, n, part, e_tag, _streams_of(segments), crc
-    )
+    info = _native.store_read_into(url, segments, owners, client, n, part, e_tag, streams, crc)
     return _store_stats(info, sum(s[2] for s in segments), n)
 
 
