@@ -483,14 +483,23 @@ def test_dcp_reader_reads_a_store_in_batches_while_it_plans(s3, scratch, monkeyp
     assert all(s["backend"] != "store" for s in r.last_stats) and os.listdir(scratch) == []
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_dcp_reader_decodes_compressed_items_in_memory(s3, scratch, monkeypatch):
-    import torch.distributed.checkpoint as dcp
-    from ckptio.dcp import FileSystemReader, _Remote
+def _zstd_ext():
     from torch.distributed.checkpoint import _extension as ext
 
     if not ext.ZStandard.is_available():
         pytest.skip("torch's ZStandard needs zstandard or pyzstd")
+    return ext.ZStandard()
+
+
+def _no_copy(*args):
+    raise AssertionError("a scratch copy went through")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_zstd_items_go_both_ways_with_no_local_copy(s3, tmp_path, scratch, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter, _Remote
+
     g = torch.Generator().manual_seed(8)
     sd = {
         "big": torch.randn(3 << 18, generator=g),  # 3 MiB
@@ -499,13 +508,18 @@ def test_dcp_reader_decodes_compressed_items_in_memory(s3, scratch, monkeypatch)
         "step": 9,
     }
     url = s3.url("dcp-zstd")
-    _dcp_save(url, sd, s3, _extensions=[ext.ZStandard()])
+    monkeypatch.setattr(_Remote, "upload", _no_copy)
+    monkeypatch.setattr(_Remote, "download", _no_copy)
+    w = FileSystemWriter(url, storage_options=s3.options, _extensions=[_zstd_ext()])
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    assert [(s["backend"], s["compressed"]) for s in w.last_stats] == [("store", "zstd")]
     assert os.listdir(scratch) == []
-
-    def no_copy(*args):
-        raise AssertionError("a scratch copy was downloaded")
-
-    monkeypatch.setattr(_Remote, "download", no_copy)
+    # The frames the local writer writes of the same plan, byte for byte.
+    local = tmp_path / "local"
+    dcp.save(sd, storage_writer=FileSystemWriter(local, _extensions=[_zstd_ext()]), no_dist=True)
+    [mine] = [n for n in os.listdir(local) if n.endswith(".distcp")]
+    [data] = [u for u, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
+    assert remote.get_bytes(data, s3.options)[0] == (local / mine).read_bytes()
     monkeypatch.setattr(ckptio.dcp, "CODED_BATCH", 1 << 20)  # the big item alone, then the rest
     out = {
         "big": torch.zeros(3 << 18), "m": torch.zeros(30, 40).t(),  # strided: copied into
@@ -524,6 +538,44 @@ def test_dcp_reader_decodes_compressed_items_in_memory(s3, scratch, monkeypatch)
     r = FileSystemReader(url, storage_options=s3.options)
     with pytest.raises(CheckpointException, match="lies beyond the object's end"):
         dcp.load(out, storage_reader=r, no_dist=True)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_streamed_zstd_save_cut_into_parts_or_failing(s3, scratch, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter, _Remote
+    from s3server import FaultProxy
+
+    monkeypatch.setattr(_Remote, "upload", _no_copy)
+    g = torch.Generator().manual_seed(4)
+    # 40 MiB that do not compress: frames over three 16 MiB parts, the big
+    # item compressed by several zstd workers.
+    sd = {"noise": torch.randint(0, 255, (40 << 20,), dtype=torch.uint8, generator=g), "n": 1}
+    url = s3.url("dcp-zstd-parts")
+    w = FileSystemWriter(url, storage_options=s3.options, _extensions=[_zstd_ext()])
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    [st] = w.last_stats
+    assert st["parts"] == 3 and st["size"] > 40 << 20, st
+    out = {"noise": torch.zeros(40 << 20, dtype=torch.uint8), "n": 0}
+    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
+    assert torch.equal(out["noise"], sd["noise"]) and out["n"] == 1
+    # Every part throttled past the retries: a typed error, the save's upload
+    # aborted, the checkpoint as it was.
+    proxy = FaultProxy(s3.endpoint, lambda line: "slowdown" if "partNumber" in line else "pass")
+    try:
+        opts = dict(s3.options, endpoint=proxy.endpoint, max_retries="1", retry_timeout="5")
+        w = FileSystemWriter(url, storage_options=opts, _extensions=[_zstd_ext()])
+        with pytest.raises(CheckpointException, match="StoreThrottledError|SlowDown|throttled"):
+            new = {"noise": torch.zeros(40 << 20, dtype=torch.uint8), "n": 2}
+            dcp.save(new, storage_writer=w, no_dist=True)
+    finally:
+        proxy.close()
+    out["noise"].zero_()
+    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
+    assert torch.equal(out["noise"], sd["noise"]) and out["n"] == 1
+    client = _boto3_client(s3)
+    bucket, _, prefix = url.split("://", 1)[1].partition("/")
+    assert client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) == []
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -731,12 +783,16 @@ def test_convert_moves_objects_with_no_local_copy(s3, tmp_path, monkeypatch):
     assert not remote.listing(s3.url("odd.safetensors"), s3.options)  # nothing published
 
 
-def test_clean_aborts_dangling_uploads(s3):
+def _boto3_client(s3):
     boto3 = pytest.importorskip("boto3")
-    client = boto3.client(
+    return boto3.client(
         "s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.options["access_key_id"],
         aws_secret_access_key=s3.options["secret_access_key"], region_name="us-east-1",
     )  # fmt: skip
+
+
+def test_clean_aborts_dangling_uploads(s3):
+    client = _boto3_client(s3)
     bucket, _, prefix = s3.url("dangling").split("://", 1)[1].partition("/")
     up = client.create_multipart_upload(Bucket=bucket, Key=prefix + "/dead.pt")
     client.upload_part(

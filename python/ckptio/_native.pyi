@@ -50,6 +50,7 @@ __all__ = [
     "store_upload",
     "store_upload_archive",
     "store_upload_image",
+    "store_upload_zstd",
     "CkptioError",
     "FormatError",
     "BackendUnavailableError",
@@ -540,6 +541,19 @@ def store_upload_image(
 ) -> dict[str, Any]:
     """An object of header bytes and host or CUDA memory segments uploaded part by
     part; ``patches``: (segment index, object offset) where a segment's CRC-32 goes."""
+
+def store_upload_zstd(
+    url: str,
+    items: list[tuple[bytes, int, int, bytes, list[int]]],
+    owners: _Owners,
+    options: dict[str, Any] | None = None,
+    threads: int = 8,
+    chunk: int = 16777216,
+    workers: int = 4,
+    level: int = 3,
+) -> dict[str, Any]:
+    """Each item (as ``AtomicWriter.write_zstd`` takes them) as one zstd frame, the
+    frames uploaded back to back as they are made; with "spans": [(offset, length)]."""
 
 def store_torch_map(
     url: str,

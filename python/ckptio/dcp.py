@@ -316,7 +316,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._store.url is None:
             return self._write_files(plan, planner)
-        if not (self._torch_writes() or self._extensions()):
+        if not self._torch_writes():
             return self._upload_files(plan, planner)
         os.makedirs(self.path, mode=0o700, exist_ok=True)
         try:
@@ -340,14 +340,16 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
 
     def _upload_files(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """``write_data`` into a store with no local copy: each data file
-        uploaded straight from memory (``_upload_file``); on a failure, the
-        files this rank uploaded go before the error does."""
+        uploaded straight from memory (``_upload_file``; ``_upload_file_zstd``
+        for torch's ZStandard transform); on a failure, the files this rank
+        uploaded go before the error does."""
         results: list[WriteResult] = []
         self.last_stats = []
         done: list[str] = []
+        upload = self._upload_file_zstd if self._extensions() else self._upload_file
         try:
             for name, items in self._buckets(plan):
-                results += self._upload_file(name, items, planner)
+                results += upload(name, items, planner)
                 done.append(name)
         except BaseException:
             self._store.remove(done)
@@ -479,27 +481,9 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         compressed and written in Rust; tensors are copied to host memory first."""
         opts = self._io
         engine = opts.engine()
-        descriptors = [ext.get_descriptor() for ext in reversed(self._extensions())]
         writer = _native.AtomicWriter(path, opts.direct, opts.backend, sweep)
         try:
-            keep = []  # host copies live until the frames are written
-            parts: list[tuple[bytes, int, int, bytes, list[int]]] = []
-            for item in items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                    parts.append((blob, 0, 0, b"", []))
-                    continue
-                t = data.detach().to("cpu")
-                if not t.is_contiguous() or t.is_conj() or t.is_neg():
-                    t = t.contiguous().resolve_conj().resolve_neg()
-                keep.append(t)
-                z = fmt.item_zip(t.dtype, tuple(t.shape))
-                nbytes = t.numel() * t.element_size()
-                if nbytes:
-                    parts.append((z.head, t.data_ptr(), nbytes, z.tail, list(z.crc_at)))
-                else:
-                    parts.append((z.head, 0, 0, b"", []))
+            parts, keep = self._zstd_parts(items, planner)
             spans = writer.write_zstd(engine, 0, parts, keep)
             writer.commit()
         except BaseException:
@@ -509,6 +493,53 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         self.last_stats.append(
             {"path": path, "bytes": sum(n for _, n in spans), "compressed": "zstd"}
         )
+        return self._zstd_results(name, items, spans)
+
+    def _upload_file_zstd(
+        self, name: str, items: list[Any], planner: SavePlanner
+    ) -> list[WriteResult]:
+        """The data file ``name`` of zstd frames (as ``_write_file_zstd``)
+        uploaded to the store as its frames are made, with no local copy: one
+        multipart upload, whose completion makes the object."""
+        parts, keep = self._zstd_parts(items, planner)
+        url = self._store.join(name)
+        threads = self._io.engine().threads
+        spans, stats = transfer.upload_zstd(url, parts, keep, self._store.options, threads)
+        del keep
+        self.last_stats.append(dict(stats, path=url, compressed="zstd"))
+        return self._zstd_results(name, items, spans)
+
+    def _zstd_parts(
+        self, items: list[Any], planner: SavePlanner
+    ) -> tuple[list[tuple[bytes, int, int, bytes, list[int]]], list[torch.Tensor]]:
+        """Each item as the zstd writers take it (zip head, host address,
+        nbytes, zip tail, CRC-32 offsets in the tail; a bytes item whole as its
+        head), and the host tensors that hold the data (they must live until
+        the frames are made: tensors elsewhere are copied to host memory)."""
+        keep = []
+        parts: list[tuple[bytes, int, int, bytes, list[int]]] = []
+        for item in items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                parts.append((blob, 0, 0, b"", []))
+                continue
+            t = data.detach().to("cpu")
+            if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                t = t.contiguous().resolve_conj().resolve_neg()
+            keep.append(t)
+            z = fmt.item_zip(t.dtype, tuple(t.shape))
+            nbytes = t.numel() * t.element_size()
+            if nbytes:
+                parts.append((z.head, t.data_ptr(), nbytes, z.tail, list(z.crc_at)))
+            else:
+                parts.append((z.head, 0, 0, b"", []))
+        return parts, keep
+
+    def _zstd_results(
+        self, name: str, items: list[Any], spans: list[tuple[int, int]]
+    ) -> list[WriteResult]:
+        descriptors = [ext.get_descriptor() for ext in reversed(self._extensions())]
         return [
             WriteResult(
                 index=item.index,

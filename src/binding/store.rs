@@ -17,12 +17,12 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::engine::{Memory, Segment};
 use crate::format::parts::{PartedArchive, PartedImage};
 use crate::format::zipwrite::Body;
-use crate::format::{integrity, zipmap};
+use crate::format::{integrity, zipmap, zstd};
 use crate::gpu::order::After;
 use crate::store::{self, ObjectInfo, ObjectSource, Precondition, Store, Transferred, Version};
 
 use super::owners::Owners;
-use super::writer::{entries_of, RawBody};
+use super::writer::{check_zstd_items, entries_of, zstd_items, RawBody, ZstdItem};
 use super::{to_segments, RawSegment, Streams};
 use crate::sync::lock;
 
@@ -363,6 +363,45 @@ pub fn store_upload_image<'py>(
         store::upload_parts(s, key, grid, threads, |idx, buf| image.fill(idx, buf))
     })?;
     transferred_dict(py, &t)
+}
+
+/// Compress each item (as `AtomicWriter.write_zstd` takes them: data in host
+/// memory that `owners` own, held until this returns, left unmodified
+/// meanwhile) into one zstd frame, on `workers` threads, and upload the frames
+/// back to back to `url` as they are made: parts of `chunk` bytes (growing for
+/// very large objects), `threads` uploads at a time, one multipart upload whose
+/// completion is the commit. The transfer's dict, with "spans": each item's
+/// (offset, length) in the object.
+#[pyfunction]
+#[pyo3(signature = (url, items, owners, options=None, threads=8, chunk=16777216, workers=4, level=3))]
+#[allow(clippy::too_many_arguments)] // the Python signature
+pub fn store_upload_zstd<'py>(
+    py: Python<'py>,
+    url: &str,
+    items: Vec<ZstdItem>,
+    owners: Owners,
+    options: Option<&Bound<'py, PyDict>>,
+    threads: usize,
+    chunk: u64,
+    workers: usize,
+    level: i32,
+) -> PyResult<Bound<'py, PyDict>> {
+    check_zstd_items(&items, &owners)?;
+    let part = store::part_grid(0, chunk)?.part_size;
+    let (t, spans) = on_store(py, url, options, |s, key| {
+        // SAFETY: checked above against `owners`, held until this returns.
+        let parts = unsafe { zstd_items(&items) };
+        let mut spans = Vec::new();
+        let t = store::upload_stream(s, key, part, threads, |put| {
+            spans = zstd::compress_items(&parts, level, workers, put)?;
+            Ok(())
+        })?;
+        Ok((t, spans))
+    })?;
+    owners.release();
+    let d = transferred_dict(py, &t)?;
+    d.set_item("spans", spans)?;
+    Ok(d)
 }
 
 /// The CRC-32 of each of `ranges` = [(object offset, length)] of `url` (of

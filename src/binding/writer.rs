@@ -41,7 +41,45 @@ pub struct AtomicWriter {
 }
 
 /// (zip head, data address, data length, zip tail, CRC-32 offsets in the tail).
-type ZstdItem = (Vec<u8>, u64, u64, Vec<u8>, Vec<usize>);
+pub(super) type ZstdItem = (Vec<u8>, u64, u64, Vec<u8>, Vec<usize>);
+
+/// Each item's data lies in host memory that `owners` own.
+pub(super) fn check_zstd_items(items: &[ZstdItem], owners: &Owners) -> PyResult<()> {
+    for (k, (_, addr, len, _, _)) in items.iter().enumerate() {
+        owners.check(Memory::Host, *addr, *len, || format!("item {k}"))?;
+        if usize::try_from(*len).is_err() {
+            return Err(Error::invalid(format!("item {k}: {len} bytes")).into());
+        }
+    }
+    Ok(())
+}
+
+/// The items as the zstd writer takes them: (zip head, address, nbytes, zip
+/// tail, offsets of the data's CRC-32 in the tail).
+///
+/// # Safety
+/// Each item's `[address, address + nbytes)` must be host memory that stays
+/// allocated and unmodified while the returned items live
+/// ([`check_zstd_items`] against owners the caller holds).
+pub(super) unsafe fn zstd_items(items: &[ZstdItem]) -> Vec<zstd::Item<'_>> {
+    items
+        .iter()
+        .map(|(head, addr, len, tail, crc_at)| {
+            let data = if *len == 0 {
+                &[][..]
+            } else {
+                // SAFETY: the caller's contract (above).
+                unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) }
+            };
+            zstd::Item {
+                head,
+                data,
+                tail,
+                crc_at,
+            }
+        })
+        .collect()
+}
 
 /// A record's bytes as Python hands them: (address, nbytes, device), or a
 /// bytes object. (Storages first: the variants are tried in order, and a
@@ -274,34 +312,11 @@ impl AtomicWriter {
         level: i32,
     ) -> PyResult<Vec<(u64, u64)>> {
         let threads = engine.inner.config().threads;
-        for (k, (_, addr, len, _, _)) in items.iter().enumerate() {
-            owners.check(Memory::Host, *addr, *len, || format!("item {k}"))?;
-            if usize::try_from(*len).is_err() {
-                return Err(Error::invalid(format!("item {k}: {len} bytes")).into());
-            }
-        }
+        check_zstd_items(&items, &owners)?;
         let out = py.detach(|| {
             self.locked(|st| {
-                let parts: Vec<zstd::Item<'_>> = items
-                    .iter()
-                    .map(|(head, addr, len, tail, crc_at)| {
-                        let data = if *len == 0 {
-                            &[][..]
-                        } else {
-                            // SAFETY: `[addr, addr+len)` lies inside the host
-                            // memory of `owners` (checked above), which keep it
-                            // allocated for this call; the caller leaves it
-                            // unmodified (documented contract).
-                            unsafe { std::slice::from_raw_parts(*addr as *const u8, *len as usize) }
-                        };
-                        zstd::Item {
-                            head,
-                            data,
-                            tail,
-                            crc_at,
-                        }
-                    })
-                    .collect();
+                // SAFETY: checked above against `owners`, held until this returns.
+                let parts = unsafe { zstd_items(&items) };
                 zstd::write_items(st.file.io(), start, &parts, level, threads)
             })
         })?;

@@ -77,9 +77,6 @@ pub fn compress(item: &Item<'_>, level: i32, workers: u32) -> Result<Vec<u8>> {
 
 /// Compress `items` on `threads` threads, one frame each, and write the frames
 /// back to back into `io` from `start`. Returns each item's (offset, length).
-///
-/// Memory stays bounded: items go in windows of about `threads` x [`BIG`]
-/// bytes, each window written (in order) before the next is compressed.
 pub fn write_items(
     io: &IoFile,
     start: u64,
@@ -87,13 +84,38 @@ pub fn write_items(
     level: i32,
     threads: usize,
 ) -> Result<Vec<(u64, u64)>> {
+    let mut at = start;
+    let spans = compress_items(items, level, threads, &mut |frame| {
+        io.write_at(frame, at)?;
+        at += frame.len() as u64;
+        Ok(())
+    })
+    .map_err(|e| e.with_path(io.path()))?;
+    Ok(spans
+        .into_iter()
+        .map(|(off, len)| (start + off, len))
+        .collect())
+}
+
+/// Compress `items` on `threads` threads, one frame each, and hand the frames
+/// in order to `put` (a file's writes, a streamed upload's parts). Returns
+/// each item's (offset, length) from the first frame's start.
+///
+/// Memory stays bounded: items go in windows of about `threads` x [`BIG`]
+/// bytes, each window handed over (in order) before the next is compressed.
+pub fn compress_items(
+    items: &[Item<'_>],
+    level: i32,
+    threads: usize,
+    put: &mut dyn FnMut(&[u8]) -> Result<()>,
+) -> Result<Vec<(u64, u64)>> {
     // More compressing threads than cores only add switching.
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = threads.clamp(1, cores);
     let mut out = Vec::with_capacity(items.len());
-    let mut at = start;
-    let mut put = |frame: &[u8]| -> Result<()> {
-        io.write_at(frame, at)?;
+    let mut at = 0u64;
+    let mut emit = |frame: &[u8]| -> Result<()> {
+        put(frame)?;
         out.push((at, frame.len() as u64));
         at += frame.len() as u64;
         Ok(())
@@ -102,7 +124,7 @@ pub fn write_items(
     while i < items.len() {
         if items[i].len() > BIG {
             let workers = u32::try_from(threads).unwrap_or(u32::MAX);
-            put(&compress(&items[i], level, workers).map_err(|e| e.with_path(io.path()))?)?;
+            emit(&compress(&items[i], level, workers)?)?;
             i += 1;
             continue;
         }
@@ -113,7 +135,7 @@ pub fn write_items(
             j += 1;
         }
         for frame in compress_window(&items[i..j], level, threads)? {
-            put(&frame)?;
+            emit(&frame)?;
         }
         i = j;
     }

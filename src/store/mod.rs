@@ -50,7 +50,8 @@ pub use runtime::block_on;
 pub use sink::MultipartSink;
 pub use source::ObjectSource;
 pub use transfer::{
-    download_file, hash_ranges, read_segments, upload_file, upload_parts, Transferred,
+    download_file, hash_ranges, read_segments, upload_file, upload_parts, upload_stream,
+    Transferred,
 };
 
 /// The smallest part ckptio uploads (S3 accepts 5 MiB; fewer, larger parts

@@ -4,7 +4,9 @@
 //! with and may be put in any order, from any number of threads at once (the
 //! engine's lanes, each blocking on its own part); each must have its grid
 //! size, and the commit wants every one of them, so an upload is never
-//! completed short. Until [`MultipartSink::commit`] completes the upload, the
+//! completed short. An object whose size is not known ahead (compressed
+//! frames, made as they are uploaded) has no grid ([`MultipartSink::create_open`]):
+//! its parts are whatever sizes the writer cuts, numbered from 0 with no gap. Until [`MultipartSink::commit`] completes the upload, the
 //! store shows the key as it was (the old object whole, or none); the
 //! completion is the commit. A sink dropped uncommitted, or whose part
 //! failed, aborts its upload so that no part stays stored (and billed).
@@ -27,7 +29,8 @@ pub struct MultipartSink {
     key: String,
     path: Path,
     id: MultipartId,
-    grid: PartGrid,
+    /// None: an object of a size not known ahead (parts of any size).
+    grid: Option<PartGrid>,
     /// Each part's id once stored, by part number.
     parts: Mutex<Vec<Option<PartId>>>,
     /// Completed or aborted: nothing left to abort on drop.
@@ -46,6 +49,16 @@ impl std::fmt::Debug for MultipartSink {
 impl MultipartSink {
     /// Start a multipart upload to `key` of an object cut as `grid`.
     pub fn create(store: &Store, key: &str, grid: PartGrid) -> Result<Self> {
+        Self::start(store, key, Some(grid))
+    }
+
+    /// Start a multipart upload to `key` of an object whose size is not known
+    /// ahead: parts of any size (S3 wants 5 MiB or more but for the last).
+    pub fn create_open(store: &Store, key: &str) -> Result<Self> {
+        Self::start(store, key, None)
+    }
+
+    fn start(store: &Store, key: &str, grid: Option<PartGrid>) -> Result<Self> {
         let path = Path::from(key);
         let id = block_on(store.multipart()?.create_multipart(&path))?
             .map_err(|e| store.error(key, e))?;
@@ -55,7 +68,7 @@ impl MultipartSink {
             path,
             id,
             grid,
-            parts: Mutex::new(vec![None; grid.count]),
+            parts: Mutex::new(vec![None; grid.map_or(0, |g| g.count)]),
             finished: false,
         })
     }
@@ -68,15 +81,23 @@ impl MultipartSink {
     /// Store part `idx` (0-based), `data` of the grid's size for it. Blocks
     /// until the store has it; safe to call from many threads at once.
     pub fn put_part(&self, idx: usize, data: Bytes) -> Result<()> {
-        let want = self.grid.range(idx);
-        if idx >= self.grid.count || data.len() as u64 != want.end - want.start {
+        if let Some(grid) = self.grid {
+            let want = grid.range(idx);
+            if idx >= grid.count || data.len() as u64 != want.end - want.start {
+                return Err(Error::invalid(format!(
+                    "{}: part {idx} of {} bytes does not fit the grid ({} parts of {} bytes, {} in all)",
+                    self.url(),
+                    data.len(),
+                    grid.count,
+                    grid.part_size,
+                    grid.total
+                )));
+            }
+        } else if idx as u64 >= super::MAX_PARTS {
             return Err(Error::invalid(format!(
-                "{}: part {idx} of {} bytes does not fit the grid ({} parts of {} bytes, {} in all)",
+                "{}: part {idx}: a multipart upload holds at most {} parts",
                 self.url(),
-                data.len(),
-                self.grid.count,
-                self.grid.part_size,
-                self.grid.total
+                super::MAX_PARTS
             )));
         }
         let id = block_on(self.put_part_async(idx, data))??;
@@ -93,14 +114,23 @@ impl MultipartSink {
     }
 
     fn record(&self, idx: usize, id: PartId) {
-        lock(&self.parts)[idx] = Some(id);
+        let mut parts = lock(&self.parts);
+        if parts.len() <= idx {
+            parts.resize(idx + 1, None); // an open upload: parts come as they are cut
+        }
+        parts[idx] = Some(id);
     }
 
     /// Upload `data` (the whole object, in memory) as the grid's parts,
     /// `concurrency` requests at a time. Each part is copied once into a
     /// buffer of its own, so at most `concurrency` parts are held at once.
     pub fn upload(&self, data: &[u8], concurrency: usize) -> Result<()> {
-        let grid = self.grid;
+        let Some(grid) = self.grid else {
+            return Err(Error::invalid(format!(
+                "{}: no part grid to cut",
+                self.url()
+            )));
+        };
         if data.len() as u64 != grid.total {
             return Err(Error::invalid(format!(
                 "{}: {} bytes given for an object of {}",
@@ -128,18 +158,24 @@ impl MultipartSink {
     /// the grid was stored.
     pub fn commit(mut self) -> Result<Version> {
         let parts = std::mem::take(&mut *lock(&self.parts));
-        let mut ids = Vec::with_capacity(parts.len());
+        let count = parts.len();
+        let mut ids = Vec::with_capacity(count);
         for (idx, p) in parts.into_iter().enumerate() {
             match p {
                 Some(id) => ids.push(id),
                 None => {
                     return Err(Error::invalid(format!(
-                        "{}: part {idx} of {} was never stored: not committed",
+                        "{}: part {idx} of {count} was never stored: not committed",
                         self.url(),
-                        self.grid.count
                     )))
                 }
             }
+        }
+        if ids.is_empty() {
+            return Err(Error::invalid(format!(
+                "{}: no part stored: not committed",
+                self.url()
+            )));
         }
         let done = block_on(
             self.store

@@ -527,6 +527,69 @@ fn an_uncommitted_upload_leaves_the_old_object_whole() {
 }
 
 #[test]
+fn a_stream_of_unknown_size_is_cut_into_parts_and_committed_whole() {
+    let Some(weed) = Weed::start("a_stream_of_unknown_size") else {
+        return;
+    };
+    let store = weed.store();
+    let old = pattern(MIB as usize, 5);
+    store
+        .put("stream.bin", Bytes::from(old.clone()), Precondition::None)
+        .unwrap();
+    // Uneven writes over parts of MIN_PART: three full parts and a short one.
+    let new = pattern(3 * MIN_PART as usize + 12_345, 6);
+    let t = upload_stream(&store, "stream.bin", MIN_PART, 3, |put| {
+        for piece in new.chunks(7 * MIB as usize + 3) {
+            put(piece)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!((t.size, t.parts), (new.len() as u64, 4));
+    assert!(read_all(&store, "stream.bin") == new);
+
+    // The writer fails after a part went up: its error, the upload aborted,
+    // the object as it was.
+    let r = upload_stream(&store, "stream.bin", MIN_PART, 2, |put| {
+        put(&old)?;
+        put(&pattern(MIN_PART as usize, 7))?;
+        Err(Error::invalid("the frames could not be made"))
+    });
+    assert!(
+        matches!(&r, Err(Error::InvalidArgument(m)) if m.contains("could not be made")),
+        "{r:?}"
+    );
+    assert!(read_all(&store, "stream.bin") == new);
+    assert!(
+        !weed.pending_uploads(),
+        "the failed stream's upload is still there"
+    );
+
+    // Nothing written: one empty part, an empty object.
+    let t = upload_stream(&store, "empty-stream", MIN_PART, 2, |_| Ok(())).unwrap();
+    assert_eq!((t.size, t.parts), (0, 1));
+    assert_eq!(store.head("empty-stream").unwrap().size, 0);
+}
+
+#[test]
+fn open_parts_grow_so_that_10000_hold_any_checkpoint() {
+    assert_eq!(transfer::part_len(MIN_PART, 0), MIN_PART as usize);
+    assert_eq!(
+        transfer::part_len(MIN_PART, transfer::GROW_EVERY - 1),
+        MIN_PART as usize
+    );
+    assert_eq!(
+        transfer::part_len(MIN_PART, transfer::GROW_EVERY),
+        2 * MIN_PART as usize
+    );
+    let held: u64 = (0..MAX_PARTS as usize)
+        .map(|i| transfer::part_len(MIN_PART, i) as u64)
+        .sum();
+    assert!(held > 10 << 40, "{held}"); // over 10 TiB
+    assert!((0..MAX_PARTS as usize).all(|i| transfer::part_len(MIN_PART, i) as u64 <= MAX_PART));
+}
+
+#[test]
 fn the_commit_put_is_conditional() {
     let Some(weed) = Weed::start("the_commit_put_is_conditional") else {
         return;

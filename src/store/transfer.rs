@@ -110,6 +110,129 @@ pub fn upload_parts(
     })
 }
 
+/// Upload an object whose bytes are made in order and whose size is not known
+/// ahead (compressed frames): `make(put)` hands `put` the object's bytes in
+/// order; they are cut into parts of `part` bytes (doubled every
+/// [`GROW_EVERY`] parts, so that 10,000 parts hold any checkpoint), the last
+/// shorter, each uploaded by one of `threads` threads while the next fills.
+/// In-flight memory: about 2 x `threads` + 1 parts. One multipart upload; its
+/// completion is the commit, and a failed one is aborted (the key keeps what it
+/// had). An error of `make` comes first, then one of an upload.
+pub fn upload_stream(
+    store: &Store,
+    key: &str,
+    part: u64,
+    threads: usize,
+    make: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+) -> Result<Transferred> {
+    let sink = MultipartSink::create_open(store, key)?;
+    let threads = threads.max(1);
+    let failed = AtomicBool::new(false);
+    let first: Mutex<Option<Error>> = Mutex::new(None);
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Bytes)>(threads);
+    let rx = Mutex::new(rx);
+    let (made, stopped, size, count) = std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let Ok((idx, data)) = lock(&rx).recv() else {
+                    return;
+                };
+                if failed.load(Ordering::Acquire) {
+                    continue; // drain: the writer sees the failure at its next part
+                }
+                if let Err(e) = sink.put_part(idx, data) {
+                    failed.store(true, Ordering::Release);
+                    lock(&first).get_or_insert(e);
+                }
+            });
+        }
+        let mut w = PartWriter {
+            tx,
+            part,
+            failed: &failed,
+            stopped: false,
+            idx: 0,
+            size: 0,
+            buf: Vec::new(),
+        };
+        let mut made = make(&mut |b: &[u8]| w.put(b));
+        if made.is_ok() && (!w.buf.is_empty() || w.idx == 0) {
+            made = w.send(); // the last part (an empty object: one empty part)
+        }
+        let out = (made, w.stopped, w.size, w.idx);
+        drop(w); // closes the channel: the uploaders finish what they hold and stop
+        out
+    });
+    // The uploaders are done (the scope joined them). Where a send stopped on
+    // their failure, theirs is the error that says what went wrong.
+    let uploaded = first.into_inner().unwrap_or_else(|p| p.into_inner());
+    match (made, uploaded) {
+        (Err(e), _) if !stopped => return Err(e),
+        (_, Some(e)) | (Err(e), None) => return Err(e),
+        (Ok(()), None) => {}
+    }
+    let version = sink.commit()?;
+    Ok(Transferred {
+        size,
+        parts: count,
+        version,
+    })
+}
+
+/// The writing side of [`upload_stream`]: bytes into the part being filled,
+/// each full part handed to the uploaders.
+struct PartWriter<'a> {
+    tx: std::sync::mpsc::SyncSender<(usize, Bytes)>,
+    part: u64,
+    failed: &'a AtomicBool,
+    /// A send found an upload failed.
+    stopped: bool,
+    idx: usize,
+    size: u64,
+    buf: Vec<u8>,
+}
+
+impl PartWriter<'_> {
+    fn put(&mut self, mut bytes: &[u8]) -> Result<()> {
+        self.size += bytes.len() as u64;
+        while !bytes.is_empty() {
+            let want = part_len(self.part, self.idx);
+            if self.buf.capacity() == 0 {
+                self.buf.reserve_exact(want);
+            }
+            let n = (want - self.buf.len()).min(bytes.len());
+            self.buf.extend_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+            if self.buf.len() == want {
+                self.send()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn send(&mut self) -> Result<()> {
+        if self.failed.load(Ordering::Acquire) {
+            self.stopped = true;
+            return Err(Error::invalid("a part's upload failed"));
+        }
+        let data = Bytes::from(std::mem::take(&mut self.buf));
+        self.tx
+            .send((self.idx, data))
+            .map_err(|_| Error::invalid("the part uploaders stopped"))?;
+        self.idx += 1;
+        Ok(())
+    }
+}
+
+/// Parts of an open upload double in size every this many parts.
+pub const GROW_EVERY: usize = 1000;
+
+/// The size of part `idx` of an open upload whose first parts are `part` bytes.
+pub(super) fn part_len(part: u64, idx: usize) -> usize {
+    let grown = part.saturating_mul(1 << (idx / GROW_EVERY).min(16));
+    grown.min(super::MAX_PART) as usize
+}
+
 /// Download `key` into a new file at `path` (created, or truncated), by ranged
 /// GETs of the object's part grid for `chunk`, all of the version the first
 /// HEAD saw (an object replaced meanwhile is a conflict). The file is

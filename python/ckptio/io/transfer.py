@@ -588,6 +588,24 @@ def _store_read(
     return _store_stats(info, sum(s[2] for s in segments), n)
 
 
+def upload_zstd(
+    url: str,
+    items: list[tuple[bytes, int, int, bytes, list[int]]],
+    owners: list[Any],
+    options: remote.StorageOptions = None,
+    workers: int = 4,
+) -> tuple[list[tuple[int, int]], dict[str, Any]]:
+    """Each item (zip head, host address, nbytes, zip tail, CRC-32 offsets in
+    the tail; memory ``owners`` own) compressed into one zstd frame on
+    ``workers`` threads and uploaded to ``url`` as the frames are made (parts
+    of ``part_size``, ``concurrency`` uploads at once): one multipart upload,
+    committed by its completion. (each item's (offset, length), the stats)."""
+    client, n, part = remote.client_options(options)
+    info = _native.store_upload_zstd(url, items, owners, client, n, part, workers)
+    spans = [tuple(s) for s in info.pop("spans")]
+    return spans, _store_stats(info, info["size"], n)
+
+
 def upload_archive(
     url: str,
     entries: list[tuple[str, Any, int]],
