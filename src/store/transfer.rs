@@ -115,7 +115,7 @@ pub fn upload_parts(
 /// order; they are cut into parts of `part` bytes (doubled every
 /// [`GROW_EVERY`] parts, so that 10,000 parts hold any checkpoint), the last
 /// shorter, each uploaded by one of `threads` threads while the next fills.
-/// In-flight memory: about 2 x `threads` + 1 parts. One multipart upload; its
+/// In-flight memory: `threads` + 1 parts. One multipart upload; its
 /// completion is the commit, and a failed one is aborted (the key keeps what it
 /// had). An error of `make` comes first, then one of an upload.
 pub fn upload_stream(
@@ -129,7 +129,8 @@ pub fn upload_stream(
     let threads = threads.max(1);
     let failed = AtomicBool::new(false);
     let first: Mutex<Option<Error>> = Mutex::new(None);
-    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Bytes)>(threads);
+    // A rendezvous: a full part waits for a free uploader (no queue of parts).
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Bytes)>(0);
     let rx = Mutex::new(rx);
     let (made, stopped, size, count) = std::thread::scope(|s| {
         for _ in 0..threads {
