@@ -548,6 +548,7 @@ def read_from_store(
     options: remote.StorageOptions = None,
     e_tag: str | None = None,
     crc: bool = False,
+    streams: list[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """(object offset, address, nbytes, device) segments of the object ``url``
     read straight into memory that ``owners`` own (checked by the core, held
@@ -555,9 +556,14 @@ def read_from_store(
     ``part_size``; neighbouring segments share GETs) of the version ``e_tag``
     where given: host memory (device -1) from the GETs, CUDA memory through a
     host buffer of concurrency x part_size, after the work queued on the
-    current streams. The object's size and version, and the stats of a
-    report (``reports.report``); with ``crc``, "crc32": each segment's CRC-32."""
-    return _store_read(url, segments, owners, options, e_tag, crc, _streams_of(segments))
+    current streams (``streams``: those of the thread this read is for). The
+    object's size and version, and the stats of a report
+    (``reports.report``); with ``crc``, "crc32": each segment's CRC-32."""
+    client, n, part = remote.client_options(options)
+    if streams is None:
+        streams = _streams_of(segments)
+    info = _native.store_read_into(url, segments, owners, client, n, part, e_tag, streams, crc)
+    return _store_stats(info, sum(s[2] for s in segments), n)
 
 
 def start_store_read(
@@ -571,21 +577,7 @@ def start_store_read(
     """:func:`read_from_store` on a kept thread, ordered after the work queued
     on the caller's current streams (as :func:`start_read`)."""
     streams = _streams_of(segments)  # the caller's current streams (thread-local)
-    return submit(lambda: _store_read(url, segments, owners, options, e_tag, crc, streams))
-
-
-def _store_read(
-    url: str,
-    segments: list[tuple[int, int, int, int]],
-    owners: list[Any],
-    options: remote.StorageOptions,
-    e_tag: str | None,
-    crc: bool,
-    streams: list[tuple[int, int]],
-) -> dict[str, Any]:
-    client, n, part = remote.client_options(options)
-    info = _native.store_read_into(url, segments, owners, client, n, part, e_tag, streams, crc)
-    return _store_stats(info, sum(s[2] for s in segments), n)
+    return submit(lambda: read_from_store(url, segments, owners, options, e_tag, crc, streams))
 
 
 def upload_zstd(
