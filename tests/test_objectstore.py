@@ -1300,6 +1300,34 @@ def test_another_zip_layout_is_confirmed_or_read_through_a_copy(s3, tmp_path):
         assert (ckptio.last_report().backend == "store") == straight, name
 
 
+def test_an_object_file_goes_up_as_it_is_written_and_only_a_commit_publishes_it(s3):
+    url = s3.url("stream.bin")
+    remote.put_bytes(url, b"old", s3.options)
+    big = torch.randint(0, 255, (40 << 20,), dtype=torch.uint8)  # three 16 MiB parts
+    with remote.ObjectFile(url, s3.options) as f:
+        f.write(b"head")
+        f.write(memoryview(big.numpy()))  # read in place, not copied into bytes
+        f.write(bytearray(b"tail"))
+        assert f.tell() == 8 + big.numel()
+        assert remote.get_bytes(url, s3.options)[0] == b"old"  # not yet published
+    assert f.committed["parts"] == 3 and f.committed["size"] == 8 + big.numel()
+    data = remote.get_bytes(url, s3.options)[0]
+    assert data[:4] == b"head" and data[-4:] == b"tail" and data[4:-4] == big.numpy().tobytes()
+    # A block that raises, or a close with no commit: nothing published.
+    with pytest.raises(RuntimeError, match="stop"), remote.ObjectFile(url, s3.options) as f:
+        f.write(b"x" * (20 << 20))
+        raise RuntimeError("stop")
+    f = remote.ObjectFile(url, s3.options)
+    f.write(b"y")
+    f.close()
+    with pytest.raises(ValueError):
+        f.write(b"z")  # closed
+    assert remote.get_bytes(url, s3.options)[0] == data
+    client = _boto3_client(s3)
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    assert client.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", []) == []
+
+
 def test_torch_objects_that_need_torch_load_go_through_a_copy(s3):
     url = s3.url("odd.pt")
     sd = {"w": torch.ones(4), "size": torch.Size([2, 3]), "set": {1, 2}}
@@ -1388,11 +1416,14 @@ def test_save_streams_the_archive_from_memory_byte_for_byte(s3, tmp_path, scratc
     assert os.path.getsize(tmp_path / "back.pt") == os.path.getsize(tmp_path / "local.pt")
     assert ckptio.verify(url, storage_options=s3.options).ok
     _same_tree(sd, ckptio.load(url, storage_options=s3.options))
-    # torch's own pickling arguments still go through a scratch file.
-    ckptio.save(
-        sd, url, storage_options=s3.options, _use_new_zipfile_serialization=True, pickle_protocol=4
-    )
-    _same_tree(sd, torch.load(tmp_path / "back.pt", weights_only=True))
+    # torch's own pickling arguments and its legacy format: torch.save writes
+    # into the object's parts as they go up (no scratch file), torch reads it.
+    for kw in ({"pickle_protocol": 4}, {"_use_new_zipfile_serialization": False}):
+        ckptio.save(sd, url, storage_options=s3.options, **kw)
+        assert ckptio.last_report().backend == "store" and os.listdir(scratch) == []
+        remote.download(url, tmp_path / "torch.pt", s3.options)
+        # (protocol 4 frames are beyond the weights-only unpickler; our own bytes)
+        _same_tree(sd, torch.load(tmp_path / "torch.pt", weights_only=False))
 
 
 def test_safetensors_save_file_streams_from_memory_byte_for_byte(s3, tmp_path, scratch):

@@ -51,6 +51,7 @@ __all__ = [
     "store_upload_archive",
     "store_upload_image",
     "store_upload_zstd",
+    "ObjectWriter",
     "CkptioError",
     "FormatError",
     "BackendUnavailableError",
@@ -541,6 +542,26 @@ def store_upload_image(
 ) -> dict[str, Any]:
     """An object of header bytes and host or CUDA memory segments uploaded part by
     part; ``patches``: (segment index, object offset) where a segment's CRC-32 goes."""
+
+@final
+class ObjectWriter:
+    """An object written as a byte stream of a size not known ahead: parts uploaded
+    as they fill, ``commit`` completes the multipart upload, ``abort`` removes it."""
+
+    def __new__(
+        cls,
+        url: str,
+        options: dict[str, Any] | None = None,
+        threads: int = 8,
+        chunk: int = 16777216,
+    ) -> Self: ...
+    def write(self, data: bytes) -> int: ...
+    def write_memory(self, address: int, nbytes: int, owners: _Owners) -> int: ...
+    def tell(self) -> int: ...
+    def commit(self) -> dict[str, Any]: ...
+    def abort(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
 
 def store_upload_zstd(
     url: str,

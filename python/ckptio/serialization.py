@@ -106,17 +106,21 @@ def save(
     completion replaces the object whole (a failed save leaves the old one);
     the parts are made straight from the tensors' memory, host or CUDA
     (CRC-32s as the bytes pass), or, for torch's own pickling arguments and
-    legacy format, from a file written first in a local scratch folder
-    (``CKPTIO_SCRATCH``, else the temp folder). ``storage_options``: the
+    legacy format, uploaded in parts as torch.save writes them (no local copy;
+    under ``torch.serialization.skip_data()``, a file written first in a local
+    scratch folder: ``CKPTIO_SCRATCH``, else the temp folder). ``storage_options``: the
     store's settings over the standard variables (``ckptio.io.remote``;
     docs/objectstore.md).
     """
     torch_args = (pickle_module, pickle_protocol, _disable_byteorder_record)
-    if remote.is_url(f) and _torch_writes(_use_new_zipfile_serialization) is None:
+    if remote.is_url(f) and not torch.serialization._serialization_tls.skip_data:
         remote.check_options(f, storage_options)
-        if _packs(*torch_args):
-            _save_remote(obj, os.fsdecode(os.fspath(f)), storage_options)
-            return
+        url = os.fsdecode(os.fspath(f))
+        if _use_new_zipfile_serialization and _packs(*torch_args):
+            _save_remote(obj, url, storage_options)
+        else:
+            _save_streamed(obj, url, storage_options, torch_args, _use_new_zipfile_serialization)
+        return
     if remote.is_url(f) or storage_options is not None:
         kw: dict[str, Any] = dict(
             threads=threads, chunk_size=chunk_size, direct=direct, backend=backend
@@ -211,6 +215,26 @@ def _save_remote(obj: object, url: str, options: remote.StorageOptions) -> None:
         entries = torchzip.archive_entries(pkl, storages, torchzip.asked_alignment())
     stats = transfer.upload_archive(url, entries, [s[4] for s in storages], options)
     reports.report(url, t0, stats, len(storages))
+
+
+def _save_streamed(
+    obj: object,
+    url: str,
+    options: remote.StorageOptions,
+    torch_args: tuple[Any, int, bool],
+    new_zip: bool,
+) -> None:
+    """``save`` to an object where torch.save writes the bytes (its pickling
+    arguments, its legacy format): uploaded in parts as torch writes them
+    (``remote.ObjectFile``), no local copy; committed once torch.save returns."""
+    t0 = time.perf_counter()
+    why = _torch_writes(new_zip) or "torch's pickling arguments: torch wrote the archive"
+    with remote.ObjectFile(url, options) as fh:
+        with torchzip.torch_writing():
+            torch.save(obj, fh, torch_args[0], torch_args[1], new_zip, torch_args[2])
+    assert fh.committed is not None
+    stats = dict(reports.torch_stats(fh.committed["size"], why), backend="store")
+    reports.report(url, t0, stats, 0)
 
 
 def _save_object(

@@ -216,9 +216,9 @@ mod _native {
         store::store_download, store::store_get, store::store_head, store::store_list,
         store::store_put, store::store_read, store::store_read_into, store::store_torch_map,
         store::store_upload, store::store_upload_archive, store::store_upload_image,
-        store::store_upload_zstd, store::zip_headers_match, unpickle, AtomicWriter,
-        BufferRegistration, DeviceFile, Engine, HostMemory, HostPin, Reader, StateDictPickler,
-        Unpickled,
+        store::store_upload_zstd, store::zip_headers_match, store::ObjectWriter, unpickle,
+        AtomicWriter, BufferRegistration, DeviceFile, Engine, HostMemory, HostPin, Reader,
+        StateDictPickler, Unpickled,
     };
 
     use super::*;

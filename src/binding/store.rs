@@ -404,6 +404,132 @@ pub fn store_upload_zstd<'py>(
     Ok(d)
 }
 
+/// An object written as a byte stream of a size not known ahead (what
+/// torch.save writes into a file object): `write` cuts the bytes into parts
+/// uploaded by `threads` threads while the next fills (in flight: threads + 1
+/// parts of `chunk`, growing for very large objects), `commit` completes the
+/// multipart upload (the object appears whole), `abort` (or a drop without
+/// `commit`) removes it, the key keeping what it had.
+///
+/// Its lock is only ever taken detached: a writer blocked on a busy upload
+/// never holds the interpreter.
+#[pyclass(frozen, module = "ckptio._native")]
+pub struct ObjectWriter {
+    up: Mutex<Option<store::StreamUpload>>,
+    url: String,
+}
+
+fn closed_writer(url: &str) -> crate::Error {
+    crate::Error::invalid(format!(
+        "{url}: the object writer is already committed or aborted"
+    ))
+}
+
+#[pymethods]
+impl ObjectWriter {
+    #[new]
+    #[pyo3(signature = (url, options=None, threads=8, chunk=16777216))]
+    fn new(
+        py: Python<'_>,
+        url: &str,
+        options: Option<&Bound<'_, PyDict>>,
+        threads: usize,
+        chunk: u64,
+    ) -> PyResult<Self> {
+        let part = store::part_grid(0, chunk)?.part_size;
+        let up = on_store(py, url, options, |s, key| {
+            store::StreamUpload::start(s, key, part, threads)
+        })?;
+        Ok(ObjectWriter {
+            up: Mutex::new(Some(up)),
+            url: url.to_string(),
+        })
+    }
+
+    /// Append `data`; returns its length. Blocks (detached) while a part is
+    /// full and every uploader busy; a failed part's error here, or at a later
+    /// call (the upload is then aborted).
+    fn write(&self, py: Python<'_>, data: &[u8]) -> PyResult<usize> {
+        self.append(py, data)?;
+        Ok(data.len())
+    }
+
+    /// Append `nbytes` of host memory at `address`, which `owners` own (checked,
+    /// held until this returns, left unmodified meanwhile): a large record
+    /// written with no copy into a bytes object first.
+    fn write_memory(
+        &self,
+        py: Python<'_>,
+        address: u64,
+        nbytes: u64,
+        owners: Owners,
+    ) -> PyResult<u64> {
+        owners.check(Memory::Host, address, nbytes, || "the bytes written".into())?;
+        let len = usize::try_from(nbytes).map_err(|_| crate::Error::invalid("too many bytes"))?;
+        let bytes: &[u8] = if len == 0 {
+            &[]
+        } else {
+            // SAFETY: `[address, address + nbytes)` lies in host memory that
+            // `owners` own (checked above) and hold until this returns; the
+            // caller leaves it unmodified meanwhile (documented contract).
+            unsafe { std::slice::from_raw_parts(address as *const u8, len) }
+        };
+        self.append(py, bytes)?;
+        owners.release();
+        Ok(nbytes)
+    }
+
+    /// Bytes written so far.
+    fn tell(&self, py: Python<'_>) -> PyResult<u64> {
+        let n = py.detach(|| lock(&self.up).as_ref().map(|u| u.written()));
+        Ok(n.ok_or_else(|| closed_writer(&self.url))?)
+    }
+
+    /// The last part, then the completion: the object appears whole. The
+    /// transfer's dict (size, parts, e_tag, version).
+    fn commit<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = py.detach(|| {
+            let up = lock(&self.up)
+                .take()
+                .ok_or_else(|| closed_writer(&self.url))?;
+            up.finish()
+        })?;
+        transferred_dict(py, &t)
+    }
+
+    /// Abort the upload: the key keeps what it had. Idempotent.
+    fn abort(&self, py: Python<'_>) {
+        py.detach(|| {
+            if let Some(up) = lock(&self.up).take() {
+                up.abort();
+            }
+        });
+    }
+
+    /// Whether `commit` or `abort` ran (or a write failed).
+    #[getter]
+    fn closed(&self, py: Python<'_>) -> bool {
+        py.detach(|| lock(&self.up).is_none())
+    }
+}
+
+impl ObjectWriter {
+    fn append(&self, py: Python<'_>, bytes: &[u8]) -> PyResult<()> {
+        py.detach(|| {
+            let mut g = lock(&self.up);
+            let up = g.as_mut().ok_or_else(|| closed_writer(&self.url))?;
+            let r = up.write(bytes);
+            if r.is_err() {
+                if let Some(up) = g.take() {
+                    up.abort();
+                }
+            }
+            r
+        })?;
+        Ok(())
+    }
+}
+
 /// The CRC-32 of each of `ranges` = [(object offset, length)] of `url` (of
 /// the version `e_tag` names where given), read by ranged GETs of at most
 /// `chunk` bytes through a buffer of `threads` of them: a whole object

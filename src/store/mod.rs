@@ -51,7 +51,7 @@ pub use sink::MultipartSink;
 pub use source::ObjectSource;
 pub use transfer::{
     download_file, hash_ranges, read_segments, upload_file, upload_parts, upload_stream,
-    Transferred,
+    StreamUpload, Transferred,
 };
 
 /// The smallest part ckptio uploads (S3 accepts 5 MiB; fewer, larger parts

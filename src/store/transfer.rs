@@ -10,7 +10,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
@@ -112,12 +112,8 @@ pub fn upload_parts(
 
 /// Upload an object whose bytes are made in order and whose size is not known
 /// ahead (compressed frames): `make(put)` hands `put` the object's bytes in
-/// order; they are cut into parts of `part` bytes (doubled every
-/// [`GROW_EVERY`] parts, so that 10,000 parts hold any checkpoint), the last
-/// shorter, each uploaded by one of `threads` threads while the next fills.
-/// In-flight memory: `threads` + 1 parts. One multipart upload; its
-/// completion is the commit, and a failed one is aborted (the key keeps what it
-/// had). An error of `make` comes first, then one of an upload.
+/// order (see [`StreamUpload`]). An error of `make` (which is the upload's
+/// where a write found a part failed) aborts the upload.
 pub fn upload_stream(
     store: &Store,
     key: &str,
@@ -125,77 +121,100 @@ pub fn upload_stream(
     threads: usize,
     make: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
 ) -> Result<Transferred> {
-    let sink = MultipartSink::create_open(store, key)?;
-    let threads = threads.max(1);
-    let failed = AtomicBool::new(false);
-    let first: Mutex<Option<Error>> = Mutex::new(None);
-    // A rendezvous: a full part waits for a free uploader (no queue of parts).
-    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Bytes)>(0);
-    let rx = Mutex::new(rx);
-    let (made, stopped, size, count) = std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let Ok((idx, data)) = lock(&rx).recv() else {
-                    return;
-                };
-                if failed.load(Ordering::Acquire) {
-                    continue; // drain: the writer sees the failure at its next part
-                }
-                if let Err(e) = sink.put_part(idx, data) {
-                    failed.store(true, Ordering::Release);
-                    lock(&first).get_or_insert(e);
-                }
-            });
+    let mut up = StreamUpload::start(store, key, part, threads)?;
+    match make(&mut |b: &[u8]| up.write(b)) {
+        Ok(()) => up.finish(),
+        Err(e) => {
+            up.abort();
+            Err(e)
         }
-        let mut w = PartWriter {
-            tx,
-            part,
-            failed: &failed,
-            stopped: false,
-            idx: 0,
-            size: 0,
-            buf: Vec::new(),
-        };
-        let mut made = make(&mut |b: &[u8]| w.put(b));
-        if made.is_ok() && (!w.buf.is_empty() || w.idx == 0) {
-            made = w.send(); // the last part (an empty object: one empty part)
-        }
-        let out = (made, w.stopped, w.size, w.idx);
-        drop(w); // closes the channel: the uploaders finish what they hold and stop
-        out
-    });
-    // The uploaders are done (the scope joined them). Where a send stopped on
-    // their failure, theirs is the error that says what went wrong.
-    let uploaded = first.into_inner().unwrap_or_else(|p| p.into_inner());
-    match (made, uploaded) {
-        (Err(e), _) if !stopped => return Err(e),
-        (_, Some(e)) | (Err(e), None) => return Err(e),
-        (Ok(()), None) => {}
     }
-    let version = sink.commit()?;
-    Ok(Transferred {
-        size,
-        parts: count,
-        version,
-    })
 }
 
-/// The writing side of [`upload_stream`]: bytes into the part being filled,
-/// each full part handed to the uploaders.
-struct PartWriter<'a> {
-    tx: std::sync::mpsc::SyncSender<(usize, Bytes)>,
+/// An object written as a stream of bytes of a size not known ahead: they
+/// are cut into parts of `part` bytes (doubled every [`GROW_EVERY`] parts, so
+/// that 10,000 parts hold any checkpoint), the last shorter, each uploaded by
+/// one of `threads` threads while the next fills; a full part waits for a
+/// free uploader, so in-flight memory is `threads` + 1 parts. One multipart
+/// upload: [`StreamUpload::finish`] completes it (the commit); aborted, or
+/// dropped unfinished, it is aborted (the key keeps what it had).
+pub struct StreamUpload {
+    /// None once finished or aborted.
+    sink: Option<Arc<MultipartSink>>,
+    /// None once the uploaders were told to stop (the channel closed).
+    tx: Option<std::sync::mpsc::SyncSender<(usize, Bytes)>>,
+    uploaders: Vec<std::thread::JoinHandle<()>>,
+    failed: Arc<AtomicBool>,
+    first: Arc<Mutex<Option<Error>>>,
+    url: String,
     part: u64,
-    failed: &'a AtomicBool,
-    /// A send found an upload failed.
-    stopped: bool,
     idx: usize,
     size: u64,
     buf: Vec<u8>,
 }
 
-impl PartWriter<'_> {
-    fn put(&mut self, mut bytes: &[u8]) -> Result<()> {
-        self.size += bytes.len() as u64;
+impl StreamUpload {
+    /// Start the multipart upload to `key` and its `threads` uploaders.
+    pub fn start(store: &Store, key: &str, part: u64, threads: usize) -> Result<Self> {
+        let sink = Arc::new(MultipartSink::create_open(store, key)?);
+        let failed = Arc::new(AtomicBool::new(false));
+        let first: Arc<Mutex<Option<Error>>> = Arc::new(Mutex::new(None));
+        // A rendezvous: a full part waits for a free uploader (no queue of parts).
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Bytes)>(0);
+        let rx = Arc::new(Mutex::new(rx));
+        let mut uploaders = Vec::new();
+        for _ in 0..threads.max(1) {
+            let (sink, failed, first, rx) =
+                (sink.clone(), failed.clone(), first.clone(), rx.clone());
+            let spawned = std::thread::Builder::new()
+                .name("ckptio-upload".into())
+                .spawn(move || loop {
+                    let Ok((idx, data)) = lock(&rx).recv() else {
+                        return;
+                    };
+                    if failed.load(Ordering::Acquire) {
+                        continue; // drain: the writer sees the failure at its next part
+                    }
+                    if let Err(e) = sink.put_part(idx, data) {
+                        failed.store(true, Ordering::Release);
+                        lock(&first).get_or_insert(e);
+                    }
+                });
+            match spawned {
+                Ok(h) => uploaders.push(h),
+                Err(e) if uploaders.is_empty() => {
+                    return Err(Error::io("start an upload thread", None, e))
+                }
+                Err(_) => break, // fewer uploaders than asked: still correct
+            }
+        }
+        Ok(StreamUpload {
+            url: sink.url(),
+            sink: Some(sink),
+            tx: Some(tx),
+            uploaders,
+            failed,
+            first,
+            part,
+            idx: 0,
+            size: 0,
+            buf: Vec::new(),
+        })
+    }
+
+    /// The URL written.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Bytes written so far.
+    pub fn written(&self) -> u64 {
+        self.size
+    }
+
+    /// Append `bytes`; blocks while a part is full and every uploader busy.
+    /// After a failed part, the upload's error (then "closed" on later calls).
+    pub fn write(&mut self, mut bytes: &[u8]) -> Result<()> {
         while !bytes.is_empty() {
             let want = part_len(self.part, self.idx);
             if self.buf.capacity() == 0 {
@@ -203,6 +222,7 @@ impl PartWriter<'_> {
             }
             let n = (want - self.buf.len()).min(bytes.len());
             self.buf.extend_from_slice(&bytes[..n]);
+            self.size += n as u64;
             bytes = &bytes[n..];
             if self.buf.len() == want {
                 self.send()?;
@@ -212,16 +232,61 @@ impl PartWriter<'_> {
     }
 
     fn send(&mut self) -> Result<()> {
-        if self.failed.load(Ordering::Acquire) {
-            self.stopped = true;
-            return Err(Error::invalid("a part's upload failed"));
+        let sent = match &self.tx {
+            Some(tx) if !self.failed.load(Ordering::Acquire) => {
+                let data = Bytes::from(std::mem::take(&mut self.buf));
+                tx.send((self.idx, data)).is_ok()
+            }
+            _ => false,
+        };
+        if !sent {
+            self.stop();
+            return Err(lock(&self.first).take().unwrap_or_else(|| {
+                Error::invalid(format!("{}: the upload was closed", self.url))
+            }));
         }
-        let data = Bytes::from(std::mem::take(&mut self.buf));
-        self.tx
-            .send((self.idx, data))
-            .map_err(|_| Error::invalid("the part uploaders stopped"))?;
         self.idx += 1;
         Ok(())
+    }
+
+    /// Close the channel and wait for the uploaders to finish their parts.
+    fn stop(&mut self) {
+        self.tx = None;
+        for h in self.uploaders.drain(..) {
+            let _ = h.join();
+        }
+    }
+
+    /// The last part (an empty object: one empty part), then the completion:
+    /// the object appears whole under its key.
+    pub fn finish(mut self) -> Result<Transferred> {
+        if !self.buf.is_empty() || self.idx == 0 {
+            self.send()?;
+        }
+        self.stop();
+        if let Some(e) = lock(&self.first).take() {
+            return Err(e);
+        }
+        let sink = self.sink.take().and_then(|s| Arc::try_unwrap(s).ok());
+        let sink = sink.ok_or_else(|| Error::invalid(format!("{}: upload closed", self.url)))?;
+        let version = sink.commit()?;
+        Ok(Transferred {
+            size: self.size,
+            parts: self.idx,
+            version,
+        })
+    }
+
+    /// Stop and abort the upload (the key keeps what it had).
+    pub fn abort(mut self) {
+        self.stop();
+        self.sink = None; // the last hold of the sink: its drop aborts the upload
+    }
+}
+
+impl Drop for StreamUpload {
+    fn drop(&mut self) {
+        self.stop(); // then the sink's drop (the last hold) aborts an unfinished upload
     }
 }
 

@@ -6,7 +6,8 @@ completion is the commit; ranged GETs pinned to one version) and puts or gets
 small objects, conditionally where asked (``store_put``: a commit record or an
 index). This module is the one place that knows what a URL is and what a
 call's ``storage_options`` mean; the API modules call :func:`staged_save` and
-:func:`staged_load` to run their file code over a local copy.
+:func:`staged_load` to run their file code over a local copy, or write a
+stream of bytes straight into an object through :class:`ObjectFile`.
 
 Configuration as the ecosystem expects: the standard variables
 (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
@@ -22,11 +23,15 @@ under 10,000 parts). Errors: ``ckptio.StoreError`` and its subclasses, each an
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
+
+import torch
 
 from ckptio import _native
 from ckptio.io.units import parse_size
@@ -258,6 +263,65 @@ def local_tree(f: Any, options: StorageOptions = None) -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+class ObjectFile(io.RawIOBase):
+    """A write-only file object whose bytes become the object ``url``: they go
+    up in parts as they come (``_native.ObjectWriter``: ``concurrency`` uploads,
+    ``part_size`` parts), with no local copy. :meth:`commit` publishes the
+    object whole; :meth:`close` without a commit aborts the upload, the key
+    keeping what it had. As a context manager: committed where the block
+    completes, aborted where it raises."""
+
+    #: Writes below this many bytes are copied once into a bytes object; larger
+    #: ones are read in place (a storage's bytes from torch.save, say).
+    COPY_BELOW = 1 << 20
+
+    def __init__(self, url: str, options: StorageOptions = None) -> None:
+        super().__init__()
+        client, n, part = client_options(options)
+        self.name = url
+        self._w = _native.ObjectWriter(url, client, n, part)
+        self.committed: dict[str, Any] | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b)
+        if not mv.c_contiguous:
+            mv = memoryview(mv.tobytes())
+        mv = mv.cast("B")
+        if mv.nbytes < self.COPY_BELOW:
+            return self._w.write(mv.tobytes())
+        with warnings.catch_warnings():  # read only: torch warns that it is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            view = torch.frombuffer(mv, dtype=torch.uint8)
+        return self._w.write_memory(view.data_ptr(), view.numel(), [view])
+
+    def tell(self) -> int:
+        return self._w.tell()
+
+    def commit(self) -> dict[str, Any]:
+        """Publish the object (the last part, then the completion): the
+        transfer's size, parts and version."""
+        self.committed = self._w.commit()
+        super().close()
+        return self.committed
+
+    def close(self) -> None:
+        if not self.closed:
+            self._w.abort()
+        super().close()
+
+    def __enter__(self) -> ObjectFile:
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        if kind is None and not self.closed:
+            self.commit()
+        else:
+            self.close()
 
 
 @contextlib.contextmanager
