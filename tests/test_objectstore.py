@@ -541,6 +541,46 @@ def test_dcp_zstd_items_go_both_ways_with_no_local_copy(s3, tmp_path, scratch, m
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_files_torchs_writer_makes_go_straight_into_objects(s3, scratch, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter, _Remote
+    from test_dcp_fidelity import Xor, assert_same, state, zeros_like
+    from torch.distributed.checkpoint import _extension as ext
+
+    monkeypatch.setattr(_Remote, "upload", _no_copy)
+    monkeypatch.setattr(_Remote, "download", _no_copy)
+    sd = state()
+    url = s3.url("dcp-xor")
+    w = FileSystemWriter(url, storage_options=s3.options, _extensions=[Xor()], thread_count=2)
+    dcp.save(sd, storage_writer=w, no_dist=True)  # torch's writer code, each file an object
+    assert os.listdir(scratch) == []
+    names = [u.rsplit("/", 1)[1] for u, _, _ in remote.listing(url, s3.options)]
+    assert ".metadata" in names and any(n.endswith(".distcp") for n in names), names
+    registry = ext.ExtensionRegistry()
+    registry.register(Xor)
+    out = zeros_like(sd)
+    r = FileSystemReader(url, storage_options=s3.options, _extension_registry=registry)
+    dcp.load(out, storage_reader=r, no_dist=True)
+    assert_same(sd["w"], out["w"]) and assert_same(sd["t"], out["t"])
+
+    # A transform failing midway: the save fails, its objects are gone (the
+    # file torch was writing aborted, those it had closed removed), the
+    # checkpoint as it was.
+    class Broken(Xor):
+        def transform_to(self, output):
+            raise OSError(5, "transform failed")
+
+    before = sorted(remote.listing(url, s3.options))
+    w = FileSystemWriter(url, storage_options=s3.options, _extensions=[Broken()])
+    with pytest.raises(CheckpointException, match="transform failed"):
+        dcp.save(sd, storage_writer=w, no_dist=True)
+    assert sorted(remote.listing(url, s3.options)) == before
+    client = _boto3_client(s3)
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    assert client.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", []) == []
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_streamed_zstd_save_cut_into_parts_or_failing(s3, scratch, monkeypatch):
     import torch.distributed.checkpoint as dcp
     from ckptio.dcp import FileSystemReader, FileSystemWriter, _Remote

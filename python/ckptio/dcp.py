@@ -318,16 +318,19 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             return self._write_files(plan, planner)
         if not self._torch_writes():
             return self._upload_files(plan, planner)
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        # torch's writer code writes each data file into an object as it goes
+        # (no local copy); the store's completion is the durability, no fsync.
+        streams = _ObjectStreams(self._store)
+        fs, sync = self.fs, self.sync_files
+        self.fs, self.sync_files = streams, False
         try:
-            results = self._write_files(plan, planner).wait()
-            names = sorted({wr.storage_data.relative_path for wr in results})
-            self._store.upload(os.fspath(self.path), names)
+            return self._write_files(plan, planner)
+        except BaseException:
+            self._store.remove(streams.published)
+            raise
         finally:
-            shutil.rmtree(self.path, ignore_errors=True)
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+            self.fs, self.sync_files = fs, sync
+            shutil.rmtree(self.path, ignore_errors=True)  # the scratch folder, unused
 
     def _buckets(self, plan: SavePlan) -> list[tuple[str, list[Any]]]:
         """Each data file of this rank's plan: (name, items)."""
@@ -586,6 +589,33 @@ class _StoreScratch(_fs.FileSystem):
 
     def mkdir(self, path: str | os.PathLike[str]) -> None:
         pass
+
+
+class _ObjectStreams:
+    """torch's writer's file system over a store, for one ``write_data``: each
+    data file an object written as torch writes it (``remote.ObjectFile``),
+    published when torch closes it, aborted where writing it raises."""
+
+    def __init__(self, store: _Remote) -> None:
+        self.store = store
+        self.published: list[str] = []
+        self._lock = threading.Lock()
+
+    def concat_path(self, path: Any, suffix: str) -> str:
+        return suffix
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[remote.ObjectFile]:
+        name = os.path.basename(os.fspath(path))
+        f = remote.ObjectFile(self.store.join(name), self.store.options, publish_on_close=True)
+        try:
+            yield f
+        except BaseException:
+            f.abort()
+            raise
+        f.close()  # published (torch may have closed it already)
+        with self._lock:
+            self.published.append(name)
 
 
 class _Remote:

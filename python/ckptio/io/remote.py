@@ -277,11 +277,16 @@ class ObjectFile(io.RawIOBase):
     #: ones are read in place (a storage's bytes from torch.save, say).
     COPY_BELOW = 1 << 20
 
-    def __init__(self, url: str, options: StorageOptions = None) -> None:
+    def __init__(
+        self, url: str, options: StorageOptions = None, *, publish_on_close: bool = False
+    ) -> None:
         super().__init__()
         client, n, part = client_options(options)
         self.name = url
         self._w = _native.ObjectWriter(url, client, n, part)
+        #: close() publishes (for writers that close what they wrote: torch's
+        #: DCP writer); an error is then ended with :meth:`abort`.
+        self.publish_on_close = publish_on_close
         self.committed: dict[str, Any] | None = None
 
     def writable(self) -> bool:
@@ -310,6 +315,12 @@ class ObjectFile(io.RawIOBase):
         return self.committed
 
     def close(self) -> None:
+        if not self.closed and self.publish_on_close:
+            self.commit()
+        self.abort()
+
+    def abort(self) -> None:
+        """Abort the upload (the key keeps what it had); closes. Idempotent."""
         if not self.closed:
             self._w.abort()
         super().close()
@@ -321,7 +332,7 @@ class ObjectFile(io.RawIOBase):
         if kind is None and not self.closed:
             self.commit()
         else:
-            self.close()
+            self.abort()
 
 
 @contextlib.contextmanager
