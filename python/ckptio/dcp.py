@@ -958,28 +958,19 @@ class FileSystemReader(_TorchReader):
         where it does not apply: an item of another layout. Items with stream
         transforms are not given here (``_read_coded``). ``kept`` as for
         ``_read_items``."""
-        folder, store = os.fspath(self.path), self._store
-        by_file: dict[str, list[Any]] = {}
-        for req in items:
-            info: _StorageInfo = self.storage_data[req.storage_index]
-            by_file.setdefault(info.relative_path, []).append(req)
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]] = []
         blobs: list[tuple[Any, torch.Tensor]] = []
         self.last_stats = []
-        for rel, reqs in by_file.items():
-            inside(folder, rel, store.join(fmt.METADATA))  # a name of the checkpoint's folder
-            url = store.join(rel)
-            head = remote.head(url, store.options)
+        for url, head, reqs in self._stored_files(items):
             # Batches (8 items, then four times the last): the GETs of one
             # while the next is planned, one batch in flight at a time.
-            reads = transfer.Pipeline.of_store(url, store.options, head["e_tag"], self.verify)
-            batches, mismatch = [], False
+            reads = transfer.Pipeline.of_store(url, self._store.options, head["e_tag"], self.verify)
+            batches, predicted, size = [], True, head["size"]
             try:
                 for lo, hi in transfer.batch_ranges(len(reqs)):
-                    size = head["size"]
                     plan = self._plan_stored(url, size, reqs[lo:hi], planner, commits, blobs)
                     if plan is None:
-                        mismatch = True
+                        predicted = False
                         break
                     segments, owners, spans, got, checks = plan
                     batches.append((reads.add(segments, owners), spans, got, checks))
@@ -987,20 +978,22 @@ class FileSystemReader(_TorchReader):
                 reads.abandon(err)
                 raise
             results = transfer.wait_all(reads.jobs)  # every read done; the first error raised
+            # Not the layout predicted (a request, or the heads read): the
+            # scratch copy reads it all again.
+            if not predicted:
+                return False
             done = []
             for index, spans, got, checks in batches:
                 placed = _placed(spans, got.numpy().tobytes())
                 if placed is None:
-                    mismatch = True
-                if placed is None or mismatch or index is None:
+                    return False
+                if index is None:
                     continue
                 stats = results[index]
                 if self.verify:
                     named = [(seg, placed[field], name, at) for seg, field, name, at in checks]
                     stats = dict(stats, **_checked_items(url, named, stats.pop("crc32")))
                 done.append(stats)
-            if mismatch:  # not the layout predicted: the scratch copy reads it all again
-                return False
             if done:
                 self.last_stats.append(dict(transfer.merged(done), path=url))
         for req, buf in blobs:
@@ -1063,17 +1056,12 @@ class FileSystemReader(_TorchReader):
         by ranged GETs into host memory, at most :data:`CODED_BATCH` of them
         at a time, then decoded by torch's reader code (its extension
         registry) from that memory."""
-        folder, store = os.fspath(self.path), self._store
-        by_file: dict[str, list[Any]] = {}
-        for req in reqs:
-            by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for rel, rs in by_file.items():
-            inside(folder, rel, store.join(fmt.METADATA))  # a name of the checkpoint's folder
-            url = store.join(rel)
-            head = remote.head(url, store.options)
+        for url, head, rs in self._stored_files(reqs):
+            rel = self.storage_data[rs[0].storage_index].relative_path
             rs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
             batch: list[Any] = []
             spans: dict[int, int] = {}  # offset -> length of the items in the batch
+            fetched = 0  # their bytes
             for i, req in enumerate(rs):
                 info: _StorageInfo = self.storage_data[req.storage_index]
                 if info.offset + info.length > head["size"]:
@@ -1082,10 +1070,25 @@ class FileSystemReader(_TorchReader):
                         f"..+{info.length} lies beyond the object's end ({head['size']} bytes)"
                     )
                 batch.append(req)
-                spans[info.offset] = max(spans.get(info.offset, 0), info.length)
-                if i + 1 == len(rs) or sum(spans.values()) >= CODED_BATCH:
+                grown = info.length - spans.get(info.offset, 0)
+                if grown > 0:  # two requests may read one item
+                    spans[info.offset] = info.length
+                    fetched += grown
+                if i + 1 == len(rs) or fetched >= CODED_BATCH:
                     self._decode_fetched(rel, url, head["e_tag"], spans, batch, planner)
-                    batch, spans = [], {}
+                    batch, spans, fetched = [], {}, 0
+
+    def _stored_files(self, reqs: list[Any]) -> Iterator[tuple[str, dict[str, Any], list[Any]]]:
+        """Each data file ``reqs`` read in the store: (its URL, its HEAD: the
+        size, and the version every GET then pins, the requests that read it)."""
+        folder, store = os.fspath(self.path), self._store
+        by_file: dict[str, list[Any]] = {}
+        for req in reqs:
+            by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for rel, rs in by_file.items():
+            inside(folder, rel, store.join(fmt.METADATA))  # a name of the checkpoint's folder
+            url = store.join(rel)
+            yield url, remote.head(url, store.options), rs
 
     def _decode_fetched(
         self,

@@ -387,12 +387,11 @@ pub fn store_upload_zstd<'py>(
     level: i32,
 ) -> PyResult<Bound<'py, PyDict>> {
     check_zstd_items(&items, &owners)?;
-    let part = store::part_grid(0, chunk)?.part_size;
     let (t, spans) = on_store(py, url, options, |s, key| {
         // SAFETY: checked above against `owners`, held until this returns.
         let parts = unsafe { zstd_items(&items) };
         let mut spans = Vec::new();
-        let t = store::upload_stream(s, key, part, threads, |put| {
+        let t = store::upload_stream(s, key, chunk, threads, |put| {
             spans = zstd::compress_items(&parts, level, workers, put)?;
             Ok(())
         })?;
@@ -436,9 +435,8 @@ impl ObjectWriter {
         threads: usize,
         chunk: u64,
     ) -> PyResult<Self> {
-        let part = store::part_grid(0, chunk)?.part_size;
         let up = on_store(py, url, options, |s, key| {
-            store::StreamUpload::start(s, key, part, threads)
+            store::StreamUpload::start(s, key, chunk, threads)
         })?;
         Ok(ObjectWriter {
             up: Mutex::new(Some(up)),

@@ -117,11 +117,11 @@ pub fn upload_parts(
 pub fn upload_stream(
     store: &Store,
     key: &str,
-    part: u64,
+    chunk: u64,
     threads: usize,
     make: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
 ) -> Result<Transferred> {
-    let mut up = StreamUpload::start(store, key, part, threads)?;
+    let mut up = StreamUpload::start(store, key, chunk, threads)?;
     match make(&mut |b: &[u8]| up.write(b)) {
         Ok(()) => up.finish(),
         Err(e) => {
@@ -132,7 +132,8 @@ pub fn upload_stream(
 }
 
 /// An object written as a stream of bytes of a size not known ahead: they
-/// are cut into parts of `part` bytes (doubled every [`GROW_EVERY`] parts, so
+/// are cut into parts of whole `chunk`s, at least [`super::MIN_PART`] (as
+/// [`part_grid`] cuts any object's), doubled every [`GROW_EVERY`] parts (so
 /// that 10,000 parts hold any checkpoint), the last shorter, each uploaded by
 /// one of `threads` threads while the next fills; a full part waits for a
 /// free uploader, so in-flight memory is `threads` + 1 parts. One multipart
@@ -155,7 +156,8 @@ pub struct StreamUpload {
 
 impl StreamUpload {
     /// Start the multipart upload to `key` and its `threads` uploaders.
-    pub fn start(store: &Store, key: &str, part: u64, threads: usize) -> Result<Self> {
+    pub fn start(store: &Store, key: &str, chunk: u64, threads: usize) -> Result<Self> {
+        let part = part_grid(0, chunk)?.part_size;
         let sink = Arc::new(MultipartSink::create_open(store, key)?);
         let failed = Arc::new(AtomicBool::new(false));
         let first: Arc<Mutex<Option<Error>>> = Arc::new(Mutex::new(None));
