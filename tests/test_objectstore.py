@@ -1507,7 +1507,8 @@ def _to(tree, device: str):
 
 @gpu
 def test_cuda_save_streams_from_device_memory_after_the_callers_stream(s3, tmp_path, scratch):
-    sd = _to(_torch_state(9), "cuda")  # "view" still shares "base"'s storage
+    sd = _to(_torch_state(9), "cuda")
+    sd["view"] = sd["base"][10:20]  # shares "base"'s storage (``_to`` copied each apart)
     sd["host"] = torch.arange(1000)  # host and device storages in one archive
     a = torch.randn(2048, 2048, device="cuda")
     # 40 MiB across three parts, made by a kernel still queued when save is called.

@@ -621,8 +621,21 @@ impl Copies {
 
     /// Waits until every queued copy is done; the first copy error surfaces here.
     pub fn finish(mut self) -> Result<()> {
-        let streams = std::mem::take(&mut self.streams);
-        streams.iter().try_for_each(Stream::synchronize)
+        self.wait()
+    }
+
+    /// Waits until every queued copy is done, keeping the streams for more
+    /// copies. Every stream is waited for, even after one fails (the host
+    /// memory may be freed once this returns); the first error is returned.
+    pub fn wait(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        for s in &self.streams {
+            let r = s.synchronize();
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
     }
 }
 

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use proptest::prelude::*;
 
 use super::fault_proxy::{Action, FaultProxy};
+use super::transfer::{rounds_of, through_buffer};
 use super::*;
 
 const BUCKET: &str = "ckptio-test";
@@ -409,6 +410,15 @@ fn parts_put_in_any_order_from_many_threads_then_ranged_reads() {
 }
 
 #[test]
+fn rounds_fill_by_bytes() {
+    assert_eq!(rounds_of(&[], 10), vec![]);
+    let spans = [(0, 4), (4, 4), (8, 3), (20, 10), (30, 1), (31, 9), (40, 12)];
+    // At most 10 bytes a round; a span longer than that is a round of its own.
+    assert_eq!(rounds_of(&spans, 10), vec![0..2, 2..3, 3..4, 4..6, 6..7]);
+    assert_eq!(rounds_of(&spans, 100), vec![0..7]);
+}
+
+#[test]
 fn segments_and_hashes_of_ranges_through_bounded_buffers() {
     let Some(weed) = Weed::start("segments_and_hashes") else {
         return;
@@ -435,6 +445,45 @@ fn segments_and_hashes_of_ranges_through_bounded_buffers() {
             .collect();
         assert_eq!(got, want, "chunk {chunk}, threads {threads}");
     }
+    // Many small ranges (a checkpoint's norms and biases) in rounds of several GETs.
+    let small: Vec<(u64, u64)> = (0..300).map(|i| (i * 1100 + 5, 1000 + i % 7)).collect();
+    let got = hash_ranges(&src, &small, MIB / 8, 2).unwrap();
+    let want: Vec<u32> = small
+        .iter()
+        .map(|&(o, n)| crc32fast::hash(&data[o as usize..(o + n) as usize]))
+        .collect();
+    assert_eq!(got, want);
+    // A range past the end, in the last of several rounds: a typed error, no hang.
+    let past = [
+        (0, 3 * MIB),
+        (3 * MIB, 3 * MIB),
+        (data.len() as u64 - 10, 11),
+    ];
+    assert!(matches!(
+        hash_ranges(&src, &past, MIB, 1),
+        Err(Error::InvalidArgument(_))
+    ));
+    // The caller failing on a span while the reader fills the next round: the
+    // error comes back, the reader thread stops, and rounds are filled in order.
+    let spans: Vec<(u64, u64)> = (0..40).map(|i| (i * 200_000, 100_000)).collect();
+    let mut seen = Vec::new();
+    let err = through_buffer(
+        &src,
+        &spans,
+        MIB / 4,
+        2,
+        |k, bytes| {
+            assert_eq!(bytes, &data[k * 200_000..k * 200_000 + 100_000]);
+            seen.push(k);
+            if k == 17 {
+                return Err(Error::invalid("stop here"));
+            }
+            Ok(())
+        },
+        || Ok(()),
+    );
+    assert!(matches!(err, Err(Error::InvalidArgument(m)) if m == "stop here"));
+    assert_eq!(seen, (0..=17).collect::<Vec<_>>());
     // Host segments read with their CRC-32s.
     let (mut a, mut b) = (vec![0u8; (2 * MIB) as usize], vec![0u8; 1000]);
     let segs = [

@@ -405,7 +405,7 @@ pub unsafe fn read_segments(
             }
             Ok(())
         },
-        || copies.take().finish(),
+        || copies.borrow_mut().wait(),
     )?;
     let hashed = hashed.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok(hashed
@@ -425,11 +425,13 @@ pub unsafe fn read_segments(
 }
 
 /// Reads `spans` ((object offset, length), in object order, each at most
-/// `chunk`) of `source` through one host buffer of `threads` spans: a round
-/// of GETs fills it, `each(k, bytes)` takes span `k`'s bytes, `round_done()`
-/// ends the round (called after an error too) before the buffer is filled
-/// again or freed.
-fn through_buffer(
+/// `chunk`) of `source` through two host buffers of `threads` x `chunk` bytes:
+/// a round of GETs (the spans that fit, neighbours sharing requests) fills one
+/// buffer on a reader thread while the caller hands the other round's bytes
+/// to `each(k, bytes)` (span `k`), so GETs and what `each` starts (host-to-device
+/// copies) overlap. `round_done()` ends a round (called after an error too)
+/// before its buffer is filled again or freed. In-flight memory: 2 x threads x chunk.
+pub(super) fn through_buffer(
     source: &ObjectSource,
     spans: &[(u64, u64)],
     chunk: u64,
@@ -437,35 +439,78 @@ fn through_buffer(
     mut each: impl FnMut(usize, &[u8]) -> Result<()>,
     mut round_done: impl FnMut() -> Result<()>,
 ) -> Result<()> {
-    let round = threads.max(1);
-    let most = spans
-        .chunks(round)
-        .map(|r| r.iter().map(|s| s.1).sum::<u64>())
+    let rounds = rounds_of(spans, threads.max(1) as u64 * chunk.max(1));
+    let most = rounds
+        .iter()
+        .map(|r| spans[r.clone()].iter().map(|s| s.1).sum::<u64>())
         .max()
-        .unwrap_or(0);
-    let mut buf = vec![0u8; most as usize];
-    for (n, r) in spans.chunks(round).enumerate() {
-        let mut ranges: Vec<(u64, &mut [u8])> = Vec::with_capacity(r.len());
-        let mut rest = &mut buf[..];
-        for &(offset, len) in r {
-            let (dst, tail) = rest.split_at_mut(len as usize);
-            ranges.push((offset, dst));
-            rest = tail;
-        }
-        let read = source.read_ranges(&mut ranges, chunk, threads);
-        let mut taken = read.map(|()| 0usize);
-        for (j, &(_, len)) in r.iter().enumerate() {
-            taken = taken.and_then(|at| {
-                each(n * round + j, &buf[at..at + len as usize])?;
-                Ok(at + len as usize)
-            });
-        }
-        // Even after an error: what `each` started on the buffer ends before it goes.
-        let done = round_done();
-        taken?;
-        done?;
+        .unwrap_or(0) as usize;
+    let (free_tx, free_rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    let (full_tx, full_rx) = std::sync::mpsc::channel::<(Vec<u8>, Result<()>)>();
+    for _ in 0..rounds.len().min(2) {
+        let _ = free_tx.send(vec![0u8; most]);
     }
-    Ok(())
+    std::thread::scope(|scope| {
+        // Owned here: dropped when this closure returns (before the scope joins
+        // the reader), so a reader waiting for a free buffer after an error returns.
+        let free_tx = free_tx;
+        let reader_rounds = &rounds;
+        scope.spawn(move || {
+            for r in reader_rounds {
+                // The caller stopped (an error): no more rounds.
+                let Ok(mut buf) = free_rx.recv() else { return };
+                let mut ranges: Vec<(u64, &mut [u8])> = Vec::with_capacity(r.len());
+                let mut rest = &mut buf[..];
+                for &(offset, len) in &spans[r.clone()] {
+                    let (dst, tail) = rest.split_at_mut(len as usize);
+                    ranges.push((offset, dst));
+                    rest = tail;
+                }
+                let read = source.read_ranges(&mut ranges, chunk, threads);
+                drop(ranges);
+                let failed = read.is_err();
+                if full_tx.send((buf, read)).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        for r in &rounds {
+            let Ok((buf, read)) = full_rx.recv() else {
+                return Err(Error::invalid("the object-store reader thread stopped"));
+            };
+            let mut taken = read.map(|()| 0usize);
+            for (k, &(_, len)) in spans[r.clone()].iter().enumerate() {
+                taken = taken.and_then(|at| {
+                    each(r.start + k, &buf[at..at + len as usize])?;
+                    Ok(at + len as usize)
+                });
+            }
+            // Even after an error: what `each` started on the buffer ends before it goes.
+            let done = round_done();
+            taken?;
+            done?;
+            let _ = free_tx.send(buf);
+        }
+        Ok(())
+    })
+}
+
+/// `spans` cut into rounds of consecutive spans of at most `cap` bytes each (a
+/// span longer than `cap` is a round of its own).
+pub(super) fn rounds_of(spans: &[(u64, u64)], cap: u64) -> Vec<std::ops::Range<usize>> {
+    let mut rounds = Vec::new();
+    let (mut start, mut bytes) = (0usize, 0u64);
+    for (i, &(_, len)) in spans.iter().enumerate() {
+        if i > start && bytes + len > cap {
+            rounds.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += len;
+    }
+    if start < spans.len() {
+        rounds.push(start..spans.len());
+    }
+    rounds
 }
 
 /// The CRC-32 of each of `ranges` ((object offset, length)) of `source`,
