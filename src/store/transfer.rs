@@ -332,11 +332,12 @@ pub fn download_file(
     })
 }
 
-/// Read `segments` (each at its object offset) of `source` into their memory:
-/// host memory straight from the GETs; device memory through a host buffer
-/// of `threads` x `chunk` bytes, filled by one round of GETs and copied up
-/// before the next round, so in-flight memory stays threads x chunk. With
-/// `crc`, each segment's CRC-32, computed where its bytes are in host memory.
+/// Read `segments` (each at its object offset) of `source` into their memory.
+/// All in host memory: straight from the GETs. Any in device memory: every
+/// segment through [`through_buffer`]'s host buffers (device pieces copied up,
+/// host ones copied out), so that a storage's zip header (host) and its data
+/// (device) come in one GET, as neighbouring small tensors do. With `crc`, each
+/// segment's CRC-32, computed where its bytes are in host memory.
 ///
 /// # Safety
 /// Every segment's memory must be writable memory of its kind, alive until
@@ -349,64 +350,70 @@ pub unsafe fn read_segments(
     threads: usize,
     crc: bool,
 ) -> Result<Vec<Option<u32>>> {
-    let mut host: Vec<(u64, &mut [u8])> = Vec::new();
-    let mut host_of: Vec<usize> = Vec::new();
-    // (object offset, segment, device, address, length) pieces of at most `chunk`.
-    let mut pieces: Vec<(u64, usize, i32, u64, u64)> = Vec::new();
-    for (i, &(offset, ref s)) in segments.iter().enumerate() {
-        match s.memory {
-            Memory::Host => {
-                // SAFETY: writable and ours alone (the caller's contract).
-                host.push((offset, unsafe {
-                    std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize)
-                }));
-                host_of.push(i);
-            }
-            Memory::Cuda(d) => {
-                let mut at = 0;
-                while at < s.len {
-                    let n = (s.len - at).min(chunk.max(1));
-                    pieces.push((offset + at, i, d, s.addr + at, n));
-                    at += n;
-                }
-            }
-        }
-    }
-    source.read_ranges(&mut host, chunk, threads)?;
     // Per segment: (offset in it, CRC-32, length) of each piece hashed.
     let hashed: Mutex<Vec<Vec<(u64, u32, u64)>>> = Mutex::new(vec![Vec::new(); segments.len()]);
-    if crc {
-        each_part(host.len(), threads, |k| {
-            let c = crc32fast::hash(host[k].1);
-            lock(&hashed)[host_of[k]].push((0, c, host[k].1.len() as u64));
-            Ok(())
-        })?;
-    }
-    pieces.sort_unstable_by_key(|p| p.0);
-    let spans: Vec<(u64, u64)> = pieces.iter().map(|p| (p.0, p.4)).collect();
-    let copies = std::cell::RefCell::new(Copies::default());
-    through_buffer(
-        source,
-        &spans,
-        chunk,
-        threads,
-        |k, bytes| {
-            let (offset, i, d, addr, n) = pieces[k];
-            // SAFETY: `bytes` stays put until `round_done` (the copies are awaited
-            // there, or by the drop on an error); the destination per the caller's
-            // contract.
-            unsafe {
-                copies
-                    .borrow_mut()
-                    .queue_to_device(d, addr, bytes.as_ptr(), n as usize)?
-            };
-            if crc {
-                lock(&hashed)[i].push((offset - segments[i].0, crc32fast::hash(bytes), n));
+    if segments.iter().all(|(_, s)| s.memory == Memory::Host) {
+        let mut host: Vec<(u64, &mut [u8])> = segments
+            .iter()
+            .map(|&(offset, ref s)| {
+                // SAFETY: writable and ours alone (the caller's contract).
+                (offset, unsafe {
+                    std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize)
+                })
+            })
+            .collect();
+        source.read_ranges(&mut host, chunk, threads)?;
+        if crc {
+            each_part(host.len(), threads, |k| {
+                let c = crc32fast::hash(host[k].1);
+                lock(&hashed)[k].push((0, c, host[k].1.len() as u64));
+                Ok(())
+            })?;
+        }
+    } else {
+        // (object offset, segment, memory, address, length) pieces of at most `chunk`.
+        let mut pieces: Vec<(u64, usize, Memory, u64, u64)> = Vec::new();
+        for (i, &(offset, ref s)) in segments.iter().enumerate() {
+            let mut at = 0;
+            while at < s.len {
+                let n = (s.len - at).min(chunk.max(1));
+                pieces.push((offset + at, i, s.memory, s.addr + at, n));
+                at += n;
             }
-            Ok(())
-        },
-        || copies.borrow_mut().wait(),
-    )?;
+        }
+        pieces.sort_unstable_by_key(|p| p.0);
+        let spans: Vec<(u64, u64)> = pieces.iter().map(|p| (p.0, p.4)).collect();
+        let copies = std::cell::RefCell::new(Copies::default());
+        through_buffer(
+            source,
+            &spans,
+            chunk,
+            threads,
+            |k, bytes| {
+                let (offset, i, memory, addr, n) = pieces[k];
+                match memory {
+                    // SAFETY: writable host memory of `n` bytes, ours alone (the
+                    // caller's contract); `bytes` is our buffer, apart from it.
+                    Memory::Host => unsafe {
+                        std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as *mut u8, n as usize)
+                    },
+                    // SAFETY: `bytes` stays put until `round_done` (the copies are
+                    // awaited there, also after an error); the destination per the
+                    // caller's contract.
+                    Memory::Cuda(d) => unsafe {
+                        copies
+                            .borrow_mut()
+                            .queue_to_device(d, addr, bytes.as_ptr(), n as usize)?
+                    },
+                }
+                if crc {
+                    lock(&hashed)[i].push((offset - segments[i].0, crc32fast::hash(bytes), n));
+                }
+                Ok(())
+            },
+            || copies.borrow_mut().wait(),
+        )?;
+    }
     let hashed = hashed.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok(hashed
         .into_iter()
