@@ -60,7 +60,7 @@ def main() -> None:
         (torchzip, "rebuild"),
         (reports, "report"),
         (transfer, "read_batches"),
-        (transfer, "start_read"),
+        (transfer, "read_after"),
         (_native.Reader, "read_segments"),
     ):
         wrap(owner, name)

@@ -60,7 +60,7 @@
 #                                # dependencies, s3torchconnector(client) and tenacity (its DCP
 #                                # classes), obstore; S3_ARGS, S3_TIMEOUT)
 #   scripts/gpu_check.sh probe   # PROBE="probes/x.py --args" (with the udev entry), output to $OUT/probe.log;
-#                                # PROBE_TIMEOUT, default 180 s
+#                                # PROBE_TIMEOUT, default 180 s; with .s3/ carried, CKPTIO_WEED set
 # Several modes run in turn: scripts/gpu_check.sh tests staging
 set -uo pipefail
 PY=${PY:-python3}
@@ -140,6 +140,7 @@ s3)
     ;;
 probe)
     udev_on
+    s3_prep  # .s3/ carried: SeaweedFS for the probes that start one
     timeout ${PROBE_TIMEOUT:-180} $PY $PROBE 2>&1 | tee -a "$OUT/probe.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     ;;

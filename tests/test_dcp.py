@@ -390,9 +390,9 @@ def test_reader_reads_large_items_in_batches_beside_the_small_ones(tmp_path, mon
     out["strided"] = torch.zeros(700, 600).t()  # a column-major destination
     reader = FileSystemReader(tmp_path)
     calls = []
-    real = cdcp.transfer.start_read
+    real = cdcp.transfer.read_after
     monkeypatch.setattr(
-        cdcp.transfer, "start_read", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k)
+        cdcp.transfer, "read_after", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k)
     )
     dcp.load(out, storage_reader=reader, no_dist=True)
     assert_same(sd, out)

@@ -373,9 +373,9 @@ def test_a_load_reads_every_storage_in_one_engine_call(tmp_path, monkeypatch):
     p = tmp_path / "m.pt"
     ckptio.save(sd, p)
     calls: list[int] = []
-    real = transfer.start_read
+    real = transfer.read_after
     monkeypatch.setattr(
-        transfer, "start_read", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k)
+        transfer, "read_after", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k)
     )
     got = ckptio.load(p, verify=True)
     rep = ckptio.last_report()

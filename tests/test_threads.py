@@ -162,11 +162,68 @@ def test_an_idle_kept_thread_holds_nothing_of_a_failed_read():
     assert ref() is None
 
 
+def test_batches_added_while_a_read_waits_join_it():
+    """transfer.Pipeline(join=True): the first batch is read at once; the
+    batches added while it runs join one read, which starts when it is done;
+    each batch's stats are its own share (bytes, CRC-32s); a failed read fails
+    the one behind it, which is not made."""
+    import threading
+
+    from ckptio.io import transfer
+
+    first_runs, reads = threading.Event(), []
+
+    def read(segments, owners, streams):
+        reads.append([s[0] for s in segments])
+        if len(reads) == 1:
+            assert first_runs.wait(10)
+        if any(s[0] < 0 for s in segments):
+            raise OSError("a GET failed")
+        return {"bytes": sum(s[2] for s in segments), "crc32": [s[0] * 10 for s in segments]}
+
+    def seg(offset: int, n: int) -> tuple[int, int, int, int]:
+        return (offset, 0, n, -1)
+
+    p = transfer.Pipeline(read, join=True)
+    assert p.add([], []) is None
+    assert p.add([seg(1, 5)], [None]) == 0
+    assert p.add([seg(2, 7), seg(3, 1)], [None]) == 1
+    assert p.add([seg(4, 100)], [None]) == 2
+    first_runs.set()
+    p.wait()
+    assert reads == [[1], [2, 3, 4]]
+    assert p.result(0) == {"bytes": 5, "crc32": [10]}
+    assert p.result(1) == {"bytes": 8, "crc32": [20, 30]}
+    assert p.result(2) == {"bytes": 100, "crc32": [40]}
+    assert sum(p.result(i)["bytes"] for i in range(3)) == 113
+    # Without join: a read per batch.
+    reads.clear()
+    p = transfer.Pipeline(read)
+    for k in (1, 2, 3):
+        p.add([seg(k, 1)], [None])
+    p.wait()
+    assert reads == [[1], [2], [3]]
+    # A read that fails: the one behind it is not made, and fails with its error.
+    reads.clear()
+    p = transfer.Pipeline(read, join=True)
+    p.add([seg(-1, 1)], [None])
+    p.add([seg(5, 1)], [None])
+    with pytest.raises(OSError, match="a GET failed"):
+        p.wait()
+    assert reads == [[-1]]
+    with pytest.raises(OSError, match="a GET failed"):
+        p.result(1)
+
+
 def test_batched_reads_wait_for_every_batch_and_raise_the_reads_error_first(tmp_path, monkeypatch):
-    """transfer.read_batches: one read at a time, in order; a batch that fails to
-    be made, or ``meanwhile`` failing, returns only once every batch handed to
-    the engine is read (their destinations are the engine's until then); a
-    read's error comes first, the other chained to it."""
+    """transfer.read_batches: one read at a time, in order, each queued behind
+    the one before without the caller waiting for it (the next batch is made
+    while a read runs); a batch that fails to be made, or ``meanwhile``
+    failing, returns only once every batch handed to the engine is read (their
+    destinations are the engine's until then); a read's error comes first, the
+    other chained to it."""
+    import threading
+
     import torch
     from ckptio import _native
     from ckptio.io import transfer
@@ -177,30 +234,53 @@ def test_batched_reads_wait_for_every_batch_and_raise_the_reads_error_first(tmp_
     reader = _native.DeviceFile(str(p), False, None, None)
     eng = IoOptions().engine()
     dests = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(4)]
-    jobs: list[transfer.Job] = []
-    real = transfer.start_read
+    order: list[int] = []  # reads in the order they ran
+    running: list[int] = []
+    made_third = threading.Event()
+    real = transfer.read_after
+    calls = iter(range(1000))
 
-    def start(*a, **k):
-        assert all(j.done.is_set() for j in jobs)  # one read at a time
-        jobs.append(real(*a, **k))
-        return jobs[-1]
+    def call(*a, **k):
+        assert not running, "two reads at once"
+        n = next(calls)
+        running.append(n)
+        try:
+            if n == 0:  # the caller makes batches 1 and 2 while this read runs
+                assert made_third.wait(10), "the caller waited for the read"
+            return real(*a, **k)
+        finally:
+            order.append(running.pop())
 
-    def batches(fail_at: int | None, past_end: bool = False):
+    def batches(fail_at: int | None, past_end: int | None = None):
         for i, d in enumerate(dests):
             if i == fail_at:
                 raise ValueError("making batch failed")
-            off = (1 << 20) if past_end and i == 3 else i << 16
+            if i == 2:
+                made_third.set()
+            off = (1 << 20) if i == past_end else i << 16
             yield [(off, d.data_ptr(), d.numel(), -1)], [d]
 
-    monkeypatch.setattr(transfer, "start_read", start)
+    monkeypatch.setattr(transfer, "read_after", call)
     stats, got = transfer.read_batches(reader, eng, batches(None), lambda: 7)
-    assert got == 7 and stats["bytes"] == 4 << 16 and len(jobs) == 4
+    assert got == 7 and stats["bytes"] == 4 << 16 and order == [0, 1, 2, 3]
     assert all(torch.equal(d, torch.arange(256, dtype=torch.uint8).repeat(256)) for d in dests)
-    jobs.clear()
+    order.clear()
+    made_third.clear()
+    calls = iter(range(1000))
     with pytest.raises(ValueError, match="making batch failed"):
-        transfer.read_batches(reader, eng, batches(2), lambda: 7)
-    # Both batches made were read before the error came out.
-    assert len(jobs) == 2 and all(j.done.is_set() for j in jobs)
+        transfer.read_batches(reader, eng, batches(3), lambda: 7)
+    # The three batches made were read before the error came out.
+    assert order == [0, 1, 2]
+    order.clear()
+    calls = iter(range(1000))
     with pytest.raises(ckptio.FormatError) as ei:  # a read past the end of the file
-        transfer.read_batches(reader, eng, batches(None, past_end=True), lambda: 1 / 0)
+        transfer.read_batches(reader, eng, batches(None, past_end=3), lambda: 1 / 0)
     assert isinstance(ei.value.__cause__, ZeroDivisionError)
+    # A read that fails: the reads queued behind it are not made, and fail with its error.
+    for d in dests:
+        d.zero_()
+    order.clear()
+    calls = iter(range(1000))
+    with pytest.raises(ckptio.FormatError):
+        transfer.read_batches(reader, eng, batches(None, past_end=1), lambda: 7)
+    assert order == [0, 1] and not dests[2].any() and not dests[3].any()

@@ -962,8 +962,9 @@ class FileSystemReader(_TorchReader):
         blobs: list[tuple[Any, torch.Tensor]] = []
         self.last_stats = []
         for url, head, reqs in self._stored_files(items):
-            # Batches (8 items, then four times the last): the GETs of one
-            # while the next is planned, one batch in flight at a time.
+            # Batches (8 items, then four times the last): GETs while the rest
+            # is planned, one read at a time, the batches planned meanwhile
+            # joining the read that waits (rounds of GETs are fullest so).
             reads = transfer.Pipeline.of_store(url, self._store.options, head["e_tag"], self.verify)
             batches, predicted, size = [], True, head["size"]
             try:
@@ -977,7 +978,7 @@ class FileSystemReader(_TorchReader):
             except BaseException as err:
                 reads.abandon(err)
                 raise
-            results = transfer.wait_all(reads.jobs)  # every read done; the first error raised
+            reads.wait()  # every read done; the first error raised
             # Not the layout predicted (a request, or the heads read): the
             # scratch copy reads it all again.
             if not predicted:
@@ -989,7 +990,7 @@ class FileSystemReader(_TorchReader):
                     return False
                 if index is None:
                     continue
-                stats = results[index]
+                stats = reads.result(index)
                 if self.verify:
                     named = [(seg, placed[field], name, at) for seg, field, name, at in checks]
                     stats = dict(stats, **_checked_items(url, named, stats.pop("crc32")))

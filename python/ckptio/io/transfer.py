@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import queue
 import threading
@@ -104,7 +105,7 @@ def read(
     the data is ready for any stream on return. ``verify`` (a ``Reader``): check
     each whole record read against its CRC-32; (a ``DeviceFile``) return each
     segment's CRC-32 as "crc32", for the caller to check."""
-    return _read(source, engine, segments, owners, _streams_of(segments), verify)
+    return read_after(source, engine, segments, owners, _streams_of(segments), verify)
 
 
 #: Destinations a DCP read plans before its first read starts; each later
@@ -167,45 +168,94 @@ class Pipeline:
     """A load's reads of one file (or one object's version), handed to the
     engine (or the store's GETs) in order, one at a time (each engine call takes
     its threads' lanes: calls side by side would take more, pinned for GPU
-    memory; each store read its concurrency's requests and buffers), each on a
-    kept thread while the caller makes the next. Until :meth:`stats` or
+    memory; each store read its concurrency's requests and buffers), on kept
+    threads: a read queued behind the one before starts the moment that one is
+    done, while the caller goes on making the next (it never waits for a read
+    to queue one). With ``join``, batches added while the last read waits for
+    its turn join it: one read of them all, not one per batch (a store read's
+    rounds of GETs are fullest so). Until :meth:`stats`, :meth:`wait` or
     :meth:`abandon` returns, the destinations are the reads'."""
 
-    def __init__(self, start: Callable[[list[Segment], list[Any]], Job[dict[str, Any]]]) -> None:
-        self._start = start
+    def __init__(
+        self,
+        read: Callable[[list[Segment], list[Any], list[tuple[int, int]]], dict[str, Any]],
+        *,
+        join: bool = False,
+    ) -> None:
+        self._read = read
+        self._join = join
+        self._lock = threading.Lock()
+        self._last: _Batches | None = None
         self.jobs: list[Job[dict[str, Any]]] = []
+        self._reads: list[_Batches] = []  # what each of jobs reads
+        # Per batch added: (its read's index in jobs, first segment there, segments).
+        self._parts: list[tuple[int, int, int]] = []
 
     @classmethod
     def of_file(
         cls, source: _native.Reader | _native.DeviceFile, engine: _native.Engine, *, verify: bool
     ) -> Pipeline:
-        """Engine reads of ``source`` (:func:`start_read`)."""
-        return cls(lambda segs, owners: start_read(source, engine, segs, owners, verify=verify))
+        """Engine reads of ``source`` (:func:`read_after`)."""
+        return cls(lambda segs, owners, st: read_after(source, engine, segs, owners, st, verify))
 
     @classmethod
     def of_store(
         cls, url: str, options: remote.StorageOptions, e_tag: str | None, crc: bool
     ) -> Pipeline:
-        """Ranged GETs of version ``e_tag`` of ``url`` (:func:`read_from_store`)."""
-        return cls(lambda segs, owners: start_store_read(url, segs, owners, options, e_tag, crc))
+        """Ranged GETs of version ``e_tag`` of ``url`` (:func:`read_from_store`),
+        batches joining the read that waits."""
+        return cls(
+            lambda segs, owners, st: read_from_store(url, segs, owners, options, e_tag, crc, st),
+            join=True,
+        )
 
     def add(self, segments: list[Segment], owners: list[Any]) -> int | None:
-        """Read ``segments`` once the reads before are done (a read's error is
-        raised here); the index of its stats, None for no segments."""
+        """Read ``segments`` once the reads before are done (after one fails,
+        this one is not made and fails with its error); the index of its
+        stats, None for no segments."""
         if not segments:
             return None
-        if self.jobs:
-            self.jobs[-1].result()
-        job = self._start(segments, owners)
+        streams = _streams_of(segments)  # the caller's current streams (thread-local)
+        with self._lock:
+            last = self._last
+            if self._join and last is not None and not last.started:
+                self._parts.append((len(self.jobs) - 1, len(last.segments), len(segments)))
+                last.add(segments, owners, streams)
+                return len(self._parts) - 1
+        batches = self._last = _Batches(list(segments), list(owners), streams)
+        before = self.jobs[-1] if self.jobs else None
+        self._parts.append((len(self.jobs), 0, len(segments)))
+        job = submit(functools.partial(self._run, before, batches))
         self.jobs.append(job)
+        self._reads.append(batches)
         # Let the read reach the engine (which lets go of the GIL) before the
         # caller's Python holds the GIL for up to a switch interval (5 ms).
         job.started.wait()
-        return len(self.jobs) - 1
+        return len(self._parts) - 1
+
+    def _run(self, before: Job[Any] | None, batches: _Batches) -> dict[str, Any]:
+        if before is not None:
+            before.result()  # its error instead, where it failed
+        with self._lock:
+            batches.started = True  # no batch joins it now
+        return self._read(batches.segments, batches.owners, batches.streams)
 
     def result(self, index: int) -> dict[str, Any]:
-        """The stats of read ``index`` once it is done."""
-        return self.jobs[index].result()
+        """The stats of batch ``index`` once its read is done (of a read that
+        batches joined: its "bytes" and "crc32" those of the batch's segments)."""
+        job, first, count = self._parts[index]
+        stats = self.jobs[job].result()
+        if sum(p[0] == job for p in self._parts) == 1:
+            return stats
+        mine = self._reads[job].segments[first : first + count]
+        out = dict(stats, bytes=sum(s[2] for s in mine))
+        if "crc32" in stats:
+            out["crc32"] = stats["crc32"][first : first + count]
+        return out
+
+    def wait(self) -> None:
+        """Every read done; the first error raised after that."""
+        wait_all(self.jobs)
 
     def stats(self, backend: str | None = None) -> dict[str, Any]:
         """Every read done: their stats merged (bytes summed; with ``verify``,
@@ -216,6 +266,26 @@ class Pipeline:
     def abandon(self, err: BaseException) -> None:
         """:func:`settle` the reads after ``err`` (the caller's)."""
         settle(self.jobs, err)
+
+
+class _Batches:
+    """The batches of one read of a :class:`Pipeline`: their segments, owners
+    and the streams the read is ordered after; ``started`` once it reads."""
+
+    __slots__ = ("segments", "owners", "streams", "started")
+
+    def __init__(
+        self, segments: list[Segment], owners: list[Any], streams: list[tuple[int, int]]
+    ) -> None:
+        self.segments, self.owners, self.streams = segments, owners, streams
+        self.started = False
+
+    def add(
+        self, segments: list[Segment], owners: list[Any], streams: list[tuple[int, int]]
+    ) -> None:
+        self.segments += segments
+        self.owners += owners
+        self.streams += [s for s in streams if s not in self.streams]
 
 
 def merged(done: list[dict[str, Any]], backend: str | None = None) -> dict[str, Any]:
@@ -256,7 +326,7 @@ def start_read(
     stats. Until then the destinations are the engine's: the caller must wait
     for the job (also when it fails meanwhile) before it touches or frees them."""
     streams = _streams_of(segments)  # the caller's current streams (thread-local)
-    return submit(lambda: _read(source, engine, segments, owners, streams, verify))
+    return submit(lambda: read_after(source, engine, segments, owners, streams, verify))
 
 
 def wait_all(jobs: Sequence[Job[T]]) -> list[T]:
@@ -369,7 +439,7 @@ def submit(fn: Callable[[], T]) -> Job[T]:
     return _workers.submit(fn)
 
 
-def _read(
+def read_after(
     source: _native.Reader | _native.DeviceFile,
     engine: _native.Engine,
     segments: list[Segment],
@@ -377,6 +447,8 @@ def _read(
     streams: list[tuple[int, int]],
     verify: bool,
 ) -> dict[str, Any]:
+    """:func:`read`, ordered after the work queued on ``streams`` ((device,
+    stream) pairs: those current on the thread the read is for)."""
     if verify:
         stats = source.read_segments(engine, segments, owners, streams, True)  # type: ignore[call-arg]
     else:
@@ -564,20 +636,6 @@ def read_from_store(
         streams = _streams_of(segments)
     info = _native.store_read_into(url, segments, owners, client, n, part, e_tag, streams, crc)
     return _store_stats(info, sum(s[2] for s in segments), n)
-
-
-def start_store_read(
-    url: str,
-    segments: list[tuple[int, int, int, int]],
-    owners: list[Any],
-    options: remote.StorageOptions,
-    e_tag: str | None,
-    crc: bool,
-) -> Job[dict[str, Any]]:
-    """:func:`read_from_store` on a kept thread, ordered after the work queued
-    on the caller's current streams (as :func:`start_read`)."""
-    streams = _streams_of(segments)  # the caller's current streams (thread-local)
-    return submit(lambda: read_from_store(url, segments, owners, options, e_tag, crc, streams))
 
 
 def upload_zstd(
