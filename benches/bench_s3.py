@@ -41,10 +41,12 @@ Clients, at the same part size and concurrency (``--part-size``,
   ``fs.open(url, "rb")`` (block size = the part size).
 - raw (no torch): the ``torch.save`` file of the state dict, prepared once in
   ``--raw-dir`` (/dev/shm), moved as bytes: ckptio's ``remote.upload`` /
-  ``remote.download`` (into ``--raw-dir``), boto3's ``upload_file`` /
-  ``download_file``, ``obstore.put`` of the bytes / ``obstore.get`` (one
-  stream) and ``obstore.get_ranges`` (part-size ranges, up to 10 at a time).
-  The fastest raw row of a direction is the run's ceiling for it.
+  ``remote.download`` (into ``--raw-dir``) and its ranged GETs into host memory
+  (``transfer.read_from_store`` into a buffer faulted in before the clock, the
+  network's part of a load with no file or device behind it), boto3's
+  ``upload_file`` / ``download_file``, ``obstore.put`` of the bytes /
+  ``obstore.get`` (one stream) and ``obstore.get_ranges`` (part-size ranges, up
+  to 10 at a time). The fastest raw row of a direction is the run's ceiling for it.
 
 Every client op runs in a fresh subprocess (its imports, state dict and client
 made before the clock starts), so one client's memory and threads never meet
@@ -106,6 +108,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("load", "ckptio.dcp (FileSystemReader)", "sd"),
     ("load", "s3torchconnector DCP (S3StorageReader)", "sd"),
     ("load", "raw: ckptio remote.download", "raw"),
+    ("load", "raw: ckptio ranged GETs into memory", "raw"),
     ("load", "raw: boto3 download_file", "raw"),
     ("load", "raw: obstore.get", "raw"),
     ("load", "raw: obstore.get_ranges", "raw"),
@@ -130,6 +133,7 @@ OBJECT = {
     "s3fs (torch.load from fs.open)": "s3fs.pt",
     "raw: ckptio remote.upload": "raw-ckptio.bin",
     "raw: ckptio remote.download": "raw-ckptio.bin",
+    "raw: ckptio ranged GETs into memory": "raw-ckptio.bin",
     "raw: boto3 upload_file": "raw-boto3.bin",
     "raw: boto3 download_file": "raw-boto3.bin",
     "raw: obstore.put": "raw-obstore.bin",
@@ -470,6 +474,17 @@ def setup(s: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[Any], bool]]:
 
             if row == "raw: ckptio remote.download":
                 return lambda: remote.download(url, raw_out, opts), read_back(raw_out)
+            if row == "raw: ckptio ranged GETs into memory":
+                from ckptio.io import transfer
+
+                buf = torch.zeros(os.path.getsize(src), dtype=torch.uint8)  # faulted in
+                seg = [(0, buf.data_ptr(), buf.numel(), -1)]
+
+                def into_memory() -> Any:
+                    transfer.read_from_store(url, seg, [buf], opts)
+                    return buf
+
+                return into_memory, lambda got: same_file(got.numpy().tobytes())
             if row == "raw: boto3 download_file":
                 client, cfg = _boto3(s)
                 get = lambda: client.download_file(s["bucket"], key, raw_out, Config=cfg)  # noqa: E731
