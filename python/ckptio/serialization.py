@@ -113,7 +113,7 @@ def save(
     docs/objectstore.md).
     """
     torch_args = (pickle_module, pickle_protocol, _disable_byteorder_record)
-    if remote.is_url(f) and not torch.serialization._serialization_tls.skip_data:
+    if remote.is_url(f) and not _skipping_data():
         remote.check_options(f, storage_options)
         url = os.fsdecode(os.fspath(f))
         if _use_new_zipfile_serialization and _packs(*torch_args):
@@ -177,9 +177,15 @@ def _torch_writes(new_zip: bool) -> str | None:
     (no storage bytes to write: torch leaves their space empty)."""
     if not new_zip:
         return "legacy format: torch wrote it"
-    if torch.serialization._serialization_tls.skip_data:
+    if _skipping_data():
         return "skip_data: torch wrote the file without storage bytes"
     return None
+
+
+def _skipping_data() -> bool:
+    """Whether the caller is inside ``torch.serialization.skip_data()`` (torch
+    keeps it in a thread-local of its own)."""
+    return bool(torch.serialization._serialization_tls.skip_data)
 
 
 def _packs(pickle_module: Any, pickle_protocol: int, disable_byteorder: bool) -> bool:
@@ -540,7 +546,7 @@ def _torch_loads(path: str, map_location: MapLocation, mmap: bool | None) -> str
     Other files that are no zip archive stay ckptio's to refuse (FormatError)."""
     if mmap or (mmap is None and _torch_config.load.mmap):
         return "mmap"
-    if torch.serialization._serialization_tls.skip_data:
+    if _skipping_data():
         return "skip_data: nothing to read"
     if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "meta":
         return "map_location meta: nothing to read"

@@ -145,7 +145,7 @@ pub struct StreamUpload {
     /// None once the uploaders were told to stop (the channel closed).
     tx: Option<std::sync::mpsc::SyncSender<(usize, Bytes)>>,
     uploaders: Vec<std::thread::JoinHandle<()>>,
-    failed: Arc<AtomicBool>,
+    /// The first failed part's error: once set, no later part is put.
     first: Arc<Mutex<Option<Error>>>,
     url: String,
     part: u64,
@@ -159,26 +159,23 @@ impl StreamUpload {
     pub fn start(store: &Store, key: &str, chunk: u64, threads: usize) -> Result<Self> {
         let part = part_grid(0, chunk)?.part_size;
         let sink = Arc::new(MultipartSink::create_open(store, key)?);
-        let failed = Arc::new(AtomicBool::new(false));
         let first: Arc<Mutex<Option<Error>>> = Arc::new(Mutex::new(None));
         // A rendezvous: a full part waits for a free uploader (no queue of parts).
         let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Bytes)>(0);
         let rx = Arc::new(Mutex::new(rx));
         let mut uploaders = Vec::new();
         for _ in 0..threads.max(1) {
-            let (sink, failed, first, rx) =
-                (sink.clone(), failed.clone(), first.clone(), rx.clone());
+            let (sink, first, rx) = (sink.clone(), first.clone(), rx.clone());
             let spawned = std::thread::Builder::new()
                 .name("ckptio-upload".into())
                 .spawn(move || loop {
                     let Ok((idx, data)) = lock(&rx).recv() else {
                         return;
                     };
-                    if failed.load(Ordering::Acquire) {
+                    if lock(&first).is_some() {
                         continue; // drain: the writer sees the failure at its next part
                     }
                     if let Err(e) = sink.put_part(idx, data) {
-                        failed.store(true, Ordering::Release);
                         lock(&first).get_or_insert(e);
                     }
                 });
@@ -195,7 +192,6 @@ impl StreamUpload {
             sink: Some(sink),
             tx: Some(tx),
             uploaders,
-            failed,
             first,
             part,
             idx: 0,
@@ -235,7 +231,7 @@ impl StreamUpload {
 
     fn send(&mut self) -> Result<()> {
         let sent = match &self.tx {
-            Some(tx) if !self.failed.load(Ordering::Acquire) => {
+            Some(tx) if lock(&self.first).is_none() => {
                 let data = Bytes::from(std::mem::take(&mut self.buf));
                 tx.send((self.idx, data)).is_ok()
             }
