@@ -60,7 +60,9 @@
 #                                # dependencies, s3torchconnector(client) and tenacity (its DCP
 #                                # classes), obstore; S3_ARGS, S3_TIMEOUT)
 #   scripts/gpu_check.sh probe   # PROBE="probes/x.py --args" (with the udev entry), output to $OUT/probe.log;
-#                                # PROBE_TIMEOUT, default 180 s; with .s3/ carried, CKPTIO_WEED set
+#                                # PROBE_TIMEOUT, default 180 s; with .s3/ carried, CKPTIO_WEED set;
+#                                # PROBE_AB=dir: A/B of dist/'s wheel against dir's, alternated
+#                                # PROBE_AB_RUNS times (default 2)
 # Several modes run in turn: scripts/gpu_check.sh tests staging
 set -uo pipefail
 PY=${PY:-python3}
@@ -141,8 +143,23 @@ s3)
 probe)
     udev_on
     s3_prep  # .s3/ carried: SeaweedFS for the probes that start one
-    timeout ${PROBE_TIMEOUT:-180} $PY $PROBE 2>&1 | tee -a "$OUT/probe.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    if [ -z "${PROBE_AB:-}" ]; then
+        timeout ${PROBE_TIMEOUT:-180} $PY $PROBE 2>&1 | tee -a "$OUT/probe.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    else
+        # A/B of two builds: dist/'s wheel against $PROBE_AB/'s (another build, carried),
+        # the probe run by each in turn, PROBE_AB_RUNS times (alternated: drift hits both).
+        rm -rf /tmp/site-b && cp -r /tmp/site /tmp/site-b
+        $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-b "$PROBE_AB"/ckptio-*.whl 2>&1 | grep -v 'WARNING: Target'
+        for i in $(seq ${PROBE_AB_RUNS:-2}); do
+            for side in dist "$PROBE_AB"; do
+                site=/tmp/site; [ "$side" = dist ] || site=/tmp/site-b
+                echo "=== A/B run $i: $side ($(sha1sum $side/ckptio-*.whl | cut -c1-12))" | tee -a "$OUT/probe.log"
+                PYTHONPATH=$site timeout ${PROBE_TIMEOUT:-180} $PY $PROBE 2>&1 | grep -v -e UserWarning -e 'return func' | tee -a "$OUT/probe.log"
+                [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+            done
+        done
+    fi
     ;;
 membench)
     # benches/bench_memory.py alone (the memory mode without its tests).
