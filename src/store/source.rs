@@ -18,7 +18,7 @@ use crate::{Error, Result};
 
 /// Gaps of at most this many bytes between ranges are read and dropped
 /// rather than cost a GET of their own.
-const GAP: usize = 1 << 20;
+pub(super) const GAP: usize = 1 << 20;
 
 /// Where the bytes of one GET go, in turn.
 enum Dst<'a> {
@@ -159,6 +159,11 @@ impl ObjectSource {
             .buffer_unordered(concurrency.max(1))
             .try_collect::<()>();
         block_on(work)?
+    }
+
+    /// One GET of `buf.len()` bytes from `offset` into `buf`.
+    pub(super) async fn get_range_into(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.get_into(offset, vec![Dst::Fill(buf)]).await
     }
 
     /// One GET from `offset` filling (or skipping) `dsts` in turn (they follow

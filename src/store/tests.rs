@@ -15,7 +15,7 @@ use bytes::Bytes;
 use proptest::prelude::*;
 
 use super::fault_proxy::{Action, FaultProxy};
-use super::transfer::{rounds_of, through_buffer};
+use super::transfer::{gets_of, through_buffer};
 use super::*;
 
 const BUCKET: &str = "ckptio-test";
@@ -410,12 +410,19 @@ fn parts_put_in_any_order_from_many_threads_then_ranged_reads() {
 }
 
 #[test]
-fn rounds_fill_by_bytes() {
-    assert_eq!(rounds_of(&[], 10), vec![]);
-    let spans = [(0, 4), (4, 4), (8, 3), (20, 10), (30, 1), (31, 9), (40, 12)];
-    // At most 10 bytes a round; a span longer than that is a round of its own.
-    assert_eq!(rounds_of(&spans, 10), vec![0..2, 2..3, 3..4, 4..6, 6..7]);
-    assert_eq!(rounds_of(&spans, 100), vec![0..7]);
+fn gets_join_neighbours_up_to_a_chunk() {
+    assert_eq!(gets_of(&[], 10), vec![]);
+    // Back to back, then a gap within GAP, then one past a chunk, then a far one.
+    let spans = [(0, 4), (4, 4), (10, 2), (12, 9), (5 * MIB, 3)];
+    assert_eq!(
+        gets_of(&spans, 12),
+        vec![(0, 12, 0..3), (12, 21, 3..4), (5 * MIB, 5 * MIB + 3, 4..5)]
+    );
+    // A gap past GAP starts a GET of its own, whatever the chunk.
+    assert_eq!(
+        gets_of(&[(0, 1), (2 * MIB, 1)], 8 * MIB),
+        vec![(0, 1, 0..1), (2 * MIB, 2 * MIB + 1, 1..2)]
+    );
 }
 
 #[test]

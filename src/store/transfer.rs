@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use futures::stream::{self, StreamExt};
 
 use super::{part_grid, MultipartSink, ObjectInfo, ObjectSource, PartGrid, Store, Version};
 use crate::engine::{Memory, Segment};
@@ -330,7 +331,7 @@ pub fn download_file(
 
 /// Read `segments` (each at its object offset) of `source` into their memory.
 /// All in host memory: straight from the GETs. Any in device memory: every
-/// segment through [`through_buffer`]'s host buffers (device pieces copied up,
+/// segment through [`through_buffer`]'s host slots (device pieces copied up,
 /// host ones copied out), so that a storage's zip header (host) and its data
 /// (device) come in one GET, as neighbouring small tensors do. With `crc`, each
 /// segment's CRC-32, computed where its bytes are in host memory.
@@ -393,9 +394,9 @@ pub unsafe fn read_segments(
                     Memory::Host => unsafe {
                         std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as *mut u8, n as usize)
                     },
-                    // SAFETY: `bytes` stays put until `round_done` (the copies are
-                    // awaited there, also after an error); the destination per the
-                    // caller's contract.
+                    // SAFETY: `bytes` (a slot) stays put until `slot_done` (the
+                    // copies are awaited there, also after an error); the
+                    // destination per the caller's contract.
                     Memory::Cuda(d) => unsafe {
                         copies
                             .borrow_mut()
@@ -428,92 +429,122 @@ pub unsafe fn read_segments(
 }
 
 /// Reads `spans` ((object offset, length), in object order, each at most
-/// `chunk`) of `source` through two host buffers of `threads` x `chunk` bytes:
-/// a round of GETs (the spans that fit, neighbours sharing requests) fills one
-/// buffer on a reader thread while the caller hands the other round's bytes
-/// to `each(k, bytes)` (span `k`), so GETs and what `each` starts (host-to-device
-/// copies) overlap. `round_done()` ends a round (called after an error too)
-/// before its buffer is filled again or freed. In-flight memory: 2 x threads x chunk.
+/// `chunk`) of `source` through 2 x `threads` host slots of `chunk` bytes: a
+/// reader thread keeps `threads` GETs in flight (neighbouring spans within
+/// [`GAP`](super::source) share one, up to `chunk` bytes), each into a free
+/// slot, and hands the slots back in object order; the caller gives each
+/// span's bytes to `each(k, bytes)` (span `k`), then `slot_done()` (called after
+/// an error too) before the slot is reused or freed. No round waits for its
+/// slowest GET: a GET starts as soon as a slot is free. In-flight memory:
+/// 2 x threads x chunk.
 pub(super) fn through_buffer(
     source: &ObjectSource,
     spans: &[(u64, u64)],
     chunk: u64,
     threads: usize,
     mut each: impl FnMut(usize, &[u8]) -> Result<()>,
-    mut round_done: impl FnMut() -> Result<()>,
+    mut slot_done: impl FnMut() -> Result<()>,
 ) -> Result<()> {
-    let rounds = rounds_of(spans, threads.max(1) as u64 * chunk.max(1));
-    let most = rounds
-        .iter()
-        .map(|r| spans[r.clone()].iter().map(|s| s.1).sum::<u64>())
-        .max()
-        .unwrap_or(0) as usize;
-    let (free_tx, free_rx) = std::sync::mpsc::channel::<Vec<u8>>();
-    let (full_tx, full_rx) = std::sync::mpsc::channel::<(Vec<u8>, Result<()>)>();
-    for _ in 0..rounds.len().min(2) {
-        let _ = free_tx.send(vec![0u8; most]);
+    let past = |&&(o, n): &&(u64, u64)| o.checked_add(n).is_none_or(|e| e > source.len());
+    if let Some(&(o, n)) = spans.iter().find(past) {
+        return Err(Error::invalid(format!(
+            "{}: bytes {o}+{n} are past the object's end ({})",
+            source.url(),
+            source.len()
+        )));
     }
+    let gets = gets_of(spans, chunk.max(1));
+    let Some(most) = gets.iter().map(|g| (g.1 - g.0) as usize).max() else {
+        return Ok(());
+    };
+    let threads = threads.max(1);
+    let slots = (2 * threads).min(gets.len());
+    let pool: Mutex<Vec<Vec<u8>>> = Mutex::new((0..slots).map(|_| vec![0u8; most]).collect());
+    let free = tokio::sync::Semaphore::new(slots);
+    let (full_tx, full_rx) = std::sync::mpsc::channel::<(usize, Vec<u8>, Result<()>)>();
     std::thread::scope(|scope| {
-        // Owned here: dropped when this closure returns (before the scope joins
-        // the reader), so a reader waiting for a free buffer after an error returns.
-        let free_tx = free_tx;
-        let reader_rounds = &rounds;
-        scope.spawn(move || {
-            for r in reader_rounds {
-                // The caller stopped (an error): no more rounds.
-                let Ok(mut buf) = free_rx.recv() else { return };
-                let mut ranges: Vec<(u64, &mut [u8])> = Vec::with_capacity(r.len());
-                let mut rest = &mut buf[..];
-                for &(offset, len) in &spans[r.clone()] {
-                    let (dst, tail) = rest.split_at_mut(len as usize);
-                    ranges.push((offset, dst));
-                    rest = tail;
-                }
-                let read = source.read_ranges(&mut ranges, chunk, threads);
-                drop(ranges);
-                let failed = read.is_err();
-                if full_tx.send((buf, read)).is_err() || failed {
-                    return;
-                }
+        // Closed when the caller leaves (an error too): a reader waiting for a
+        // slot then stops, and the scope can join it.
+        struct Close<'a>(&'a tokio::sync::Semaphore);
+        impl Drop for Close<'_> {
+            fn drop(&mut self) {
+                self.0.close();
             }
+        }
+        let _close = Close(&free);
+        let (gets, pool, free) = (&gets, &pool, &free);
+        scope.spawn(move || {
+            let reads = stream::iter(gets.iter().enumerate())
+                .map(|(i, g)| async move {
+                    let permit = free.acquire().await.ok()?;
+                    permit.forget(); // given back with the slot, by the caller
+                    let mut slot = lock(pool).pop()?;
+                    let got = source
+                        .get_range_into(g.0, &mut slot[..(g.1 - g.0) as usize])
+                        .await;
+                    Some((i, slot, got))
+                })
+                .buffered(threads);
+            let _ = super::block_on(async {
+                futures::pin_mut!(reads);
+                while let Some(Some((i, slot, got))) = reads.next().await {
+                    let failed = got.is_err();
+                    if full_tx.send((i, slot, got)).is_err() || failed {
+                        return;
+                    }
+                }
+            });
         });
-        for r in &rounds {
-            let Ok((buf, read)) = full_rx.recv() else {
+        for (i, g) in gets.iter().enumerate() {
+            let Ok((at, slot, got)) = full_rx.recv() else {
                 return Err(Error::invalid("the object-store reader thread stopped"));
             };
-            let mut taken = read.map(|()| 0usize);
-            for (k, &(_, len)) in spans[r.clone()].iter().enumerate() {
-                taken = taken.and_then(|at| {
-                    each(r.start + k, &buf[at..at + len as usize])?;
-                    Ok(at + len as usize)
-                });
+            debug_assert_eq!(at, i);
+            let mut taken = got;
+            for k in g.2.clone() {
+                let (offset, len) = spans[k];
+                let from = (offset - g.0) as usize;
+                taken = taken.and_then(|()| each(k, &slot[from..from + len as usize]));
             }
-            // Even after an error: what `each` started on the buffer ends before it goes.
-            let done = round_done();
+            // Even after an error: what `each` started on the slot ends before it goes.
+            let done = slot_done();
             taken?;
             done?;
-            let _ = free_tx.send(buf);
+            lock(pool).push(slot);
+            free.add_permits(1);
         }
         Ok(())
     })
 }
 
-/// `spans` cut into rounds of consecutive spans of at most `cap` bytes each (a
-/// span longer than `cap` is a round of its own).
-pub(super) fn rounds_of(spans: &[(u64, u64)], cap: u64) -> Vec<std::ops::Range<usize>> {
-    let mut rounds = Vec::new();
-    let (mut start, mut bytes) = (0usize, 0u64);
-    for (i, &(_, len)) in spans.iter().enumerate() {
-        if i > start && bytes + len > cap {
-            rounds.push(start..i);
-            (start, bytes) = (i, 0);
+/// The GETs of `spans` (in object order, each at most `chunk`): (start, end,
+/// the spans it holds); neighbours within [`GAP`](super::source) share a GET
+/// up to `chunk` bytes.
+pub(super) fn gets_of(spans: &[(u64, u64)], chunk: u64) -> Vec<(u64, u64, std::ops::Range<usize>)> {
+    let mut gets: Vec<(u64, u64, std::ops::Range<usize>)> = Vec::new();
+    for (k, &(offset, len)) in spans.iter().enumerate() {
+        if len == 0 {
+            if let Some(g) = gets.last_mut() {
+                if g.2.end == k {
+                    g.2.end = k + 1; // rides along: no bytes
+                    continue;
+                }
+            }
         }
-        bytes += len;
+        if let Some(g) = gets.last_mut() {
+            let joins = g.2.end == k
+                && offset >= g.1
+                && offset - g.1 <= super::source::GAP as u64
+                && offset + len - g.0 <= chunk;
+            if joins {
+                g.1 = offset + len;
+                g.2.end = k + 1;
+                continue;
+            }
+        }
+        gets.push((offset, offset + len, k..k + 1));
     }
-    if start < spans.len() {
-        rounds.push(start..spans.len());
-    }
-    rounds
+    gets
 }
 
 /// The CRC-32 of each of `ranges` ((object offset, length)) of `source`,
