@@ -152,6 +152,41 @@ def main() -> None:
             dcp.load(out, storage_reader=FileSystemReader(ckpt))
             check(out, full_state(step), f"tiered/{step}")
         stager.close()
+    elif scenario == "tiered_hosts":
+        # One host per rank (each its own local folder under CKPTIO_TIER_LOCAL): a
+        # save commits locally on every host while the store is down; new writers
+        # on the same folders resume it, each rank its own files, the coordinator
+        # the commit once the store holds them all; then a save goes on as usual.
+        import ckptio
+        from ckptio.tiered import DRAIN_RECORD, TieredWriter
+
+        local = os.path.join(os.environ["CKPTIO_TIER_LOCAL"], f"host{rank}")
+        record = os.path.join(local, f"{DRAIN_RECORD}{rank}.json")
+        down = {"endpoint": "http://127.0.0.1:9", "max_retries": "0"}
+        first = TieredWriter(local, ckpt, storage_options=down, tries=1)
+        dcp.save(sharded(full_state(1), mesh), storage_writer=first)  # durable locally
+        try:
+            first.remote_completion.result(120)
+            raise AssertionError("a save to a store that is down reached it")
+        except ckptio.StoreError:
+            pass
+        assert os.path.isfile(record), os.listdir(local)
+        assert os.path.isfile(os.path.join(local, ".metadata")) == (rank == 0)
+        dist.barrier()
+        again = TieredWriter(local, ckpt, mark_timeout=120)
+        assert again.resumed is not None and again.resumed.result(240) == ckpt
+        assert not os.path.exists(record)
+        dist.barrier()  # rank 0's commit is in: every rank's files were there first
+        out = empty_like(sharded(full_state(0), mesh))
+        dcp.load(out, storage_reader=FileSystemReader(ckpt))
+        check(out, full_state(1), "tiered_hosts/resumed")
+        dcp.save(sharded(full_state(2), mesh), storage_writer=again)
+        assert again.remote_completion.result(240) == ckpt
+        dist.barrier()
+        out = empty_like(sharded(full_state(0), mesh))
+        dcp.load(out, storage_reader=FileSystemReader(ckpt))
+        check(out, full_state(2), "tiered_hosts/next")
+        assert not os.path.exists(record)
     elif scenario == "store_load":
         for sub, step in (("sync", 0), ("async", 2)):
             out = empty_like(sharded(full_state(0), mesh))

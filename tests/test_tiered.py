@@ -265,6 +265,50 @@ def test_a_tiered_dcp_drain_left_unfinished_is_resumed_by_the_next_writer(tmp_pa
     _same(out, _state(2))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_a_commit_spares_the_next_save_and_commits_land_in_save_order(tmp_path, s3, monkeypatch):
+    """The next save's objects may reach the store while the last one commits:
+    that commit's sweep leaves them, and the commits land in save order."""
+    import threading
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+    from ckptio.tiered import TieredWriter
+
+    gate, seen = threading.Event(), []
+    wait_marks = TieredWriter._await_marks
+
+    def held(self, token, ranks):  # the first save's commit waits for the gate
+        seen.append(token)
+        if len(seen) == 1:
+            assert gate.wait(60)
+        return wait_marks(self, token, ranks)
+
+    monkeypatch.setattr(TieredWriter, "_await_marks", held)
+    url = s3.url("dcp-order")
+    writer = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
+    dcp.save(_state(1), storage_writer=writer, no_dist=True)
+    first = writer.remote_completion
+    dcp.save(_state(2), storage_writer=writer, no_dist=True)
+    second = writer.remote_completion
+
+    def data_objects() -> int:
+        return sum(u.endswith(".distcp") for u, _, _ in remote.listing(url, s3.options))
+
+    deadline = time.monotonic() + 60
+    while data_objects() < 2:  # the second save's file is up before the first commits
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not second.done()  # behind the first commit
+    gate.set()
+    assert first.result(60) == url and second.result(60) == url
+    out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
+    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
+    _same(out, _state(2))
+
+
 def test_the_tiered_dcp_writer_refuses_bad_tiers(tmp_path, s3):
     from ckptio.tiered import TieredWriter
 
@@ -279,3 +323,13 @@ def test_the_tiered_dcp_writer_over_two_ranks(tmp_path, s3):
     from test_dcp import _run_ranks
 
     _run_ranks(2, "tiered", s3.url("ranks"), CKPTIO_TIER_LOCAL=str(tmp_path), **s3.env)
+
+
+@pytest.mark.slow
+def test_a_tiered_dcp_drain_of_two_hosts_is_resumed_by_each(tmp_path, s3):
+    """Each rank with a local folder of its own, as on separate hosts: a drain
+    that never reached the store is resumed by the next writers, each rank
+    uploading its own files, the coordinator committing once all are there."""
+    from test_dcp import _run_ranks
+
+    _run_ranks(2, "tiered_hosts", s3.url("hosts"), CKPTIO_TIER_LOCAL=str(tmp_path), **s3.env)

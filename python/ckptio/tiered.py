@@ -480,6 +480,9 @@ class Checkpointer:
 
 #: Where each rank says, in the store, that its files of a save are uploaded.
 RANKS_DONE = ".ckptio-ranks"
+_NOW = object()  # TieredWriter._commit: over whatever version is there now
+#: Each rank's files still to upload, in its local folder: ``<this><rank>.json``.
+DRAIN_RECORD = ".ckptio-drain-"
 
 
 class TieredWriter(FileSystemWriter):
@@ -495,11 +498,15 @@ class TieredWriter(FileSystemWriter):
     checkpoint is durable in the store, on the coordinator (elsewhere: when this
     rank's files are uploaded). A rank's next save waits for its previous
     upload first (the local folder's old files go with the next commit).
-    A new writer on a local folder whose committed checkpoint the store lacks
-    (the process that saved it died mid-drain) drains it in the background
-    (``resumed``: its future, None where there was nothing to drain or the
-    local folder lacks files other hosts' ranks wrote); the next save waits
-    for it.
+    Each rank records the files it has still to upload in its local folder
+    (``.ckptio-drain-<rank>.json``, removed once they are in the store). A new
+    writer (every rank's, each on its host's folder) resumes what the last
+    process left: its rank's recorded files uploaded where the store lacks
+    them, and on the coordinator, where the local ``.metadata`` is not the
+    store's, the files it names that this host holds uploaded, then, once the
+    store holds every file it names (other hosts' ranks resume theirs), the
+    remote commit (``resumed``: its future, None where there was nothing to
+    drain); the next save waits for it.
     ``tries``/``backoff``: retries of transient errors, as ``Checkpointer``'s;
     ``mark_timeout``: seconds the coordinator waits for the other ranks' marks.
     Other keywords: ``ckptio.dcp.FileSystemWriter``'s.
@@ -523,16 +530,23 @@ class TieredWriter(FileSystemWriter):
         self._tries, self._backoff, self._mark_timeout = tries, backoff, mark_timeout
         self._uploading: Future[Any] | None = None
         self.remote_completion: Future[str] = Future()
+        # Generations planned here and not committed yet: a commit's sweep
+        # leaves their objects (ranks may upload a save while the last commits).
+        self._planned: set[str] = set()
+        self._lock = threading.Lock()
+        self._committing: Future[str] | None = None  # the last save's remote commit
         #: The drain of a checkpoint committed in ``local`` that a process
         #: which died left unfinished, resumed in the background (None: none).
-        self.resumed: Future[str] | None = self._resume()
-        self._uploading = self.resumed  # the next save waits for it
+        self.resumed, self._uploading = self._resume()  # the next save waits for its uploads
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("_uploading", None)
         state.pop("remote_completion", None)
         state.pop("resumed", None)
+        state.pop("_lock", None)
+        state.pop("_planned", None)
+        state.pop("_committing", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -540,48 +554,95 @@ class TieredWriter(FileSystemWriter):
         self._uploading = None
         self.remote_completion = Future()
         self.resumed = None
+        self._planned, self._lock = set(), threading.Lock()
+        self._committing = None
 
-    def _resume(self) -> Future[str] | None:
-        """Drain the checkpoint committed in the local folder where the store
-        lacks it (its ``.metadata`` differs or is missing): the files it names
-        that the store lacks uploaded, then the remote commit, as a save's
-        drain does. None where there is no local commit, or where it names
-        files this host does not hold (other hosts' ranks: their next save
-        commits anew)."""
-        folder = os.fspath(self.path)
+    def _record(self, rank: int) -> str:
+        return os.path.join(os.fspath(self.path), f"{DRAIN_RECORD}{rank}.json")
+
+    def _resume(self) -> tuple[Future[str] | None, Future[None] | None]:
+        """What the last process on this folder left undrained, resumed in the
+        background: this rank's recorded files, and on the coordinator a local
+        commit the store lacks (the files of it this host holds uploaded, the
+        others awaited in the store, then ``.metadata`` put unless the store
+        moved on meanwhile). Its future and that of its uploads from the local
+        folder; (None, None) where there is nothing to do."""
+        folder, rank = os.fspath(self.path), _rank()
+        record = self._record(rank)
+        pending = _read_record(record)
         meta = os.path.join(folder, ".metadata")
-        if not os.path.isfile(meta):
-            return None
-        data = _read_file(meta)
-        files = dcp_format.files_named(data, meta)
-        if files is None or not all(os.path.isfile(os.path.join(folder, n)) for n in files):
-            return None
+        data = _read_file(meta) if rank == 0 and os.path.isfile(meta) else None
+        files = dcp_format.files_named(data, meta) if data is not None else None
+        if pending is None and files is None:
+            return None, None
         done: Future[str] = Future()
+        uploaded: Future[None] = Future()
+        meta_url = objstore.join(self.remote, ".metadata")
 
         def drain() -> None:
             try:
-                meta_url = objstore.join(self.remote, ".metadata")
-                with contextlib.suppress(FileNotFoundError):
-                    if objstore.get_bytes(meta_url, self._options)[0] == data:
-                        done.set_result(self.remote)  # the store has it
-                        return
-                there = {u: n for u, n, _ in objstore.listing(self.remote, self._options)}
-                for name in sorted(files):
-                    path, url = os.path.join(folder, name), objstore.join(self.remote, name)
-                    if there.get(url) == os.path.getsize(path):
-                        continue  # whole already (each upload is all or nothing)
-                    self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
                 try:
-                    self._commit(data, files)
-                except CommitConflictError:  # another process resumed it first
-                    if objstore.get_bytes(meta_url, self._options)[0] != data:
-                        raise
+                    raw, version = objstore.get_bytes(meta_url, self._options)
+                    base: str | None = version["e_tag"]
+                    there = dcp_format.files_named(raw, meta_url) or set()
+                except FileNotFoundError:
+                    base, there = None, set()
+                if pending is not None:
+                    token, names = pending
+                    local = all(os.path.isfile(os.path.join(folder, n)) for n in names)
+                    # Not marked where its commit is in already, nor where a file
+                    # is gone (a save that died while writing: never committed).
+                    if local and not set(names) <= there:
+                        self._upload_missing(names)
+                        mark = objstore.join(self.remote, RANKS_DONE, token, str(rank))
+                        self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(record)
+                if files is not None and data is not None and not files <= there:
+                    here = [n for n in files if os.path.isfile(os.path.join(folder, n))]
+                    self._upload_missing(here)
+                    uploaded.set_result(None)
+                    self._await_files(files)
+                    tokens = {_token_of([n]) for n in files}
+                    with contextlib.suppress(CommitConflictError):  # the store moved on
+                        self._commit(data, files, tokens, expect=base)
+                if not uploaded.done():
+                    uploaded.set_result(None)
                 done.set_result(self.remote)
             except BaseException as e:
+                if not uploaded.done():
+                    uploaded.set_exception(e)
                 done.set_exception(e)
 
         threading.Thread(target=drain, name="ckptio-tier-resume", daemon=True).start()
-        return done
+        return done, uploaded
+
+    def _upload_missing(self, names: list[str]) -> None:
+        """Upload the named local files that the store lacks whole (each
+        upload is all or nothing: an object there of the file's size is it)."""
+        folder = os.fspath(self.path)
+        there = {u: n for u, n, _ in objstore.listing(self.remote, self._options)}
+        for name in sorted(names):
+            path, url = os.path.join(folder, name), objstore.join(self.remote, name)
+            if there.get(url) != os.path.getsize(path):
+                self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
+
+    def _await_files(self, files: set[str]) -> None:
+        """Until the store holds every one of ``files`` (other hosts' ranks
+        upload theirs), at most ``mark_timeout`` seconds."""
+        deadline = time.monotonic() + self._mark_timeout
+        while True:
+            listed = self._retried(lambda: objstore.listing(self.remote, self._options))
+            missing = files - {u[len(self.remote) + 1 :] for u, _, _ in listed}
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.remote}: {len(missing)} of the {len(files)} files its local "
+                    f".metadata names are not in the store after {self._mark_timeout:.0f} s "
+                    f"(first: {sorted(missing)[0]}); their hosts' writers upload them"
+                )
+            time.sleep(0.2)
 
     def _retried(self, op: Any) -> Any:
         for attempt in range(self._tries):
@@ -600,8 +661,11 @@ class TieredWriter(FileSystemWriter):
         fut = super().write_data(plan, planner)
         results = fut.wait()
         names = sorted({wr.storage_data.relative_path for wr in results})
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = _rank()
         token = _token_of(names)
+        record = self._record(rank)
+        if names:  # durable before the local commit: a process that dies leaves it
+            _write_commit(record, json.dumps({"token": token, "names": names}).encode())
         uploading: Future[None] = Future()
         self._uploading = uploading
         if rank != 0:
@@ -621,6 +685,8 @@ class TieredWriter(FileSystemWriter):
                     self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
                 mark = objstore.join(self.remote, RANKS_DONE, token, str(rank))
                 self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(record)
                 uploading.set_result(None)
                 if done_for_rank is not None:
                     done_for_rank.set_result(self.remote)
@@ -634,21 +700,28 @@ class TieredWriter(FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         self.remote_completion = Future()
-        return super().prepare_global_plan(plans)
+        plans = super().prepare_global_plan(plans)
+        with self._lock:
+            self._planned.update(_token_of([p.storage_data.prefix + "0.distcp"]) for p in plans)
+        return plans
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         super().finish(metadata, results)  # the local commit
         per_rank = [sorted({wr.storage_data.relative_path for wr in r}) for r in results]
         files = {n for names in per_rank for n in names}
         tokens = {_token_of(names) for names in per_rank if names}
-        done = self.remote_completion
+        done, before = self.remote_completion, self._committing
+        self._committing = done
         data = _read_file(os.path.join(os.fspath(self.path), ".metadata"))
 
         def commit() -> None:
             try:
                 for token in tokens:  # ranks without files (nothing to save) mark nothing
                     self._await_marks(token, sum(1 for names in per_rank if names))
-                self._commit(data, files)
+                if before is not None:  # in save order: an older commit never lands last
+                    with contextlib.suppress(BaseException):
+                        before.result()
+                self._commit(data, files, tokens)
                 done.set_result(self.remote)
             except BaseException as e:
                 done.set_exception(e)
@@ -669,9 +742,12 @@ class TieredWriter(FileSystemWriter):
                 )
             time.sleep(0.2)
 
-    def _commit(self, data: bytes, files: set[str]) -> None:
-        """``.metadata`` put over the version there now, then the marks and the
-        objects that neither it nor the previous one names removed."""
+    def _commit(self, data: bytes, files: set[str], tokens: set[str], expect: Any = _NOW) -> None:
+        """``.metadata`` put over the version there now (``expect``: over that
+        e_tag only, None: only where there is none; else a CommitConflictError),
+        then the marks of its save (``tokens``) and the data objects that
+        neither it nor the previous one names removed, but for generations
+        planned here since (their ranks may be uploading them already)."""
         meta_url = objstore.join(self.remote, ".metadata")
         try:
             old, version = objstore.get_bytes(meta_url, self._options)
@@ -679,17 +755,24 @@ class TieredWriter(FileSystemWriter):
             previous = dcp_format.files_named(old, meta_url)
         except FileNotFoundError:
             base, previous = None, set()
+        if expect is not _NOW and expect != base:
+            raise CommitConflictError(f"{meta_url}: committed anew since this drain began")
         self._retried(
             lambda: objstore.put_bytes(
                 meta_url, data, self._options, create=base is None, if_match=base
             )
         )
+        with self._lock:
+            self._planned -= tokens
+            in_flight = set(self._planned)
         for url, _, _ in objstore.listing(self.remote, self._options):
             name = url[len(self.remote) + 1 :]
             if name.startswith(RANKS_DONE + "/"):
-                objstore.delete(url, self._options)
+                if name.split("/")[1] in tokens:
+                    objstore.delete(url, self._options)
             elif previous is not None and dcp_format.DATA_FILE.fullmatch(name):
-                if name not in files and name not in previous:
+                keep = name in files or name in previous or _token_of([name]) in in_flight
+                if not keep:
                     objstore.delete(url, self._options)
 
 
@@ -708,6 +791,20 @@ def _token_of(names: list[str]) -> str:
         if len(parts) >= 5 and len(parts[3]) == 8:
             return parts[3]
     return "none"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _read_record(path: str) -> tuple[str, list[str]] | None:
+    """A rank's drain record (its save's token and files); None where there is
+    none or it cannot be read (written atomically: a torn one is not ours)."""
+    try:
+        rec = json.loads(_read_file(path))
+        return str(rec["token"]), [str(n) for n in rec["names"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _read_file(path: str) -> bytes:
