@@ -302,8 +302,11 @@ def test_a_commit_spares_the_next_save_and_commits_land_in_save_order(tmp_path, 
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert not second.done()  # behind the first commit
+    remote.put_bytes(f"{url}/.ckptio-ranks/deadbeef/0", b"", s3.options)  # a dead save's
     gate.set()
     assert first.result(60) == url and second.result(60) == url
+    left = [u for u, _, _ in remote.listing(url, s3.options)]
+    assert data_objects() == 2 and not [u for u in left if ".ckptio-ranks" in u], left
     out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
     dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
     _same(out, _state(2))

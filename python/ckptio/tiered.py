@@ -745,9 +745,10 @@ class TieredWriter(FileSystemWriter):
     def _commit(self, data: bytes, files: set[str], tokens: set[str], expect: Any = _NOW) -> None:
         """``.metadata`` put over the version there now (``expect``: over that
         e_tag only, None: only where there is none; else a CommitConflictError),
-        then the marks of its save (``tokens``) and the data objects that
-        neither it nor the previous one names removed, but for generations
-        planned here since (their ranks may be uploading them already)."""
+        then the rank marks and the data objects that neither it nor the
+        previous one names removed, but for generations planned here since and
+        not committed (``tokens``, this save's, are: their ranks may be
+        uploading and marking them already)."""
         meta_url = objstore.join(self.remote, ".metadata")
         try:
             old, version = objstore.get_bytes(meta_url, self._options)
@@ -768,7 +769,7 @@ class TieredWriter(FileSystemWriter):
         for url, _, _ in objstore.listing(self.remote, self._options):
             name = url[len(self.remote) + 1 :]
             if name.startswith(RANKS_DONE + "/"):
-                if name.split("/")[1] in tokens:
+                if name.split("/")[1] not in in_flight:  # this save's, and dead saves'
                     objstore.delete(url, self._options)
             elif previous is not None and dcp_format.DATA_FILE.fullmatch(name):
                 keep = name in files or name in previous or _token_of([name]) in in_flight
