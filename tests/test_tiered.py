@@ -280,11 +280,11 @@ def test_a_commit_spares_the_next_save_and_commits_land_in_save_order(tmp_path, 
     gate, seen = threading.Event(), []
     wait_marks = TieredWriter._await_marks
 
-    def held(self, token, ranks):  # the first save's commit waits for the gate
+    def held(self, token, *rest):  # the first save's commit waits for the gate
         seen.append(token)
         if len(seen) == 1:
             assert gate.wait(60)
-        return wait_marks(self, token, ranks)
+        return wait_marks(self, token, *rest)
 
     monkeypatch.setattr(TieredWriter, "_await_marks", held)
     url = s3.url("dcp-order")
@@ -310,6 +310,103 @@ def test_a_commit_spares_the_next_save_and_commits_land_in_save_order(tmp_path, 
     out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
     dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
     _same(out, _state(2))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_a_commit_whose_files_never_come_gives_way_to_the_next(tmp_path, s3, monkeypatch):
+    """A save whose upload failed (its mark never comes) does not hold the
+    next save's commit for ``mark_timeout``: it fails, typed, the next lands."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+    from ckptio.tiered import TieredWriter
+
+    upload, calls = remote.upload, []
+
+    def broken_once(*args, **kw):
+        calls.append(args)
+        if len(calls) == 1:
+            raise ValueError("injected: not a transient error")
+        return upload(*args, **kw)
+
+    monkeypatch.setattr(remote, "upload", broken_once)
+    url = s3.url("dcp-give-way")
+    writer = TieredWriter(tmp_path / "local", url, storage_options=s3.options, mark_timeout=600)
+    dcp.save(_state(1), storage_writer=writer, no_dist=True)
+    first = writer.remote_completion
+    dcp.save(_state(2), storage_writer=writer, no_dist=True)
+    assert writer.remote_completion.result(60) == url
+    with pytest.raises(ckptio.CommitConflictError, match="a later save's commit goes ahead"):
+        first.result(10)
+    out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
+    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
+    _same(out, _state(2))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_stale_folder_does_not_roll_the_store_back(tmp_path, s3):
+    """A local commit never drained, resumed after another folder committed a
+    newer checkpoint to the same store: a typed conflict, the store untouched."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+    from ckptio.tiered import TieredWriter
+
+    url = s3.url("dcp-stale")
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    stale = TieredWriter(tmp_path / "a", url, storage_options=down, tries=1)
+    dcp.save(_state(1), storage_writer=stale, no_dist=True)  # durable in a only
+    with pytest.raises(ckptio.StoreConnectionError):
+        stale.remote_completion.result(60)
+    newer = TieredWriter(tmp_path / "b", url, storage_options=s3.options)
+    dcp.save(_state(2), storage_writer=newer, no_dist=True)
+    assert newer.remote_completion.result(60) == url
+    again = TieredWriter(tmp_path / "a", url, storage_options=s3.options)
+    assert again.resumed is not None
+    with pytest.raises(ckptio.CommitConflictError, match="did not make"):
+        again.resumed.result(60)
+    out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
+    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
+    _same(out, _state(2))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_a_writer_made_before_its_group_resumes_at_its_first_save(tmp_path, s3, monkeypatch):
+    """Where the launcher says there are several ranks and the group is not up
+    yet, the rank (and so which record to resume) is known at the first save."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+    from ckptio.tiered import TieredWriter
+
+    url = s3.url("dcp-later")
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    first = TieredWriter(tmp_path / "local", url, storage_options=down, tries=1)
+    dcp.save(_state(1), storage_writer=first, no_dist=True)
+    with pytest.raises(ckptio.StoreConnectionError):
+        first.remote_completion.result(60)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    again = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
+    assert again.resumed is None  # not before its rank is known
+    dcp.save(_state(2), storage_writer=again, no_dist=True)  # set-up: rank 0, coordinator
+    assert again.resumed is not None and again.resumed.result(60) == url
+    assert again.remote_completion.result(60) == url
+    out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
+    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
+    _same(out, _state(2))
+
+
+def test_a_pickled_writer_shares_what_its_tiers_hold_in_the_process(tmp_path):
+    """DCP's process mode unpickles the writer for each save: the generations in
+    flight and the commit order stay with the tiers, not the copy."""
+    import pickle
+
+    from ckptio.tiered import TieredWriter
+
+    w = TieredWriter(tmp_path / "local", "s3://bucket/run")
+    copy = pickle.loads(pickle.dumps(w))
+    assert copy._tier is w._tier and copy.resumed is None and copy.remote == w.remote
+    other = TieredWriter(tmp_path / "other", "s3://bucket/run")
+    assert other._tier is not w._tier
 
 
 def test_the_tiered_dcp_writer_refuses_bad_tiers(tmp_path, s3):

@@ -35,7 +35,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -480,9 +480,43 @@ class Checkpointer:
 
 #: Where each rank says, in the store, that its files of a save are uploaded.
 RANKS_DONE = ".ckptio-ranks"
-_NOW = object()  # TieredWriter._commit: over whatever version is there now
 #: Each rank's files still to upload, in its local folder: ``<this><rank>.json``.
 DRAIN_RECORD = ".ckptio-drain-"
+#: The coordinator's local record of the last remote commit it made (its ETag).
+REMOTE_RECORD = ".ckptio-remote.json"
+_NOW = object()  # TieredWriter._commit: over whatever version is there now
+
+
+@dataclass
+class _Tier:
+    """What the writers of one (local folder, store) share in a process: DCP's
+    process mode unpickles a writer per save, and a trainer may make one per save."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Generations named here and not committed: a sweep leaves their objects.
+    planned: set[str] = field(default_factory=set)
+    #: The newest remote commit (each waits for the one before: they land in order).
+    committing: Future[str] | None = None
+    seq: int = 0  # commits begun
+    ready: int = 0  # the newest commit whose files are all in the store
+    #: This process's rank's last upload (its next save waits for it).
+    uploading: Future[Any] | None = None
+
+
+_TIERS: dict[tuple[str, str], _Tier] = {}
+_TIERS_LOCK = threading.Lock()
+
+
+def _tier_of(local: Any, remote: str) -> tuple[_Tier, bool]:
+    """The shared state of these tiers in this process, and whether nothing of
+    this process moves them now (no upload or commit under way: a new writer
+    may resume what a dead one left)."""
+    key = (os.path.realpath(os.fspath(local)), remote)
+    with _TIERS_LOCK:
+        tier = _TIERS.setdefault(key, _Tier())
+    with tier.lock:
+        busy = [f for f in (tier.uploading, tier.committing) if f is not None and not f.done()]
+    return tier, not busy
 
 
 class TieredWriter(FileSystemWriter):
@@ -498,17 +532,23 @@ class TieredWriter(FileSystemWriter):
     checkpoint is durable in the store, on the coordinator (elsewhere: when this
     rank's files are uploaded). A rank's next save waits for its previous
     upload first (the local folder's old files go with the next commit).
+    Commits land in save order; one whose marks never come (a rank's upload
+    failed) gives way once a later save's have all come.
     Each rank records the files it has still to upload in its local folder
     (``.ckptio-drain-<rank>.json``, removed once they are in the store). A new
-    writer (every rank's, each on its host's folder) resumes what the last
-    process left: its rank's recorded files uploaded where the store lacks
-    them, and on the coordinator, where the local ``.metadata`` is not the
-    store's, the files it names that this host holds uploaded, then, once the
-    store holds every file it names (other hosts' ranks resume theirs), the
-    remote commit (``resumed``: its future, None where there was nothing to
-    drain); the next save waits for it.
+    writer where nothing of this process moves these tiers now (every rank's,
+    each on its host's folder; where the rank is not known yet, at its first
+    save's set-up)
+    resumes what the last process left: its rank's recorded files uploaded
+    where the store lacks them, and on the coordinator, where the local
+    ``.metadata`` is not the store's, the files it names that this host holds
+    uploaded, then, once the store holds every file it names (other hosts'
+    ranks resume theirs), the remote commit, only over the commit this folder
+    made last (else a CommitConflictError: the store moved on). ``resumed``:
+    its future (None where there was nothing to drain); the next save waits
+    for its uploads.
     ``tries``/``backoff``: retries of transient errors, as ``Checkpointer``'s;
-    ``mark_timeout``: seconds the coordinator waits for the other ranks' marks.
+    ``mark_timeout``: seconds the coordinator waits for the other ranks' files.
     Other keywords: ``ckptio.dcp.FileSystemWriter``'s.
     """
 
@@ -528,65 +568,71 @@ class TieredWriter(FileSystemWriter):
         self.remote = remote.rstrip("/")
         self._options = dict(storage_options) if storage_options is not None else None
         self._tries, self._backoff, self._mark_timeout = tries, backoff, mark_timeout
-        self._uploading: Future[Any] | None = None
         self.remote_completion: Future[str] = Future()
-        # Generations planned here and not committed yet: a commit's sweep
-        # leaves their objects (ranks may upload a save while the last commits).
-        self._planned: set[str] = set()
-        self._lock = threading.Lock()
-        self._committing: Future[str] | None = None  # the last save's remote commit
-        #: The drain of a checkpoint committed in ``local`` that a process
-        #: which died left unfinished, resumed in the background (None: none).
-        self.resumed, self._uploading = self._resume()  # the next save waits for its uploads
+        self._tier, idle = _tier_of(self.path, self.remote)
+        self._rank: int | None = None
+        self._coordinator: bool | None = None
+        #: The drain of what a process that died left in ``local``, resumed in
+        #: the background (None: none, or not begun yet: see the class).
+        self.resumed: Future[str] | None = None
+        self._resume_due = idle
+        if idle and _rank_known():
+            self._resume_due = False
+            self._resume(_rank(), _rank() == 0)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_uploading", None)
-        state.pop("remote_completion", None)
-        state.pop("resumed", None)
-        state.pop("_lock", None)
-        state.pop("_planned", None)
-        state.pop("_committing", None)
+        for name in ("_tier", "remote_completion", "resumed"):
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._uploading = None
+        self._tier, _ = _tier_of(self.path, self.remote)
         self.remote_completion = Future()
         self.resumed = None
-        self._planned, self._lock = set(), threading.Lock()
-        self._committing = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._rank = int(kwargs.get("rank", _rank()))
+        self._coordinator = is_coordinator
+        if self._resume_due:  # made before the process group: its rank is known now
+            self._resume_due = False
+            self._resume(self._rank, is_coordinator)
 
     def _record(self, rank: int) -> str:
         return os.path.join(os.fspath(self.path), f"{DRAIN_RECORD}{rank}.json")
 
-    def _resume(self) -> tuple[Future[str] | None, Future[None] | None]:
-        """What the last process on this folder left undrained, resumed in the
-        background: this rank's recorded files, and on the coordinator a local
-        commit the store lacks (the files of it this host holds uploaded, the
-        others awaited in the store, then ``.metadata`` put unless the store
-        moved on meanwhile). Its future and that of its uploads from the local
-        folder; (None, None) where there is nothing to do."""
-        folder, rank = os.fspath(self.path), _rank()
+    def _resume(self, rank: int, coordinator: bool) -> None:
+        """Resume in the background what the last process on this folder left
+        undrained: this rank's recorded files, and on the coordinator a local
+        commit the store lacks (see the class). Sets ``resumed``, and the
+        uploads from the local folder as what the next save waits for."""
+        folder, tier = os.fspath(self.path), self._tier
         record = self._record(rank)
         pending = _read_record(record)
         meta = os.path.join(folder, ".metadata")
-        data = _read_file(meta) if rank == 0 and os.path.isfile(meta) else None
+        data = _read_file(meta) if coordinator and os.path.isfile(meta) else None
         files = dcp_format.files_named(data, meta) if data is not None else None
         if pending is None and files is None:
-            return None, None
+            return
         done: Future[str] = Future()
         uploaded: Future[None] = Future()
+        seq, before = 0, None
+        if files is not None:
+            with tier.lock:
+                tier.seq += 1
+                seq, before, tier.committing = tier.seq, tier.committing, done
         meta_url = objstore.join(self.remote, ".metadata")
 
         def drain() -> None:
             try:
                 try:
                     raw, version = objstore.get_bytes(meta_url, self._options)
-                    base: str | None = version["e_tag"]
+                    current: str | None = version["e_tag"]
                     there = dcp_format.files_named(raw, meta_url) or set()
                 except FileNotFoundError:
-                    base, there = None, set()
+                    raw, current, there = None, None, set()
                 if pending is not None:
                     token, names = pending
                     local = all(os.path.isfile(os.path.join(folder, n)) for n in names)
@@ -598,14 +644,21 @@ class TieredWriter(FileSystemWriter):
                         self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(record)
-                if files is not None and data is not None and not files <= there:
-                    here = [n for n in files if os.path.isfile(os.path.join(folder, n))]
-                    self._upload_missing(here)
+                if files is not None and data is not None and raw != data:
+                    self._upload_missing(
+                        [n for n in files if os.path.isfile(os.path.join(folder, n))]
+                    )
                     uploaded.set_result(None)
-                    self._await_files(files)
-                    tokens = {_token_of([n]) for n in files}
-                    with contextlib.suppress(CommitConflictError):  # the store moved on
-                        self._commit(data, files, tokens, expect=base)
+                    if _read_remote_record(folder) != current:
+                        raise CommitConflictError(
+                            f"{meta_url}: the store holds a commit that {folder} did not make; "
+                            "its local checkpoint is not put over it (the next save commits anew)"
+                        )
+                    self._await_files(files, seq)
+                    if before is not None:
+                        with contextlib.suppress(BaseException):
+                            before.result()
+                    self._commit(data, files, {_token_of([n]) for n in files}, expect=current)
                 if not uploaded.done():
                     uploaded.set_result(None)
                 done.set_result(self.remote)
@@ -614,8 +667,10 @@ class TieredWriter(FileSystemWriter):
                     uploaded.set_exception(e)
                 done.set_exception(e)
 
+        self.resumed = done
+        with tier.lock:
+            tier.uploading = uploaded
         threading.Thread(target=drain, name="ckptio-tier-resume", daemon=True).start()
-        return done, uploaded
 
     def _upload_missing(self, names: list[str]) -> None:
         """Upload the named local files that the store lacks whole (each
@@ -627,7 +682,15 @@ class TieredWriter(FileSystemWriter):
             if there.get(url) != os.path.getsize(path):
                 self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
 
-    def _await_files(self, files: set[str]) -> None:
+    def _superseded(self, seq: int, what: str) -> None:
+        """A CommitConflictError where a later commit's files are all in."""
+        with self._tier.lock:
+            if self._tier.ready > seq:
+                raise CommitConflictError(
+                    f"{self.remote}: {what}; a later save's commit goes ahead in its place"
+                )
+
+    def _await_files(self, files: set[str], seq: int) -> None:
         """Until the store holds every one of ``files`` (other hosts' ranks
         upload theirs), at most ``mark_timeout`` seconds."""
         deadline = time.monotonic() + self._mark_timeout
@@ -636,6 +699,7 @@ class TieredWriter(FileSystemWriter):
             missing = files - {u[len(self.remote) + 1 :] for u, _, _ in listed}
             if not missing:
                 return
+            self._superseded(seq, f"{len(missing)} files of a resumed checkpoint never came")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.remote}: {len(missing)} of the {len(files)} files its local "
@@ -655,38 +719,40 @@ class TieredWriter(FileSystemWriter):
         return None
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        if self._uploading is not None:  # this rank's previous save is in the store first
+        tier = self._tier
+        if tier.uploading is not None:  # this rank's previous save is in the store first
             with contextlib.suppress(BaseException):
-                self._uploading.result()
+                tier.uploading.result()
         fut = super().write_data(plan, planner)
         results = fut.wait()
         names = sorted({wr.storage_data.relative_path for wr in results})
-        rank = _rank()
+        rank = self._rank if self._rank is not None else _rank()
+        coordinator = self._coordinator if self._coordinator is not None else rank == 0
         token = _token_of(names)
         record = self._record(rank)
         if names:  # durable before the local commit: a process that dies leaves it
             _write_commit(record, json.dumps({"token": token, "names": names}).encode())
+        else:  # an older record names files this save's local commit removes
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(record)
         uploading: Future[None] = Future()
-        self._uploading = uploading
-        if rank != 0:
+        with tier.lock:
+            tier.uploading = uploading
+        if not coordinator:
             self.remote_completion = Future()
-        done_for_rank = self.remote_completion if rank != 0 else None
+        done_for_rank = self.remote_completion if not coordinator else None
 
         def upload() -> None:
             try:
-                if not names:  # nothing of this rank's to upload, nothing to mark
-                    uploading.set_result(None)
-                    if done_for_rank is not None:
-                        done_for_rank.set_result(self.remote)
-                    return
-                for name in names:
-                    path = os.path.join(os.fspath(self.path), name)
-                    url = objstore.join(self.remote, name)
-                    self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
-                mark = objstore.join(self.remote, RANKS_DONE, token, str(rank))
-                self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(record)
+                if names:  # else nothing of this rank's to upload, nothing to mark
+                    for name in names:
+                        path = os.path.join(os.fspath(self.path), name)
+                        url = objstore.join(self.remote, name)
+                        self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
+                    mark = objstore.join(self.remote, RANKS_DONE, token, str(rank))
+                    self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(record)
                 uploading.set_result(None)
                 if done_for_rank is not None:
                     done_for_rank.set_result(self.remote)
@@ -701,8 +767,10 @@ class TieredWriter(FileSystemWriter):
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         self.remote_completion = Future()
         plans = super().prepare_global_plan(plans)
-        with self._lock:
-            self._planned.update(_token_of([p.storage_data.prefix + "0.distcp"]) for p in plans)
+        with self._tier.lock:
+            self._tier.planned.update(
+                _token_of([p.storage_data.prefix + "0.distcp"]) for p in plans
+            )
         return plans
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
@@ -710,14 +778,18 @@ class TieredWriter(FileSystemWriter):
         per_rank = [sorted({wr.storage_data.relative_path for wr in r}) for r in results]
         files = {n for names in per_rank for n in names}
         tokens = {_token_of(names) for names in per_rank if names}
-        done, before = self.remote_completion, self._committing
-        self._committing = done
+        done, tier = self.remote_completion, self._tier
+        with tier.lock:
+            tier.seq += 1
+            seq, before, tier.committing = tier.seq, tier.committing, done
         data = _read_file(os.path.join(os.fspath(self.path), ".metadata"))
 
         def commit() -> None:
             try:
                 for token in tokens:  # ranks without files (nothing to save) mark nothing
-                    self._await_marks(token, sum(1 for names in per_rank if names))
+                    self._await_marks(token, sum(1 for names in per_rank if names), seq)
+                with tier.lock:
+                    tier.ready = max(tier.ready, seq)
                 if before is not None:  # in save order: an older commit never lands last
                     with contextlib.suppress(BaseException):
                         before.result()
@@ -725,16 +797,20 @@ class TieredWriter(FileSystemWriter):
                 done.set_result(self.remote)
             except BaseException as e:
                 done.set_exception(e)
+            finally:
+                with tier.lock:
+                    tier.planned -= tokens
 
         threading.Thread(target=commit, name="ckptio-tier-commit", daemon=True).start()
 
-    def _await_marks(self, token: str, ranks: int) -> None:
+    def _await_marks(self, token: str, ranks: int, seq: int) -> None:
         folder = objstore.join(self.remote, RANKS_DONE, token)
         deadline = time.monotonic() + self._mark_timeout
         while True:
             listed = self._retried(lambda: objstore.listing(folder, self._options))
             if len(listed) >= ranks:
                 return
+            self._superseded(seq, f"{len(listed)} of {ranks} ranks uploaded their files")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{folder}: {len(listed)} of {ranks} ranks uploaded their files "
@@ -744,11 +820,11 @@ class TieredWriter(FileSystemWriter):
 
     def _commit(self, data: bytes, files: set[str], tokens: set[str], expect: Any = _NOW) -> None:
         """``.metadata`` put over the version there now (``expect``: over that
-        e_tag only, None: only where there is none; else a CommitConflictError),
-        then the rank marks and the data objects that neither it nor the
-        previous one names removed, but for generations planned here since and
-        not committed (``tokens``, this save's, are: their ranks may be
-        uploading and marking them already)."""
+        e_tag only, None: only where there is none; else a CommitConflictError)
+        and recorded locally, then the rank marks and the data objects that
+        neither it nor the previous one names removed, but for generations
+        named here and not committed (``tokens``, this save's, are: their ranks
+        may be uploading and marking them already)."""
         meta_url = objstore.join(self.remote, ".metadata")
         try:
             old, version = objstore.get_bytes(meta_url, self._options)
@@ -758,15 +834,19 @@ class TieredWriter(FileSystemWriter):
             base, previous = None, set()
         if expect is not _NOW and expect != base:
             raise CommitConflictError(f"{meta_url}: committed anew since this drain began")
-        self._retried(
+        put = self._retried(
             lambda: objstore.put_bytes(
                 meta_url, data, self._options, create=base is None, if_match=base
             )
         )
-        with self._lock:
-            self._planned -= tokens
-            in_flight = set(self._planned)
-        for url, _, _ in objstore.listing(self.remote, self._options):
+        _write_commit(
+            os.path.join(os.fspath(self.path), REMOTE_RECORD),
+            json.dumps({"e_tag": put.get("e_tag")}).encode(),
+        )
+        listed = objstore.listing(self.remote, self._options)
+        with self._tier.lock:  # read after the listing: a generation named since is in it
+            in_flight = self._tier.planned - tokens
+        for url, _, _ in listed:
             name = url[len(self.remote) + 1 :]
             if name.startswith(RANKS_DONE + "/"):
                 if name.split("/")[1] not in in_flight:  # this save's, and dead saves'
@@ -796,6 +876,22 @@ def _token_of(names: list[str]) -> str:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _rank_known() -> bool:
+    """Whether this process's rank is known: its group is up, or it runs alone
+    (a launcher that starts several sets WORLD_SIZE)."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return int(os.environ.get("WORLD_SIZE", "1")) <= 1
+
+
+def _read_remote_record(folder: str) -> str | None:
+    """The ETag of the last remote commit made from ``folder`` (None: none)."""
+    try:
+        return json.loads(_read_file(os.path.join(folder, REMOTE_RECORD)))["e_tag"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _read_record(path: str) -> tuple[str, list[str]] | None:
