@@ -193,6 +193,20 @@ def main() -> None:
         while os.path.exists(record):
             assert time.monotonic() < deadline, os.listdir(local)
             time.sleep(0.05)
+        dcp.save(sharded(full_state(3), mesh), storage_writer=again)
+        assert again.remote_completion.result(240) == ckpt
+        dist.barrier()
+        out = empty_like(sharded(full_state(0), mesh))
+        dcp.load(out, storage_reader=FileSystemReader(ckpt))
+        check(out, full_state(3), "tiered_hosts/third")
+        # Each host keeps its rank's files of the last two saves only.
+        deadline = time.monotonic() + 30
+        while True:
+            gens = {n.split("_")[3] for n in os.listdir(local) if n.endswith(".distcp")}
+            if len(gens) <= 2:
+                break
+            assert time.monotonic() < deadline, sorted(os.listdir(local))
+            time.sleep(0.05)
     elif scenario == "store_load":
         for sub, step in (("sync", 0), ("async", 2)):
             out = empty_like(sharded(full_state(0), mesh))

@@ -395,6 +395,21 @@ def test_a_writer_made_before_its_group_resumes_at_its_first_save(tmp_path, s3, 
     _same(out, _state(2))
 
 
+def test_a_record_whose_files_are_gone_is_dropped_unmarked(tmp_path, s3):
+    """A rank's record of a save that died before its local commit (its files
+    swept since): nothing uploaded, no mark, the record removed."""
+    from ckptio.tiered import DRAIN_RECORD, TieredWriter
+
+    url = s3.url("dcp-gone")
+    local = tmp_path / "local"
+    local.mkdir()
+    record = local / f"{DRAIN_RECORD}0.json"
+    record.write_text('{"token": "deadbeef", "names": ["__0_deadbeef_0.distcp"]}')
+    w = TieredWriter(local, url, storage_options=s3.options)
+    assert w.resumed is not None and w.resumed.result(60) == url
+    assert not record.exists() and remote.listing(url, s3.options) == []
+
+
 def test_a_pickled_writer_shares_what_its_tiers_hold_in_the_process(tmp_path):
     """DCP's process mode unpickles the writer for each save: the generations in
     flight and the commit order stay with the tiers, not the copy."""

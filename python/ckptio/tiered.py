@@ -501,6 +501,10 @@ class _Tier:
     ready: int = 0  # the newest commit whose files are all in the store
     #: This process's rank's last upload (its next save waits for it).
     uploading: Future[Any] | None = None
+    #: This rank's files of its last two uploaded saves, oldest first: the
+    #: one before them goes from the local folder (DCP sweeps the coordinator's
+    #: folder only; another host's would keep every generation).
+    kept: list[list[str]] = field(default_factory=list)
 
 
 _TIERS: dict[tuple[str, str], _Tier] = {}
@@ -514,9 +518,15 @@ def _tier_of(local: Any, remote: str) -> tuple[_Tier, bool]:
     key = (os.path.realpath(os.fspath(local)), remote)
     with _TIERS_LOCK:
         tier = _TIERS.setdefault(key, _Tier())
+    return tier, _idle(tier)
+
+
+def _idle(tier: _Tier) -> bool:
+    """Nothing of this process uploads or commits to these tiers now (a save
+    between its plan and its commit included)."""
     with tier.lock:
-        busy = [f for f in (tier.uploading, tier.committing) if f is not None and not f.done()]
-    return tier, not busy
+        moving = (f for f in (tier.uploading, tier.committing) if f is not None)
+        return not tier.planned and all(f.done() for f in moving)
 
 
 class TieredWriter(FileSystemWriter):
@@ -577,7 +587,6 @@ class TieredWriter(FileSystemWriter):
         self.resumed: Future[str] | None = None
         self._resume_due = idle
         if idle and _rank_known():
-            self._resume_due = False
             self._resume(_rank(), _rank() == 0)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -596,8 +605,9 @@ class TieredWriter(FileSystemWriter):
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._rank = int(kwargs.get("rank", _rank()))
         self._coordinator = is_coordinator
-        if self._resume_due:  # made before the process group: its rank is known now
-            self._resume_due = False
+        # Made before the process group (its rank known now), or a copy that
+        # DCP's process mode unpickled: where nothing here moves these tiers.
+        if self._resume_due and _idle(self._tier):
             self._resume(self._rank, is_coordinator)
 
     def _record(self, rank: int) -> str:
@@ -609,6 +619,7 @@ class TieredWriter(FileSystemWriter):
         commit the store lacks (see the class). Sets ``resumed``, and the
         uploads from the local folder as what the next save waits for."""
         folder, tier = os.fspath(self.path), self._tier
+        self._resume_due = False
         record = self._record(rank)
         pending = _read_record(record)
         meta = os.path.join(folder, ".metadata")
@@ -633,21 +644,23 @@ class TieredWriter(FileSystemWriter):
                     there = dcp_format.files_named(raw, meta_url) or set()
                 except FileNotFoundError:
                     raw, current, there = None, None, set()
+                failed: BaseException | None = None
                 if pending is not None:
                     token, names = pending
-                    local = all(os.path.isfile(os.path.join(folder, n)) for n in names)
-                    # Not marked where its commit is in already, nor where a file
-                    # is gone (a save that died while writing: never committed).
-                    if local and not set(names) <= there:
-                        self._upload_missing(names)
-                        mark = objstore.join(self.remote, RANKS_DONE, token, str(rank))
-                        self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(record)
+                    try:
+                        # Not marked where its commit is in already, nor where a
+                        # file is gone (a save that died before its local commit,
+                        # whose files the next save's local sweep removes).
+                        if not set(names) <= there and self._upload_missing(names):
+                            mark = objstore.join(self.remote, RANKS_DONE, token, str(rank))
+                            self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
+                            self._forget_old(names)
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(record)
+                    except BaseException as e:  # the commit below goes on
+                        failed = e
                 if files is not None and data is not None and raw != data:
-                    self._upload_missing(
-                        [n for n in files if os.path.isfile(os.path.join(folder, n))]
-                    )
+                    self._upload_missing(sorted(files))
                     uploaded.set_result(None)
                     if _read_remote_record(folder) != current:
                         raise CommitConflictError(
@@ -658,7 +671,11 @@ class TieredWriter(FileSystemWriter):
                     if before is not None:
                         with contextlib.suppress(BaseException):
                             before.result()
-                    self._commit(data, files, {_token_of([n]) for n in files}, expect=current)
+                    # No sweep: a process that saves elsewhere (DCP's process
+                    # mode) may be uploading a generation this one never planned.
+                    self._commit(data, files, set(), expect=current, sweep=False)
+                if failed is not None:
+                    raise failed
                 if not uploaded.done():
                     uploaded.set_result(None)
                 done.set_result(self.remote)
@@ -672,15 +689,27 @@ class TieredWriter(FileSystemWriter):
             tier.uploading = uploaded
         threading.Thread(target=drain, name="ckptio-tier-resume", daemon=True).start()
 
-    def _upload_missing(self, names: list[str]) -> None:
-        """Upload the named local files that the store lacks whole (each
-        upload is all or nothing: an object there of the file's size is it)."""
+    def _upload_missing(self, names: list[str]) -> bool:
+        """Upload the named local files that the store lacks (each upload is
+        all or nothing: an object there is whole); False where one is in
+        neither place (gone from the folder, never uploaded)."""
         folder = os.fspath(self.path)
-        there = {u: n for u, n, _ in objstore.listing(self.remote, self._options)}
+        there = {u for u, _, _ in objstore.listing(self.remote, self._options)}
+        whole = True
         for name in sorted(names):
             path, url = os.path.join(folder, name), objstore.join(self.remote, name)
-            if there.get(url) != os.path.getsize(path):
+            if url in there:
+                continue
+            if not os.path.isfile(path):
+                whole = False
+                continue
+            try:
                 self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
+            except FileNotFoundError:
+                if os.path.exists(path):
+                    raise
+                whole = False  # removed while read: a dead save's, swept locally
+        return whole
 
     def _superseded(self, seq: int, what: str) -> None:
         """A CommitConflictError where a later commit's files are all in."""
@@ -753,6 +782,7 @@ class TieredWriter(FileSystemWriter):
                     self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(record)
+                    self._forget_old(names)
                 uploading.set_result(None)
                 if done_for_rank is not None:
                     done_for_rank.set_result(self.remote)
@@ -763,6 +793,17 @@ class TieredWriter(FileSystemWriter):
 
         threading.Thread(target=upload, name="ckptio-tier-upload", daemon=True).start()
         return fut
+
+    def _forget_old(self, names: list[str]) -> None:
+        """Keep this rank's files of its last two saves in the local folder;
+        remove those of the save before them (in the store since)."""
+        with self._tier.lock:
+            kept = self._tier.kept
+            kept.append(names)
+            old = kept.pop(0) if len(kept) > 2 else []
+        for name in set(old) - {n for k in kept for n in k}:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(os.fspath(self.path), name))
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         self.remote_completion = Future()
@@ -818,7 +859,14 @@ class TieredWriter(FileSystemWriter):
                 )
             time.sleep(0.2)
 
-    def _commit(self, data: bytes, files: set[str], tokens: set[str], expect: Any = _NOW) -> None:
+    def _commit(
+        self,
+        data: bytes,
+        files: set[str],
+        tokens: set[str],
+        expect: Any = _NOW,
+        sweep: bool = True,
+    ) -> None:
         """``.metadata`` put over the version there now (``expect``: over that
         e_tag only, None: only where there is none; else a CommitConflictError)
         and recorded locally, then the rank marks and the data objects that
@@ -826,23 +874,40 @@ class TieredWriter(FileSystemWriter):
         named here and not committed (``tokens``, this save's, are: their ranks
         may be uploading and marking them already)."""
         meta_url = objstore.join(self.remote, ".metadata")
-        try:
-            old, version = objstore.get_bytes(meta_url, self._options)
-            base: str | None = version["e_tag"]
-            previous = dcp_format.files_named(old, meta_url)
-        except FileNotFoundError:
-            base, previous = None, set()
+
+        def current() -> tuple[bytes | None, str | None]:
+            try:
+                raw, version = objstore.get_bytes(meta_url, self._options)
+                return raw, version["e_tag"]
+            except FileNotFoundError:
+                return None, None
+
+        old, base = self._retried(current)
+        previous = dcp_format.files_named(old, meta_url) if old is not None else set()
         if expect is not _NOW and expect != base:
             raise CommitConflictError(f"{meta_url}: committed anew since this drain began")
-        put = self._retried(
-            lambda: objstore.put_bytes(
-                meta_url, data, self._options, create=base is None, if_match=base
+        try:
+            put = self._retried(
+                lambda: objstore.put_bytes(
+                    meta_url, data, self._options, create=base is None, if_match=base
+                )
             )
-        )
+            e_tag = put.get("e_tag")
+        except CommitConflictError:
+            now, e_tag = self._retried(current)  # a retried PUT whose first reply was lost
+            if now != data:
+                raise
         _write_commit(
-            os.path.join(os.fspath(self.path), REMOTE_RECORD),
-            json.dumps({"e_tag": put.get("e_tag")}).encode(),
+            os.path.join(os.fspath(self.path), REMOTE_RECORD), json.dumps({"e_tag": e_tag}).encode()
         )
+        if sweep:
+            with contextlib.suppress(Exception):  # committed: the next commit sweeps again
+                self._sweep(files, tokens, previous)
+
+    def _sweep(self, files: set[str], tokens: set[str], previous: set[str] | None) -> None:
+        """The rank marks and the data objects that neither the new ``.metadata``
+        (``files``) nor the previous one names, removed, but for generations
+        named here and not committed."""
         listed = objstore.listing(self.remote, self._options)
         with self._tier.lock:  # read after the listing: a generation named since is in it
             in_flight = self._tier.planned - tokens
