@@ -410,6 +410,33 @@ def test_a_record_whose_files_are_gone_is_dropped_unmarked(tmp_path, s3):
     assert not record.exists() and remote.listing(url, s3.options) == []
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_old_files_go_but_never_those_the_local_commit_names(tmp_path, s3, monkeypatch):
+    """Saves whose local commit failed after their upload: the files of the
+    checkpoint the folder still holds stay, and it loads from the folder."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+    from ckptio.tiered import TieredWriter
+
+    url = s3.url("dcp-keep")
+    writer = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
+    dcp.save(_state(1), storage_writer=writer, no_dist=True)
+    assert writer.remote_completion.result(60) == url
+
+    def failing_finish(self, metadata, results):
+        raise OSError("injected: the local commit fails")
+
+    monkeypatch.setattr(TieredWriter, "finish", failing_finish)
+    for step in (2, 3):
+        with pytest.raises(BaseException, match="injected"):  # DCP's, around ours
+            dcp.save(_state(step), storage_writer=writer, no_dist=True)
+        writer._tier.uploading.result(60)  # its upload went on, as a save's does
+    out = {k: torch.zeros_like(v) for k, v in _state(1).items()}
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path / "local"), no_dist=True)
+    _same(out, _state(1))
+
+
 def test_a_pickled_writer_shares_what_its_tiers_hold_in_the_process(tmp_path):
     """DCP's process mode unpickles the writer for each save: the generations in
     flight and the commit order stay with the tiers, not the copy."""

@@ -795,15 +795,22 @@ class TieredWriter(FileSystemWriter):
         return fut
 
     def _forget_old(self, names: list[str]) -> None:
-        """Keep this rank's files of its last two saves in the local folder;
-        remove those of the save before them (in the store since)."""
+        """Keep this rank's files of its last two uploaded saves in the local
+        folder; remove those of the save before them (in the store since), but
+        what the folder's ``.metadata`` names (a later save may have failed
+        before its local commit)."""
         with self._tier.lock:
             kept = self._tier.kept
             kept.append(names)
-            old = kept.pop(0) if len(kept) > 2 else []
-        for name in set(old) - {n for k in kept for n in k}:
+            old = set(kept.pop(0) if len(kept) > 2 else []) - {n for k in kept for n in k}
+        folder = os.fspath(self.path)
+        meta = os.path.join(folder, ".metadata")
+        if old and os.path.isfile(meta):  # never what the folder's commit names
+            named = dcp_format.files_named(_read_file(meta), meta)
+            old = old - named if named is not None else set()
+        for name in old:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(os.fspath(self.path), name))
+                os.unlink(os.path.join(folder, name))
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         self.remote_completion = Future()
