@@ -161,6 +161,11 @@ def main() -> None:
         import ckptio
         from ckptio.tiered import DRAIN_RECORD, TieredWriter
 
+        def stored(full: dict, what: str) -> None:
+            out = empty_like(sharded(full_state(0), mesh))
+            dcp.load(out, storage_reader=FileSystemReader(ckpt))
+            check(out, full, what)
+
         local = os.path.join(os.environ["CKPTIO_TIER_LOCAL"], f"host{rank}")
         record = os.path.join(local, f"{DRAIN_RECORD}{rank}.json")
         down = {"endpoint": "http://127.0.0.1:9", "max_retries": "0"}
@@ -180,15 +185,11 @@ def main() -> None:
         assert again.resumed is not None and again.resumed.result(240) == ckpt
         assert not os.path.exists(record)
         dist.barrier()  # rank 0's commit is in: every rank's files were there first
-        out = empty_like(sharded(full_state(0), mesh))
-        dcp.load(out, storage_reader=FileSystemReader(ckpt))
-        check(out, full_state(1), "tiered_hosts/resumed")
+        stored(full_state(1), "tiered_hosts/resumed")
         dcp.save(sharded(full_state(2), mesh), storage_writer=again)
         assert again.remote_completion.result(240) == ckpt
         dist.barrier()
-        out = empty_like(sharded(full_state(0), mesh))
-        dcp.load(out, storage_reader=FileSystemReader(ckpt))
-        check(out, full_state(2), "tiered_hosts/next")
+        stored(full_state(2), "tiered_hosts/next")
         deadline = time.monotonic() + 30  # removed just after the rank's mark is put
         while os.path.exists(record):
             assert time.monotonic() < deadline, os.listdir(local)
@@ -196,9 +197,7 @@ def main() -> None:
         dcp.save(sharded(full_state(3), mesh), storage_writer=again)
         assert again.remote_completion.result(240) == ckpt
         dist.barrier()
-        out = empty_like(sharded(full_state(0), mesh))
-        dcp.load(out, storage_reader=FileSystemReader(ckpt))
-        check(out, full_state(3), "tiered_hosts/third")
+        stored(full_state(3), "tiered_hosts/third")
         # Each host keeps its rank's files of the last two saves only.
         deadline = time.monotonic() + 30
         while True:

@@ -28,6 +28,17 @@ def _same(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
+def _dcp_from(where, s3, step: int) -> dict[str, torch.Tensor]:
+    """The DCP checkpoint at ``where`` (a store URL) loaded into tensors shaped
+    as step ``step``'s state."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader
+
+    out = {k: torch.zeros_like(v) for k, v in _state(step).items()}
+    dcp.load(out, storage_reader=FileSystemReader(where, storage_options=s3.options), no_dist=True)
+    return out
+
+
 def _ckpt(tmp_path, s3, **kw):
     return Checkpointer(tmp_path / "local", s3.url("run"), storage_options=s3.options, **kw)
 
@@ -241,7 +252,6 @@ def test_the_tiered_dcp_writer_commits_locally_then_in_the_store(tmp_path, s3):
 @pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
 def test_a_tiered_dcp_drain_left_unfinished_is_resumed_by_the_next_writer(tmp_path, s3):
     import torch.distributed.checkpoint as dcp
-    from ckptio.dcp import FileSystemReader
     from ckptio.tiered import TieredWriter
 
     url = s3.url("dcp-resume")
@@ -254,15 +264,12 @@ def test_a_tiered_dcp_drain_left_unfinished_is_resumed_by_the_next_writer(tmp_pa
     assert remote.listing(url, s3.options) == []
     again = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
     assert again.resumed is not None and again.resumed.result(120) == url
-    out = {k: torch.zeros_like(v) for k, v in _state(1).items()}
-    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
-    _same(out, _state(1))
+    _same(_dcp_from(url, s3, 1), _state(1))
     third = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
     assert third.resumed is not None and third.resumed.result(60) == url  # nothing to do
     dcp.save(_state(2), storage_writer=third, no_dist=True)  # the next save goes on as usual
     assert third.remote_completion.result(120) == url
-    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
-    _same(out, _state(2))
+    _same(_dcp_from(url, s3, 2), _state(2))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -274,7 +281,6 @@ def test_a_commit_spares_the_next_save_and_commits_land_in_save_order(tmp_path, 
     import time
 
     import torch.distributed.checkpoint as dcp
-    from ckptio.dcp import FileSystemReader
     from ckptio.tiered import TieredWriter
 
     gate, seen = threading.Event(), []
@@ -307,9 +313,7 @@ def test_a_commit_spares_the_next_save_and_commits_land_in_save_order(tmp_path, 
     assert first.result(60) == url and second.result(60) == url
     left = [u for u, _, _ in remote.listing(url, s3.options)]
     assert data_objects() == 2 and not [u for u in left if ".ckptio-ranks" in u], left
-    out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
-    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
-    _same(out, _state(2))
+    _same(_dcp_from(url, s3, 2), _state(2))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -318,7 +322,6 @@ def test_a_commit_whose_files_never_come_gives_way_to_the_next(tmp_path, s3, mon
     """A save whose upload failed (its mark never comes) does not hold the
     next save's commit for ``mark_timeout``: it fails, typed, the next lands."""
     import torch.distributed.checkpoint as dcp
-    from ckptio.dcp import FileSystemReader
     from ckptio.tiered import TieredWriter
 
     upload, calls = remote.upload, []
@@ -338,9 +341,7 @@ def test_a_commit_whose_files_never_come_gives_way_to_the_next(tmp_path, s3, mon
     assert writer.remote_completion.result(60) == url
     with pytest.raises(ckptio.CommitConflictError, match="a later save's commit goes ahead"):
         first.result(10)
-    out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
-    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
-    _same(out, _state(2))
+    _same(_dcp_from(url, s3, 2), _state(2))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -348,7 +349,6 @@ def test_a_stale_folder_does_not_roll_the_store_back(tmp_path, s3):
     """A local commit never drained, resumed after another folder committed a
     newer checkpoint to the same store: a typed conflict, the store untouched."""
     import torch.distributed.checkpoint as dcp
-    from ckptio.dcp import FileSystemReader
     from ckptio.tiered import TieredWriter
 
     url = s3.url("dcp-stale")
@@ -364,9 +364,7 @@ def test_a_stale_folder_does_not_roll_the_store_back(tmp_path, s3):
     assert again.resumed is not None
     with pytest.raises(ckptio.CommitConflictError, match="did not make"):
         again.resumed.result(60)
-    out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
-    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
-    _same(out, _state(2))
+    _same(_dcp_from(url, s3, 2), _state(2))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -375,7 +373,6 @@ def test_a_writer_made_before_its_group_resumes_at_its_first_save(tmp_path, s3, 
     """Where the launcher says there are several ranks and the group is not up
     yet, the rank (and so which record to resume) is known at the first save."""
     import torch.distributed.checkpoint as dcp
-    from ckptio.dcp import FileSystemReader
     from ckptio.tiered import TieredWriter
 
     url = s3.url("dcp-later")
@@ -390,9 +387,7 @@ def test_a_writer_made_before_its_group_resumes_at_its_first_save(tmp_path, s3, 
     dcp.save(_state(2), storage_writer=again, no_dist=True)  # set-up: rank 0, coordinator
     assert again.resumed is not None and again.resumed.result(60) == url
     assert again.remote_completion.result(60) == url
-    out = {k: torch.zeros_like(v) for k, v in _state(2).items()}
-    dcp.load(out, storage_reader=FileSystemReader(url, storage_options=s3.options), no_dist=True)
-    _same(out, _state(2))
+    _same(_dcp_from(url, s3, 2), _state(2))
 
 
 def test_a_record_whose_files_are_gone_is_dropped_unmarked(tmp_path, s3):

@@ -33,7 +33,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -721,20 +721,34 @@ class TieredWriter(FileSystemWriter):
 
     def _await_files(self, files: set[str], seq: int) -> None:
         """Until the store holds every one of ``files`` (other hosts' ranks
-        upload theirs), at most ``mark_timeout`` seconds."""
+        upload theirs)."""
+
+        def missing(listed: list[tuple[str, int, Any]]) -> str | None:
+            gone = files - {u[len(self.remote) + 1 :] for u, _, _ in listed}
+            if not gone:
+                return None
+            return (
+                f"{len(gone)} of the {len(files)} files its local .metadata names are not "
+                f"in the store (first: {sorted(gone)[0]}; their hosts' writers upload them)"
+            )
+
+        self._await_store(self.remote, seq, missing)
+
+    def _await_store(
+        self, folder: str, seq: int, missing: Callable[[list[tuple[str, int, Any]]], str | None]
+    ) -> None:
+        """Poll the listing of ``folder`` until ``missing`` finds nothing missing
+        (None; else it says what), at most ``mark_timeout`` seconds (then a
+        TimeoutError), or until a later commit is ready (a CommitConflictError)."""
         deadline = time.monotonic() + self._mark_timeout
         while True:
-            listed = self._retried(lambda: objstore.listing(self.remote, self._options))
-            missing = files - {u[len(self.remote) + 1 :] for u, _, _ in listed}
-            if not missing:
+            listed = self._retried(lambda: objstore.listing(folder, self._options))
+            what = missing(listed)
+            if what is None:
                 return
-            self._superseded(seq, f"{len(missing)} files of a resumed checkpoint never came")
+            self._superseded(seq, what)
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.remote}: {len(missing)} of the {len(files)} files its local "
-                    f".metadata names are not in the store after {self._mark_timeout:.0f} s "
-                    f"(first: {sorted(missing)[0]}); their hosts' writers upload them"
-                )
+                raise TimeoutError(f"{folder}: {what} after {self._mark_timeout:.0f} s")
             time.sleep(0.2)
 
     def _retried(self, op: Any) -> Any:
@@ -852,19 +866,11 @@ class TieredWriter(FileSystemWriter):
         threading.Thread(target=commit, name="ckptio-tier-commit", daemon=True).start()
 
     def _await_marks(self, token: str, ranks: int, seq: int) -> None:
-        folder = objstore.join(self.remote, RANKS_DONE, token)
-        deadline = time.monotonic() + self._mark_timeout
-        while True:
-            listed = self._retried(lambda: objstore.listing(folder, self._options))
-            if len(listed) >= ranks:
-                return
-            self._superseded(seq, f"{len(listed)} of {ranks} ranks uploaded their files")
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{folder}: {len(listed)} of {ranks} ranks uploaded their files "
-                    f"within {self._mark_timeout:.0f} s"
-                )
-            time.sleep(0.2)
+        def missing(listed: list[tuple[str, int, Any]]) -> str | None:
+            done = len(listed)
+            return None if done >= ranks else f"{done} of {ranks} ranks uploaded their files"
+
+        self._await_store(objstore.join(self.remote, RANKS_DONE, token), seq, missing)
 
     def _commit(
         self,
