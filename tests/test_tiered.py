@@ -423,10 +423,15 @@ def test_old_files_go_but_never_those_the_local_commit_names(tmp_path, s3, monke
         raise OSError("injected: the local commit fails")
 
     monkeypatch.setattr(TieredWriter, "finish", failing_finish)
+    failed = []
     for step in (2, 3):
         with pytest.raises(BaseException, match="injected"):  # DCP's, around ours
             dcp.save(_state(step), storage_writer=writer, no_dist=True)
+        failed.append(writer.remote_completion)
         writer._tier.uploading.result(60)  # its upload went on, as a save's does
+    # The next save's plan settles the failed one's future (nothing was drained).
+    with pytest.raises(ckptio.CkptioError, match="failed before its local commit"):
+        failed[0].result(1)
     out = {k: torch.zeros_like(v) for k, v in _state(1).items()}
     dcp.load(out, storage_reader=FileSystemReader(tmp_path / "local"), no_dist=True)
     _same(out, _state(1))

@@ -46,6 +46,7 @@ from ckptio import _native
 from ckptio import safetensors as st
 from ckptio.dcp import FileSystemReader, FileSystemWriter
 from ckptio.errors import (
+    CkptioError,
     CommitConflictError,
     StoreConnectionError,
     StoreError,
@@ -582,6 +583,7 @@ class TieredWriter(FileSystemWriter):
         self._tier, idle = _tier_of(self.path, self.remote)
         self._rank: int | None = None
         self._coordinator: bool | None = None
+        self._unfinished: set[str] | None = None  # the coordinator's save not at its commit
         #: The drain of what a process that died left in ``local``, resumed in
         #: the background (None: none, or not begun yet: see the class).
         self.resumed: Future[str] | None = None
@@ -827,16 +829,24 @@ class TieredWriter(FileSystemWriter):
                 os.unlink(os.path.join(folder, name))
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        if self._unfinished is not None:  # the last save failed before its local commit
+            with self._tier.lock:
+                self._tier.planned -= self._unfinished
+            if not self.remote_completion.done():
+                self.remote_completion.set_exception(
+                    CkptioError(f"{self.remote}: the save failed before its local commit")
+                )
         self.remote_completion = Future()
         plans = super().prepare_global_plan(plans)
+        tokens = {_token_of([p.storage_data.prefix + "0.distcp"]) for p in plans}
         with self._tier.lock:
-            self._tier.planned.update(
-                _token_of([p.storage_data.prefix + "0.distcp"]) for p in plans
-            )
+            self._tier.planned |= tokens
+        self._unfinished = tokens
         return plans
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         super().finish(metadata, results)  # the local commit
+        self._unfinished = None
         per_rank = [sorted({wr.storage_data.relative_path for wr in r}) for r in results]
         files = {n for names in per_rank for n in names}
         tokens = {_token_of(names) for names in per_rank if names}
