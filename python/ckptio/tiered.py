@@ -654,9 +654,7 @@ class TieredWriter(FileSystemWriter):
                         # file is gone (a save that died before its local commit,
                         # whose files the next save's local sweep removes).
                         if not set(names) <= there and self._upload_missing(names):
-                            mark = objstore.join(self.remote, RANKS_DONE, token, str(rank))
-                            self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
-                            self._forget_old(names)
+                            self._uploaded(token, rank, names)
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(record)
                     except BaseException as e:  # the commit below goes on
@@ -794,11 +792,9 @@ class TieredWriter(FileSystemWriter):
                         path = os.path.join(os.fspath(self.path), name)
                         url = objstore.join(self.remote, name)
                         self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
-                    mark = objstore.join(self.remote, RANKS_DONE, token, str(rank))
-                    self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
+                    self._uploaded(token, rank, names)
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(record)
-                    self._forget_old(names)
                 uploading.set_result(None)
                 if done_for_rank is not None:
                     done_for_rank.set_result(self.remote)
@@ -809,6 +805,13 @@ class TieredWriter(FileSystemWriter):
 
         threading.Thread(target=upload, name="ckptio-tier-upload", daemon=True).start()
         return fut
+
+    def _uploaded(self, token: str, rank: int, names: list[str]) -> None:
+        """``rank``'s files of save ``token`` are in the store: its mark put
+        (what the coordinator's commit waits for), older local files forgotten."""
+        mark = objstore.join(self.remote, RANKS_DONE, token, str(rank))
+        self._retried(lambda: objstore.put_bytes(mark, b"", self._options))
+        self._forget_old(names)
 
     def _forget_old(self, names: list[str]) -> None:
         """Keep this rank's files of its last two uploaded saves in the local

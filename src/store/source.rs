@@ -109,56 +109,53 @@ impl ObjectSource {
         piece: u64,
         concurrency: usize,
     ) -> Result<()> {
-        let piece = usize::try_from(piece.max(1)).unwrap_or(usize::MAX);
+        let piece = piece.max(1);
         let mut order: Vec<(u64, &mut [u8])> = Vec::with_capacity(ranges.len());
         for (offset, buf) in ranges.iter_mut() {
-            let end = offset.checked_add(buf.len() as u64);
-            if end.is_none_or(|e| e > self.info.size) {
-                return Err(Error::invalid(format!(
-                    "{}: bytes {offset}+{} are past the object's end ({})",
-                    self.url(),
-                    buf.len(),
-                    self.info.size
-                )));
-            }
+            self.check_range(*offset, buf.len() as u64)?;
             let mut at = *offset;
-            for dst in buf.chunks_mut(piece) {
+            for dst in buf.chunks_mut(usize::try_from(piece).unwrap_or(usize::MAX)) {
                 let n = dst.len() as u64;
                 order.push((at, dst));
                 at += n;
             }
         }
+        order.retain(|(_, dst)| !dst.is_empty());
         order.sort_by_key(|(at, _)| *at);
-        // Pieces that follow each other, or are apart by at most GAP bytes
-        // (read and dropped: a torch.save archive's descriptors and local
-        // headers between its storages), join one GET while it stays within
-        // `piece`: a request costs more than the bytes of a small gap.
-        let mut gets: Vec<(u64, Vec<Dst<'_>>)> = Vec::new();
-        let mut get_len = 0usize;
-        for (at, dst) in order {
-            if dst.is_empty() {
-                continue;
-            }
-            if let Some((start, dsts)) = gets.last_mut() {
-                let end = *start + get_len as u64;
-                let gap = at.checked_sub(end).map(|g| g as usize);
-                if let Some(gap) = gap.filter(|&g| g <= GAP && get_len + g + dst.len() <= piece) {
-                    if gap > 0 {
-                        dsts.push(Dst::Skip(gap));
+        let spans: Vec<(u64, u64)> = order.iter().map(|(at, d)| (*at, d.len() as u64)).collect();
+        let mut pieces = order.into_iter();
+        // Each GET fills its pieces in turn, reading and dropping the gaps.
+        let gets: Vec<(u64, Vec<Dst<'_>>)> = gets_of(&spans, piece)
+            .into_iter()
+            .map(|(start, _, held)| {
+                let (mut at, mut dsts) = (start, Vec::with_capacity(held.len()));
+                for (offset, dst) in pieces.by_ref().take(held.len()) {
+                    if offset > at {
+                        dsts.push(Dst::Skip((offset - at) as usize));
                     }
-                    get_len += gap + dst.len();
+                    at = offset + dst.len() as u64;
                     dsts.push(Dst::Fill(dst));
-                    continue;
                 }
-            }
-            get_len = dst.len();
-            gets.push((at, vec![Dst::Fill(dst)]));
-        }
+                (start, dsts)
+            })
+            .collect();
         let work = stream::iter(gets)
             .map(|(offset, dsts)| self.get_into(offset, dsts))
             .buffer_unordered(concurrency.max(1))
             .try_collect::<()>();
         block_on(work)?
+    }
+
+    /// A typed error where `len` bytes from `offset` do not lie in the object.
+    pub(super) fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > self.info.size) {
+            return Err(Error::invalid(format!(
+                "{}: bytes {offset}+{len} are past the object's end ({})",
+                self.url(),
+                self.info.size
+            )));
+        }
+        Ok(())
     }
 
     /// One GET of `buf.len()` bytes from `offset` into `buf`.
@@ -220,4 +217,27 @@ impl ObjectSource {
             reason: format!("a GET of {want} bytes at {offset} returned {got}"),
         }
     }
+}
+
+/// The GETs of `spans` ((object offset, length), in object order): (start,
+/// end, the spans it holds). Spans that follow each other, or lie within
+/// [`GAP`] of each other (read and dropped: a torch.save archive's descriptors
+/// and local headers between its storages), share a GET while it stays within
+/// `chunk` bytes: a request costs more than the bytes of a small gap.
+pub(super) fn gets_of(spans: &[(u64, u64)], chunk: u64) -> Vec<(u64, u64, std::ops::Range<usize>)> {
+    let mut gets: Vec<(u64, u64, std::ops::Range<usize>)> = Vec::new();
+    for (k, &(offset, len)) in spans.iter().enumerate() {
+        // (The last GET so far holds the spans up to `k`.)
+        if let Some(g) = gets.last_mut() {
+            let joins = len == 0 // rides along: no bytes
+                || (offset >= g.1 && offset - g.1 <= GAP as u64 && offset + len - g.0 <= chunk);
+            if joins {
+                g.1 = g.1.max(offset + len); // (an empty span leaves the end)
+                g.2.end = k + 1;
+                continue;
+            }
+        }
+        gets.push((offset, offset + len, k..k + 1));
+    }
+    gets
 }

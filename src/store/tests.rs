@@ -15,7 +15,8 @@ use bytes::Bytes;
 use proptest::prelude::*;
 
 use super::fault_proxy::{Action, FaultProxy};
-use super::transfer::{gets_of, through_buffer};
+use super::source::gets_of;
+use super::transfer::through_buffer;
 use super::*;
 
 const BUCKET: &str = "ckptio-test";

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use futures::stream::{self, StreamExt};
 
+use super::source::gets_of;
 use super::{part_grid, MultipartSink, ObjectInfo, ObjectSource, PartGrid, Store, Version};
 use crate::engine::{Memory, Segment};
 use crate::gpu::cuda::Copies;
@@ -445,13 +446,8 @@ pub(super) fn through_buffer(
     mut each: impl FnMut(usize, &[u8]) -> Result<()>,
     mut slot_done: impl FnMut() -> Result<()>,
 ) -> Result<()> {
-    let past = |&&(o, n): &&(u64, u64)| o.checked_add(n).is_none_or(|e| e > source.len());
-    if let Some(&(o, n)) = spans.iter().find(past) {
-        return Err(Error::invalid(format!(
-            "{}: bytes {o}+{n} are past the object's end ({})",
-            source.url(),
-            source.len()
-        )));
+    for &(offset, len) in spans {
+        source.check_range(offset, len)?;
     }
     let gets = gets_of(spans, chunk.max(1));
     let Some(most) = gets.iter().map(|g| (g.1 - g.0) as usize).max() else {
@@ -515,36 +511,6 @@ pub(super) fn through_buffer(
         }
         Ok(())
     })
-}
-
-/// The GETs of `spans` (in object order, each at most `chunk`): (start, end,
-/// the spans it holds); neighbours within [`GAP`](super::source) share a GET
-/// up to `chunk` bytes.
-pub(super) fn gets_of(spans: &[(u64, u64)], chunk: u64) -> Vec<(u64, u64, std::ops::Range<usize>)> {
-    let mut gets: Vec<(u64, u64, std::ops::Range<usize>)> = Vec::new();
-    for (k, &(offset, len)) in spans.iter().enumerate() {
-        if len == 0 {
-            if let Some(g) = gets.last_mut() {
-                if g.2.end == k {
-                    g.2.end = k + 1; // rides along: no bytes
-                    continue;
-                }
-            }
-        }
-        if let Some(g) = gets.last_mut() {
-            let joins = g.2.end == k
-                && offset >= g.1
-                && offset - g.1 <= super::source::GAP as u64
-                && offset + len - g.0 <= chunk;
-            if joins {
-                g.1 = offset + len;
-                g.2.end = k + 1;
-                continue;
-            }
-        }
-        gets.push((offset, offset + len, k..k + 1));
-    }
-    gets
 }
 
 /// The CRC-32 of each of `ranges` ((object offset, length)) of `source`,
