@@ -37,8 +37,7 @@ def _cufile_compat():
     return bool(ckptio.info()["cufile"].get("compat_mode"))
 
 
-@pytest.fixture(scope="session")
-def s3_server():
+def _serve():
     """SeaweedFS on the loopback (tests/s3server.py): skipped without its binary,
     failed instead where CKPTIO_REQUIRE_S3 is set (CI)."""
     binary = s3server.weed_binary()
@@ -49,11 +48,19 @@ def s3_server():
         pytest.skip(why)
     server = s3server.start(binary)
     yield server
-    server.stop()
+    server.stop()  # its data goes with it
+
+
+s3_server = pytest.fixture(scope="session")(_serve)
+#: For modules that write GiBs (``pytestmark = pytest.mark.own_s3_server``): a
+#: server of their own, removed with its data when the module ends.
+module_s3_server = pytest.fixture(scope="module")(_serve)
 
 
 @pytest.fixture
-def s3(s3_server, request):
-    """The session's server, with a key prefix of this test's own."""
+def s3(request):
+    """The session's server (or the module's own), with a key prefix of this test's own."""
+    own = request.node.get_closest_marker("own_s3_server") is not None
+    server = request.getfixturevalue("module_s3_server" if own else "s3_server")
     name = request.node.name.replace("[", "-").replace("]", "")[:60]
-    return dataclasses.replace(s3_server, prefix_id=name)
+    return dataclasses.replace(server, prefix_id=name)

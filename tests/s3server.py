@@ -34,6 +34,16 @@ def weed_binary() -> str | None:
     return shutil.which("weed")
 
 
+#: Volumes the server may make (~1 GiB each): real disk space is the limit.
+VOLUMES = 200
+
+
+def _env(folder: str) -> dict[str, str]:
+    """The server's environment: its credentials, and its temp folder inside its
+    own (weed leaves logs and work folders in the temp folder; stop() removes it)."""
+    return dict(os.environ, AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET, TMPDIR=folder)
+
+
 def _free_ports(n: int) -> list[int]:
     socks = []
     for _ in range(n):
@@ -84,7 +94,7 @@ class S3Server:
         and wait until the ``readable`` objects read back: the S3 gateway
         answers before its volume server is registered again, and a GET in
         between is a 500."""
-        env = dict(os.environ, AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET)
+        env = _env(self.folder)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env
@@ -158,7 +168,11 @@ def _spawn(binary: str) -> S3Server:
     args = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
     args += [f"-bucket={BUCKET}"] + [f"-{n}={port}" for n, port in zip(names, p, strict=True)]
     args += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false"]
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET)
+    # The volume count is otherwise fixed at start from the disk's free space
+    # (about 1 GiB a volume), deleted objects did not give a full volume's space
+    # back in our runs, and once it is reached every PUT is a 500 InternalError.
+    args += [f"-volume.max={VOLUMES}"]
+    env = _env(folder)
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env)
     return S3Server(f"http://127.0.0.1:{p[6]}", proc, folder, log, args=args)

@@ -9,6 +9,9 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import signal
+import subprocess
+import sys
 import time
 
 import ckptio
@@ -110,6 +113,34 @@ def test_no_scratch_copy_is_left_behind(s3, tmp_path, monkeypatch):
     with pytest.raises(ckptio.StoreNotFoundError):
         ckptio.load(s3.url("missing.pt"), storage_options=s3.options)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_killed_processs_scratch_copy_goes_at_the_next_staging(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path))
+    code = (
+        "import os, signal; from ckptio.io import remote; d = remote.scratch_folder(); "
+        "open(os.path.join(d, 'x.pt'), 'wb').write(bytes(4096)); print(d, flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert child.returncode == -signal.SIGKILL
+    dead = child.stdout.strip()
+    assert os.path.isfile(os.path.join(dead, "x.pt"))
+    pid = os.path.basename(dead).split("-")[2].split(".")[1]
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    elsewhere = tmp_path / f"ckptio-stage-{ns + 1}.{pid}-x"  # another namespace's: its own
+    unknown = tmp_path / f"ckptio-stage-0.{pid}-x"  # namespace unknown: never judged
+    foreign = tmp_path / "ckptio-stage-nothing"  # not a name of ours
+    for kept in (elsewhere, unknown, foreign):
+        kept.mkdir()
+    mine = remote.scratch_folder()
+    assert not os.path.exists(dead)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [os.path.basename(mine), elsewhere.name, unknown.name, foreign.name]
+    )
+    again = remote.scratch_name("ckptio-dcp-")  # this process's own stays
+    assert os.path.isdir(mine) and os.path.dirname(again) == str(tmp_path)
 
 
 def test_a_missing_key_is_file_not_found_naming_the_url(s3):

@@ -19,6 +19,9 @@ import pytest
 import torch
 from ckptio.io import remote
 
+# Its saves write GiBs, which SeaweedFS keeps until its server stops.
+pytestmark = pytest.mark.own_s3_server
+
 MOMENTS = 8
 MIB = 1 << 20
 

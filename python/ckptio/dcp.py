@@ -646,7 +646,7 @@ class _Remote:
         straight (a name of its own, made only by what writes into it: a
         straight save or load needs no writable scratch)."""
         if self._folder is None:
-            self._folder = os.path.join(remote.scratch_dir(), f"ckptio-dcp-{secrets.token_hex(8)}")
+            self._folder = remote.scratch_name("ckptio-dcp-")
         return self._folder
 
     def join(self, name: str) -> str:

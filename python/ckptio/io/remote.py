@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
+import secrets
 import shutil
 import tempfile
 import warnings
@@ -205,8 +207,70 @@ def _memory_room() -> int:
 
 def scratch_folder(nbytes: int | None = None, prefix: str = "ckptio-stage-") -> str:
     """A new folder for staged copies (of ``nbytes`` where known), in
-    :func:`scratch_dir`; the caller removes it."""
-    return tempfile.mkdtemp(prefix=prefix, dir=scratch_dir(nbytes))
+    :func:`scratch_dir`; the caller removes it. Folders that killed processes
+    left there go first (:func:`sweep_scratch`)."""
+    where = scratch_dir(nbytes)
+    sweep_scratch()
+    return tempfile.mkdtemp(prefix=f"{prefix}{_owner()}-", dir=where)
+
+
+def scratch_name(prefix: str) -> str:
+    """A path for a scratch folder that whoever writes into it makes (in the temp
+    folder, named for this process as :func:`scratch_folder`'s are)."""
+    where = scratch_dir()
+    sweep_scratch()
+    return os.path.join(where, f"{prefix}{_owner()}-{secrets.token_hex(8)}")
+
+
+#: ckptio's scratch folders: prefix, pid namespace, pid.
+_SCRATCH = re.compile(r"^ckptio-(?:stage|dcp)-(\d+)\.(\d+)-")
+
+
+def _pid_ns() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _owner() -> str:
+    """``<pid namespace>.<pid>``: which process a scratch folder belongs to
+    (``0.<pid>`` where the namespace is unknown: never swept)."""
+    return f"{_pid_ns() or 0}.{os.getpid()}"
+
+
+def sweep_scratch() -> list[str]:
+    """Remove the scratch folders whose process is gone, in every place
+    :func:`scratch_dir` picks from (a save or load SIGKILLed midway leaves its
+    staged copy: GiBs in /dev/shm or the temp folder). Paths removed. Only
+    folders of this pid namespace are judged, so another container's live ones
+    stay; a pid taken again keeps its folder (the safe side)."""
+    ns = _pid_ns()
+    if ns is None:
+        return []
+    removed = []
+    for where in {scratch_dir(), SHM, tempfile.gettempdir()}:
+        try:
+            names = os.listdir(where)
+        except OSError:
+            continue
+        for name in names:
+            m = _SCRATCH.match(name)
+            if m is None or int(m.group(1)) != ns or _alive(int(m.group(2))):
+                continue
+            shutil.rmtree(os.path.join(where, name), ignore_errors=True)
+            removed.append(os.path.join(where, name))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 def _scratch_path(url: str, nbytes: int | None = None) -> tuple[str, str]:
