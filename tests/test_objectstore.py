@@ -127,18 +127,24 @@ def test_a_killed_processs_scratch_copy_goes_at_the_next_staging(tmp_path, monke
     assert child.returncode == -signal.SIGKILL
     dead = child.stdout.strip()
     assert os.path.isfile(os.path.join(dead, "x.pt"))
-    pid = os.path.basename(dead).split("-")[2].split(".")[1]
-    ns = os.stat("/proc/self/ns/pid").st_ino
-    elsewhere = tmp_path / f"ckptio-stage-{ns + 1}.{pid}-x"  # another namespace's: its own
-    unknown = tmp_path / f"ckptio-stage-0.{pid}-x"  # namespace unknown: never judged
-    foreign = tmp_path / "ckptio-stage-nothing"  # not a name of ours
-    for kept in (elsewhere, unknown, foreign):
-        kept.mkdir()
+    boot, ns, pid = os.path.basename(dead)[len("ckptio-stage-") :].rsplit("-", 1)[0].split(".")
+    other_boot = "0" * 8 if boot != "0" * 8 else "1" * 8
+    kept = [
+        tmp_path / f"ckptio-stage-{boot}.{int(ns) + 1}.{pid}-x",  # another pid namespace's
+        tmp_path / f"ckptio-stage-{other_boot}.{ns}.{pid}-x",  # another host's (a shared disk)
+        tmp_path / f"ckptio-stage-{boot}.{ns}.{1 << 40}-x",  # no process's pid
+        tmp_path / "ckptio-stage-nothing",  # not a name of ours
+    ]
+    for k in kept:
+        k.mkdir()
+    fifo = tmp_path / f"ckptio-dcp-{boot}.{ns}.{pid}-fifo"  # not a folder: never opened
+    os.mkfifo(fifo)
+    link = tmp_path / f"ckptio-dcp-{boot}.{ns}.{pid}-link"
+    os.symlink(kept[0], link)
+    kept += [fifo, link]
     mine = remote.scratch_folder()
     assert not os.path.exists(dead)
-    assert sorted(os.listdir(tmp_path)) == sorted(
-        [os.path.basename(mine), elsewhere.name, unknown.name, foreign.name]
-    )
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(mine), *(k.name for k in kept)])
     again = remote.scratch_name("ckptio-dcp-")  # this process's own stays
     assert os.path.isdir(mine) and os.path.dirname(again) == str(tmp_path)
 
@@ -1312,14 +1318,13 @@ def _same_tree(a, b) -> None:
         assert a == b
 
 
-def test_load_reads_torch_objects_straight_into_the_tensors(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPTIO_SCRATCH", str(tmp_path))
+def test_load_reads_torch_objects_straight_into_the_tensors(s3, tmp_path, scratch):
     sd = _torch_state(4)
     opts = dict(s3.options, part_size="1M")  # GETs of at most 1 MiB
-    torch.save(sd, tmp_path.parent / "plain.pt")
+    torch.save(sd, tmp_path / "plain.pt")
     for name, put in [
         ("ours.pt", lambda url: ckptio.save(sd, url, storage_options=s3.options)),
-        ("torch.pt", lambda url: remote.upload(tmp_path.parent / "plain.pt", url, s3.options)),
+        ("torch.pt", lambda url: remote.upload(tmp_path / "plain.pt", url, s3.options)),
     ]:
         url = s3.url(name)
         put(url)
@@ -1330,7 +1335,7 @@ def test_load_reads_torch_objects_straight_into_the_tensors(s3, tmp_path, monkey
             assert (
                 got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
             )
-            assert os.listdir(tmp_path) == []  # no scratch copy
+            assert os.listdir(scratch) == []  # no scratch copy
 
 
 def _rezip(src, dst, extra: bytes = b"") -> None:

@@ -28,6 +28,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -208,45 +209,49 @@ def _memory_room() -> int:
 def scratch_folder(nbytes: int | None = None, prefix: str = "ckptio-stage-") -> str:
     """A new folder for staged copies (of ``nbytes`` where known), in
     :func:`scratch_dir`; the caller removes it. Folders that killed processes
-    left there go first (:func:`sweep_scratch`)."""
-    where = scratch_dir(nbytes)
+    left go first (:func:`sweep_scratch`), before /dev/shm's room is judged."""
     sweep_scratch()
-    return tempfile.mkdtemp(prefix=f"{prefix}{_owner()}-", dir=where)
+    return tempfile.mkdtemp(prefix=f"{prefix}{_owner()}-", dir=scratch_dir(nbytes))
 
 
 def scratch_name(prefix: str) -> str:
     """A path for a scratch folder that whoever writes into it makes (in the temp
     folder, named for this process as :func:`scratch_folder`'s are)."""
-    where = scratch_dir()
     sweep_scratch()
-    return os.path.join(where, f"{prefix}{_owner()}-{secrets.token_hex(8)}")
+    return os.path.join(scratch_dir(), f"{prefix}{_owner()}-{secrets.token_hex(8)}")
 
 
-#: ckptio's scratch folders: prefix, pid namespace, pid.
-_SCRATCH = re.compile(r"^ckptio-(?:stage|dcp)-(\d+)\.(\d+)-")
+#: ckptio's scratch folders: prefix, then the owner (:func:`_owner`).
+_SCRATCH = re.compile(r"^ckptio-(?:stage|dcp)-([0-9a-f]{8}\.\d+\.\d+)-")
 
 
-def _pid_ns() -> int | None:
+def _host() -> str | None:
+    """``<boot id>.<pid namespace>``: where a pid means one process (a folder on a
+    disk that several hosts share is judged by its own host only)."""
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip().replace("-", "")[:8]
+        return f"{boot}.{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
         return None
 
 
 def _owner() -> str:
-    """``<pid namespace>.<pid>``: which process a scratch folder belongs to
-    (``0.<pid>`` where the namespace is unknown: never swept)."""
-    return f"{_pid_ns() or 0}.{os.getpid()}"
+    """Which process a scratch folder belongs to: ``<host>.<pid>`` (``none`` where
+    the host is unknown: never swept)."""
+    host = _host()
+    return f"{host}.{os.getpid()}" if host else "none"
 
 
 def sweep_scratch() -> list[str]:
     """Remove the scratch folders whose process is gone, in every place
     :func:`scratch_dir` picks from (a save or load SIGKILLed midway leaves its
-    staged copy: GiBs in /dev/shm or the temp folder). Paths removed. Only
-    folders of this pid namespace are judged, so another container's live ones
-    stay; a pid taken again keeps its folder (the safe side)."""
-    ns = _pid_ns()
-    if ns is None:
+    staged copy: GiBs in /dev/shm or the temp folder); the paths removed.
+    Judged: this user's own directories (not links, FIFOs or others' entries
+    in a shared /tmp) of this boot and pid namespace; a pid taken again keeps
+    its folder (the safe side). Never fails: a folder it cannot judge stays."""
+    host = _host()
+    if host is None:
         return []
     removed = []
     for where in {scratch_dir(), SHM, tempfile.gettempdir()}:
@@ -256,14 +261,25 @@ def sweep_scratch() -> list[str]:
             continue
         for name in names:
             m = _SCRATCH.match(name)
-            if m is None or int(m.group(1)) != ns or _alive(int(m.group(2))):
+            if m is None or not m.group(1).startswith(host + "."):
                 continue
-            shutil.rmtree(os.path.join(where, name), ignore_errors=True)
-            removed.append(os.path.join(where, name))
+            path = os.path.join(where, name)
+            try:
+                st = os.lstat(path)
+                pid = int(m.group(1).rsplit(".", 1)[1])
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or _alive(pid):
+                    continue
+                shutil.rmtree(path, ignore_errors=True)
+            except (OSError, ValueError, OverflowError):
+                continue
+            if not os.path.lexists(path):
+                removed.append(path)
     return removed
 
 
 def _alive(pid: int) -> bool:
+    if not 0 < pid < 1 << 22:  # past Linux's pid_max: not a process's
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
