@@ -4,6 +4,7 @@ killed and resumed by the next process, and bad arguments."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -365,6 +366,127 @@ def test_a_stale_folder_does_not_roll_the_store_back(tmp_path, s3):
     with pytest.raises(ckptio.CommitConflictError, match="did not make"):
         again.resumed.result(60)
     _same(_dcp_from(url, s3, 2), _state(2))
+
+
+def _commit_between(local, meta_url, data, options, record: bool) -> str:
+    """A commit of ``data`` put over the store's ``.metadata`` now, as another
+    process's writer on the folder ``local`` makes it (recorded there where
+    ``record``: DCP's process mode, the trainer's resumed drain); its ETag."""
+    from ckptio.tiered import REMOTE_RECORD
+
+    try:
+        _, v = remote.get_bytes(meta_url, options)
+        got = remote.put_bytes(meta_url, data, options, if_match=v["e_tag"])
+    except FileNotFoundError:
+        got = remote.put_bytes(meta_url, data, options, create=True)
+    if record:
+        (local / REMOTE_RECORD).write_text(json.dumps({"e_tag": got["e_tag"]}))
+    return got["e_tag"]
+
+
+def _other_metadata(tmp_path) -> bytes:
+    """A DCP ``.metadata`` of another save (what the commit in between puts)."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemWriter
+
+    dcp.save(_state(7), storage_writer=FileSystemWriter(tmp_path / "other"), no_dist=True)
+    return (tmp_path / "other" / ".metadata").read_bytes()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_a_commit_goes_over_one_its_folder_made_meanwhile_only(tmp_path, s3, monkeypatch):
+    """DCP's process mode: the trainer's resumed drain commits between the
+    checkpoint process's read of ``.metadata`` and its PUT. The newer save puts
+    over that commit (its folder's record names it), never over another
+    writer's (a CommitConflictError, the store left as that writer made it)."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio import tiered
+    from ckptio.tiered import TieredWriter
+
+    other = _other_metadata(tmp_path)
+    url, local = s3.url("dcp-meanwhile"), tmp_path / "local"
+    meta_url = remote.join(url, ".metadata")
+    w = TieredWriter(local, url, storage_options=s3.options)
+    dcp.save(_state(1), storage_writer=w, no_dist=True)
+    assert w.remote_completion.result(60) == url
+    put = remote.put_bytes
+
+    def between(record: bool):
+        def wrapped(u, data, options, **kw):
+            if u == meta_url:
+                monkeypatch.setattr(tiered.objstore, "put_bytes", put)  # once
+                _commit_between(local, meta_url, other, options, record)
+            return put(u, data, options, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(tiered.objstore, "put_bytes", between(True))
+    dcp.save(_state(2), storage_writer=w, no_dist=True)
+    assert w.remote_completion.result(60) == url
+    _same(_dcp_from(url, s3, 2), _state(2))
+    monkeypatch.setattr(tiered.objstore, "put_bytes", between(False))
+    dcp.save(_state(3), storage_writer=w, no_dist=True)
+    with pytest.raises(ckptio.CommitConflictError):
+        w.remote_completion.result(60)
+    assert remote.get_bytes(meta_url, s3.options)[0] == other
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_a_resumed_commit_gives_way_to_a_newer_one_of_its_folder(tmp_path, s3, monkeypatch):
+    """The trainer's resumed drain finds the store moved on by a commit its own
+    folder made meanwhile (the checkpoint process's first save): the resumed,
+    older commit is dropped, ``resumed`` succeeds, the store keeps the newer."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.tiered import TieredWriter
+
+    other = _other_metadata(tmp_path)
+    url, local = s3.url("dcp-gives-way"), tmp_path / "local"
+    meta_url = remote.join(url, ".metadata")
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    first = TieredWriter(local, url, storage_options=down, tries=1)
+    dcp.save(_state(1), storage_writer=first, no_dist=True)  # durable locally only
+    with pytest.raises(ckptio.StoreConnectionError):
+        first.remote_completion.result(60)
+    upload = TieredWriter._upload_missing
+
+    def then_commit(self, names):
+        monkeypatch.setattr(TieredWriter, "_upload_missing", upload)  # once
+        got = upload(self, names)
+        _commit_between(local, meta_url, other, s3.options, record=True)
+        return got
+
+    monkeypatch.setattr(TieredWriter, "_upload_missing", then_commit)
+    again = TieredWriter(local, url, storage_options=s3.options)
+    assert again.resumed is not None and again.resumed.result(60) == url
+    assert remote.get_bytes(meta_url, s3.options)[0] == other
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_a_save_over_another_group_resumes_as_its_rank_there(tmp_path, s3, monkeypatch):
+    """Made where the default group says rank 1, saving with ``no_dist=True``
+    (or a ``process_group=`` where it is rank 0): the resume as rank 1 found
+    nothing of its own, the save's set-up resumes as DCP's rank 0, coordinator."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio import tiered
+    from ckptio.tiered import TieredWriter
+
+    url = s3.url("dcp-subgroup")
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    first = TieredWriter(tmp_path / "local", url, storage_options=down, tries=1)
+    dcp.save(_state(1), storage_writer=first, no_dist=True)  # rank 0's record, locally only
+    with pytest.raises(ckptio.StoreConnectionError):
+        first.remote_completion.result(60)
+    monkeypatch.setattr(tiered, "_rank", lambda: 1)
+    again = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
+    assert again.resumed is None  # rank 1 left nothing; not the coordinator
+    dcp.save(_state(2), storage_writer=again, no_dist=True)
+    assert again.resumed is not None and again.resumed.result(60) == url
+    assert again.remote_completion.result(60) == url
+    _same(_dcp_from(url, s3, 2), _state(2))
+    assert not os.path.exists(tmp_path / "local" / f"{tiered.DRAIN_RECORD}0.json")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -537,8 +537,10 @@ class TieredWriter(FileSystemWriter):
     commits locally as the local writer does (``upload_completion`` means
     durable in ``local``); then, in the background, each rank uploads its own
     data files and marks them done in the store, and the coordinator, once every
-    rank's mark is there, puts ``.metadata`` conditionally (the remote commit)
-    and removes the remote objects of neither generation. ``remote_completion``
+    rank's mark is there, puts ``.metadata`` conditionally (the remote commit:
+    over the version it read, or over one this folder committed since, which
+    only another process of this folder makes) and removes the remote objects
+    of neither generation. ``remote_completion``
     (after a save: ``writer.remote_completion.result()``) is done when the
     checkpoint is durable in the store, on the coordinator (elsewhere: when this
     rank's files are uploaded). A rank's next save waits for its previous
@@ -549,13 +551,16 @@ class TieredWriter(FileSystemWriter):
     (``.ckptio-drain-<rank>.json``, removed once they are in the store). A new
     writer where nothing of this process moves these tiers now (every rank's,
     each on its host's folder; where the rank is not known yet, at its first
-    save's set-up)
+    save's set-up, and there again as DCP's rank where that save's group gives
+    this process another rank than the one it resumed as)
     resumes what the last process left: its rank's recorded files uploaded
     where the store lacks them, and on the coordinator, where the local
     ``.metadata`` is not the store's, the files it names that this host holds
     uploaded, then, once the store holds every file it names (other hosts'
     ranks resume theirs), the remote commit, only over the commit this folder
-    made last (else a CommitConflictError: the store moved on). ``resumed``:
+    made last (else a CommitConflictError: the store moved on; where a newer
+    commit of this folder moved it, as the checkpoint process of DCP's process
+    mode makes, the resumed one is dropped). ``resumed``:
     its future (None where there was nothing to drain); the next save waits
     for its uploads.
     ``tries``/``backoff``: retries of transient errors, as ``Checkpointer``'s;
@@ -588,6 +593,9 @@ class TieredWriter(FileSystemWriter):
         #: the background (None: none, or not begun yet: see the class).
         self.resumed: Future[str] | None = None
         self._resume_due = idle
+        #: The (rank, coordinator) a resume ran as: a save's set-up over another
+        #: group (``process_group=``, ``no_dist=True``) resumes as DCP's too.
+        self._resumed_as: tuple[int, bool] | None = None
         if idle and _rank_known():
             self._resume(_rank(), _rank() == 0)
 
@@ -611,6 +619,8 @@ class TieredWriter(FileSystemWriter):
         # DCP's process mode unpickled: where nothing here moves these tiers.
         if self._resume_due and _idle(self._tier):
             self._resume(self._rank, is_coordinator)
+        elif self._resumed_as not in (None, (self._rank, is_coordinator)):
+            self._resume(self._rank, is_coordinator)
 
     def _record(self, rank: int) -> str:
         return os.path.join(os.fspath(self.path), f"{DRAIN_RECORD}{rank}.json")
@@ -622,6 +632,7 @@ class TieredWriter(FileSystemWriter):
         uploads from the local folder as what the next save waits for."""
         folder, tier = os.fspath(self.path), self._tier
         self._resume_due = False
+        self._resumed_as = (rank, coordinator)
         record = self._record(rank)
         pending = _read_record(record)
         meta = os.path.join(folder, ".metadata")
@@ -632,14 +643,18 @@ class TieredWriter(FileSystemWriter):
         done: Future[str] = Future()
         uploaded: Future[None] = Future()
         seq, before = 0, None
-        if files is not None:
-            with tier.lock:
+        with tier.lock:
+            prior = tier.uploading  # (a resume as another rank's, still uploading)
+            if files is not None:
                 tier.seq += 1
                 seq, before, tier.committing = tier.seq, tier.committing, done
         meta_url = objstore.join(self.remote, ".metadata")
 
         def drain() -> None:
             try:
+                if prior is not None:
+                    with contextlib.suppress(BaseException):
+                        prior.result()
                 try:
                     raw, version = objstore.get_bytes(meta_url, self._options)
                     current: str | None = version["e_tag"]
@@ -662,18 +677,26 @@ class TieredWriter(FileSystemWriter):
                 if files is not None and data is not None and raw != data:
                     self._upload_missing(sorted(files))
                     uploaded.set_result(None)
-                    if _read_remote_record(folder) != current:
-                        raise CommitConflictError(
-                            f"{meta_url}: the store holds a commit that {folder} did not make; "
-                            "its local checkpoint is not put over it (the next save commits anew)"
-                        )
-                    self._await_files(files, seq)
-                    if before is not None:
-                        with contextlib.suppress(BaseException):
-                            before.result()
-                    # No sweep: a process that saves elsewhere (DCP's process
-                    # mode) may be uploading a generation this one never planned.
-                    self._commit(data, files, set(), expect=current, sweep=False)
+                    try:
+                        if _read_remote_record(folder) != current:
+                            raise CommitConflictError(
+                                f"{meta_url}: the store holds a commit that {folder} did not "
+                                "make; its local checkpoint is not put over it (the next save "
+                                "commits anew)"
+                            )
+                        self._await_files(files, seq)
+                        if before is not None:
+                            with contextlib.suppress(BaseException):
+                                before.result()
+                        # No sweep: a process that saves elsewhere (DCP's process
+                        # mode) may be uploading a generation this one never planned.
+                        self._commit(data, files, set(), expect=current, sweep=False)
+                    except CommitConflictError:
+                        # A newer save from this folder committed meanwhile (in
+                        # DCP's process mode, from the checkpoint process): the
+                        # resumed commit is older, nothing is left to do.
+                        if not self._made_here(self._retried(lambda: self._e_tag_of(meta_url))):
+                            raise
                 if failed is not None:
                     raise failed
                 if not uploaded.done():
@@ -909,26 +932,53 @@ class TieredWriter(FileSystemWriter):
                 return None, None
 
         old, base = self._retried(current)
-        previous = dcp_format.files_named(old, meta_url) if old is not None else set()
         if expect is not _NOW and expect != base:
             raise CommitConflictError(f"{meta_url}: committed anew since this drain began")
-        try:
-            put = self._retried(
-                lambda: objstore.put_bytes(
-                    meta_url, data, self._options, create=base is None, if_match=base
+        for attempt in range(3):
+            try:
+                put = self._retried(
+                    lambda b=base: objstore.put_bytes(
+                        meta_url, data, self._options, create=b is None, if_match=b
+                    )
                 )
-            )
-            e_tag = put.get("e_tag")
-        except CommitConflictError:
-            now, e_tag = self._retried(current)  # a retried PUT whose first reply was lost
-            if now != data:
-                raise
+                e_tag = put.get("e_tag")
+                break
+            except CommitConflictError:
+                now, e_tag = self._retried(current)
+                if now == data:  # a retried PUT whose first reply was lost
+                    break
+                # Put over a commit only this folder made since it was read (a
+                # resumed drain's, in another process: DCP's process mode),
+                # never over another writer's.
+                if expect is not _NOW or attempt == 2 or not self._made_here(e_tag):
+                    raise
+                old, base = now, e_tag
+        previous = dcp_format.files_named(old, meta_url) if old is not None else set()
         _write_commit(
             os.path.join(os.fspath(self.path), REMOTE_RECORD), json.dumps({"e_tag": e_tag}).encode()
         )
         if sweep:
             with contextlib.suppress(Exception):  # committed: the next commit sweeps again
                 self._sweep(files, tokens, previous)
+
+    def _e_tag_of(self, url: str) -> str | None:
+        try:
+            return objstore.head(url, self._options)["e_tag"]
+        except FileNotFoundError:
+            return None
+
+    def _made_here(self, e_tag: str | None, wait: float = 5.0) -> bool:
+        """Whether the store's ``.metadata`` at ``e_tag`` is a commit this folder
+        made (its record says so; the process that made it writes the record
+        just after its PUT, so a moment is given)."""
+        folder = os.fspath(self.path)
+        deadline = time.monotonic() + wait
+        while True:
+            if e_tag is not None and _read_remote_record(folder) == e_tag:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
 
     def _sweep(self, files: set[str], tokens: set[str], previous: set[str] | None) -> None:
         """The rank marks and the data objects that neither the new ``.metadata``
