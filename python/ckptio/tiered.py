@@ -25,6 +25,7 @@ left. Layout, guarantees and figures: docs/objectstore.md.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -36,7 +37,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -483,9 +484,15 @@ class Checkpointer:
 RANKS_DONE = ".ckptio-ranks"
 #: Each rank's files still to upload, in its local folder: ``<this><rank>.json``.
 DRAIN_RECORD = ".ckptio-drain-"
-#: The coordinator's local record of the last remote commit it made (its ETag).
+#: The coordinator's local record of the last remote commit it made (its ETag,
+#: and its local commit's stamp).
 REMOTE_RECORD = ".ckptio-remote.json"
-_NOW = object()  # TieredWriter._commit: over whatever version is there now
+#: Held while a commit from a local folder reads the store, puts and records.
+COMMIT_LOCK = ".ckptio-commit.lock"
+
+
+class _GaveWay(CommitConflictError):
+    """A commit that found a newer one of its own folder in the store."""
 
 
 @dataclass
@@ -506,6 +513,8 @@ class _Tier:
     #: one before them goes from the local folder (DCP sweeps the coordinator's
     #: folder only; another host's would keep every generation).
     kept: list[list[str]] = field(default_factory=list)
+    #: The (rank, coordinator) pairs the last resume in this process ran as.
+    resumed_as: set[tuple[int, bool]] = field(default_factory=set)
 
 
 _TIERS: dict[tuple[str, str], _Tier] = {}
@@ -615,28 +624,35 @@ class TieredWriter(FileSystemWriter):
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._rank = int(kwargs.get("rank", _rank()))
         self._coordinator = is_coordinator
+        pair = (self._rank, is_coordinator)
         # Made before the process group (its rank known now), or a copy that
         # DCP's process mode unpickled: where nothing here moves these tiers.
         if self._resume_due and _idle(self._tier):
             self._resume(self._rank, is_coordinator)
-        elif self._resumed_as not in (None, (self._rank, is_coordinator)):
-            self._resume(self._rank, is_coordinator)
+        elif self._resumed_as not in (None, pair) and pair not in self._tier.resumed_as:
+            self._resume(self._rank, is_coordinator, again=True)  # a save over another group
 
     def _record(self, rank: int) -> str:
         return os.path.join(os.fspath(self.path), f"{DRAIN_RECORD}{rank}.json")
 
-    def _resume(self, rank: int, coordinator: bool) -> None:
+    def _resume(self, rank: int, coordinator: bool, again: bool = False) -> None:
         """Resume in the background what the last process on this folder left
         undrained: this rank's recorded files, and on the coordinator a local
         commit the store lacks (see the class). Sets ``resumed``, and the
-        uploads from the local folder as what the next save waits for."""
+        uploads from the local folder as what the next save waits for.
+        ``again``: as another rank than the last resume of this process, once
+        that one's uploads are done."""
         folder, tier = os.fspath(self.path), self._tier
         self._resume_due = False
         self._resumed_as = (rank, coordinator)
+        with tier.lock:
+            if not again:  # what a dead process left, found anew
+                tier.resumed_as.clear()
+            tier.resumed_as.add((rank, coordinator))
         record = self._record(rank)
         pending = _read_record(record)
         meta = os.path.join(folder, ".metadata")
-        data = _read_file(meta) if coordinator and os.path.isfile(meta) else None
+        data, stamp = _read_stamped(meta) if coordinator and os.path.isfile(meta) else (None, 0)
         files = dcp_format.files_named(data, meta) if data is not None else None
         if pending is None and files is None:
             return
@@ -678,25 +694,20 @@ class TieredWriter(FileSystemWriter):
                     self._upload_missing(sorted(files))
                     uploaded.set_result(None)
                     try:
-                        if _read_remote_record(folder) != current:
-                            raise CommitConflictError(
-                                f"{meta_url}: the store holds a commit that {folder} did not "
-                                "make; its local checkpoint is not put over it (the next save "
-                                "commits anew)"
-                            )
+                        # Early (again under the folder's lock in _commit): the
+                        # store moved on since `current` by another writer.
+                        made = _read_remote_record(folder)[0]
+                        if made != current and made != self._retried(self._e_tag_now):
+                            self._not_made_here(meta_url)
                         self._await_files(files, seq)
                         if before is not None:
                             with contextlib.suppress(BaseException):
                                 before.result()
                         # No sweep: a process that saves elsewhere (DCP's process
                         # mode) may be uploading a generation this one never planned.
-                        self._commit(data, files, set(), expect=current, sweep=False)
-                    except CommitConflictError:
-                        # A newer save from this folder committed meanwhile (in
-                        # DCP's process mode, from the checkpoint process): the
-                        # resumed commit is older, nothing is left to do.
-                        if not self._made_here(self._retried(lambda: self._e_tag_of(meta_url))):
-                            raise
+                        self._commit(data, files, set(), stamp, resumed=True, sweep=False)
+                    except _GaveWay:
+                        pass  # a newer commit of this folder is in: nothing left to do
                 if failed is not None:
                     raise failed
                 if not uploaded.done():
@@ -880,7 +891,7 @@ class TieredWriter(FileSystemWriter):
         with tier.lock:
             tier.seq += 1
             seq, before, tier.committing = tier.seq, tier.committing, done
-        data = _read_file(os.path.join(os.fspath(self.path), ".metadata"))
+        data, stamp = _read_stamped(os.path.join(os.fspath(self.path), ".metadata"))
 
         def commit() -> None:
             try:
@@ -891,7 +902,7 @@ class TieredWriter(FileSystemWriter):
                 if before is not None:  # in save order: an older commit never lands last
                     with contextlib.suppress(BaseException):
                         before.result()
-                self._commit(data, files, tokens)
+                self._commit(data, files, tokens, stamp)
                 done.set_result(self.remote)
             except BaseException as e:
                 done.set_exception(e)
@@ -913,15 +924,22 @@ class TieredWriter(FileSystemWriter):
         data: bytes,
         files: set[str],
         tokens: set[str],
-        expect: Any = _NOW,
+        stamp: int,
+        resumed: bool = False,
         sweep: bool = True,
     ) -> None:
-        """``.metadata`` put over the version there now (``expect``: over that
-        e_tag only, None: only where there is none; else a CommitConflictError)
-        and recorded locally, then the rank marks and the data objects that
-        neither it nor the previous one names removed, but for generations
-        named here and not committed (``tokens``, this save's, are: their ranks
-        may be uploading and marking them already)."""
+        """``.metadata`` put over the version there now (``resumed``: only over
+        the commit this folder made last, else a CommitConflictError) and
+        recorded locally with its ``stamp`` (when its local commit was made),
+        then the rank marks and the data objects that neither it nor the
+        previous one names removed, but for generations named here and not
+        committed (``tokens``, this save's, are: their ranks may be uploading
+        and marking them already).
+
+        Every process of the folder commits under its lock (a trainer's resumed
+        drain beside DCP's checkpoint process), so the record is the store's
+        where this folder made the commit there; one that finds there a newer
+        commit of this folder gives way (``_GaveWay``), never rolling it back."""
         meta_url = objstore.join(self.remote, ".metadata")
 
         def current() -> tuple[bytes | None, str | None]:
@@ -931,54 +949,49 @@ class TieredWriter(FileSystemWriter):
             except FileNotFoundError:
                 return None, None
 
-        old, base = self._retried(current)
-        if expect is not _NOW and expect != base:
-            raise CommitConflictError(f"{meta_url}: committed anew since this drain began")
-        for attempt in range(3):
+        folder = os.fspath(self.path)
+        with _folder_lock(folder):
+            old, base = self._retried(current)
+            made, made_stamp = _read_remote_record(folder)
+            if base is not None and base == made and made_stamp >= stamp:
+                if old == data:
+                    return  # committed already (by another process of this folder)
+                raise _GaveWay(
+                    f"{meta_url}: a newer save of {folder} is committed; this older one gives way"
+                )
+            if resumed and base != made:
+                self._not_made_here(meta_url)
             try:
                 put = self._retried(
-                    lambda b=base: objstore.put_bytes(
-                        meta_url, data, self._options, create=b is None, if_match=b
+                    lambda: objstore.put_bytes(
+                        meta_url, data, self._options, create=base is None, if_match=base
                     )
                 )
                 e_tag = put.get("e_tag")
-                break
             except CommitConflictError:
-                now, e_tag = self._retried(current)
-                if now == data:  # a retried PUT whose first reply was lost
-                    break
-                # Put over a commit only this folder made since it was read (a
-                # resumed drain's, in another process: DCP's process mode),
-                # never over another writer's.
-                if expect is not _NOW or attempt == 2 or not self._made_here(e_tag):
+                now, e_tag = self._retried(current)  # a retried PUT whose first reply was lost
+                if now != data:
                     raise
-                old, base = now, e_tag
+            _write_commit(
+                os.path.join(folder, REMOTE_RECORD),
+                json.dumps({"e_tag": e_tag, "stamp": stamp}).encode(),
+            )
         previous = dcp_format.files_named(old, meta_url) if old is not None else set()
-        _write_commit(
-            os.path.join(os.fspath(self.path), REMOTE_RECORD), json.dumps({"e_tag": e_tag}).encode()
-        )
         if sweep:
             with contextlib.suppress(Exception):  # committed: the next commit sweeps again
                 self._sweep(files, tokens, previous)
 
-    def _e_tag_of(self, url: str) -> str | None:
+    def _e_tag_now(self) -> str | None:
         try:
-            return objstore.head(url, self._options)["e_tag"]
+            return objstore.head(objstore.join(self.remote, ".metadata"), self._options)["e_tag"]
         except FileNotFoundError:
             return None
 
-    def _made_here(self, e_tag: str | None, wait: float = 5.0) -> bool:
-        """Whether the store's ``.metadata`` at ``e_tag`` is a commit this folder
-        made (its record says so; the process that made it writes the record
-        just after its PUT, so a moment is given)."""
-        folder = os.fspath(self.path)
-        deadline = time.monotonic() + wait
-        while True:
-            if e_tag is not None and _read_remote_record(folder) == e_tag:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
+    def _not_made_here(self, meta_url: str) -> NoReturn:
+        raise CommitConflictError(
+            f"{meta_url}: the store holds a commit that {os.fspath(self.path)} did not make; "
+            "its local checkpoint is not put over it (the next save commits anew)"
+        )
 
     def _sweep(self, files: set[str], tokens: set[str], previous: set[str] | None) -> None:
         """The rank marks and the data objects that neither the new ``.metadata``
@@ -1027,12 +1040,32 @@ def _rank_known() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) <= 1
 
 
-def _read_remote_record(folder: str) -> str | None:
-    """The ETag of the last remote commit made from ``folder`` (None: none)."""
+def _read_remote_record(folder: str) -> tuple[str | None, int]:
+    """The ETag of the last remote commit made from ``folder`` and its local
+    commit's stamp ((None, 0): none; 0: a record that has no stamp)."""
     try:
-        return json.loads(_read_file(os.path.join(folder, REMOTE_RECORD)))["e_tag"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        rec = json.loads(_read_file(os.path.join(folder, REMOTE_RECORD)))
+        return rec["e_tag"], int(rec.get("stamp", 0))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, 0
+
+
+def _read_stamped(path: str) -> tuple[bytes, int]:
+    """A local commit's bytes and when it was made (its mtime in ns, from the
+    same open file: a commit is a rename, so the two always go together)."""
+    with open(path, "rb") as fh:
+        return fh.read(), os.fstat(fh.fileno()).st_mtime_ns
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: str) -> Iterator[None]:
+    """The lock every process (and thread) committing from ``folder`` holds."""
+    fd = os.open(os.path.join(folder, COMMIT_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _read_record(path: str) -> tuple[str, list[str]] | None:
