@@ -4,7 +4,6 @@ killed and resumed by the next process, and bad arguments."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -366,126 +365,6 @@ def test_a_stale_folder_does_not_roll_the_store_back(tmp_path, s3):
     with pytest.raises(ckptio.CommitConflictError, match="did not make"):
         again.resumed.result(60)
     _same(_dcp_from(url, s3, 2), _state(2))
-
-
-def _commit_between(local, meta_url, data, options, stamp: int | None) -> str:
-    """A commit of ``data`` put over the store's ``.metadata`` now, as another
-    process's writer on the folder ``local`` makes it (recorded there with its
-    local commit's ``stamp``; None: another writer's, not recorded); its ETag."""
-    from ckptio.tiered import REMOTE_RECORD
-
-    try:
-        _, v = remote.get_bytes(meta_url, options)
-        got = remote.put_bytes(meta_url, data, options, if_match=v["e_tag"])
-    except FileNotFoundError:
-        got = remote.put_bytes(meta_url, data, options, create=True)
-    if stamp is not None:
-        (local / REMOTE_RECORD).write_text(json.dumps({"e_tag": got["e_tag"], "stamp": stamp}))
-    return got["e_tag"]
-
-
-def _other_metadata(tmp_path, seed: int) -> bytes:
-    """A DCP ``.metadata`` of another save (what a commit in between puts)."""
-    import torch.distributed.checkpoint as dcp
-    from ckptio.dcp import FileSystemWriter
-
-    where = tmp_path / f"other{seed}"
-    dcp.save(_state(seed, 10 + seed), storage_writer=FileSystemWriter(where), no_dist=True)
-    return (where / ".metadata").read_bytes()
-
-
-NEWER = 1 << 62  # a stamp after any local commit's
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
-def test_a_commit_goes_over_an_older_one_of_its_folder_never_a_newer(tmp_path, s3, monkeypatch):
-    """DCP's process mode: the trainer's resumed drain and the checkpoint
-    process commit from one folder. A save's commit puts over an older commit
-    of its folder, gives way to a newer one (a CommitConflictError, the store
-    not rolled back), and a commit of another writer between its read and its
-    PUT is a CommitConflictError."""
-    import torch.distributed.checkpoint as dcp
-    from ckptio import tiered
-    from ckptio.tiered import TieredWriter
-
-    others = [_other_metadata(tmp_path, seed) for seed in (7, 8, 9)]
-    url, local = s3.url("dcp-meanwhile"), tmp_path / "local"
-    meta_url = remote.join(url, ".metadata")
-    w = TieredWriter(local, url, storage_options=s3.options)
-    dcp.save(_state(1), storage_writer=w, no_dist=True)
-    assert w.remote_completion.result(60) == url
-    commit = TieredWriter._commit
-
-    def before_commit(data, stamp):
-        def wrapped(self, *a, **kw):
-            monkeypatch.setattr(TieredWriter, "_commit", commit)  # once
-            _commit_between(local, meta_url, data, s3.options, stamp)
-            return commit(self, *a, **kw)
-
-        return wrapped
-
-    monkeypatch.setattr(TieredWriter, "_commit", before_commit(others[0], 1))  # older
-    dcp.save(_state(2), storage_writer=w, no_dist=True)
-    assert w.remote_completion.result(60) == url
-    _same(_dcp_from(url, s3, 2), _state(2))
-    monkeypatch.setattr(TieredWriter, "_commit", before_commit(others[1], NEWER))
-    dcp.save(_state(3), storage_writer=w, no_dist=True)
-    with pytest.raises(ckptio.CommitConflictError, match="gives way"):
-        w.remote_completion.result(60)
-    assert remote.get_bytes(meta_url, s3.options)[0] == others[1]
-    put = remote.put_bytes
-
-    def another_writer(u, data, options, **kw):
-        if u == meta_url:
-            monkeypatch.setattr(tiered.objstore, "put_bytes", put)  # once
-            _commit_between(local, meta_url, others[2], options, None)
-        return put(u, data, options, **kw)
-
-    (local / tiered.REMOTE_RECORD).unlink()  # (the newer commit above was not real)
-    monkeypatch.setattr(tiered.objstore, "put_bytes", another_writer)
-    dcp.save(_state(4), storage_writer=w, no_dist=True)
-    with pytest.raises(ckptio.CommitConflictError):
-        w.remote_completion.result(60)
-    assert remote.get_bytes(meta_url, s3.options)[0] == others[2]
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
-@pytest.mark.parametrize("newer", [True, False])
-def test_a_resumed_commit_gives_way_to_a_newer_one_of_its_folder_only(
-    tmp_path, s3, monkeypatch, newer
-):
-    """The trainer's resumed drain finds the store moved on by a commit of its
-    own folder (the checkpoint process's save): where that one is newer, the
-    resumed commit is dropped (``resumed`` done, the store not rolled back);
-    where it is older, the resumed commit goes over it."""
-    import torch.distributed.checkpoint as dcp
-    from ckptio.tiered import TieredWriter
-
-    other = _other_metadata(tmp_path, 7)
-    url, local = s3.url("dcp-gives-way"), tmp_path / "local"
-    meta_url = remote.join(url, ".metadata")
-    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
-    first = TieredWriter(local, url, storage_options=down, tries=1)
-    dcp.save(_state(1), storage_writer=first, no_dist=True)  # durable locally only
-    with pytest.raises(ckptio.StoreConnectionError):
-        first.remote_completion.result(60)
-    upload = TieredWriter._upload_missing
-
-    def then_commit(self, names):
-        monkeypatch.setattr(TieredWriter, "_upload_missing", upload)  # once
-        got = upload(self, names)
-        _commit_between(local, meta_url, other, s3.options, NEWER if newer else 1)
-        return got
-
-    monkeypatch.setattr(TieredWriter, "_upload_missing", then_commit)
-    again = TieredWriter(local, url, storage_options=s3.options)
-    assert again.resumed is not None and again.resumed.result(60) == url
-    if newer:
-        assert remote.get_bytes(meta_url, s3.options)[0] == other
-    else:
-        _same(_dcp_from(url, s3, 1), _state(1))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -25,7 +25,6 @@ left. Layout, guarantees and figures: docs/objectstore.md.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import random
@@ -37,7 +36,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -484,15 +483,9 @@ class Checkpointer:
 RANKS_DONE = ".ckptio-ranks"
 #: Each rank's files still to upload, in its local folder: ``<this><rank>.json``.
 DRAIN_RECORD = ".ckptio-drain-"
-#: The coordinator's local record of the last remote commit it made (its ETag,
-#: and its local commit's stamp).
+#: The coordinator's local record of the last remote commit it made (its ETag).
 REMOTE_RECORD = ".ckptio-remote.json"
-#: Held while a commit from a local folder reads the store, puts and records.
-COMMIT_LOCK = ".ckptio-commit.lock"
-
-
-class _GaveWay(CommitConflictError):
-    """A commit that found a newer one of its own folder in the store."""
+_NOW = object()  # TieredWriter._commit: over whatever version is there now
 
 
 @dataclass
@@ -546,10 +539,8 @@ class TieredWriter(FileSystemWriter):
     commits locally as the local writer does (``upload_completion`` means
     durable in ``local``); then, in the background, each rank uploads its own
     data files and marks them done in the store, and the coordinator, once every
-    rank's mark is there, puts ``.metadata`` conditionally (the remote commit:
-    over the version it read, or over one this folder committed since, which
-    only another process of this folder makes) and removes the remote objects
-    of neither generation. ``remote_completion``
+    rank's mark is there, puts ``.metadata`` conditionally (the remote commit)
+    and removes the remote objects of neither generation. ``remote_completion``
     (after a save: ``writer.remote_completion.result()``) is done when the
     checkpoint is durable in the store, on the coordinator (elsewhere: when this
     rank's files are uploaded). A rank's next save waits for its previous
@@ -567,9 +558,7 @@ class TieredWriter(FileSystemWriter):
     ``.metadata`` is not the store's, the files it names that this host holds
     uploaded, then, once the store holds every file it names (other hosts'
     ranks resume theirs), the remote commit, only over the commit this folder
-    made last (else a CommitConflictError: the store moved on; where a newer
-    commit of this folder moved it, as the checkpoint process of DCP's process
-    mode makes, the resumed one is dropped). ``resumed``:
+    made last (else a CommitConflictError: the store moved on). ``resumed``:
     its future (None where there was nothing to drain); the next save waits
     for its uploads.
     ``tries``/``backoff``: retries of transient errors, as ``Checkpointer``'s;
@@ -652,7 +641,7 @@ class TieredWriter(FileSystemWriter):
         record = self._record(rank)
         pending = _read_record(record)
         meta = os.path.join(folder, ".metadata")
-        data, stamp = _read_stamped(meta) if coordinator and os.path.isfile(meta) else (None, 0)
+        data = _read_file(meta) if coordinator and os.path.isfile(meta) else None
         files = dcp_format.files_named(data, meta) if data is not None else None
         if pending is None and files is None:
             return
@@ -693,21 +682,18 @@ class TieredWriter(FileSystemWriter):
                 if files is not None and data is not None and raw != data:
                     self._upload_missing(sorted(files))
                     uploaded.set_result(None)
-                    try:
-                        # Early (again under the folder's lock in _commit): the
-                        # store moved on since `current` by another writer.
-                        made = _read_remote_record(folder)[0]
-                        if made != current and made != self._retried(self._e_tag_now):
-                            self._not_made_here(meta_url)
-                        self._await_files(files, seq)
-                        if before is not None:
-                            with contextlib.suppress(BaseException):
-                                before.result()
-                        # No sweep: a process that saves elsewhere (DCP's process
-                        # mode) may be uploading a generation this one never planned.
-                        self._commit(data, files, set(), stamp, resumed=True, sweep=False)
-                    except _GaveWay:
-                        pass  # a newer commit of this folder is in: nothing left to do
+                    if _read_remote_record(folder) != current:
+                        raise CommitConflictError(
+                            f"{meta_url}: the store holds a commit that {folder} did not make; "
+                            "its local checkpoint is not put over it (the next save commits anew)"
+                        )
+                    self._await_files(files, seq)
+                    if before is not None:
+                        with contextlib.suppress(BaseException):
+                            before.result()
+                    # No sweep: a process that saves elsewhere (DCP's process
+                    # mode) may be uploading a generation this one never planned.
+                    self._commit(data, files, set(), expect=current, sweep=False)
                 if failed is not None:
                     raise failed
                 if not uploaded.done():
@@ -891,7 +877,7 @@ class TieredWriter(FileSystemWriter):
         with tier.lock:
             tier.seq += 1
             seq, before, tier.committing = tier.seq, tier.committing, done
-        data, stamp = _read_stamped(os.path.join(os.fspath(self.path), ".metadata"))
+        data = _read_file(os.path.join(os.fspath(self.path), ".metadata"))
 
         def commit() -> None:
             try:
@@ -902,13 +888,16 @@ class TieredWriter(FileSystemWriter):
                 if before is not None:  # in save order: an older commit never lands last
                     with contextlib.suppress(BaseException):
                         before.result()
-                self._commit(data, files, tokens, stamp)
-                done.set_result(self.remote)
+                self._commit(data, files, tokens)
+                error: BaseException | None = None
             except BaseException as e:
-                done.set_exception(e)
-            finally:
-                with tier.lock:
-                    tier.planned -= tokens
+                error = e
+            with tier.lock:  # before the future: a writer made once it is done finds idle tiers
+                tier.planned -= tokens
+            if error is None:
+                done.set_result(self.remote)
+            else:
+                done.set_exception(error)
 
         threading.Thread(target=commit, name="ckptio-tier-commit", daemon=True).start()
 
@@ -924,22 +913,15 @@ class TieredWriter(FileSystemWriter):
         data: bytes,
         files: set[str],
         tokens: set[str],
-        stamp: int,
-        resumed: bool = False,
+        expect: Any = _NOW,
         sweep: bool = True,
     ) -> None:
-        """``.metadata`` put over the version there now (``resumed``: only over
-        the commit this folder made last, else a CommitConflictError) and
-        recorded locally with its ``stamp`` (when its local commit was made),
-        then the rank marks and the data objects that neither it nor the
-        previous one names removed, but for generations named here and not
-        committed (``tokens``, this save's, are: their ranks may be uploading
-        and marking them already).
-
-        Every process of the folder commits under its lock (a trainer's resumed
-        drain beside DCP's checkpoint process), so the record is the store's
-        where this folder made the commit there; one that finds there a newer
-        commit of this folder gives way (``_GaveWay``), never rolling it back."""
+        """``.metadata`` put over the version there now (``expect``: over that
+        e_tag only, None: only where there is none; else a CommitConflictError)
+        and recorded locally, then the rank marks and the data objects that
+        neither it nor the previous one names removed, but for generations
+        named here and not committed (``tokens``, this save's, are: their ranks
+        may be uploading and marking them already)."""
         meta_url = objstore.join(self.remote, ".metadata")
 
         def current() -> tuple[bytes | None, str | None]:
@@ -949,49 +931,27 @@ class TieredWriter(FileSystemWriter):
             except FileNotFoundError:
                 return None, None
 
-        folder = os.fspath(self.path)
-        with _folder_lock(folder):
-            old, base = self._retried(current)
-            made, made_stamp = _read_remote_record(folder)
-            if base is not None and base == made and made_stamp >= stamp:
-                if old == data:
-                    return  # committed already (by another process of this folder)
-                raise _GaveWay(
-                    f"{meta_url}: a newer save of {folder} is committed; this older one gives way"
-                )
-            if resumed and base != made:
-                self._not_made_here(meta_url)
-            try:
-                put = self._retried(
-                    lambda: objstore.put_bytes(
-                        meta_url, data, self._options, create=base is None, if_match=base
-                    )
-                )
-                e_tag = put.get("e_tag")
-            except CommitConflictError:
-                now, e_tag = self._retried(current)  # a retried PUT whose first reply was lost
-                if now != data:
-                    raise
-            _write_commit(
-                os.path.join(folder, REMOTE_RECORD),
-                json.dumps({"e_tag": e_tag, "stamp": stamp}).encode(),
-            )
+        old, base = self._retried(current)
         previous = dcp_format.files_named(old, meta_url) if old is not None else set()
+        if expect is not _NOW and expect != base:
+            raise CommitConflictError(f"{meta_url}: committed anew since this drain began")
+        try:
+            put = self._retried(
+                lambda: objstore.put_bytes(
+                    meta_url, data, self._options, create=base is None, if_match=base
+                )
+            )
+            e_tag = put.get("e_tag")
+        except CommitConflictError:
+            now, e_tag = self._retried(current)  # a retried PUT whose first reply was lost
+            if now != data:
+                raise
+        _write_commit(
+            os.path.join(os.fspath(self.path), REMOTE_RECORD), json.dumps({"e_tag": e_tag}).encode()
+        )
         if sweep:
             with contextlib.suppress(Exception):  # committed: the next commit sweeps again
                 self._sweep(files, tokens, previous)
-
-    def _e_tag_now(self) -> str | None:
-        try:
-            return objstore.head(objstore.join(self.remote, ".metadata"), self._options)["e_tag"]
-        except FileNotFoundError:
-            return None
-
-    def _not_made_here(self, meta_url: str) -> NoReturn:
-        raise CommitConflictError(
-            f"{meta_url}: the store holds a commit that {os.fspath(self.path)} did not make; "
-            "its local checkpoint is not put over it (the next save commits anew)"
-        )
 
     def _sweep(self, files: set[str], tokens: set[str], previous: set[str] | None) -> None:
         """The rank marks and the data objects that neither the new ``.metadata``
@@ -1040,32 +1000,12 @@ def _rank_known() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) <= 1
 
 
-def _read_remote_record(folder: str) -> tuple[str | None, int]:
-    """The ETag of the last remote commit made from ``folder`` and its local
-    commit's stamp ((None, 0): none; 0: a record that has no stamp)."""
+def _read_remote_record(folder: str) -> str | None:
+    """The ETag of the last remote commit made from ``folder`` (None: none)."""
     try:
-        rec = json.loads(_read_file(os.path.join(folder, REMOTE_RECORD)))
-        return rec["e_tag"], int(rec.get("stamp", 0))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None, 0
-
-
-def _read_stamped(path: str) -> tuple[bytes, int]:
-    """A local commit's bytes and when it was made (its mtime in ns, from the
-    same open file: a commit is a rename, so the two always go together)."""
-    with open(path, "rb") as fh:
-        return fh.read(), os.fstat(fh.fileno()).st_mtime_ns
-
-
-@contextlib.contextmanager
-def _folder_lock(folder: str) -> Iterator[None]:
-    """The lock every process (and thread) committing from ``folder`` holds."""
-    fd = os.open(os.path.join(folder, COMMIT_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+        return json.loads(_read_file(os.path.join(folder, REMOTE_RECORD)))["e_tag"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _read_record(path: str) -> tuple[str, list[str]] | None:
