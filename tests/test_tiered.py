@@ -4,6 +4,7 @@ killed and resumed by the next process, and bad arguments."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -365,6 +366,45 @@ def test_a_stale_folder_does_not_roll_the_store_back(tmp_path, s3):
     with pytest.raises(ckptio.CommitConflictError, match="did not make"):
         again.resumed.result(60)
     _same(_dcp_from(url, s3, 2), _state(2))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_what_a_running_process_left_is_its_own_to_drain(tmp_path, s3):
+    """DCP's process mode: the trainer makes writers while the checkpoint process
+    (alive) saves and drains. A new writer resumes nothing that a process still
+    running wrote (its drain record, its local commit); once it has ended, the
+    next writer resumes it."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.tiered import COMMITTER, DRAIN_RECORD, TieredWriter
+
+    url, local = s3.url("dcp-live"), tmp_path / "local"
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    first = TieredWriter(local, url, storage_options=down, tries=1)
+    dcp.save(_state(1), storage_writer=first, no_dist=True)  # durable locally only
+    with pytest.raises(ckptio.StoreConnectionError):
+        first.remote_completion.result(60)
+    code = "from ckptio.io import liveness; print(liveness.tag(), flush=True); input()"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    other = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=env,
+    )  # fmt: skip
+    try:
+        assert other.stdout is not None
+        owner = other.stdout.readline().strip()
+        for name in (f"{DRAIN_RECORD}0.json", COMMITTER):  # as that process wrote them
+            rec = json.loads((local / name).read_text())
+            (local / name).write_text(json.dumps(dict(rec, owner=owner)))
+        again = TieredWriter(local, url, storage_options=s3.options)
+        assert again.resumed is None  # left to the running process
+        assert remote.listing(url, s3.options) == []
+    finally:
+        other.kill()
+        other.wait()
+    third = TieredWriter(local, url, storage_options=s3.options)
+    assert third.resumed is not None and third.resumed.result(60) == url
+    _same(_dcp_from(url, s3, 1), _state(1))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -53,8 +53,8 @@ from ckptio.errors import (
     StoreThrottledError,
 )
 from ckptio.formats import dcp as dcp_format
+from ckptio.io import liveness, transfer
 from ckptio.io import remote as objstore
-from ckptio.io import transfer
 from ckptio.serialization import load as _load
 from ckptio.serialization import save as _save
 from ckptio.staging import DefaultStager, StagingOptions
@@ -485,6 +485,8 @@ RANKS_DONE = ".ckptio-ranks"
 DRAIN_RECORD = ".ckptio-drain-"
 #: The coordinator's local record of the last remote commit it made (its ETag).
 REMOTE_RECORD = ".ckptio-remote.json"
+#: The tag of the process whose local commit ``.metadata`` is (it commits it remotely).
+COMMITTER = ".ckptio-committer.json"
 _NOW = object()  # TieredWriter._commit: over whatever version is there now
 
 
@@ -558,7 +560,9 @@ class TieredWriter(FileSystemWriter):
     ``.metadata`` is not the store's, the files it names that this host holds
     uploaded, then, once the store holds every file it names (other hosts'
     ranks resume theirs), the remote commit, only over the commit this folder
-    made last (else a CommitConflictError: the store moved on). ``resumed``:
+    made last (else a CommitConflictError: the store moved on). What a process
+    that still runs wrote (a drain record, the local commit: DCP's checkpoint
+    process beside the trainer that makes writers) is left to it. ``resumed``:
     its future (None where there was nothing to drain); the next save waits
     for its uploads.
     ``tries``/``backoff``: retries of transient errors, as ``Checkpointer``'s;
@@ -639,9 +643,15 @@ class TieredWriter(FileSystemWriter):
                 tier.resumed_as.clear()
             tier.resumed_as.add((rank, coordinator))
         record = self._record(rank)
+        # What a process that runs still (DCP's checkpoint process, beside the
+        # trainer that made this writer) left is its own to drain.
         pending = _read_record(record)
+        if pending is not None and _drains_it(pending[2]):
+            pending = None
         meta = os.path.join(folder, ".metadata")
         data = _read_file(meta) if coordinator and os.path.isfile(meta) else None
+        if data is not None and _drains_it(_read_committer(folder)):
+            data = None
         files = dcp_format.files_named(data, meta) if data is not None else None
         if pending is None and files is None:
             return
@@ -668,7 +678,7 @@ class TieredWriter(FileSystemWriter):
                     raw, current, there = None, None, set()
                 failed: BaseException | None = None
                 if pending is not None:
-                    token, names = pending
+                    token, names, _ = pending
                     try:
                         # Not marked where its commit is in already, nor where a
                         # file is gone (a save that died before its local commit,
@@ -794,7 +804,8 @@ class TieredWriter(FileSystemWriter):
         token = _token_of(names)
         record = self._record(rank)
         if names:  # durable before the local commit: a process that dies leaves it
-            _write_commit(record, json.dumps({"token": token, "names": names}).encode())
+            rec = {"token": token, "names": names, "owner": liveness.tag()}
+            _write_commit(record, json.dumps(rec).encode())
         else:  # an older record names files this save's local commit removes
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(record)
@@ -869,6 +880,8 @@ class TieredWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         super().finish(metadata, results)  # the local commit
+        committer = os.path.join(os.fspath(self.path), COMMITTER)
+        _write_commit(committer, json.dumps({"owner": liveness.tag()}).encode())
         self._unfinished = None
         per_rank = [sorted({wr.storage_data.relative_path for wr in r}) for r in results]
         files = {n for names in per_rank for n in names}
@@ -1008,14 +1021,30 @@ def _read_remote_record(folder: str) -> str | None:
         return None
 
 
-def _read_record(path: str) -> tuple[str, list[str]] | None:
-    """A rank's drain record (its save's token and files); None where there is
-    none or it cannot be read (written atomically: a torn one is not ours)."""
+def _read_record(path: str) -> tuple[str, list[str], str | None] | None:
+    """A rank's drain record (its save's token and files, and the tag of the
+    process that wrote it); None where there is none or it cannot be read
+    (written atomically: a torn one is not ours)."""
     try:
         rec = json.loads(_read_file(path))
-        return str(rec["token"]), [str(n) for n in rec["names"]]
+        owner = rec.get("owner")
+        return str(rec["token"]), [str(n) for n in rec["names"]], owner
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _read_committer(folder: str) -> str | None:
+    """The tag of the process whose local commit the folder's ``.metadata`` is
+    (the one that commits it to the store), where recorded."""
+    try:
+        return str(json.loads(_read_file(os.path.join(folder, COMMITTER)))["owner"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _drains_it(owner: str | None) -> bool:
+    """Whether another process that runs now wrote it (and drains it itself)."""
+    return liveness.running(owner) and not liveness.is_mine(owner)
 
 
 def _read_file(path: str) -> bytes:

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import torch
 
 from ckptio import _native
+from ckptio.io import liveness
 from ckptio.io.units import parse_size
 
 #: The URL schemes that name objects (the client's: S3, GCS, Azure).
@@ -221,26 +222,14 @@ def scratch_name(prefix: str) -> str:
     return os.path.join(scratch_dir(), f"{prefix}{_owner()}-{secrets.token_hex(8)}")
 
 
-#: ckptio's scratch folders: prefix, then the owner (:func:`_owner`).
-_SCRATCH = re.compile(r"^ckptio-(?:stage|dcp)-([0-9a-f]{8}\.\d+\.\d+)-")
-
-
-def _host() -> str | None:
-    """``<boot id>.<pid namespace>``: where a pid means one process (a folder on a
-    disk that several hosts share is judged by its own host only)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip().replace("-", "")[:8]
-        return f"{boot}.{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return None
+#: ckptio's scratch folders: prefix, then the tag of their process.
+_SCRATCH = re.compile(rf"^ckptio-(?:stage|dcp)-({liveness.TAG.pattern})-")
 
 
 def _owner() -> str:
-    """Which process a scratch folder belongs to: ``<host>.<pid>`` (``none`` where
-    the host is unknown: never swept)."""
-    host = _host()
-    return f"{host}.{os.getpid()}" if host else "none"
+    """The name part that says which process a scratch folder belongs to
+    (``none`` where that cannot be told: never swept)."""
+    return liveness.tag() or "none"
 
 
 def sweep_scratch() -> list[str]:
@@ -248,11 +237,8 @@ def sweep_scratch() -> list[str]:
     :func:`scratch_dir` picks from (a save or load SIGKILLed midway leaves its
     staged copy: GiBs in /dev/shm or the temp folder); the paths removed.
     Judged: this user's own directories (not links, FIFOs or others' entries
-    in a shared /tmp) of this boot and pid namespace; a pid taken again keeps
-    its folder (the safe side). Never fails: a folder it cannot judge stays."""
-    host = _host()
-    if host is None:
-        return []
+    in a shared /tmp) whose tag :func:`liveness.gone` says ended. Never fails:
+    a folder it cannot judge stays."""
     removed = []
     for where in {scratch_dir(), SHM, tempfile.gettempdir()}:
         try:
@@ -261,32 +247,19 @@ def sweep_scratch() -> list[str]:
             continue
         for name in names:
             m = _SCRATCH.match(name)
-            if m is None or not m.group(1).startswith(host + "."):
+            if m is None or not liveness.gone(m.group(1)):
                 continue
             path = os.path.join(where, name)
             try:
                 st = os.lstat(path)
-                pid = int(m.group(1).rsplit(".", 1)[1])
-                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or _alive(pid):
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
                     continue
                 shutil.rmtree(path, ignore_errors=True)
-            except (OSError, ValueError, OverflowError):
+            except OSError:
                 continue
             if not os.path.lexists(path):
                 removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    if not 0 < pid < 1 << 22:  # past Linux's pid_max: not a process's
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
 
 
 def _scratch_path(url: str, nbytes: int | None = None) -> tuple[str, str]:
