@@ -127,19 +127,21 @@ def test_a_killed_processs_scratch_copy_goes_at_the_next_staging(tmp_path, monke
     assert child.returncode == -signal.SIGKILL
     dead = child.stdout.strip()
     assert os.path.isfile(os.path.join(dead, "x.pt"))
-    boot, ns, pid = os.path.basename(dead)[len("ckptio-stage-") :].rsplit("-", 1)[0].split(".")
+    boot, ns, pid, start = (
+        os.path.basename(dead)[len("ckptio-stage-") :].rsplit("-", 1)[0].split(".")
+    )
     other_boot = "0" * 8 if boot != "0" * 8 else "1" * 8
     kept = [
-        tmp_path / f"ckptio-stage-{boot}.{int(ns) + 1}.{pid}-x",  # another pid namespace's
-        tmp_path / f"ckptio-stage-{other_boot}.{ns}.{pid}-x",  # another host's (a shared disk)
-        tmp_path / f"ckptio-stage-{boot}.{ns}.{1 << 40}-x",  # no process's pid
+        tmp_path / f"ckptio-stage-{boot}.{int(ns) + 1}.{pid}.{start}-x",  # another namespace's
+        tmp_path / f"ckptio-stage-{other_boot}.{ns}.{pid}.{start}-x",  # another host's
+        tmp_path / f"ckptio-stage-{boot}.{ns}.{pid}-x",  # not a whole tag
         tmp_path / "ckptio-stage-nothing",  # not a name of ours
     ]
     for k in kept:
         k.mkdir()
-    fifo = tmp_path / f"ckptio-dcp-{boot}.{ns}.{pid}-fifo"  # not a folder: never opened
+    fifo = tmp_path / f"ckptio-dcp-{boot}.{ns}.{pid}.{start}-fifo"  # not a folder: never opened
     os.mkfifo(fifo)
-    link = tmp_path / f"ckptio-dcp-{boot}.{ns}.{pid}-link"
+    link = tmp_path / f"ckptio-dcp-{boot}.{ns}.{pid}.{start}-link"
     os.symlink(kept[0], link)
     kept += [fifo, link]
     mine = remote.scratch_folder()

@@ -804,8 +804,10 @@ class TieredWriter(FileSystemWriter):
         token = _token_of(names)
         record = self._record(rank)
         if names:  # durable before the local commit: a process that dies leaves it
-            rec = {"token": token, "names": names, "owner": liveness.tag()}
-            _write_commit(record, json.dumps(rec).encode())
+            _write_commit(
+                record,
+                json.dumps({"token": token, "names": names, "owner": liveness.tag()}).encode(),
+            )
         else:  # an older record names files this save's local commit removes
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(record)
@@ -830,6 +832,10 @@ class TieredWriter(FileSystemWriter):
                 if done_for_rank is not None:
                     done_for_rank.set_result(self.remote)
             except BaseException as e:
+                if names:  # the next writer resumes it: this process will not
+                    rec = _read_record(record)
+                    if rec is not None and rec[0] == token:
+                        _own(record, {"token": token, "names": names}, None)
                 uploading.set_exception(e)
                 if done_for_rank is not None:
                     done_for_rank.set_exception(e)
@@ -879,9 +885,10 @@ class TieredWriter(FileSystemWriter):
         return plans
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+        # Before the local commit: a new .metadata never names an older committer
+        # (a process that dies between names a dead one: resumed).
+        _own(os.path.join(os.fspath(self.path), COMMITTER), {}, liveness.tag())
         super().finish(metadata, results)  # the local commit
-        committer = os.path.join(os.fspath(self.path), COMMITTER)
-        _write_commit(committer, json.dumps({"owner": liveness.tag()}).encode())
         self._unfinished = None
         per_rank = [sorted({wr.storage_data.relative_path for wr in r}) for r in results]
         files = {n for names in per_rank for n in names}
@@ -890,7 +897,8 @@ class TieredWriter(FileSystemWriter):
         with tier.lock:
             tier.seq += 1
             seq, before, tier.committing = tier.seq, tier.committing, done
-        data = _read_file(os.path.join(os.fspath(self.path), ".metadata"))
+        meta = os.path.join(os.fspath(self.path), ".metadata")
+        data = _read_file(meta)
 
         def commit() -> None:
             try:
@@ -910,6 +918,9 @@ class TieredWriter(FileSystemWriter):
             if error is None:
                 done.set_result(self.remote)
             else:
+                with contextlib.suppress(OSError):  # the next writer resumes it
+                    if _read_file(meta) == data:
+                        _own(os.path.join(os.fspath(self.path), COMMITTER), {}, None)
                 done.set_exception(error)
 
         threading.Thread(target=commit, name="ckptio-tier-commit", daemon=True).start()
@@ -1028,7 +1039,11 @@ def _read_record(path: str) -> tuple[str, list[str], str | None] | None:
     try:
         rec = json.loads(_read_file(path))
         owner = rec.get("owner")
-        return str(rec["token"]), [str(n) for n in rec["names"]], owner
+        return (
+            str(rec["token"]),
+            [str(n) for n in rec["names"]],
+            owner if isinstance(owner, str) else None,
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -1037,9 +1052,17 @@ def _read_committer(folder: str) -> str | None:
     """The tag of the process whose local commit the folder's ``.metadata`` is
     (the one that commits it to the store), where recorded."""
     try:
-        return str(json.loads(_read_file(os.path.join(folder, COMMITTER)))["owner"])
+        owner = json.loads(_read_file(os.path.join(folder, COMMITTER)))["owner"]
+        return owner if isinstance(owner, str) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _own(path: str, rec: dict[str, Any], owner: str | None) -> None:
+    """Write the record ``rec`` at ``path`` as ``owner``'s (None: nobody's, left
+    to the next writer); advisory: a record that cannot be written is skipped."""
+    with contextlib.suppress(OSError):
+        _write_commit(path, json.dumps(dict(rec, owner=owner)).encode())
 
 
 def _drains_it(owner: str | None) -> bool:

@@ -1,11 +1,12 @@
 """Which process left something behind, and whether it still runs.
 
-A tag ``<boot id>.<pid namespace>.<pid>`` names a process where a pid means one
-process: the boot id keeps another host's tags (a disk several hosts share) and
-the namespace another container's out of this host's judgement. Used for what
-killed processes leave in Python's care (scratch copies, a tiered folder's
-drain records); the core's temp files carry a kernel lock instead
-(``io::persist``).
+A tag ``<boot id>.<pid namespace>.<pid>.<start>`` names one process: the boot id
+keeps another host's tags (a disk several hosts share) out of this host's
+judgement, and the process's start time (``/proc/<pid>/stat``, clock ticks since
+boot) tells it from a later process that got the same pid, in a namespace made
+again with the same number too (a restarted container). Used for what killed
+processes leave in Python's care (scratch copies, a tiered folder's drain
+records); the core's temp files carry a kernel lock instead (``io::persist``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import re
 
 #: A tag's shape (as written by :func:`tag`).
-TAG = re.compile(r"[0-9a-f]{8}\.\d+\.\d+")
+TAG = re.compile(r"[0-9a-f]{8}\.\d{1,20}\.\d{1,7}\.\d{1,20}")
 
 
 def _host() -> str | None:
@@ -26,46 +27,49 @@ def _host() -> str | None:
         return None
 
 
-def tag() -> str | None:
-    """This process's tag (None where the host cannot be told: nothing of it is
-    judged dead later)."""
-    host = _host()
-    return f"{host}.{os.getpid()}" if host else None
-
-
-def is_mine(t: str | None) -> bool:
-    """Whether ``t`` names this very process."""
-    return t is not None and t == tag()
-
-
-def gone(t: str | None) -> bool:
-    """Whether the process ``t`` names has surely ended (what may be removed):
-    a tag of this host and pid namespace whose pid runs no process. A tag of
-    elsewhere, a malformed one, or a pid taken again: False (the safe side)."""
-    return _pid_state(t) is False
-
-
-def running(t: str | None) -> bool:
-    """Whether the process ``t`` names surely runs (what is left to it): a tag
-    of this host and pid namespace whose pid runs a process. A tag of another
-    boot or namespace (a reboot, a restarted container) or a malformed one:
-    False."""
-    return _pid_state(t) is True
-
-
-def _pid_state(t: str | None) -> bool | None:
-    """True: the tag's pid runs here; False: it runs nothing here; None: the tag
-    is not this host's and namespace's to judge."""
-    host = _host()
-    if t is None or host is None or not TAG.fullmatch(t) or not t.startswith(host + "."):
-        return None
-    pid = int(t.rsplit(".", 1)[1])
-    if not 0 < pid < 1 << 22:  # past Linux's pid_max: no process's
-        return None
+def _stat(pid: int | str) -> tuple[str, str] | None:
+    """(state, start time) of a process of this namespace, None where none is."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return fields[0], fields[19]
+    except (OSError, IndexError):
+        return None
+
+
+def tag() -> str | None:
+    """This process's tag (None where it cannot be told: nothing of it is
+    judged later)."""
+    host, me = _host(), _stat("self")
+    return f"{host}.{os.getpid()}.{me[1]}" if host and me else None
+
+
+def is_mine(t: object) -> bool:
+    """Whether ``t`` names this very process."""
+    return isinstance(t, str) and t == tag()
+
+
+def gone(t: object) -> bool:
+    """Whether the process ``t`` names has surely ended (what may be removed): a
+    tag of this host and pid namespace whose process is not there (its pid runs
+    no process, a later one, or a zombie). Elsewhere's or malformed: False."""
+    return _state(t) is False
+
+
+def running(t: object) -> bool:
+    """Whether the process ``t`` names surely runs (what is left to it). A tag
+    of another boot or namespace, or a malformed one: False."""
+    return _state(t) is True
+
+
+def _state(t: object) -> bool | None:
+    """True: the tag's process runs; False: it has ended; None: not this host's
+    and namespace's to judge."""
+    host = _host()
+    if not isinstance(t, str) or host is None or not TAG.fullmatch(t):
+        return None
+    if not t.startswith(host + "."):
+        return None
+    pid, start = t.split(".")[2:]
+    st = _stat(int(pid))
+    return st is not None and st[1] == start and st[0] not in ("Z", "X")
