@@ -887,8 +887,13 @@ class TieredWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         # Before the local commit: a new .metadata never names an older committer
         # (a process that dies between names a dead one: resumed).
-        _own(os.path.join(os.fspath(self.path), COMMITTER), {}, liveness.tag())
-        super().finish(metadata, results)  # the local commit
+        committer = os.path.join(os.fspath(self.path), COMMITTER)
+        _own(committer, {}, liveness.tag())
+        try:
+            super().finish(metadata, results)  # the local commit
+        except BaseException:
+            _own(committer, {}, None)  # the .metadata there is not this save's to commit
+            raise
         self._unfinished = None
         per_rank = [sorted({wr.storage_data.relative_path for wr in r}) for r in results]
         files = {n for names in per_rank for n in names}

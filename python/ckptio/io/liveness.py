@@ -19,11 +19,16 @@ TAG = re.compile(r"[0-9a-f]{8}\.\d{1,20}\.\d{1,7}\.\d{1,20}")
 
 
 def _host() -> str | None:
+    """``<boot id>.<pid namespace>``; None where /proc is not this namespace's
+    (``/proc/self`` names another pid than ours: a sandbox that kept its
+    parent's /proc), where no pid can be judged."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
             boot = fh.read().strip().replace("-", "")[:8]
+        if int(os.readlink("/proc/self")) != os.getpid():
+            return None
         return f"{boot}.{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
+    except (OSError, ValueError):
         return None
 
 
