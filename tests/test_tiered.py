@@ -417,6 +417,39 @@ def test_what_a_running_process_left_is_its_own_to_drain(tmp_path, s3):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_a_resume_keeps_a_record_written_for_a_newer_save_meanwhile(tmp_path, s3, monkeypatch):
+    """A resume drains a dead process's record; a live process of the folder
+    (DCP's checkpoint process) writes its next save's record meanwhile: the
+    resume removes its own record only, never that one."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.tiered import DRAIN_RECORD, TieredWriter
+
+    url, local = s3.url("dcp-keep-record"), tmp_path / "local"
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    first = TieredWriter(local, url, storage_options=down, tries=1)
+    dcp.save(_state(1), storage_writer=first, no_dist=True)
+    with pytest.raises(ckptio.StoreConnectionError):
+        first.remote_completion.result(60)
+    with pytest.raises(ckptio.StoreConnectionError):
+        first._tier.uploading.result(60)
+    record = local / f"{DRAIN_RECORD}0.json"
+    newer = {"token": "abcdef12", "names": ["__0_abcdef12_0.distcp"], "owner": None}
+    upload = TieredWriter._upload_missing
+
+    def then_newer(self, names):
+        monkeypatch.setattr(TieredWriter, "_upload_missing", upload)  # once
+        got = upload(self, names)
+        record.write_text(json.dumps(newer))  # the live process's next save
+        return got
+
+    monkeypatch.setattr(TieredWriter, "_upload_missing", then_newer)
+    again = TieredWriter(local, url, storage_options=s3.options)
+    assert again.resumed is not None and again.resumed.result(60) == url
+    assert json.loads(record.read_text()) == newer
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
 def test_a_save_over_another_group_resumes_as_its_rank_there(tmp_path, s3, monkeypatch):
     """Made where the default group says rank 1, saving with ``no_dist=True``
     (or a ``process_group=`` where it is rank 0): the resume as rank 1 found

@@ -685,8 +685,7 @@ class TieredWriter(FileSystemWriter):
                         # whose files the next save's local sweep removes).
                         if not set(names) <= there and self._upload_missing(names):
                             self._uploaded(token, rank, names)
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(record)
+                        _drop_record(record, token)
                     except BaseException as e:  # the commit below goes on
                         failed = e
                 if files is not None and data is not None and raw != data:
@@ -826,8 +825,7 @@ class TieredWriter(FileSystemWriter):
                         url = objstore.join(self.remote, name)
                         self._retried(lambda p=path, u=url: objstore.upload(p, u, self._options))
                     self._uploaded(token, rank, names)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(record)
+                    _drop_record(record, token)
                 uploading.set_result(None)
                 if done_for_rank is not None:
                     done_for_rank.set_result(self.remote)
@@ -1061,6 +1059,15 @@ def _read_committer(folder: str) -> str | None:
         return owner if isinstance(owner, str) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _drop_record(path: str, token: str) -> None:
+    """Remove a drain record once its files are in, unless it names another save
+    by now (a live process of the folder wrote its next one meanwhile)."""
+    rec = _read_record(path)
+    if rec is not None and rec[0] == token:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _own(path: str, rec: dict[str, Any], owner: str | None) -> None:
