@@ -44,6 +44,23 @@ def _ckpt(tmp_path, s3, **kw):
     return Checkpointer(tmp_path / "local", s3.url("run"), storage_options=s3.options, **kw)
 
 
+def _saved_with_the_store_down(local, url, s3, step: int = 1):
+    """A TieredWriter's save of ``step`` into ``local`` while the store cannot be
+    reached: durable locally only (its remote future and its rank's upload a
+    StoreConnectionError), left for the next writer to drain."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.tiered import TieredWriter
+
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    writer = TieredWriter(local, url, storage_options=down, tries=1)
+    dcp.save(_state(step), storage_writer=writer, no_dist=True)
+    with pytest.raises(ckptio.StoreConnectionError):
+        writer.remote_completion.result(60)
+    with pytest.raises(ckptio.StoreConnectionError):
+        writer._tier.uploading.result(60)
+    return writer
+
+
 def test_save_gives_three_futures_and_both_tiers(tmp_path, s3):
     with _ckpt(tmp_path, s3) as c:
         h = c.save(10, _state(10))
@@ -353,11 +370,7 @@ def test_a_stale_folder_does_not_roll_the_store_back(tmp_path, s3):
     from ckptio.tiered import TieredWriter
 
     url = s3.url("dcp-stale")
-    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
-    stale = TieredWriter(tmp_path / "a", url, storage_options=down, tries=1)
-    dcp.save(_state(1), storage_writer=stale, no_dist=True)  # durable in a only
-    with pytest.raises(ckptio.StoreConnectionError):
-        stale.remote_completion.result(60)
+    _saved_with_the_store_down(tmp_path / "a", url, s3)  # durable in a only
     newer = TieredWriter(tmp_path / "b", url, storage_options=s3.options)
     dcp.save(_state(2), storage_writer=newer, no_dist=True)
     assert newer.remote_completion.result(60) == url
@@ -375,20 +388,13 @@ def test_what_a_running_process_left_is_its_own_to_drain(tmp_path, s3):
     (alive) saves and drains. A new writer resumes nothing that a process still
     running wrote (its drain record, its local commit); once it has ended, the
     next writer resumes it."""
-    import torch.distributed.checkpoint as dcp
     from ckptio.io import liveness
     from ckptio.tiered import COMMITTER, DRAIN_RECORD, TieredWriter
 
     if liveness.tag() is None:
         pytest.skip("no process tags here (/proc without boot_id or pid namespaces)")
     url, local = s3.url("dcp-live"), tmp_path / "local"
-    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
-    first = TieredWriter(local, url, storage_options=down, tries=1)
-    dcp.save(_state(1), storage_writer=first, no_dist=True)  # durable locally only
-    with pytest.raises(ckptio.StoreConnectionError):
-        first.remote_completion.result(60)
-    with pytest.raises(ckptio.StoreConnectionError):
-        first._tier.uploading.result(60)  # its records then say nobody drains them
+    _saved_with_the_store_down(local, url, s3)  # its records then say nobody drains them
     for name in (f"{DRAIN_RECORD}0.json", COMMITTER):
         assert json.loads((local / name).read_text())["owner"] is None
     code = "from ckptio.io import liveness; print(liveness.tag(), flush=True); input()"
@@ -421,17 +427,10 @@ def test_a_resume_keeps_a_record_written_for_a_newer_save_meanwhile(tmp_path, s3
     """A resume drains a dead process's record; a live process of the folder
     (DCP's checkpoint process) writes its next save's record meanwhile: the
     resume removes its own record only, never that one."""
-    import torch.distributed.checkpoint as dcp
     from ckptio.tiered import DRAIN_RECORD, TieredWriter
 
     url, local = s3.url("dcp-keep-record"), tmp_path / "local"
-    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
-    first = TieredWriter(local, url, storage_options=down, tries=1)
-    dcp.save(_state(1), storage_writer=first, no_dist=True)
-    with pytest.raises(ckptio.StoreConnectionError):
-        first.remote_completion.result(60)
-    with pytest.raises(ckptio.StoreConnectionError):
-        first._tier.uploading.result(60)
+    _saved_with_the_store_down(local, url, s3)
     record = local / f"{DRAIN_RECORD}0.json"
     newer = {"token": "abcdef12", "names": ["__0_abcdef12_0.distcp"], "owner": None}
     upload = TieredWriter._upload_missing
@@ -459,11 +458,7 @@ def test_a_save_over_another_group_resumes_as_its_rank_there(tmp_path, s3, monke
     from ckptio.tiered import TieredWriter
 
     url = s3.url("dcp-subgroup")
-    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
-    first = TieredWriter(tmp_path / "local", url, storage_options=down, tries=1)
-    dcp.save(_state(1), storage_writer=first, no_dist=True)  # rank 0's record, locally only
-    with pytest.raises(ckptio.StoreConnectionError):
-        first.remote_completion.result(60)
+    _saved_with_the_store_down(tmp_path / "local", url, s3)  # rank 0's record, locally only
     monkeypatch.setattr(tiered, "_rank", lambda: 1)
     again = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
     assert again.resumed is None  # rank 1 left nothing; not the coordinator
@@ -482,11 +477,7 @@ def test_a_writer_made_before_its_group_resumes_at_its_first_save(tmp_path, s3, 
     from ckptio.tiered import TieredWriter
 
     url = s3.url("dcp-later")
-    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
-    first = TieredWriter(tmp_path / "local", url, storage_options=down, tries=1)
-    dcp.save(_state(1), storage_writer=first, no_dist=True)
-    with pytest.raises(ckptio.StoreConnectionError):
-        first.remote_completion.result(60)
+    _saved_with_the_store_down(tmp_path / "local", url, s3)
     monkeypatch.setenv("WORLD_SIZE", "2")
     again = TieredWriter(tmp_path / "local", url, storage_options=s3.options)
     assert again.resumed is None  # not before its rank is known

@@ -830,10 +830,8 @@ class TieredWriter(FileSystemWriter):
                 if done_for_rank is not None:
                     done_for_rank.set_result(self.remote)
             except BaseException as e:
-                if names:  # the next writer resumes it: this process will not
-                    rec = _read_record(record)
-                    if rec is not None and rec[0] == token:
-                        _own(record, {"token": token, "names": names}, None)
+                if names and _names_save(record, token):  # the next writer resumes it
+                    _own(record, {"token": token, "names": names}, None)
                 uploading.set_exception(e)
                 if done_for_rank is not None:
                     done_for_rank.set_exception(e)
@@ -923,7 +921,7 @@ class TieredWriter(FileSystemWriter):
             else:
                 with contextlib.suppress(OSError):  # the next writer resumes it
                     if _read_file(meta) == data:
-                        _own(os.path.join(os.fspath(self.path), COMMITTER), {}, None)
+                        _own(committer, {}, None)
                 done.set_exception(error)
 
         threading.Thread(target=commit, name="ckptio-tier-commit", daemon=True).start()
@@ -1061,11 +1059,16 @@ def _read_committer(folder: str) -> str | None:
         return None
 
 
-def _drop_record(path: str, token: str) -> None:
-    """Remove a drain record once its files are in, unless it names another save
-    by now (a live process of the folder wrote its next one meanwhile)."""
+def _names_save(path: str, token: str) -> bool:
+    """Whether the drain record at ``path`` still names save ``token`` (a live
+    process of the folder may have written its next one meanwhile)."""
     rec = _read_record(path)
-    if rec is not None and rec[0] == token:
+    return rec is not None and rec[0] == token
+
+
+def _drop_record(path: str, token: str) -> None:
+    """Remove a drain record once its files are in, unless it names another save by now."""
+    if _names_save(path, token):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
