@@ -831,7 +831,7 @@ def _clean(server: Any) -> None:
     """The round's objects deleted (the server then holds one round's at most)."""
     from ckptio.io import remote
 
-    for url, _, _ in remote.listing(server.url(), server.options):
+    for url, _, _, _ in remote.listing(server.url(), server.options):
         remote.delete(url, server.options)
 
 

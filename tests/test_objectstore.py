@@ -227,11 +227,11 @@ def test_conditional_puts_are_typed_conflicts(s3):
 def test_listing_and_delete(s3):
     for name in ("a/1", "a/2", "b/1"):
         remote.put_bytes(s3.url("tree", name), name.encode(), s3.options)
-    listed = sorted(u for u, _, _ in remote.listing(s3.url("tree", "a"), s3.options))
+    listed = sorted(u for u, _, _, _ in remote.listing(s3.url("tree", "a"), s3.options))
     assert listed == [s3.url("tree", "a/1"), s3.url("tree", "a/2")]
     remote.delete(s3.url("tree", "a/1"), s3.options)
     remote.delete(s3.url("tree", "a/1"), s3.options)  # gone already: not an error
-    assert [u for u, _, _ in remote.listing(s3.url("tree"), s3.options)] == [
+    assert [u for u, _, _, _ in remote.listing(s3.url("tree"), s3.options)] == [
         s3.url("tree", "a/2"),
         s3.url("tree", "b/1"),
     ]
@@ -268,7 +268,7 @@ def _index_names(s3, url):
 
 
 def _shard_names(s3, url):
-    return sorted(u[len(url) + 1 :] for u, _, _ in remote.listing(url, s3.options))
+    return sorted(u[len(url) + 1 :] for u, _, _, _ in remote.listing(url, s3.options))
 
 
 def test_sharded_safetensors_commit_by_their_index(s3):
@@ -286,8 +286,10 @@ def test_sharded_safetensors_commit_by_their_index(s3):
     gen2 = _shard_names(s3, url)
     assert set(gen1) - {"model.safetensors.index.json"} <= set(gen2) and len(gen2) == 7
     _same(st.load_sharded(url, storage_options=s3.options), sd2)
-    # A third: what neither the new index nor the previous one names goes.
+    # A third: what neither the new index nor the previous one names goes, once
+    # it began before the commit by the store's clock (whole seconds).
     prev = set(_index_names(s3, url))
+    time.sleep(st._CLOCK_SLACK + 1)
     st.save_sharded(sd1, url, max_shard_size="10KB", storage_options=s3.options)
     gen3 = set(_shard_names(s3, url))
     assert gen3 == prev | set(_index_names(s3, url)) | {"model.safetensors.index.json"}
@@ -371,6 +373,74 @@ def test_a_racing_sharded_save_is_a_conflict(s3, monkeypatch):
     assert set(_shard_names(s3, url)) == before  # the loser's shards removed
 
 
+def _four(v: float) -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.full((1024,), float(v)) for i in range(4)}  # 4 KiB each
+
+
+def test_racing_sharded_saves_never_write_each_others_shards(s3, monkeypatch):
+    """Two saves that read the same index (here none) upload under names of
+    their own: the loser's conflict removes only its own shards, and a loser
+    whose commit is lost (not a conflict) leaves the winner's bytes alone."""
+    url, o = s3.url("race-names"), s3.options
+    st = ckptio.safetensors
+
+    def save_b(p):  # B has read "no index"; A saves and commits meanwhile
+        st.save_sharded(_four(1), url, max_shard_size="10KB", storage_options=o)
+        st.save_sharded(_four(2), p, max_shard_size="10KB")
+
+    with pytest.raises(ckptio.CommitConflictError):
+        st._save_sharded_remote(url, o, save_b)
+    _same(st.load_sharded(url, storage_options=o), _four(1))
+    assert set(_shard_names(s3, url)) == _index_names(s3, url) | {"model.safetensors.index.json"}
+
+    def lost(*a, **k):
+        raise ckptio.StoreError(5, "connection lost (injected)")
+
+    def save_c(p):  # the same race, C's commit lost instead of refused
+        st.save_sharded(_four(3), url, max_shard_size="10KB", storage_options=o)
+        st.save_sharded(_four(4), p, max_shard_size="10KB")
+        monkeypatch.setattr(remote, "put_bytes", lost)
+
+    with pytest.raises(ckptio.StoreError, match="injected"):
+        st._save_sharded_remote(url, o, save_c)
+    monkeypatch.undo()
+    _same(st.load_sharded(url, storage_options=o), _four(3))
+
+
+def test_a_sharded_save_keeps_what_a_later_save_uploaded(s3, monkeypatch):
+    """A's sweep after its commit leaves the shards of B, a save that began
+    after A's commit (it read A's index, so it may still commit over it)."""
+    url, o = s3.url("race-sweep"), s3.options
+    st = ckptio.safetensors
+    for v in (0, 1):
+        st.save_sharded(_four(v), url, max_shard_size="10KB", storage_options=o)
+    real_listing, real_put = remote.listing, remote.put_bytes
+    held: dict = {}
+
+    class Paused(Exception):
+        pass
+
+    def put_b(u, data, options=None, **kw):  # B: shards uploaded, commit not yet
+        held.update(u=u, data=data, kw=kw)
+        raise Paused
+
+    def listing_a(u, options=None):  # A has committed and lists to sweep
+        monkeypatch.setattr(remote, "listing", real_listing)
+        monkeypatch.setattr(remote, "put_bytes", put_b)
+        with pytest.raises(Paused):
+            st.save_sharded(_four(3), url, max_shard_size="10KB", storage_options=o)
+        monkeypatch.setattr(remote, "put_bytes", real_put)
+        return real_listing(u, options)
+
+    monkeypatch.setattr(remote, "listing", listing_a)
+    st.save_sharded(_four(2), url, max_shard_size="10KB", storage_options=o)  # A
+    monkeypatch.undo()
+    b_shards = set(json.loads(held["data"])["weight_map"].values())
+    assert b_shards <= set(_shard_names(s3, url))
+    real_put(held["u"], held["data"], o, **held["kw"])  # B commits over A's index
+    _same(st.load_sharded(url, storage_options=o), _four(3))
+
+
 # --------------------------------------------------------------------------- DCP
 
 
@@ -441,7 +511,7 @@ def test_dcp_reader_reads_a_store_straight_into_the_state_dict(s3, tmp_path, scr
             dcp.save(sd, storage_writer=w, no_dist=True)
         # Byte for byte the file the local writer makes of the same plan
         # (the data file's token aside), CRC-32s included: torch's reader reads it.
-        [data] = [u for u, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
+        [data] = [u for u, _, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
         local = tmp_path / "local"
         dcp.save(sd, storage_writer=FileSystemWriter(local), no_dist=True)
         [mine] = [n for n in os.listdir(local) if n.endswith(".distcp")]
@@ -478,7 +548,7 @@ def test_dcp_reader_reads_a_store_straight_into_the_state_dict(s3, tmp_path, scr
     assert r.last_stats[0]["backend"] == "store", r.last_stats
     assert {"big", "bf", "m"} <= set(verified)
     # A flipped byte in the big tensor's data: a FormatError naming the file and the item.
-    [data] = [u for u, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
+    [data] = [u for u, _, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
     raw = bytearray(remote.get_bytes(data, s3.options)[0])
     item = r.storage_data[next(k for k in r.storage_data if k.fqn == "big")]
     raw[item.offset + item.length // 2] ^= 0xFF
@@ -557,7 +627,7 @@ def test_dcp_zstd_items_go_both_ways_with_no_local_copy(s3, tmp_path, scratch, m
     local = tmp_path / "local"
     dcp.save(sd, storage_writer=FileSystemWriter(local, _extensions=[_zstd_ext()]), no_dist=True)
     [mine] = [n for n in os.listdir(local) if n.endswith(".distcp")]
-    [data] = [u for u, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
+    [data] = [u for u, _, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
     assert remote.get_bytes(data, s3.options)[0] == (local / mine).read_bytes()
     monkeypatch.setattr(ckptio.dcp, "CODED_BATCH", 1 << 20)  # the big item alone, then the rest
     out = {
@@ -571,7 +641,7 @@ def test_dcp_zstd_items_go_both_ways_with_no_local_copy(s3, tmp_path, scratch, m
     assert out["step"] == 9 and os.listdir(scratch) == []
     assert len(r.last_stats) >= 2 and all(s["backend"] == "store" for s in r.last_stats)
     # An object cut short: a FormatError naming it and the item past its end.
-    [data] = [u for u, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
+    [data] = [u for u, _, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
     raw = remote.get_bytes(data, s3.options)[0]
     remote.put_bytes(data, raw[: len(raw) // 2], s3.options)
     r = FileSystemReader(url, storage_options=s3.options)
@@ -593,7 +663,7 @@ def test_dcp_files_torchs_writer_makes_go_straight_into_objects(s3, scratch, mon
     w = FileSystemWriter(url, storage_options=s3.options, _extensions=[Xor()], thread_count=2)
     dcp.save(sd, storage_writer=w, no_dist=True)  # torch's writer code, each file an object
     assert os.listdir(scratch) == []
-    names = [u.rsplit("/", 1)[1] for u, _, _ in remote.listing(url, s3.options)]
+    names = [u.rsplit("/", 1)[1] for u, _, _, _ in remote.listing(url, s3.options)]
     assert ".metadata" in names and any(n.endswith(".distcp") for n in names), names
     registry = ext.ExtensionRegistry()
     registry.register(Xor)
@@ -1627,3 +1697,39 @@ def test_cuda_dcp_save_and_load_stream_with_the_stores_crc32s(s3, tmp_path, scra
     assert all(s["backend"] == "store" for s in r.last_stats)
     assert os.listdir(scratch) == []
     _same(_to(out, "cpu"), sd)
+
+
+def test_keys_are_stored_as_written_in_the_url(s3):
+    """A key is the URL's text after the bucket, as the AWS CLI and boto3 take
+    it: '%', '#', '?', '~', brackets and non-ASCII are part of it (not escaped
+    again), so objects written by either side are found by the other."""
+    client = _boto3_client(s3)
+    sd = {"w": torch.arange(8.0)}
+    folder = s3.url("keys-\u00e8")
+    bucket, _, prefix = folder.split("://", 1)[1].partition("/")
+    for name in ("a%b.pt", "a%20b.pt", "\u00fcn\u00ef.pt", "x~y[1].pt", "a#1?v=2.pt"):
+        ckptio.save(sd, f"{folder}/{name}", storage_options=s3.options)
+        head = client.head_object(Bucket=bucket, Key=f"{prefix}/{name}")
+        assert head["ContentLength"] > 0, name
+        client.copy_object(
+            Bucket=bucket, Key=f"{prefix}/copy-{name}",
+            CopySource={"Bucket": bucket, "Key": f"{prefix}/{name}"},
+        )  # fmt: skip
+        got = ckptio.load(f"{folder}/copy-{name}", storage_options=s3.options)
+        assert torch.equal(got["w"], sd["w"]), name
+    listed = {u[len(folder) + 1 :] for u, _, _, _ in remote.listing(folder, s3.options)}
+    assert "a%b.pt" in listed and "\u00fcn\u00ef.pt" in listed
+
+
+def test_a_url_without_an_objects_key_is_refused_by_single_object_calls(s3):
+    bucket = s3.url("x").split("://", 1)[1].partition("/")[0]
+    sd = {"w": torch.ones(2)}
+    for url in (f"s3://{bucket}", f"s3://{bucket}/", s3.url("folder") + "/"):
+        for call, args in (
+            (ckptio.save, (sd, url)),
+            (ckptio.load, (url,)),
+            (ckptio.safetensors.save_file, (sd, url)),
+            (ckptio.safetensors.load_file, (url,)),
+        ):
+            with pytest.raises(ValueError, match="not an object"):
+                call(*args, storage_options=s3.options)

@@ -95,7 +95,7 @@ def _load(fmt, url, s3, mib):
         import json
 
         named = set(json.loads(data)["weight_map"].values())
-        there = {u.rsplit("/", 1)[1] for u, _, _ in remote.listing(url + "/sharded", opts)}
+        there = {u.rsplit("/", 1)[1] for u, _, _, _ in remote.listing(url + "/sharded", opts)}
         assert named <= there, f"the index names missing objects: {named - there}"
         assert ckptio.verify(url + "/sharded", storage_options=opts).ok
         return ckptio.safetensors.load_sharded(url + "/sharded", storage_options=opts)

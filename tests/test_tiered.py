@@ -70,7 +70,7 @@ def test_save_gives_three_futures_and_both_tiers(tmp_path, s3):
         assert sorted(os.listdir(folder)) == [COMMIT, "state.pt"]
         url = h.remote.result(120)
         assert url == s3.url("run", step_name(10))
-        assert sorted(u.rsplit("/", 1)[1] for u, _, _ in remote.listing(url, s3.options)) == [
+        assert sorted(u.rsplit("/", 1)[1] for u, _, _, _ in remote.listing(url, s3.options)) == [
             COMMIT,
             "state.pt",
         ]
@@ -256,7 +256,7 @@ def test_the_tiered_dcp_writer_commits_locally_then_in_the_store(tmp_path, s3):
         dcp.load(out, storage_reader=FileSystemReader(tmp_path / "local"), no_dist=True)
         _same(out, _state(step))  # locally durable when save returns
         assert writer.remote_completion.result(120) == url
-        names.append({u.rsplit("/", 1)[1] for u, _, _ in remote.listing(url, s3.options)})
+        names.append({u.rsplit("/", 1)[1] for u, _, _, _ in remote.listing(url, s3.options)})
         out = {k: torch.zeros_like(v) for k, v in _state(step).items()}
         reader = FileSystemReader(url, storage_options=s3.options)
         dcp.load(out, storage_reader=reader, no_dist=True)
@@ -319,7 +319,7 @@ def test_a_commit_spares_the_next_save_and_commits_land_in_save_order(tmp_path, 
     second = writer.remote_completion
 
     def data_objects() -> int:
-        return sum(u.endswith(".distcp") for u, _, _ in remote.listing(url, s3.options))
+        return sum(u.endswith(".distcp") for u, _, _, _ in remote.listing(url, s3.options))
 
     deadline = time.monotonic() + 60
     while data_objects() < 2:  # the second save's file is up before the first commits
@@ -329,7 +329,7 @@ def test_a_commit_spares_the_next_save_and_commits_land_in_save_order(tmp_path, 
     remote.put_bytes(f"{url}/.ckptio-ranks/deadbeef/0", b"", s3.options)  # a dead save's
     gate.set()
     assert first.result(60) == url and second.result(60) == url
-    left = [u for u, _, _ in remote.listing(url, s3.options)]
+    left = [u for u, _, _, _ in remote.listing(url, s3.options)]
     assert data_objects() == 2 and not [u for u in left if ".ckptio-ranks" in u], left
     _same(_dcp_from(url, s3, 2), _state(2))
 

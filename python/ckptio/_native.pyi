@@ -482,8 +482,9 @@ def store_head(url: str, options: dict[str, Any] | None = None) -> dict[str, Any
 
 def store_list(
     url: str, options: dict[str, Any] | None = None
-) -> list[tuple[str, int, str | None]]:
-    """Every object under the folder ``url``: (URL, size, ETag)."""
+) -> list[tuple[str, int, str | None, float]]:
+    """Every object under the folder ``url``: (URL, size, ETag, the store's
+    time of its last change in seconds since the epoch)."""
 
 def store_read(
     url: str,

@@ -259,7 +259,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             taken = ""
         if self._store.url is not None:
             taken += "\n".join(
-                u for u, _, _ in remote.listing(self._store.url, self._store.options)
+                u for u, _, _, _ in remote.listing(self._store.url, self._store.options)
             )
         while True:
             token = secrets.token_hex(4)
@@ -700,7 +700,7 @@ class _Remote:
             return
         keep = set(files) | previous
         assert self.url is not None
-        for url, _, _ in remote.listing(self.url, self.options):
+        for url, _, _, _ in remote.listing(self.url, self.options):
             obj = url[len(self.url) + 1 :]
             if fmt.DATA_FILE.fullmatch(obj) and obj not in keep:
                 self.remove([obj])

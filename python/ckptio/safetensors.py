@@ -131,7 +131,7 @@ def save_file(
     ``ckptio.last_report()`` says how it ran. ``filename`` may be an object URL
     (``s3://...``, with ``storage_options``), as for ``ckptio.save``.
     """
-    remote.check_options(filename, storage_options)
+    remote.check_options(filename, storage_options, single=True)
     if remote.is_url(filename):
         _save_file_remote(tensors, os.fsdecode(os.fspath(filename)), metadata, storage_options)
         return
@@ -322,7 +322,7 @@ def load_file(
     as for ``ckptio.load``.
     """
     if remote.is_url(filename) or storage_options is not None:
-        remote.check_options(filename, storage_options)
+        remote.check_options(filename, storage_options, single=True)
         url = os.fsdecode(os.fspath(filename))
         if out is None:  # straight into new tensors (once per group, where there is one)
             return _load_file_remote(url, device, storage_options)
@@ -499,7 +499,7 @@ def metadata(
 ) -> dict[str, str] | None:
     """The ``__metadata__`` of a safetensors file (the header is validated, no data
     is read); of an object URL, its header in one ranged GET."""
-    remote.check_options(filename, storage_options)
+    remote.check_options(filename, storage_options, single=True)
     if remote.is_url(filename):
         return fmt.read_stored_header(os.fsdecode(os.fspath(filename)), storage_options)[2]
     path = paths.path(filename, "safetensors.metadata")
@@ -654,18 +654,20 @@ def _names(index: bytes | None) -> set[str]:
 def _save_sharded_remote(
     url: str, options: remote.StorageOptions, save: Callable[[str], None]
 ) -> None:
-    """``save`` into a scratch folder that holds the store's current index (so
-    that the new shards get names it does not use), the shards uploaded, the
-    index put conditionally (the commit), then the objects of neither
-    generation removed."""
+    """``save`` into a scratch folder that holds the store's current index, the
+    shards named with a token of this save's own (a save racing on the folder
+    never uploads over them), uploaded, the index put conditionally (the
+    commit), then old shards removed (:func:`_sweep_stored_shards`)."""
     old = _index_of(url, options)
     folder = remote.scratch_folder()
     uploaded: list[str] = []
+    committed: str | None = None
     try:
         if old is not None:
             with open(os.path.join(folder, fmt.INDEX_NAME), "wb") as fh:
                 fh.write(old[0])
-        save(folder)
+        with fmt.own_shard_names():
+            save(folder)
         files = sorted(f for f in os.listdir(folder) if fmt.SHARD_FILE.fullmatch(f))
         for name in files:
             obj = remote.join(url, name)
@@ -677,24 +679,55 @@ def _save_sharded_remote(
             with open(index_path, "rb") as fh:
                 new = fh.read()
             try:
-                remote.put_bytes(
+                committed = remote.put_bytes(
                     remote.join(url, fmt.INDEX_NAME), new, options,
                     create=old is None, if_match=None if old is None else old[1],
-                )  # fmt: skip
+                )["e_tag"]  # fmt: skip
             except CommitConflictError:
-                for obj in uploaded:
+                for obj in uploaded:  # this save's own names: no other save's
                     remote.delete(obj, options)
                 raise
         elif old is not None:  # now one model.safetensors: the old index goes
             remote.delete(remote.join(url, fmt.INDEX_NAME), options)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    keep = _names(new) | _names(None if old is None else old[0]) | {"model.safetensors"}
-    if new is not None:
-        keep.discard("model.safetensors")  # the single-file layout of before goes
-    for obj, _, _ in remote.listing(url, options):
-        name = obj[len(url.rstrip("/")) + 1 :]
-        if "/" not in name and fmt.SHARD_FILE.fullmatch(name) and name not in keep:
+    if new is not None and committed is not None:
+        keep = _names(new) | _names(None if old is None else old[0])
+        _sweep_stored_shards(url, options, keep, committed)
+
+
+#: Seconds of the store's clock a shard must predate the commit to be removed
+#: (listings give whole seconds).
+_CLOCK_SLACK = 2.0
+
+
+def _sweep_stored_shards(
+    url: str, options: remote.StorageOptions, keep: set[str], committed: str
+) -> None:
+    """After this save committed the index of ETag ``committed``: remove the
+    shard objects of the folder that neither it nor the previous index names
+    (``keep``: readers holding the previous one still read those) and that
+    began before the commit, by the store's clock. A save can commit only over
+    the index it read, so one that began before this commit can no longer
+    commit (its conditional put fails), while one that began after it may;
+    nothing is removed where the index is no longer this save's (the newer
+    save sweeps), nor a single ``model.safetensors`` beside the shards (a
+    single-file save commits without the index)."""
+    listed = remote.listing(url, options)
+    base = url.rstrip("/") + "/"
+    index = [x for x in listed if x[0] == base + fmt.INDEX_NAME]
+    if not index or index[0][2] != committed:
+        return
+    cutoff = index[0][3] - _CLOCK_SLACK
+    for obj, _, _, modified in listed:
+        name = obj[len(base) :]
+        if (
+            "/" not in name
+            and name != "model.safetensors"
+            and fmt.SHARD_FILE.fullmatch(name)
+            and name not in keep
+            and modified < cutoff
+        ):
             remote.delete(obj, options)
 
 

@@ -113,8 +113,8 @@ def save(
     docs/objectstore.md).
     """
     torch_args = (pickle_module, pickle_protocol, _disable_byteorder_record)
+    remote.check_options(f, storage_options, single=True)
     if remote.is_url(f) and not _skipping_data():
-        remote.check_options(f, storage_options)
         url = os.fsdecode(os.fspath(f))
         if _use_new_zipfile_serialization and _packs(*torch_args):
             _save_remote(obj, url, storage_options)
@@ -378,8 +378,8 @@ def load(
     ``out=``, ``group=``, pickle arguments or what torch.load must unpickle,
     into a local scratch copy, loaded as above, and removed.
     """
+    remote.check_options(f, storage_options, single=True)
     if remote.is_url(f) and out is not None and not (pickle_load_args or mmap):
-        remote.check_options(f, storage_options)
         inplace.check_flags(strict=strict, cast=cast, verify=verify)
         if map_location is None and pickle_module is None:
             resolve_weights_only(weights_only, pickle_module)
@@ -388,7 +388,6 @@ def load(
                 return got
     straight = _straight_from_store(map_location, pickle_module, mmap, out)
     if remote.is_url(f) and straight and not pickle_load_args:
-        remote.check_options(f, storage_options)
         resolve_weights_only(weights_only, pickle_module)
         obj = _load_remote(os.fsdecode(os.fspath(f)), map_location, storage_options, verify)
         if obj is not _NOT_STRAIGHT:

@@ -179,7 +179,7 @@ class Checkpointer:
     def remote_steps(self) -> list[int]:
         """Steps complete in the store (their commit record is there), oldest first."""
         found = set()
-        for url, _, _ in objstore.listing(self.remote, self._options):
+        for url, _, _, _ in objstore.listing(self.remote, self._options):
             tail = url[len(self.remote) :].strip("/").split("/")
             if len(tail) == 2 and tail[1] == COMMIT and (m := _STEP.match(tail[0])):
                 found.add(int(m.group(1)))
@@ -322,7 +322,7 @@ class Checkpointer:
 
     def _upload_step(self, step: int, manifest: dict[str, Any], url: str, record: bytes) -> None:
         opts = self._options
-        there = {u: size for u, size, _ in objstore.listing(url, opts)}
+        there = {u: size for u, size, _, _ in objstore.listing(url, opts)}
         commit_url = objstore.join(url, COMMIT)
         if commit_url in there:
             self._check_record(commit_url, record)
@@ -359,7 +359,7 @@ class Checkpointer:
             for step in steps[: max(0, len(steps) - self.keep_remote)]:
                 url = self._step_url(step)
                 objstore.delete(objstore.join(url, COMMIT), self._options)
-                for obj, _, _ in objstore.listing(url, self._options):
+                for obj, _, _, _ in objstore.listing(url, self._options):
                     objstore.delete(obj, self._options)
                 with self._lock:
                     self._in_store.discard(step)
@@ -723,7 +723,7 @@ class TieredWriter(FileSystemWriter):
         all or nothing: an object there is whole); False where one is in
         neither place (gone from the folder, never uploaded)."""
         folder = os.fspath(self.path)
-        there = {u for u, _, _ in objstore.listing(self.remote, self._options)}
+        there = {u for u, _, _, _ in objstore.listing(self.remote, self._options)}
         whole = True
         for name in sorted(names):
             path, url = os.path.join(folder, name), objstore.join(self.remote, name)
@@ -752,8 +752,8 @@ class TieredWriter(FileSystemWriter):
         """Until the store holds every one of ``files`` (other hosts' ranks
         upload theirs)."""
 
-        def missing(listed: list[tuple[str, int, Any]]) -> str | None:
-            gone = files - {u[len(self.remote) + 1 :] for u, _, _ in listed}
+        def missing(listed: list[objstore.Listed]) -> str | None:
+            gone = files - {u[len(self.remote) + 1 :] for u, _, _, _ in listed}
             if not gone:
                 return None
             return (
@@ -764,7 +764,7 @@ class TieredWriter(FileSystemWriter):
         self._await_store(self.remote, seq, missing)
 
     def _await_store(
-        self, folder: str, seq: int, missing: Callable[[list[tuple[str, int, Any]]], str | None]
+        self, folder: str, seq: int, missing: Callable[[list[objstore.Listed]], str | None]
     ) -> None:
         """Poll the listing of ``folder`` until ``missing`` finds nothing missing
         (None; else it says what), at most ``mark_timeout`` seconds (then a
@@ -927,7 +927,7 @@ class TieredWriter(FileSystemWriter):
         threading.Thread(target=commit, name="ckptio-tier-commit", daemon=True).start()
 
     def _await_marks(self, token: str, ranks: int, seq: int) -> None:
-        def missing(listed: list[tuple[str, int, Any]]) -> str | None:
+        def missing(listed: list[objstore.Listed]) -> str | None:
             done = len(listed)
             return None if done >= ranks else f"{done} of {ranks} ranks uploaded their files"
 
@@ -985,7 +985,7 @@ class TieredWriter(FileSystemWriter):
         listed = objstore.listing(self.remote, self._options)
         with self._tier.lock:  # read after the listing: a generation named since is in it
             in_flight = self._tier.planned - tokens
-        for url, _, _ in listed:
+        for url, _, _, _ in listed:
             name = url[len(self.remote) + 1 :]
             if name.startswith(RANKS_DONE + "/"):
                 if name.split("/")[1] not in in_flight:  # this save's, and dead saves'

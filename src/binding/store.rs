@@ -207,19 +207,20 @@ pub fn store_head<'py>(
     info_dict(py, &info)
 }
 
-/// Every object under the folder `url` (all depths): (URL, size, ETag).
+/// Every object under the folder `url` (all depths): (URL, size, ETag, the
+/// store's time of its last change in seconds since the epoch).
 #[pyfunction]
 #[pyo3(signature = (url, options=None))]
 pub fn store_list(
     py: Python<'_>,
     url: &str,
     options: Option<&Bound<'_, PyDict>>,
-) -> PyResult<Vec<(String, u64, Option<String>)>> {
+) -> PyResult<Vec<crate::store::Listed>> {
     on_store(py, url, options, |s, key| {
         let items = s.list(key)?;
         Ok(items
             .into_iter()
-            .map(|(k, size, tag)| (s.url(&k), size, tag))
+            .map(|(k, size, tag, modified)| (s.url(&k), size, tag, modified))
             .collect())
     })
 }

@@ -229,14 +229,28 @@ impl Store {
     }
 
     /// The scheme of `url` and the object key it names (no client is made).
+    ///
+    /// In `s3://bucket/key` (and `gs://`, `az://`) the key is taken as
+    /// written, as the AWS CLI and boto3 take it: a `%`, `#`, `?` or non-ASCII
+    /// character is part of the key, not a URL escape, query or fragment. The
+    /// https forms are URLs: their path is percent-decoded.
     pub fn parse_key(url: &str) -> Result<(ObjectStoreScheme, String)> {
         let parsed =
             url::Url::parse(url).map_err(|e| Error::invalid(format!("{url}: not a URL: {e}")))?;
         let (scheme, path) = ObjectStoreScheme::parse(&parsed)
             .map_err(|e| Error::invalid(format!("{url}: not an object-store URL: {e}")))?;
-        let key = Path::parse(path)
-            .map_err(|e| Error::invalid(format!("{url}: not a valid key: {e}")))?
-            .to_string();
+        let literal = match parsed.scheme() {
+            "http" | "https" => None,
+            _ => url
+                .split_once("://")
+                .map(|(_, rest)| rest.split_once('/').map_or("", |(_, key)| key)),
+        };
+        let key = match literal {
+            Some(raw) => Path::parse(raw),
+            None => Ok(path),
+        }
+        .map_err(|e| Error::invalid(format!("{url}: not a valid key: {e}")))?
+        .to_string();
         Ok((scheme, key))
     }
 
@@ -269,7 +283,7 @@ impl Store {
 
     /// Size and version of `key`.
     pub fn head(&self, key: &str) -> Result<ObjectInfo> {
-        let path = Path::from(key);
+        let path = object_path(key);
         let meta = match block_on(self.objects()?.head(&path))? {
             Ok(meta) => meta,
             Err(e) => return Err(self.head_error(key, &path, e)),
@@ -298,7 +312,7 @@ impl Store {
             mode,
             ..Default::default()
         };
-        let path = Path::from(key);
+        let path = object_path(key);
         let r = block_on(self.objects()?.put_opts(&path, data.into(), opts))?
             .map_err(|e| self.error(key, e))?;
         Ok(Version {
@@ -310,7 +324,7 @@ impl Store {
     /// The whole of a small object (an index, a commit record) and its version,
     /// in one GET.
     pub fn get(&self, key: &str) -> Result<(Bytes, Version)> {
-        let path = Path::from(key);
+        let path = object_path(key);
         let fetched = block_on(async {
             let r = self.objects()?.get(&path).await;
             let r = match r {
@@ -327,16 +341,19 @@ impl Store {
         fetched
     }
 
-    /// Every object under the folder `prefix` (all depths): key, size, ETag.
-    pub fn list(&self, prefix: &str) -> Result<Vec<(String, u64, Option<String>)>> {
-        let path = Path::from(prefix);
+    /// Every object under the folder `prefix` (all depths): key, size, ETag,
+    /// and the store's time of its last change (seconds since the epoch; for
+    /// a multipart upload, S3 gives the time it began).
+    pub fn list(&self, prefix: &str) -> Result<Vec<Listed>> {
+        let path = object_path(prefix);
         let listed = block_on(async {
             let objects = self.objects()?;
             let mut out = Vec::new();
             let mut stream = objects.list(Some(&path));
             while let Some(meta) = stream.next().await {
                 let meta = meta.map_err(|e| self.error(prefix, e))?;
-                out.push((meta.location.to_string(), meta.size, meta.e_tag));
+                let modified = meta.last_modified.timestamp_millis() as f64 / 1000.0;
+                out.push((meta.location.to_string(), meta.size, meta.e_tag, modified));
             }
             Ok(out)
         })?;
@@ -345,7 +362,7 @@ impl Store {
 
     /// Remove `key` (a key that is not there is not an error on S3).
     pub fn delete(&self, key: &str) -> Result<()> {
-        let path = Path::from(key);
+        let path = object_path(key);
         block_on(self.objects()?.delete(&path))?.map_err(|e| self.error(key, e))
     }
 
@@ -403,6 +420,16 @@ fn parse_option<T: std::str::FromStr>(url: &str, key: &str, value: &str) -> Resu
 }
 
 /// How many bytes at the end of `url` spell `key` (0 when they don't).
+/// The object_store path of a key as given (checked by [`Store::parse_key`],
+/// or listed by the store): never escaped again, so the stored key is the
+/// one in the URL (`Path::from` would escape `%`, non-ASCII and more).
+/// An object of a listing: key, size, ETag, time of its last change.
+pub type Listed = (String, u64, Option<String>, f64);
+
+pub(crate) fn object_path(key: &str) -> Path {
+    Path::parse(key).unwrap_or_else(|_| Path::from(key))
+}
+
 fn url_tail(url: &str, key: &str) -> usize {
     if !key.is_empty() && url.ends_with(key) {
         key.len()

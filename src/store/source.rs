@@ -71,7 +71,7 @@ impl ObjectSource {
         Ok(ObjectSource {
             store: store.clone(),
             key: key.to_string(),
-            path: Path::from(key),
+            path: super::object_path(key),
             info,
         })
     }

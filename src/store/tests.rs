@@ -299,6 +299,29 @@ fn urls_and_options_are_checked_before_any_request() {
 }
 
 #[test]
+fn keys_are_taken_as_written_not_as_url_escapes() {
+    let key = |url: &str| Store::parse_key(url).map(|(_, k)| k);
+    for (url, want) in [
+        ("s3://b/keys/a%b.pt", "keys/a%b.pt"),
+        ("s3://b/keys/a%20b.pt", "keys/a%20b.pt"),
+        (
+            "s3://b/mod\u{e8}le/\u{fc}n\u{ef}.pt",
+            "mod\u{e8}le/\u{fc}n\u{ef}.pt",
+        ),
+        ("s3://b/x~y[1].pt", "x~y[1].pt"),
+        ("s3://b/a#1?v=2.pt", "a#1?v=2.pt"),
+        ("gs://b/my model.pt", "my model.pt"),
+        ("s3://b/dir/", "dir"),
+        ("s3://b", ""),
+    ] {
+        assert_eq!(key(url).unwrap(), want, "{url}");
+    }
+    for bad in ["s3://b/a//b.pt", "s3://b/a/../b.pt", "s3://b/a\tb"] {
+        assert!(matches!(key(bad), Err(Error::InvalidArgument(_))), "{bad}");
+    }
+}
+
+#[test]
 fn a_forked_child_makes_its_own_runtime() {
     block_on(async { tokio::time::sleep(Duration::from_millis(1)).await }).unwrap();
     // SAFETY: the child runs Rust that allocates (as any Rust child after fork

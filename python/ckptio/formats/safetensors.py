@@ -22,13 +22,15 @@ a mapped view (its tensors over a lazy mapping of it).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import os
 import re
 import secrets
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -511,15 +513,32 @@ def weight_map_of(data: bytes, where: str) -> dict[str, str]:
     return wm
 
 
+#: Set (by :func:`own_shard_names`) while a save's shards must have names no
+#: other save can pick: a store's folder, where a racing save would pick the
+#: same free hub names and upload over this one's.
+_OWN_NAMES: contextvars.ContextVar[bool] = contextvars.ContextVar("own_names", default=False)
+
+
+@contextlib.contextmanager
+def own_shard_names() -> Iterator[None]:
+    """Within it, :func:`shard_names` gives every save a token of its own."""
+    reset = _OWN_NAMES.set(True)
+    try:
+        yield
+    finally:
+        _OWN_NAMES.reset(reset)
+
+
 def shard_names(folder: str, k: int) -> list[str]:
     """Names for ``k`` shards that no file of the folder's current checkpoint has:
-    the hub's when they are free, else with a token of their own."""
+    the hub's when they are free, else (and under :func:`own_shard_names`)
+    with a token of their own."""
     if k == 1:
         return ["model.safetensors"]  # replaced atomically in one step
     hub = [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
     present = set(os.listdir(folder))
     live = current_shards(folder)
-    if live is not None and not live & set(hub):
+    if live is not None and not live & set(hub) and not _OWN_NAMES.get():
         return hub
     while True:
         token = secrets.token_hex(4)

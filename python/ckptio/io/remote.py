@@ -59,8 +59,17 @@ def is_url(f: Any) -> bool:
     return isinstance(f, str) and f.startswith(SCHEMES)
 
 
-def check_options(f: Any, storage_options: StorageOptions) -> None:
-    """``storage_options`` goes with a URL: refused for a local path."""
+def check_options(f: Any, storage_options: StorageOptions, *, single: bool = False) -> None:
+    """``storage_options`` goes with a URL: refused for a local path. ``single``:
+    ``f`` must name one object (a URL of a bucket or a folder is refused)."""
+    if single and is_url(f):
+        url = os.fsdecode(os.fspath(f))
+        key = url.split("://", 1)[1].partition("/")[2]
+        if not key or key.endswith("/"):
+            raise ValueError(
+                f"{url}: names a bucket or a folder, not an object: give the object's "
+                "key (s3://bucket/run/model.pt)"
+            )
     if storage_options is not None and not is_url(f):
         raise ValueError(
             f"storage_options applies to object-store URLs (s3://, gs://, az://), not {f!r}"
@@ -166,8 +175,13 @@ def head(url: str, options: StorageOptions = None) -> dict[str, Any]:
     return _native.store_head(url, client)
 
 
-def listing(url: str, options: StorageOptions = None) -> list[tuple[str, int, str | None]]:
-    """Every object under the folder ``url``: (URL, size, ETag)."""
+#: An object of a listing: (URL, size, ETag, the store's time of its last
+#: change in seconds since the epoch; for a multipart upload, when it began).
+Listed = tuple[str, int, str | None, float]
+
+
+def listing(url: str, options: StorageOptions = None) -> list[Listed]:
+    """Every object under the folder ``url`` (:data:`Listed`)."""
     client, _, _ = client_options(options)
     return _native.store_list(url, client)
 
@@ -300,13 +314,13 @@ def local_tree(f: Any, options: StorageOptions = None) -> Iterator[str]:
         objects = listing(url, options)
         if not objects:
             raise
-        size = sum(n for _, n, _ in objects)
+        size = sum(n for _, n, _, _ in objects)
     folder, path = _scratch_path(url, size)
     try:
         if objects is None:
             download(url, path, options)
         else:
-            for obj, _, _ in objects:
+            for obj, _, _, _ in objects:
                 rel = obj[len(url) + 1 :]
                 if not rel or rel.startswith("/") or ".." in rel.split("/"):
                     raise ValueError(f"{obj}: not a name inside {url}")
