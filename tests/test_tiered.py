@@ -113,6 +113,16 @@ def test_keep_local_and_keep_remote_prune_old_steps(tmp_path, s3):
         _same(c.load(3), _state(3))
 
 
+def test_keep_local_prunes_steps_the_store_dropped_first(tmp_path, s3):
+    # keep_remote < keep_local: a step the store dropped still leaves the local tier.
+    with _ckpt(tmp_path, s3, keep_local=2, keep_remote=1) as c:
+        for step in (1, 2, 3, 4):
+            c.save(step, _state(step))
+            c.wait(240)
+        assert c.local_steps() == [3, 4]
+        assert c.remote_steps() == [4]
+
+
 def test_a_store_that_is_down_keeps_the_local_copy_and_the_next_process_drains(tmp_path, s3):
     down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
     c = Checkpointer(

@@ -156,6 +156,9 @@ class Checkpointer:
         self._pending: list[Future[Any]] = []
         #: Steps known complete in the store (filled by listings and drains).
         self._in_store: set[int] = set()
+        #: Steps this process removed from the store (keep_remote): past both
+        #: windows, so their local copies go too.
+        self._dropped: set[int] = set()
         os.makedirs(self.local, exist_ok=True)
         self.resumed: list[int] = self._resume()
 
@@ -347,7 +350,7 @@ class Checkpointer:
 
     def _prune(self) -> None:
         with self._lock:
-            in_store = set(self._in_store)
+            in_store = self._in_store | self._dropped
         local = self.local_steps()
         for step in local[: max(0, len(local) - self.keep_local)]:
             if step in in_store:
@@ -363,6 +366,7 @@ class Checkpointer:
                     objstore.delete(obj, self._options)
                 with self._lock:
                     self._in_store.discard(step)
+                    self._dropped.add(step)
 
     def _resume(self) -> list[int]:
         """Remove local step folders of saves that died; drain the local steps
