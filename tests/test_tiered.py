@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -582,3 +583,136 @@ def test_a_tiered_dcp_drain_of_two_hosts_is_resumed_by_each(tmp_path, s3):
     from test_dcp import _run_ranks
 
     _run_ranks(2, "tiered_hosts", s3.url("hosts"), CKPTIO_TIER_LOCAL=str(tmp_path), **s3.env)
+
+
+# --------------------------------------------------------------------------- review of 2026-12-06
+
+
+def test_a_step_saved_again_is_a_conflict_not_the_old_bytes(tmp_path, s3):
+    """The store's step 2 is another save's: a new save of step 2 (same files,
+    same sizes) fails with a conflict instead of being taken as durable."""
+    with _ckpt(tmp_path, s3) as c:
+        c.save(2, _state(0)).wait(60)
+    shutil.rmtree(tmp_path / "local" / step_name(2))  # the local copy gone (another node)
+    with _ckpt(tmp_path, s3) as c:
+        with pytest.raises(ckptio.CommitConflictError, match="another save committed"):
+            c.save(2, _state(1)).wait(60)
+    _same(ckptio.load(s3.url("run", step_name(2), "state.pt"), storage_options=s3.options),
+          _state(0))  # fmt: skip
+
+
+def test_a_dead_drains_stray_object_is_sent_again(tmp_path, s3):
+    """A drain that died after its upload, before its commit record, left an
+    object of the same size: the next save of the step uploads its own."""
+    with _ckpt(tmp_path, s3) as c:
+        c.save(2, _state(0)).wait(60)
+    remote.delete(s3.url("run", step_name(2), COMMIT), s3.options)
+    shutil.rmtree(tmp_path / "local")
+    with _ckpt(tmp_path, s3) as c:
+        c.save(2, _state(1)).wait(60)
+    got = ckptio.load(s3.url("run", step_name(2), "state.pt"), storage_options=s3.options)
+    _same(got, _state(1))
+
+
+def test_a_resumed_drain_skips_only_what_it_uploaded(tmp_path, s3, monkeypatch):
+    with _ckpt(tmp_path, s3) as c:
+        c.save(1, _state(1)).wait(60)
+    remote.delete(s3.url("run", step_name(1), COMMIT), s3.options)  # died before its commit
+    sent = []
+    real = remote.upload
+    monkeypatch.setattr(remote, "upload", lambda *a, **k: sent.append(a[1]) or real(*a, **k))
+    with _ckpt(tmp_path, s3) as c:
+        assert c.resumed == [1]
+        c.wait(60)
+        assert c.remote_steps() == [1] and sent == []
+
+
+def test_a_live_writers_step_folder_is_left_to_it(tmp_path, s3):
+    from ckptio.io import liveness
+    from ckptio.tiered import WRITER
+
+    folder = tmp_path / "local" / step_name(1)
+    folder.mkdir(parents=True)
+    (folder / WRITER).write_text(liveness.tag() or "")  # this live process writes it
+    (folder / "state.pt").write_bytes(b"half")
+    dead = tmp_path / "local" / step_name(2)
+    dead.mkdir()
+    with _ckpt(tmp_path, s3):
+        pass
+    assert folder.is_dir() and not dead.exists()
+
+
+def test_a_process_that_exits_without_close_still_drains(tmp_path, s3):
+    import s3server
+
+    child = textwrap.dedent("""
+        import sys, torch
+        from ckptio.tiered import Checkpointer
+        local, url, endpoint, key, secret = sys.argv[1:6]
+        opts = dict(endpoint=endpoint, access_key_id=key, secret_access_key=secret,
+                    region="us-east-1")
+        c = Checkpointer(local, url, storage_options=opts)
+        c.save(1, {"w": torch.zeros(4 << 20)})
+    """)
+    args = [str(tmp_path / "local"), s3.url("run"), s3.endpoint, s3server.KEY_ID, s3server.SECRET]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", child, *args], env=env, timeout=120)
+    assert r.returncode == 0
+    with Checkpointer(tmp_path / "other", s3.url("run"), storage_options=s3.options) as c:
+        assert c.remote_steps() == [1]
+
+
+def test_a_local_folder_is_drained_only_into_its_own_remote(tmp_path, s3):
+    with Checkpointer(tmp_path / "shm", s3.url("x"), storage_options=s3.options) as c:
+        h = c.save(1, _state(1))
+        h.local.result(60)
+    remote.delete(s3.url("x", step_name(1), COMMIT), s3.options)  # x's drain not done
+    with pytest.warns(UserWarning, match="not drained here"):
+        c = Checkpointer(tmp_path / "shm", s3.url("y"), storage_options=s3.options)
+    with c:
+        assert c.resumed == [] and c.latest() == 1  # still there locally
+        assert c.remote_steps() == []
+
+
+def test_load_reads_the_store_when_the_local_copy_goes_under_it(tmp_path, s3, monkeypatch):
+    import ckptio.tiered as tiered
+
+    with _ckpt(tmp_path, s3, keep_local=1) as c:
+        c.save(1, _state(1)).wait(60)
+        real = tiered._load
+
+        def pruned_meanwhile(path, *a, **k):
+            if not remote.is_url(path):
+                shutil.rmtree(tmp_path / "local" / step_name(1))
+            return real(path, *a, **k)
+
+        monkeypatch.setattr(tiered, "_load", pruned_meanwhile)
+        _same(c.load(1), _state(1))
+
+
+def test_keep_remote_covers_steps_an_earlier_process_left(tmp_path, s3):
+    with _ckpt(tmp_path, s3) as c:
+        for step in (1, 2, 3):
+            c.save(step, _state(step)).wait(60)
+    with Checkpointer(tmp_path / "new", s3.url("run"), storage_options=s3.options,
+                      keep_remote=2) as c:  # fmt: skip
+        c.save(4, _state(4)).wait(60)
+        assert c.remote_steps() == [3, 4]
+
+
+def test_a_step_whose_local_write_failed_may_be_saved_again(tmp_path, s3, monkeypatch):
+    import ckptio.tiered as tiered
+
+    real = tiered._save
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device (injected)")
+
+    with _ckpt(tmp_path, s3) as c:
+        monkeypatch.setattr(tiered, "_save", full)
+        with pytest.raises(OSError, match="injected"):
+            c.save(1, _state(1)).local.result(60)
+        assert not (tmp_path / "local" / step_name(1)).exists()
+        monkeypatch.setattr(tiered, "_save", real)
+        c.save(1, _state(1)).wait(60)
+        assert c.remote_steps() == [1]

@@ -15,8 +15,9 @@ and ``remote`` (durable in the store). A step is:
 
 The drain runs on one background thread, in step order, retrying transient
 store errors (throttling, lost connections, 5xx) with exponential backoff, and
-is idempotent per step (an object already whole in the store is not sent again;
-a commit record already there with the same content counts as done). A local
+is idempotent per step (an object this step's drain uploaded, whole in the store,
+is not sent again; its own commit record already there counts as done; another
+save's is a conflict). A local
 step is removed only once its remote copy is complete (``keep_local`` newest
 kept); a new ``Checkpointer`` on the same folders drains what the last process
 left. Layout, guarantees and figures: docs/objectstore.md.
@@ -29,6 +30,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import threading
 import time
@@ -64,6 +66,12 @@ __all__ = ["Checkpointer", "SaveHandle", "TieredWriter", "FORMATS"]
 #: What a step holds, by format: the file name (DCP: a folder of files).
 FORMATS = {"torch": "state.pt", "safetensors": "model.safetensors", "dcp": None}
 COMMIT = "ckptio-commit.json"
+#: In a step folder being written: the writing process's tag (``io.liveness``),
+#: so that a new Checkpointer leaves a live writer's folder alone.
+WRITER = ".ckptio-writer"
+#: In a local step folder: the ETag of each file as this step's drain uploaded
+#: it, so that a resumed drain skips exactly those objects.
+UPLOADED = ".ckptio-uploaded.json"
 _STEP = re.compile(r"step-(\d+)$")
 
 
@@ -228,12 +236,14 @@ class Checkpointer:
                 raise RuntimeError("ckptio.tiered.Checkpointer: save() after close()")
             last = self._last
         if last is not None:
-            if step <= last.step:
-                raise ValueError(f"step {step} is not after the last saved step {last.step}")
             try:
                 last.local.result()
+                failed = False
             except BaseException:  # noqa: BLE001 - reported on that save's handle
-                pass
+                failed = True
+            # A step whose local write failed may be saved again.
+            if step < last.step or (step == last.step and not failed):
+                raise ValueError(f"step {step} is not after the last saved step {last.step}")
         if os.path.exists(self._step_dir(step)) and self._local_manifest(step) is not None:
             raise ValueError(f"step {step} is saved already in {self.local}")
         staged_copy = self._stager.stage(state)
@@ -245,23 +255,33 @@ class Checkpointer:
             try:
                 sd = staged_copy.result() if isinstance(staged_copy, Future) else staged_copy
             except BaseException as e:
-                for f in (staged, local, remote_done):
-                    f.set_exception(e)
+                staged.set_exception(e)
+                local.set_exception(e)
                 return
             staged.set_result(None)
             try:
                 local.set_result(self._write_local(step, sd))
             except BaseException as e:
                 local.set_exception(e)
+
+        def drain() -> None:
+            try:
+                local.result()
+            except BaseException as e:
                 remote_done.set_exception(e)
                 return
-            self._drainer.submit(self._drain_into, step, remote_done)
+            self._drain_into(step, remote_done)
 
         handle = SaveHandle(step, staged, local, remote_done)
-        with self._lock:
+        with self._lock:  # close() cannot shut the threads down in between
+            if self._closed:
+                raise RuntimeError("ckptio.tiered.Checkpointer: save() after close()")
             self._last = handle
             self._pending.append(remote_done)
-        self._writer.submit(write_local)
+            self._writer.submit(write_local)
+            # Queued now, not once the local write is done: an executor refuses
+            # new work at interpreter exit, but runs what was queued before it.
+            self._drainer.submit(drain)
         return handle
 
     def _write_local(self, step: int, state: Any) -> str:
@@ -269,22 +289,35 @@ class Checkpointer:
         if os.path.exists(folder):  # a save of this step that died
             shutil.rmtree(folder)
         os.makedirs(folder)
-        _fsync_dir(self.local)
-        name = FORMATS[self.format]
-        if self.format == "torch":
-            _save(state, os.path.join(folder, str(name)))
-        elif self.format == "safetensors":
-            st.save_file(state, os.path.join(folder, str(name)))
-        else:
-            with _one_process():
-                dcp.save(state, storage_writer=FileSystemWriter(folder), no_dist=True)
-        files = sorted(
-            (n, os.path.getsize(os.path.join(folder, n)))
-            for n in os.listdir(folder)
-            if n != COMMIT and os.path.isfile(os.path.join(folder, n))
-        )
-        manifest = {"step": step, "format": self.format, "files": files}
-        _write_commit(os.path.join(folder, COMMIT), _manifest_bytes(manifest))
+        try:
+            with open(os.path.join(folder, WRITER), "w") as fh:
+                fh.write(liveness.tag() or "")
+            _fsync_dir(self.local)
+            name = FORMATS[self.format]
+            if self.format == "torch":
+                _save(state, os.path.join(folder, str(name)))
+            elif self.format == "safetensors":
+                st.save_file(state, os.path.join(folder, str(name)))
+            else:
+                with _one_process():
+                    dcp.save(state, storage_writer=FileSystemWriter(folder), no_dist=True)
+            files = sorted(
+                (n, os.path.getsize(os.path.join(folder, n)))
+                for n in os.listdir(folder)
+                if n not in (COMMIT, WRITER) and os.path.isfile(os.path.join(folder, n))
+            )
+            # The save's own id: a commit record in the store from another save
+            # of this step (same files and sizes) is a conflict, not this one.
+            manifest = {
+                "step": step, "format": self.format, "files": files,
+                "remote": self.remote, "save": secrets.token_hex(8),
+            }  # fmt: skip
+            _write_commit(os.path.join(folder, COMMIT), _manifest_bytes(manifest))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # the step may be saved again
+            raise
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, WRITER))
         return folder
 
     # -- drain -------------------------------------------------------------------------
@@ -325,17 +358,19 @@ class Checkpointer:
 
     def _upload_step(self, step: int, manifest: dict[str, Any], url: str, record: bytes) -> None:
         opts = self._options
-        there = {u: size for u, size, _, _ in objstore.listing(url, opts)}
+        there = {u: tag for u, _, tag, _ in objstore.listing(url, opts)}
         commit_url = objstore.join(url, COMMIT)
         if commit_url in there:
             self._check_record(commit_url, record)
             return
         folder = self._step_dir(step)
-        for name, size in manifest["files"]:
+        done = _read_uploaded(folder)
+        for name, _size in manifest["files"]:
             obj = objstore.join(url, name)
-            if there.get(obj) == size:  # whole already (each upload is all or nothing)
-                continue
-            objstore.upload(os.path.join(folder, name), obj, opts)
+            if done.get(name) is not None and there.get(obj) == done[name]:
+                continue  # this save's upload, whole (each is all or nothing)
+            done[name] = objstore.upload(os.path.join(folder, name), obj, opts).get("e_tag")
+            _write_uploaded(folder, done)
         try:
             objstore.put_bytes(commit_url, record, opts, create=True)
         except CommitConflictError:
@@ -374,18 +409,29 @@ class Checkpointer:
         for name in os.listdir(self.local):
             path = os.path.join(self.local, name)
             if _STEP.match(name) and not os.path.isfile(os.path.join(path, COMMIT)):
-                shutil.rmtree(path, ignore_errors=True)
+                if not liveness.running(_read_text(os.path.join(path, WRITER))):
+                    shutil.rmtree(path, ignore_errors=True)  # a save that died
         local = self.local_steps()
-        if not local:
+        if not local and self.keep_remote is None:
             return []
         try:
-            stored = set(self.remote_steps())
+            stored = set(self.remote_steps())  # keep_remote then covers them too
         except StoreError as e:
             warnings.warn(
                 f"ckptio.tiered: {self.remote} not listed ({e}); draining all", stacklevel=2
             )
             stored = set()
-        todo = [s for s in local if s not in stored]
+        todo = []
+        for step in (s for s in local if s not in stored):
+            manifest = self._local_manifest(step) or {}
+            if manifest.get("remote", self.remote) != self.remote:
+                warnings.warn(
+                    f"ckptio.tiered: {self._step_dir(step)} was saved for "
+                    f"{manifest['remote']}, not {self.remote}: not drained here",
+                    stacklevel=2,
+                )
+                continue
+            todo.append(step)
         for step in todo:
             done: Future[str] = Future()
             with self._lock:
@@ -413,9 +459,21 @@ class Checkpointer:
             step = self.latest()
             if step is None:
                 raise FileNotFoundError(f"no complete step in {self.local} or {self.remote}")
+        if self._local_manifest(step) is not None:
+            try:
+                return self._load_from(step, False, out, map_location, group, kwargs)
+            except OSError:
+                if self._local_manifest(step) is not None:
+                    raise
+                # Pruned while it was read (its remote copy is complete): the store.
+        return self._load_from(step, True, out, map_location, group, kwargs)
+
+    def _load_from(
+        self, step: int, in_store: bool, out: Any, map_location: Any, group: Any, kwargs: Any
+    ) -> Any:
         where = self._step_dir(step)
         opts: dict[str, Any] = {}
-        if self._local_manifest(step) is None:
+        if in_store:
             where = self._step_url(step)
             try:
                 objstore.head(objstore.join(where, COMMIT), self._options)
@@ -1100,6 +1158,32 @@ def _one_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def _read_uploaded(folder: str) -> dict[str, str | None]:
+    """What this step's drain uploaded so far: {file name: ETag}."""
+    try:
+        with open(os.path.join(folder, UPLOADED)) as fh:
+            got = json.load(fh)
+        return {str(k): v for k, v in got.items() if isinstance(v, str)}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _write_uploaded(folder: str, done: dict[str, str | None]) -> None:
+    # Not fsynced: lost in a crash, the next drain sends the files again.
+    tmp = os.path.join(folder, UPLOADED + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(done, fh)
+    os.replace(tmp, os.path.join(folder, UPLOADED))
 
 
 def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
