@@ -289,7 +289,7 @@ def test_sharded_safetensors_commit_by_their_index(s3):
     # A third: what neither the new index nor the previous one names goes, once
     # it began before the commit by the store's clock (whole seconds).
     prev = set(_index_names(s3, url))
-    time.sleep(st._CLOCK_SLACK + 1)
+    time.sleep(remote.CLOCK_SLACK + 1)
     st.save_sharded(sd1, url, max_shard_size="10KB", storage_options=s3.options)
     gen3 = set(_shard_names(s3, url))
     assert gen3 == prev | set(_index_names(s3, url)) | {"model.safetensors.index.json"}
@@ -479,10 +479,35 @@ def test_dcp_commits_by_its_metadata(s3):
     names2 = set(_shard_names(s3, url))
     assert names1 < names2 and len(names2) == 3  # the previous generation kept
     _dcp_load(url, s3, 2)
+    time.sleep(remote.CLOCK_SLACK + 1)  # the sweep removes what began before the commit
     _dcp_save(url, _dcp_state(3), s3)
     names3 = set(_shard_names(s3, url))
     assert not (names1 - {".metadata"}) & names3 and len(names3) == 3
     _dcp_load(url, s3, 3)
+
+
+def test_a_dcp_commit_keeps_what_a_later_save_uploaded(s3, monkeypatch):
+    """The sweep after a DCP commit removes a dead save's data object that began
+    before it, and keeps one that began after it (a save that read this
+    ``.metadata`` and may still commit over it)."""
+    url = s3.url("dcp-sweep")
+    _dcp_save(url, _dcp_state(1), s3)
+    stray = url + "/__0_deadbeef_0.distcp"
+    remote.put_bytes(stray, b"a dead save's data", s3.options)
+    time.sleep(remote.CLOCK_SLACK + 1)
+    real = remote.listing
+    later = url + "/__0_0badf00d_0.distcp"
+
+    def listing(u, options=None):  # the commit is in: a later save uploads meanwhile
+        remote.put_bytes(later, b"a later save's data", options)
+        monkeypatch.setattr(remote, "listing", real)
+        return real(u, options)
+
+    monkeypatch.setattr(remote, "listing", listing)
+    _dcp_save(url, _dcp_state(2), s3)
+    names = set(_shard_names(s3, url))
+    assert later.rsplit("/", 1)[1] in names and stray.rsplit("/", 1)[1] not in names
+    _dcp_load(url, s3, 2)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

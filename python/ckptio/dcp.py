@@ -688,10 +688,10 @@ class _Remote:
         data objects go. Then the objects of neither generation go."""
         base = self._base
         try:
-            remote.put_bytes(
+            committed = remote.put_bytes(
                 self.join(name), data, self.options,
                 create=base is None, if_match=None if base is None else base[1],
-            )  # fmt: skip
+            )["e_tag"]  # fmt: skip
         except CommitConflictError:
             self.remove(files)
             raise
@@ -700,10 +700,10 @@ class _Remote:
             return
         keep = set(files) | previous
         assert self.url is not None
-        for url, _, _, _ in remote.listing(self.url, self.options):
-            obj = url[len(self.url) + 1 :]
-            if fmt.DATA_FILE.fullmatch(obj) and obj not in keep:
-                self.remove([obj])
+        remote.sweep_before(
+            self.url, name, committed,
+            lambda n: bool(fmt.DATA_FILE.fullmatch(n)) and n not in keep, self.options,
+        )  # fmt: skip
 
 
 class _Guards:

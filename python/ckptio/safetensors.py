@@ -657,7 +657,8 @@ def _save_sharded_remote(
     """``save`` into a scratch folder that holds the store's current index, the
     shards named with a token of this save's own (a save racing on the folder
     never uploads over them), uploaded, the index put conditionally (the
-    commit), then old shards removed (:func:`_sweep_stored_shards`)."""
+    commit), then the shards no save can still commit removed
+    (``remote.sweep_before``)."""
     old = _index_of(url, options)
     folder = remote.scratch_folder()
     uploaded: list[str] = []
@@ -691,44 +692,16 @@ def _save_sharded_remote(
             remote.delete(remote.join(url, fmt.INDEX_NAME), options)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    if new is not None and committed is not None:
-        keep = _names(new) | _names(None if old is None else old[0])
-        _sweep_stored_shards(url, options, keep, committed)
-
-
-#: Seconds of the store's clock a shard must predate the commit to be removed
-#: (listings give whole seconds).
-_CLOCK_SLACK = 2.0
-
-
-def _sweep_stored_shards(
-    url: str, options: remote.StorageOptions, keep: set[str], committed: str
-) -> None:
-    """After this save committed the index of ETag ``committed``: remove the
-    shard objects of the folder that neither it nor the previous index names
-    (``keep``: readers holding the previous one still read those) and that
-    began before the commit, by the store's clock. A save can commit only over
-    the index it read, so one that began before this commit can no longer
-    commit (its conditional put fails), while one that began after it may;
-    nothing is removed where the index is no longer this save's (the newer
-    save sweeps), nor a single ``model.safetensors`` beside the shards (a
-    single-file save commits without the index)."""
-    listed = remote.listing(url, options)
-    base = url.rstrip("/") + "/"
-    index = [x for x in listed if x[0] == base + fmt.INDEX_NAME]
-    if not index or index[0][2] != committed:
-        return
-    cutoff = index[0][3] - _CLOCK_SLACK
-    for obj, _, _, modified in listed:
-        name = obj[len(base) :]
-        if (
-            "/" not in name
-            and name != "model.safetensors"
-            and fmt.SHARD_FILE.fullmatch(name)
-            and name not in keep
-            and modified < cutoff
-        ):
-            remote.delete(obj, options)
+    if new is not None:
+        # Shards named by neither generation (readers holding the previous index
+        # still read its own); never a single model.safetensors beside them (a
+        # single-file save commits without the index).
+        keep = _names(new) | _names(None if old is None else old[0]) | {"model.safetensors"}
+        remote.sweep_before(
+            url, fmt.INDEX_NAME, committed,
+            lambda n: "/" not in n and bool(fmt.SHARD_FILE.fullmatch(n)) and n not in keep,
+            options,
+        )  # fmt: skip
 
 
 @contextlib.contextmanager

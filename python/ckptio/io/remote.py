@@ -186,6 +186,36 @@ def listing(url: str, options: StorageOptions = None) -> list[Listed]:
     return _native.store_list(url, client)
 
 
+#: Seconds of the store's clock an object must predate a commit for
+#: :func:`sweep_before` to remove it (listings give whole seconds).
+CLOCK_SLACK = 2.0
+
+
+def sweep_before(
+    folder: str,
+    commit: str,
+    committed: str | None,
+    removable: Callable[[str], bool],
+    options: StorageOptions = None,
+) -> None:
+    """After a save put the commit object ``commit`` (a name in ``folder``: an
+    index, a ``.metadata``) at ETag ``committed``: remove the objects of the
+    folder whose name ``removable(name)`` accepts and that began before the
+    commit by the store's clock. A save commits only over the commit object it
+    read, so one that began before this commit can no longer commit, while one
+    that began after it may: its objects stay. Nothing is removed where the
+    commit object is no longer this save's (the newer save sweeps)."""
+    base = folder.rstrip("/") + "/"
+    listed = listing(folder, options)
+    mark = [x for x in listed if x[0] == base + commit]
+    if committed is None or not mark or mark[0][2] != committed:
+        return
+    cutoff = mark[0][3] - CLOCK_SLACK
+    for obj, _, _, modified in listed:
+        if modified < cutoff and removable(obj[len(base) :]):
+            delete(obj, options)
+
+
 def delete(url: str, options: StorageOptions = None) -> None:
     client, _, _ = client_options(options)
     _native.store_delete(url, client)
