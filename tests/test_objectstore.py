@@ -1758,3 +1758,25 @@ def test_a_url_without_an_objects_key_is_refused_by_single_object_calls(s3):
         ):
             with pytest.raises(ValueError, match="not an object"):
                 call(*args, storage_options=s3.options)
+
+
+def test_an_object_file_whose_publish_fails_is_aborted_and_closed(s3):
+    url = s3.url("publish-fails.bin")
+    f = remote.ObjectFile(url, s3.options, publish_on_close=True)
+    f.write(b"x" * 100)
+    real = f._w
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def commit(self):
+            raise ckptio.StoreError(5, "completion lost (injected)")
+
+    f._w = Failing()
+    with pytest.raises(ckptio.StoreError, match="injected"):
+        f.close()
+    assert f.closed
+    f.close()  # no second try
+    with pytest.raises(FileNotFoundError):
+        remote.head(url, s3.options)

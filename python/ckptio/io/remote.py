@@ -412,9 +412,11 @@ class ObjectFile(io.RawIOBase):
         return self.committed
 
     def close(self) -> None:
-        if not self.closed and self.publish_on_close:
-            self.commit()
-        self.abort()
+        try:
+            if not self.closed and self.publish_on_close:
+                self.commit()
+        finally:  # a failed commit aborts the upload and closes: no second try at exit
+            self.abort()
 
     def abort(self) -> None:
         """Abort the upload (the key keeps what it had); closes. Idempotent."""
