@@ -1284,3 +1284,102 @@ def test_optimizer_state_with_a_pre_hook_and_several_groups_as_torch(tmp_path):
             for name, v in ws["state"][k].items():
                 assert torch.equal(gs["state"][k][name], v), (k, name)
                 assert gs["state"][k][name].dtype == v.dtype
+
+
+# --------------------------------------------------------------------------- review of 2026-12-06
+
+
+@pytest.mark.parametrize("saver", [torch.save, ckptio.save])
+def test_a_hook_that_changes_the_checkpoints_tensors_in_place_is_seen(tmp_path, saver):
+    """A load_state_dict pre-hook, an override and an optimizer pre-hook that
+    change a checkpoint tensor in place (as torch.load's tensors allow): the
+    destination holds the change, as with torch."""
+
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_load_state_dict_pre_hook(
+                lambda mod, sd, prefix, *a: sd[prefix + "lin.weight"].mul_(2)
+            )
+
+    class Override(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2, 2))
+
+        def _load_from_state_dict(self, sd, prefix, *a):
+            sd[prefix + "w"].add_(100)
+            super()._load_from_state_dict(sd, prefix, *a)
+
+    cases = [
+        (Hooked, {"lin.weight": torch.ones(2, 2), "lin.bias": torch.ones(2)}),
+        (Override, {"w": torch.ones(2, 2)}),
+    ]
+    for make, sd in cases:
+        path = tmp_path / f"{make.__name__}.pt"
+        saver(sd, path)
+        ours, theirs = make(), make()
+        ckptio.load_state_dict(ours, path)
+        theirs.load_state_dict(torch.load(path))
+        for k, v in theirs.state_dict().items():
+            assert torch.equal(ours.state_dict()[k], v), (make.__name__, k)
+    w = [nn.Parameter(torch.randn(3))]
+    opt = torch.optim.Adam(w)
+    w[0].grad = torch.ones(3)
+    opt.step()
+    path = tmp_path / "opt.pt"
+    saver(opt.state_dict(), path)
+
+    def zero_exp_avg(o, sd):
+        sd["state"][0]["exp_avg"].zero_()
+
+    def zeroed():
+        o = torch.optim.Adam(w)
+        o.register_load_state_dict_pre_hook(zero_exp_avg)
+        return o
+
+    ours, theirs = zeroed(), zeroed()
+    ckptio.load_state_dict(ours, path)
+    theirs.load_state_dict(torch.load(path))
+    assert torch.equal(ours.state[w[0]]["exp_avg"], theirs.state[w[0]]["exp_avg"])
+    assert torch.equal(ours.state[w[0]]["exp_avg_sq"], theirs.state[w[0]]["exp_avg_sq"])
+
+
+def test_quantized_destinations_take_the_checkpoints_quantizer(tmp_path):
+    q = torch.quantize_per_tensor(torch.tensor([1.0, 2.0, 3.0]), 0.5, 0, torch.qint8)
+    torch.save({"q": q}, tmp_path / "q.pt")
+    dest = torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)
+    ckptio.load(tmp_path / "q.pt", out={"q": dest})
+    assert dest.q_scale() == 0.5 and torch.equal(dest.dequantize(), q.dequantize())
+    m = nn.Module()
+    m.register_buffer("q", torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8))
+    ckptio.load_state_dict(m, tmp_path / "q.pt")
+    assert torch.equal(m.q.dequantize(), q.dequantize())
+
+
+def test_an_error_before_any_destination_says_none_was_written_with_extra_state(tmp_path):
+    class Extra(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2))
+
+        def get_extra_state(self):
+            return {"t": torch.zeros(2)}
+
+        def set_extra_state(self, state):
+            self.state = state
+
+    torch.save({"w": torch.ones(3), "_extra_state": {"t": torch.arange(2.0)}}, tmp_path / "x.pt")
+    with pytest.raises(ckptio.ShapeMismatchError, match="no destination was written") as e:
+        ckptio.load_state_dict(Extra(), tmp_path / "x.pt")
+    assert e.value.partial is False
+
+
+def test_load_out_names_a_legacy_file_and_refuses_verify_of_safetensors(tmp_path):
+    torch.save({"a": torch.ones(3)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(ckptio.FormatError, match="legacy torch.save file"):
+        ckptio.load(tmp_path / "old.pt", out={"a": torch.zeros(3)})
+    ckptio.safetensors.save_file({"a": torch.ones(3)}, tmp_path / "a.safetensors")
+    with pytest.raises(ValueError, match="verify=True needs a torch.save archive"):
+        ckptio.load(tmp_path / "a.safetensors", out={"a": torch.zeros(3)}, verify=True)

@@ -30,7 +30,7 @@ from torch.utils.serialization import config as _torch_config
 from ckptio import _native
 from ckptio import safetensors as _safetensors
 from ckptio.errors import FormatError, corrupt
-from ckptio.formats import torchzip
+from ckptio.formats import detect, torchzip
 from ckptio.formats.torchzip import RecordInfo as RecordInfo
 from ckptio.formats.torchzip import TensorInfo as TensorInfo
 from ckptio.io import devices, memory, paths, remote, reports, transfer
@@ -856,11 +856,18 @@ def _load_into(
                 f"not {type(f).__name__}"
             )
         path, shown = f"/proc/self/fd/{fd}", paths.object_name(f, fd)
-    if path.endswith(".safetensors"):
+    found = detect.detect(path)  # torch's legacy format: a FormatError that says so
+    detect.check_verify(found, verify)
+    if found.format == detect.SAFETENSORS:
         return _safetensors.load_file(
             path, out=out, strict=strict, cast=cast, threads=io.threads,
             chunk_size=io.chunk_size, direct=io.direct, device_backend=io.backend,
         )  # fmt: skip
+    if found.format != detect.TORCH:
+        raise FormatError(
+            f"{shown}: a {found.format} checkpoint: load(out=) reads torch.save archives and "
+            "safetensors files (load_state_dict reads sharded ones, dcp.load DCP folders)"
+        )
     inplace.check_flags(strict=strict, cast=cast, verify=verify)
     with memory.gc_paused():  # objects per tensor, no cycles: see memory.gc_paused
         src, mapped = torchzip.open_torch(

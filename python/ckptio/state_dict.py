@@ -101,7 +101,62 @@ def _touches(obj: Any, storages: set[Any]) -> bool:
     return False
 
 
-class _Deferred(TorchFunctionMode):
+#: Dunder methods that write their first argument.
+_INPLACE_DUNDERS = frozenset(
+    "__setitem__ __iadd__ __isub__ __imul__ __itruediv__ __ifloordiv__ __imod__ __ipow__ "
+    "__iand__ __ior__ __ixor__ __ilshift__ __irshift__ __imatmul__".split()
+)
+
+
+#: In-place methods that leave the elements as they are.
+_NOT_DATA = frozenset({"requires_grad_", "share_memory_", "retain_grad_"})
+
+
+def _written(func: Any, args: Sequence[Any], kwargs: Any) -> list[Any]:
+    """What a call writes in place: an in-place method's tensor (``mul_``,
+    ``__setitem__``), ``out=``."""
+    name = getattr(func, "__name__", "")
+    found: list[Any] = []
+    if args and (
+        name in _INPLACE_DUNDERS
+        or (name.endswith("_") and name[:1] != "_" and name not in _NOT_DATA)
+    ):
+        found.append(args[0])
+    out = kwargs.get("out") if kwargs else None
+    if out is not None:
+        found.extend(out if isinstance(out, (tuple, list)) else (out,))
+    return found
+
+
+class _Changes(TorchFunctionMode):
+    """While active, a call that writes a view of a checkpoint mapping in
+    place (user code: a hook, an override) makes that file's tensors copied
+    from the mapping from then on (``Files.changed``), so that they hold the
+    change as torch.load's tensors would; :meth:`before_change` runs first."""
+
+    def __init__(self, files: Files) -> None:
+        super().__init__()
+        self.files = files
+
+    def before_change(self) -> None:
+        pass
+
+    def note_changes(self, func: Any, args: Sequence[Any], kwargs: Any) -> None:
+        changed = [t for t in _written(func, args, kwargs) if self.files.locate(t) is not None]
+        if changed:
+            self.before_change()
+            for t in changed:
+                self.files.changed(t)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        self.note_changes(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _Deferred(_Changes):
     """While active, ``dest.copy_(src)`` from a view of a checkpoint mapping is
     recorded instead of run (``eager``: read at once through the engine); any
     other call that uses a destination with a recorded copy runs the recorded
@@ -117,14 +172,16 @@ class _Deferred(TorchFunctionMode):
         read: Callable[[list[tuple[str, torch.Tensor, torch.Tensor]]], None],
         eager: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
-        super().__init__()
-        self.files = files
+        super().__init__(files)
         self.names = names
         self.read = read
         self.eager = eager
         self.pending: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self.storages: set[Any] = set()
         self.passthrough = False
+
+    def before_change(self) -> None:
+        self.flush()  # the copies recorded before a change read the file's bytes
 
     def flush(self) -> None:
         """Read the recorded copies (if any)."""
@@ -164,6 +221,7 @@ class _Deferred(TorchFunctionMode):
             return dest
         if self.storages and not _inert(func) and _touches((args, kwargs), self.storages):
             self.flush()
+        self.note_changes(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -242,15 +300,19 @@ class _Run:
         self.problems: list[Problem] = []
         self.wrote = False
 
-    def run(self, pairs: list[tuple[str, torch.Tensor, Any]], *, exact_shape: bool) -> bool:
-        """Plan and read ``pairs``; False (nothing read) where the plan has problems."""
+    def run(
+        self, pairs: list[tuple[str, torch.Tensor, Any]], *, exact_shape: bool, fresh: bool = False
+    ) -> bool:
+        """Plan and read ``pairs``; False (nothing read) where the plan has problems.
+        ``fresh``: the destinations are new tensors of the load's own, not the
+        caller's (nothing of the caller's is written)."""
         if not pairs:
             return True
         p = plan(pairs, self.files, cast=self.cast, exact_shape=exact_shape)
         if p.problems:
             self.problems += p.problems
             return False
-        self.wrote = True
+        self.wrote = self.wrote or not fresh
         self.plans.append(p)
         self.stats += execute(p, self.io, verify=self.verify)
         return True
@@ -319,7 +381,7 @@ def _load_module(
     for k in state_dict:
         if k.endswith(_EXTRA_STATE_KEY_SUFFIX):
             state_dict[k] = replace_tensors(state_dict[k], _fresh_into(run, extra, (k,)))
-    if not run.run(extra, exact_shape=True):
+    if not run.run(extra, exact_shape=True, fresh=True):
         raise_problems(
             f"Error(s) in loading state_dict for {module.__class__.__name__}:",
             [t for _, _, t in run.problems],
@@ -630,10 +692,11 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     state_dict = state_dict.copy()
     if opt._optimizer_load_state_dict_pre_hooks:  # user code: it gets tensors
         state_dict = materialize(state_dict)
-    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        hook_result = pre_hook(opt, state_dict)
-        if hook_result is not None:
-            state_dict = hook_result
+    with _Changes(run.located):  # a hook may change the checkpoint's tensors in place
+        for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(opt, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
     groups = opt.param_groups
     # Tensors in param_groups (a tensor lr) are read now: they are deep-copied.
     early: list[tuple[str, torch.Tensor, Any]] = []
@@ -812,6 +875,7 @@ def open_source(
     safetensors file, or a sharded safetensors checkpoint (its index, or a
     folder holding one)."""
     found = detect.detect(path)
+    detect.check_verify(found, verify)
     if found.format == detect.TORCH:
         obj, m = torchzip.open_torch(
             path,
@@ -823,11 +887,9 @@ def open_source(
         )
         return obj, [m]
     if found.format == detect.SAFETENSORS:
-        _no_verify(verify, path)
         tensors, _, m = st_format.open_file(path, direct=io.direct, backend=io.backend)
         return tensors, [m]
     if found.format == detect.SHARDED:
-        _no_verify(verify, path)
         folder, wm = st_format.shard_files(path)
         names = ["model.safetensors"] if wm is None else list(dict.fromkeys(wm.values()))
         out: dict[str, torch.Tensor] = {}
@@ -843,13 +905,6 @@ def open_source(
         f"{path}: a {found.format} checkpoint: load_state_dict reads torch.save and "
         "safetensors checkpoints (dcp.load reads DCP folders)"
     )
-
-
-def _no_verify(verify: bool, path: str) -> None:
-    if verify:
-        raise ValueError(
-            f"{path}: verify=True needs a torch.save archive (safetensors files hold no CRC-32)"
-        )
 
 
 @sharing.groupable("ckptio.load_state_dict", path_arg=1)

@@ -89,6 +89,15 @@ def detect(path: str | os.PathLike[str]) -> Detected:
     )
 
 
+def check_verify(found: Detected, verify: bool) -> None:
+    """``verify=True`` asks for stored CRC-32s: only torch.save archives hold them."""
+    if verify and found.format != TORCH:
+        raise ValueError(
+            f"{found.path}: verify=True needs a torch.save archive (a {found.format} "
+            "checkpoint holds no CRC-32)"
+        )
+
+
 def _single_file(p: str, head: bytes, size: int) -> str | None:
     """TORCH or SAFETENSORS from a file's first 16 bytes and its size, else None;
     a FormatError for torch's legacy format."""

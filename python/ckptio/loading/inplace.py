@@ -128,6 +128,15 @@ class Files:
         fi = self._file_at(sp)
         return None if fi is None else (fi, t.data_ptr() - self.files[fi].base)
 
+    def changed(self, t: Any) -> None:
+        """``t`` (a view of one of the mappings) is being written in memory (a
+        hook or an override changing the checkpoint's tensors, as it may with
+        torch.load's): from now on that file's tensors are copied from the
+        mapping, changes included, not read from the file."""
+        where = self.locate(t)
+        if where is not None:
+            self.files[where[0]].exact = False
+
     def _file_at(self, storage_address: int) -> int | None:
         """The index of the mapping holding a storage at that address, if its
         bytes are the file's as stored (not byte-swapped)."""
@@ -186,6 +195,7 @@ def direct_destination(dest: Any) -> bool:
         type(dest) not in _PLAIN_TYPES
         or not (dest.is_cpu or dest.is_cuda)
         or dest.layout != _STRIDED
+        or dest.is_quantized  # copy_ sets its quantizer too: bytes alone would not
         or dest.is_conj()
         or dest.is_neg()
         or dest.is_inference()
@@ -341,7 +351,7 @@ class Plan:
 
 def _plain(t: torch.Tensor) -> bool:
     """A strided tensor whose memory is its own storage (not a wrapper subclass)."""
-    if t.layout != torch.strided or t.is_conj() or t.is_neg():
+    if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
         return False
     # Tensors and Parameters never carry the Python key (a subclass with
     # __torch_dispatch__ does); asking costs 0.7 us, several times per item.
