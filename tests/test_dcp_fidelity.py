@@ -136,3 +136,42 @@ def test_writer_takes_torchs_positional_arguments(tmp_path):
     w = FileSystemWriter(tmp_path, True, True, 1, 10_000_000, False, True, None)
     assert w.transforms.extensions == ()
     assert w.serialization_format == SerializationFormat.TORCH_SAVE
+
+
+def test_conjugate_and_negative_views_torch_wrote_read_as_torch_reads_them(tmp_path):
+    # torch's writer stores a conjugate (or negative) view's storage as it is and
+    # the bit in the item's pickle: ours applies it, small items and large ones.
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    big = torch.randn(1 << 18, dtype=torch.complex64, generator=torch.Generator().manual_seed(3))
+    sd = {"conj": c.conj(), "neg": c.conj().imag, "big": big.conj()}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    want = {k: v.resolve_conj().resolve_neg() for k, v in sd.items()}
+    for verify in (False, True):
+        out = {k: torch.zeros_like(v) for k, v in want.items()}
+        dcp.load(out, storage_reader=FileSystemReader(tmp_path, verify=verify), no_dist=True)
+        for k, v in want.items():
+            assert torch.equal(out[k], v), (k, verify)
+
+
+def test_saves_without_collectives_leave_one_generation_and_no_temp(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    from test_dcp import _free_port
+
+    script = textwrap.dedent(f"""
+        import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+        from ckptio.dcp import FileSystemWriter
+        dist.init_process_group(
+            "gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:{_free_port()}"
+        )
+        for i in range(3):
+            sd = {{"a": torch.full((1000,), float(i))}}
+            dcp.save(sd, storage_writer=FileSystemWriter(sys.argv[1]), use_collectives=False)
+        dist.destroy_process_group()
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=120)
+    names = sorted(os.listdir(tmp_path))
+    assert len(names) == 2 and names[0] == "__0.metadata" and names[1].endswith(".distcp"), names

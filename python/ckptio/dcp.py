@@ -266,11 +266,17 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             if f"_{token}_" not in taken:
                 return token
 
+    def _metadata_name(self) -> str:
+        """What ``finish`` commits: ``.metadata``, or without collectives (as
+        torch's writer judges it) this rank's ``__{rank}.metadata``."""
+        if self.rank is not None and not self.use_collectives:
+            return f"__{self.rank}{fmt.METADATA}"
+        return fmt.METADATA
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         plan = super().prepare_local_plan(plan)
         if plan.storage_data is not None:  # without collectives: this rank's own names
             rank = self.rank if self.rank is not None else 0
-            self._open_guard(f"__{rank}{fmt.METADATA}")
             plan = dataclasses.replace(
                 plan, storage_data=_StoragePrefix(f"__{rank}_{self._token()}_")
             )
@@ -278,8 +284,9 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator names this generation's files: every rank's prefix carries the token.
-        self._open_guard(fmt.METADATA)
-        self._store.remember(fmt.METADATA)
+        # (Without collectives each rank runs this for itself, and commits its own metadata.)
+        self._open_guard(self._metadata_name())
+        self._store.remember(self._metadata_name())
         token = self._token()
         return [
             dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{token}_"))
@@ -564,8 +571,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             storage_md.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        per_rank = not self.use_collectives and self.rank is not None
-        name = f"__{self.rank}{fmt.METADATA}" if per_rank else fmt.METADATA
+        name = self._metadata_name()
         target = os.path.join(os.fspath(self.path), name)
         data = pickle.dumps(metadata)
         if self._store.url is not None:
@@ -1418,7 +1424,8 @@ class FileSystemReader(_TorchReader):
         nbytes = meta.untyped_storage().nbytes()
         whole = src.storage_offset() == 0 and target.numel() * isz == nbytes
         dev = devices.device_code(target.untyped_storage(), f"destination of {req.storage_index}")
-        if src.is_contiguous() and target.is_contiguous() and (whole or not self.verify):
+        plain = not (src.is_conj() or src.is_neg())  # else the bits apply at the copy
+        if plain and src.is_contiguous() and target.is_contiguous() and (whole or not self.verify):
             # Straight into the destination.
             start = data_off + src.storage_offset() * isz
             segments.append((start, target.data_ptr(), target.numel() * isz, dev))
@@ -1463,7 +1470,7 @@ class FileSystemReader(_TorchReader):
         typed = raw.view(meta.dtype)
         # as_strided's offset counts from the buffer's start, not the view's.
         offset = typed.storage_offset() + meta.storage_offset()
-        return typed.as_strided(meta.shape, meta.stride(), offset)
+        return _with_bits(typed.as_strided(meta.shape, meta.stride(), offset), meta)
 
 
 class _Fetched:
@@ -1545,10 +1552,21 @@ def _commit(
     for req, target, tmp, src in commits:
         if tmp is not None:
             view = tmp.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
-            target.copy_(view)
+            target.copy_(_with_bits(view, src))
         planner.commit_tensor(req, target)
         if kept is not None:
             kept[id(req)] = target
+
+
+def _with_bits(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``view`` of an item's stored bytes with the conjugate and negative bits of
+    ``like``, the item's tensor (torch's writer stores a conjugate view's storage
+    as it is, the bits in the item's pickle; copy_ then resolves them)."""
+    if like.is_conj():
+        view = view.conj()
+    if like.is_neg():
+        view = torch._neg_view(view)
+    return view
 
 
 def _expected_reads(
