@@ -1383,3 +1383,33 @@ def test_load_out_names_a_legacy_file_and_refuses_verify_of_safetensors(tmp_path
     ckptio.safetensors.save_file({"a": torch.ones(3)}, tmp_path / "a.safetensors")
     with pytest.raises(ValueError, match="verify=True needs a torch.save archive"):
         ckptio.load(tmp_path / "a.safetensors", out={"a": torch.zeros(3)}, verify=True)
+
+
+def test_optimizer_state_tensors_shared_or_nested_are_filled_as_torch_fills_them(tmp_path):
+    w = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))]
+
+    class Plain(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 1.0})
+
+        def step(self):
+            pass
+
+    src = Plain(w)
+    src.state[w[0]] = {"buf": torch.full((3,), 1.0), "sub": {"buf": torch.full((3,), 3.0)}}
+    src.state[w[1]] = {"buf": torch.full((3,), 2.0), "sub": {"buf": torch.full((3,), 4.0)}}
+    torch.save(src.state_dict(), tmp_path / "opt.pt")
+
+    def made():
+        o = Plain(w)
+        shared = torch.zeros(3)  # one tensor in both parameters' state
+        for p in w:
+            o.state[p] = {"buf": shared, "sub": {"buf": torch.zeros(3)}}
+        return o
+
+    ours, theirs = made(), made()
+    ckptio.load_state_dict(ours, tmp_path / "opt.pt")
+    theirs.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    for p in w:
+        assert torch.equal(ours.state[p]["buf"], theirs.state[p]["buf"])
+        assert torch.equal(ours.state[p]["sub"]["buf"], theirs.state[p]["sub"]["buf"])

@@ -734,6 +734,8 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
             if isinstance(i, Hashable):  # (a state key is)
                 policy.setdefault(i, flags)
 
+    reused: set[int] = set()  # the optimizer's state tensors taken as destinations
+
     def destination(
         param: torch.Tensor,
         value: Any,
@@ -762,7 +764,14 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
         if where is None:  # not the checkpoint's bytes (a pre-hook made it)
             return value.to(dtype=dtype, device=device)
         state = opt.state.get(param)
-        have = state.get(key) if isinstance(state, dict) and key is not None else None
+        # A state tensor the optimizer has: a top-level one (a nested key of the
+        # same name is another tensor), and one no other entry of this load
+        # fills (torch makes a tensor per entry: state tensors shared before
+        # the load are not after it).
+        top = isinstance(state, dict) and key is not None and len(path) == 3
+        have = state.get(key) if top else None
+        if isinstance(have, torch.Tensor) and id(have) in reused:
+            have = None
         name = key_name(path)
         if isinstance(have, torch.Tensor) and have.shape != value.shape:
             shapes.append(
@@ -780,6 +789,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
             and have.device == torch.device(device)
         ):
             dest = have
+            reused.add(id(have))
         elif type(value) is Placeholder and value.contiguous:
             dest = torch.empty(value.shape, dtype=dtype, device=device)  # (empty_like's)
         else:
