@@ -1413,3 +1413,21 @@ def test_optimizer_state_tensors_shared_or_nested_are_filled_as_torch_fills_them
     for p in w:
         assert torch.equal(ours.state[p]["buf"], theirs.state[p]["buf"])
         assert torch.equal(ours.state[p]["sub"]["buf"], theirs.state[p]["sub"]["buf"])
+
+
+def test_a_container_the_checkpoint_holds_at_two_paths_fills_both(tmp_path):
+    d = {"w": torch.arange(3.0)}
+    shared = [torch.arange(2.0)]
+    cyclic = {"t": torch.ones(2)}
+    cyclic["self"] = cyclic
+    torch.save({"model": d, "ema": d, "x": shared, "y": shared, "c": cyclic}, tmp_path / "s.pt")
+    out = {
+        "model": {"w": torch.zeros(3)}, "ema": {"w": torch.zeros(3)},
+        "x": [torch.zeros(2)], "y": [torch.zeros(2)], "c": {"t": torch.zeros(2)},
+    }  # fmt: skip
+    got = ckptio.load(tmp_path / "s.pt", out=out, strict=False)
+    for k in ("model", "ema"):
+        assert torch.equal(out[k]["w"], d["w"]) and got[k]["w"] is out[k]["w"], k
+    for k in ("x", "y"):
+        assert torch.equal(out[k][0], shared[0]) and got[k][0] is out[k][0], k
+    assert torch.equal(out["c"]["t"], torch.ones(2))

@@ -32,6 +32,7 @@ torch.distributed) reuse them:
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import os
 import time
@@ -230,7 +231,39 @@ def _walk(
     if isinstance(o, torch.Tensor) or type(o) is Placeholder:
         return fn(p, o)
     if id(o) in memo:
+        if type(memo) is _Unsharing and id(o) in memo.before and id(o) not in memo.open:
+            return _walk(copy.copy(memo.before[id(o)]), p, fn, memo)
         return memo[id(o)]
+    if type(memo) is _Unsharing and isinstance(o, (dict, list, tuple)):
+        memo.before[id(o)] = o if isinstance(o, tuple) else copy.copy(o)
+        memo.open.add(id(o))
+        try:
+            return _walk_container(o, p, fn, memo)
+        finally:
+            memo.open.discard(id(o))
+    return _walk_container(o, p, fn, memo)
+
+
+class _Unsharing(dict):  # type: ignore[type-arg]
+    """A memo of :func:`_walk` for pairing: a container reached again by another
+    key path is walked again, as a copy of what it held before the first walk
+    changed it (each path pairs its own tensors, as torch.load's tensors then
+    ``copy_`` would fill both destinations); one reached again inside itself
+    (a cycle) is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before: dict[int, Any] = {}
+        self.open: set[int] = set()
+
+
+def _walk_container(
+    o: Any,
+    p: tuple[Any, ...],
+    fn: Callable[[tuple[Any, ...], torch.Tensor], Any],
+    memo: dict[int, Any],
+) -> Any:
+    """:func:`_walk` of a value that is not a tensor, seen the first time."""
     if isinstance(o, dict):
         memo[id(o)] = o
         for k in list(o):
@@ -315,7 +348,8 @@ def pair_structure(
         pairs.append((key_name(p), t, d))
         return d
 
-    result = replace_tensors(src, match)
+    result = _walk(src, (), match, _Unsharing())
+    result = None if result is _DROP else result
     return result, pairs, [key_name(p) for p in dests], unexpected
 
 
