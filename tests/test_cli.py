@@ -436,3 +436,27 @@ def test_dcp_with_compressed_items(tmp_path, capsys):
     rep = ckptio.verify(folder)
     assert rep.ok and {r.state for r in rep.records} == {"unchecked"}, rep
     assert run(capsys, "verify", "-q", folder) == (0, "", "")
+
+
+# --------------------------------------------------------------------------- review of 2026-12-06
+
+
+def test_convert_keeps_a_safetensors_sources_metadata(tmp_path, capsys):
+    cst.save_file({"w": torch.ones(2)}, tmp_path / "a.safetensors", metadata={"k": "v"})
+    rc, _, _ = run(capsys, "convert", tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert rc == 0 and cst.metadata(tmp_path / "b.safetensors") == {"format": "pt", "k": "v"}
+
+
+def test_ls_writes_control_characters_in_names_as_escapes(tmp_path, capsys):
+    names = {"a\nb\x1b[31m": torch.ones(2), "\u00fc": torch.ones(1)}
+    cst.save_file(names, tmp_path / "e.safetensors")
+    rc, out, _ = run(capsys, "ls", tmp_path / "e.safetensors")
+    assert rc == 0 and "a\\nb\\x1b[31m: float32" in out and "\x1b" not in out
+    assert "\u00fc: float32" in out
+
+
+@pytest.mark.parametrize("args", [["--size", "4097"], ["--size", "1"], ["--repeat", "0"]])
+def test_bench_refuses_sizes_and_rounds_it_cannot_run(tmp_path, capsys, args):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--dir", str(tmp_path), *args])
+    assert e.value.code == 2 and "give" in capsys.readouterr().err

@@ -466,3 +466,20 @@ def test_load_sharded_reads_each_file_while_the_next_is_made(tmp_path, monkeypat
     got = cst.load_sharded(tmp_path / "sharded")
     assert len(calls) > 2 and sum(calls) == 58, calls  # t00 and t03 hold no bytes
     assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_conjugate_and_negative_views_are_saved_with_their_values(tmp_path):
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    n = torch._neg_view(torch.tensor([1.0, 2.0]))
+    ckptio.safetensors.save_file({"c": c, "n": n}, tmp_path / "v.safetensors")
+    got = ckptio.safetensors.load_file(tmp_path / "v.safetensors")
+    assert torch.equal(got["c"], c.resolve_conj()) and torch.equal(got["n"], n.resolve_neg())
+    mem = ckptio.safetensors.load(ckptio.safetensors.save({"c": c, "n": n}))
+    assert torch.equal(mem["c"], c.resolve_conj()) and torch.equal(mem["n"], n.resolve_neg())
+
+
+def test_sharded_index_total_size_is_the_bytes_not_the_callers(tmp_path):
+    sd = {f"t{i}": torch.ones(256) for i in range(4)}
+    ckptio.safetensors.save_sharded(sd, tmp_path, 2048, metadata={"total_size": "oops", "k": "v"})
+    idx = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert idx["metadata"]["total_size"] == 4 * 1024 and idx["metadata"]["k"] == "v"

@@ -527,7 +527,7 @@ def save_sharded(
     its own), as ``huggingface_hub.split_torch_state_dict_into_shards`` splits.
     One shard: ``model.safetensors``, no index. Several:
     ``model-00001-of-0000n.safetensors`` ... and ``model.safetensors.index.json``
-    (``{"metadata": {"total_size": ..., **metadata}, "weight_map": {name: shard}}``).
+    (``{"metadata": {**metadata, "total_size": ...}, "weight_map": {name: shard}}``).
     Each shard carries ``{"format": "pt", **metadata}`` as its header metadata.
 
     The folder switches from the previous checkpoint to this one in one atomic
@@ -605,7 +605,7 @@ def save_sharded(
         keep = set(names)
         if len(shards) > 1:
             index = {
-                "metadata": {"total_size": total, **meta},
+                "metadata": {**meta, "total_size": total},  # ours: the bytes it holds
                 "weight_map": {t: n for n, shard in zip(names, shards, strict=True) for t in shard},
             }
             # The commit point: every shard above is durable.

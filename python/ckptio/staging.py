@@ -483,6 +483,11 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
     ``async_save(sd, checkpoint_id=..., async_stager=DefaultStager())`` returns an
     ``AsyncSaveResponse`` in milliseconds; ``staging_completion`` is done when the
     snapshot is complete. Call ``close()`` when done (async_save never does).
+
+    The next ``stage()`` copies into the same buffers: start the next
+    ``async_save`` with this stager once the previous one's ``upload_completion``
+    is done (as with torch's DefaultStager and its cached buffers). A snapshot
+    staged while the previous upload still reads them changes what it writes.
     """
 
     _synchronize_after_execute: bool = False

@@ -363,6 +363,8 @@ def layout(tensors: Mapping[str, torch.Tensor], metadata: Any, align: int = memo
     for _, k, t, name, n in info:
         shape = _header_shape(t) if name in _PACKED else list(t.shape)
         head[k] = {"dtype": name, "shape": shape, "data_offsets": [at, at + n]}
+        if t.is_conj() or t.is_neg():  # its storage holds the values unconjugated, unnegated
+            t = t.resolve_conj().resolve_neg()
         items.append((k, t, at, at + n))
         at += n
     js = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()

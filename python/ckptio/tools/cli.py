@@ -51,6 +51,25 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _bench_size(text: str) -> int:
+    """``bench --size``: at least 1 MiB and whole 4 KiB blocks (its raw rows
+    read and write with O_DIRECT)."""
+    n = _size(text)
+    if n < 1 << 20 or n % 4096:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 1M or more, in whole 4 KiB blocks")
+    return n
+
+
+def _rounds(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of rounds >= 1")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckptio",
@@ -119,12 +138,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="print only errors")
 
     b = sub.add_parser("bench", help="save/load side by side with torch.save/torch.load")
-    b.add_argument("--size", type=_size, default=2**30, help="state dict size (default 1G)")
+    b.add_argument(
+        "--size", type=_bench_size, default=2**30, help="state dict size (default 1G; >= 1M)"
+    )
     b.add_argument("--dir", default=None, help="folder for the files (default: system temp)")
     b.add_argument("--device", default="cpu", help="where the state dict lives (cpu, cuda)")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--chunk-size", type=_size, default=None)
-    b.add_argument("--repeat", type=int, default=3, help="rounds; each row keeps its median")
+    b.add_argument("--repeat", type=_rounds, default=3, help="rounds; each row keeps its median")
     b.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     b.add_argument(
         "--plot",

@@ -136,17 +136,18 @@ def convert(
     src_format = formats[found.format]
     fmt = target_format(os.fspath(dst), src_format, to)
     where = f"{src}: "
+    meta: dict[str, str] = {}
     if src_format == "torch":
         obj = load(src, map_location="cpu", weights_only=True)
         tensors = flat_tensors(obj, flatten=flatten, where=where)
     else:
         tensors = cst.load_file(src)
-        meta = cst.metadata(src)
+        meta = cst.metadata(src) or {}
         if fmt == "torch" and meta:
             log(f"note: the safetensors metadata {meta} is not kept in a torch.save file")
     tensors = unshare(tensors, duplicate_shared, where)
-    if fmt == "safetensors":
-        cst.save_file(tensors, dst, metadata={"format": "pt"})
+    if fmt == "safetensors":  # a safetensors source's metadata kept
+        cst.save_file(tensors, dst, metadata={"format": "pt", **meta})
     else:
         save(tensors, dst)
     rep = last_report()

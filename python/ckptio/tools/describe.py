@@ -362,8 +362,17 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return "x".join(map(str, shape)) if shape else "scalar"
 
 
+def _printable(name: str) -> str:
+    """A name as one line of text: control characters (a newline, a terminal
+    escape) written as escapes, as repr() writes them."""
+    if name.isprintable():
+        return name
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+
+
 def _tensor_text(t: Tensor) -> str:
-    return f"{t.name}: {t.dtype} [{_shape(t.shape)}]" + (f" {t.note}" if t.note else "")
+    text = f"{_printable(t.name)}: {t.dtype} [{_shape(t.shape)}]"
+    return text + (f" {t.note}" if t.note else "")
 
 
 def _file_title(lst: Listing, rel: str, size: int, entries: list[Entry]) -> str:
@@ -396,7 +405,7 @@ def lines(lst: Listing, *, crc: bool = False) -> list[str]:
                 data = f", data at {e.data_offset}" if crc and e.data_offset != e.offset else ""
                 out.append(f"{row}  {_tensor_text(e.tensors[0])}{data}")
                 continue
-            out.append(f"{row}  {e.name}")
+            out.append(f"{row}  {_printable(e.name)}")
             out.extend(f"{'':>{pad}}  - {_tensor_text(t)}" for t in e.tensors)
     if not crc:
         return out
