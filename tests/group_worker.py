@@ -235,6 +235,16 @@ def case_mismatch_records(c: Ctx) -> dict:
     return {}
 
 
+def case_mismatch_bytes(c: Ctx) -> dict:
+    # One layout, other values (a node's copy of another step): the stored CRC-32s differ.
+    p = os.path.join(c.path(f"bytes_{c.rank}"), "ck.pt")
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    ckptio.save({"a": torch.full((1000,), float(c.rank)), "step": torch.tensor(c.rank)}, p)
+    dist.barrier()
+    ckptio.load(p, group=c.group)
+    return {}
+
+
 def case_mismatch_out(c: Ctx) -> dict:
     p = c.shared_file("ck.pt", lambda p: ckptio.save(state(1), p))
     dest = {"big": torch.zeros(1_500_000), "mid": torch.zeros(300, 1000)}

@@ -30,6 +30,7 @@ GOOD = [
 FAILING = [
     "mismatch_size",
     "mismatch_records",
+    "mismatch_bytes",
     "mismatch_out",
     "missing_file",
     "read_error",
@@ -116,6 +117,13 @@ def test_different_records_fail_on_every_rank(two):
     for g in failed(two, "mismatch_records"):
         assert g["type"] == "GroupMismatchError" and g["rank"] == 1
         assert "the records of" in g["msg"] and "differ" in g["msg"], g["msg"]
+
+
+@pytest.mark.slow
+def test_same_layout_other_bytes_fail_on_every_rank(two):
+    for g in failed(two, "mismatch_bytes"):
+        assert g["type"] == "GroupMismatchError" and g["rank"] == 1
+        assert "stored CRC-32s" in g["msg"] and "differ" in g["msg"], g["msg"]
 
 
 @pytest.mark.slow

@@ -359,17 +359,19 @@ class Session:
 
 
 def _records_digest(f: Any) -> str:
-    """A digest of a file's records: a torch archive's (name, offset, size)
-    table (and an object's version), a safetensors file's header."""
+    """A digest of a file's records: a torch archive's (name, offset, size,
+    stored CRC-32) table (its content: two archives of one layout and other
+    bytes differ here; and an object's version), a safetensors file's header."""
     h = hashlib.sha1()
     native = f.file
     version = getattr(native, "version", None)  # an object in a store: the one read
     if version is not None:
         h.update(f"version\0{version}\n".encode())
     if hasattr(native, "records"):
+        crcs = dict(native.checksums()) if hasattr(native, "checksums") else {}
         for name, off, size in native.records():
             # Without the archive's prefix (the file's name when torch saved it).
-            h.update(f"{name.partition('/')[2]}\0{off}\0{size}\n".encode())
+            h.update(f"{name.partition('/')[2]}\0{off}\0{size}\0{crcs.get(name)}\n".encode())
     else:
         fd = native.fileno()
         head = os.pread(fd, 8, 0)
@@ -405,8 +407,8 @@ def _difference(ref: dict[str, Any], e: dict[str, Any], r: int) -> str | None:
             )
         if da != db:
             return (
-                f"rank {r} sees a different file: the records of {nb} (names, offsets, sizes) "
-                f"differ from those of {na} on rank 0"
+                f"rank {r} sees a different file: the records of {nb} (names, offsets, "
+                f"sizes, stored CRC-32s) differ from those of {na} on rank 0"
             )
     (ca, ba, _), (cb, bb, _) = ref["pieces"], e["pieces"]
     return (
