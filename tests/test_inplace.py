@@ -1431,3 +1431,18 @@ def test_a_container_the_checkpoint_holds_at_two_paths_fills_both(tmp_path):
     for k in ("x", "y"):
         assert torch.equal(out[k][0], shared[0]) and got[k][0] is out[k][0], k
     assert torch.equal(out["c"]["t"], torch.ones(2))
+
+
+def test_lazy_tensors_refuse_a_file_written_in_place_and_autograd(tmp_path):
+    from ckptio.state_dict import lazy_load
+
+    path = str(tmp_path / "c.pt")
+    torch.save({"w": torch.zeros(512, 1024), "step": torch.tensor(1)}, path)
+    got = lazy_load(path, map_location="cpu", io=IoOptions())
+    w = got["w"]
+    assert torch.equal(w.to("cpu", copy=True), torch.zeros(512, 1024))
+    with pytest.raises(RuntimeError, match="does not take part in autograd"):
+        w.requires_grad_()
+    torch.save({"w": torch.ones(512, 1024), "step": torch.tensor(2)}, path)  # in place
+    with pytest.raises(ckptio.CkptioError, match="written again in place"):
+        w.sum()

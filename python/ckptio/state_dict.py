@@ -32,7 +32,7 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
-from ckptio.errors import FormatError
+from ckptio.errors import CkptioError, FormatError
 from ckptio.formats import detect, torchzip, unpickled
 from ckptio.formats import safetensors as st_format
 from ckptio.formats.mapped import Mapped
@@ -1078,10 +1078,17 @@ class _Lazy(torch.Tensor):
     _io: IoOptions
     _dev: torch.device
     _real: torch.Tensor | None
+    _stamp: tuple[int, ...]
 
     @staticmethod
     def __new__(
-        cls, key: str, src: torch.Tensor, files: list[Mapped], io: IoOptions, device: torch.device
+        cls,
+        key: str,
+        src: torch.Tensor,
+        files: list[Mapped],
+        io: IoOptions,
+        device: torch.device,
+        stamp: tuple[int, ...],
     ) -> _Lazy:
         t = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -1092,6 +1099,7 @@ class _Lazy(torch.Tensor):
             device=device,
         )
         t._key, t._src, t._files, t._io, t._dev, t._real = key, src, files, io, device, None
+        t._stamp = stamp
         return t  # type: ignore[no-any-return]
 
     def _materialize(self) -> torch.Tensor:
@@ -1102,6 +1110,12 @@ class _Lazy(torch.Tensor):
         return self._real
 
     def _fill(self, dest: torch.Tensor) -> None:
+        if _stamp(self._files[0]) != self._stamp:
+            raise CkptioError(
+                f"{self._files[0].path}: written again in place since lazy_load opened it "
+                f"(torch.save to the same path): {self._key!r} cannot be read from it; "
+                "load the checkpoint again"
+            )
         # copy_ and to() convert dtypes: so does this read.
         fill(
             [(self._key, self._src, dest)],
@@ -1131,6 +1145,11 @@ class _Lazy(torch.Tensor):
         ):
             args[1]._fill(args[0])
             return args[0]
+        if _wants_grad(func, args, kwargs):
+            raise RuntimeError(
+                "ckptio.lazy_load: a tensor read on use does not take part in autograd; "
+                "read it first (t = t.clone(), or ckptio.load)"
+            )
         if (
             func is torch.Tensor.to
             and args
@@ -1138,7 +1157,10 @@ class _Lazy(torch.Tensor):
             and args[0]._real is None
         ):
             lz = args[0]
-            device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+            kw = {k: v for k, v in kwargs.items() if k not in ("copy", "non_blocking")}
+            # Always a tensor of its own, read now (Optimizer.load_state_dict's to()
+            # must leave no lazy tensor in the state), copy= or not.
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kw)
             dest = torch.empty_like(
                 lz._src,
                 dtype=dtype or lz._src.dtype,
@@ -1156,6 +1178,25 @@ class _Lazy(torch.Tensor):
     ) -> Any:
         args, kwargs = tree_map_only(_Lazy, _Lazy._materialize, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def _wants_grad(func: Any, args: Sequence[Any], kwargs: Any) -> bool:
+    """Whether a call asks a lazy tensor to require grad (``requires_grad_()``,
+    ``t.requires_grad = True``): its values live elsewhere until read."""
+    if not args or not isinstance(args[0], _Lazy):
+        return False
+    if func is torch.Tensor.requires_grad_:
+        return bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+    if getattr(func, "__name__", None) == "__set__":
+        owner = getattr(func, "__self__", None)
+        return getattr(owner, "__name__", None) == "requires_grad" and bool(args[1])
+    return False
+
+
+def _stamp(m: Mapped) -> tuple[int, ...]:
+    """What changes when a file is written again in place (not replaced)."""
+    st = os.fstat(m.file.fileno())
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 #: Checkpoint tensors smaller than this are read when the checkpoint is opened.
@@ -1184,6 +1225,7 @@ def lazy_load(
         path, direct=io.direct, backend=io.backend, torch_kw={"weights_only": weights_only}
     )
     files = [mapped]
+    stamp = _stamp(mapped)
     located = Files(files)
     users: dict[int, int] = {}
 
@@ -1218,7 +1260,7 @@ def lazy_load(
         dev = device_of(t)
         st = t.untyped_storage()
         if type(t) is torch.Tensor and users[st.data_ptr()] == 1 and t.nbytes >= min_bytes:
-            new: torch.Tensor = _Lazy(key_name(p), t, files, io, dev)
+            new: torch.Tensor = _Lazy(key_name(p), t, files, io, dev, stamp)
         else:
             whole = records.get(st.data_ptr())
             if whole is None:
