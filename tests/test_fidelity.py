@@ -5,6 +5,7 @@ import inspect
 import io
 import os
 import pickle
+import threading
 import warnings
 
 import ckptio
@@ -389,3 +390,49 @@ def test_gpu_dcp_zstd_from_cuda_tensors(tmp_path):
             out = {k: torch.empty_like(v) for k, v in sd.items()}
             dcp.load(out, storage_reader=reader, no_dist=True)
             assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+# --------------------------------------------------------------------------- review of 2026-12-06
+
+
+def test_tensors_whose_unpickling_reads_values_load_as_torch_loads_them(tmp_path):
+    # Sparse tensors are validated inside torch.load, a nested tensor reads its sizes,
+    # a Generator its state: their storages must hold the bytes while the pickle decodes.
+    g = torch.Generator().manual_seed(1234)
+    sd = {
+        "coo": torch.randn(4, 4).to_sparse(),
+        "csr": torch.randn(4, 4).to_sparse_csr(),
+        "nested": torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+        "gen": g,
+    }
+    torch.save(sd, tmp_path / "s.pt")
+    for weights_only in (False, True):
+        if weights_only:
+            del sd["gen"], sd["nested"]  # refused by torch's weights_only unpickler
+            torch.save(sd, tmp_path / "s.pt")
+        want = torch.load(tmp_path / "s.pt", weights_only=weights_only)
+        got = ckptio.load(tmp_path / "s.pt", weights_only=weights_only)
+        for k in ("coo", "csr"):
+            assert torch.equal(got[k].to_dense(), want[k].to_dense()), k
+        if not weights_only:
+            pairs = zip(got["nested"].unbind(), want["nested"].unbind(), strict=True)
+            assert all(torch.equal(a, b) for a, b in pairs)
+            ours, theirs = got["gen"], want["gen"]
+            assert torch.equal(torch.randn(3, generator=ours), torch.randn(3, generator=theirs))
+
+
+def test_save_into_a_pipe(tmp_path):
+    r, w = os.pipe()
+    got = bytearray()
+
+    def drain() -> None:
+        while chunk := os.read(r, 1 << 16):
+            got.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    with open(w, "wb") as f:
+        ckptio.save({"a": torch.arange(5)}, f)
+    reader.join(30)
+    os.close(r)
+    assert torch.equal(torch.load(io.BytesIO(bytes(got)))["a"], torch.arange(5))

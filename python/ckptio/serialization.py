@@ -263,10 +263,11 @@ def _save_object(
             dev_file = None
     name = paths.object_name(f, fd)
     if dev_file is None:
-        start = f.tell() if hasattr(f, "tell") else 0
+        start = _position(f)
         with torchzip.torch_writing():
             torch.save(obj, f, torch_args[0], torch_args[1], new_zip, torch_args[2])
-        n = f.tell() - start if hasattr(f, "tell") else 0
+        end = _position(f)
+        n = end - start if start is not None and end is not None else 0
         why = by_torch or "a file object without a usable descriptor"
         reports.report(name, t0, reports.torch_stats(n, why), 0)
         return
@@ -280,6 +281,14 @@ def _save_object(
     stats = transfer.write_storages(dev_file, engine, storages, list(found.values()))
     f.seek(0, os.SEEK_END)  # as after torch.save: at the end of what the save wrote
     reports.report(name, t0, stats, len(found))
+
+
+def _position(f: Any) -> int | None:
+    """``f.tell()``, None for a stream without one (a pipe, a socket)."""
+    try:
+        return int(f.tell())
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _storage_segments(found: dict[str, torch.UntypedStorage]) -> list[tuple[str, int, int, int]]:
@@ -328,7 +337,12 @@ def load(
     ``mmap=True``; ``map_location="meta"`` and under ``FakeTensorMode`` (no
     bytes to read); tensor subclasses that torch rebuilds from the
     ``map_location`` itself; byte-swapped storages; TorchScript and
-    torch's legacy (non-zip) files. A path ending in ``.safetensors`` is read
+    torch's legacy (non-zip) files; sparse and nested tensors and Generators
+    (their rebuild reads tensor values while the pickle decodes). With
+    ``weights_only=False``, other pickles decode before their storages are
+    read: an object of yours whose unpickling reads its tensors' values
+    (``__setstate__`` summing them) sees them unread; load it with torch.load.
+    A path ending in ``.safetensors`` is read
     by ``ckptio.safetensors.load_file``, as torch.load hands it to safetensors.
     ``f`` may be a file object: over a regular file (at position 0) the engine
     reads the very file behind its descriptor; other objects (BytesIO) go
@@ -681,10 +695,13 @@ def _load_archive(
     if native is not None:
         segments, owners, build = native
     else:
-        restorer = _Restorer(map_location, list(archive.data.values()), shown)
         # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
         # replaced meanwhile by a concurrent save.
         src = f"/proc/self/fd/{archive.fileno()}"
+        reads = torchzip.reads_values_while_unpickling(archive)
+        if reads is not None:  # the restorer's storages are filled after torch.load
+            return _by_torch(t0, src, reads, map_location, name=shown, **torch_kw)
+        restorer = _Restorer(map_location, list(archive.data.values()), shown)
         try:
             with torchzip.unpickling(shown):
                 obj = torch.load(src, map_location=restorer, mmap=True, **torch_kw)

@@ -32,6 +32,7 @@ import functools
 import io
 import os
 import pickle
+import pickletools
 import re
 import secrets
 import sys
@@ -717,6 +718,32 @@ def file_offsets(
         if all(data.get(p - base) == n for p, n in sized):
             return [p - base for p, _, _ in pending]
     raise corrupt(path, "storages in the pickle do not match the archive's records")
+
+
+#: Names in a pickle whose rebuild reads tensor values while the pickle is
+#: decoded (torch.load validates sparse tensors, a nested tensor reads its
+#: sizes, a Generator its state): the storages must hold the bytes by then.
+_READS_VALUES = ("_rebuild_sparse_tensor", "_rebuild_nested_tensor", "Generator")
+
+
+def reads_values_while_unpickling(archive: Records) -> str | None:
+    """What in the archive's pickle reads tensor values as it is decoded (the
+    storages ``ckptio.load`` hands torch.load are filled after it), or None.
+    By name: a key of that name too sends the file to torch.load, which only
+    costs speed."""
+    pkl = f"{archive.prefix}/data.pkl"
+    if pkl not in archive.where:
+        return None
+    data = archive.reader.read_record(pkl)
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if isinstance(arg, str):
+                name = arg.rpartition(" ")[2] if op.name == "GLOBAL" else arg
+                if name in _READS_VALUES:
+                    return f"{name}: it reads tensor values while the pickle is decoded"
+    except (ValueError, pickle.UnpicklingError, IndexError):
+        return None  # a damaged pickle: torch.load judges it
+    return None
 
 
 @contextlib.contextmanager
