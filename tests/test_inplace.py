@@ -1446,3 +1446,14 @@ def test_lazy_tensors_refuse_a_file_written_in_place_and_autograd(tmp_path):
     torch.save({"w": torch.ones(512, 1024), "step": torch.tensor(2)}, path)  # in place
     with pytest.raises(ckptio.CkptioError, match="written again in place"):
         w.sum()
+
+
+def test_interleaved_strided_destinations_that_share_no_element_are_filled(tmp_path):
+    torch.save({"p": torch.tensor([1.0, 1.0]), "q": torch.tensor([2.0, 2.0])}, tmp_path / "c.pt")
+    base = torch.zeros(2, 2)
+    ckptio.load(tmp_path / "c.pt", out={"p": base[:, 0], "q": base[:, 1]})  # column slices
+    assert torch.equal(base, torch.tensor([[1.0, 2.0], [1.0, 2.0]]))
+    base = torch.zeros(2, 2)
+    with pytest.raises(ckptio.InPlaceLoadError, match="overlap in memory"):
+        ckptio.load(tmp_path / "c.pt", out={"p": base[:, 0], "q": base.view(-1)[:2]})
+    assert torch.equal(base, torch.zeros(2, 2))

@@ -507,26 +507,61 @@ def _overlaps(items: list[Item], problems: list[Problem]) -> tuple[list[Item], l
             spans.append((_device_key(it.dest), *span, i))
     spans.sort()
     drop: set[int] = set()
-    cur: tuple[str, int, int] | None = None  # device, end, index
+    # The destinations whose extents reach past the current start, on one device
+    # (one at a time but where extents interleave: strided views of one tensor).
+    active: list[tuple[int, int]] = []  # (end, index)
+    reach, dev_now = 0, None
     for dev, lo, hi, i in spans:
-        if cur is not None and cur[0] == dev and lo < cur[1]:
-            a, b = items[cur[2]], items[i]
+        if dev != dev_now or lo >= reach:
+            active.clear()
+            active.append((hi, i))
+            reach, dev_now = hi, dev
+            continue
+        active[:] = [(e, j) for e, j in active if e > lo]
+        for _, j in active:
+            a, b = items[j], items[i]
             if _same_view(a.dest, b.dest):
-                drop.add(min(cur[2], i))
-                cur = (dev, max(cur[1], hi), max(cur[2], i))
-                continue
-            problems.append(
-                (
-                    "destination",
-                    b.key,
-                    f"the destinations of {a.key!r} and {b.key!r} overlap in memory",
+                drop.add(min(j, i))  # tied: the later pair is kept, as torch's copies leave it
+            elif _share_elements(a.dest, b.dest):
+                problems.append(
+                    (
+                        "destination",
+                        b.key,
+                        f"the destinations of {a.key!r} and {b.key!r} overlap in memory",
+                    )
                 )
-            )
-            cur = (dev, max(cur[1], hi), cur[2] if cur[1] >= hi else i)
-        else:
-            cur = (dev, hi, i)
+                break
+        active.append((hi, i))
+        reach = max(reach, hi)
     kept = [it for i, it in enumerate(items) if i not in drop]
     return kept, [items[i].key for i in sorted(drop)]
+
+
+#: Elements beyond which two interleaving strided destinations are taken to
+#: overlap without checking each element.
+_EXACT_BELOW = 1 << 26
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two destinations whose extents overlap share a byte: contiguous
+    ones do; strided views of one tensor (column slices of a weight) may not,
+    and are checked element by element where they are of one element size and
+    grid (else, or where the extent is huge, taken to overlap)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    size = a.element_size()
+    lo = min(a.data_ptr(), b.data_ptr())
+    hi = max(memory.extent(a)[1], memory.extent(b)[1])
+    if (
+        b.element_size() != size
+        or (a.data_ptr() - lo) % size
+        or (b.data_ptr() - lo) % size
+        or (hi - lo) // size > _EXACT_BELOW
+    ):
+        return True
+    mask = torch.zeros((hi - lo) // size, dtype=torch.bool)
+    mask.as_strided(a.shape, a.stride(), (a.data_ptr() - lo) // size).fill_(True)
+    return bool(mask.as_strided(b.shape, b.stride(), (b.data_ptr() - lo) // size).any())
 
 
 def _dest_span(it: Item) -> tuple[int, int] | None:
