@@ -682,13 +682,6 @@ def _load_archive(
             "map_location must be None, a str, a torch.device, a dict or a callable, "
             f"not {type(map_location).__name__}"
         )
-    if isinstance(map_location, dict):  # torch.load's rule: else its TypeError mid-pickle
-        for k, v in map_location.items():
-            if not (isinstance(k, str) and isinstance(v, str)):
-                raise TypeError(
-                    "map_location: a dict maps location strings to location strings, "
-                    f"not {k!r} to {v!r}"
-                )
     shown = archive.path
     data_prefix = f"{archive.prefix}/data/"
     unchecked: list[str] = []

@@ -780,10 +780,7 @@ def declines_restorer(e: BaseException) -> bool:
 
 
 #: torch.load's words for a storage saved on a device this machine lacks.
-_NO_DEVICE = re.compile(
-    r"Attempting to deserialize object on (a CUDA device|CUDA device \d+)"
-    r"|don't know how to restore data location"  # a location (or map_location) torch lacks
-)
+_NO_DEVICE = re.compile(r"Attempting to deserialize object on (a CUDA device|CUDA device \d+)")
 
 
 def _keep_mapped(found: list[tuple[int, int, str]]) -> Callable[[torch.UntypedStorage, str], Any]:
