@@ -633,7 +633,7 @@ def test_a_live_writers_step_folder_is_left_to_it(tmp_path, s3):
 
     folder = tmp_path / "local" / step_name(1)
     folder.mkdir(parents=True)
-    (folder / WRITER).write_text(liveness.tag() or "")  # this live process writes it
+    (folder / WRITER).write_text(json.dumps({"owner": liveness.tag()}))  # this live process
     (folder / "state.pt").write_bytes(b"half")
     dead = tmp_path / "local" / step_name(2)
     dead.mkdir()

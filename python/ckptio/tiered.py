@@ -290,8 +290,7 @@ class Checkpointer:
             shutil.rmtree(folder)
         os.makedirs(folder)
         try:
-            with open(os.path.join(folder, WRITER), "w") as fh:
-                fh.write(liveness.tag() or "")
+            _own(os.path.join(folder, WRITER), {}, liveness.tag())
             _fsync_dir(self.local)
             name = FORMATS[self.format]
             if self.format == "torch":
@@ -409,7 +408,7 @@ class Checkpointer:
         for name in os.listdir(self.local):
             path = os.path.join(self.local, name)
             if _STEP.match(name) and not os.path.isfile(os.path.join(path, COMMIT)):
-                if not liveness.running(_read_text(os.path.join(path, WRITER))):
+                if not liveness.running(_read_owner(os.path.join(path, WRITER))):
                     shutil.rmtree(path, ignore_errors=True)  # a save that died
         local = self.local_steps()
         if not local and self.keep_remote is None:
@@ -712,7 +711,7 @@ class TieredWriter(FileSystemWriter):
             pending = None
         meta = os.path.join(folder, ".metadata")
         data = _read_file(meta) if coordinator and os.path.isfile(meta) else None
-        if data is not None and _drains_it(_read_committer(folder)):
+        if data is not None and _drains_it(_read_owner(os.path.join(folder, COMMITTER))):
             data = None
         files = dcp_format.files_named(data, meta) if data is not None else None
         if pending is None and files is None:
@@ -1111,11 +1110,11 @@ def _read_record(path: str) -> tuple[str, list[str], str | None] | None:
         return None
 
 
-def _read_committer(folder: str) -> str | None:
-    """The tag of the process whose local commit the folder's ``.metadata`` is
-    (the one that commits it to the store), where recorded."""
+def _read_owner(path: str) -> str | None:
+    """The tag of the process a record of :func:`_own`'s names (the committer
+    of a folder's ``.metadata``, the writer of a local step), where recorded."""
     try:
-        owner = json.loads(_read_file(os.path.join(folder, COMMITTER)))["owner"]
+        owner = json.loads(_read_file(path))["owner"]
         return owner if isinstance(owner, str) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -1160,30 +1159,17 @@ def _one_process() -> Iterator[None]:
         yield
 
 
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path) as fh:
-            return fh.read()
-    except OSError:
-        return None
-
-
 def _read_uploaded(folder: str) -> dict[str, str | None]:
     """What this step's drain uploaded so far: {file name: ETag}."""
     try:
-        with open(os.path.join(folder, UPLOADED)) as fh:
-            got = json.load(fh)
+        got = json.loads(_read_file(os.path.join(folder, UPLOADED)))
         return {str(k): v for k, v in got.items() if isinstance(v, str)}
     except (OSError, ValueError, AttributeError):
         return {}
 
 
 def _write_uploaded(folder: str, done: dict[str, str | None]) -> None:
-    # Not fsynced: lost in a crash, the next drain sends the files again.
-    tmp = os.path.join(folder, UPLOADED + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(done, fh)
-    os.replace(tmp, os.path.join(folder, UPLOADED))
+    _write_commit(os.path.join(folder, UPLOADED), json.dumps(done).encode())
 
 
 def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
