@@ -285,8 +285,9 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator names this generation's files: every rank's prefix carries the token.
         # (Without collectives each rank runs this for itself, and commits its own metadata.)
-        self._open_guard(self._metadata_name())
-        self._store.remember(self._metadata_name())
+        name = self._metadata_name()
+        self._open_guard(name)
+        self._store.remember(name)
         token = self._token()
         return [
             dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{token}_"))

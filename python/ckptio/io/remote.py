@@ -59,12 +59,19 @@ def is_url(f: Any) -> bool:
     return isinstance(f, str) and f.startswith(SCHEMES)
 
 
+def bucket_and_key(url: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> (bucket, key), the key as written (as the core
+    takes it: ``Store::parse_key``)."""
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    return bucket, key
+
+
 def check_options(f: Any, storage_options: StorageOptions, *, single: bool = False) -> None:
     """``storage_options`` goes with a URL: refused for a local path. ``single``:
     ``f`` must name one object (a URL of a bucket or a folder is refused)."""
     if single and is_url(f):
         url = os.fsdecode(os.fspath(f))
-        key = url.split("://", 1)[1].partition("/")[2]
+        key = bucket_and_key(url)[1]
         if not key or key.endswith("/"):
             raise ValueError(
                 f"{url}: names a bucket or a folder, not an object: give the object's "

@@ -209,12 +209,16 @@ _DROP = object()
 
 
 def replace_tensors(
-    obj: Any, fn: Callable[[tuple[Any, ...], torch.Tensor], Any], path: tuple[Any, ...] = ()
+    obj: Any,
+    fn: Callable[[tuple[Any, ...], torch.Tensor], Any],
+    path: tuple[Any, ...] = (),
+    memo: dict[int, Any] | None = None,
 ) -> Any:
     """``obj`` with every tensor ``t`` at key path ``p`` replaced by ``fn(p, t)``:
     dicts, lists and objects' ``__dict__`` changed in place, tuples rebuilt
-    (named tuples too). Shared containers are walked once."""
-    r = _walk(obj, path, fn, {})
+    (named tuples too). Shared containers are walked once (``memo``: an
+    :class:`_Unsharing`, at each key path instead)."""
+    r = _walk(obj, path, fn, {} if memo is None else memo)
     return None if r is _DROP else r
 
 
@@ -348,8 +352,7 @@ def pair_structure(
         pairs.append((key_name(p), t, d))
         return d
 
-    result = _walk(src, (), match, _Unsharing())
-    result = None if result is _DROP else result
+    result = replace_tensors(src, match, memo=_Unsharing())
     return result, pairs, [key_name(p) for p in dests], unexpected
 
 

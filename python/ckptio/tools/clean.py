@@ -67,7 +67,7 @@ def abort_uploads(
         raise ImportError(
             "ckptio clean s3://... lists dangling uploads with boto3: pip install boto3"
         ) from None
-    bucket, _, prefix = url.split("://", 1)[1].partition("/")
+    bucket, prefix = remote.bucket_and_key(url)
     kwargs: dict[str, Any] = {}
     for key, value in (storage_options or {}).items():
         if key in _BOTO_ARGS:
