@@ -124,6 +124,36 @@ def test_keep_local_prunes_steps_the_store_dropped_first(tmp_path, s3):
         assert c.remote_steps() == [4]
 
 
+def test_close_with_a_timeout_stops_the_drains_and_the_next_process_drains(tmp_path, s3):
+    import time
+
+    # The store is down and the drain would retry for minutes: close(timeout=)
+    # returns once the time is up, the local copies whole, for the next process.
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    c = Checkpointer(
+        tmp_path / "local", s3.url("run"), storage_options=down, tries=100, backoff=5.0,
+    )  # fmt: skip
+    h1 = c.save(1, _state(1))
+    h2 = c.save(2, _state(2))
+    with pytest.raises(ValueError, match="timeout"):
+        c.close(timeout=-1)
+    t0 = time.monotonic()
+    with pytest.warns(UserWarning, match=r"steps \[1, 2\] are not in"):
+        c.close(timeout=0.5)
+    assert time.monotonic() - t0 < 30
+    assert h2.local.result(0) == os.path.join(c.local, step_name(2))
+    for h in (h1, h2):
+        with pytest.raises(ckptio.errors.DrainStoppedError, match="close\\(\\) timed out") as e:
+            h.remote.result(0)
+        assert e.value.step == h.step and isinstance(e.value, TimeoutError)
+    assert Checkpointer.local_steps(c) == [1, 2]
+    with _ckpt(tmp_path, s3, keep_local=1) as again:
+        assert again.resumed == [1, 2]
+        again.wait(240)
+        assert again.remote_steps() == [1, 2]
+        _same(again.load(2), _state(2))
+
+
 def test_a_store_that_is_down_keeps_the_local_copy_and_the_next_process_drains(tmp_path, s3):
     down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
     c = Checkpointer(

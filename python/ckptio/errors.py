@@ -17,7 +17,9 @@ catches ckptio's errors too; its subclasses single them out:
   (``PermissionError``), ``StoreNotFoundError`` (``FileNotFoundError``),
   ``CommitConflictError`` (``FileExistsError``: another writer committed first,
   or the object changed while read), ``StoreThrottledError`` /
-  ``StoreConnectionError`` (``ConnectionError``), after the client's retries.
+  ``StoreConnectionError`` (``ConnectionError``), after the client's retries;
+- ``DrainStoppedError`` (a ``TimeoutError``): a tiered drain stopped by
+  ``Checkpointer.close(timeout=)``, its step kept locally.
 
 The operating system's errors stay ``OSError`` subclasses chosen by errno,
 naming the file. See docs/api-conventions.md.
@@ -52,6 +54,7 @@ __all__ = [
     "CudaError",
     "CuFileError",
     "DestinationError",
+    "DrainStoppedError",
     "DtypeMismatchError",
     "FormatError",
     "GroupLoadError",
@@ -200,6 +203,19 @@ class PeerLoadError(GroupLoadError):
     def __init__(self, message: str, rank: int | None = None, error_type: str = "") -> None:
         super().__init__(message, rank)
         self.error_type = error_type
+
+
+# --------------------------------------------------------------------------- tiered
+
+
+class DrainStoppedError(CkptioError, TimeoutError):
+    """``tiered.Checkpointer.close(timeout=)`` stopped the drain of ``step`` before
+    it ended: the step stays complete in the local folder, and the next
+    Checkpointer on the same folders drains it."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 # --------------------------------------------------------------------------- conversion

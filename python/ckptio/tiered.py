@@ -37,6 +37,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ from ckptio.dcp import FileSystemReader, FileSystemWriter
 from ckptio.errors import (
     CkptioError,
     CommitConflictError,
+    DrainStoppedError,
     StoreConnectionError,
     StoreError,
     StoreThrottledError,
@@ -160,6 +162,9 @@ class Checkpointer:
         self._drainer = ThreadPoolExecutor(1, thread_name_prefix="ckptio-tier-remote")
         self._lock = threading.Lock()
         self._closed = False
+        #: Set by close(timeout=) once its time is up: drains stop at their next
+        #: retry or file (their steps stay local, for the next Checkpointer).
+        self._stopping = threading.Event()
         self._last: SaveHandle | None = None
         self._pending: list[Future[Any]] = []
         #: Steps known complete in the store (filled by listings and drains).
@@ -343,6 +348,7 @@ class Checkpointer:
         url = self._step_url(step)
         record = _manifest_bytes(manifest)
         for attempt in range(self._tries):
+            self._check_stopping(step)
             try:
                 self._upload_step(step, manifest, url, record)
                 break
@@ -350,7 +356,8 @@ class Checkpointer:
                 if not _transient(e) or attempt + 1 == self._tries:
                     raise
                 delay = min(self._max_backoff, self._backoff * 2**attempt)
-                time.sleep(delay * (0.5 + random.random() / 2))
+                # Woken early by close(timeout=): no retry after it.
+                self._stopping.wait(delay * (0.5 + random.random() / 2))
         with self._lock:
             self._in_store.add(step)
         return url
@@ -368,12 +375,21 @@ class Checkpointer:
             obj = objstore.join(url, name)
             if done.get(name) is not None and there.get(obj) == done[name]:
                 continue  # this save's upload, whole (each is all or nothing)
+            self._check_stopping(step)
             done[name] = objstore.upload(os.path.join(folder, name), obj, opts).get("e_tag")
             _write_uploaded(folder, done)
         try:
             objstore.put_bytes(commit_url, record, opts, create=True)
         except CommitConflictError:
             self._check_record(commit_url, record)
+
+    def _check_stopping(self, step: int) -> None:
+        if self._stopping.is_set():
+            raise DrainStoppedError(
+                f"step {step}: close() timed out before its drain to {self.remote} "
+                f"ended; it stays in {self._step_dir(step)} for the next Checkpointer",
+                step,
+            )
 
     def _check_record(self, commit_url: str, record: bytes) -> None:
         data, _ = objstore.get_bytes(commit_url, self._options)
@@ -519,14 +535,40 @@ class Checkpointer:
         if first is not None:
             raise first
 
-    def close(self) -> None:
-        """Finish the saves under way (local and remote), then stop the threads."""
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the saves under way (local and remote), then stop the threads.
+
+        ``timeout`` (seconds; None: no limit) bounds the wait for the drains,
+        which retry for long while the store is down: the local writes always
+        finish, and once the time is up the drains stop at their next retry or
+        file (a store call under way ends first, within the client's own retry
+        budget: ``storage_options`` ``retry_timeout``). Their steps stay complete
+        in the local folder for the next ``Checkpointer`` on the same folders,
+        their ``remote`` futures fail with ``DrainStoppedError``, and a warning
+        names them."""
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or a number >= 0, not {timeout!r}")
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            pending = list(self._pending)
         self._writer.shutdown(wait=True)
+        if timeout is not None:
+            _, late = wait_futures(pending, timeout)
+            if late:
+                self._stopping.set()
         self._drainer.shutdown(wait=True)
+        if self._stopping.is_set():
+            left = sorted(
+                e.step for f in pending if isinstance(e := f.exception(), DrainStoppedError)
+            )
+            if left:
+                warnings.warn(
+                    f"ckptio.tiered: close() timed out; steps {left} are not in "
+                    f"{self.remote} yet and stay in {self.local} for the next Checkpointer",
+                    stacklevel=2,
+                )
         if self._own_stager:
             self._stager.close()
 
