@@ -1457,3 +1457,118 @@ def test_interleaved_strided_destinations_that_share_no_element_are_filled(tmp_p
     with pytest.raises(ckptio.InPlaceLoadError, match="overlap in memory"):
         ckptio.load(tmp_path / "c.pt", out={"p": base[:, 0], "q": base.view(-1)[:2]})
     assert torch.equal(base, torch.zeros(2, 2))
+
+
+# ------------------------------------------------------------------- review of 2026-12-06, later
+
+
+class _Kept:
+    """A checkpoint tensor that user code kept (it is not a parameter)."""
+
+    table: torch.Tensor
+
+
+def _rewrite(path, saver, sd) -> None:
+    """The next checkpoint saved over ``path`` in place (same inode), as a training
+    loop that saves to one path does: a view of the old file's mapping would change."""
+    with open(path, "r+b") as f:
+        f.truncate(0)
+    saver(sd, path)
+
+
+@pytest.mark.parametrize(
+    "case", ["override", "prehook", "assign", "safetensors", "optimizer", "torch.load"]
+)
+def test_tensors_that_user_code_keeps_do_not_depend_on_the_file(tmp_path, case, monkeypatch):
+    """A load_state_dict pre-hook or override that keeps a checkpoint tensor, an
+    override of load_state_dict with assign=True, an optimizer pre-hook: what
+    they keep is the process's own memory as with torch.load, not a view of the
+    file's mapping (which changed with the next save over the file, and killed
+    the process with SIGBUS once it was truncated)."""
+    from ckptio.formats.mapped import Mapped
+
+    detached = []
+    real = Mapped.detach
+    monkeypatch.setattr(Mapped, "detach", lambda m: (detached.append(m.path), real(m))[1])
+    kept = _Kept()
+
+    class Override(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def _load_from_state_dict(self, sd, prefix, *a):
+            kept.table = sd.pop(prefix + "table")
+            super()._load_from_state_dict(sd, prefix, *a)
+
+    class PreHook(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_load_state_dict_pre_hook(
+                lambda mod, sd, prefix, *a: setattr(kept, "table", sd.pop(prefix + "table"))
+            )
+
+    class Assign(nn.Linear):
+        def load_state_dict(self, sd, strict=True, assign=False):
+            return super().load_state_dict(sd, strict, assign=True)
+
+    table = torch.arange(1 << 14, dtype=torch.float32)
+    lin = {f"lin.{k}": v for k, v in nn.Linear(4, 4).state_dict().items()}
+    saver = torch.save
+    path = tmp_path / "c.pt"
+    if case in ("override", "prehook", "safetensors", "torch.load"):
+        sd = {**lin, "table": table}
+        target = PreHook() if case in ("prehook", "safetensors") else Override()
+        kw = {}
+        if case == "safetensors":
+            saver, path = (lambda d, p: cst.save_file(d, p)), tmp_path / "c.safetensors"
+        if case == "torch.load":  # a pickle that torch.load decodes (not ckptio's own reader)
+            sd["extra"] = io.BytesIO(b"x")
+            kw = {"weights_only": False}
+        saver(sd, path)
+        ckptio.load_state_dict(target, path, strict=False, **kw)
+        got = lambda: kept.table  # noqa: E731
+        zeros = {**lin, "table": torch.zeros_like(table)}
+    elif case == "assign":
+        target = Assign(128, 128)
+        sd = {"weight": table.view(128, 128), "bias": torch.ones(128)}
+        saver(sd, path)
+        ckptio.load_state_dict(target, path)
+        got = lambda: target.weight.detach().view(-1)  # noqa: E731
+        zeros = {"weight": torch.zeros(128, 128), "bias": torch.zeros(128)}
+    else:
+        w = [nn.Parameter(torch.zeros(1 << 14))]
+        opt = torch.optim.SGD(w, lr=0.1, momentum=0.9)
+        w[0].grad = torch.ones(1 << 14)
+        opt.step()
+        state = opt.state_dict()
+        state["state"][0]["momentum_buffer"] = table.clone()
+        saver(state, path)
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd: setattr(kept, "table", sd["state"][0]["momentum_buffer"])
+        )
+        ckptio.load_state_dict(opt, path)
+        got = lambda: kept.table  # noqa: E731
+        zeros = dict(state)
+        zeros["state"] = {0: {"momentum_buffer": torch.zeros(1 << 14)}}
+    assert torch.equal(got(), table)
+    assert detached, "a kept view of the mapping was detached"
+    _rewrite(path, saver, zeros)
+    assert torch.equal(got(), table), "the kept tensor changed with the file"
+    with open(path, "r+b") as f:
+        f.truncate(0)
+    assert torch.equal(got(), table)  # (a view of the mapping: SIGBUS)
+
+
+def test_nothing_is_copied_where_user_code_keeps_no_tensor(tmp_path, monkeypatch):
+    from ckptio.formats.mapped import Mapped
+
+    detached = []
+    monkeypatch.setattr(Mapped, "detach", lambda m: detached.append(m.path))
+    hooked = nn.Linear(4, 4)
+    seen = []
+    hooked.register_load_state_dict_pre_hook(lambda mod, sd, prefix, *a: seen.append(len(sd)))
+    torch.save(nn.Linear(4, 4).state_dict(), tmp_path / "c.pt")
+    ckptio.load_state_dict(hooked, tmp_path / "c.pt")
+    assert seen == [2] and detached == []

@@ -15,6 +15,7 @@ CORRUPT_HINT: str
 __all__ = [
     "advise_huge",
     "clean_temps",
+    "detach_mapping",
     "cufile_register_buffer",
     "env_threads",
     "info",
@@ -345,6 +346,10 @@ class HostMemory:
 
 def advise_huge(addr: int, nbytes: int, shared: bool) -> bool:
     """MADV_HUGEPAGE on untouched memory where the host allows it; whether it asked."""
+
+def detach_mapping(addr: int, nbytes: int, path: str | os.PathLike[str]) -> None:
+    """Make torch's private mapping ``[addr, addr + nbytes)`` of ``path`` anonymous
+    memory with the same bytes at the same address (FormatError: the file shrank)."""
 
 @final
 class HostPin:

@@ -18,6 +18,7 @@ without running them (torch's walk costs 50 ms per 512 tensors). Optimizers repl
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import re
@@ -299,6 +300,14 @@ class _Run:
         self.plans: list[Plan] = []
         self.problems: list[Problem] = []
         self.wrote = False
+        #: Whether user code (hooks, overrides) got the checkpoint's tensors,
+        #: views of the files' mappings that it may keep: see _detach_kept.
+        self.exposed = False
+
+    def expose(self, state_dict: Any) -> Any:
+        """``state_dict`` with its tensors made, for user code (see ``exposed``)."""
+        self.exposed = True
+        return materialize(state_dict)
 
     def run(
         self, pairs: list[tuple[str, torch.Tensor, Any]], *, exact_shape: bool, fresh: bool = False
@@ -345,7 +354,7 @@ def _load_module(
             names.setdefault(id(t), n)
 
     if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
-        state_dict = materialize(state_dict)
+        state_dict = run.expose(state_dict)
         name_all()
 
         # An override of load_state_dict: it runs as is, each copy read at once.
@@ -393,7 +402,7 @@ def _load_module(
     if fast is not None:
         mode.pending, missing, unexpected, error_msgs = fast
     else:
-        materialize(state_dict)  # (its values, in place)
+        run.expose(state_dict)  # (its values, in place)
         name_all()
         with mode:
             _replay(module, state_dict, "", metadata, mode, missing, unexpected, error_msgs)
@@ -691,7 +700,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
         return
     state_dict = state_dict.copy()
     if opt._optimizer_load_state_dict_pre_hooks:  # user code: it gets tensors
-        state_dict = materialize(state_dict)
+        state_dict = run.expose(state_dict)
     with _Changes(run.located):  # a hook may change the checkpoint's tensors in place
         for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
             hook_result = pre_hook(opt, state_dict)
@@ -990,12 +999,32 @@ def load_state_dict(
     path = paths.path(f, "load_state_dict")
     io = IoOptions.of(threads, chunk_size, direct, backend)
     state_dict, files = open_source(path, weights_only=weights_only, io=io, verify=verify)
-    for k in () if key is None else key if isinstance(key, tuple) else (key,):
-        state_dict = unpickled.tensor(state_dict[k])
     run = _Run(files, io, cast, verify)
-    if isinstance(obj, torch.nn.Module):
-        return _load_module(obj, state_dict, run, strict=strict, t0=t0)
-    return _load_optimizer(obj, state_dict, run, t0=t0)
+    try:
+        for k in () if key is None else key if isinstance(key, tuple) else (key,):
+            state_dict = unpickled.tensor(state_dict[k])
+        if isinstance(obj, torch.nn.Module):
+            return _load_module(obj, state_dict, run, strict=strict, t0=t0)
+        return _load_optimizer(obj, state_dict, run, t0=t0)
+    finally:
+        exposed, state_dict, run = run.exposed, None, None
+        if exposed:
+            _detach_kept(files)
+
+
+def _detach_kept(files: list[Mapped]) -> None:
+    """Where user code kept a tensor of the checkpoint (a hook that stores one,
+    an override passing assign=True), it views the file's mapping: a rewrite of
+    the file would change it and a truncation kill the process (SIGBUS), where
+    torch.load's tensors are the process's own memory. Such a mapping becomes
+    private memory holding the same bytes (a copy of the file, as torch.load
+    makes); nothing is copied where nothing was kept."""
+    if not any(m.viewed() for m in files):
+        return
+    gc.collect()  # views held only by cycles of the load's own objects
+    for m in files:
+        if m.viewed():
+            m.detach()
 
 
 #: What :func:`_load_stored` returns where the scratch copy must load it.

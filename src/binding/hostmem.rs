@@ -1,10 +1,14 @@
 //! `HostMemory`: fresh private host memory with huge pages asked for (what the
 //! host storages of a load and private staging buffers are made of), and
-//! `advise_huge` for shared memory mapped elsewhere.
+//! `advise_huge` for shared memory mapped elsewhere, and `detach_mapping` for
+//! a file mapping whose tensors must outlive the file's contents.
+
+use std::path::PathBuf;
 
 use pyo3::prelude::*;
 
 use crate::io::hugepage::{self, AnonMap};
+use crate::io::mapped;
 
 /// `nbytes` of private anonymous memory, zero-filled on first touch, advised
 /// MADV_HUGEPAGE before anything touches it (unless CKPTIO_HUGE_PAGES=0), and
@@ -75,4 +79,23 @@ pub(super) fn advise_huge(addr: u64, nbytes: usize, shared: bool) -> bool {
     // SAFETY: advice only: the caller's mapping stays as it is where the kernel
     // refuses (an address it does not know is EINVAL/ENOMEM, not a fault).
     unsafe { libc::madvise(addr as *mut libc::c_void, nbytes, libc::MADV_HUGEPAGE) == 0 }
+}
+
+/// Make torch's private mapping `[addr, addr+nbytes)` of the file `path`
+/// anonymous memory with the same bytes at the same address
+/// ([`mapped::detach`]): tensors a load handed to user code (hooks) that
+/// still view it stop depending on the file. For ckptio's own callers
+/// (`ckptio.formats.mapped.Mapped.detach`), with a mapping they hold.
+#[pyfunction]
+pub(super) fn detach_mapping(
+    py: Python<'_>,
+    addr: u64,
+    nbytes: usize,
+    path: PathBuf,
+) -> PyResult<()> {
+    // SAFETY: the caller passes the whole mapping of a file it keeps mapped
+    // (a storage it holds), private and writable as torch maps it, and no
+    // load writes it any more.
+    py.detach(|| unsafe { mapped::detach(addr as usize, nbytes, &path) })?;
+    Ok(())
 }

@@ -40,7 +40,7 @@ use device_file::{cufile_register_buffer, BufferRegistration, DeviceFile};
 use engine::{env_threads, pinned_memory, release_buffers, Engine};
 use errors::{BackendUnavailableError, CkptioError, CuFileError, CudaError, FormatError};
 use faults::{_clear_faults, _op_log, _record_ops, _set_fault, _set_truncation};
-use hostmem::{advise_huge, HostMemory};
+use hostmem::{advise_huge, detach_mapping, HostMemory};
 use pickled::{unpickle, StateDictPickler, Unpickled};
 use probe::info;
 use reader::{map_archive, map_archives, Reader};
@@ -210,8 +210,8 @@ mod _native {
     // and probe hooks are set as plain attributes in `init` instead.
     #[pymodule_export]
     use super::{
-        advise_huge, clean_temps, cufile_register_buffer, env_threads, info, map_archive,
-        map_archives, pinned_memory, release_buffers, safetensors_header, stage_copy,
+        advise_huge, clean_temps, cufile_register_buffer, detach_mapping, env_threads, info,
+        map_archive, map_archives, pinned_memory, release_buffers, safetensors_header, stage_copy,
         stage_device_copy, stage_pin, store::store_crc32, store::store_delete,
         store::store_download, store::store_get, store::store_head, store::store_list,
         store::store_put, store::store_read, store::store_read_into, store::store_torch_map,

@@ -435,6 +435,87 @@ impl Drop for FileMap {
     }
 }
 
+/// Make the private file mapping `[addr, addr+len)` (torch's, of `path`)
+/// private anonymous memory holding the same bytes at the same address: the
+/// tensors that view it keep their values and stop depending on the file, so
+/// that a rewrite of it no longer changes them and a truncation no longer
+/// kills the process with SIGBUS. One copy, then one `mremap` over the
+/// mapping (atomic for the process's other threads); whoever unmaps the
+/// range later unmaps the new memory. A file that shrank meanwhile is a
+/// `Format` error (what the copy met past its end reads as zeros).
+///
+/// # Safety
+/// `[addr, addr+len)` must be one writable private mapping of this process
+/// (page-aligned `addr`), mapped for the whole call, that nothing writes
+/// meanwhile.
+pub unsafe fn detach(addr: usize, len: usize, path: &Path) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    if addr % PAGE != 0 {
+        return Err(Error::invalid(format!(
+            "{}: a mapping starts on a page boundary, not at {addr:#x}",
+            path.display()
+        )));
+    }
+    let span = len.next_multiple_of(PAGE);
+    // SAFETY: a fresh anonymous mapping, ours until mremap moves it.
+    let anon = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if anon == libc::MAP_FAILED {
+        return Err(Error::io_at("mmap", path, std::io::Error::last_os_error()));
+    }
+    // Guarded where a slot is free: a page the file lost reads as zeros, flagged.
+    let slot = if guard::install() {
+        guard::claim(addr, len)
+    } else {
+        None
+    };
+    // SAFETY: [addr, addr+len) is mapped (the caller's contract) and `anon`
+    // is `span` >= `len` bytes of ours; they do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, anon.cast::<u8>(), len) };
+    let shrank = slot.is_some_and(guard::hit);
+    if let Some(s) = slot {
+        guard::release(s);
+        LIVE.fetch_sub(1, Ordering::SeqCst); // (claim counted it as a mapping of ours)
+    }
+    if shrank {
+        // SAFETY: our own mapping, never handed out.
+        unsafe { libc::munmap(anon, span) };
+        return Err(Error::format(
+            Some(path),
+            "the file shrank while its tensors were copied out of its mapping",
+        ));
+    }
+    // SAFETY: `anon` is ours; MREMAP_FIXED replaces the caller's mapping at
+    // `addr` (page aligned, `span` bytes: its length rounded as the kernel
+    // rounds it) with it in one step.
+    let moved = unsafe {
+        libc::mremap(
+            anon,
+            span,
+            span,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            addr as *mut libc::c_void,
+        )
+    };
+    if moved == libc::MAP_FAILED {
+        let e = std::io::Error::last_os_error();
+        // SAFETY: still ours: mremap failed.
+        unsafe { libc::munmap(anon, span) };
+        return Err(Error::io_at("mremap", path, e));
+    }
+    Ok(())
+}
+
 /// Mappings alive or waiting to be unmapped.
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 
@@ -839,6 +920,36 @@ mod tests {
             .filter(|l| l.ends_with(name.as_str()))
             .map(str::to_string)
             .collect()
+    }
+
+    #[test]
+    fn a_detached_mapping_keeps_its_bytes_when_the_file_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, data) = file_with(dir.path(), 3 * PAGE + 100);
+        let file = File::open(&path).unwrap();
+        // SAFETY: a private writable mapping of the file, as torch makes it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                data.len(),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: the mapping above, mapped until the end of the test.
+        unsafe { detach(p as usize, data.len(), &path) }.unwrap();
+        std::fs::write(&path, vec![0xEEu8; 10]).unwrap(); // rewritten and shrunk
+                                                          // SAFETY: the (now anonymous) mapping is still ours, `data.len()` bytes.
+        let now = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), data.len()) };
+        assert_eq!(now, &data[..]);
+        // SAFETY: the mapping above, unmapped once.
+        unsafe { libc::munmap(p, data.len()) };
+        // SAFETY: a misaligned address is refused before anything is touched.
+        let e = unsafe { detach(p as usize + 1, 10, &path) }.unwrap_err();
+        assert!(e.to_string().contains("page boundary"), "{e}");
     }
 
     #[test]

@@ -34,6 +34,18 @@ class Mapped:
     exact: bool = True
     #: The location torch.save recorded for each mapped storage (by file offset).
     locations: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: Storages that every tensor over the mapping holds (the whole mapping, or
+    #: each slice torch.load made of it): a use count above ours is a view alive.
+    holders: tuple[torch.UntypedStorage, ...] = ()
+
+    def viewed(self) -> bool:
+        """Whether a tensor over the mapping is alive (beyond ``holders``)."""
+        return any(torch._C._storage_Use_Count(h._cdata) > 1 for h in self.holders)
+
+    def detach(self) -> None:
+        """Make the mapping private memory holding the same bytes at the same
+        address: the tensors over it stop depending on the file."""
+        _native.detach_mapping(self.base, self.size, self.path)
 
     def location(self, t: torch.Tensor | Placeholder) -> str:
         at = t.storage_address if type(t) is Placeholder else storage_address(t)

@@ -613,4 +613,4 @@ def open_file(
             t = torch.empty(e.shape, dtype=e.dtype)
             t.view(-1).view(torch.uint8).copy_(torch.empty(0, dtype=torch.uint8).set_(raw))
         tensors[e.name] = t
-    return tensors, meta, Mapped(path, f, mapping.data_ptr(), size)
+    return tensors, meta, Mapped(path, f, mapping.data_ptr(), size, holders=(mapping,))

@@ -783,9 +783,12 @@ def declines_restorer(e: BaseException) -> bool:
 _NO_DEVICE = re.compile(r"Attempting to deserialize object on (a CUDA device|CUDA device \d+)")
 
 
-def _keep_mapped(found: list[tuple[int, int, str]]) -> Callable[[torch.UntypedStorage, str], Any]:
+def _keep_mapped(
+    found: list[tuple[int, int, str]], holders: list[torch.UntypedStorage]
+) -> Callable[[torch.UntypedStorage, str], Any]:
     def keep(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
         found.append((storage.data_ptr(), storage.nbytes(), location))
+        holders.append(storage)
         return storage
 
     return keep
@@ -826,12 +829,13 @@ def open_torch(
     if native is not None:
         return native
     found: list[tuple[int, int, str]] = []
+    holders: list[torch.UntypedStorage] = []
     # /proc/self/fd/N: the very file the reader holds, even if the path is
     # replaced meanwhile by a concurrent save.
     with unpickling(archive.path):
         obj = torch.load(
             f"/proc/self/fd/{reader.fileno()}",
-            map_location=_keep_mapped(found),
+            map_location=_keep_mapped(found, holders),
             mmap=True,
             **(torch_kw or {}),
         )
@@ -840,7 +844,7 @@ def open_torch(
     base = next((p - o for (p, n, _), o in zip(found, offsets, strict=True) if n), 0)
     locations = {p - base: loc for p, _, loc in found}
     check_locations(archive, locations)
-    return obj, Mapped(archive.path, reader, base, size, exact, locations)
+    return obj, Mapped(archive.path, reader, base, size, exact, locations, tuple(holders))
 
 
 def _native_open(
@@ -874,7 +878,7 @@ def _native_open(
         obj = rebuild(parsed, storages, dtypes, name, lazy=lazy)
     locations = {off: loc for off, _, _, loc in found}
     check_locations(archive, locations)
-    return obj, Mapped(name, archive.reader, whole.data_ptr(), size, exact, locations)
+    return obj, Mapped(name, archive.reader, whole.data_ptr(), size, exact, locations, (whole,))
 
 
 def check_locations(archive: Archive, locations: Mapping[int, Any]) -> None:
