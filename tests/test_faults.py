@@ -26,6 +26,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import zipfile
 from collections.abc import Iterator
@@ -1310,3 +1311,33 @@ def test_a_device_node_is_refused(device):
                 fn(device)
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+# ------------------------------------------------------------------- review of 2026-12-06, later
+
+
+@pytest.mark.parametrize("index", [2**26 - 1, 2**32 - 1])
+def test_a_memo_index_out_of_order_loads_as_with_torch(tmp_path, good, index):
+    """A PUT of a huge memo index (5 bytes of pickle) made the native unpickler
+    allocate a table of that many entries (1.5 GiB: an abort under a memory
+    limit), verify's scan MemoryError; torch.load reads such a file."""
+    data, obj = good["torch"]
+    p = tmp_path / "memo.pt"
+
+    def change(name: str, content: bytes) -> bytes:
+        if name.endswith("/data.pkl"):
+            assert content.endswith(b".")
+            return content[:-1] + b"r" + index.to_bytes(4, "little") + b"."
+        return content
+
+    rewrite_zip(data, p, change=change)
+    assert_same(torch.load(p, weights_only=True), obj)
+    script = textwrap.dedent(f"""
+        import resource, ckptio
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+        assert ckptio.verify({str(p)!r}).ok
+        print(sorted(ckptio.load({str(p)!r})))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == str(sorted(obj))

@@ -108,10 +108,6 @@ enum Item {
     Global(Global),
 }
 
-/// Largest memo index a pickle may use: a hostile index cannot make us
-/// allocate more than this many entries (a pickle uses one per object).
-const MAX_MEMO: usize = 1 << 26;
-
 struct Reader<'a> {
     data: &'a [u8],
     pos: usize,
@@ -164,9 +160,12 @@ impl<'a> Reader<'a> {
 struct Vm {
     values: Vec<Value>,
     stack: Vec<Item>,
-    /// Memo by index (pickles number them from 0; a sparse hostile index is
-    /// bounded by MAX_MEMO).
+    /// Memo by index: picklers number entries from 0 in order (each a PUT of
+    /// the pickle's, so this grows no faster than the pickle is read); an index
+    /// out of that order goes to `sparse` (a 5-byte LONG_BINPUT of index 2^32-1
+    /// once made a 1.5 GiB table here).
     memo: Vec<Option<Item>>,
+    sparse: HashMap<u32, Item>,
     storages: Vec<StorageRef>,
     by_key: HashMap<String, usize>,
 }
@@ -387,6 +386,7 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
         values: Vec::new(),
         stack: Vec::new(),
         memo: Vec::new(),
+        sparse: HashMap::new(),
         storages: Vec::new(),
         by_key: HashMap::new(),
     };
@@ -442,14 +442,17 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
                 let Some(top) = vm.stack.last().cloned() else {
                     return no("memo of an empty stack");
                 };
-                let idx = idx as usize;
-                if top == Item::Mark || idx >= MAX_MEMO {
-                    return no("memo of a mark, or a memo index too large");
+                if top == Item::Mark {
+                    return no("memo of a mark");
                 }
-                if idx >= vm.memo.len() {
-                    vm.memo.resize(idx + 1, None);
+                let at = idx as usize;
+                if at < vm.memo.len() {
+                    vm.memo[at] = Some(top);
+                } else if at == vm.memo.len() {
+                    vm.memo.push(Some(top));
+                } else {
+                    vm.sparse.insert(idx, top);
                 }
-                vm.memo[idx] = Some(top);
             }
             b'h' | b'j' => {
                 let idx = if op == b'h' {
@@ -457,7 +460,11 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
                 } else {
                     r.u32()?
                 };
-                let Some(Some(x)) = vm.memo.get(idx as usize).cloned() else {
+                let found = match vm.memo.get(idx as usize) {
+                    Some(Some(x)) => Some(x.clone()),
+                    _ => vm.sparse.get(&idx).cloned(),
+                };
+                let Some(x) = found else {
                     return no("memo index not defined");
                 };
                 vm.stack.push(x);
@@ -904,5 +911,28 @@ mod tests {
         };
         assert_eq!(p.values[l[1]], Value::Float(2.5));
         assert_eq!(p.values[l[4]], Value::Str("s".into()));
+    }
+
+    #[test]
+    fn memo_indices_out_of_order_take_no_table_of_their_size() {
+        // {"a": [], "b": <the same list>}, memoized under a huge index: as
+        // torch.load reads it; a table of 2^26 entries aborted the process.
+        for idx in [0x03ff_ffffu32, u32::MAX] {
+            let mut pkl = b"\x80\x02}(X\x01\x00\x00\x00a]r".to_vec();
+            pkl.extend_from_slice(&idx.to_le_bytes());
+            pkl.extend_from_slice(b"X\x01\x00\x00\x00bj");
+            pkl.extend_from_slice(&idx.to_le_bytes());
+            pkl.extend_from_slice(b"u.");
+            let p = parse(&pkl).unwrap();
+            let Value::Dict(items) = &p.values[p.root] else {
+                panic!("{p:?}")
+            };
+            assert_eq!(items.len(), 2);
+            assert_eq!(items[0].1, items[1].1, "one list under both keys");
+            let mut undefined = pkl.clone();
+            let at = undefined.len() - 6;
+            undefined[at..at + 4].copy_from_slice(&(idx - 1).to_le_bytes());
+            assert!(parse(&undefined).is_err());
+        }
     }
 }

@@ -914,7 +914,7 @@ def check_pickle(archive: Records) -> None:
     try:
         storages, views = _declared(archive.reader.read_record(pkl))
     except Exception as e:  # any failure of a pickle that runs nothing: it is malformed
-        raise corrupt(f"{path}, record {pkl}", f"not a readable pickle: {e}") from e
+        raise corrupt(f"{path}, record {pkl}", f"not a readable pickle: {e!r}") from e
     for st in storages:
         record = f"{prefix}/data/{st.key}"
         have = sizes.get(record)
@@ -1004,24 +1004,35 @@ def _declared(pkl: bytes) -> tuple[list[_Declared], list[tuple[_Declared, Any, A
             views.append((storage, offset, size, stride))
         return _Inert()
 
-    class Scan(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-                return rebuild
-            return type(name, (_Inert,), {"module": module, "name": name})
+    def find_class(self: Any, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return rebuild
+        return type(name, (_Inert,), {"module": module, "name": name})
 
-        def persistent_load(self, pid: object) -> object:
-            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-                return _Inert()
-            _, kind, key, location, numel = pid
-            dtype = storage_dtype(kind.name) if getattr(kind, "module", "") == "torch" else None
-            itemsize = dtype.itemsize if dtype is not None else 1
-            ok = dtype is not None and type(numel) is int and numel >= 0
-            st = _Declared(str(key), location, numel * itemsize if ok else None, itemsize)
-            storages.append(st)
-            return st
+    def persistent_load(self: Any, pid: object) -> object:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            return _Inert()
+        _, kind, key, location, numel = pid
+        dtype = storage_dtype(kind.name) if getattr(kind, "module", "") == "torch" else None
+        itemsize = dtype.itemsize if dtype is not None else 1
+        ok = dtype is not None and type(numel) is int and numel >= 0
+        st = _Declared(str(key), location, numel * itemsize if ok else None, itemsize)
+        storages.append(st)
+        return st
 
-    Scan(io.BytesIO(pkl)).load()
+    # The C unpickler sizes its memo table by the largest index a PUT names (a
+    # 5-byte op can ask for 2^32 entries: MemoryError); the Python one keeps a
+    # dict, as torch.load's unpickler does.
+    for base in (pickle.Unpickler, pickle._Unpickler):
+        storages.clear()
+        views.clear()
+        scan = type("Scan", (base,), {"find_class": find_class, "persistent_load": persistent_load})
+        try:
+            scan(io.BytesIO(pkl)).load()
+            break
+        except MemoryError:
+            if base is not pickle.Unpickler:
+                raise
     return storages, views
 
 
