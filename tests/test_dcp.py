@@ -246,6 +246,82 @@ def test_stager_recovers_from_a_failed_allocation(monkeypatch):
 def test_stager_bad_options():
     with pytest.raises(ValueError, match="threads"):
         DefaultStager(StagingOptions(threads=0))
+    # A dict or another object was taken for "all defaults" (async staging).
+    for bad in ({"use_async_staging": False}, object()):
+        with pytest.raises(TypeError, match="StagingOptions"):
+            DefaultStager(bad)
+
+
+@pytest.mark.parametrize("async_staging", [True, False])
+def test_staged_containers_keep_their_types_identity_and_cycles(tmp_path, async_staging):
+    """What torch's stager (a deep copy) keeps: torch.Size, namedtuples and
+    torch.return_types, dict and list subclasses with their attributes, a
+    defaultdict's factory, one list under two keys, a cycle; and an object's
+    tensors are staged (not deep-copied on their device). Each was a plain
+    tuple, dict or list, two lists, or a RecursionError."""
+    from collections import OrderedDict, defaultdict
+
+    class Tagged(dict):
+        pass
+
+    class Items(list):
+        pass
+
+    class Holder:
+        def __init__(self, t):
+            self.t = t
+
+    shared = [torch.ones(2), 3]
+    tagged = Tagged(w=torch.full((3,), 2.0))
+    tagged.tag = "t"
+    cyc: dict = {"x": torch.zeros(1)}
+    cyc["self"] = cyc
+    dd = defaultdict(list, {"k": [torch.ones(1)]})
+    sd = {
+        "size": torch.Size([3, 4]),
+        "max": torch.max(torch.tensor([[1.0, 5.0]]), 1),
+        "od": OrderedDict(a=torch.ones(2)),
+        "dd": dd,
+        "tagged": tagged,
+        "items": Items([torch.ones(4)]),
+        "s1": shared,
+        "s2": shared,
+        "cyc": cyc,
+        "holder": Holder(torch.arange(5.0)),
+    }
+    st = DefaultStager(StagingOptions(use_async_staging=async_staging))
+    out = st.stage(sd)
+    out = out.result() if async_staging else out
+    assert type(out["size"]) is torch.Size and out["size"] == sd["size"]
+    assert type(out["max"]) is type(sd["max"]) and torch.equal(out["max"].values, sd["max"].values)
+    assert type(out["od"]) is OrderedDict and torch.equal(out["od"]["a"], torch.ones(2))
+    assert type(out["dd"]) is defaultdict and out["dd"].default_factory is list
+    assert type(out["tagged"]) is Tagged and out["tagged"].tag == "t"
+    assert type(out["items"]) is Items and torch.equal(out["items"][0], torch.ones(4))
+    assert out["s1"] is out["s2"] and out["s1"] is not shared
+    assert out["cyc"]["self"] is out["cyc"] and out["cyc"] is not cyc
+    assert type(out["holder"]) is Holder and torch.equal(out["holder"].t, torch.arange(5.0))
+    # Snapshots, not the sources: a change after staging is not in them.
+    for t in (tagged["w"], dd["k"][0], sd["holder"].t, cyc["x"]):
+        t.add_(10)
+    assert torch.equal(out["tagged"]["w"], torch.full((3,), 2.0))
+    assert torch.equal(out["dd"]["k"][0], torch.ones(1))
+    assert torch.equal(out["holder"].t, torch.arange(5.0))
+    assert torch.equal(out["cyc"]["x"], torch.zeros(1))
+    st.close()
+    # End to end: a torch.Size saved through async_save loads back as a torch.Size.
+    st = DefaultStager()
+    resp = dcp.async_save(
+        {"shape": torch.Size([3]), "w": torch.ones(3)},
+        checkpoint_id=str(tmp_path / "c"),
+        async_stager=st,
+        no_dist=True,
+    )
+    (resp.upload_completion if hasattr(resp, "upload_completion") else resp).result()
+    got = {"shape": None, "w": torch.zeros(3)}
+    dcp.load(got, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    assert type(got["shape"]) is torch.Size
+    st.close()
 
 
 @pytest.mark.parametrize("async_staging", [True, False])

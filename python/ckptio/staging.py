@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import importlib
 import os
 import tempfile
 import threading
 import time
+import types
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -108,6 +111,12 @@ class StagingOptions:
     device_headroom: int = 1 << 30
     threads: int | None = None
     slabs: bool = True
+
+
+#: The fields of torch's StagingOptions.
+_TORCH_OPTIONS = (
+    "use_pinned_memory", "use_shared_memory", "use_async_staging", "use_non_blocking_copy",
+)  # fmt: skip
 
 
 def _default_threads() -> int:
@@ -474,6 +483,13 @@ class _Plan:
 
 # Tensor types staged as they are (subclasses such as DTensor take their own path).
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+# Values staged as they are (immutable, holding no tensor).
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size)
+# What deepcopy returns as it is (and whose references it does not follow).
+_KEPT_BY_DEEPCOPY = (
+    type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+    types.CodeType, weakref.ref,
+)  # fmt: skip
 _STRIDED = torch.strided
 
 
@@ -494,6 +510,14 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
 
     def __init__(self, config: Any = None) -> None:
         cfg = StagingOptions() if config is None else config
+        # ckptio's StagingOptions or torch's (its four fields; ckptio's others
+        # keep their defaults): anything else, a dict or a typo, is refused
+        # rather than staged with every default.
+        if not all(hasattr(cfg, f) for f in _TORCH_OPTIONS):
+            raise TypeError(
+                "DefaultStager(config): a StagingOptions (ckptio's or torch's), not "
+                f"{type(cfg).__name__}"
+            )
         self._opts = StagingOptions(
             use_pinned_memory=bool(getattr(cfg, "use_pinned_memory", True)),
             use_shared_memory=bool(getattr(cfg, "use_shared_memory", True)),
@@ -683,32 +707,55 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
     # -- the walk -----------------------------------------------------------------
 
     def _walk(self, obj: Any, plan: _Plan, memo: dict[int, Any]) -> Any:
+        """The staged copy of ``obj``, as torch's stager makes it (a deep copy
+        whose tensors are staged): containers keep their type, attributes and
+        identity (one list under two keys stays one list, cycles stay cycles)."""
         if isinstance(obj, torch.Tensor):
             return self._tensor_like(obj, plan)
-        if isinstance(obj, (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)):
+        if isinstance(obj, _ATOMS):
             return obj
-        if isinstance(obj, dict):
+        done = memo.get(id(obj))
+        if done is not None:
+            return done
+        kind = type(obj)
+        if kind is dict:
             # Plain tensors straight to _tensor: this loop runs once per parameter.
             tensor = self._tensor
-            items = [
-                (k, tensor(v, plan) if type(v) in _PLAIN else self._walk(v, plan, memo))
-                for k, v in obj.items()
-            ]
-            try:
-                out = type(obj)()
-            except TypeError:
-                return dict(items)
-            for k, v in items:
-                out[k] = v
+            out: Any = {}
+            memo[id(obj)] = out
+            for k, v in obj.items():
+                out[k] = tensor(v, plan) if type(v) in _PLAIN else self._walk(v, plan, memo)
             return out
-        if isinstance(obj, list):
-            return [self._walk(v, plan, memo) for v in obj]
-        if isinstance(obj, tuple):
-            vals = [self._walk(v, plan, memo) for v in obj]
-            if hasattr(obj, "_fields"):  # namedtuple
-                return type(obj)(*vals)
-            return tuple(vals)
+        if kind is list:
+            out = memo[id(obj)] = []  # (before its items: a cycle meets it)
+            out.extend(self._walk(v, plan, memo) for v in obj)
+            return out
+        if kind is tuple:
+            out = tuple([self._walk(v, plan, memo) for v in obj])
+            return memo.setdefault(id(obj), out)
+        # Anything else (a subclass of dict, list or tuple, torch.Size, an object
+        # holding tensors): its tensors staged first, then a deep copy that takes
+        # each of them from the memo, as torch's stager copies it.
+        self._stage_reachable(obj, plan, memo)
         return copy.deepcopy(obj, memo)
+
+    def _stage_reachable(self, obj: Any, plan: _Plan, memo: dict[int, Any]) -> None:
+        """Stage every tensor ``obj`` reaches (through containers and attributes,
+        not through classes, modules or functions, which deepcopy keeps), each
+        into ``memo`` under its id."""
+        seen: set[int] = set()
+        todo = [obj]
+        while todo:
+            o = todo.pop()
+            if id(o) in seen or isinstance(o, _ATOMS) or isinstance(o, _KEPT_BY_DEEPCOPY):
+                continue
+            seen.add(id(o))
+            if isinstance(o, torch.Tensor):
+                if id(o) not in memo:
+                    memo[id(o)] = self._tensor_like(o, plan)
+                    memo.setdefault(id(memo), []).append(o)  # (deepcopy's keep-alive list)
+                continue
+            todo.extend(gc.get_referents(o))
 
     def _tensor_like(self, t: torch.Tensor, plan: _Plan) -> Any:
         if type(t) in _PLAIN:
@@ -866,7 +913,12 @@ def _empty_view(t: torch.Tensor, on_device: bool) -> torch.Tensor:
 def _plain_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy of what the staging buffers do not take (sparse, quantized,
     conjugate views, other devices)."""
-    return t.detach().to("cpu", copy=True).resolve_conj().resolve_neg()
+    t = t.detach()
+    if t.layout is _STRIDED and not t.is_quantized:
+        # empty_like keeps the strides of a dense view (a conjugate or negative
+        # view's values resolved by copy_).
+        return torch.empty_like(t, device="cpu").copy_(t)
+    return t.to("cpu", copy=True).resolve_conj().resolve_neg()
 
 
 @functools.cache
