@@ -639,8 +639,9 @@ def test_load_out_mismatches_each_with_its_error(tmp_path):
         "size mismatch for 'b'",
     )
     check(ckptio.DtypeMismatchError, {"a": torch.zeros(4), "b": torch.zeros(2, 2).half()}, "'b'")
-    whole = torch.zeros(6)
-    check(ckptio.DestinationError, {"a": whole[:4], "b": whole[2:].view(2, 2)}, "overlap")
+    whole = torch.zeros(6)  # destinations that share memory: filled in order (no error)
+    ckptio.load(p, out={"a": whole[:4], "b": whole[2:].view(2, 2)})
+    assert torch.equal(whole, torch.ones(6))
     with open(tmp_path / "ro", "wb") as f:
         f.write(bytes(4096))
     with open(tmp_path / "ro", "rb") as f:
@@ -1453,10 +1454,33 @@ def test_interleaved_strided_destinations_that_share_no_element_are_filled(tmp_p
     base = torch.zeros(2, 2)
     ckptio.load(tmp_path / "c.pt", out={"p": base[:, 0], "q": base[:, 1]})  # column slices
     assert torch.equal(base, torch.tensor([[1.0, 2.0], [1.0, 2.0]]))
+    # Destinations that share an element: filled in order, as copy_ in order would.
     base = torch.zeros(2, 2)
-    with pytest.raises(ckptio.InPlaceLoadError, match="overlap in memory"):
-        ckptio.load(tmp_path / "c.pt", out={"p": base[:, 0], "q": base.view(-1)[:2]})
-    assert torch.equal(base, torch.zeros(2, 2))
+    ckptio.load(tmp_path / "c.pt", out={"p": base[:, 0], "q": base.view(-1)[:2]})
+    assert torch.equal(base, torch.tensor([[2.0, 2.0], [1.0, 0.0]]))
+
+
+def test_parameters_that_are_views_of_a_registered_buffer_load_as_with_torch(tmp_path):
+    """A buffer and parameters that are views of it (flat-parameter style): torch
+    copies each in turn and the last copy of a shared element wins; ckptio
+    refused it ("overlap in memory")."""
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("flat", torch.zeros(10))
+            self.a = nn.Parameter(self.flat[:6].view(2, 3))
+            self.b = nn.Parameter(self.flat[6:])
+
+    sd = {"flat": torch.arange(10.0), "a": torch.full((2, 3), -1.0), "b": torch.full((4,), -2.0)}
+    for saver, name in ((torch.save, "c.pt"), (cst.save_file, "c.safetensors")):
+        saver(sd, tmp_path / name)
+        ours, theirs = Flat(), Flat()
+        theirs.load_state_dict(sd)
+        assert ckptio.load_state_dict(ours, tmp_path / name) == theirs.load_state_dict(sd)
+        for k, v in theirs.state_dict().items():
+            assert torch.equal(ours.state_dict()[k], v), (name, k)
+        assert torch.equal(ours.flat, torch.arange(10.0))  # the buffer, copied last
 
 
 # ------------------------------------------------------------------- review of 2026-12-06, later

@@ -22,11 +22,11 @@ torch.distributed) reuse them:
    ``Module._load_from_state_dict`` with each ``copy_`` from the mapping
    recorded instead of run, or by the optimizer's rules.
 3. :func:`plan` checks every pair (shape, dtype, a destination that can be
-   written, no two destinations overlapping) and decides per pair: read
-   straight into the destination, or into a temporary on its device and then
-   ``copy_``. Nothing is written before every pair passed. :func:`execute`
-   reads the plan's items (all, or any share of them) through
-   ``ckptio.io.transfer.read_files``.
+   written) and decides per pair: read straight into the destination, or into
+   a temporary on its device and then ``copy_`` (destinations that share
+   memory one by one, in order, as torch's copies fill them). Nothing is
+   written before every pair passed. :func:`execute` reads the plan's items
+   (all, or any share of them) through ``ckptio.io.transfer.read_files``.
 """
 
 from __future__ import annotations
@@ -374,6 +374,10 @@ class Item:
     #: Read straight into ``dest``'s memory; else into a temporary on its
     #: device, then ``dest.copy_``.
     direct: bool = False
+    #: Its destination shares memory with another item's (views of one buffer):
+    #: such items are filled one by one in their order, after the others, so
+    #: that the later copy of a shared byte wins, as torch's copies leave it.
+    ordered: bool = False
 
 
 @dataclasses.dataclass
@@ -478,10 +482,12 @@ def plan(
     ``pairs``: (key, source, destination), the source a tensor of a decoded
     checkpoint (a view of one of ``files``' mappings, or any tensor, then
     copied). Finds every problem (shape, dtype unless ``cast``, destinations
-    that cannot be written or overlap); where two pairs fill the very same
-    destination (tied weights), only the later one is kept, as torch's
-    copies leave it. ``exact_shape=False`` allows sources that broadcast to
-    the destination (``copy_``'s rule). A plan with problems writes nothing.
+    that cannot be written); where two pairs fill the very same destination
+    (tied weights), only the later one is kept, and destinations that share
+    memory otherwise (views of one buffer) are filled one by one in order
+    (:attr:`Item.ordered`), as torch's copies leave them. ``exact_shape=False``
+    allows sources that broadcast to the destination (``copy_``'s rule). A plan
+    with problems writes nothing.
     """
     located = Files(files)
     problems: list[Problem] = []
@@ -497,12 +503,12 @@ def plan(
             problems.append(p)
         else:
             items.append(_item(key, src, dest, located))
-    items, skipped = _overlaps(items, problems)
+    items, skipped = _overlaps(items)
     problems += _read_only(items)
     return Plan(list(files), items, problems, skipped)
 
 
-def _overlaps(items: list[Item], problems: list[Problem]) -> tuple[list[Item], list[str]]:
+def _overlaps(items: list[Item]) -> tuple[list[Item], list[str]]:
     spans = []
     for i, it in enumerate(items):
         span = _dest_span(it)
@@ -526,14 +532,9 @@ def _overlaps(items: list[Item], problems: list[Problem]) -> tuple[list[Item], l
             if _same_view(a.dest, b.dest):
                 drop.add(min(j, i))  # tied: the later pair is kept, as torch's copies leave it
             elif _share_elements(a.dest, b.dest):
-                problems.append(
-                    (
-                        "destination",
-                        b.key,
-                        f"the destinations of {a.key!r} and {b.key!r} overlap in memory",
-                    )
-                )
-                break
+                for it in (a, b):
+                    it.ordered, it.direct = True, False
+                    it.src = unpickled.tensor(it.src)  # (copied from: its layout needed)
         active.append((hi, i))
         reach = max(reach, hi)
     kept = [it for i, it in enumerate(items) if i not in drop]
@@ -667,8 +668,9 @@ def execute(
     if p.problems:
         raise ValueError("a plan with problems cannot be executed")
     todo = list(p.items if items is None else items)
-    reads = [it for it in todo if it.file is not None and it.nbytes]
-    copies = [it for it in todo if it.file is None]
+    ordered = [it for it in todo if it.ordered]
+    reads = [it for it in todo if it.file is not None and it.nbytes and not it.ordered]
+    copies = [it for it in todo if it.file is None and not it.ordered]
     stats: list[dict[str, Any]] = []
     started = False
     shared = sharing.current()
@@ -706,6 +708,16 @@ def execute(
             with torch.no_grad():
                 for it in copies:
                     it.dest.copy_(it.src)
+        for it in ordered:  # one by one, in order (see Item.ordered)
+            started = True
+            src = it.src
+            if it.file is not None and it.nbytes:
+                tmp = torch.empty(it.nbytes, dtype=torch.uint8, device=_temp_device(it.dest))
+                seg = (it.offset, tmp.data_ptr(), it.nbytes, devices.device_code(tmp, it.key))
+                stats += transfer.read_files(p.files, {it.file: ([seg], [tmp])}, io, verify)
+                src = tmp.view(it.src.dtype).as_strided(it.src.shape, it.src.stride())
+            with torch.no_grad():
+                it.dest.copy_(src)
     except Exception as e:
         if not started:
             raise
