@@ -1596,3 +1596,8 @@ def test_nothing_is_copied_where_user_code_keeps_no_tensor(tmp_path, monkeypatch
     torch.save(nn.Linear(4, 4).state_dict(), tmp_path / "c.pt")
     ckptio.load_state_dict(hooked, tmp_path / "c.pt")
     assert seen == [2] and detached == []
+    # Nor where the load fails (its traceback held the tensors: a copy of the file).
+    torch.save({"weight": torch.ones(4, 4)}, tmp_path / "d.pt")
+    with pytest.raises(ckptio.KeyMismatchError):
+        ckptio.load_state_dict(hooked, tmp_path / "d.pt")
+    assert detached == []

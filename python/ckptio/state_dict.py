@@ -18,10 +18,12 @@ without running them (torch's walk costs 50 ms per 512 tensors). Optimizers repl
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
 import re
+import sys
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -1009,7 +1011,22 @@ def load_state_dict(
     finally:
         exposed, state_dict, run = run.exposed, None, None
         if exposed:
+            _release_own_frames(sys.exc_info()[2])
             _detach_kept(files)
+
+
+def _release_own_frames(tb: Any) -> None:
+    """A failed load's traceback holds ckptio's finished frames, and their
+    locals the checkpoint's tensors: cleared, so that they do not count as kept
+    (a copy of the whole file, _detach_kept). The caller's frames and user
+    code's (a hook that raised) keep theirs."""
+    own = os.path.dirname(os.path.abspath(__file__))
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.startswith(own):
+            with contextlib.suppress(RuntimeError):  # a frame still running
+                frame.clear()
+        tb = tb.tb_next
 
 
 def _detach_kept(files: list[Mapped]) -> None:
