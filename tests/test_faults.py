@@ -1316,6 +1316,31 @@ def test_a_device_node_is_refused(device):
 # ------------------------------------------------------------------- review of 2026-12-06, later
 
 
+def test_a_save_over_a_fifo_or_device_is_refused_and_leaves_it(tmp_path):
+    """A save is a rename over its target: as root, ckptio.save / convert to
+    /dev/null replaced the device node with a regular file. Every saver now
+    refuses a target that is not a regular file, and leaves it as it is."""
+    import stat
+
+    from ckptio.tools.convert import convert
+
+    fifo = tmp_path / "ckpt.pt"
+    os.mkfifo(fifo)
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(3)}, src)
+    savers = {
+        "ckptio.save": lambda p: ckptio.save({"w": torch.ones(3)}, p),
+        "save_file": lambda p: cst.save_file({"w": torch.ones(3)}, p),
+        "convert": lambda p: convert(str(src), str(p)),
+    }
+    for name, save in savers.items():
+        with pytest.raises(OSError, match="not a regular file: a FIFO") as e:
+            save(fifo)
+        assert str(fifo) in str(e.value), name
+        assert stat.S_ISFIFO(os.stat(fifo).st_mode), name
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "src.pt"]
+
+
 @pytest.mark.parametrize("index", [2**26 - 1, 2**32 - 1])
 def test_a_memo_index_out_of_order_loads_as_with_torch(tmp_path, good, index):
     """A PUT of a huge memo index (5 bytes of pickle) made the native unpickler

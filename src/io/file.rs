@@ -428,18 +428,18 @@ impl IoFile {
 
 /// What a file that is not regular is, in an error message.
 fn file_kind(meta: &std::fs::Metadata) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    let t = meta.file_type();
-    if t.is_fifo() {
-        "a FIFO (named pipe)"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_char_device() {
-        "a character device"
-    } else if t.is_block_device() {
-        "a block device"
-    } else {
-        "not a file"
+    use std::os::unix::fs::MetadataExt;
+    kind_of_mode(meta.mode())
+}
+
+/// What a file of `st_mode` `mode` that is not regular is, in an error message.
+pub(crate) fn kind_of_mode(mode: u32) -> &'static str {
+    match mode & libc::S_IFMT {
+        libc::S_IFIFO => "a FIFO (named pipe)",
+        libc::S_IFSOCK => "a socket",
+        libc::S_IFCHR => "a character device",
+        libc::S_IFBLK => "a block device",
+        _ => "not a file",
     }
 }
 

@@ -267,7 +267,7 @@ fn locate(target: &Path) -> Result<Located> {
         Err(e) => return Err(Error::io_at("stat", target, e)),
     };
     if st.st_mode & libc::S_IFMT != libc::S_IFLNK {
-        check_not_dir(&st, target)?;
+        check_replaceable(&st, target)?;
         return Ok(Located {
             target: parent.join(&name),
             dir,
@@ -288,7 +288,7 @@ fn locate(target: &Path) -> Result<Located> {
     // SAFETY: a fresh descriptor nobody else owns.
     let pointee = unsafe { File::from_raw_fd(fd) };
     let pst = stat_fd(pointee.as_raw_fd()).map_err(|e| Error::io_at("stat", target, e))?;
-    check_not_dir(&pst, target)?;
+    check_replaceable(&pst, target)?;
     let real = std::fs::read_link(format!("/proc/self/fd/{fd}"))
         .map_err(|e| Error::io_at("resolve link", target, e))?;
     let (rparent, rname) = split(&real)?;
@@ -313,15 +313,22 @@ fn locate(target: &Path) -> Result<Located> {
     })
 }
 
-fn check_not_dir(st: &libc::stat, target: &Path) -> Result<()> {
-    if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
-        return Err(Error::io_at(
-            "save to",
-            target,
-            io::Error::from_raw_os_error(libc::EISDIR),
-        ));
-    }
-    Ok(())
+/// A save replaces a regular file (or makes one): a folder is EISDIR, and a
+/// device, FIFO or socket is refused, not renamed over (as root, a save to
+/// /dev/null replaced the device node with a file).
+fn check_replaceable(st: &libc::stat, target: &Path) -> Result<()> {
+    let why = match st.st_mode & libc::S_IFMT {
+        libc::S_IFREG => return Ok(()),
+        libc::S_IFDIR => io::Error::from_raw_os_error(libc::EISDIR),
+        mode => io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "not a regular file: {}; a checkpoint is saved by replacing a regular file",
+                crate::io::file::kind_of_mode(mode)
+            ),
+        ),
+    };
+    Err(Error::io_at("save to", target, why))
 }
 
 fn kept(st: &libc::stat) -> Kept {
@@ -625,6 +632,26 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(temps(d.path()).is_empty());
+    }
+
+    #[test]
+    fn a_fifo_or_device_at_the_target_is_refused_not_replaced() {
+        use std::os::unix::fs::FileTypeExt;
+        let d = tempfile::tempdir().unwrap();
+        let fifo = d.path().join("ckpt.pt");
+        let c = CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path of ours.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let link = d.path().join("link.pt");
+        std::os::unix::fs::symlink(&fifo, &link).unwrap();
+        for target in [&fifo, &link] {
+            let e = AtomicFile::create(target).err().unwrap();
+            assert!(e.to_string().contains("a FIFO (named pipe)"), "{e}");
+        }
+        assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+        assert!(temps(d.path()).is_empty());
+        let e = AtomicFile::create(Path::new("/dev/null")).err().unwrap();
+        assert!(e.to_string().contains("a character device"), "{e}");
     }
 
     #[test]
