@@ -13,6 +13,10 @@ unless Lightning passes ``weights_only=True`` (``Trainer.fit(..., weights_only=T
 load only checkpoints you trust. Tensors land in host memory unless a
 ``map_location`` says otherwise (as Lightning's ``TorchCheckpointIO`` does).
 
+Paths may be object URLs (``s3://bucket/key``; the store's settings from the
+standard AWS variables, see docs/objectstore.md): saved and loaded as single
+objects, removed from the store.
+
 Resuming is in place (``in_place=True``, the default): ``load_checkpoint`` reads
 only the small tensors and hands the large ones over unread; when Lightning
 restores the model (``LightningModule.load_state_dict``) each is read straight
@@ -25,10 +29,13 @@ first use. ``in_place=False`` loads the whole checkpoint first (``ckptio.load``)
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
 import shutil
+import sys
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -42,6 +49,7 @@ except ImportError as e:  # pragma: no cover - exercised with lightning hidden
         "pip install 'ckptio[lightning]'"
     ) from e
 
+from ckptio.io import objects, remote
 from ckptio.io.devices import MapLocation
 from ckptio.io.engines import IoOptions
 from ckptio.serialization import load, save
@@ -77,7 +85,8 @@ class CkptioCheckpointIO(CheckpointIO):
     ) -> None:
         _no_storage_options(self, storage_options)
         path = os.fspath(path)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if not remote.is_url(path):
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         save(checkpoint, path, **self._opts)
 
     def load_checkpoint(
@@ -87,10 +96,16 @@ class CkptioCheckpointIO(CheckpointIO):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         path = os.fspath(path)
-        if not os.path.exists(path):
+        url = remote.is_url(path)
+        if not url and not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         where = "cpu" if map_location is None else map_location
-        if self._in_place and isinstance(where, (str, torch.device, dict)):
+        if (
+            self._in_place
+            and not url  # (an object is read whole, straight into its tensors)
+            and isinstance(where, (str, torch.device, dict))
+            and not _to_meta(where)  # (nothing to read: a plain load makes them)
+        ):
             return lazy_load(  # type: ignore[no-any-return]
                 path,
                 map_location=where,
@@ -103,7 +118,9 @@ class CkptioCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         path = os.fspath(path)
-        if os.path.isdir(path) and not os.path.islink(path):
+        if remote.is_url(path):
+            remote.delete(path)
+        elif os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         elif os.path.lexists(path):
             os.remove(path)
@@ -115,10 +132,19 @@ class AsyncCkptioCheckpointIO(CkptioCheckpointIO):
     ``save_checkpoint`` copies every tensor of the checkpoint to host memory
     (work queued on CUDA streams is finished by the copy) and returns; training
     may then change its tensors at once. One thread writes the checkpoints in
-    order; ``remove_checkpoint`` is queued behind the saves before it, and
+    order; ``remove_checkpoint`` is queued behind the saves before it (and
+    skipped where the save just before it failed: the file it would remove is
+    then the newest checkpoint, as with a synchronous save that raised), and
     ``load_checkpoint`` first waits for every pending save. A failed save is
-    raised by the next call (save, remove, load) or by ``teardown``, which
-    waits for all pending work.
+    raised by the next call (save, remove, load), by ``wait()`` or by
+    ``teardown``, which waits for all pending work (Lightning calls it at the
+    end of ``fit``; after it, a ``trainer.save_checkpoint`` is written in the
+    background too: call ``wait()`` before reading it); one that no call
+    reported is printed to stderr at interpreter exit.
+
+    ``ModelCheckpoint`` picks a ``-v1``, ``-v2`` name by what is on disk: with
+    saves in flight, give each checkpoint a name of its own (``{step}`` in
+    ``filename``), as with Lightning's ``AsyncCheckpointIO``.
     """
 
     def __init__(self, **opts: Any) -> None:
@@ -126,6 +152,9 @@ class AsyncCkptioCheckpointIO(CkptioCheckpointIO):
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
+        #: Whether the last save the worker ran failed (removals behind it wait).
+        self._last_save_failed = False
+        _unreported.add(self)
 
     def _submit(self, fn: Any, *args: Any) -> None:
         self._raise_failed()
@@ -133,6 +162,18 @@ class AsyncCkptioCheckpointIO(CkptioCheckpointIO):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptio-ckpt")
             self._pending.append(self._executor.submit(fn, *args))
+
+    def _save(self, snapshot: dict[str, Any], path: Any) -> None:
+        try:
+            super().save_checkpoint(snapshot, path)
+        except BaseException:
+            self._last_save_failed = True
+            raise
+        self._last_save_failed = False
+
+    def _remove(self, path: Any) -> None:
+        if not self._last_save_failed:
+            super().remove_checkpoint(path)
 
     def _raise_failed(self, wait: bool = False) -> None:
         with self._lock:
@@ -149,11 +190,10 @@ class AsyncCkptioCheckpointIO(CkptioCheckpointIO):
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         _no_storage_options(self, storage_options)
-        snapshot = _to_host(checkpoint, {})
-        self._submit(super().save_checkpoint, snapshot, path)
+        self._submit(self._save, _to_host(checkpoint), path)
 
     def remove_checkpoint(self, path: Any) -> None:
-        self._submit(super().remove_checkpoint, path)
+        self._submit(self._remove, path)
 
     def load_checkpoint(
         self,
@@ -186,21 +226,35 @@ def _no_storage_options(io: CheckpointIO, storage_options: Any) -> None:
         )
 
 
-def _to_host(obj: Any, memo: dict[int, Any]) -> Any:
-    """A copy of ``obj`` whose tensors are host copies (one copy per tensor object)."""
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            t = obj.detach()
-            memo[id(obj)] = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-        return memo[id(obj)]
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps the mapping type (OrderedDict, AttributeDict...)
-        for k, v in obj.items():
-            out[k] = _to_host(v, memo)
-        return out
-    if isinstance(obj, list):
-        return [_to_host(v, memo) for v in obj]
-    if isinstance(obj, tuple):
-        items = [_to_host(v, memo) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
+def _to_meta(where: Any) -> bool:
+    if isinstance(where, dict):
+        return any(_to_meta(v) for v in where.values())
+    try:
+        return torch.device(where).type == "meta"
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _to_host(checkpoint: Any) -> Any:
+    """A deep copy of ``checkpoint`` whose tensors are host copies taken now
+    (one per tensor object), wherever they are held: containers, dataclasses,
+    a callback's state object."""
+    memo: dict[int, Any] = {}
+    for t in objects.reachable_tensors(checkpoint):
+        d = t.detach()
+        objects.memoize(memo, t, d.to("cpu", copy=True) if d.device.type != "cpu" else d.clone())
+    return copy.deepcopy(checkpoint, memo)
+
+
+#: Async plugins alive: their failures that no call reported are printed at exit.
+_unreported: weakref.WeakSet[AsyncCkptioCheckpointIO] = weakref.WeakSet()
+
+
+@atexit.register
+def _report_at_exit() -> None:
+    # (concurrent.futures has joined the workers by now: every save has ended.)
+    for io in list(_unreported):
+        for f in list(io._pending):
+            exc = f.exception() if f.done() else None
+            if exc is not None:
+                print(f"ckptio.lightning: a background save failed: {exc!r}", file=sys.stderr)

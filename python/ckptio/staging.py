@@ -36,15 +36,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import gc
 import importlib
 import os
 import tempfile
 import threading
 import time
-import types
 import warnings
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ckptio import _native
-from ckptio.io import memory
+from ckptio.io import memory, objects
 from ckptio.serialization import load, save
 
 __all__ = [
@@ -483,13 +480,6 @@ class _Plan:
 
 # Tensor types staged as they are (subclasses such as DTensor take their own path).
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
-# Values staged as they are (immutable, holding no tensor).
-_ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size)
-# What deepcopy returns as it is (and whose references it does not follow).
-_KEPT_BY_DEEPCOPY = (
-    type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-    types.CodeType, weakref.ref,
-)  # fmt: skip
 _STRIDED = torch.strided
 
 
@@ -712,7 +702,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         identity (one list under two keys stays one list, cycles stay cycles)."""
         if isinstance(obj, torch.Tensor):
             return self._tensor_like(obj, plan)
-        if isinstance(obj, _ATOMS):
+        if isinstance(obj, objects.ATOMS):
             return obj
         done = memo.get(id(obj))
         if done is not None:
@@ -733,29 +723,13 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         if kind is tuple:
             out = tuple([self._walk(v, plan, memo) for v in obj])
             return memo.setdefault(id(obj), out)
-        # Anything else (a subclass of dict, list or tuple, torch.Size, an object
-        # holding tensors): its tensors staged first, then a deep copy that takes
-        # each of them from the memo, as torch's stager copies it.
-        self._stage_reachable(obj, plan, memo)
+        # Anything else (a subclass of dict, list or tuple, an object holding
+        # tensors): its tensors staged first, then a deep copy that takes each
+        # of them from the memo, as torch's stager copies it.
+        for t in objects.reachable_tensors(obj):
+            if id(t) not in memo:
+                objects.memoize(memo, t, self._tensor_like(t, plan))
         return copy.deepcopy(obj, memo)
-
-    def _stage_reachable(self, obj: Any, plan: _Plan, memo: dict[int, Any]) -> None:
-        """Stage every tensor ``obj`` reaches (through containers and attributes,
-        not through classes, modules or functions, which deepcopy keeps), each
-        into ``memo`` under its id."""
-        seen: set[int] = set()
-        todo = [obj]
-        while todo:
-            o = todo.pop()
-            if id(o) in seen or isinstance(o, _ATOMS) or isinstance(o, _KEPT_BY_DEEPCOPY):
-                continue
-            seen.add(id(o))
-            if isinstance(o, torch.Tensor):
-                if id(o) not in memo:
-                    memo[id(o)] = self._tensor_like(o, plan)
-                    memo.setdefault(id(memo), []).append(o)  # (deepcopy's keep-alive list)
-                continue
-            todo.extend(gc.get_referents(o))
 
     def _tensor_like(self, t: torch.Tensor, plan: _Plan) -> Any:
         if type(t) in _PLAIN:
