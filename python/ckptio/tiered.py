@@ -669,8 +669,17 @@ class TieredWriter(FileSystemWriter):
     its future (None where there was nothing to drain); the next save waits
     for its uploads.
     ``tries``/``backoff``: retries of transient errors, as ``Checkpointer``'s;
-    ``mark_timeout``: seconds the coordinator waits for the other ranks' files.
+    ``mark_timeout``: seconds the coordinator waits for the other ranks' files
+    (its own rank's upload failing ends the wait at once).
     Other keywords: ``ckptio.dcp.FileSystemWriter``'s.
+
+    A process waits at exit for its drains (as for ``Checkpointer``'s), so a
+    script whose last line is a save still puts it in the store. With
+    ``dcp.async_save``, read ``remote_completion`` once the save's own future is
+    done (it is set while the save runs, on DCP's thread); the first save takes
+    the future made with the writer. Refused: ``use_collectives=False`` (each
+    rank would commit its own metadata) and a ``checkpoint_id`` other than the
+    local folder (the tiers are the writer's).
     """
 
     def __init__(
@@ -690,6 +699,8 @@ class TieredWriter(FileSystemWriter):
         self._options = dict(storage_options) if storage_options is not None else None
         self._tries, self._backoff, self._mark_timeout = tries, backoff, mark_timeout
         self.remote_completion: Future[str] = Future()
+        #: Whether ``remote_completion`` is a save's already (else the next save takes it).
+        self._claimed = False
         self._tier, idle = _tier_of(self.path, self.remote)
         self._rank: int | None = None
         self._coordinator: bool | None = None
@@ -714,9 +725,32 @@ class TieredWriter(FileSystemWriter):
         super().__setstate__(state)
         self._tier, _ = _tier_of(self.path, self.remote)
         self.remote_completion = Future()
+        self._claimed = False
         self.resumed = None
 
+    def reset(self, checkpoint_id: Any = None) -> None:
+        # The tiers are the writer's (local folder, remote prefix): a save's
+        # checkpoint_id elsewhere would move the local folder only, or make a
+        # store writer without this one's settings.
+        if checkpoint_id is not None and (
+            objstore.is_url(checkpoint_id)
+            or os.path.abspath(os.fspath(checkpoint_id)) != os.path.abspath(os.fspath(self.path))
+        ):
+            raise ValueError(
+                f"TieredWriter saves to {os.fspath(self.path)} and {self.remote}: "
+                f"checkpoint_id={os.fspath(checkpoint_id)!r} is not taken (make a writer per "
+                "destination)"
+            )
+        super().reset(checkpoint_id)
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            # Each rank would commit its own __<rank>.metadata: the store's one
+            # .metadata, which the drain commits, would be stale or missing.
+            raise ValueError(
+                "TieredWriter commits one .metadata for the checkpoint: "
+                "dcp.save(..., use_collectives=False) is not supported"
+            )
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._rank = int(kwargs.get("rank", _rank()))
         self._coordinator = is_coordinator
@@ -791,6 +825,9 @@ class TieredWriter(FileSystemWriter):
                         _drop_record(record, token)
                     except BaseException as e:  # the commit below goes on
                         failed = e
+                if data is not None and raw == data and _read_remote_record(folder) != current:
+                    # Killed after its remote commit, before it recorded it: its own.
+                    self._record_remote(current)
                 if files is not None and data is not None and raw != data:
                     self._upload_missing(sorted(files))
                     uploaded.set_result(None)
@@ -819,7 +856,7 @@ class TieredWriter(FileSystemWriter):
         self.resumed = done
         with tier.lock:
             tier.uploading = uploaded
-        threading.Thread(target=drain, name="ckptio-tier-resume", daemon=True).start()
+        threading.Thread(target=drain, name="ckptio-tier-resume").start()  # (joined at exit)
 
     def _upload_missing(self, names: list[str]) -> bool:
         """Upload the named local files that the store lacks (each upload is
@@ -917,7 +954,7 @@ class TieredWriter(FileSystemWriter):
         with tier.lock:
             tier.uploading = uploading
         if not coordinator:
-            self.remote_completion = Future()
+            self._next_completion()
         done_for_rank = self.remote_completion if not coordinator else None
 
         def upload() -> None:
@@ -939,7 +976,7 @@ class TieredWriter(FileSystemWriter):
                 if done_for_rank is not None:
                     done_for_rank.set_exception(e)
 
-        threading.Thread(target=upload, name="ckptio-tier-upload", daemon=True).start()
+        threading.Thread(target=upload, name="ckptio-tier-upload").start()  # (joined at exit)
         return fut
 
     def _uploaded(self, token: str, rank: int, names: list[str]) -> None:
@@ -975,13 +1012,20 @@ class TieredWriter(FileSystemWriter):
                 self.remote_completion.set_exception(
                     CkptioError(f"{self.remote}: the save failed before its local commit")
                 )
-        self.remote_completion = Future()
+        self._next_completion()
         plans = super().prepare_global_plan(plans)
         tokens = {_token_of([p.storage_data.prefix + "0.distcp"]) for p in plans}
         with self._tier.lock:
             self._tier.planned |= tokens
         self._unfinished = tokens
         return plans
+
+    def _next_completion(self) -> None:
+        """This save's ``remote_completion``: the one made with the writer where
+        no save took it yet (a caller may hold it already), else a new one."""
+        if self._claimed or self.remote_completion.done():
+            self.remote_completion = Future()
+        self._claimed = True
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         # Before the local commit: a new .metadata never names an older committer
@@ -1001,13 +1045,14 @@ class TieredWriter(FileSystemWriter):
         with tier.lock:
             tier.seq += 1
             seq, before, tier.committing = tier.seq, tier.committing, done
+            own_upload = tier.uploading  # this rank's upload of this save (write_data)
         meta = os.path.join(os.fspath(self.path), ".metadata")
         data = _read_file(meta)
 
         def commit() -> None:
             try:
                 for token in tokens:  # ranks without files (nothing to save) mark nothing
-                    self._await_marks(token, sum(1 for names in per_rank if names), seq)
+                    self._await_marks(token, sum(1 for names in per_rank if names), seq, own_upload)
                 with tier.lock:
                     tier.ready = max(tier.ready, seq)
                 if before is not None:  # in save order: an older commit never lands last
@@ -1027,10 +1072,14 @@ class TieredWriter(FileSystemWriter):
                         _own(committer, {}, None)
                 done.set_exception(error)
 
-        threading.Thread(target=commit, name="ckptio-tier-commit", daemon=True).start()
+        threading.Thread(target=commit, name="ckptio-tier-commit").start()  # (joined at exit)
 
-    def _await_marks(self, token: str, ranks: int, seq: int) -> None:
+    def _await_marks(
+        self, token: str, ranks: int, seq: int, own: Future[None] | None = None
+    ) -> None:
         def missing(listed: list[objstore.Listed]) -> str | None:
+            if own is not None and own.done() and own.exception() is not None:
+                raise own.exception()  # type: ignore[misc]  # (this rank's own never comes)
             done = len(listed)
             return None if done >= ranks else f"{done} of {ranks} ranks uploaded their files"
 
@@ -1074,12 +1123,15 @@ class TieredWriter(FileSystemWriter):
             now, e_tag = self._retried(current)  # a retried PUT whose first reply was lost
             if now != data:
                 raise
-        _write_commit(
-            os.path.join(os.fspath(self.path), REMOTE_RECORD), json.dumps({"e_tag": e_tag}).encode()
-        )
+        self._record_remote(e_tag)
         if sweep:
             with contextlib.suppress(Exception):  # committed: the next commit sweeps again
                 self._sweep(files, tokens, previous)
+
+    def _record_remote(self, e_tag: str | None) -> None:
+        """The local record of the last remote commit this folder made."""
+        path = os.path.join(os.fspath(self.path), REMOTE_RECORD)
+        _write_commit(path, json.dumps({"e_tag": e_tag}).encode())
 
     def _sweep(self, files: set[str], tokens: set[str], previous: set[str] | None) -> None:
         """The rank marks and the data objects that neither the new ``.metadata``
