@@ -8,6 +8,7 @@ CRC-32 are "unchecked", never "bad".
 from __future__ import annotations
 
 import os
+import pickle
 import struct
 import subprocess
 import sys
@@ -389,3 +390,35 @@ def test_a_load_reads_every_storage_in_one_engine_call(tmp_path, monkeypatch):
     p.write_bytes(bytes(data))
     with pytest.raises(ckptio.FormatError, match=rec.name):
         ckptio.load(p, verify=True)
+
+
+# ------------------------------------------------------------------- review of 2026-12-06, later
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("where", ["payload", "magic"])
+def test_verify_checks_a_dcp_folders_non_tensor_values(tmp_path, where):
+    """A DCP folder's non-tensor values are torch.save archives (CRC-32s) that
+    verify called "unchecked": a flipped byte in one passed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    folder = tmp_path / "c"
+    name = "run-A" * 20
+    dcp.save({"w": torch.randn(8), "cfg": {"lr": 0.125, "name": name}}, checkpoint_id=folder)
+    ok = ckptio.verify(folder)
+    assert ok.ok and not [c for c in ok.records if c.state == "unchecked"], ok
+    with open(folder / ".metadata", "rb") as fh:
+        md = pickle.load(fh)
+    (idx, info) = next(
+        (k, v)
+        for k, v in md.storage_data.items()
+        if isinstance(md.state_dict_metadata[k.fqn], BytesStorageMetadata) and k.fqn == "cfg.name"
+    )
+    data = bytearray((folder / info.relative_path).read_bytes())
+    item = data[info.offset : info.offset + info.length]
+    at = info.offset + (item.find(b"run-A") + 2 if where == "payload" else 2)
+    data[at] ^= 1
+    (folder / info.relative_path).write_bytes(bytes(data))
+    bad = ckptio.verify(folder)
+    assert not bad.ok, bad

@@ -108,8 +108,9 @@ def verify(
     A DCP checkpoint folder (one holding ``.metadata``) is checked whole: its
     metadata (allow-list, paths inside the folder), then every record of every
     tensor item of every data file, named ``<fqn> (<file>@<offset>) <record>``;
-    byte items carry no CRC-32 and are "unchecked", and so are items with stream
-    transforms (compressed; their decoder checks their frames).
+    non-tensor values, torch.save archives too, are checked the same way (other
+    bytes items carry no CRC-32 and are "unchecked"), and items with stream
+    transforms are "unchecked" (compressed; their decoder checks their frames).
 
     A safetensors file, or a sharded checkpoint (its index, or the folder), has
     no checksum to compare: its header is validated as ``load_file`` validates
@@ -253,12 +254,14 @@ def _verify_dcp(
         ):
             name = f"{index.fqn} ({info.relative_path}@{info.offset})"
             bytes_item = isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
-            if bytes_item or dcp.transformed(info):
+            p = paths.inside(folder, info.relative_path, md_path)
+            # A non-tensor value is a torch.save archive (its CRC-32s checked as a
+            # tensor's); other bytes (a BytesIO saved as it is), transformed items: none.
+            if (bytes_item and not _is_zip(p, info.offset, info.length)) or dcp.transformed(info):
                 out.append(RecordCheck(name, "unchecked", None, None))
                 if progress is not None:
                     progress(info.length)
                 continue
-            p = paths.inside(folder, info.relative_path, md_path)
             try:
                 item = _native.Reader(p, direct, None, info.offset, info.length)
             except OSError as e:
@@ -270,6 +273,21 @@ def _verify_dcp(
     except FormatError as e:
         return VerifyReport(folder, tuple(out), str(e), "DCP")
     return VerifyReport(folder, tuple(out), None, "DCP")
+
+
+def _is_zip(path: str, offset: int, length: int) -> bool:
+    """Whether the item ``[offset, offset + length)`` of ``path`` is a zip archive
+    (torch's planners save every non-tensor value with torch.save): it starts
+    or ends as one does (a damaged one still does at one end)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            head = fh.read(4)
+            fh.seek(offset + max(0, length - 22))
+            tail = fh.read(4)
+    except OSError:
+        return False  # (the item's own check reports a file that cannot be read)
+    return head == b"PK\x03\x04" or tail == b"PK\x05\x06"
 
 
 def inspect_lines(f: str | os.PathLike[str]) -> list[str]:
