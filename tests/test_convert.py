@@ -124,3 +124,38 @@ def test_console_entry_point(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     same(st.load_file(dst), torch.load(src))
+
+
+# ------------------------------------------------------------------- review of 2026-12-06, later
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (torch.eye(3).to_sparse(), "sparse_coo tensor"),
+        (torch.zeros(3, device="meta"), "meta device"),
+        (torch.zeros(3, dtype=torch.complex128), "safetensors lacks"),
+    ],
+    ids=["sparse", "meta", "complex128"],
+)
+def test_what_safetensors_cannot_hold_is_a_conversion_error(tmp_path, value, match):
+    """Sparse and meta tensors failed with a NotImplementedError of torch's, a dtype
+    safetensors lacks with a ValueError: not the ConversionError convert raises."""
+    from ckptio.errors import ConversionError
+    from ckptio.tools.convert import convert
+
+    src = tmp_path / "c.pt"
+    torch.save({"w": value}, src)
+    with pytest.raises(ConversionError, match=match):
+        convert(str(src), str(tmp_path / "c.safetensors"), log=lambda _: None)
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_flatten_refuses_an_empty_dict_instead_of_dropping_it(tmp_path):
+    from ckptio.errors import ConversionError
+    from ckptio.tools.convert import convert
+
+    src = tmp_path / "c.pt"
+    torch.save({"w": torch.ones(2), "opt": {}}, src)
+    with pytest.raises(ConversionError, match="'opt' is an empty dict"):
+        convert(str(src), str(tmp_path / "c.safetensors"), flatten=True, log=lambda _: None)

@@ -237,6 +237,11 @@ def _int_list(x: Any) -> bool:
     return type(x) is list and (not x or ({type(v) for v in x} == {int} and min(x) >= 0))
 
 
+def holds(dtype: torch.dtype) -> bool:
+    """Whether safetensors has a dtype name for ``dtype``."""
+    return dtype in _NAMES
+
+
 def check_tensors(tensors: Any) -> None:
     """Refuse what safetensors refuses, with its exception types."""
     if not isinstance(tensors, Mapping):
@@ -248,7 +253,7 @@ def check_tensors(tensors: Any) -> None:
             raise ValueError("'__metadata__' is reserved for the header's metadata")
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"Key `{k}` is invalid, expected torch.Tensor but received {type(v)}")
-        if v.dtype not in _NAMES:
+        if not holds(v.dtype):
             raise ValueError(
                 f"tensor {k!r} has dtype {v.dtype}, which safetensors cannot hold "
                 f"(it holds {', '.join(str(d) for d in _NAMES)})"

@@ -28,6 +28,7 @@ import torch
 from ckptio import safetensors as cst
 from ckptio.errors import ConversionError, FormatError
 from ckptio.formats import detect
+from ckptio.formats import safetensors as st_format
 from ckptio.io import remote
 from ckptio.serialization import last_report, load, save
 
@@ -66,6 +67,10 @@ def flat_tensors(obj: Any, *, flatten: bool = False, where: str = "") -> dict[st
                     raise ConversionError(f"{where}flattened name {name!r} is there twice")
                 out[name] = v
             elif isinstance(v, dict) and flatten:
+                if not v:  # nothing to flatten into: it would vanish from the file
+                    raise ConversionError(
+                        f"{where}{name!r} is an empty dict: a flat file of tensors cannot hold it"
+                    )
                 walk(v, name + ".")
             else:
                 hint = " (a nested dict: --flatten stores its tensors as 'key.sub')"
@@ -76,6 +81,22 @@ def flat_tensors(obj: Any, *, flatten: bool = False, where: str = "") -> dict[st
 
     walk(obj, "")
     return out
+
+
+def check_convertible(tensors: dict[str, torch.Tensor], fmt: str, where: str = "") -> None:
+    """ConversionError naming the first tensor ``fmt`` cannot hold, or that holds
+    no data to move: sparse and other layouts, the meta device, dtypes
+    safetensors lacks (complex128, quantized...)."""
+    for k, t in tensors.items():
+        if t.layout != torch.strided:
+            raise ConversionError(
+                f"{where}{k!r} is a {t.layout} tensor: convert moves dense tensors "
+                "(make it dense with .to_dense() first)"
+            )
+        if t.is_meta:
+            raise ConversionError(f"{where}{k!r} is on the meta device: it holds no data")
+        if fmt == "safetensors" and not st_format.holds(t.dtype):
+            raise ConversionError(f"{where}{k!r} has dtype {t.dtype}, which safetensors lacks")
 
 
 def unshare(
@@ -145,6 +166,7 @@ def convert(
         meta = cst.metadata(src) or {}
         if fmt == "torch" and meta:
             log(f"note: the safetensors metadata {meta} is not kept in a torch.save file")
+    check_convertible(tensors, fmt, where)
     tensors = unshare(tensors, duplicate_shared, where)
     if fmt == "safetensors":  # a safetensors source's metadata kept
         cst.save_file(tensors, dst, metadata={"format": "pt", **meta})
