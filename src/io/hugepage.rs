@@ -148,6 +148,26 @@ unsafe impl Send for AnonMap {}
 // SAFETY: shared references only give out `&[u8]` and a const pointer.
 unsafe impl Sync for AnonMap {}
 
+/// A fresh private anonymous mapping of `len` bytes (read and write), the
+/// caller's to unmap.
+pub(crate) fn map_anonymous(len: usize) -> std::io::Result<*mut libc::c_void> {
+    // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(raw)
+}
+
 impl AnonMap {
     /// `len` bytes (at least one page); huge pages asked for when `huge`, the
     /// size is at least one huge page, and [`advice_enabled`].
@@ -163,24 +183,8 @@ impl AnonMap {
         // A huge-page boundary: reserve one huge page more, then give back the
         // head and tail around the aligned range.
         let reserve = if huge { map_len + HUGE_PAGE } else { map_len };
-        // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                reserve,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            return Err(Error::io(
-                "mmap anonymous memory",
-                None,
-                std::io::Error::last_os_error(),
-            ));
-        }
+        let raw =
+            map_anonymous(reserve).map_err(|e| Error::io("mmap anonymous memory", None, e))?;
         let raw = raw as usize;
         let ptr = if huge {
             let start = raw.next_multiple_of(HUGE_PAGE);

@@ -459,20 +459,9 @@ pub unsafe fn detach(addr: usize, len: usize, path: &Path) -> Result<()> {
         )));
     }
     let span = len.next_multiple_of(PAGE);
-    // SAFETY: a fresh anonymous mapping, ours until mremap moves it.
-    let anon = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            span,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if anon == libc::MAP_FAILED {
-        return Err(Error::io_at("mmap", path, std::io::Error::last_os_error()));
-    }
+    // Ours until mremap moves it.
+    let anon =
+        crate::io::hugepage::map_anonymous(span).map_err(|e| Error::io_at("mmap", path, e))?;
     // Guarded where a slot is free: a page the file lost reads as zeros, flagged.
     let slot = if guard::install() {
         guard::claim(addr, len)
