@@ -1009,7 +1009,8 @@ def load_state_dict(
             return _load_module(obj, state_dict, run, strict=strict, t0=t0)
         return _load_optimizer(obj, state_dict, run, t0=t0)
     finally:
-        exposed, state_dict, run = run.exposed, None, None
+        exposed = run.exposed
+        del state_dict, run  # (the tensors a hook kept are counted without ours)
         if exposed:
             _release_own_frames(sys.exc_info()[2])
             _detach_kept(files)

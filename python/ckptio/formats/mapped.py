@@ -11,6 +11,7 @@ needed are then read, straight into their destinations.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ class Mapped:
     locations: dict[int, str] = dataclasses.field(default_factory=dict)
     #: Storages that every tensor over the mapping holds (the whole mapping, or
     #: each slice torch.load made of it): a use count above ours is a view alive.
-    holders: tuple[torch.UntypedStorage, ...] = ()
+    holders: tuple[Any, ...] = ()  # (torch.UntypedStorage; from_file's stubs say others)
 
     def viewed(self) -> bool:
         """Whether a tensor over the mapping is alive (beyond ``holders``)."""

@@ -710,12 +710,12 @@ def execute(
                     it.dest.copy_(it.src)
         for it in ordered:  # one by one, in order (see Item.ordered)
             started = True
-            src = it.src
+            src: torch.Tensor = unpickled.tensor(it.src)
             if it.file is not None and it.nbytes:
                 tmp = torch.empty(it.nbytes, dtype=torch.uint8, device=_temp_device(it.dest))
                 seg = (it.offset, tmp.data_ptr(), it.nbytes, devices.device_code(tmp, it.key))
-                stats += transfer.read_files(p.files, {it.file: ([seg], [tmp])}, io, verify)
-                src = tmp.view(it.src.dtype).as_strided(it.src.shape, it.src.stride())
+                stats += transfer.read_files(p.files, {it.file: ([seg], [tmp])}, io, verify)  # type: ignore[arg-type]
+                src = tmp.view(src.dtype).as_strided(src.shape, src.stride())
             with torch.no_grad():
                 it.dest.copy_(src)
     except Exception as e:
