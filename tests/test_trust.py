@@ -352,7 +352,9 @@ def test_verify_takes_a_dcp_folder_of_either_writer(tmp_path, capsys):
         dcp.save(sd, storage_writer=writer(folder), no_dist=True)
         rep = ckptio.verify(folder)
         assert rep.ok, rep.summary()
-        assert [r.state for r in rep.records if r.name.startswith("step")] == ["unchecked"]
+        # The non-tensor value, a torch.save archive in the item: its records checked too.
+        step = [r.state for r in rep.records if r.name.startswith("step")]
+        assert step and set(step) == {"ok"}, step
         assert any(r.name.startswith("w (") and r.state == "ok" for r in rep.records)
         assert main(["verify", str(folder)]) == 0
     assert "records checked" in capsys.readouterr().out
