@@ -52,8 +52,10 @@ def test_save_and_load_round_trip_with_storage_options(s3, tmp_path):
     sd = _state(big=40 << 20)  # 40 MiB: three parts of 16 MiB
     url = s3.url("model.pt")
     ckptio.save(sd, url, storage_options=s3.options)
+    assert ckptio.last_report().device_path is None  # host memory only: no host buffers
     assert remote.head(url, s3.options)["size"] > 40 << 20
     _same(ckptio.load(url, storage_options=s3.options), sd)
+    assert ckptio.last_report().device_path is None
     _same(ckptio.load(url, storage_options=s3.options, verify=True), sd)
     # The object is a plain torch.save file.
     local = tmp_path / "copy.pt"
@@ -1648,7 +1650,8 @@ def test_cuda_save_streams_from_device_memory_after_the_callers_stream(s3, tmp_p
     sd["big"] = (a @ a).flatten().repeat(3)[: 10 << 20]
     url = s3.url("cuda.pt")
     ckptio.save(sd, url, storage_options=s3.options)
-    assert ckptio.last_report().backend == "store"
+    rep = ckptio.last_report()  # the parts copied from device memory into pinned buffers
+    assert rep.backend == "store" and rep.device_path == "bounce" and rep.fallback_reason is None
     assert os.listdir(scratch) == []  # no local copy
     ckptio.save(sd, tmp_path / "local.pt")  # what a file save of the same tensors makes
     remote.download(url, tmp_path / "back.pt", s3.options)
@@ -1665,6 +1668,7 @@ def test_cuda_save_streams_from_device_memory_after_the_callers_stream(s3, tmp_p
     back = ckptio.load(url, storage_options=s3.options, verify=True)
     rep = ckptio.last_report()  # straight into the CUDA storages, CRC-32s checked on the way
     assert rep.backend == "store" and rep.verified and rep.unchecked == ()
+    assert rep.device_path == "bounce" and rep.fallback_reason is None  # pinned slots
     assert os.listdir(scratch) == []
     assert back["big"].is_cuda and back["host"].is_cpu
     _same_tree(_to(sd, "cpu"), _to(back, "cpu"))
@@ -1681,7 +1685,8 @@ def test_cuda_safetensors_save_file_streams_byte_for_byte(s3, tmp_path, scratch)
     on_gpu = {k: (v.cuda() if i % 2 else v) for i, (k, v) in enumerate(sd.items())}
     url = s3.url("cuda.safetensors")
     ckptio.safetensors.save_file(on_gpu, url, storage_options=s3.options)
-    assert ckptio.last_report().backend == "store"
+    rep = ckptio.last_report()
+    assert rep.backend == "store" and rep.device_path == "bounce" and rep.fallback_reason is None
     assert os.listdir(scratch) == []
     ckptio.safetensors.save_file(sd, tmp_path / "local.safetensors")
     remote.download(url, tmp_path / "back.safetensors", s3.options)
@@ -1689,9 +1694,38 @@ def test_cuda_safetensors_save_file_streams_byte_for_byte(s3, tmp_path, scratch)
         tmp_path / "local.safetensors"
     ).read_bytes()
     back = ckptio.safetensors.load_file(url, device="cuda", storage_options=s3.options)
+    assert ckptio.last_report().device_path == "bounce"
     assert os.listdir(scratch) == []
     assert all(t.is_cuda for t in back.values())
     _same(_to(back, "cpu"), sd)
+
+
+@gpu
+def test_cuda_store_transfers_fall_back_to_pageable_buffers_and_say_so(s3, tmp_path):
+    """Under a pinned-memory cap of 0 the host buffers of a store transfer of GPU
+    memory are pageable: the bytes are the same, the report says why."""
+    from test_soundness import run_python
+
+    code = f"""
+        import json, torch, ckptio
+        url, opts = {s3.url("capped.pt")!r}, {s3.options!r}
+        g = torch.Generator().manual_seed(12)
+        sd = {{"big": torch.randn(10 << 20, generator=g).cuda(), "host": torch.arange(9)}}
+        ckptio.save(sd, url, storage_options=opts)
+        saved = ckptio.last_report()
+        back = ckptio.load(url, storage_options=opts)
+        loaded = ckptio.last_report()
+        same = all(torch.equal(back[k].cpu(), v.cpu()) for k, v in sd.items())
+        print(json.dumps([saved.device_path, saved.fallback_reason, loaded.device_path,
+                          loaded.fallback_reason, back["big"].is_cuda, same]))
+    """
+    run = run_python(code, tmp_path, {"CKPTIO_PINNED_LIMIT": "0"}, 300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved_path, saved_why, loaded_path, loaded_why, on_cuda, same = json.loads(
+        run.stdout.strip().splitlines()[-1]
+    )
+    assert saved_path == loaded_path == "bounce" and on_cuda and same
+    assert "pinned-memory cap" in saved_why and "pinned-memory cap" in loaded_why
 
 
 @gpu
@@ -1709,6 +1743,7 @@ def test_cuda_dcp_save_and_load_stream_with_the_stores_crc32s(s3, tmp_path, scra
     w = FileSystemWriter(url, storage_options=s3.options)
     dcp.save(on_gpu, storage_writer=w, no_dist=True)
     assert all(s["backend"] == "store" for s in w.last_stats)
+    assert any(s["device_path"] == "bounce" for s in w.last_stats), w.last_stats
     assert os.listdir(scratch) == []
     # The CRC-32s the parts computed from device memory: verify=True checks each.
     out = {k: torch.zeros_like(v) for k, v in on_gpu.items()}

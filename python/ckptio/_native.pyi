@@ -521,7 +521,8 @@ def store_read_into(
     streams: list[tuple[int, int]] = ...,
     crc: bool = False,
 ) -> dict[str, Any]:
-    """(object offset, address, nbytes, device) segments read straight into host or CUDA memory."""
+    """(object offset, address, nbytes, device) segments read straight into host or CUDA
+    memory; "host_buffers": "pinned" or "pageable" where CUDA memory was read, else None."""
 
 def store_upload_archive(
     url: str,
@@ -532,7 +533,8 @@ def store_upload_archive(
     chunk: int = 16777216,
     streams: list[tuple[int, int]] = ...,
 ) -> dict[str, Any]:
-    """A torch.save archive uploaded part by part straight from host or CUDA memory."""
+    """A torch.save archive uploaded part by part straight from host or CUDA memory;
+    "host_buffers" as for ``store_read_into``."""
 
 def store_upload_image(
     url: str,

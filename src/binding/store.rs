@@ -102,6 +102,7 @@ fn transferred_dict<'py>(py: Python<'py>, t: &Transferred) -> PyResult<Bound<'py
     let d = version_dict(py, &t.version)?;
     d.set_item("size", t.size)?;
     d.set_item("parts", t.parts)?;
+    d.set_item("host_buffers", t.host_buffers)?;
     Ok(d)
 }
 
@@ -304,6 +305,7 @@ pub fn store_upload_archive<'py>(
         _ => None,
     });
     let after = caller_order(devices, &streams)?;
+    let on_device = !after.is_empty();
     let t = on_store(py, url, options, |s, key| {
         after.wait_on_host()?;
         // SAFETY: every memory record lies inside its owners' memory (checked
@@ -312,7 +314,9 @@ pub fn store_upload_archive<'py>(
         let a =
             unsafe { PartedArchive::new(&entries, |n| Ok(store::part_grid(n, chunk)?.part_size))? };
         let grid = store::part_grid(a.len(), chunk)?;
-        store::upload_parts(s, key, grid, threads, |idx, buf| a.fill(idx, buf))
+        store::upload_parts(s, key, grid, threads, on_device, |idx, buf| {
+            a.fill(idx, buf)
+        })
     })?;
     transferred_dict(py, &t)
 }
@@ -350,6 +354,7 @@ pub fn store_upload_image<'py>(
         _ => None,
     });
     let after = caller_order(devices, &streams)?;
+    let on_device = !after.is_empty();
     let t = on_store(py, url, options, |s, key| {
         after.wait_on_host()?;
         // SAFETY: every segment lies inside its owners' memory (checked above),
@@ -361,7 +366,9 @@ pub fn store_upload_image<'py>(
             })?
         };
         let grid = store::part_grid(image.len(), chunk)?;
-        store::upload_parts(s, key, grid, threads, |idx, buf| image.fill(idx, buf))
+        store::upload_parts(s, key, grid, threads, on_device, |idx, buf| {
+            image.fill(idx, buf)
+        })
     })?;
     transferred_dict(py, &t)
 }
@@ -759,18 +766,19 @@ pub fn store_read_into<'py>(
         let read = || unsafe { store::read_segments(&source, &segs, chunk, threads, crc) };
         // Device copies run on this (Python's) thread: its current context,
         // torch's current device, is put back after them.
-        let crcs = if on_device {
+        let got = if on_device {
             crate::gpu::cuda::driver()?.keeping_current(read)?
         } else {
             read()?
         };
-        Ok((source.info().clone(), crcs))
+        Ok((source.info().clone(), got))
     });
     owners.release();
-    let (info, crcs) = info?;
+    let (info, got) = info?;
     let d = info_dict(py, &info)?;
+    d.set_item("host_buffers", got.host_buffers)?;
     if crc {
-        d.set_item("crc32", crcs)?;
+        d.set_item("crc32", got.crcs)?;
     }
     Ok(d)
 }

@@ -49,6 +49,11 @@ impl After {
         })
     }
 
+    /// Whether the transfer touches no device memory.
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
     /// The event of `device`, if the transfer touches it.
     pub fn event(&self, device: i32) -> Option<&Event> {
         self.events.iter().find(|e| e.device() == device)

@@ -19,6 +19,7 @@
 //! Every failure is an [`Error::Store`] naming the URL, its kind typed
 //! ([`StoreErrorKind`]) from what the client saw after its retries.
 
+mod buffers;
 mod runtime;
 mod sink;
 mod source;
@@ -51,7 +52,7 @@ pub use sink::MultipartSink;
 pub use source::ObjectSource;
 pub use transfer::{
     download_file, hash_ranges, read_segments, upload_file, upload_parts, upload_stream,
-    StreamUpload, Transferred,
+    SegmentsRead, StreamUpload, Transferred,
 };
 
 /// The smallest part ckptio uploads (S3 accepts 5 MiB; fewer, larger parts

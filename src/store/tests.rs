@@ -503,6 +503,7 @@ fn segments_and_hashes_of_ranges_through_bounded_buffers() {
         &spans,
         MIB / 4,
         2,
+        false,
         |k, bytes| {
             assert_eq!(bytes, &data[k * 200_000..k * 200_000 + 100_000]);
             seen.push(k);
@@ -538,7 +539,9 @@ fn segments_and_hashes_of_ranges_through_bounded_buffers() {
         ),
     ];
     // SAFETY: `a` and `b` are ours, distinct, alive past the call.
-    let crcs = unsafe { read_segments(&src, &segs, MIB / 2, 3, true).unwrap() };
+    let read = unsafe { read_segments(&src, &segs, MIB / 2, 3, true).unwrap() };
+    assert_eq!(read.host_buffers, None, "host memory only: no host buffers");
+    let crcs = read.crcs;
     assert!(a == data[MIB as usize..(3 * MIB) as usize]);
     assert_eq!(b, data[7..1007]);
     assert_eq!(

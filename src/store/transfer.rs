@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use futures::stream::{self, StreamExt};
 
+use super::buffers::{Buffer, Buffers};
 use super::source::gets_of;
 use super::{part_grid, MultipartSink, ObjectInfo, ObjectSource, PartGrid, Store, Version};
 use crate::engine::{Memory, Segment};
@@ -28,6 +29,9 @@ pub struct Transferred {
     pub size: u64,
     pub parts: usize,
     pub version: Version,
+    /// Where GPU memory was on the other side: "pinned" (page-locked host
+    /// buffers) or "pageable" (the pinned-memory cap had no room); else None.
+    pub host_buffers: Option<&'static str>,
 }
 
 /// Run `work(idx)` for every part index below `count` on `threads` threads;
@@ -80,35 +84,40 @@ pub fn upload_file(
         .map_err(|e| Error::io("stat", Some(path.to_path_buf()), e))?
         .len();
     let grid = part_grid(size, chunk)?;
-    upload_parts(store, key, grid, threads, |idx, buf| {
+    upload_parts(store, key, grid, threads, false, |idx, buf| {
         file.read_exact_at(buf, grid.range(idx).start)
             .map_err(|e| Error::io("read", Some(path.to_path_buf()), e))
     })
 }
 
-/// Upload an object cut as `grid` whose parts `fill(idx, buffer)` makes, as
-/// one multipart upload: `threads` parts at a time, taken in order (a part
-/// may wait for the parts before it, never after), each in a buffer of its
-/// own; its completion is the commit, and a failed upload is aborted.
+/// Upload an object cut as `grid` whose parts `fill(idx, buffer)` makes
+/// (into a zeroed buffer), as one multipart upload: `threads` parts at a
+/// time, taken in order (a part may wait for the parts before it, never
+/// after), each in a buffer of its own, reused once its part is put, and
+/// page-locked where `pinned` (GPU memory is copied into them); its
+/// completion is the commit, and a failed upload is aborted.
 pub fn upload_parts(
     store: &Store,
     key: &str,
     grid: PartGrid,
     threads: usize,
+    pinned: bool,
     fill: impl Fn(usize, &mut [u8]) -> Result<()> + Sync,
 ) -> Result<Transferred> {
     let sink = MultipartSink::create(store, key, grid)?;
+    let buffers = Buffers::new(grid.part_size.min(grid.total) as usize, pinned);
     each_part(grid.count, threads, |idx| {
         let r = grid.range(idx);
-        let mut buf = vec![0u8; (r.end - r.start) as usize];
-        fill(idx, &mut buf)?;
-        sink.put_part(idx, Bytes::from(buf))
+        let mut buf = buffers.take((r.end - r.start) as usize, true);
+        fill(idx, buf.as_mut_slice())?;
+        sink.put_part(idx, buf.into_bytes())
     })?;
     let version = sink.commit()?;
     Ok(Transferred {
         size: grid.total,
         parts: grid.count,
         version,
+        host_buffers: buffers.kind(),
     })
 }
 
@@ -274,6 +283,7 @@ impl StreamUpload {
             size: self.size,
             parts: self.idx,
             version,
+            host_buffers: None,
         })
     }
 
@@ -316,26 +326,36 @@ pub fn download_file(
     let file = File::create(path).map_err(|e| Error::io("create", Some(path.to_path_buf()), e))?;
     file.set_len(info.size)
         .map_err(|e| Error::io("ftruncate", Some(path.to_path_buf()), e))?;
+    let buffers = Buffers::new(grid.part_size.min(grid.total) as usize, false);
     each_part(grid.count, threads, |idx| {
         let r = grid.range(idx);
-        let mut buf = vec![0u8; (r.end - r.start) as usize];
-        source.read_at(r.start, &mut buf)?;
-        file.write_all_at(&buf, r.start)
+        let mut buf = buffers.take((r.end - r.start) as usize, false);
+        source.read_at(r.start, buf.as_mut_slice())?;
+        file.write_all_at(buf.as_mut_slice(), r.start)
             .map_err(|e| Error::io("write", Some(path.to_path_buf()), e))
     })?;
     Ok(Transferred {
         size: info.size,
         parts: grid.count,
         version: info.version,
+        host_buffers: None,
     })
+}
+
+/// What [`read_segments`] did: each segment's CRC-32 (where asked), and how
+/// device memory's host side ran ([`Transferred::host_buffers`]).
+#[derive(Debug)]
+pub struct SegmentsRead {
+    pub crcs: Vec<Option<u32>>,
+    pub host_buffers: Option<&'static str>,
 }
 
 /// Read `segments` (each at its object offset) of `source` into their memory.
 /// All in host memory: straight from the GETs. Any in device memory: every
-/// segment through [`through_buffer`]'s host slots (device pieces copied up,
-/// host ones copied out), so that a storage's zip header (host) and its data
-/// (device) come in one GET, as neighbouring small tensors do. With `crc`, each
-/// segment's CRC-32, computed where its bytes are in host memory.
+/// segment through [`through_buffer`]'s host slots, page-locked (device pieces
+/// copied up, host ones copied out), so that a storage's zip header (host) and
+/// its data (device) come in one GET, as neighbouring small tensors do. With
+/// `crc`, each segment's CRC-32, computed where its bytes are in host memory.
 ///
 /// # Safety
 /// Every segment's memory must be writable memory of its kind, alive until
@@ -347,9 +367,10 @@ pub unsafe fn read_segments(
     chunk: u64,
     threads: usize,
     crc: bool,
-) -> Result<Vec<Option<u32>>> {
+) -> Result<SegmentsRead> {
     // Per segment: (offset in it, CRC-32, length) of each piece hashed.
     let hashed: Mutex<Vec<Vec<(u64, u32, u64)>>> = Mutex::new(vec![Vec::new(); segments.len()]);
+    let mut host_buffers = None;
     if segments.iter().all(|(_, s)| s.memory == Memory::Host) {
         let mut host: Vec<(u64, &mut [u8])> = segments
             .iter()
@@ -382,11 +403,12 @@ pub unsafe fn read_segments(
         pieces.sort_unstable_by_key(|p| p.0);
         let spans: Vec<(u64, u64)> = pieces.iter().map(|p| (p.0, p.4)).collect();
         let copies = std::cell::RefCell::new(Copies::default());
-        through_buffer(
+        let slots = through_buffer(
             source,
             &spans,
             chunk,
             threads,
+            true,
             |k, bytes| {
                 let (offset, i, memory, addr, n) = pieces[k];
                 match memory {
@@ -411,9 +433,10 @@ pub unsafe fn read_segments(
             },
             || copies.borrow_mut().wait(),
         )?;
+        host_buffers = slots;
     }
     let hashed = hashed.into_inner().unwrap_or_else(|p| p.into_inner());
-    Ok(hashed
+    let crcs = hashed
         .into_iter()
         .map(|mut ps| {
             if !crc {
@@ -426,7 +449,8 @@ pub unsafe fn read_segments(
             }
             Some(h.finalize())
         })
-        .collect())
+        .collect();
+    Ok(SegmentsRead { crcs, host_buffers })
 }
 
 /// Reads `spans` ((object offset, length), in object order, each at most
@@ -437,27 +461,31 @@ pub unsafe fn read_segments(
 /// span's bytes to `each(k, bytes)` (span `k`), then `slot_done()` (called after
 /// an error too) before the slot is reused or freed. No round waits for its
 /// slowest GET: a GET starts as soon as a slot is free. In-flight memory:
-/// 2 x threads x chunk.
+/// 2 x threads x chunk, page-locked where `pinned` (as
+/// [`Transferred::host_buffers`] says, returned).
 pub(super) fn through_buffer(
     source: &ObjectSource,
     spans: &[(u64, u64)],
     chunk: u64,
     threads: usize,
+    pinned: bool,
     mut each: impl FnMut(usize, &[u8]) -> Result<()>,
     mut slot_done: impl FnMut() -> Result<()>,
-) -> Result<()> {
+) -> Result<Option<&'static str>> {
     for &(offset, len) in spans {
         source.check_range(offset, len)?;
     }
     let gets = gets_of(spans, chunk.max(1));
     let Some(most) = gets.iter().map(|g| (g.1 - g.0) as usize).max() else {
-        return Ok(());
+        return Ok(None);
     };
     let threads = threads.max(1);
     let slots = (2 * threads).min(gets.len());
-    let pool: Mutex<Vec<Vec<u8>>> = Mutex::new((0..slots).map(|_| vec![0u8; most]).collect());
+    let buffers = Buffers::new(most, pinned);
+    let pool: Mutex<Vec<Buffer>> =
+        Mutex::new((0..slots).map(|_| buffers.take(most, false)).collect());
     let free = tokio::sync::Semaphore::new(slots);
-    let (full_tx, full_rx) = std::sync::mpsc::channel::<(usize, Vec<u8>, Result<()>)>();
+    let (full_tx, full_rx) = std::sync::mpsc::channel::<(usize, Buffer, Result<()>)>();
     std::thread::scope(|scope| {
         // Closed when the caller leaves (an error too): a reader waiting for a
         // slot then stops, and the scope can join it.
@@ -476,7 +504,7 @@ pub(super) fn through_buffer(
                     permit.forget(); // given back with the slot, by the caller
                     let mut slot = lock(pool).pop()?;
                     let got = source
-                        .get_range_into(g.0, &mut slot[..(g.1 - g.0) as usize])
+                        .get_range_into(g.0, &mut slot.as_mut_slice()[..(g.1 - g.0) as usize])
                         .await;
                     Some((i, slot, got))
                 })
@@ -500,7 +528,8 @@ pub(super) fn through_buffer(
             for k in g.2.clone() {
                 let (offset, len) = spans[k];
                 let from = (offset - g.0) as usize;
-                taken = taken.and_then(|()| each(k, &slot[from..from + len as usize]));
+                let bytes = &slot.as_ref()[from..from + len as usize];
+                taken = taken.and_then(|()| each(k, bytes));
             }
             // Even after an error: what `each` started on the slot ends before it goes.
             let done = slot_done();
@@ -509,7 +538,7 @@ pub(super) fn through_buffer(
             lock(pool).push(slot);
             free.add_permits(1);
         }
-        Ok(())
+        Ok(buffers.kind())
     })
 }
 
@@ -541,6 +570,7 @@ pub fn hash_ranges(
         &flat,
         chunk,
         threads,
+        false,
         |k, bytes| {
             hashers[spans[k].2].update(bytes);
             Ok(())

@@ -697,8 +697,15 @@ def upload_image(
 
 
 def _store_stats(info: dict[str, Any], nbytes: int, threads: int) -> dict[str, Any]:
+    """A store transfer's stats: GPU memory moved through host buffers, pinned
+    ("bounce") unless the pinned-memory cap had no room (``fallback_reason``)."""
+    host = info.pop("host_buffers", None)
     info.update(
         bytes=nbytes, backend="store", direct=False, direct_reason="an object store",
-        threads=threads, device_path="store",
+        threads=threads, device_path=None if host is None else "bounce",
     )  # fmt: skip
+    if host == "pageable":
+        info["fallback_reason"] = (
+            "the pinned-memory cap had no room: GPU memory moved through pageable host buffers"
+        )
     return info
