@@ -2,7 +2,9 @@
 (issue 37): ckptio.load(out=) and ckptio.load_state_dict of the 4 GiB LLM-shaped
 state dict (benchlib.llm_state_dict) from /dev/shm into existing tensors, each
 beside the engine's raw read of the same records (bench_shapes.raw_engine_read)
-in the same rounds, then the top of a cProfile of one load of each.
+in the same rounds, then the steps of load(out=) timed without a profiler (open
+the archive and its pickle, pair with out, plan, read), then the top of a
+cProfile of one load of each.
 
 usage: PYTHONPATH=python python probes/probe_inplace_llm.py [--size 4G]
        [--device cuda] [--rounds 5]
@@ -70,6 +72,10 @@ def main() -> None:
     for name, ts in times.items():
         m = statistics.median(ts)
         print(f"{name:28s} {m * 1e3:7.1f} ms  {nbytes / m / 2**30:5.1f} GiB/s  {raw / m:.2f}x raw")
+    steps = split_steps(path, dests, sync, a.rounds)
+    print("\n## load(out=) by step, no profiler (medians)")
+    for name, ts in steps.items():
+        print(f"{name:28s} {statistics.median(ts) * 1e3:7.1f} ms")
     for name in ("ckptio.load(out=)", "ckptio.load_state_dict"):
         prof = cProfile.Profile()
         sync()
@@ -83,6 +89,36 @@ def main() -> None:
         print("\n".join(s.getvalue().splitlines()[4:32]))
     os.unlink(path)
     os.rmdir(folder)
+
+
+def split_steps(path: str, dests: dict, sync, rounds: int) -> dict[str, list[float]]:
+    """The steps of ckptio.load(path, out=dests) (serialization._load_into),
+    each timed: open (the archive, its pickle, the placeholders), pair (with
+    out), plan (every pair checked and placed), read (the engine's reads)."""
+    from ckptio.formats import torchzip
+    from ckptio.io import memory
+    from ckptio.io.engines import IoOptions
+    from ckptio.loading import inplace
+
+    io_ = IoOptions()
+    steps: dict[str, list[float]] = {k: [] for k in ("open", "pair", "plan", "read", "all")}
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        with memory.gc_paused():
+            src, mapped = torchzip.open_torch(path, lazy=True)
+            t1 = time.perf_counter()
+            _, pairs, _, _ = inplace.pair_structure(src, dests)
+            t2 = time.perf_counter()
+            plan = inplace.plan(pairs, [mapped])
+            t3 = time.perf_counter()
+            inplace.execute(plan, io_)
+            sync()
+            t4 = time.perf_counter()
+        for k, v in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
+            steps[k].append(v)
+        del src, mapped, pairs, plan
+    return steps
 
 
 if __name__ == "__main__":
