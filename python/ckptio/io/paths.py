@@ -37,12 +37,30 @@ def path(f: Any, what: str) -> str:
     raise TypeError(f"ckptio.{what} needs a file path (str or os.PathLike), not {type(f).__name__}")
 
 
+#: File objects whose bytes are their descriptor's (a buffered one over a FileIO).
+_RAW_FILES = (io.BufferedReader, io.BufferedWriter, io.BufferedRandom)
+
+
+def _bytes_are_the_descriptors(f: Any) -> bool:
+    """Whether what ``f`` reads and writes are the bytes of ``f.fileno()``: not a
+    compressing stream over it (gzip, bz2, lzma: fileno() is the compressed
+    file's) nor any other wrapper; a tempfile wrapper is taken as its file."""
+    if type(f).__name__ == "_TemporaryFileWrapper":  # NamedTemporaryFile's
+        f = getattr(f, "file", None)
+    if type(f) is io.FileIO:
+        return True
+    return type(f) in _RAW_FILES and type(f.raw) is io.FileIO
+
+
 def descriptor(f: Any) -> int | None:
     """The descriptor behind a file object where the engine can move its bytes:
-    a regular file, not in append mode, positioned at 0 (torch.save and
-    torch.load place the archive at the start of the stream). None otherwise
-    (BytesIO, pipes, sockets, a stream past its start): then the bytes go
-    through the object itself."""
+    a plain file object (``open(path, "rb")`` and the like, not a compressing
+    stream over one) of a regular file, not in append mode, positioned at 0
+    (torch.save and torch.load place the archive at the start of the stream).
+    None otherwise (BytesIO, gzip, pipes, sockets, a stream past its start):
+    then the bytes go through the object itself."""
+    if not _bytes_are_the_descriptors(f):
+        return None
     try:
         fd = f.fileno()
         if not stat.S_ISREG(os.fstat(fd).st_mode) or f.tell() != 0:
