@@ -302,6 +302,22 @@ def test_every_map_location_form_matches_torch_load(tmp_path, ml):
     same(ckptio.load(p, map_location=ml), torch.load(p, map_location=ml))
 
 
+def test_a_callable_map_location_returns_memory_of_the_process(tmp_path):
+    """``lambda s, loc: s`` once returned views of the load's private mapping of
+    the file: a save over it changed the values, a truncation killed the process
+    with SIGBUS. As torch.load's, the callable's storages are in memory."""
+    p = tmp_path / "c.pt"
+    torch.save({"w": torch.ones(1 << 18)}, p)
+    out = ckptio.load(p, map_location=lambda s, loc: s)
+    with open("/proc/self/maps") as f:
+        assert str(p) not in f.read()  # nothing of the file stays mapped
+    with open(p, "r+b") as f:  # rewritten in place, then cut short
+        f.seek(0)
+        f.write(b"\0" * os.path.getsize(p))
+        f.truncate(100)
+    assert out["w"].sum().item() == 1 << 18
+
+
 class Wrapper(torch.Tensor):
     """A wrapper subclass torch rebuilds with _rebuild_wrapper_subclass (from map_location)."""
 

@@ -804,9 +804,14 @@ class _Restorer:
 
     def __call__(self, storage: torch.UntypedStorage, location: str) -> Any:
         if callable(self.map_location) and not isinstance(self.map_location, torch.device):
-            # A user callable may do anything with the storage; the mapping
-            # holds the real bytes, so its result is right as it is.
-            result = self.map_location(storage, location)
+            # A user callable may do anything with the storage, so it gets what
+            # torch.load without mmap gives it: the bytes in memory of the
+            # process. The mapping's slice itself would stay in what it returns
+            # (``lambda s, loc: s``): changed by a save over the file, SIGBUS
+            # once the file is truncated.
+            own = torch.UntypedStorage(storage.nbytes())
+            own.copy_(storage)
+            result = self.map_location(own, location)
             if result is None:
                 result = torch.serialization.default_restore_location(storage, location)
             return result
