@@ -10,6 +10,7 @@ import threading
 import warnings
 from concurrent.futures import Future
 
+import ckptio
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -402,6 +403,81 @@ def test_reader_reads_stock_checkpoints(tmp_path):
     assert reader.last_stats and reader.last_stats[0]["bytes"] > 0
 
 
+class _Tied(torch.nn.Module):
+    """Tied weights (tie_word_embeddings): two keys, one tensor."""
+
+    def __init__(self, vocab: int = 2048, dim: int = 256) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("vocab", [2048, 64])  # 2 MiB (read straight) and 64 KiB (small)
+def test_reader_loads_tied_weights(tmp_path, verify, vocab):
+    """Two keys of one destination: the engine cannot fill one memory twice in a
+    read; the second goes through a temporary (it failed with an overlap error
+    at 1 MiB and more, at any size with verify=True)."""
+    m = _Tied(vocab)
+    dcp.save({"model": m.state_dict()}, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    for reader in (FileSystemReader(tmp_path, verify=verify), dcp.FileSystemReader(tmp_path)):
+        back = _Tied(vocab)
+        sd = {"model": back.state_dict()}
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+        assert back.head.weight is back.emb.weight
+        assert torch.equal(back.emb.weight, m.emb.weight)
+
+
+def test_reader_casts_to_the_destinations_dtype_as_torchs_does(tmp_path):
+    """torch's reader copy_s each item into its destination, casting: fp32 master
+    weights into a bf16 model load (ckptio raised a FormatError)."""
+    g = torch.Generator().manual_seed(3)
+    sd = {"big": torch.randn(1 << 19, generator=g), "small": torch.randn(4, 4, generator=g)}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    for dtype in (torch.bfloat16, torch.float64, torch.int64):
+        for verify in (False, True):
+            ours = {k: torch.zeros_like(v, dtype=dtype) for k, v in sd.items()}
+            theirs = {k: torch.zeros_like(v, dtype=dtype) for k, v in sd.items()}
+            reader = FileSystemReader(tmp_path, verify=verify)
+            dcp.load(ours, storage_reader=reader, no_dist=True)
+            dcp.load(theirs, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+            for k in sd:
+                assert ours[k].dtype == dtype and torch.equal(ours[k], theirs[k]), (k, dtype)
+
+
+def test_reader_verify_checks_non_tensor_values(tmp_path):
+    """verify=True checks a non-tensor value's archive against its CRC-32s, as a
+    tensor's bytes (a flipped byte in one loaded as another value); a value cut
+    short is a FormatError naming the file and item, with or without verify."""
+    sd = {"w": torch.ones(4), "sched": {"last_epoch": 1000, "name": "cosine"}}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    fresh = lambda: {"w": torch.zeros(4), "sched": {"last_epoch": 0, "name": ""}}  # noqa: E731
+    r = FileSystemReader(tmp_path, verify=True)
+    out = fresh()
+    dcp.load(out, storage_reader=r, no_dist=True)
+    assert out["sched"] == sd["sched"]
+    assert "sched.name" in r.last_stats[0]["verified"], r.last_stats
+    data = next(tmp_path.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[raw.index(b"cosine")] ^= 0x20
+    data.write_bytes(bytes(raw))
+
+    def error(verify: bool) -> BaseException:
+        with pytest.raises(BaseException) as ei:  # DCP's CheckpointException
+            reader = FileSystemReader(tmp_path, verify=verify)
+            dcp.load(fresh(), storage_reader=reader, no_dist=True)
+        e = ei.value
+        return e.failures[0][0] if hasattr(e, "failures") else e
+
+    e = error(True)
+    assert isinstance(e, ckptio.FormatError) and "'sched.name'" in str(e) and "CRC-32" in str(e)
+    os.truncate(data, len(raw) - 100)  # the value (saved last) cut short
+    for verify in (False, True):
+        e = error(verify)
+        assert isinstance(e, ckptio.FormatError) and "the file ends" in str(e), repr(e)
+
+
 def test_writer_options(tmp_path):
     sd = state()
     dcp.save(
@@ -480,14 +556,26 @@ def test_reader_reads_large_items_in_batches_beside_the_small_ones(tmp_path, mon
     # the large items' heads (20 KiB at ckptio's 4 KiB alignment).
     extra = reader.last_stats[0]["bytes"] - sum(t.nbytes for t in sd.values())
     assert 46 * 20 << 10 <= extra < (30 + 46) * 24 << 10
-    # A destination of another dtype in the third batch: a typed error, raised
-    # once the reads in flight are done (their destinations are the engine's).
-    bad = zeros_like(sd)
-    bad["big44"] = torch.zeros(256 * 1024 + 44, dtype=torch.float64)
-    calls.clear()
-    with pytest.raises(BaseException, match="FormatError.*big44.*float64"):
-        dcp.load(bad, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    # An item of the third batch refused: the error raised once the reads in
+    # flight are done (their destinations are the engine's).
+    plan_read = FileSystemReader._plan_read
+
+    def refuse(self, path, req, *args):
+        if req.storage_index.fqn == "big44":
+            raise ckptio.FormatError("big44 refused")
+        return plan_read(self, path, req, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(FileSystemReader, "_plan_read", refuse)
+        calls.clear()
+        with pytest.raises(BaseException, match="FormatError.*big44 refused"):
+            dcp.load(zeros_like(sd), storage_reader=FileSystemReader(tmp_path), no_dist=True)
     assert len(calls) >= 2, calls
+    # One of another dtype there is cast, as torch's reader casts.
+    cast = zeros_like(sd)
+    cast["big44"] = torch.zeros(256 * 1024 + 44, dtype=torch.float64)
+    dcp.load(cast, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(cast["big44"], sd["big44"].double())
     # Heads that differ from the prediction (another writer's layout): the file
     # is read again with every item's zip mapped, and the destinations hold it.
     from ckptio.formats import dcp as dcp_format

@@ -97,11 +97,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptio import _native
-from ckptio.errors import CommitConflictError, FormatError
+from ckptio.errors import CommitConflictError, FormatError, corrupt
 from ckptio.formats import dcp as fmt
 from ckptio.formats import torchzip
 from ckptio.formats.dcp import read_metadata
-from ckptio.io import devices, remote, transfer
+from ckptio.io import devices, memory, remote, transfer
 from ckptio.io.engines import IoOptions
 from ckptio.io.paths import inside, open_regular
 from ckptio.io.units import align_up
@@ -1326,14 +1326,14 @@ class FileSystemReader(_TorchReader):
         # The predicted zip heads of each batch, and the buffer they are read into.
         heads: list[tuple[list[tuple[int, tuple[bytes, tuple[()]]]], torch.Tensor]] = []
         copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        claims = memory.Claims()  # the destinations read into straight
         reads = transfer.Pipeline.of_file(dev_file, engine, verify=self.verify)
         with open_regular(path) as f:
             try:
                 for req in reqs:
                     info: _StorageInfo = self.storage_data[req.storage_index]
                     if req.type == LoadItemType.BYTE_IO:
-                        f.seek(info.offset)
-                        blobs.append((req, f.read(info.length)))
+                        blobs.append((req, self._value_bytes(f, path, req, info)))
                     elif info.length <= fmt.SMALL_ITEM and not self.verify:
                         small.append((req, info))
                     else:
@@ -1355,7 +1355,7 @@ class FileSystemReader(_TorchReader):
                         else:
                             meta, data_off, crc = self._layout(f, path, info)
                         seg = self._plan_read(
-                            path, req, planner, meta, data_off, segments, owners, commits
+                            path, req, planner, meta, data_off, segments, owners, commits, claims
                         )
                         if self.verify and seg is not None:
                             checks.append((seg, crc, req, info.offset))
@@ -1384,6 +1384,9 @@ class FileSystemReader(_TorchReader):
         if self.verify:
             named = [(i, stored, req.storage_index.fqn, at) for i, stored, req, at in checks]
             stats = dict(stats, **_checked_items(path, named, stats.pop("crc32", [])))
+            for req, blob in blobs:  # checked by _value_bytes, or none stored
+                zipped = blob.startswith(b"PK\x03\x04")
+                stats["verified" if zipped else "unchecked"].append(req.storage_index.fqn)
         self.last_stats.append(dict(stats, path=path))
         for req, blob in blobs:
             planner.load_bytes(req, io.BytesIO(blob))
@@ -1399,6 +1402,27 @@ class FileSystemReader(_TorchReader):
                 kept[id(req)] = target
         _commit(planner, commits, kept)
 
+    def _value_bytes(self, f: io.BufferedReader, path: str, req: Any, info: _StorageInfo) -> bytes:
+        """A non-tensor value's bytes (a torch.save archive, as torch's planners
+        save them, or a BytesIO's bytes as saved), whole; with verify=True an
+        archive's records checked against their CRC-32s, as a tensor's are. A
+        FormatError naming the file and item otherwise."""
+        f.seek(info.offset)
+        blob = f.read(info.length)
+        name = req.storage_index.fqn
+        if len(blob) != info.length:
+            raise corrupt(
+                f"{path}, item {name!r}",
+                f"{info.length} bytes at offset {info.offset}, the file ends after {len(blob)}",
+            )
+        if self.verify and blob.startswith(b"PK\x03\x04"):
+            item = _native.Reader(path, self._io.direct, None, info.offset, info.length)
+            try:
+                item.verify(self._io.engine(), None, True)
+            except FormatError as e:
+                raise FormatError(f"item {name!r}: {e}") from e
+        return blob
+
     def _plan_read(
         self,
         path: str,
@@ -1409,11 +1433,14 @@ class FileSystemReader(_TorchReader):
         segments: list[tuple[int, int, int, int]],
         owners: list[torch.Tensor],
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]],
+        claims: memory.Claims,
     ) -> int | None:
         """The engine's read of one item into its destination (or a temporary
-        on the destination's device, for a strided request, or a partial one
-        when verifying: a CRC-32 covers the whole storage). Returns the index
-        of the segment added, None for an empty request."""
+        on the destination's device, for a strided request, one of another
+        dtype (cast by the copy), one whose memory another read of the file
+        fills (tied weights: ``claims``), or a partial one when verifying: a
+        CRC-32 covers the whole storage). Returns the index of the segment
+        added, None for an empty request."""
         target = planner.resolve_tensor(req).detach()
         src = _checked(
             path, req, narrow_tensor_by_index(meta, req.storage_offsets, req.lengths), target
@@ -1426,7 +1453,14 @@ class FileSystemReader(_TorchReader):
         whole = src.storage_offset() == 0 and target.numel() * isz == nbytes
         dev = devices.device_code(target.untyped_storage(), f"destination of {req.storage_index}")
         plain = not (src.is_conj() or src.is_neg())  # else the bits apply at the copy
-        if plain and src.is_contiguous() and target.is_contiguous() and (whole or not self.verify):
+        straight = (
+            plain
+            and src.dtype == target.dtype  # else copy_ casts, as torch's reader does
+            and src.is_contiguous()
+            and target.is_contiguous()
+            and (whole or not self.verify)
+        )
+        if straight and claims.claim(dev, target.data_ptr(), target.numel() * isz):
             # Straight into the destination.
             start = data_off + src.storage_offset() * isz
             segments.append((start, target.data_ptr(), target.numel() * isz, dev))
@@ -1688,30 +1722,34 @@ def _received(
         return sharing.Piece(None, i, nbytes, cpu, None, finish, splittable=False, owner=owner)
     targets = [planner.resolve_tensor(r).detach() for r in reqs]
     t = targets[0]
+    stored = dtype or t.dtype
     for r, x in zip(reqs, targets, strict=True):
-        if tuple(x.shape) != tuple(r.lengths) or x.dtype != dtype:
+        if tuple(x.shape) != tuple(r.lengths):
             raise FormatError(
-                f"item {r.storage_index.fqn!r} is {dtype} of shape {tuple(r.lengths)}, "
-                f"the destination {x.dtype} of shape {tuple(x.shape)}"
+                f"item {r.storage_index.fqn!r} has shape {tuple(r.lengths)}, "
+                f"the destination {tuple(x.shape)}"
             )
+    straight = t.is_contiguous() and t.dtype == stored  # else copy_ casts, as torch's does
 
     def done() -> None:
         for r, x in zip(reqs, targets, strict=True):
-            if x is not t:
+            if straight and x is not t:
                 x.copy_(t)
             planner.commit_tensor(r, x)
 
     if not nbytes:
         done()
         return sharing.Piece(None, i, 0, t.device, splittable=False, owner=owner)
-    if t.is_contiguous():
+    if straight:
         target = sharing.as_bytes(t, t.data_ptr(), nbytes)
         return sharing.Piece(
             None, i, nbytes, t.device, target, splittable=False, owner=owner, done=done
         )
 
     def finish_t(mem: torch.Tensor) -> None:
-        t.copy_(mem.view(t.dtype).view(t.shape))
+        view = mem.view(stored).view(t.shape)
+        for x in targets:  # each from the stored values (not cast twice)
+            x.copy_(view)
 
     return sharing.Piece(
         None, i, nbytes, t.device, None, finish_t, splittable=False, owner=owner, done=done
@@ -1720,15 +1758,12 @@ def _received(
 
 def _checked(path: str, req: Any, src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``src`` (the requested slice of a saved tensor), refused where it does
-    not fit ``target``."""
+    not fit ``target``'s shape; another dtype is cast by the copy into it, as
+    torch's reader's ``copy_`` casts."""
     if tuple(target.shape) != tuple(src.shape):
         raise FormatError(
             f"{path}: item {req.storage_index} has shape {tuple(src.shape)}, "
             f"the destination {tuple(target.shape)}"
-        )
-    if target.dtype != src.dtype:
-        raise FormatError(
-            f"{path}: item {req.storage_index} is {src.dtype}, the destination {target.dtype}"
         )
     return src
 

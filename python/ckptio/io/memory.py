@@ -15,6 +15,7 @@ does. ``CKPTIO_HUGE_PAGES=0`` turns the advice off (4 KiB pages, as before).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import gc
@@ -170,3 +171,26 @@ def extent(t: torch.Tensor) -> tuple[int, int]:
         return t.data_ptr(), t.data_ptr()
     span = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1
     return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+class Claims:
+    """Spans of memory claimed by reads so far, none overlapping another: a read
+    straight into a destination claims its bytes; one whose bytes another read
+    claimed (tied weights: two keys, one tensor) goes through a temporary and a
+    copy instead, since two reads of one call cannot fill the same memory."""
+
+    def __init__(self) -> None:
+        self._starts: dict[int, list[int]] = {}  # per device code, sorted
+        self._ends: dict[int, list[int]] = {}
+
+    def claim(self, device: int, lo: int, nbytes: int) -> bool:
+        """Claim ``[lo, lo + nbytes)`` of ``device`` (a device code) if free."""
+        starts = self._starts.setdefault(device, [])
+        ends = self._ends.setdefault(device, [])
+        hi = lo + nbytes
+        i = bisect.bisect_right(starts, lo)
+        if (i and ends[i - 1] > lo) or (i < len(starts) and starts[i] < hi):
+            return False
+        starts.insert(i, lo)
+        ends.insert(i, hi)
+        return True
