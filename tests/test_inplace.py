@@ -1601,3 +1601,23 @@ def test_nothing_is_copied_where_user_code_keeps_no_tensor(tmp_path, monkeypatch
     with pytest.raises(ckptio.KeyMismatchError):
         ckptio.load_state_dict(hooked, tmp_path / "d.pt")
     assert detached == []
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_an_expanded_destination_is_refused_before_anything_is_written(tmp_path, fmt):
+    """A destination whose elements share memory (stride 0): torch's copy_ refuses
+    it midway, so the check found nothing and the other destinations were
+    written before the PartialLoadError; now a DestinationError up front."""
+    sd = {"a": torch.arange(4.0), "b": torch.arange(4.0) + 10}
+    p = tmp_path / f"c.{fmt}"
+    if fmt == "torch":
+        ckptio.save(sd, p)
+        load = lambda out: ckptio.load(p, out=out)  # noqa: E731
+    else:
+        ckptio.safetensors.save_file(sd, p)
+        load = lambda out: ckptio.safetensors.load_file(p, out=out)  # noqa: E731
+    out = {"a": torch.zeros(1).expand(4), "b": torch.zeros(4)}
+    with pytest.raises(ckptio.DestinationError, match="'a'.*share memory") as ei:
+        load(out)
+    assert not ei.value.partial and "no destination was written" in str(ei.value)
+    assert torch.equal(out["b"], torch.zeros(4))

@@ -421,6 +421,14 @@ def _check(key: str, src: torch.Tensor, dest: Any, cast: bool, exact_shape: bool
         return ("destination", key, f"{key!r}: {lay} tensors are not loaded in place")
     if dest.is_meta:
         return ("destination", key, f"{key!r}: the destination is on the meta device")
+    if any(st == 0 and n > 1 for n, st in zip(dest.shape, dest.stride(), strict=True)):
+        # torch's copy_ refuses it midway (after the other destinations were written)
+        return (
+            "destination",
+            key,
+            f"{key!r}: elements of the destination share memory (an expanded tensor), "
+            "which a copy cannot write",
+        )
     if dest.is_inference() and not torch.is_inference_mode_enabled():
         return (
             "destination",
