@@ -6,6 +6,7 @@ state) compared with torch's own load_state_dict; peak RSS."""
 import io
 import mmap
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -1621,3 +1622,28 @@ def test_an_expanded_destination_is_refused_before_anything_is_written(tmp_path,
         load(out)
     assert not ei.value.partial and "no destination was written" in str(ei.value)
     assert torch.equal(out["b"], torch.zeros(4))
+
+
+class _Config:
+    """A user class in a checkpoint: weights_only refuses it."""
+
+    def __init__(self) -> None:
+        self.lr = 0.1
+
+
+def test_load_state_dict_resolves_weights_only_as_torch_load(tmp_path, monkeypatch):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD applies where the caller did not choose, as
+    for torch.load and ckptio.load (load_state_dict hard-coded True)."""
+    m = torch.nn.Linear(3, 2)
+    p = tmp_path / "c.pt"
+    torch.save({"model": m.state_dict(), "cfg": _Config()}, p)
+    back = torch.nn.Linear(3, 2)
+    with pytest.raises(pickle.UnpicklingError):
+        ckptio.load_state_dict(back, p, key="model")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.warns(UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD") as got:
+        ckptio.load_state_dict(back, p, key="model")
+    assert got[0].filename == __file__  # the warning points at the caller
+    assert torch.equal(back.weight, m.weight)
+    with pytest.raises(pickle.UnpicklingError):  # the caller's choice wins
+        ckptio.load_state_dict(back, p, key="model", weights_only=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import pickle
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -396,13 +395,13 @@ def load(
     if remote.is_url(f) and out is not None and not (pickle_load_args or mmap):
         inplace.check_flags(strict=strict, cast=cast, verify=verify)
         if map_location is None and pickle_module is None:
-            resolve_weights_only(weights_only, pickle_module)
+            torchzip.resolve_weights_only(weights_only, pickle_module)
             got = _load_into_remote(os.fsdecode(os.fspath(f)), out, storage_options, verify)
             if got is not _NOT_STRAIGHT:
                 return got
     straight = _straight_from_store(map_location, pickle_module, mmap, out)
     if remote.is_url(f) and straight and not pickle_load_args:
-        resolve_weights_only(weights_only, pickle_module)
+        torchzip.resolve_weights_only(weights_only, pickle_module)
         obj = _load_remote(os.fsdecode(os.fspath(f)), map_location, storage_options, verify)
         if obj is not _NOT_STRAIGHT:
             return obj
@@ -419,7 +418,7 @@ def load(
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be a bool, not {type(verify).__name__}")
     paths.file_like(f, "load", "read")
-    weights_only = resolve_weights_only(weights_only, pickle_module)
+    weights_only = torchzip.resolve_weights_only(weights_only, pickle_module)
     torch_kw: dict[str, Any] = dict(
         pickle_module=pickle_module, weights_only=weights_only, **pickle_load_args
     )
@@ -584,40 +583,6 @@ def _opened(path: str, shown: str, io: IoOptions) -> tuple[torchzip.Archive | No
     if not torchzip.native_byteorder(archive):
         return archive, "byte-swapped storages"
     return archive, None
-
-
-_TRUE = ("1", "y", "yes", "true")
-
-
-def resolve_weights_only(weights_only: bool | None, pickle_module: Any) -> bool:
-    """``weights_only`` as torch.load resolves it, decided once per load: its
-    default (True unless a ``pickle_module`` is given), then the environment
-    (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` always wins; ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
-    only where the caller did not choose), with torch's errors and warning."""
-    unset = weights_only is None
-    if unset:
-        weights_only = torch.serialization._default_to_weights_only(pickle_module)
-    force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
-    force_no = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
-    if force and force_no:
-        raise RuntimeError(
-            "Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` "
-            "should be set, but both were set."
-        )
-    if force:
-        weights_only = True
-    elif force_no and unset:
-        warnings.warn(
-            "Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected, since the"
-            "`weights_only` argument was not explicitly passed to `torch.load`, forcing "
-            "weights_only=False.",
-            UserWarning,
-            stacklevel=4,  # the caller of ckptio.load (through its group wrapper)
-        )
-        weights_only = False
-    if weights_only and pickle_module is not None:
-        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
-    return bool(weights_only)
 
 
 # --------------------------------------------------------------------------- load: executors

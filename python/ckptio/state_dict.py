@@ -937,7 +937,7 @@ def load_state_dict(
     strict: bool = True,
     cast: bool = False,
     key: Any = None,
-    weights_only: bool = True,
+    weights_only: bool | None = None,
     threads: int | None = None,
     chunk_size: int | None = None,
     direct: bool | str | None = None,
@@ -978,6 +978,9 @@ def load_state_dict(
     it); else (an optimizer, a cast, a mismatch to report) from a local
     scratch copy.
     """
+    # As ckptio.load's (TORCH_FORCE_*_WEIGHTS_ONLY_LOAD too); the warning points
+    # past the group and gc wrappers at the caller.
+    weights_only = torchzip.resolve_weights_only(weights_only, None, stacklevel=5)
     if remote.is_url(f) or storage_options is not None:
         remote.check_options(f, storage_options)
         check_flags(strict=strict, cast=cast, verify=verify)

@@ -38,6 +38,7 @@ import secrets
 import sys
 import threading
 import types
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
@@ -1126,3 +1127,40 @@ def _record_infos(archive: Records, meta: Any, crcs: dict[str, int | None]) -> l
         )
         for name, off, size in archive.records
     ]
+
+
+_TRUE = ("1", "y", "yes", "true")
+
+
+def resolve_weights_only(
+    weights_only: bool | None, pickle_module: Any, stacklevel: int = 4
+) -> bool:
+    """``weights_only`` as torch.load resolves it, decided once per load: its
+    default (True unless a ``pickle_module`` is given), then the environment
+    (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` always wins; ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+    only where the caller did not choose), with torch's errors and warning
+    (``stacklevel``: the warning's, pointing at the caller of the public call)."""
+    unset = weights_only is None
+    if unset:
+        weights_only = torch.serialization._default_to_weights_only(pickle_module)
+    force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    force_no = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    if force and force_no:
+        raise RuntimeError(
+            "Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` "
+            "should be set, but both were set."
+        )
+    if force:
+        weights_only = True
+    elif force_no and unset:
+        warnings.warn(
+            "Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected, since the"
+            "`weights_only` argument was not explicitly passed to `torch.load`, forcing "
+            "weights_only=False.",
+            UserWarning,
+            stacklevel=stacklevel,  # the caller of ckptio.load (through its group wrapper)
+        )
+        weights_only = False
+    if weights_only and pickle_module is not None:
+        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
+    return bool(weights_only)
