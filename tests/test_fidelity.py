@@ -486,3 +486,22 @@ def test_save_into_a_pipe(tmp_path):
     reader.join(30)
     os.close(r)
     assert torch.equal(torch.load(io.BytesIO(bytes(got)))["a"], torch.arange(5))
+
+
+def test_a_bad_map_location_is_the_callers_error_not_a_damaged_file(tmp_path):
+    """torch.load's classes for a map_location it cannot take (TypeError for a
+    dict of non-strings, RuntimeError for a device it cannot restore to), not a
+    FormatError blaming the checkpoint."""
+    p = tmp_path / "c.pt"
+    ckptio.save(sample(), p)
+    for ml in ({"cpu": torch.device("cpu")}, {"cpu": 3}):
+        with pytest.raises(TypeError):
+            torch.load(p, map_location=ml)
+        with pytest.raises(TypeError, match="map_location"):
+            ckptio.load(p, map_location=ml)
+    for ml in ("xla", {"cpu": "mps"}):
+        with pytest.raises(RuntimeError):
+            torch.load(p, map_location=ml)
+        with pytest.raises(ckptio.LocationError, match="map_location") as ei:
+            ckptio.load(p, map_location=ml)
+        assert not isinstance(ei.value, ckptio.FormatError)

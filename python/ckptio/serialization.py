@@ -28,7 +28,7 @@ from torch.utils.serialization import config as _torch_config
 
 from ckptio import _native
 from ckptio import safetensors as _safetensors
-from ckptio.errors import FormatError, corrupt
+from ckptio.errors import FormatError, LocationError, corrupt
 from ckptio.formats import detect, torchzip
 from ckptio.formats.torchzip import RecordInfo as RecordInfo
 from ckptio.formats.torchzip import TensorInfo as TensorInfo
@@ -647,6 +647,13 @@ def _load_archive(
             "map_location must be None, a str, a torch.device, a dict or a callable, "
             f"not {type(map_location).__name__}"
         )
+    if isinstance(map_location, dict):
+        bad = next((v for v in map_location.values() if not isinstance(v, str)), None)
+        if bad is not None:  # torch.load's TypeError, before anything is read
+            raise TypeError(
+                "map_location: a dict maps location strings to location strings, "
+                f"not to {type(bad).__name__} ({bad!r})"
+            )
     shown = archive.path
     data_prefix = f"{archive.prefix}/data/"
     unchecked: list[str] = []
@@ -783,7 +790,16 @@ class _Restorer:
         dev = devices.fill_device(self.map_location, location)
         if dev is None:  # not ours to fill: torch copies from the mapping (or raises)
             loc = devices.relocated(self.map_location, location)
-            return torch.serialization.default_restore_location(storage, loc)
+            try:
+                return torch.serialization.default_restore_location(storage, loc)
+            except RuntimeError as e:
+                if loc == location:  # a tag of the file's: unpickling() types it
+                    raise
+                # The caller's map_location names a device torch cannot restore
+                # to: torch's RuntimeError, not a damaged checkpoint.
+                raise LocationError(
+                    f"{e} (map_location {self.map_location!r}, while loading {self.path})"
+                ) from e
         if storage.nbytes() and storage.nbytes() not in self.record_sizes:
             # The pickle declares a storage no record holds (torch cuts the
             # mapped slice at the end of the file): refuse before allocating it.
