@@ -505,3 +505,34 @@ def test_a_bad_map_location_is_the_callers_error_not_a_damaged_file(tmp_path):
         with pytest.raises(ckptio.LocationError, match="map_location") as ei:
             ckptio.load(p, map_location=ml)
         assert not isinstance(ei.value, ckptio.FormatError)
+
+
+def test_records_of_equal_sizes_are_told_apart_on_torchs_path(tmp_path):
+    """A pickle torch.load decodes (a set in it) whose storage is record data/1,
+    beside an unreferenced data/0 of the same size: the storage's offset came
+    from sizes alone, and data/0's bytes were loaded."""
+
+    class Pickler(pickle.Pickler):  # torch.save's pickling, the storage under key "1"
+        def persistent_id(self, o):
+            if isinstance(o, torch.storage.TypedStorage):
+                return ("storage", torch.FloatStorage, "1", "cpu", o._size())
+            return None
+
+    buf = io.BytesIO()
+    Pickler(buf, 2).dump({"w": torch.zeros(4), "s": {1, 2}})
+    p = tmp_path / "x.pt"
+    w = torch._C.PyTorchFileWriter(str(p))
+    records = [
+        ("data.pkl", buf.getvalue()),
+        ("byteorder", b"little"),
+        ("data/0", torch.full((4,), 7.0).numpy().tobytes()),
+        ("data/1", torch.full((4,), 1.0).numpy().tobytes()),
+        ("version", b"3\n"),
+    ]
+    for name, data in records:
+        w.write_record(name, data, len(data))
+    w.write_end_of_file()
+    del w
+    ref = torch.load(p, weights_only=False)["w"]
+    assert torch.equal(ref, torch.ones(4))
+    assert torch.equal(ckptio.load(p, weights_only=False)["w"], ref)

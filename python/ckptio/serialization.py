@@ -773,6 +773,10 @@ class _Restorer:
         self.sizes = sizes if one_device else None
         self.record_sizes = set(sizes)
         self.reserved: set[torch.device] = set()
+        # A slice of torch's mapping of the file: while it lives, the mapping
+        # says where the file starts (torchzip.file_offsets, where sizes alone
+        # leave several starts possible).
+        self.anchor: torch.UntypedStorage | None = None
 
     def __call__(self, storage: torch.UntypedStorage, location: str) -> Any:
         if callable(self.map_location) and not isinstance(self.map_location, torch.device):
@@ -813,6 +817,8 @@ class _Restorer:
             memory.reserve_cuda(dev, self.sizes)
         dest = memory.empty_storage(storage.nbytes(), dev)
         self.pending.append((storage.data_ptr(), storage.nbytes(), dest))
+        if self.anchor is None:  # keeps torch's mapping, never read, until segments()
+            self.anchor = storage
         return dest
 
     def segments(
@@ -820,6 +826,7 @@ class _Restorer:
     ) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage]]:
         """The engine's reads for the storages torch.load handed over, and their owners."""
         offsets = torchzip.file_offsets(self.pending, data, self.path)
+        self.anchor = None
         segments, owners = [], []
         for off, (_, n, dest) in zip(offsets, self.pending, strict=True):
             if dest.nbytes() != n:

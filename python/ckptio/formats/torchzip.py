@@ -712,13 +712,34 @@ def file_offsets(
     if not sized:
         return [0] * len(pending)
     p0, n0 = sized[0]
-    for off, size in sorted(data.items()):
-        if size != n0:
-            continue
-        base = p0 - off
-        if all(data.get(p - base) == n for p, n in sized):
-            return [p - base for p, _, _ in pending]
-    raise corrupt(path, "storages in the pickle do not match the archive's records")
+    bases = [
+        p0 - off
+        for off, size in sorted(data.items())
+        if size == n0 and all(data.get(p - (p0 - off)) == n for p, n in sized)
+    ]
+    if len(bases) > 1:
+        # Records of the same sizes at other offsets (extra records a writer
+        # other than torch left): the mapping itself says where it starts.
+        mapped = _mapping_base(p0)
+        bases = [b for b in bases if b == mapped]
+    if not bases:
+        raise corrupt(path, "storages in the pickle do not match the archive's records")
+    return [p - bases[0] for p, _, _ in pending]
+
+
+def _mapping_base(address: int) -> int | None:
+    """The address where file offset 0 of the file mapping holding ``address``
+    would be (/proc/self/maps); None where it cannot be read."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, _, offset = line.split(None, 3)[:3]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                if lo <= address < hi:
+                    return lo - int(offset, 16)
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 #: Names in a pickle whose rebuild reads tensor values while the pickle is
