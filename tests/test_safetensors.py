@@ -15,6 +15,7 @@ from ckptio.io.units import parse_size
 from ckptio.tools import bench
 
 st = pytest.importorskip("safetensors.torch")
+PeerError = pytest.importorskip("safetensors").SafetensorError
 
 DTYPES = [d for d in cst.DTYPES.values()]
 
@@ -195,6 +196,23 @@ def test_refused_tensors(tmp_path, tensors, exc, match):
     assert p.read_bytes() == before and temps(tmp_path) == []
 
 
+def test_fake_tensors_are_refused_naming_the_key(tmp_path):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake, empty = torch.zeros(4), torch.zeros(0)
+    p = tmp_path / "x.safetensors"
+    with pytest.raises(PeerError):  # the package refuses it too
+        st.save_file({"w": fake}, tmp_path / "ref.safetensors")
+    for save in (lambda sd: cst.save_file(sd, p), cst.save):
+        with pytest.raises(cst.SafetensorError, match="tensor 'w' is a FakeTensor"):
+            save({"ok": torch.ones(1), "w": fake})
+    assert not p.exists() and temps(tmp_path) == []
+    # Nothing to read in an empty one: saved, as the package saves it.
+    cst.save_file({"w": empty}, p)
+    assert cst.load_file(p)["w"].shape == (0,)
+
+
 def test_shared_tensors_are_refused_like_the_package(tmp_path):
     w = torch.randn(4, 4)
     sd = {"a": w, "b": w, "c": w[1], "d": torch.zeros(1)}
@@ -309,6 +327,67 @@ def test_bad_file_is_formaterror_naming_file_and_tensor(tmp_path, case):
             st.load_file(p)
 
 
+def _with_field(value: bytes, key: bytes = b'"x"') -> bytes:
+    """A good file whose tensor has an unknown field ``"y": value`` (both
+    readers skip such fields, after reading them as JSON)."""
+    head = b"{" + key + b':{"dtype":"F32","shape":[2],"data_offsets":[0,8],"y":' + value + b"}}"
+    return _file(head, bytes(8))
+
+
+#: JSON that serde_json (safetensors' reader) refuses, and Python's json or a
+#: loose reader would take: (file, what the error says).
+NOT_JSON = {
+    "escape with a sign": (_with_field(b"0", b'"\\u+041"'), "not valid JSON"),
+    "escape with a space": (_with_field(b"0", b'"\\u 041"'), "not valid JSON"),
+    "lone high surrogate": (_with_field(b'"\\ud800"'), "lone surrogate"),
+    "lone low surrogate": (_with_field(b'"\\udc00"'), "lone surrogate"),
+    "high surrogate then no low": (_with_field(b'"\\ud800\\u0041"'), "lone surrogate"),
+    "lone surrogate in a key": (_with_field(b"0", b'"\\ud800"'), "lone surrogate"),
+    "lone surrogate in metadata": (
+        _file(
+            b'{"__metadata__":{"k":"\\ud800"},"x":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}'
+        ),
+        "lone surrogate",
+    ),
+    **{
+        f"number {v}": (_with_field(v.encode()), "not valid JSON")
+        for v in ["+1", ".5", "1.", "+.5e-3", "01", "-", "1e", "1e+", "0x1", "NaN", "Infinity"]
+        + ["-Infinity", "1E400", "-1e400"]
+    },
+    "integer past f64": (_with_field(b"1" + b"0" * 400), "out of range"),
+    # 128 levels, with the file's object and the tensor's (serde_json's limit).
+    "nested 128 deep": (_with_field(b"[" * 126 + b"]" * 126), "nested too deeply"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_JSON))
+def test_header_json_is_read_as_safetensors_reads_it(tmp_path, case):
+    # Both readers (the native one of load_file, the Python one it falls back
+    # to and load uses) refuse what safetensors refuses, as a malformed header.
+    data, match = NOT_JSON[case]
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(data)
+    with pytest.raises(Exception):  # noqa: B017 - the package refuses it (its own type)
+        st.load_file(p)
+    with pytest.raises(cst.SafetensorError, match=re.escape(match)) as e:
+        cst.load_file(p)
+    assert str(p) in str(e.value)
+    with pytest.raises(cst.SafetensorError, match=re.escape(match)):
+        cst.load(data)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"-1.5e3", b"1E+5", b"-0", b"0.0", b"1e-400", b"18446744073709551616", b"[]", b"null"]
+    + [b'"\\ud83d\\ude00"', b'"\\u00e9"', b"[" * 125 + b"]" * 125],  # 127 levels in all
+)
+def test_header_json_that_safetensors_reads_is_read(tmp_path, value):
+    p = tmp_path / "ok.safetensors"
+    p.write_bytes(_with_field(value))
+    assert list(st.load_file(p)) == ["x"]
+    assert list(cst.load_file(p)) == ["x"] and list(cst.load(p.read_bytes())) == ["x"]
+
+
 def test_good_hand_made_file_loads(tmp_path):
     p = tmp_path / "good.safetensors"
     p.write_bytes(_file(GOOD, struct.pack("<2f", 1.5, -2.0)))
@@ -323,6 +402,27 @@ def test_missing_file_and_bad_device(tmp_path):
     cst.save_file({"a": torch.zeros(1)}, p)
     with pytest.raises(TypeError, match="device"):
         cst.load_file(p, device=1.5)
+
+
+def test_device_none_and_invalid_devices_as_the_package(tmp_path):
+    p = tmp_path / "x.safetensors"
+    cst.save_file({"a": torch.ones(2)}, p)
+    # None: the host, as safetensors loads it.
+    assert st.load_file(p, device=None)["a"].device.type == "cpu"
+    got = cst.load_file(p, device=None)
+    assert got["a"].device.type == "cpu" and torch.equal(got["a"], torch.ones(2))
+    out = {"a": torch.zeros(2)}
+    assert cst.load_file(p, None, out=out)["a"] is out["a"] and torch.equal(out["a"], torch.ones(2))
+    cst.save_sharded({"a": torch.ones(2)}, tmp_path / "s")
+    assert cst.load_sharded(tmp_path / "s", device=None)["a"].device.type == "cpu"
+    # A device safetensors does not know: its SafetensorError, worded as it words it.
+    for bad in ["CPU", "bogus", -1]:
+        with pytest.raises(PeerError, match=f"device {bad} is invalid"):
+            st.load_file(p, device=bad)
+        with pytest.raises(cst.SafetensorError, match=f"^device {bad} is invalid$"):
+            cst.load_file(p, device=bad)
+        with pytest.raises(PeerError, match=f"device {bad} is invalid"):
+            cst.load_sharded(tmp_path / "s", device=bad)
     with pytest.raises(TypeError, match="file path"):
         cst.save_file({}, open(p, "rb"))  # noqa: SIM115
 
@@ -408,16 +508,24 @@ def test_sharded_index_inconsistent_with_shards_is_formaterror(tmp_path):
 
 @pytest.mark.parametrize(
     "size, n",
-    [(5, 5), ("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("4GiB", 4 << 30), ("1.5KB", 1500)],
+    [(5, 5), ("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("4GiB", 4 << 30), ("1.5KB", 1500)]
+    + [("1.5G", 3 << 29), ("1.1G", 1181116006), ("7", 7), ("7.0", 7), ("7B", 7), ("0.5K", 512)],
 )
 def test_shard_size_parsing(size, n):
     assert parse_size(size, "max_shard_size") == n
 
 
-@pytest.mark.parametrize("size", ["", "GB", "5XB", 0, -1, "5iB"])
+@pytest.mark.parametrize("size", ["", "GB", "5XB", 0, -1, "5iB", "0.5", "1.5", "1.5B", "0.9b"])
 def test_bad_shard_size(size):
     with pytest.raises(ValueError):
         parse_size(size, "max_shard_size")
+
+
+def test_a_fractional_number_of_bytes_is_refused(tmp_path):
+    for size in ("1.5", "0.5", "2.5B"):
+        with pytest.raises(ValueError, match=f"max_shard_size '{size}' is a fractional number"):
+            cst.save_sharded({"a": torch.ones(2)}, tmp_path / "s", max_shard_size=size)
+    assert not (tmp_path / "s").exists() or not os.listdir(tmp_path / "s")
 
 
 # --------------------------------------------------------------------------- GPU

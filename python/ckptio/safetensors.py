@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 
-Device = str | int | torch.device
+Device = str | int | torch.device | None  # None: the host, as safetensors takes it
 
 
 #: safetensors' own values of load_file's ``backend``.
@@ -217,9 +217,19 @@ def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
 
 def _devices(device: Device) -> tuple[torch.device, torch.device | None]:
     """(the requested device, the device the engine fills: it, or cpu to copy from)."""
+    if device is None:  # safetensors loads to the host
+        device = "cpu"
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(f"device must be a str, int or torch.device, not {type(device).__name__}")
-    want = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    try:
+        if isinstance(device, int):
+            if device < 0:
+                raise ValueError(device)
+            want = torch.device("cuda", device)
+        else:
+            want = torch.device(device)
+    except (RuntimeError, ValueError):  # as safetensors words it
+        raise SafetensorError(f"device {device} is invalid") from None
     fill = devices.engine_device(str(want))
     return want, fill
 
@@ -326,7 +336,7 @@ def load_file(
         url = os.fsdecode(os.fspath(filename))
         if out is None:  # straight into new tensors (once per group, where there is one)
             return _load_file_remote(url, device, storage_options)
-        if device == "cpu" and isinstance(strict, bool) and isinstance(cast, bool):
+        if device in ("cpu", None) and isinstance(strict, bool) and isinstance(cast, bool):
             got = _load_into_remote(url, [url], out, storage_options)
             if got is not None:
                 return got
@@ -766,7 +776,7 @@ def load_sharded(
         url = os.fsdecode(os.fspath(index_path_or_folder))
         if out is None:  # straight (once per group, where there is one)
             return _load_sharded_remote(url, device, storage_options)
-        if device == "cpu" and isinstance(strict, bool) and isinstance(cast, bool):
+        if device in ("cpu", None) and isinstance(strict, bool) and isinstance(cast, bool):
             base, _, _, wm, files = fmt.stored_shards(url, storage_options)
             shards = [remote.join(base, f) for f in files]
             got = _load_into_remote(url, shards, out, storage_options, wm)
@@ -841,7 +851,7 @@ def _load_into(
     """load_file / load_sharded with ``out``: the files' tensors read into ``out``'s."""
     if not isinstance(out, Mapping):
         raise TypeError(f"out must be a dict of name -> tensor, not {type(out).__name__}")
-    if device != "cpu":
+    if device is not None and device != "cpu":
         raise TypeError("out= and device= cannot be combined: the destinations decide")
     inplace.check_flags(strict=strict, cast=cast)
     opened = [fmt.open_file(p, direct=io.direct, backend=io.backend) for p in shards]

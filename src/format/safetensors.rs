@@ -55,10 +55,55 @@ impl Json<'_> {
         self.s.get(self.i).copied()
     }
 
+    /// The 4 hex digits of a `\u` escape: exactly 4, nothing else
+    /// (`u32::from_str_radix` alone would take a sign: `\u+041`).
     fn hex4(&mut self) -> Option<u32> {
         let h = self.s.get(self.i..self.i + 4)?;
+        if !h.iter().all(u8::is_ascii_hexdigit) {
+            return None;
+        }
         self.i += 4;
-        u32::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok()
+        h.iter()
+            .try_fold(0, |acc, &c| Some(acc * 16 + char::from(c).to_digit(16)?))
+    }
+
+    /// A number exactly as JSON (RFC 8259) writes it:
+    /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`, and finite as an f64
+    /// (serde_json, which safetensors reads headers with, refuses `1e400`).
+    fn number(&mut self) -> Option<()> {
+        self.ws();
+        let start = self.i;
+        let digits = |j: &mut Self| {
+            let at = j.i;
+            while j.s.get(j.i).is_some_and(u8::is_ascii_digit) {
+                j.i += 1;
+            }
+            (j.i > at).then_some(())
+        };
+        if self.s.get(self.i) == Some(&b'-') {
+            self.i += 1;
+        }
+        match self.s.get(self.i)? {
+            b'0' => self.i += 1,
+            b'1'..=b'9' => digits(self)?,
+            _ => return None,
+        }
+        if self.s.get(self.i) == Some(&b'.') {
+            self.i += 1;
+            digits(self)?;
+        }
+        if let Some(b'e' | b'E') = self.s.get(self.i) {
+            self.i += 1;
+            if let Some(b'+' | b'-') = self.s.get(self.i) {
+                self.i += 1;
+            }
+            digits(self)?;
+        }
+        let v: f64 = std::str::from_utf8(&self.s[start..self.i])
+            .ok()?
+            .parse()
+            .ok()?;
+        v.is_finite().then_some(())
     }
 
     fn string(&mut self) -> Option<String> {
@@ -172,23 +217,7 @@ impl Json<'_> {
                 }
                 None
             }
-            _ => {
-                // A number: -?digits(.digits)?([eE][+-]?digits)?, checked loosely
-                // then by Rust's float parser.
-                let start = self.i;
-                while self
-                    .s
-                    .get(self.i)
-                    .is_some_and(|c| c.is_ascii_digit() || b"+-.eE".contains(c))
-                {
-                    self.i += 1;
-                }
-                std::str::from_utf8(&self.s[start..self.i])
-                    .ok()?
-                    .parse::<f64>()
-                    .ok()
-                    .map(drop)
-            }
+            _ => self.number(),
         }
     }
 
@@ -319,6 +348,29 @@ mod tests {
             parse_header(h, 1, size).unwrap().entries[0].shape,
             Vec::<u64>::new()
         );
+        // Every JSON number (RFC 8259) serde_json reads: an underflow is 0, an
+        // integer past u64 an f64.
+        for num in [
+            "0",
+            "-0",
+            "7",
+            "-12",
+            "0.5",
+            "-0.0",
+            "1e5",
+            "1E+5",
+            "2e-3",
+            "1.5E-300",
+            "1e-400",
+            "18446744073709551616",
+            "1.7976931348623157e308",
+        ] {
+            let h =
+                format!(r#"{{"a":{{"z":{num},"dtype":"U8","shape":[1],"data_offsets":[0,1]}}}}"#);
+            assert!(parse_header(h.as_bytes(), 1, size).is_some(), "{num}");
+        }
+        let h = br#"{"\u0041\u00e9":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        assert_eq!(parse_header(h, 1, size).unwrap().entries[0].name, "A\u{e9}");
         assert_eq!(
             parse_header(b"{}", 0, size),
             Some(Header {
@@ -349,8 +401,44 @@ mod tests {
             (br#"{} x"#, 0),
             (br#"["a"]"#, 0),
             (br#"{"a":"#, 0),
+            // Not JSON, or not what serde_json reads: a \u escape is exactly 4
+            // hex digits; a number has no sign but '-', digits on both sides
+            // of its '.', no leading zero, and is a finite f64.
+            (br#"{"\u+041":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#, 1),
+            (br#"{"\u 041":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#, 1),
+            (br#"{"\u-041":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#, 1),
+            (br#"{"\u004":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#, 1),
+            (br#"{"\ud83d\u+e00":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#, 1),
+            (br#"{"\udc00":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#, 1),
+            (br#"{"\ud800\u0041":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#, 1),
         ] {
             assert_eq!(parse_header(h, len, size), None, "{}", String::from_utf8_lossy(h));
+        }
+        for num in [
+            "+1",
+            ".5",
+            "1.",
+            "+.5e-3",
+            "01",
+            "-01",
+            "00",
+            "-",
+            "1e",
+            "1e+",
+            "1.e5",
+            "0x1",
+            "1_0",
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "inf",
+            "1E400",
+            "-1e400",
+            &"9".repeat(400),
+        ] {
+            let h =
+                format!(r#"{{"a":{{"z":{num},"dtype":"U8","shape":[1],"data_offsets":[0,1]}}}}"#);
+            assert_eq!(parse_header(h.as_bytes(), 1, size), None, "{num}");
         }
         let deep = format!(
             r#"{{"a":{{"dtype":"U8","shape":[],"data_offsets":[0,1],"x":{}{}}}}}"#,

@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 import json
+import math
 import os
 import re
 import secrets
@@ -34,6 +36,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ckptio import _native
 from ckptio.errors import FormatError, SafetensorError
@@ -146,11 +149,30 @@ def parse_header(
         return d
 
     try:
-        head = json.loads(text, object_pairs_hook=no_duplicates)
+        head = json.loads(
+            text,
+            object_pairs_hook=no_duplicates,
+            parse_constant=_json_constant,
+            parse_float=_json_float,
+            # An int of 309+ digits may be past f64 (read with a check, where one may be).
+            parse_int=_json_int if _LONG_DIGITS.search(text) else None,
+        )
+        if _too_deep(raw):
+            raise RecursionError
+        if _SURROGATE_ESCAPE.search(text):
+            # A pair decodes to one character; a lone surrogate stays one, which UTF-8 refuses.
+            try:
+                json.dumps(head, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"a string holds a lone surrogate escape (\\u{ord(e.object[e.start]):04x})"
+                ) from None
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         raise fail(where, f"header is not valid JSON: {e}") from None
     except RecursionError:
-        raise fail(where, "header JSON is nested too deeply") from None
+        raise fail(
+            where, f"header JSON is nested too deeply (safetensors reads {_MAX_NESTING} levels)"
+        ) from None
     if not isinstance(head, dict):
         raise fail(where, f"header is a JSON {type(head).__name__}, not an object")
     meta = head.pop("__metadata__", None)
@@ -227,6 +249,68 @@ def parse_header(
     return meta, entries
 
 
+# What serde_json (which safetensors reads headers with) refuses and Python's json
+# takes: NaN and Infinity, numbers past f64, lone surrogate escapes, and
+# nesting of 128 or more arrays and objects.
+
+
+def _json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _json_float(text: str) -> float:
+    v = float(text)
+    if math.isinf(v):
+        raise ValueError(f"number {_short(text)} is out of range")
+    return v
+
+
+def _json_int(text: str) -> int:
+    v = int(text)
+    try:
+        float(v)
+    except OverflowError:
+        raise ValueError(f"number {_short(text)} is out of range") from None
+    return v
+
+
+_LONG_DIGITS = re.compile(r"\d{309}")
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+#: Arrays and objects nested deeper than this are refused, as serde_json refuses them.
+_MAX_NESTING = 127
+
+
+#: Bytes that say where strings and containers are: quotes, brackets,
+#: backslashes and the characters an escape may start with.
+_STRUCTURE = b'[]{}"\\/bfnrtu'
+
+
+_DROP_BUT_STRUCTURE = bytes(c for c in range(256) if c not in _STRUCTURE)
+
+
+_ESCAPE = re.compile(rb"\\.")
+
+
+_DROP_BUT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def _too_deep(raw: bytes) -> bool:
+    """Whether the valid JSON ``raw`` nests arrays and objects past ``_MAX_NESTING``."""
+    if raw.count(b"[") + raw.count(b"{") <= _MAX_NESTING:
+        return False
+    # Escapes out, then every other part between quotes is outside the strings.
+    bare = _ESCAPE.sub(b"", raw.translate(None, _DROP_BUT_STRUCTURE))
+    brackets = b"".join(bare.split(b'"')[::2]).translate(None, _DROP_BUT_BRACKETS)
+    return max(itertools.accumulate(map(_DEPTH_STEP.__getitem__, brackets))) > _MAX_NESTING
+
+
 def _short(x: Any) -> str:
     s = repr(x)
     return s if len(s) <= 200 else s[:200] + "..."
@@ -257,6 +341,11 @@ def check_tensors(tensors: Any) -> None:
             raise ValueError(
                 f"tensor {k!r} has dtype {v.dtype}, which safetensors cannot hold "
                 f"(it holds {', '.join(str(d) for d in _NAMES)})"
+            )
+        if isinstance(v, FakeTensor) and v.nbytes:
+            # No memory behind it (safetensors refuses it too, less clearly).
+            raise SafetensorError(
+                f"tensor {k!r} is a FakeTensor (made under FakeTensorMode): it has no data to save"
             )
         if _PACKED.get(_NAMES[v.dtype], 1) > 1 and v.dim() == 0:
             raise SafetensorError(

@@ -8,13 +8,15 @@ Face hub counts shard sizes), ``4GiB`` and a bare ``4G`` as powers of two (as
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(I?B|B)?|(B))?\s*", re.IGNORECASE)
 
 
 def parse_size(size: int | str, what: str = "size") -> int:
     """Bytes of an int, or of "5GB" (10^9 each), "4GiB" or "4G" (2^30 each),
-    "512" or "512B"; ValueError naming ``what`` for anything else or below 1."""
+    "512" or "512B" (whole bytes: "1.5" is refused, "1.5K" is 1536); ValueError
+    naming ``what`` for anything else or below 1."""
     if isinstance(size, int) and not isinstance(size, bool):
         n = size
     elif isinstance(size, str):
@@ -22,9 +24,15 @@ def parse_size(size: int | str, what: str = "size") -> int:
         if not m:
             raise ValueError(f"{what} {size!r} is not a size like 5GB, 500MB, 4GiB or 4G")
         num, unit, suffix, _ = m.groups()
+        value = Fraction(num)  # exact: no float rounding
+        if not unit and value.denominator != 1:
+            raise ValueError(
+                f"{what} {size!r} is a fractional number of bytes; give whole bytes "
+                "or a unit (1.5G, 1.5GB)"
+            )
         power = " KMGT".index(unit.upper()) if unit else 0
         decimal = suffix is not None and suffix.upper() == "B"
-        n = int(float(num) * (1000 if decimal else 1024) ** power)
+        n = int(value * (1000 if decimal else 1024) ** power)  # a unit's fraction of a byte dropped
     else:
         raise TypeError(f"{what} must be an int or a str, not {type(size).__name__}")
     if n < 1:
