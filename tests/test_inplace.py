@@ -736,6 +736,29 @@ def test_safetensors_load_file_and_sharded_out(tmp_path):
         cst.load_sharded(tmp_path / "s", out={"w": out["w"], "i": out["i"]})
 
 
+def test_a_destination_that_is_no_tensor_is_named_as_such_not_as_a_missing_key(tmp_path):
+    # out names the key, with another value than a tensor: DestinationError
+    # ("the destination is a int"), strict or not, nothing written.
+    cst.save_file({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path / "m.safetensors")
+    ckptio.save({"a": torch.ones(2), "n": {"c": torch.ones(1)}}, tmp_path / "m.pt")
+    b = torch.zeros(2)
+    for strict in (True, False):
+        with pytest.raises(ckptio.DestinationError, match="'a': the destination is a int") as e:
+            cst.load_file(tmp_path / "m.safetensors", out={"a": 5, "b": b}, strict=strict)
+        assert not e.value.partial and e.value.unexpected_keys == []
+        with pytest.raises(ckptio.DestinationError, match="'n.c': the destination is a str"):
+            ckptio.load(tmp_path / "m.pt", out={"a": b, "n": {"c": "x"}}, strict=strict)
+        with pytest.raises(ckptio.DestinationError, match="'a': the destination is a int"):
+            ckptio.load(tmp_path / "m.pt", out={"a": 5, "n": {"c": torch.zeros(1)}}, strict=strict)
+    assert torch.equal(b, torch.zeros(2))
+    # None is no destination: the key is unexpected (left out with strict=False).
+    with pytest.raises(ckptio.KeyMismatchError, match="Unexpected key.*'a'"):
+        cst.load_file(tmp_path / "m.safetensors", out={"a": None, "b": b})
+    assert list(
+        cst.load_file(tmp_path / "m.safetensors", out={"a": None, "b": b}, strict=False)
+    ) == ["b"]
+
+
 # --------------------------------------------------------------------------- planning
 
 

@@ -339,7 +339,9 @@ def pair_structure(
     by key path: (``src`` with each paired tensor replaced by its destination
     and unpaired ones left out, pairs, missing keys (destinations the
     checkpoint has no tensor for), unexpected keys (checkpoint tensors
-    without a destination))."""
+    without a destination)). Where ``out`` holds another value than a tensor
+    (or None) at a checkpoint tensor's key path, the two are paired:
+    :func:`plan` refuses that destination by its type."""
     dests = _index(out)
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     unexpected: list[str] = []
@@ -347,13 +349,48 @@ def pair_structure(
     def match(p: tuple[Any, ...], t: torch.Tensor) -> Any:
         d = dests.pop(p, None)
         if d is None:
-            unexpected.append(key_name(p))
-            return _DROP
+            d = _value_at(out, p)
+            if d is _ABSENT or d is None or isinstance(d, torch.Tensor):
+                unexpected.append(key_name(p))
+                return _DROP
+            # out holds another value than a tensor (or None: no destination)
+            # there: a pair that plan refuses ("the destination is a int"),
+            # not a key out lacks.
         pairs.append((key_name(p), t, d))
         return d
 
     result = replace_tensors(src, match, memo=_Unsharing())
     return result, pairs, [key_name(p) for p in dests], unexpected
+
+
+_ABSENT = object()
+
+
+def _value_at(obj: Any, path: tuple[Any, ...]) -> Any:
+    """What ``obj`` holds at key path ``path``, as :func:`replace_tensors` walks
+    it (dict keys, list and tuple indices, objects' attributes); ``_ABSENT``
+    where it holds nothing there."""
+    for k in path:
+        if isinstance(obj, torch.Tensor):
+            return _ABSENT
+        if isinstance(obj, dict):
+            if k not in obj:
+                return _ABSENT
+            obj = obj[k]
+        elif isinstance(obj, (list, tuple)):
+            if type(k) is not int or not 0 <= k < len(obj):
+                return _ABSENT
+            obj = obj[k]
+        elif (
+            isinstance(k, str)
+            and hasattr(obj, "__dict__")
+            and not isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType))
+            and k in vars(obj)
+        ):
+            obj = vars(obj)[k]
+        else:
+            return _ABSENT
+    return obj
 
 
 @dataclasses.dataclass(slots=True)
