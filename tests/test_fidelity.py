@@ -536,3 +536,154 @@ def test_records_of_equal_sizes_are_told_apart_on_torchs_path(tmp_path):
     ref = torch.load(p, weights_only=False)["w"]
     assert torch.equal(ref, torch.ones(4))
     assert torch.equal(ckptio.load(p, weights_only=False)["w"], ref)
+
+
+# --------------------------------------------------------------------------- native unpickler
+# src/format/pickle.rs reads what torch's weights_only unpickler reads, no more: anything
+# outside (protocol 3-5 opcodes, DUP/POP/POP_MARK, a storage class torch does not allow
+# by name, a PROTO other than 2) goes to torch.load, which refuses it under
+# weights_only=True and loads it under weights_only=False.
+
+
+def _with_pickle(path, pkl: bytes, records: dict[str, bytes]) -> None:
+    """A torch.save zip of the given data.pkl and storage records (Python's zipfile,
+    stored records, as torch.load reads them)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pkl)
+        z.writestr("archive/byteorder", "little")
+        for k, data in records.items():
+            z.writestr(f"archive/data/{k}", data)
+        z.writestr("archive/version", "3\n")
+
+
+def _records(path) -> dict[str, bytes]:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return {n: z.read(n) for n in z.namelist()}
+
+
+def _saved_pickle(path, obj, protocol: int = 2) -> tuple[bytes, dict[str, bytes]]:
+    """torch.save's data.pkl of ``obj`` and its storage records by key."""
+    torch.save(obj, path, pickle_protocol=protocol)
+    recs = _records(path)
+    pkl = next(c for n, c in recs.items() if n.endswith("/data.pkl"))
+    data = {n.rsplit("/", 1)[1]: c for n, c in recs.items() if "/data/" in n}
+    return pkl, data
+
+
+def _edited(path, obj, edit, protocol: int = 2) -> None:
+    pkl, data = _saved_pickle(path, obj, protocol)
+    _with_pickle(path, edit(pkl), data)
+
+
+def _before_stop(ops: bytes):
+    def edit(pkl: bytes) -> bytes:
+        assert pkl.endswith(b".")
+        return pkl[:-1] + ops + b"."
+
+    return edit
+
+
+def _replacing(old: bytes, new: bytes):
+    def edit(pkl: bytes) -> bytes:
+        assert old in pkl
+        return pkl.replace(old, new, 1)
+
+    return edit
+
+
+def _memoize_pickle(path, obj) -> None:
+    # {'x': 'a' (BINPUT 0), 'y': 'b' (MEMOIZE: memo index 1), 'z': BINGET 0}: 'a' at 'z'
+    s = lambda t: b"X" + len(t).to_bytes(4, "little") + t  # noqa: E731
+    pkl = b"\x80\x02}(" + s(b"x") + s(b"a") + b"q\x00" + s(b"y") + s(b"b") + b"\x94"
+    _with_pickle(path, pkl + s(b"z") + b"h\x00u.", {})
+
+
+_W = {"w": torch.arange(4.0), "n": [1, (2, "three")]}
+OUTSIDE_WEIGHTS_ONLY = {
+    "protocol 4": lambda p: torch.save(_W, p, pickle_protocol=4),
+    "protocol 5": lambda p: torch.save(_W, p, pickle_protocol=5),
+    # FRAME, MEMOIZE, STACK_GLOBAL, SHORT_BINUNICODE under a PROTO 2 header
+    "protocol 4 opcodes": lambda p: _edited(
+        p, _W, lambda pkl: b"\x80\x02" + pkl.removeprefix(b"\x80\x04"), protocol=4
+    ),
+    "BINUNICODE8": lambda p: _edited(
+        p, _W, _replacing(b"X\x01\x00\x00\x00w", b"\x8d\x01" + bytes(7) + b"w")
+    ),
+    "DUP": lambda p: _edited(p, _W, _before_stop(b"2\x86")),  # (root, root)
+    "POP": lambda p: _edited(p, _W, _before_stop(b"N0")),
+    "MARK POP_MARK": lambda p: _edited(p, _W, _before_stop(b"(NN1")),
+    "torch.UntypedStorage": lambda p: _edited(
+        p,
+        {"b": torch.arange(16, dtype=torch.uint8)},
+        _replacing(b"ctorch\nByteStorage\n", b"ctorch\nUntypedStorage\n"),
+    ),
+    "MEMOIZE numbering": lambda p: _memoize_pickle(p, None),
+}
+
+
+def _assert_equal(a, b):
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _assert_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_equal(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("case", sorted(OUTSIDE_WEIGHTS_ONLY))
+def test_pickles_outside_weights_only_load_as_torch_loads_them(tmp_path, case):
+    """The native unpickler read pickles torch's weights_only unpickler refuses (ckptio.load
+    returned them under weights_only=True) and numbered MEMOIZE entries unlike pickle: they
+    go to torch.load, which refuses them or loads them as they are."""
+    p = tmp_path / "p.pt"
+    OUTSIDE_WEIGHTS_ONLY[case](p)
+    with pytest.raises(pickle.UnpicklingError) as theirs:
+        torch.load(p, weights_only=True)
+    with pytest.raises(pickle.UnpicklingError) as ours:
+        ckptio.load(p, weights_only=True)
+    assert type(ours.value) is type(theirs.value)
+    assert "Weights only load failed" in str(ours.value)
+    want = torch.load(p, weights_only=False)
+    _assert_equal(ckptio.load(p, weights_only=False), want)
+    if case == "MEMOIZE numbering":
+        assert want == {"x": "a", "y": "b", "z": "a"}
+
+
+def test_a_protocol_other_than_2_warns_as_torch_load_warns(tmp_path):
+    """torch's weights_only unpickler reads protocol 3 (no opcode of its own in a state
+    dict) with a warning that the protocol is not 2; ckptio.load read it silently."""
+    p = tmp_path / "p3.pt"
+    torch.save(_W, p, pickle_protocol=3)
+    got = {}
+    for name, load in (("torch", torch.load), ("ckptio", ckptio.load)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got[name] = load(p, weights_only=True)
+        got[name + " warned"] = [
+            str(w.message) for w in seen if "Detected pickle protocol 3" in str(w.message)
+        ]
+    _assert_equal(got["ckptio"], got["torch"])
+    assert got["torch warned"] and got["ckptio warned"] == got["torch warned"]
+
+
+def test_save_with_pickle_protocol_4_round_trips_as_torch(tmp_path):
+    p = tmp_path / "p4.pt"
+    obj = {**sample(), "meta": {"step": 3, "names": ["a", "b"], "t": (1.5, None, True)}}
+    ckptio.save(obj, p, pickle_protocol=4)
+    assert _records(p)[next(n for n in _records(p) if n.endswith("data.pkl"))][:2] == b"\x80\x04"
+    _assert_equal(ckptio.load(p, weights_only=False), obj)
+    _assert_equal(torch.load(p, weights_only=False), obj)
+    for load in (torch.load, ckptio.load):
+        with pytest.raises(pickle.UnpicklingError, match="Unsupported operand 149"):
+            load(p, weights_only=True)

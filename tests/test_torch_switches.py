@@ -46,7 +46,10 @@ def same(a, b):
 
 
 def data_offsets(path):
-    return {r.name: r.offset for r in ckptio.records(path) if "/data/" in r.name}
+    # weights_only=False: some files here are pickled at protocol 4, which torch's
+    # weights_only unpickler (and so ckptio's) refuses.
+    records = ckptio.records(path, weights_only=False)
+    return {r.name: r.offset for r in records if "/data/" in r.name}
 
 
 @pytest.fixture
@@ -199,7 +202,8 @@ def test_storage_alignment_reaches_file_objects_and_torchs_pickle(tmp_path, swit
     switches.save.storage_alignment = 1 << 14
     ckptio.save(sd, q, pickle_protocol=4)
     assert all(o % (1 << 14) == 0 for o in data_offsets(q).values())
-    same(ckptio.load(q), sd)
+    # protocol 4 (FRAME, MEMOIZE...): beyond torch's weights_only unpickler, so beyond ckptio.load's
+    same(ckptio.load(q, weights_only=False), sd)
 
 
 @pytest.mark.parametrize("bad", [100, 3, 0, -4096, 65536, 4096.0, "4096"])

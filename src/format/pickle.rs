@@ -14,7 +14,12 @@
 //! stream) is [`Unsupported`]: the caller hands the file to torch.load, which
 //! decides. What is accepted is a strict subset of what torch's weights_only
 //! unpickler accepts, and describes the same objects: the caller rebuilds
-//! them with the same torch calls.
+//! them with the same torch calls. So the opcodes are those of protocol 2 that
+//! torch's `_weights_only_unpickler` reads (not DUP, POP, POP_MARK, nor any of
+//! protocols 3-5: FRAME, MEMOIZE, STACK_GLOBAL, SHORT_BINUNICODE...), PROTO
+//! names protocol 2 (torch warns of any other), and a storage class is one of
+//! the `torch.<X>Storage` globals torch allows (not `torch.UntypedStorage`,
+//! which it allows as `torch.storage.UntypedStorage` only).
 //!
 //! The result is a graph of [`Value`]s by index (memo references keep
 //! aliasing: a list pickled twice is one list), built bottom-up: every value's
@@ -37,7 +42,7 @@ fn no<T>(why: impl Into<String>) -> R<T> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StorageRef {
     pub key: String,
-    /// The storage class's name in module `torch` (`FloatStorage`, `UntypedStorage`...).
+    /// The storage class's name in module `torch` (`FloatStorage`, `HalfStorage`...).
     pub class: String,
     pub location: String,
     /// Elements of the class's dtype.
@@ -133,12 +138,6 @@ impl<'a> Reader<'a> {
     fn u32(&mut self) -> R<u32> {
         let b = self.take(4)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-    fn u64(&mut self) -> R<u64> {
-        let b = self.take(8)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Ok(u64::from_le_bytes(a))
     }
     fn str(&mut self, n: usize) -> R<String> {
         match std::str::from_utf8(self.take(n)?) {
@@ -367,14 +366,35 @@ impl Vm {
     }
 }
 
+/// The storage classes in module `torch` that torch's weights_only unpickler
+/// allows by name (`torch._storage_classes` but TypedStorage and
+/// UntypedStorage, which it names in `torch.storage`).
+const STORAGE_CLASSES: [&str; 17] = [
+    "BFloat16Storage",
+    "BoolStorage",
+    "ByteStorage",
+    "CharStorage",
+    "ComplexDoubleStorage",
+    "ComplexFloatStorage",
+    "DoubleStorage",
+    "FloatStorage",
+    "HalfStorage",
+    "IntStorage",
+    "LongStorage",
+    "QInt32Storage",
+    "QInt8Storage",
+    "QUInt2x4Storage",
+    "QUInt4x2Storage",
+    "QUInt8Storage",
+    "ShortStorage",
+];
+
 fn global(module: &str, name: &str) -> R<Global> {
     Ok(match (module, name) {
         ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildTensor,
         ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
         ("collections", "OrderedDict") => Global::OrderedDict,
-        ("torch", n) if n.ends_with("Storage") && n.bytes().all(|b| b.is_ascii_alphanumeric()) => {
-            Global::StorageClass(n.to_owned())
-        }
+        ("torch", n) if STORAGE_CLASSES.contains(&n) => Global::StorageClass(n.to_owned()),
         _ => return no(format!("global {module}.{name}")),
     })
 }
@@ -390,19 +410,15 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
         storages: Vec::new(),
         by_key: HashMap::new(),
     };
-    let mut next_memo = 0u32;
     loop {
         let op = r.u8()?;
         match op {
             0x80 => {
-                // PROTO
-                if r.u8()? > 5 {
-                    return no("pickle protocol above 5");
+                // PROTO: torch's weights_only unpickler warns of any but 2.
+                let proto = r.u8()?;
+                if proto != 2 {
+                    return no(format!("pickle protocol {proto}, not 2"));
                 }
-            }
-            0x95 => {
-                // FRAME: a length hint
-                r.u64()?;
             }
             b'.' => break,
             b'(' => vm.stack.push(Item::Mark),
@@ -428,16 +444,12 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
                 items.reverse();
                 vm.push(Value::Tuple(items));
             }
-            b'q' | b'r' | 0x94 => {
-                // BINPUT, LONG_BINPUT, MEMOIZE
-                let idx = match op {
-                    b'q' => u32::from(r.u8()?),
-                    b'r' => r.u32()?,
-                    _ => {
-                        let i = next_memo;
-                        next_memo = next_memo.saturating_add(1);
-                        i
-                    }
+            b'q' | b'r' => {
+                // BINPUT, LONG_BINPUT
+                let idx = if op == b'q' {
+                    u32::from(r.u8()?)
+                } else {
+                    r.u32()?
                 };
                 let Some(top) = vm.stack.last().cloned() else {
                     return no("memo of an empty stack");
@@ -509,12 +521,9 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
             0x88 | 0x89 => {
                 vm.push(Value::Bool(op == 0x88));
             }
-            b'X' | 0x8c | 0x8d => {
-                let n = match op {
-                    b'X' => r.u32()? as usize,
-                    0x8c => usize::from(r.u8()?),
-                    _ => usize::try_from(r.u64()?).or_else(|_| no("string too long"))?,
-                };
+            b'X' => {
+                // BINUNICODE
+                let n = r.u32()? as usize;
                 let s = r.str(n)?;
                 vm.push(Value::Str(s));
             }
@@ -543,18 +552,6 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
                 let module = r.line()?;
                 let name = r.line()?;
                 let g = global(module, name)?;
-                vm.stack.push(Item::Global(g));
-            }
-            0x93 => {
-                // STACK_GLOBAL
-                let name = vm.pop_val()?;
-                let module = vm.pop_val()?;
-                let (Value::Str(m), Value::Str(n)) =
-                    (vm.values[module].clone(), vm.values[name].clone())
-                else {
-                    return no("STACK_GLOBAL of non-strings");
-                };
-                let g = global(&m, &n)?;
                 vm.stack.push(Item::Global(g));
             }
             b'R' => {
@@ -591,18 +588,8 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
                     _ => return no("BUILD on something other than an OrderedDict"),
                 }
             }
-            b'0' => {
-                vm.pop()?;
-            }
-            b'1' => {
-                vm.pop_mark()?;
-            }
-            b'2' => {
-                let Some(top) = vm.stack.last().cloned() else {
-                    return no("DUP of an empty stack");
-                };
-                vm.stack.push(top);
-            }
+            // DUP, POP, POP_MARK, FRAME, MEMOIZE, STACK_GLOBAL, SHORT_BINUNICODE,
+            // BINUNICODE8... : not read by torch's weights_only unpickler.
             other => return no(format!("opcode {other:#04x}")),
         }
         // A storage class is an argument of a persistent id: carry it as a
@@ -933,6 +920,160 @@ mod tests {
             let at = undefined.len() - 6;
             undefined[at..at + 4].copy_from_slice(&(idx - 1).to_le_bytes());
             assert!(parse(&undefined).is_err());
+        }
+    }
+
+    /// BINUNICODE of `s`.
+    fn x(s: &str) -> Vec<u8> {
+        let mut b = vec![b'X'];
+        b.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        b.extend_from_slice(s.as_bytes());
+        b
+    }
+
+    fn cat(parts: &[&[u8]]) -> Vec<u8> {
+        parts.concat()
+    }
+
+    #[test]
+    fn opcodes_torchs_weights_only_unpickler_does_not_read_are_not_read() {
+        // (opcode, a pickle with it, the same object in opcodes torch reads)
+        let cases: Vec<(&str, Vec<u8>, Vec<u8>)> = vec![
+            (
+                "FRAME",
+                cat(&[b"\x80\x02\x95", &2u64.to_le_bytes(), b"N."]),
+                b"\x80\x02N.".to_vec(),
+            ),
+            (
+                "MEMOIZE",
+                b"\x80\x02]\x94.".to_vec(),
+                b"\x80\x02]q\x00.".to_vec(),
+            ),
+            (
+                "STACK_GLOBAL",
+                cat(&[
+                    b"\x80\x02",
+                    &x("collections"),
+                    &x("OrderedDict"),
+                    b"\x93)R.",
+                ]),
+                b"\x80\x02ccollections\nOrderedDict\n)R.".to_vec(),
+            ),
+            (
+                "SHORT_BINUNICODE",
+                b"\x80\x02\x8c\x01a.".to_vec(),
+                cat(&[b"\x80\x02", &x("a"), b"."]),
+            ),
+            (
+                "BINUNICODE8",
+                cat(&[b"\x80\x02\x8d", &1u64.to_le_bytes(), b"a."]),
+                cat(&[b"\x80\x02", &x("a"), b"."]),
+            ),
+            (
+                "DUP",
+                b"\x80\x02]2\x86.".to_vec(),
+                b"\x80\x02]q\x00h\x00\x86.".to_vec(),
+            ),
+            ("POP", b"\x80\x02NN0.".to_vec(), b"\x80\x02N.".to_vec()),
+            (
+                "POP_MARK",
+                b"\x80\x02N(N1.".to_vec(),
+                b"\x80\x02N.".to_vec(),
+            ),
+        ];
+        for (name, bad, good) in cases {
+            assert!(parse(&good).is_ok(), "{name}'s control");
+            let e = parse(&bad).unwrap_err();
+            assert!(e.0.starts_with("opcode "), "{name}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn only_protocol_2_is_read() {
+        // No PROTO (protocols 0 and 1): torch reads it without a warning.
+        assert!(parse(b"N.").is_ok());
+        assert!(parse(b"\x80\x02N.").is_ok());
+        for proto in [0u8, 1, 3, 4, 5, 6] {
+            assert!(parse(&[0x80, proto, b'N', b'.']).is_err(), "{proto}");
+        }
+    }
+
+    #[test]
+    fn memoize_is_not_read_pickle_numbers_it_by_the_memo_size() {
+        // {'x': 'a' (BINPUT 0), 'y': 'b' (memoized), 'z': BINGET 0}: pickle gives
+        // 'a' at 'z'; a count of MEMOIZEs alone put 'b' at index 0.
+        let dict = |put_b: &[u8]| {
+            cat(&[
+                b"\x80\x02}(",
+                &x("x"),
+                &x("a"),
+                b"q\x00",
+                &x("y"),
+                &x("b"),
+                put_b,
+                &x("z"),
+                b"h\x00u.",
+            ])
+        };
+        let p = parse(&dict(b"q\x01")).unwrap();
+        let Value::Dict(items) = &p.values[p.root] else {
+            panic!("{p:?}")
+        };
+        assert_eq!(p.values[items[2].1], Value::Str("a".into()));
+        assert!(parse(&dict(b"\x94")).is_err());
+    }
+
+    /// `_rebuild_tensor_v2` of 4 elements of a storage of class `module.class`.
+    fn tensor_of(module: &str, class: &str) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.global("torch._utils", "_rebuild_tensor_v2");
+        w.op(op::MARK);
+        w.op(op::MARK);
+        w.str("storage");
+        w.global(module, class);
+        w.str("0");
+        w.str("cpu");
+        w.int(4);
+        w.op(op::TUPLE);
+        w.op(op::BINPERSID);
+        w.int(0);
+        w.int(4);
+        w.op(op::TUPLE1);
+        w.int(1);
+        w.op(op::TUPLE1);
+        w.bool(false);
+        w.global("collections", "OrderedDict");
+        w.op(op::EMPTY_TUPLE);
+        w.op(op::REDUCE);
+        w.op(op::TUPLE);
+        w.op(op::REDUCE);
+        w.finish()
+    }
+
+    #[test]
+    fn storage_classes_are_those_torch_allows_by_name() {
+        for class in [
+            "FloatStorage",
+            "ByteStorage",
+            "BFloat16Storage",
+            "QUInt4x2Storage",
+        ] {
+            let p = parse(&tensor_of("torch", class)).unwrap();
+            assert_eq!(p.storages[0].class, class);
+            assert!(matches!(p.values[p.root], Value::Tensor { .. }));
+        }
+        // torch allows UntypedStorage and TypedStorage as torch.storage.<X> only.
+        for (module, class) in [
+            ("torch", "UntypedStorage"),
+            ("torch", "TypedStorage"),
+            ("torch", "FooStorage"),
+            ("torch.storage", "UntypedStorage"),
+            ("torch.cuda", "FloatStorage"),
+        ] {
+            assert!(
+                parse(&tensor_of(module, class)).is_err(),
+                "{module}.{class}"
+            );
         }
     }
 }
