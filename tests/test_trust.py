@@ -457,3 +457,21 @@ def test_safetensors_header_refusals_name_the_tensor(tmp_path):
     with pytest.raises(ckptio.FormatError, match="nested too deeply"):
         cst.load_file(p)
     os.remove(p)
+
+
+@pytest.mark.parametrize("saver", ["ckptio", "torch"])
+def test_verify_takes_the_storages_of_newer_dtypes(tmp_path, saver):
+    """float8, uint16-64 and complex32 tensors are saved over untyped storages
+    (_rebuild_tensor_v3, the dtype an argument), as is an UntypedStorage saved
+    itself: verify called such valid files corrupt."""
+    obj = {
+        "f8": torch.zeros(4, dtype=torch.float8_e4m3fn),
+        "u16": torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.uint16)[1:],
+        "u64": torch.zeros(3, dtype=torch.uint64),
+        "raw": torch.ones(3).untyped_storage(),
+    }
+    p = tmp_path / "c.pt"
+    (ckptio.save if saver == "ckptio" else torch.save)(obj, p)
+    report = ckptio.verify(p)
+    assert report.ok, report
+    assert torch.equal(ckptio.load(p, verify=True)["u16"], obj["u16"])

@@ -958,16 +958,16 @@ def check_pickle(archive: Records) -> None:
                 f"{path}, record {record}",
                 f"a storage's location is {st.location!r}, which torch.load cannot restore",
             )
-    for st, offset, size, stride in views:
+    for st, offset, size, stride, itemsize in views:
         record = f"{path}, record {prefix}/data/{st.key}"
         try:
             need, _ = unpickled.view_layout(offset, size, stride)
         except ValueError as e:
             raise corrupt(record, f"a tensor's {e}") from None
-        if st.nbytes is not None and need * st.itemsize > st.nbytes:
+        if st.nbytes is not None and need * itemsize > st.nbytes:
             raise corrupt(
                 record,
-                f"a tensor reaches past its storage's record ({need * st.itemsize} bytes "
+                f"a tensor reaches past its storage's record ({need * itemsize} bytes "
                 f"needed, the record holds {st.nbytes})",
             )
 
@@ -1012,30 +1012,48 @@ class _Declared:
     itemsize: int
 
 
-def _declared(pkl: bytes) -> tuple[list[_Declared], list[tuple[_Declared, Any, Any, Any]]]:
+def _declared(
+    pkl: bytes,
+) -> tuple[list[_Declared], list[tuple[_Declared, Any, Any, Any, int]]]:
     """The storages a torch.save pickle declares, and the views its
-    ``_rebuild_tensor_v2`` calls make of them (storage, offset, size, stride),
-    found by unpickling with every global inert but that one, recorded."""
+    ``_rebuild_tensor_v2`` and ``_v3`` calls make of them (storage, offset,
+    size, stride, element size), found by unpickling with every global inert
+    but those, recorded."""
     storages: list[_Declared] = []
-    views: list[tuple[_Declared, Any, Any, Any]] = []
+    views: list[tuple[_Declared, Any, Any, Any, int]] = []
 
     def rebuild(
         storage: object, offset: object, size: object, stride: object, *_: object
     ) -> _Inert:
         if isinstance(storage, _Declared):
-            views.append((storage, offset, size, stride))
+            views.append((storage, offset, size, stride, storage.itemsize))
+        return _Inert()
+
+    def rebuild_v3(
+        storage: object, offset: object, size: object, stride: object, *rest: object
+    ) -> _Inert:
+        # torch.save's for dtypes without a typed storage (float8, uint16-64,
+        # complex32): an untyped storage, the dtype an argument.
+        dtype = getattr(torch, getattr(rest[2], "name", ""), None) if len(rest) > 2 else None
+        if isinstance(storage, _Declared):
+            itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else storage.itemsize
+            views.append((storage, offset, size, stride, itemsize))
         return _Inert()
 
     def find_class(self: Any, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return rebuild
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            return rebuild_v3
         return type(name, (_Inert,), {"module": module, "name": name})
 
     def persistent_load(self: Any, pid: object) -> object:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             return _Inert()
         _, kind, key, location, numel = pid
-        dtype = storage_dtype(kind.name) if getattr(kind, "module", "") == "torch" else None
+        named = (getattr(kind, "module", ""), getattr(kind, "name", ""))
+        torch_named = named[0] == "torch" or named == ("torch.storage", "UntypedStorage")
+        dtype = storage_dtype(named[1]) if torch_named else None
         itemsize = dtype.itemsize if dtype is not None else 1
         ok = dtype is not None and type(numel) is int and numel >= 0
         st = _Declared(str(key), location, numel * itemsize if ok else None, itemsize)
