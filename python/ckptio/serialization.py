@@ -45,6 +45,7 @@ __all__ = ["save", "load", "records", "last_report", "IOReport", "RecordInfo", "
 # --------------------------------------------------------------------------- save
 
 
+@torchzip.callers_serialization
 def save(
     obj: object,
     f: str | os.PathLike[str] | Any,
@@ -302,6 +303,7 @@ def _storage_segments(found: dict[str, torch.UntypedStorage]) -> list[tuple[str,
 
 
 @sharing.groupable("ckptio.load")
+@torchzip.callers_serialization
 def load(
     f: str | os.PathLike[str] | Any,
     map_location: MapLocation = None,

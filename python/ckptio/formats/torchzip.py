@@ -110,8 +110,9 @@ class RecordInfo:
         return a
 
 
-# torch's serialization config is process-global: set and restore it under a lock.
-CONFIG_LOCK = threading.Lock()
+# torch's serialization config is process-global: set and restore it under a lock,
+# reentrant: a save may run inside another's pickling (an object's __reduce__).
+CONFIG_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -164,6 +165,50 @@ def torch_writing() -> Iterator[None]:
         align = max(STORAGE_ALIGNMENT, asked_alignment())
         with storage_alignment(align), _crc32_on():
             yield
+
+
+#: The caller's (skip_data, materialize_fake_tensors) under each of ckptio's own
+#: skip_data() of this thread, innermost last.
+_OWN_SKIPS = threading.local()
+
+
+@contextlib.contextmanager
+def own_skip_data() -> Iterator[None]:
+    """torch.serialization.skip_data() for ckptio's own pickling (the engine writes
+    the storages' bytes): a save or load that runs inside it (an object's
+    ``__reduce__`` saving as it is pickled) is not the caller's to skip
+    (:func:`callers_serialization`)."""
+    tls = torch.serialization._serialization_tls
+    stack = _OWN_SKIPS.__dict__.setdefault("stack", [])
+    stack.append((tls.skip_data, tls.materialize_fake_tensors))
+    try:
+        with torch.serialization.skip_data():
+            yield
+    finally:
+        stack.pop()
+
+
+def callers_serialization(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a save or load) run with torch's skip_data state as its caller
+    set it, also inside one of ckptio's own (:func:`own_skip_data`): there a
+    nested save wrote its tensors without their bytes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        stack = getattr(_OWN_SKIPS, "stack", None)
+        if not stack:
+            return fn(*args, **kwargs)
+        tls = torch.serialization._serialization_tls
+        now = (tls.skip_data, tls.materialize_fake_tensors)
+        tls.skip_data, tls.materialize_fake_tensors = stack[-1]
+        _OWN_SKIPS.stack = []
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _OWN_SKIPS.stack = stack
+            tls.skip_data, tls.materialize_fake_tensors = now
+
+    return wrapper
 
 
 def _capturing_pickle_module(
@@ -220,7 +265,7 @@ def write_metadata(
 ) -> None:
     """torch.save of everything but the storages' bytes (skip_data), storages at
     4 KiB, into ``fh``; ``found`` learns which storage went to which record."""
-    with torch_writing(), torch.serialization.skip_data():
+    with torch_writing(), own_skip_data():
         torch.save(
             obj,
             fh,
