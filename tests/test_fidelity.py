@@ -5,6 +5,7 @@ import inspect
 import io
 import os
 import pickle
+import subprocess
 import threading
 import warnings
 
@@ -716,3 +717,50 @@ def test_a_save_inside_an_objects_pickling_does_not_hang(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     # The inner save's bytes too (under ckptio's own skip_data it wrote none).
     assert run.stdout.split("\n")[:2] == ["saved [0.0, 1.0, 2.0, 3.0]"] * 2, run.stdout
+
+
+def test_a_read_only_checkpoint_is_not_replaced_and_a_folder_name_is_refused(tmp_path):
+    """A file this process may not write (chmod a-w) is refused as torch.save's
+    open() refuses it: a rename over it needs only the folder's permission, and
+    it was replaced without a word. A path ending in "/" names a folder (it made a
+    file of that name)."""
+    import shutil
+
+    code = f"""
+        import os, torch, ckptio
+        p = {str(tmp_path / "best.pt")!r}
+        ckptio.save({{"best": torch.ones(2)}}, p)
+        os.chmod(p, 0o444)
+        for save in (torch.save, ckptio.save):
+            try:
+                save({{"best": torch.zeros(2)}}, p)
+                print("saved")
+            except (PermissionError, RuntimeError) as e:
+                print("refused", type(e).__name__)
+        print(torch.load(p)["best"].tolist(), oct(os.stat(p).st_mode & 0o777))
+    """
+    from test_soundness import run_python
+
+    if os.geteuid() == 0:  # root writes any file: drop the capabilities that allow it
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv")
+        import sys
+        import textwrap
+
+        run = subprocess.run(
+            ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner",
+             sys.executable, "-c", textwrap.dedent(code)],
+            capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+        )  # fmt: skip
+    else:
+        run = run_python(code, tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[:3] == [
+        "refused RuntimeError",
+        "refused PermissionError",
+        "[1.0, 1.0] 0o444",
+    ], run.stdout
+    with pytest.raises(IsADirectoryError):
+        ckptio.save(sample(), str(tmp_path / "out") + "/")
+    assert not (tmp_path / "out").exists()

@@ -234,6 +234,12 @@ struct Located {
 }
 
 fn split(target: &Path) -> Result<(PathBuf, OsString)> {
+    if target.as_os_str().as_bytes().ends_with(b"/") {
+        // A folder's name (open("x/", "wb") is EISDIR): file_name() would drop
+        // the slash and make a file named as the folder.
+        let e = io::Error::from_raw_os_error(libc::EISDIR);
+        return Err(Error::io_at("save to", target, e));
+    }
     let name = target
         .file_name()
         .ok_or_else(|| Error::invalid(format!("{} does not name a file", target.display())))?
@@ -268,6 +274,7 @@ fn locate(target: &Path) -> Result<Located> {
     };
     if st.st_mode & libc::S_IFMT != libc::S_IFLNK {
         check_replaceable(&st, target)?;
+        check_writable(&dir, &c, target)?;
         return Ok(Located {
             target: parent.join(&name),
             dir,
@@ -293,7 +300,8 @@ fn locate(target: &Path) -> Result<Located> {
         .map_err(|e| Error::io_at("resolve link", target, e))?;
     let (rparent, rname) = split(&real)?;
     let rdir = open_dir(&rparent)?;
-    let same = stat_at(&rdir, &cstr(&rname)?).is_ok_and(|s| same_file(&s, &pst));
+    let rc = cstr(&rname)?;
+    let same = stat_at(&rdir, &rc).is_ok_and(|s| same_file(&s, &pst));
     if !same {
         return Err(Error::io_at(
             "resolve link",
@@ -304,6 +312,7 @@ fn locate(target: &Path) -> Result<Located> {
             )),
         ));
     }
+    check_writable(&rdir, &rc, target)?;
     Ok(Located {
         dir: rdir,
         parent: rparent,
@@ -329,6 +338,25 @@ fn check_replaceable(st: &libc::stat, target: &Path) -> Result<()> {
         ),
     };
     Err(Error::io_at("save to", target, why))
+}
+
+/// A file this process may not write is not replaced, as open() would not
+/// write it: a rename over it needs only the folder's permission, and a
+/// checkpoint made read-only (chmod a-w) was replaced without a word.
+fn check_writable(dir: &File, name: &CStr, target: &Path) -> Result<()> {
+    // SAFETY: a directory descriptor we hold and a NUL-terminated name.
+    let rc =
+        unsafe { libc::faccessat(dir.as_raw_fd(), name.as_ptr(), libc::W_OK, libc::AT_EACCESS) };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        if matches!(
+            e.raw_os_error(),
+            Some(libc::EACCES | libc::EPERM | libc::EROFS)
+        ) {
+            return Err(Error::io_at("save to", target, e));
+        }
+    }
+    Ok(())
 }
 
 fn kept(st: &libc::stat) -> Kept {
