@@ -764,3 +764,14 @@ def test_a_read_only_checkpoint_is_not_replaced_and_a_folder_name_is_refused(tmp
     with pytest.raises(IsADirectoryError):
         ckptio.save(sample(), str(tmp_path / "out") + "/")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_long_file_name_is_saved(tmp_path):
+    """The temp file's suffix (~35 bytes) made names of 221-255 bytes unsavable;
+    its copy of the target's name is cut to fit."""
+    p = tmp_path / ("lr0.001_bs64_" * 18 + ".pt")  # 237 bytes
+    assert len(p.name) > 230
+    ckptio.save(sample(), p)
+    same(torch.load(p), sample())
+    ckptio.save(sample(), p)  # over it, too
+    assert [q.name for q in tmp_path.iterdir()] == [p.name]

@@ -512,14 +512,19 @@ fn temp_name(target_name: &OsStr) -> OsString {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     let nonce = nanos ^ COUNTER.fetch_add(1, Ordering::Relaxed).rotate_left(48);
+    let tail = format!("{TMP_TAG}{}-{nonce:016x}{TMP_SUFFIX}", std::process::id());
+    // A name fits NAME_MAX (255 bytes): the target's part is cut where the
+    // whole would not (a target name of 221-255 bytes could not be saved).
+    let room = NAME_MAX.saturating_sub(1 + tail.len());
+    let name = target_name.as_bytes();
     let mut s = OsString::from(".");
-    s.push(target_name);
-    s.push(format!(
-        "{TMP_TAG}{}-{nonce:016x}{TMP_SUFFIX}",
-        std::process::id()
-    ));
+    s.push(OsStr::from_bytes(&name[..name.len().min(room)]));
+    s.push(tail);
     s
 }
+
+/// The longest file name most Linux file systems take.
+const NAME_MAX: usize = 255;
 
 /// Whether `file_name` is a temp file name made by [`temp_name`] (for any target).
 pub fn is_temp_name(file_name: &OsStr) -> bool {
@@ -842,6 +847,9 @@ mod tests {
     fn temp_names_parse() {
         let n = temp_name(OsStr::new("a.pt"));
         assert!(is_temp_name(&n));
+        let long = "x".repeat(250);
+        let n = temp_name(OsStr::new(&long));
+        assert!(n.len() <= NAME_MAX && is_temp_name(&n), "{n:?}");
         assert!(is_temp_name(OsStr::new(
             ".a.ckptio-x.pt.ckptio-12-0123456789abcdef.tmp"
         )));
