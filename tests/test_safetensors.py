@@ -311,16 +311,23 @@ BAD = {
 }
 
 
+def _refused(tmp_path, data: bytes, cls: type[Exception], match: str):
+    """``data`` refused by load_file (as a file, named in the error) and load
+    (as bytes), as ``cls`` saying ``match``; the file's path."""
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(data)
+    with pytest.raises(cls, match=re.escape(match)) as e:
+        cst.load_file(p)
+    assert str(p) in str(e.value)
+    with pytest.raises(cls, match=re.escape(match)):
+        cst.load(data)
+    return p
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_file_is_formaterror_naming_file_and_tensor(tmp_path, case):
     data, match = BAD[case]
-    p = tmp_path / "bad.safetensors"
-    p.write_bytes(data)
-    with pytest.raises(ckptio.FormatError, match=re.escape(match)) as e:
-        cst.load_file(p)
-    assert str(p) in str(e.value)
-    with pytest.raises(ckptio.FormatError, match=re.escape(match)):
-        cst.load(data)
+    p = _refused(tmp_path, data, ckptio.FormatError, match)
     # the package takes the last duplicate, knows F6, and reads an odd F4 row its own way
     if case not in ("duplicate key", "F6 not readable", "F4 odd last dimension"):
         with pytest.raises(Exception):  # noqa: B017 - the package refuses it too (its own type)
@@ -365,15 +372,9 @@ def test_header_json_is_read_as_safetensors_reads_it(tmp_path, case):
     # Both readers (the native one of load_file, the Python one it falls back
     # to and load uses) refuse what safetensors refuses, as a malformed header.
     data, match = NOT_JSON[case]
-    p = tmp_path / "bad.safetensors"
-    p.write_bytes(data)
+    p = _refused(tmp_path, data, cst.SafetensorError, match)
     with pytest.raises(Exception):  # noqa: B017 - the package refuses it (its own type)
         st.load_file(p)
-    with pytest.raises(cst.SafetensorError, match=re.escape(match)) as e:
-        cst.load_file(p)
-    assert str(p) in str(e.value)
-    with pytest.raises(cst.SafetensorError, match=re.escape(match)):
-        cst.load(data)
 
 
 @pytest.mark.parametrize(
