@@ -775,3 +775,16 @@ def test_a_long_file_name_is_saved(tmp_path):
     same(torch.load(p), sample())
     ckptio.save(sample(), p)  # over it, too
     assert [q.name for q in tmp_path.iterdir()] == [p.name]
+
+
+def test_records_and_listing_of_sparse_and_quantized_tensors(tmp_path):
+    """Tensors torch does not make on the meta device (sparse COO and CSR,
+    quantized): records and listing called such valid files corrupt."""
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    for t in (torch.eye(3).to_sparse(), torch.eye(3).to_sparse_csr(), q):
+        p = tmp_path / "c.pt"
+        ckptio.save({"t": t, "w": torch.ones(2)}, p)
+        torch.load(p)
+        recs = {r.name.split("/", 1)[1]: r for r in ckptio.records(p)}
+        assert any(ti.name == "w" and ti.shape == (2,) for r in recs.values() for ti in r.tensors)
+        assert ckptio.listing(p) is not None

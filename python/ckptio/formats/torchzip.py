@@ -47,7 +47,7 @@ import torch
 from torch.utils.serialization import config as _torch_config
 
 from ckptio import _native
-from ckptio.errors import CkptioError, LocationError, corrupt
+from ckptio.errors import CkptioError, FormatError, LocationError, corrupt
 from ckptio.formats import unpickled
 from ckptio.formats.mapped import Mapped
 from ckptio.io import devices, memory, remote
@@ -1150,11 +1150,40 @@ def list_records(path: str, *, weights_only: bool = True) -> list[RecordInfo]:
     reader = archive.reader
     meta = meta_object(archive)
     if meta is None:
-        with unpickling(path):
-            meta = torch.load(
-                f"/proc/self/fd/{reader.fileno()}", map_location="meta", weights_only=weights_only
-            )
+        try:
+            with unpickling(path):
+                meta = torch.load(
+                    f"/proc/self/fd/{reader.fileno()}",
+                    map_location="meta",
+                    weights_only=weights_only,
+                )
+        except FormatError as e:
+            if not isinstance(e.__cause__, (NotImplementedError, RuntimeError)):
+                raise
+            # Sparse, quantized, nested tensors are not made on the meta device
+            # (a damaged pickle fails this way too, and again below).
+            meta = _mapped_object(archive, weights_only)
     return _record_infos(archive, meta, dict(reader.checksums()))
+
+
+def _mapped_object(archive: Archive, weights_only: bool) -> Any:
+    """The archive's object as torch.load(mmap=True) makes it over a mapping
+    that nothing reads, each storage carrying its ``_checkpoint_offset`` (as
+    the meta device's do)."""
+    found: list[tuple[int, int, str]] = []
+    holders: list[torch.UntypedStorage] = []
+    with unpickling(archive.path):
+        obj = torch.load(
+            f"/proc/self/fd/{archive.reader.fileno()}",
+            map_location=_keep_mapped(found, holders),
+            mmap=True,
+            weights_only=weights_only,
+        )
+    pending = [(p, n, None) for p, n, _ in found]
+    offsets = file_offsets(pending, archive.data, archive.path)  # type: ignore[arg-type]
+    for st, off in zip(holders, offsets, strict=True):
+        st._checkpoint_offset = off
+    return obj
 
 
 def list_stored_records(stored: StoredArchive) -> list[RecordInfo] | None:
@@ -1186,6 +1215,8 @@ def _record_infos(archive: Records, meta: Any, crcs: dict[str, int | None]) -> l
     by_offset: dict[int, list[TensorInfo]] = {}
     sizes = {off: size for _, off, size in archive.records}
     for name, t in _tensors(meta, "", set()):
+        if t.layout != torch.strided:  # sparse: no storage of its own (its parts are listed)
+            continue
         off = getattr(t.untyped_storage(), "_checkpoint_offset", None)
         if off is None:
             continue
