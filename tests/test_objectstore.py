@@ -1815,3 +1815,23 @@ def test_an_object_file_whose_publish_fails_is_aborted_and_closed(s3):
     f.close()  # no second try
     with pytest.raises(FileNotFoundError):
         remote.head(url, s3.options)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_dcp_from_the_store_loads_tied_weights_and_casts(s3, verify):
+    """The store's DCP reader as the file's: two keys of one tensor (2 MiB: read
+    straight, then through a temporary) and a destination of another dtype."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
+
+    emb = torch.nn.Embedding(2048, 256)
+    sd = {"emb": emb.weight, "head": emb.weight, "b": torch.randn(1 << 19)}
+    url = s3.url("tied-dcp")
+    dcp.save(sd, storage_writer=FileSystemWriter(url, storage_options=s3.options), no_dist=True)
+    w = torch.zeros(2048, 256)
+    out = {"emb": w, "head": w, "b": torch.zeros(1 << 19, dtype=torch.bfloat16)}
+    reader = FileSystemReader(url, storage_options=s3.options, verify=verify)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert torch.equal(w, emb.weight.detach()) and out["head"] is w
+    assert torch.equal(out["b"], sd["b"].bfloat16())
+    assert all(s["backend"] == "store" for s in reader.last_stats)

@@ -974,9 +974,11 @@ class FileSystemReader(_TorchReader):
             # joining the read that waits (rounds of GETs are fullest so).
             reads = transfer.Pipeline.of_store(url, self._store.options, head["e_tag"], self.verify)
             batches, predicted, size = [], True, head["size"]
+            claims = memory.Claims()
             try:
                 for lo, hi in transfer.batch_ranges(len(reqs)):
-                    plan = self._plan_stored(url, size, reqs[lo:hi], planner, commits, blobs)
+                    batch = reqs[lo:hi]
+                    plan = self._plan_stored(url, size, batch, planner, commits, blobs, claims)
                     if plan is None:
                         predicted = False
                         break
@@ -1020,10 +1022,13 @@ class FileSystemReader(_TorchReader):
         planner: LoadPlanner,
         commits: list[tuple[Any, torch.Tensor, torch.Tensor | None, Any]],
         blobs: list[tuple[Any, torch.Tensor]],
+        claims: memory.Claims,
     ) -> tuple[list[Any], list[torch.Tensor], list[Any], torch.Tensor, list[Any]] | None:
         """The reads of a batch of one object's requests (see ``_read_stored``):
         (segments, owners, predicted spans, their buffer, CRC-32 checks); None
-        where a request does not fit the object or its layout is not predicted."""
+        where a request does not fit the object or its layout is not predicted.
+        ``claims``: the destinations the object's reads fill straight (batches
+        may join one read)."""
         segments: list[tuple[int, int, int, int]] = []
         owners: list[torch.Tensor] = []
         # Object offset -> (the bytes predicted there, (offset, length) in them
@@ -1048,7 +1053,9 @@ class FileSystemReader(_TorchReader):
             meta, item = layout
             known[info.offset] = (item.head, ())
             data_off = info.offset + item.data_off
-            seg = self._plan_read(url, req, planner, meta, data_off, segments, owners, commits)
+            seg = self._plan_read(
+                url, req, planner, meta, data_off, segments, owners, commits, claims
+            )
             if self.verify and seg is not None and item.crc_at:
                 tail = data_off + meta.untyped_storage().nbytes()
                 known[tail] = (item.tail, (*((k, 4) for k in item.crc_at), *item.volatile))
@@ -1402,7 +1409,7 @@ class FileSystemReader(_TorchReader):
                 kept[id(req)] = target
         _commit(planner, commits, kept)
 
-    def _value_bytes(self, f: io.BufferedReader, path: str, req: Any, info: _StorageInfo) -> bytes:
+    def _value_bytes(self, f: Any, path: str, req: Any, info: _StorageInfo) -> bytes:
         """A non-tensor value's bytes (a torch.save archive, as torch's planners
         save them, or a BytesIO's bytes as saved), whole; with verify=True an
         archive's records checked against their CRC-32s, as a tensor's are. A

@@ -1175,7 +1175,7 @@ def _mapped_object(archive: Archive, weights_only: bool) -> Any:
     with unpickling(archive.path):
         obj = torch.load(
             f"/proc/self/fd/{archive.reader.fileno()}",
-            map_location=_keep_mapped(found, holders),
+            map_location=_keep_mapped(found, holders),  # type: ignore[arg-type]
             mmap=True,
             weights_only=weights_only,
         )
