@@ -118,6 +118,15 @@ def test_the_environment_resolves_weights_only_as_for_torch(tmp_path, monkeypatc
         assert got["p"].x == want["p"].x and torch.equal(got["t"], want["t"]), kw
 
 
+def test_the_weights_only_warning_points_at_the_caller(tmp_path, monkeypatch):
+    p = tmp_path / "t.pt"
+    torch.save({"t": torch.ones(3)}, p)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.warns(UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD") as got:
+        ckptio.load(p)
+    assert got[0].filename == __file__, got[0].filename
+
+
 def test_both_environment_switches_at_once_is_torchs_error(tmp_path, monkeypatch):
     p = tmp_path / "t.pt"
     torch.save({"t": torch.ones(3)}, p)

@@ -980,7 +980,7 @@ def load_state_dict(
     """
     # As ckptio.load's (TORCH_FORCE_*_WEIGHTS_ONLY_LOAD too); the warning points
     # past the group and gc wrappers at the caller.
-    weights_only = torchzip.resolve_weights_only(weights_only, None, stacklevel=5)
+    weights_only = torchzip.resolve_weights_only(weights_only, None)
     if remote.is_url(f) or storage_options is not None:
         remote.check_options(f, storage_options)
         check_flags(strict=strict, cast=cast, verify=verify)

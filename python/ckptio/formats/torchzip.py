@@ -1248,7 +1248,7 @@ _TRUE = ("1", "y", "yes", "true")
 
 
 def resolve_weights_only(
-    weights_only: bool | None, pickle_module: Any, stacklevel: int = 4
+    weights_only: bool | None, pickle_module: Any, stacklevel: int = 5
 ) -> bool:
     """``weights_only`` as torch.load resolves it, decided once per load: its
     default (True unless a ``pickle_module`` is given), then the environment
@@ -1273,7 +1273,7 @@ def resolve_weights_only(
             "`weights_only` argument was not explicitly passed to `torch.load`, forcing "
             "weights_only=False.",
             UserWarning,
-            stacklevel=stacklevel,  # the caller of ckptio.load (through its group wrapper)
+            stacklevel=stacklevel,  # the caller of ckptio.load (through its two wrappers)
         )
         weights_only = False
     if weights_only and pickle_module is not None:
