@@ -500,7 +500,7 @@ def test_a_bad_map_location_is_the_callers_error_not_a_damaged_file(tmp_path):
             torch.load(p, map_location=ml)
         with pytest.raises(TypeError, match="map_location"):
             ckptio.load(p, map_location=ml)
-    for ml in ("xla", {"cpu": "mps"}):
+    for ml in ("xla", {"cpu": "mps"}, "cpu:0", torch.device("cpu", 0), {"cpu": "cpu:0"}):
         with pytest.raises(RuntimeError):
             torch.load(p, map_location=ml)
         with pytest.raises(ckptio.LocationError, match="map_location") as ei:

@@ -81,8 +81,8 @@ def restorable(location: Any) -> bool:
 def fill_device(map_location: MapLocation, location: str) -> torch.device | None:
     """The device the engine fills for a storage saved at ``location`` once
     ``map_location`` applied; None where torch.load must restore it: a device the
-    engine does not fill, or a tag of the file's (no str or device map_location
-    replaced it) that torch cannot restore, so that torch raises its own error."""
+    engine does not fill, or a location torch cannot restore (a tag of the file's,
+    or the caller's ``"cpu:0"``, which torch.load refuses), so that torch raises
+    its own error."""
     loc = relocated(map_location, location)
-    tagged = not isinstance(map_location, (str, torch.device))
-    return engine_device(loc) if not tagged or restorable(loc) else None
+    return engine_device(loc) if restorable(loc) else None
