@@ -774,16 +774,10 @@ def file_offsets(
 
 def _mapping_base(address: int) -> int | None:
     """The address where file offset 0 of the file mapping holding ``address``
-    would be (/proc/self/maps); None where it cannot be read."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                span, _, offset = line.split(None, 3)[:3]
-                lo, hi = (int(x, 16) for x in span.split("-"))
-                if lo <= address < hi:
-                    return lo - int(offset, 16)
-    except (OSError, ValueError):
-        pass
+    would be (``memory.mappings``); None where it cannot be read."""
+    for lo, hi, _, offset in memory.mappings() or ():
+        if lo <= address < hi:
+            return lo - offset
     return None
 
 

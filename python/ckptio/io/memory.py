@@ -49,6 +49,22 @@ def advise_shared(storage: torch.UntypedStorage) -> bool:
     return bool(_native.advise_huge(storage.data_ptr(), storage.nbytes(), True))
 
 
+def mappings() -> list[tuple[int, int, str, int]] | None:
+    """This process's memory mappings as /proc/self/maps lists them, by address:
+    (start, end, permissions such as ``"rw-p"``, file offset of the start);
+    None where procfs cannot be read."""
+    try:
+        with open("/proc/self/maps") as f:
+            rows = []
+            for line in f:
+                span, perms, offset = line.split(None, 3)[:3]
+                lo, hi = span.split("-")
+                rows.append((int(lo, 16), int(hi, 16), perms, int(offset, 16)))
+    except (OSError, ValueError):
+        return None
+    return rows
+
+
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _populate_works = True
 

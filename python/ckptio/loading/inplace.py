@@ -653,15 +653,10 @@ def _read_only(items: list[Item]) -> list[Problem]:
     ranges = sorted((*span, key) for span, key in spans if span is not None)
     if not ranges:
         return []
-    try:
-        with open("/proc/self/maps") as f:
-            maps = []
-            for line in f:
-                span, perms = line.split(None, 2)[:2]
-                lo, hi = span.split("-")
-                maps.append((int(lo, 16), int(hi, 16), "w" in perms))
-    except OSError:  # no procfs: the reads report EFAULT instead
+    rows = memory.mappings()
+    if rows is None:  # no procfs: the reads report EFAULT instead
         return []
+    maps = [(lo, hi, "w" in perms) for lo, hi, perms, _ in rows]
     starts = [m[0] for m in maps]
     bad = []
     for lo, hi, key in ranges:
