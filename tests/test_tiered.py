@@ -750,6 +750,61 @@ def test_a_step_whose_local_write_failed_may_be_saved_again(tmp_path, s3, monkey
         assert c.remote_steps() == [1]
 
 
+@pytest.mark.filterwarnings("ignore:ckptio.tiered. pruning old steps failed")
+def test_a_removal_killed_midway_is_finished_by_the_next_process(tmp_path, s3, monkeypatch):
+    """keep_remote removes step 1 from the store; the process dies right after
+    it deleted the step's commit record (before the step's objects): those
+    stayed in the store, named by no listing, and no later Checkpointer removed
+    them. Now the step's removal mark names them and the next Checkpointer on
+    the same folders finishes the removal."""
+    real = remote.delete
+
+    def dies_after_the_commit_record(url, *a, **k):
+        real(url, *a, **k)
+        if url.endswith("/" + COMMIT):
+            raise OSError("killed (injected)")
+
+    with _ckpt(tmp_path, s3, keep_local=1, keep_remote=2) as c:
+        c.save(1, _state(1)).wait(60)
+        c.save(2, _state(2)).wait(60)
+        monkeypatch.setattr(remote, "delete", dies_after_the_commit_record)
+        c.save(3, _state(3)).wait(60)  # its prune of step 1 dies midway
+    monkeypatch.setattr(remote, "delete", real)
+    step1 = s3.url("run", step_name(1))
+    left = {u.rsplit("/", 1)[1] for u, _, _, _ in remote.listing(step1, s3.options)}
+    assert "state.pt" in left and COMMIT not in left
+    with _ckpt(tmp_path, s3, keep_local=1, keep_remote=2) as c:
+        assert c.resumed == []
+        assert remote.listing(step1, s3.options) == []  # no orphan left
+        assert c.remote_steps() == [2, 3] and c.latest() == 3
+        _same(c.load(2), _state(2))
+
+
+def test_a_step_marked_for_removal_is_not_complete(tmp_path, s3):
+    """A process died right after it marked step 3 for removal (its commit
+    record still there): no listing, latest() or load() takes step 3; a new
+    save of step 3 finishes the removal and saves anew; a Checkpointer that
+    lists the store finishes a removal a dead process left."""
+    from ckptio.tiered import REMOVING
+
+    with _ckpt(tmp_path, s3) as c:
+        for step in (1, 2, 3):
+            c.save(step, _state(step)).wait(60)
+    remote.put_bytes(s3.url("run", step_name(3), REMOVING), b"{}", s3.options)
+    remote.put_bytes(s3.url("run", step_name(1), REMOVING), b"{}", s3.options)
+    with Checkpointer(tmp_path / "other", s3.url("run"), storage_options=s3.options) as c:
+        assert c.remote_steps() == [2] and c.latest() == 2
+        _same(c.load(), _state(2))
+        with pytest.raises(FileNotFoundError, match="step 3 is complete in neither"):
+            c.load(3)
+        c.save(3, _state(4)).wait(60)  # step 3's removal finished, then saved anew
+        assert c.remote_steps() == [2, 3]
+        assert remote.listing(s3.url("run", step_name(1)), s3.options) == []
+    shutil.rmtree(tmp_path / "other")
+    with Checkpointer(tmp_path / "other", s3.url("run"), storage_options=s3.options) as c:
+        _same(c.load(3), _state(4))
+
+
 # ------------------------------------------------------------------- review of 2026-12-06, later
 
 

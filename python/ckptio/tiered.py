@@ -11,7 +11,11 @@ and ``remote`` (durable in the store). A step is:
 - remotely, the same files under ``<remote>/step-<step>/`` (each one multipart
   upload, whole or absent) and, put last with If-None-Match,
   ``ckptio-commit.json``: a step is complete in the store once that object
-  is there, and never names a missing object.
+  is there, and never names a missing object. A step leaves the store
+  (``keep_remote``) resumably: ``ckptio-removing.json`` put first (from then
+  on the step is not complete for any reader), then its commit record, its
+  files, and that mark last; a step found marked is removed by whichever
+  ``Checkpointer`` comes next (it is idempotent), never one not marked.
 
 The drain runs on one background thread, in step order, retrying transient
 store errors (throttling, lost connections, 5xx) with exponential backoff, and
@@ -68,6 +72,10 @@ __all__ = ["Checkpointer", "SaveHandle", "TieredWriter", "FORMATS"]
 #: What a step holds, by format: the file name (DCP: a folder of files).
 FORMATS = {"torch": "state.pt", "safetensors": "model.safetensors", "dcp": None}
 COMMIT = "ckptio-commit.json"
+#: In a remote step: put before its removal begins (the commit record, then
+#: the files, then this last), so that no reader takes the step as complete
+#: and the next Checkpointer finishes what a process that died left.
+REMOVING = "ckptio-removing.json"
 #: In a step folder being written: the writing process's tag (``io.liveness``),
 #: so that a new Checkpointer leaves a live writer's folder alone.
 WRITER = ".ckptio-writer"
@@ -172,6 +180,9 @@ class Checkpointer:
         #: Steps this process removed from the store (keep_remote): past both
         #: windows, so their local copies go too.
         self._dropped: set[int] = set()
+        #: Steps found marked for removal in the store (a process that died
+        #: midway left them): the next prune finishes them.
+        self._marked: set[int] = set()
         os.makedirs(self.local, exist_ok=True)
         self.resumed: list[int] = self._resume()
 
@@ -193,14 +204,20 @@ class Checkpointer:
         return sorted(found)
 
     def remote_steps(self) -> list[int]:
-        """Steps complete in the store (their commit record is there), oldest first."""
-        found = set()
+        """Steps complete in the store (their commit record is there and no
+        removal mark), oldest first."""
+        found, marked = set(), set()
         for url, _, _, _ in objstore.listing(self.remote, self._options):
             tail = url[len(self.remote) :].strip("/").split("/")
-            if len(tail) == 2 and tail[1] == COMMIT and (m := _STEP.match(tail[0])):
-                found.add(int(m.group(1)))
+            if len(tail) == 2 and (m := _STEP.match(tail[0])):
+                if tail[1] == COMMIT:
+                    found.add(int(m.group(1)))
+                elif tail[1] == REMOVING:
+                    marked.add(int(m.group(1)))
+        found -= marked
         with self._lock:
-            self._in_store |= found
+            self._in_store = (self._in_store | found) - marked
+            self._marked |= marked
         return sorted(found)
 
     def latest(self) -> int | None:
@@ -366,6 +383,15 @@ class Checkpointer:
         opts = self._options
         there = {u: tag for u, _, tag, _ in objstore.listing(url, opts)}
         commit_url = objstore.join(url, COMMIT)
+        mark = objstore.join(url, REMOVING)
+        if mark in there:  # an earlier save of the step, on its way out: gone first
+            owner = _mark_owner(mark, opts)
+            if _drains_it(owner):
+                raise CommitConflictError(
+                    17, f"step {step} is being removed from the store by {owner}", url
+                )
+            self._remove_step(step)
+            there = {}
         if commit_url in there:
             self._check_record(commit_url, record)
             return
@@ -400,27 +426,48 @@ class Checkpointer:
 
     def _prune(self) -> None:
         with self._lock:
-            in_store = self._in_store | self._dropped
+            in_store, dropped = set(self._in_store), set(self._dropped)
         local = self.local_steps()
         for step in local[: max(0, len(local) - self.keep_local)]:
-            if step in in_store:
+            if step in in_store or step in dropped:
                 folder = self._step_dir(step)
                 os.unlink(os.path.join(folder, COMMIT))  # incomplete first, then gone
                 shutil.rmtree(folder, ignore_errors=True)
         if self.keep_remote is not None:
             steps = sorted(in_store)
             for step in steps[: max(0, len(steps) - self.keep_remote)]:
-                url = self._step_url(step)
-                objstore.delete(objstore.join(url, COMMIT), self._options)
-                for obj, _, _, _ in objstore.listing(url, self._options):
-                    objstore.delete(obj, self._options)
-                with self._lock:
-                    self._in_store.discard(step)
-                    self._dropped.add(step)
+                self._remove_step(step)
+        with self._lock:
+            marked = sorted(self._marked)
+        for step in marked:  # removals a process that died left
+            self._remove_step(step)
+
+    def _remove_step(self, step: int) -> None:
+        """Remove ``step`` from the store, resumably and idempotently: its
+        removal mark first (no reader takes the step as complete from then on;
+        a process that dies leaves it for the next to finish), then its commit
+        record, its other objects, and the mark last."""
+        opts, url = self._options, self._step_url(step)
+        mark = objstore.join(url, REMOVING)
+        objstore.put_bytes(mark, json.dumps({"owner": liveness.tag()}).encode(), opts)
+        with self._lock:
+            self._in_store.discard(step)
+            self._marked.add(step)
+        objstore.delete(objstore.join(url, COMMIT), opts)
+        for obj, _, _, _ in objstore.listing(url, opts):
+            if obj != mark:
+                objstore.delete(obj, opts)
+        objstore.delete(mark, opts)
+        with self._lock:
+            self._marked.discard(step)
+            self._dropped.add(step)
 
     def _resume(self) -> list[int]:
-        """Remove local step folders of saves that died; drain the local steps
-        the store lacks (oldest first). The steps being drained."""
+        """Remove local step folders of saves that died; finish the removals
+        from the store that processes which died left (where the store is
+        listed: local steps, or ``keep_remote``); drain the local steps the
+        store lacks (oldest first), but those marked for removal. The steps
+        being drained."""
         for name in os.listdir(self.local):
             path = os.path.join(self.local, name)
             if _STEP.match(name) and not os.path.isfile(os.path.join(path, COMMIT)):
@@ -436,8 +483,19 @@ class Checkpointer:
                 f"ckptio.tiered: {self.remote} not listed ({e}); draining all", stacklevel=2
             )
             stored = set()
+        with self._lock:
+            marked = sorted(self._marked)
+        for step in marked:  # past keep_remote when it was marked: not drained again
+            try:
+                self._remove_step(step)
+            except (OSError, StoreError) as e:  # the next prune tries again
+                warnings.warn(
+                    f"ckptio.tiered: finishing the removal of step {step} from "
+                    f"{self.remote} failed: {e}",
+                    stacklevel=2,
+                )
         todo = []
-        for step in (s for s in local if s not in stored):
+        for step in (s for s in local if s not in stored and s not in marked):
             manifest = self._local_manifest(step) or {}
             if manifest.get("remote", self.remote) != self.remote:
                 warnings.warn(
@@ -490,12 +548,13 @@ class Checkpointer:
         opts: dict[str, Any] = {}
         if in_store:
             where = self._step_url(step)
+            gone = f"step {step} is complete in neither {self.local} nor the store"
             try:
                 objstore.head(objstore.join(where, COMMIT), self._options)
             except FileNotFoundError as e:
-                raise FileNotFoundError(
-                    2, f"step {step} is complete in neither {self.local} nor the store", where
-                ) from e
+                raise FileNotFoundError(2, gone, where) from e
+            if _exists(objstore.join(where, REMOVING), self._options):
+                raise FileNotFoundError(2, f"{gone} (it is being removed from the store)", where)
             opts = {"storage_options": self._options}
         if self.format == "torch":
             path = objstore.join(where, "state.pt") if opts else os.path.join(where, "state.pt")
@@ -1238,6 +1297,24 @@ def _own(path: str, rec: dict[str, Any], owner: str | None) -> None:
 def _drains_it(owner: str | None) -> bool:
     """Whether another process that runs now wrote it (and drains it itself)."""
     return liveness.running(owner) and not liveness.is_mine(owner)
+
+
+def _exists(url: str, options: objstore.StorageOptions) -> bool:
+    try:
+        objstore.head(url, options)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _mark_owner(url: str, options: objstore.StorageOptions) -> str | None:
+    """The tag of the process that put the removal mark ``url`` (None: not
+    recorded, or the mark is gone since)."""
+    try:
+        owner = json.loads(objstore.get_bytes(url, options)[0])["owner"]
+        return owner if isinstance(owner, str) else None
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _read_file(path: str) -> bytes:
