@@ -5,6 +5,7 @@ configuration (storage_options, the AWS variables), the commit semantics
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing as mp
 import os
@@ -583,6 +584,66 @@ def test_dcp_reader_reads_a_store_straight_into_the_state_dict(s3, tmp_path, scr
     r = FileSystemReader(url, storage_options=s3.options, verify=True)
     with pytest.raises(CheckpointException, match="item 'big' at bytes .* CRC-32"):
         dcp.load(out, storage_reader=r, no_dist=True)
+    assert os.listdir(scratch) == []
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_reader_from_a_store_checks_non_tensor_values(s3, scratch):
+    """verify=True from a store checks each non-tensor value's archive against
+    its CRC-32s in the bytes fetched, as the local reader does: an intact one
+    in "verified" (a BytesIO saved as it is, no zip, in "unchecked"); a flipped
+    byte in one (which loads silently as another value without verify) a
+    FormatError naming the object and the item. No local copy either way."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        DefaultSavePlanner,
+    )
+
+    class RawSave(DefaultSavePlanner):  # "raw" saved as its bytes, not torch.save'd
+        def transform_object(self, write_item, object):
+            if isinstance(object, io.BytesIO):
+                return object
+            return super().transform_object(write_item, object)
+
+    class RawLoad(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            if read_item.dest_index.fqn == "raw":
+                self.original_state_dict["raw"] = value.getvalue()
+            else:
+                super().load_bytes(read_item, value)
+
+    w = torch.randn(64, 33, generator=torch.Generator().manual_seed(3))
+    sd = {"w": w, "sched": {"last_epoch": 1000, "name": "cosine"}, "raw": io.BytesIO(b"as is")}
+    url = s3.url("dcp-values")
+    writer = FileSystemWriter(url, storage_options=s3.options)
+    dcp.save(sd, storage_writer=writer, planner=RawSave(), no_dist=True)
+
+    def load(verify: bool) -> tuple[dict, FileSystemReader]:
+        out = {"w": torch.zeros(64, 33), "sched": {"last_epoch": 0, "name": ""}, "raw": b""}
+        r = FileSystemReader(url, storage_options=s3.options, verify=verify)
+        dcp.load(out, storage_reader=r, planner=RawLoad(), no_dist=True)
+        return out, r
+
+    out, r = load(True)
+    assert torch.equal(out["w"], w) and out["sched"] == sd["sched"] and out["raw"] == b"as is"
+    [st] = r.last_stats
+    assert st["backend"] == "store" and st["path"].endswith(".distcp"), st
+    assert sorted(st["verified"]) == ["sched.last_epoch", "sched.name", "w"], st
+    assert st["unchecked"] == ["raw"], st
+    # One byte of the value "sched.name" flipped inside its item (its pickle).
+    [data] = [u for u, _, _, _ in remote.listing(url, s3.options) if u.endswith(".distcp")]
+    raw = bytearray(remote.get_bytes(data, s3.options)[0])
+    item = r.storage_data[next(k for k in r.storage_data if k.fqn == "sched.name")]
+    raw[raw.index(b"cosine", item.offset, item.offset + item.length)] ^= 0x20
+    remote.put_bytes(data, bytes(raw), s3.options)
+    assert load(False)[0]["sched"]["name"] == "Cosine"  # unchecked: another value
+    with pytest.raises(CheckpointException) as ei:
+        load(True)
+    e = ei.value.failures[0][0] if hasattr(ei.value, "failures") else ei.value
+    assert isinstance(e, ckptio.FormatError), repr(e)
+    assert f"{data}, item 'sched.name'" in str(e) and "CRC-32" in str(e), str(e)
     assert os.listdir(scratch) == []
 
 

@@ -960,7 +960,9 @@ class FileSystemReader(_TorchReader):
         ``verify``: each item's tail is read and compared too (but for the data
         record's CRC-32 fields: the small records' CRC-32s are then the
         predicted ones), and the data's CRC-32, computed as its bytes arrive,
-        checked against the directory's (0: none stored). False (the caller
+        checked against the directory's (0: none stored); each non-tensor
+        value's archive checked against its CRC-32s in the bytes fetched
+        (``_checked_values``). False (the caller
         reads the items from a scratch copy, writing every destination again)
         where it does not apply: an item of another layout. Items with stream
         transforms are not given here (``_read_coded``). ``kept`` as for
@@ -969,6 +971,7 @@ class FileSystemReader(_TorchReader):
         blobs: list[tuple[Any, torch.Tensor]] = []
         self.last_stats = []
         for url, head, reqs in self._stored_files(items):
+            values = len(blobs)  # this object's non-tensor values: blobs[values:]
             # Batches (8 items, then four times the last): GETs while the rest
             # is planned, one read at a time, the batches planned meanwhile
             # joining the read that waits (rounds of GETs are fullest so).
@@ -1004,6 +1007,10 @@ class FileSystemReader(_TorchReader):
                     named = [(seg, placed[field], name, at) for seg, field, name, at in checks]
                     stats = dict(stats, **_checked_items(url, named, stats.pop("crc32")))
                 done.append(stats)
+            if self.verify and len(blobs) > values:  # from the bytes fetched: no second GET
+                checked = self._checked_values(url, blobs[values:])
+                last = done.pop() if done else transfer.merged([], "store")
+                done.append({**last, **{k: [*last.get(k, ()), *v] for k, v in checked.items()}})
             if done:
                 self.last_stats.append(dict(transfer.merged(done), path=url))
         for req, buf in blobs:
@@ -1013,6 +1020,25 @@ class FileSystemReader(_TorchReader):
                 kept[id(req)] = blob
         _commit(planner, commits, kept)
         return True
+
+    @staticmethod
+    def _checked_values(url: str, blobs: list[tuple[Any, torch.Tensor]]) -> dict[str, list[str]]:
+        """The non-tensor values of ``url`` read from the store (each a torch.save
+        archive, as torch's planners save them, or a BytesIO's bytes as saved)
+        checked as ``_value_bytes`` checks a file's: an archive's records
+        against their CRC-32s in the bytes already fetched (a FormatError
+        naming the object and the item on a mismatch), its name in "verified";
+        other bytes in "unchecked"."""
+        verified, unchecked = [], []
+        for req, buf in blobs:
+            name = req.storage_index.fqn
+            blob = buf.numpy().tobytes()
+            if blob.startswith(b"PK\x03\x04"):
+                torchzip.check_archive_bytes(f"{url}, item {name!r}", blob)
+                verified.append(name)
+            else:
+                unchecked.append(name)
+        return {"verified": verified, "unchecked": unchecked}
 
     def _plan_stored(
         self,
