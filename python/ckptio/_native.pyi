@@ -394,8 +394,9 @@ class Unpickled:
         ordered_dict: Callable[[], Any],
     ) -> Any:
         """Make the object: ``rebuild_tensor(storage index, offset, size, stride,
-        requires_grad, hooks)`` per tensor, ``rebuild_parameter(tensor, requires_grad,
-        hooks)`` per Parameter."""
+        requires_grad, hooks, need, contiguous)`` per tensor (the storage elements
+        the view needs, -1 for a view no checkpoint holds, and whether it is
+        row-major), ``rebuild_parameter(tensor, requires_grad, hooks)`` per Parameter."""
 
 def safetensors_header(
     json: bytes, data_len: int, itemsizes: dict[str, int]

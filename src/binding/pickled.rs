@@ -58,7 +58,9 @@ impl Unpickled {
     }
 
     /// Make the object: `rebuild_tensor(storage index, offset, size, stride,
-    /// requires_grad, hooks)` for each tensor, `rebuild_parameter(tensor,
+    /// requires_grad, hooks, need, contiguous)` for each tensor (`need`, the
+    /// storage elements the view needs, and `contiguous`: see
+    /// [`pickle::view_layout`]; -1 for a view no checkpoint holds), `rebuild_parameter(tensor,
     /// requires_grad, hooks)` for each Parameter, `ordered_dict()` for each
     /// OrderedDict; containers filled after every object exists (so memo
     /// references keep aliasing and cycles), attributes set on OrderedDicts.
@@ -105,14 +107,23 @@ impl Unpickled {
                     stride,
                     requires_grad,
                     hooks,
-                } => rebuild_tensor.call1((
-                    *storage,
-                    *offset,
-                    PyTuple::new(py, size)?,
-                    PyTuple::new(py, stride)?,
-                    *requires_grad,
-                    get(&objs, *hooks)?,
-                ))?,
+                } => {
+                    // -1: a view no checkpoint holds; Python says what is wrong.
+                    let (need, contiguous) = match pickle::view_layout(*offset, size, stride) {
+                        Some((n, c)) => (n as i64, c),
+                        None => (-1, false),
+                    };
+                    rebuild_tensor.call1((
+                        *storage,
+                        *offset,
+                        PyTuple::new(py, size)?,
+                        PyTuple::new(py, stride)?,
+                        *requires_grad,
+                        get(&objs, *hooks)?,
+                        need,
+                        contiguous,
+                    ))?
+                }
                 Value::Parameter {
                     tensor,
                     requires_grad,

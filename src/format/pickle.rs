@@ -803,8 +803,51 @@ pub mod op {
     pub const POP_MARK: u8 = b'1';
 }
 
+/// The storage elements a view `(offset, size, stride)` needs, as torch's
+/// `computeStorageNbytes` counts them, and whether it is row-major (as
+/// `is_contiguous` says: dimensions of size 1 may have any stride, an empty
+/// view is contiguous); None for a view no checkpoint holds (a negative value,
+/// a storage past i64). Python's `unpickled.view_layout` is the same rule for
+/// values it cannot trust to be ints and says what is wrong.
+pub fn view_layout(offset: i64, size: &[i64], stride: &[i64]) -> Option<(u64, bool)> {
+    if offset < 0 || size.len() != stride.len() {
+        return None;
+    }
+    if size.iter().chain(stride).any(|&v| v < 0) {
+        return None;
+    }
+    if size.contains(&0) {
+        return Some((0, true));
+    }
+    let mut need = offset as i128 + 1;
+    let mut expected = 1i128;
+    let mut contiguous = true;
+    for (&s, &st) in size.iter().rev().zip(stride.iter().rev()) {
+        need += (s as i128 - 1) * st as i128;
+        if s != 1 && st as i128 != expected {
+            contiguous = false;
+        }
+        expected = expected.saturating_mul(s as i128);
+    }
+    (need < 1i128 << 63).then_some((need as u64, contiguous))
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn view_layout_counts_as_torch_does() {
+        assert_eq!(view_layout(0, &[], &[]), Some((1, true)));
+        assert_eq!(view_layout(3, &[4], &[1]), Some((7, true)));
+        assert_eq!(view_layout(0, &[2, 3], &[3, 1]), Some((6, true)));
+        assert_eq!(view_layout(0, &[2, 3], &[1, 2]), Some((6, false)));
+        assert_eq!(view_layout(0, &[1, 3], &[99, 1]), Some((3, true)));
+        assert_eq!(view_layout(5, &[2, 0], &[7, 1]), Some((0, true)));
+        assert_eq!(view_layout(0, &[4], &[0]), Some((1, false)));
+        assert_eq!(view_layout(-1, &[4], &[1]), None);
+        assert_eq!(view_layout(0, &[4], &[-1]), None);
+        assert_eq!(view_layout(0, &[1 << 40, 1 << 40], &[1 << 40, 1]), None);
+    }
+
     use super::*;
 
     /// Python 3.11, `pickle.dumps(x, protocol=2)` for the objects named.

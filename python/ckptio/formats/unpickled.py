@@ -67,16 +67,22 @@ class _Maker:
         self._news = news
         return news
 
-    def check(self, i: int, offset: Any, size: Any, stride: Any) -> bool:
+    def check(
+        self, i: int, offset: Any, size: Any, stride: Any, need: int = -1, contiguous: bool = False
+    ) -> bool:
         """Whether (size, stride) is contiguous; a FormatError naming the record
         where the view is none a checkpoint holds (:func:`view_layout`) or reaches
         past its storage's record: set_ would grow (reallocate) the storage, which
         the engine may be filling at this moment (ckptio.load makes the tensors
-        during the read); torch.load's storages cannot grow and it raises."""
-        try:
-            need, contiguous = view_layout(offset, size, stride)
-        except ValueError as e:
-            raise corrupt(f"{self.path}, record {self.records[i]}", f"a tensor's {e}") from None
+        during the read); torch.load's storages cannot grow and it raises.
+        ``need`` and ``contiguous``: the layout as the native reader computed it
+        (``_native.Unpickled.build``; -1: none, or a view it refused)."""
+        if need < 0:
+            try:
+                need, contiguous = view_layout(offset, size, stride)
+            except ValueError as e:
+                where = f"{self.path}, record {self.records[i]}"
+                raise corrupt(where, f"a tensor's {e}") from None
         need *= self.itemsizes[i]
         if need > self.sizes[i]:
             raise corrupt(
@@ -87,9 +93,17 @@ class _Maker:
         return contiguous
 
     def tensor(
-        self, i: int, offset: Any, size: Any, stride: Any, requires_grad: bool, hooks: Any
+        self,
+        i: int,
+        offset: Any,
+        size: Any,
+        stride: Any,
+        requires_grad: bool,
+        hooks: Any,
+        need: int = -1,
+        contiguous: bool = False,
     ) -> torch.Tensor:
-        self.check(i, offset, size, stride)
+        self.check(i, offset, size, stride, need, contiguous)
         news = self._news if self._news is not None else self._makers()
         t = news[i]().set_(self.storages[i], offset, size, stride)
         t.requires_grad = requires_grad
@@ -134,7 +148,7 @@ class Placeholder:
     )
 
     def __init__(self, maker: _Maker, args: tuple[Any, ...]) -> None:
-        i, offset, size, stride = args[:4]
+        i, offset, size, stride, _, _, *layout = args
         self._maker = maker
         self._args = args
         self._param: tuple[Placeholder, bool, Any] | None = None
@@ -142,7 +156,7 @@ class Placeholder:
         self.dtype = maker.dtypes[i]
         self.storage_address = maker.addresses[i]
         itemsize = maker.itemsizes[i]
-        self.contiguous = maker.check(i, offset, size, stride)
+        self.contiguous = maker.check(i, offset, size, stride, *layout)
         self.shape = torch.Size(size)
         self.address = self.storage_address + offset * itemsize
         self.nbytes = self.shape.numel() * itemsize
