@@ -747,6 +747,27 @@ def test_tensor_beyond_its_storage_is_refused(tmp_path, n, field, value):
     assert not m.t.any() and not m.u.any()
 
 
+def test_a_negative_size_is_refused_by_name(tmp_path):
+    """A tensor whose size is negative (a damaged 4-byte int in the pickle): the native
+    reader's layout check refuses the view and the message says what is wrong, for new
+    tensors and in place alike, nothing written."""
+    n = 1 << 23  # a size stored as a 4-byte signed int
+    src = tmp_path / "src.pt"
+    torch.save({"t": torch.arange(n, dtype=torch.int64), "u": torch.ones(3)}, src)
+    p = tmp_path / "bad.pt"
+    p.write_bytes(patch_pickle(src.read_bytes(), "t", "size", -5))
+    with pytest.raises(RuntimeError):
+        torch.load(p, weights_only=True)
+    with pytest.raises(ckptio.FormatError, match=r"data/0: .*a tensor's size \(-5,\)"):
+        ckptio.load(p)
+    m = torch.nn.Module()
+    m.register_buffer("t", torch.zeros(n, dtype=torch.int64))
+    m.register_buffer("u", torch.zeros(3))
+    with pytest.raises(ckptio.FormatError, match=r"a tensor's size \(-5,\)"):
+        ckptio.load_state_dict(m, p)
+    assert not m.t.any() and not m.u.any()
+
+
 def test_storage_location_torch_cannot_restore_is_refused_in_place(tmp_path):
     """A storage tagged with a location torch.load cannot restore (a damaged tag) is a
     FormatError for loads in place too, though they never move storages to it."""
