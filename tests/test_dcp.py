@@ -366,6 +366,42 @@ def test_blocking_async_stager(cache):
     st.close()
 
 
+@pytest.mark.parametrize("how", ["pickle", "share", "blocking-cache"])
+def test_stager_follows_staged_storages_moved_to_shared_memory(how):
+    """DCP's PROCESS mode pickles the staged dict with ForkingPickler, which moves
+    each storage that is not shared into shared memory in place (share_memory_):
+    the cached buffers must follow their storages, never copy to the old
+    address (freed: the next stage() crashed or wrote into unrelated tensors)."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the storage reductions
+
+    if how == "blocking-cache":  # forces use_shared_memory=False
+        st = BlockingAsyncStager(cache_staged_state_dict=True)
+    else:
+        st = DefaultStager(StagingOptions(use_shared_memory=False, use_async_staging=False))
+    sd = {"w": torch.full((1 << 20,), 1.0), "s": torch.ones(4), "u": torch.ones(300)}
+    staged = st.stage(sd)
+    moved = {k: v.data_ptr() for k, v in staged.items()}
+    if how == "share":
+        for v in staged.values():
+            v.untyped_storage().share_memory_()
+    else:
+        ForkingPickler(io.BytesIO()).dump(staged)
+    assert all(v.data_ptr() != moved[k] for k, v in staged.items())  # the premise
+    # Unrelated tensors allocated now may take the freed memory.
+    others = [torch.zeros(1 << 20) for _ in range(8)] + [torch.zeros(64) for _ in range(64)]
+    for i in range(2, 5):
+        for v in sd.values():
+            v.fill_(float(i))
+        staged = st.stage(sd)
+        for k, v in sd.items():
+            assert torch.equal(staged[k], v), (i, k)
+        assert not any(bool(o.any()) for o in others), "a copy went to a stale address"
+    st.close()
+
+
 # -- DCP writer and reader, one process -------------------------------------------
 
 

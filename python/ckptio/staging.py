@@ -79,7 +79,9 @@ class StagingOptions:
     - ``use_pinned_memory``: page-lock staging buffers (fast device-to-host copies).
     - ``use_shared_memory``: staging buffers shareable by descriptor, so the staged
       dict travels to DCP's checkpoint process (``AsyncCheckpointerType.PROCESS``)
-      without a copy (memfds, not limited by the size of /dev/shm).
+      without a copy (memfds, not limited by the size of /dev/shm). Without it,
+      pickling the staged dict there moves each buffer into shared memory once
+      (torch's ``share_memory_``); the stager follows the moved buffers.
     - ``use_async_staging``: ``stage()`` returns a Future at once and copies in the
       background; else it returns the staged dict when the copy is done.
     - ``use_non_blocking_copy``: accepted for compatibility; ckptio's copies are
@@ -198,22 +200,54 @@ def _placeholder(device: torch.device) -> torch.UntypedStorage | None:
 
 
 class _HostBuffer(_Buffer):
-    """A host staging buffer (a memfd; see ``_host_storage``) and its pin."""
+    """A host staging buffer (a memfd; see ``_host_storage``) and its pin, which
+    covers ``addr``, where the storage's memory was when the pin was made."""
 
-    __slots__ = ("pin", "pinned", "shared")
+    __slots__ = ("addr", "pin", "pinned", "shared")
 
     def __init__(self, nbytes: int, shared: bool, pinned: bool) -> None:
         super().__init__(nbytes, _CPU)
         self.shared = shared
         self.pinned = pinned
         self.pin: Any = None
+        self.addr = 0
 
     def _allocate(self) -> torch.UntypedStorage:
         storage = _host_storage(self.nbytes, self.shared)
+        self.addr = storage.data_ptr()
         self.pin = _native.HostPin(
-            storage, storage.data_ptr(), self.nbytes, pin=self.pinned, chunk_size=_PIN_CHUNK
+            storage, self.addr, self.nbytes, pin=self.pinned, chunk_size=_PIN_CHUNK
         )
         return storage
+
+    def follow(self) -> None:
+        """Pin the storage's memory where it is now, if it moved since.
+
+        Pickling a staged tensor for another process (``ForkingPickler``, as DCP's
+        PROCESS mode sends the staged dict) moves a storage that is not shared
+        into shared memory in place (``share_memory_``): the same storage object,
+        its bytes at a new address, the old memory freed. Copies go to the pin's
+        range, so the pin must follow before the next copy (the views need
+        nothing: they are views of the storage object). The buffer is then
+        shared memory, which pickling no longer moves."""
+        st = self.storage
+        if st is None:
+            return
+        addr = st.data_ptr()
+        if addr == self.addr:
+            return
+        if st.nbytes() < self.nbytes:
+            raise RuntimeError(
+                f"ckptio: a staging buffer's storage was resized ({self.nbytes} bytes, now "
+                f"{st.nbytes()}): staged tensors must not be resized"
+            )
+        old, self.pin = (
+            self.pin,
+            _native.HostPin(st, addr, self.nbytes, pin=self.pinned, chunk_size=_PIN_CHUNK),
+        )
+        self.addr = addr
+        if old is not None:
+            old.close()  # unregisters the old range (its memory is gone)
 
     def close(self) -> None:
         # Unpin before the memory can go; staged tensors still using the
@@ -461,9 +495,20 @@ class _Plan:
         return [st for st in mine if st is not None]
 
     def materialize(self) -> None:
-        """Allocate the buffers not allocated yet (on the staging thread)."""
+        """Allocate the buffers not allocated yet (on the staging thread), and
+        make each allocated host buffer's pin follow its storage where that
+        moved (see ``_HostBuffer.follow``): no copy goes to a stale address."""
+        slabs: dict[int, _HostBuffer] = {}
         for b in self.memo.values():
-            b.materialize()
+            if b.storage is None:
+                b.materialize()
+            if type(b) is _HostSlot:
+                assert b.slab is not None
+                slabs[id(b.slab)] = b.slab.buffer
+            elif type(b) is _HostBuffer:
+                b.follow()
+        for buffer in slabs.values():
+            buffer.follow()
 
     def claim_device_bytes(self, device: int, nbytes: int) -> None:
         """Count a new snapshot buffer against what ``device`` has free (memory
