@@ -402,6 +402,55 @@ def test_stager_follows_staged_storages_moved_to_shared_memory(how):
     st.close()
 
 
+def test_slabs_are_not_kept_alive_by_a_few_survivors():
+    """Small tensors made anew at every save share a slab with whatever else is
+    new in it; one that stays (a growing history) kept its save's whole slab
+    alive, one slab more per save. A slab less than half used now has its
+    survivors placed anew, with their views and values."""
+    st = DefaultStager(StagingOptions(use_async_staging=False, use_shared_memory=False))
+    history: list = []
+    base = torch.arange(64.0)
+    held = []
+    for step in range(1, 31):
+        history.append(torch.tensor(float(step)))
+        sd = {
+            "fresh": [torch.randn(2000) for _ in range(20)],
+            "history": history,
+            "base": base,
+            "view": base[8:16],
+        }
+        staged = st.stage(sd)
+        assert_same(sd, staged)
+        assert staged["view"].data_ptr() == staged["base"].data_ptr() + 8 * 4
+        held.append(sum(b.nbytes for b in st._cache._host_buffers()))
+    live = sum(t.untyped_storage().nbytes() for t in [*sd["fresh"], *history, base])
+    assert max(held[5:]) < 2 * live + 4096, held  # was one slab (160 KB) more per save
+    st.close()
+
+
+def test_cached_staged_views_are_bounded():
+    """A storage staged through a view that changes from save to save cached one
+    staged view more per save, forever; past _VIEWS_MAX a buffer keeps only
+    those its last walk met. Many stable views of one storage stay cached."""
+    from ckptio import staging
+
+    cap = getattr(staging, "_VIEWS_MAX", 256)
+    st = DefaultStager(StagingOptions(use_async_staging=False, use_shared_memory=False))
+    pool, small = torch.randn(1 << 19), torch.randn(1000)
+    flat = torch.randn(4 * (cap + 50))  # more stable views than the cap
+    parts = list(flat.split(4))
+    for n in range(1, 2 * cap + 20):
+        sd = {"pool": pool[:n], "small": small[: n % 999 + 1], "parts": parts}
+        staged = st.stage(sd)
+        assert_same(sd, staged)
+        counts = {k[2]: len(b.views) for k, b in st._cache.buffers.items()}
+        assert counts.pop(flat.untyped_storage().nbytes()) == len(parts)
+        assert max(counts.values()) <= cap + 1, counts
+    again = st.stage(sd)
+    assert all(a is b for a, b in zip(again["parts"], staged["parts"], strict=True))
+    st.close()
+
+
 # -- DCP writer and reader, one process -------------------------------------------
 
 

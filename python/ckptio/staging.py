@@ -8,8 +8,10 @@ differ from torch 2.11's in what matters for a long training run:
 
 - **Reusable, with a real cache.** Staging buffers are kept per source storage
   and reused save after save; a buffer whose storage left the state dict is
-  freed at the next stage, and ``close()`` frees them all. Host memory stays
-  flat however many saves run. (torch 2.11's DefaultStager raises KeyError on
+  freed at the next stage, and ``close()`` frees them all; a slab of small
+  storages left less than half used has its survivors placed anew, and a
+  storage staged through ever-changing views caches a bounded number of them.
+  Host memory stays flat however many saves run. (torch 2.11's DefaultStager raises KeyError on
   its second use and never reuses its pinned cache: pytorch#183413.)
 - **Copies in the Rust pool.** Bytes move in chunks on several threads and CUDA
   streams into host buffers that the copy threads pin as they reach them, so
@@ -135,20 +137,28 @@ class _Buffer:
     strides over an empty placeholder storage (so DTensor and ShardedTensor
     accept them), and ``materialize()`` points them at the buffer; the caller
     sees them only once the staging future is done. ``views`` caches them, so a
-    repeated save makes no new tensor objects.
+    repeated save makes no new tensor objects. A buffer with more than
+    ``_VIEWS_MAX`` of them (a storage staged through views that change from
+    save to save) keeps only those its last walk used: the walk starts with
+    them in ``old`` and takes back those it meets (see ``_Cache.begin_walk``).
     """
 
-    __slots__ = ("device", "nbytes", "storage", "views")
+    __slots__ = ("device", "nbytes", "old", "storage", "views")
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = nbytes
         self.device = device
         self.storage: torch.UntypedStorage | None = None
         self.views: dict[Any, torch.Tensor] = {}
+        self.old: dict[Any, torch.Tensor] | None = None
 
     def view(self, vkey: tuple[torch.dtype, int, Any, Any]) -> torch.Tensor:
         """The staged tensor of this (dtype, storage offset, shape, strides)."""
         out = self.views.get(vkey)
+        if out is None and self.old:
+            out = self.old.pop(vkey, None)
+            if out is not None:
+                self.views[vkey] = out
         if out is None:
             storage = self.storage
             if storage is None:
@@ -179,7 +189,11 @@ class _Buffer:
     def close(self) -> None:
         self.storage = None
         self.views.clear()
+        self.old = None
 
+
+#: Staged views a buffer caches past which it keeps only those of its last walk.
+_VIEWS_MAX = 256
 
 _CPU = torch.device("cpu")
 
@@ -302,15 +316,34 @@ _SLAB_MAX = 256 << 20
 _SLOT_ALIGN = 16
 
 
+def _slot_bytes(nbytes: int) -> int:
+    """Bytes a slot of ``nbytes`` takes in a slab, alignment included."""
+    return -(-nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+
+
 class _Slab:
     """A host buffer holding the staged copies of many small storages; freed
-    when the last of its slots goes."""
+    when the last of its slots goes. ``live``: its slots (in placement order)
+    and ``live_bytes`` what they take; a slab less than half used has its
+    slots placed anew at the next stage (see ``_Cache.sweep``), so that a
+    few survivors do not keep it alive."""
 
-    __slots__ = ("buffer", "live")
+    __slots__ = ("buffer", "live", "live_bytes")
 
     def __init__(self, nbytes: int, shared: bool, pinned: bool) -> None:
         self.buffer = _HostBuffer(nbytes, shared, pinned)
-        self.live = 0
+        self.live: dict[_HostSlot, None] = {}
+        self.live_bytes = 0
+
+    def sparse(self) -> bool:
+        return bool(self.live) and 2 * self.live_bytes < self.buffer.nbytes
+
+    def release(self) -> list[_HostSlot]:
+        """Its slots, each taken out of it (to be placed anew); the slab goes."""
+        out = list(self.live)
+        for slot in out:
+            slot.detach()
+        return out
 
 
 class _HostSlot(_Buffer):
@@ -338,12 +371,19 @@ class _HostSlot(_Buffer):
         assert self.slab.buffer.storage is not None
         return self.slab.buffer.storage
 
-    def close(self) -> None:
+    def detach(self) -> None:
+        """Leave the slab (freed with its last slot), keeping the cached views:
+        a later ``materialize()`` points them at the slot's new place."""
         slab, self.slab = self.slab, None
+        self.storage = None
         if slab is not None:
-            slab.live -= 1
-            if slab.live == 0:
+            del slab.live[self]
+            slab.live_bytes -= _slot_bytes(self.nbytes)
+            if not slab.live:
                 slab.buffer.close()
+
+    def close(self) -> None:
+        self.detach()
         super().close()
 
 
@@ -355,15 +395,16 @@ def _fill_slabs(slots: list[_HostSlot], shared: bool, pinned: bool) -> None:
         if slot is not None and (not group or at + slot.nbytes <= _SLAB_MAX):
             slot.offset = at
             group.append(slot)
-            at = -(-(at + slot.nbytes) // _SLOT_ALIGN) * _SLOT_ALIGN
+            at = _slot_bytes(at + slot.nbytes)
             continue
         if group:
             slab = _Slab(max(at, 1), shared, pinned)
             for g in group:
                 g.slab = slab
-            slab.live = len(group)
+            slab.live = dict.fromkeys(group)
+            slab.live_bytes = sum(_slot_bytes(g.nbytes) for g in group)
         if slot is not None:
-            slot.offset, group, at = 0, [slot], -(-slot.nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+            slot.offset, group, at = 0, [slot], _slot_bytes(slot.nbytes)
 
 
 class _DeviceBuffer(_Buffer):
@@ -394,10 +435,20 @@ class _Cache:
 
     def __init__(self) -> None:
         self.buffers: dict[_Key, _Buffer] = {}
+        # Buffers with more than _VIEWS_MAX cached views.
+        self.crowded: dict[_Buffer, None] = {}
 
-    def sweep(self, used: Any) -> None:
+    def sweep(self, used: Any) -> list[_Slab]:
+        """Free the buffers not in ``used``; returns the slabs that this left
+        less than half used (their slots are to be placed anew)."""
+        touched: dict[int, _Slab] = {}
         for k in [k for k in self.buffers if k not in used]:
-            self.buffers.pop(k).close()
+            b = self.buffers.pop(k)
+            if isinstance(b, _HostSlot) and b.slab is not None:
+                touched[id(b.slab)] = b.slab
+            b.close()
+            self.crowded.pop(b, None)
+        return [slab for slab in touched.values() if slab.sparse()]
 
     def clear(self) -> None:
         self.sweep(())
@@ -406,7 +457,22 @@ class _Cache:
         """Forget the device (or host) buffers not allocated yet: a walk that
         ran out of room made them, and another kind of staging takes over."""
         for k in [k for k, b in self.buffers.items() if k[3] == device and b.storage is None]:
-            del self.buffers[k]
+            self.crowded.pop(self.buffers.pop(k), None)
+
+    def begin_walk(self) -> None:
+        """Before a walk: a crowded buffer's views go to ``old``, from which the
+        walk takes back those it meets (a view missing from ``views`` is looked
+        up there before a new one is made)."""
+        for b in self.crowded:
+            b.old, b.views = b.views, {}
+
+    def end_walk(self) -> None:
+        """After a walk: the views it did not meet go; a buffer back under
+        ``_VIEWS_MAX`` caches as any other."""
+        for b in list(self.crowded):
+            b.old = None
+            if len(b.views) <= _VIEWS_MAX:
+                del self.crowded[b]
 
     def _allocated(self, kind: type) -> list[Any]:
         # list() copies the values in one step: the staging thread may be adding
@@ -647,7 +713,12 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            self._cache.sweep(plan.memo)
+            # Free the buffers of storages the walk did not meet; the slots of
+            # slabs this leaves less than half used are placed anew, with the
+            # new ones (placed apart, they would make a small slab per save).
+            for slab in self._cache.sweep(plan.memo):
+                plan.new_slots.extend(slab.release())
+            self._place(plan)
             self._run(plan, events)
             return staged
 
@@ -665,6 +736,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         def job() -> int:
             with self._work_lock:
                 plan, _ = self._plan(state_dict)
+                self._place(plan)
                 plan.materialize()
                 pins = list({id(c[2]): c[2] for c in plan.host_copies()}.values())
                 return _native.stage_pin(pins, self._threads) if self._pinned and pins else 0
@@ -680,22 +752,30 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             return done
 
     def _plan(self, state_dict: Any) -> tuple[_Plan, Any]:
-        """(plan, staged structure) of ``state_dict``; under the work lock, after
-        the previous staging (its buffers are reused)."""
+        """(plan, staged structure) of ``state_dict`` (its new slots not placed
+        yet: ``_place``); under the work lock, after the previous staging (its
+        buffers are reused)."""
         self._snapshot = self._opts.device_snapshot
         staged: Any = None
-        if self._snapshot:
-            plan = _Plan(self._opts.device_headroom)
-            try:
+        self._cache.begin_walk()
+        try:
+            if self._snapshot:
+                plan = _Plan(self._opts.device_headroom)
+                try:
+                    staged = self._walk(state_dict, plan, {})
+                except _NoRoom:
+                    self._snapshot = False
+                    self._cache.drop_unallocated(device=True)
+            if not self._snapshot:
+                plan = _Plan()
                 staged = self._walk(state_dict, plan, {})
-            except _NoRoom:
-                self._snapshot = False
-                self._cache.drop_unallocated(device=True)
-        if not self._snapshot:
-            plan = _Plan()
-            staged = self._walk(state_dict, plan, {})
-        _fill_slabs(plan.new_slots, self._opts.use_shared_memory, self._pinned)
+        finally:
+            self._cache.end_walk()
         return plan, staged
+
+    def _place(self, plan: _Plan) -> None:
+        """Place the plan's new slots in new slabs."""
+        _fill_slabs(plan.new_slots, self._opts.use_shared_memory, self._pinned)
 
     def synchronize_staging(self) -> None:
         """Wait until the last snapshot is complete (a no-op for blocking staging)."""
@@ -823,7 +903,11 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             plan.sources.append(st)
         vkey = (t.dtype, t.storage_offset(), t.size(), t.stride())
         out = buf.views.get(vkey)
-        return out if out is not None else buf.view(vkey)
+        if out is None:
+            out = buf.view(vkey)
+            if len(buf.views) > _VIEWS_MAX:
+                self._cache.crowded[buf] = None
+        return out
 
     def _unallocated(self, t: torch.Tensor, key: _Key, plan: _Plan, buf: _Buffer | None) -> _Buffer:
         """The buffer of a source storage whose buffer is new or not allocated yet
