@@ -451,6 +451,38 @@ def test_cached_staged_views_are_bounded():
     st.close()
 
 
+def test_blocking_async_stager_without_cache_from_two_threads():
+    """BlockingAsyncStager(cache_staged_state_dict=False) dropped its cache after
+    letting go of its locks: another thread's stage() then found its buffers
+    gone (KeyError) or freed. Each stage now drops it under the work lock."""
+    st = BlockingAsyncStager(cache_staged_state_dict=False)
+    errors: list = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+
+    def worker(val: float) -> None:
+        sd = {f"t{i}": torch.full((64 + i,), val) for i in range(100)}
+        sd["big"] = torch.full((1 << 19,), val)
+        try:
+            for _ in range(15):
+                out = st.stage(sd)
+                assert all(bool((v == val).all()) for v in out.values()), val
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(v,)) for v in (1.0, 2.0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]
+    assert st.staged_bytes() == 0
+    st.close()
+
+
 # -- DCP writer and reader, one process -------------------------------------------
 
 

@@ -608,6 +608,9 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
     """
 
     _synchronize_after_execute: bool = False
+    #: Whether the buffers are kept for the next stage() (BlockingAsyncStager
+    #: without its cache drops them once a stage is done).
+    _keep_buffers: bool = True
 
     def __init__(self, config: Any = None) -> None:
         cfg = StagingOptions() if config is None else config
@@ -719,7 +722,12 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             for slab in self._cache.sweep(plan.memo):
                 plan.new_slots.extend(slab.release())
             self._place(plan)
-            self._run(plan, events)
+            try:
+                self._run(plan, events)
+            finally:
+                if not self._keep_buffers:
+                    # Under the work lock: another thread's stage() may be next.
+                    self._cache.clear()  # the staged dict keeps its buffers
             return staged
 
     def prepare(self, state_dict: Any) -> Future[int]:
@@ -1050,12 +1058,7 @@ class BlockingAsyncStager(DefaultStager):
         )
         self.cache_staged_state_dict = cache_staged_state_dict
         self.type_check = type_check
-
-    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        out = super().stage(state_dict)
-        if not self.cache_staged_state_dict:
-            self._cache.clear()  # the staged dict keeps its buffers; we keep none
-        return out
+        self._keep_buffers = cache_staged_state_dict
 
 
 class ReplicationStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
