@@ -483,6 +483,34 @@ def test_blocking_async_stager_without_cache_from_two_threads():
     st.close()
 
 
+@pytest.mark.parametrize("async_staging", [True, False])
+def test_staged_tensors_keep_their_python_attributes(async_staging):
+    """Attributes set on tensors (w.tp_dim = 0) were dropped by staging; torch's
+    stager copies them (tensors among them staged). A cached staged view keeps
+    no attribute its source lost; an attribute may refer back to its tensor."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    w = torch.nn.Parameter(torch.ones(3))
+    w.tp_dim = 0
+    b = torch.ones(2)
+    b.scale = torch.tensor(0.5)
+    b.me = b
+    two = TwoTensor(torch.arange(3.0), torch.arange(3.0))
+    two.tag = "t"
+    sd = {"w": w, "b": b, "two": two, "e": torch.empty(0)}
+    sd["e"].note = [1, 2]
+    with DefaultStager(StagingOptions(use_async_staging=async_staging)) as st:
+        out = result(st.stage(sd))
+        assert out["w"].tp_dim == 0 and out["w"].requires_grad is False
+        assert torch.equal(out["b"].scale, torch.tensor(0.5)) and out["b"].me is out["b"]
+        assert out["b"].scale is not b.scale  # staged: a snapshot
+        assert out["two"].tag == "t" and out["e"].note == [1, 2]
+        del w.tp_dim
+        w.other = "x"
+        out = result(st.stage(sd))
+        assert not hasattr(out["w"], "tp_dim") and out["w"].other == "x"
+
+
 # -- DCP writer and reader, one process -------------------------------------------
 
 

@@ -26,6 +26,7 @@ differ from torch 2.11's in what matters for a long training run:
   after the work queued before ``stage()``. The caller may modify parameters
   again once the staging future is done (``AsyncSaveResponse.staging_completion``).
 - **Aliasing kept.** Views of one storage are views of one staged storage.
+  Tensors' Python attributes are copied, as torch's stager copies them.
 - **Device snapshot** (``StagingOptions(device_snapshot=True)``): where the GPU
   has room, stage by a device-to-device copy on a side stream (milliseconds for
   GiBs); the writer then drains the snapshot to storage in the background.
@@ -531,6 +532,10 @@ class _Plan:
         self.headroom = headroom
         # Slots met for the first time, placed in slabs once the walk is over.
         self.new_slots: list[_HostSlot] = []
+        # The walk's memo (id of an object met -> its staged copy), and the ids
+        # of the tensors whose attributes the walk has copied.
+        self.walked: dict[int, Any] = {}
+        self.with_attrs: set[int] = set()
 
     def devices(self) -> set[int]:
         """CUDA devices whose memory this stage copies."""
@@ -770,13 +775,13 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             if self._snapshot:
                 plan = _Plan(self._opts.device_headroom)
                 try:
-                    staged = self._walk(state_dict, plan, {})
+                    staged = self._walk(state_dict, plan, plan.walked)
                 except _NoRoom:
                     self._snapshot = False
                     self._cache.drop_unallocated(device=True)
             if not self._snapshot:
                 plan = _Plan()
-                staged = self._walk(state_dict, plan, {})
+                staged = self._walk(state_dict, plan, plan.walked)
         finally:
             self._cache.end_walk()
         return plan, staged
@@ -867,6 +872,11 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
     def _tensor_like(self, t: torch.Tensor, plan: _Plan) -> Any:
         if type(t) in _PLAIN:
             return self._tensor(t, plan)
+        out = self._subclass(t, plan)
+        return self._attrs(t, out, plan) if t.__dict__ else out
+
+    def _subclass(self, t: torch.Tensor, plan: _Plan) -> Any:
+        """The staged copy of a tensor of a subclass (its Python attributes aside)."""
         dtensor = _optional_type("torch.distributed.tensor", "DTensor")
         if dtensor is not None and isinstance(t, dtensor):
             local = self._tensor(t._local_tensor, plan)  # type: ignore[attr-defined]
@@ -896,14 +906,16 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             or t.is_conj()
             or t.is_neg()
         ):
-            return _plain_copy(t)
+            copied = _plain_copy(t)
+            return self._attrs(t, copied, plan) if t.__dict__ else copied
         st = t.untyped_storage()
         # (device ordinal or -1, storage address, storage bytes, device snapshot)
         key = (t.get_device() if cuda else -1, st.data_ptr(), st.nbytes(), cuda and self._snapshot)
         buf = plan.memo.get(key)
         if buf is None:
             if key[1] == 0 or key[2] == 0:
-                return _empty_view(t, key[3])
+                empty = _empty_view(t, key[3])
+                return self._attrs(t, empty, plan) if t.__dict__ else empty
             buf = self._cache.buffers.get(key)
             if buf is None or buf.storage is None:
                 buf = self._unallocated(t, key, plan, buf)
@@ -915,6 +927,28 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             out = buf.view(vkey)
             if len(buf.views) > _VIEWS_MAX:
                 self._cache.crowded[buf] = None
+        # Python attributes (w.tp_dim = 0) are copied as torch's stager copies
+        # them; a cached view keeps none that its source lost.
+        if t.__dict__ or out.__dict__:
+            self._attrs(t, out, plan, sync=True)
+        return out
+
+    def _attrs(self, t: torch.Tensor, out: Any, plan: _Plan, sync: bool = False) -> Any:
+        """``out`` with ``t``'s Python attributes (``t.__dict__``), each value
+        staged as the walk stages any (tensors staged, the rest deep-copied).
+        ``sync``: ``out`` is a cached view, whose attributes become exactly
+        ``t``'s; else those ``out`` has (a tensor subclass's own state, set by
+        its copy) are left as they are."""
+        if id(t) in plan.with_attrs:  # met again (or an attribute refers back to t)
+            return out
+        plan.with_attrs.add(id(t))
+        src = t.__dict__
+        if sync:
+            for name in [n for n in out.__dict__ if n not in src]:
+                delattr(out, name)
+        for name, value in list(src.items()):
+            if sync or name not in out.__dict__:
+                setattr(out, name, self._walk(value, plan, plan.walked))
         return out
 
     def _unallocated(self, t: torch.Tensor, key: _Key, plan: _Plan, buf: _Buffer | None) -> _Buffer:
