@@ -511,6 +511,50 @@ def test_staged_tensors_keep_their_python_attributes(async_staging):
         assert not hasattr(out["w"], "tp_dim") and out["w"].other == "x"
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of this process alone (for DTensor and ShardedTensor)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("async_staging", [True, False])
+def test_stager_dtensors_and_sharded_tensors(one_rank_group, async_staging):
+    """A DTensor Parameter was staged requiring grad (an in-place op on the
+    snapshot failed); a DTensor or a shard whose local tensor is a wrapper
+    subclass (TwoTensor; FSDP2 with float8 all-gathers) failed to stage
+    ("invalid python storage"). Now: no grad, and such local tensors are
+    copied as other subclasses are."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    param = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Replicate()]))
+    wrapped = TwoTensor(torch.arange(4.0), torch.arange(4.0) + 1)
+    dt = DTensor.from_local(wrapped, mesh, [Replicate()], run_check=False)
+    meta = ShardMetadata([0], [4], "rank:0/cpu")
+    sharded = init_from_local_shards([Shard(TwoTensor(torch.ones(4), torch.ones(4)), meta)], [4])
+    sd = {"param": param, "dt": dt, "sharded": sharded}
+    with DefaultStager(StagingOptions(use_async_staging=async_staging)) as st:
+        for _ in range(2):
+            out = result(st.stage(sd))
+            assert isinstance(out["param"], DTensor) and out["param"].requires_grad is False
+            out["param"].zero_()  # a snapshot: no autograd leaf in the way
+            assert torch.equal(param.to_local(), torch.ones(4))
+            local = out["dt"].to_local()
+            assert type(local) is TwoTensor and local is not wrapped
+            assert torch.equal(local.a, wrapped.a) and torch.equal(local.b, wrapped.b)
+            shard = out["sharded"].local_shards()[0].tensor
+            assert type(shard) is TwoTensor and torch.equal(shard.a, torch.ones(4))
+
+
 # -- DCP writer and reader, one process -------------------------------------------
 
 

@@ -879,8 +879,11 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         """The staged copy of a tensor of a subclass (its Python attributes aside)."""
         dtensor = _optional_type("torch.distributed.tensor", "DTensor")
         if dtensor is not None and isinstance(t, dtensor):
-            local = self._tensor(t._local_tensor, plan)  # type: ignore[attr-defined]
-            return dtensor(local, t._spec, requires_grad=t.requires_grad)  # type: ignore[attr-defined,call-arg]
+            # The local tensor may itself be a subclass (FSDP2 with float8
+            # all-gathers keeps a wrapper subclass there): staged as any other.
+            local = self._tensor_like(t._local_tensor, plan)  # type: ignore[attr-defined]
+            # A snapshot, as a plain staged tensor is: no grad (torch's stager too).
+            return dtensor(local, t._spec, requires_grad=False)  # type: ignore[attr-defined,call-arg]
         sharded = _optional_type("torch.distributed._shard.sharded_tensor", "ShardedTensor")
         if sharded is not None and isinstance(t, sharded):
             return self._sharded(t, plan)
@@ -889,7 +892,7 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
     def _sharded(self, t: Any, plan: _Plan) -> Any:
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
-        shards = [Shard(self._tensor(s.tensor, plan), s.metadata) for s in t.local_shards()]
+        shards = [Shard(self._tensor_like(s.tensor, plan), s.metadata) for s in t.local_shards()]
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, t.metadata(), process_group=t._process_group
         )
