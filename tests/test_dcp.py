@@ -555,6 +555,35 @@ def test_stager_dtensors_and_sharded_tensors(one_rank_group, async_staging):
             assert type(shard) is TwoTensor and torch.equal(shard.a, torch.ones(4))
 
 
+@pytest.mark.parametrize("async_staging", [True, False])
+def test_gc_is_paused_for_the_walk_only(monkeypatch, async_staging):
+    """Cyclic GC was paused process-wide for the whole staging, copies included
+    (and turned back on after them even if the application had turned it off
+    meanwhile); it is now paused while the state dict is walked only."""
+    import ckptio.staging as staging
+
+    seen: dict = {"walk": [], "copy": []}
+    real_plan, real_copy = DefaultStager._plan, staging._native.stage_copy
+
+    def plan(self, sd):
+        seen["walk"].append(gc.isenabled())
+        return real_plan(self, sd)
+
+    def stage_copy(*args, **kwargs):
+        seen["copy"].append(gc.isenabled())
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_plan", plan)
+    monkeypatch.setattr(staging._native, "stage_copy", stage_copy)
+    assert gc.isenabled()
+    sd = {f"t{i}": torch.full((10,), float(i)) for i in range(50)}
+    with DefaultStager(StagingOptions(use_async_staging=async_staging)) as st:
+        for _ in range(2):
+            assert_same(sd, result(st.stage(sd)))
+    assert seen == {"walk": [False, False], "copy": [True, True]}
+    assert gc.isenabled()
+
+
 # -- DCP writer and reader, one process -------------------------------------------
 
 

@@ -712,8 +712,17 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         # copies) runs on this thread's streams: after the caller's work too.
         for dev, event in events.items():
             torch.cuda.current_stream(dev).wait_event(event)
-        with self._work_lock, memory.gc_paused():
-            plan, staged = self._plan(state_dict)
+        with self._work_lock:
+            # Cyclic GC paused while the walk makes its many objects (none in
+            # cycles), not during the copies: a pause is process-wide.
+            with memory.gc_paused():
+                plan, staged = self._plan(state_dict)
+                # Free the buffers of storages the walk did not meet; the slots
+                # of slabs this leaves less than half used are placed anew, with
+                # the new ones (placed apart, they would make a small slab per save).
+                for slab in self._cache.sweep(plan.memo):
+                    plan.new_slots.extend(slab.release())
+                self._place(plan)
             if self._opts.device_snapshot and not self._snapshot:
                 warnings.warn(
                     "ckptio: not enough free device memory for a device snapshot; "
@@ -721,12 +730,6 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            # Free the buffers of storages the walk did not meet; the slots of
-            # slabs this leaves less than half used are placed anew, with the
-            # new ones (placed apart, they would make a small slab per save).
-            for slab in self._cache.sweep(plan.memo):
-                plan.new_slots.extend(slab.release())
-            self._place(plan)
             try:
                 self._run(plan, events)
             finally:
