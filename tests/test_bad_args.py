@@ -53,6 +53,45 @@ def test_gdsfile_misaligned_offsets_and_sizes_roundtrip_and_short_file_is_an_err
     assert torch.equal(src, dst)
 
 
+def _cufile_driver_opens() -> bool:
+    return bool(_native.info()["cufile"].get("driver_open"))
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "match"),
+    [
+        (dict(backend="cufle"), ValueError, "backend must be auto, cufile or bounce"),
+        (dict(backend=3), TypeError, "backend"),
+        (dict(direct="sometimes"), ValueError, "direct I/O mode must be auto, on or off"),
+        (dict(direct=3), TypeError, "direct must be"),
+        (dict(threads=0), ValueError, "threads must be a positive int"),
+        (dict(threads="8"), TypeError, "threads must be an int"),
+        (dict(chunk_size=-1), ValueError, "chunk_size must be a positive int"),
+        pytest.param(
+            dict(backend="cufile"),
+            ckptio.BackendUnavailableError,
+            "cufile",
+            marks=pytest.mark.skipif(_cufile_driver_opens(), reason="cuFile's driver opens here"),
+        ),
+    ],
+    ids=lambda x: str(x),
+)
+def test_gdsfile_refused_arguments_leave_the_file_alone(tmp_path, kw, exc, match):
+    """Before, GdsFile opened the file with the caller's flags before its own arguments were
+    checked: O_TRUNC had emptied an existing file, and O_CREAT left a new one, when the
+    ValueError came. Now every argument (and, for backend="cufile", the driver) is checked
+    first."""
+    old = tmp_path / "old.bin"
+    old.write_bytes(b"x" * 4096)
+    with pytest.raises(exc, match=match):
+        ckptio.GdsFile(old, os.O_CREAT | os.O_RDWR | os.O_TRUNC, **kw)
+    assert old.read_bytes() == b"x" * 4096
+    new = tmp_path / "new.bin"
+    with pytest.raises(exc, match=match):
+        ckptio.GdsFile(new, os.O_CREAT | os.O_RDWR, **kw)
+    assert not new.exists()
+
+
 @pytest.mark.parametrize(
     ("kw", "exc", "match"),
     [

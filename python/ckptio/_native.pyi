@@ -278,6 +278,11 @@ class DeviceFile:
     def __new__(
         cls, path: _Path, writable: bool, direct: str | None = None, backend: str | None = None
     ) -> Self: ...
+    @staticmethod
+    def open(
+        path: _Path, flags: int, direct: str | None = None, backend: str | None = None
+    ) -> DeviceFile:
+        """Open ``path`` with os.open ``flags`` once ``direct`` and ``backend`` are checked."""
     def register_handle(self) -> None:
         """Open the device path now (cuFile where it takes the file, else bounce)."""
     def deregister_handle(self) -> None:

@@ -84,7 +84,9 @@ class GdsFile:
     the filesystem takes it. ``backend``: "auto" (cuFile where it can register
     the file, else bounce buffers; a file opened read-only takes bounce buffers
     where cuFile runs in compat mode), "cufile" (or an error) or "bounce"
-    (pinned bounce buffers). ``device_path`` says which runs.
+    (pinned bounce buffers). ``device_path`` says which runs. Every argument
+    (and, for "cufile", that cuFile's driver opens) is checked before the file
+    is opened: one refused leaves the file as it was (no O_CREAT, no O_TRUNC).
     """
 
     def __init__(
@@ -99,13 +101,13 @@ class GdsFile:
     ) -> None:
         self.filename = os.fspath(filename)
         self.flags = flags
-        # Create/truncate as asked; the file is then opened by ckptio itself.
-        os.close(os.open(self.filename, flags & ~getattr(os, "O_DIRECT", 0), 0o644))
-        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        self._engine = engines.engine(threads, chunk_size, engines.direct_arg(direct))
-        self._file = _native.DeviceFile(
-            self.filename, writable, engines.direct_arg(direct), backend
-        )
+        # Every argument is checked before the file is opened (and maybe
+        # created or truncated): the engine's here, backend and direct (and,
+        # for "cufile", the driver) by DeviceFile.open, which then opens the
+        # file with ``flags``.
+        mode = engines.direct_arg(direct)
+        self._engine = engines.engine(threads, chunk_size, mode)
+        self._file = _native.DeviceFile.open(self.filename, flags, mode, backend)
         self.handle: int | None = None
         self.register_handle()
 

@@ -10,6 +10,7 @@ use pyo3::types::PyDict;
 
 use crate::engine::{Memory, Owned, TransferFile};
 use crate::format::integrity;
+use crate::gpu::Backend;
 use crate::io::file::IoFile;
 use crate::Error;
 
@@ -50,6 +51,32 @@ impl DeviceFile {
             } else {
                 IoFile::open_read(&path, mode)?
             };
+            Ok::<_, Error>(DeviceFile {
+                file: TransferFile::new(io, backend),
+            })
+        })
+        .map_err(Into::into)
+    }
+
+    /// Open `path` with `os.open` `flags` (as `GdsFile` does; O_DIRECT is
+    /// left to the second descriptor, added where the filesystem takes it),
+    /// after checking `direct` and `backend` (and, for "cufile", that the
+    /// cuFile driver opens): an argument refused leaves the file untouched.
+    #[staticmethod]
+    #[pyo3(signature = (path, flags, direct=None, backend=None))]
+    fn open(
+        py: Python<'_>,
+        path: PathBuf,
+        flags: i32,
+        direct: Option<&str>,
+        backend: Option<&str>,
+    ) -> PyResult<Self> {
+        let (mode, backend) = file_modes(direct, backend)?;
+        py.detach(|| {
+            if backend == Backend::CuFile {
+                crate::gpu::cufile::driver()?;
+            }
+            let io = IoFile::open_flags(&path, flags, mode)?;
             Ok::<_, Error>(DeviceFile {
                 file: TransferFile::new(io, backend),
             })

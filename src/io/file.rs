@@ -83,34 +83,38 @@ impl IoFile {
             .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| Error::io_at("open", path, e))?;
-        let meta = buffered
-            .metadata()
-            .map_err(|e| Error::io_at("stat", path, e))?;
-        if meta.is_dir() {
-            return Err(Error::io_at(
-                "open",
-                path,
-                io::Error::from_raw_os_error(libc::EISDIR),
-            ));
-        }
-        if !meta.is_file() {
-            let kind = file_kind(&meta);
-            let why = format!("not a regular file: {kind}, not a checkpoint");
-            return Err(Error::io_at(
-                "open",
-                path,
-                io::Error::new(io::ErrorKind::InvalidInput, why),
-            ));
-        }
-        let fd = buffered.as_raw_fd();
-        // SAFETY: F_GETFL / F_SETFL on a descriptor we own; only O_NONBLOCK changes.
-        unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFL);
-            if flags >= 0 {
-                libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
-            }
-        }
+        check_regular(&buffered, path)?;
+        clear_nonblock(&buffered);
         Self::with_direct(buffered, path, false, mode)
+    }
+
+    /// Open `path` as `os.open(path, flags, 0o644)` does (`GdsFile`): the
+    /// caller's access mode and creation and status flags (O_CREAT, O_EXCL,
+    /// O_TRUNC, O_TMPFILE, O_SYNC...) on the buffered descriptor, less
+    /// O_DIRECT, which the second descriptor adds where the filesystem takes
+    /// it. Writable unless O_RDONLY. A file that is not regular is refused as
+    /// by [`Self::open_read`] (the open itself does not block: O_NONBLOCK,
+    /// cleared after unless the caller asked for it).
+    pub fn open_flags(path: &Path, flags: i32, mode: DirectMode) -> Result<Self> {
+        use std::ffi::CString;
+        use std::os::fd::FromRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        let c = CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| Error::invalid("the path contains a NUL byte"))?;
+        let open_flags = (flags & !libc::O_DIRECT) | libc::O_CLOEXEC | libc::O_NONBLOCK;
+        // SAFETY: a NUL-terminated path; the mode is read only with O_CREAT or O_TMPFILE.
+        let fd = unsafe { libc::open(c.as_ptr(), open_flags, 0o644 as libc::c_uint) };
+        if fd < 0 {
+            return Err(Error::io_at("open", path, io::Error::last_os_error()));
+        }
+        // SAFETY: a descriptor just opened, owned by nothing else.
+        let buffered = unsafe { File::from_raw_fd(fd) };
+        check_regular(&buffered, path)?;
+        if flags & libc::O_NONBLOCK == 0 {
+            clear_nonblock(&buffered);
+        }
+        let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        Self::with_direct(buffered, path, writable, mode)
     }
 
     /// Wrap a file already open for writing (e.g. a temp file made by
@@ -423,6 +427,41 @@ impl IoFile {
         self.buffered
             .sync_all()
             .map_err(|e| Error::io_at("fsync", &self.path, e))
+    }
+}
+
+/// Refuse what is not a regular file: a folder (EISDIR), a FIFO, a socket
+/// or a device (a read of those blocks for ever or never ends).
+fn check_regular(f: &File, path: &Path) -> Result<()> {
+    let meta = f.metadata().map_err(|e| Error::io_at("stat", path, e))?;
+    if meta.is_dir() {
+        return Err(Error::io_at(
+            "open",
+            path,
+            io::Error::from_raw_os_error(libc::EISDIR),
+        ));
+    }
+    if !meta.is_file() {
+        let kind = file_kind(&meta);
+        let why = format!("not a regular file: {kind}, not a checkpoint");
+        return Err(Error::io_at(
+            "open",
+            path,
+            io::Error::new(io::ErrorKind::InvalidInput, why),
+        ));
+    }
+    Ok(())
+}
+
+/// Take O_NONBLOCK (set for the open) off `f`'s descriptor.
+fn clear_nonblock(f: &File) {
+    let fd = f.as_raw_fd();
+    // SAFETY: F_GETFL / F_SETFL on a descriptor we own; only O_NONBLOCK changes.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+        }
     }
 }
 
