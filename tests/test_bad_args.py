@@ -3,12 +3,14 @@ tensors on the wrong device, storages too small: a clear error naming the argume
 
 from __future__ import annotations
 
+import errno
 import os
 
 import ckptio
 import pytest
 import torch
 from ckptio import _native
+from ckptio.io import transfer as _transfer
 from test_faults import make_prev, sample_state
 
 
@@ -90,6 +92,104 @@ def test_gdsfile_refused_arguments_leave_the_file_alone(tmp_path, kw, exc, match
     with pytest.raises(exc, match=match):
         ckptio.GdsFile(new, os.O_CREAT | os.O_RDWR, **kw)
     assert not new.exists()
+
+
+def _descriptors_of(path) -> list[int]:
+    """The status flags of every descriptor this process holds on ``path``."""
+    real, out = os.path.realpath(path), []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != real:
+                continue
+            with open(f"/proc/self/fdinfo/{name}") as info:
+                line = next(x for x in info if x.startswith("flags:"))
+        except OSError:
+            continue
+        out.append(int(line.split()[1], 8))
+    return out
+
+
+@pytest.mark.parametrize("sync", ["O_SYNC", "O_DSYNC"])
+def test_gdsfile_writes_with_the_callers_sync_flag(tmp_path, sync):
+    """Before, the flags only reached a throw-away os.open and the core reopened the path
+    read+write: no descriptor it wrote through had O_SYNC / O_DSYNC, so save_storage returned
+    before the data was durable. Now both of its descriptors (the O_DIRECT one too) have it."""
+    flag = getattr(os, sync)
+    p = tmp_path / "s.bin"
+    f = ckptio.GdsFile(p, os.O_CREAT | os.O_RDWR | flag)
+    fds = _descriptors_of(p)
+    assert fds and all(fl & flag == flag for fl in fds), [oct(x) for x in fds]
+    assert all(fl & os.O_ACCMODE == os.O_RDWR for fl in fds)
+    x = torch.arange(3 * 4096, dtype=torch.int32)
+    f.save_storage(x.untyped_storage(), 4096)
+    y = torch.zeros_like(x)
+    f.load_storage(y.untyped_storage(), 4096)
+    assert torch.equal(x, y)
+
+
+def test_gdsfile_keeps_the_callers_access_mode(tmp_path):
+    """Before, a GdsFile opened O_WRONLY could be read (the core reopened it read+write).
+    Now loading from it raises OSError(EBADF) before anything moves, as saving to a file
+    opened O_RDONLY does, and the core's own descriptors have the caller's access mode."""
+    p = tmp_path / "a.bin"
+    x = torch.arange(4 * 4096, dtype=torch.uint8)
+    ckptio.GdsFile(p, os.O_CREAT | os.O_RDWR).save_storage(x.untyped_storage(), 0)
+    w = ckptio.GdsFile(p, os.O_WRONLY)
+    assert all(fl & os.O_ACCMODE == os.O_WRONLY for fl in _descriptors_of(p))
+    y = torch.zeros_like(x)
+    with pytest.raises(OSError) as ei:
+        w.load_storage(y.untyped_storage(), 0)
+    assert ei.value.errno == errno.EBADF and ei.value.filename == str(p)
+    assert not y.any()
+    w.save_storage(torch.flip(x, [0]).untyped_storage(), 0)
+    del w
+    r = ckptio.GdsFile(p, os.O_RDONLY)
+    with pytest.raises(OSError) as ei:
+        r.save_storage(x.untyped_storage(), 0)
+    assert ei.value.errno == errno.EBADF
+    r.load_storage(y.untyped_storage(), 0)
+    assert torch.equal(y, torch.flip(x, [0]))
+    del r
+    # The core refuses by itself too: its descriptors are write-only.
+    core = _native.DeviceFile.open(str(p), os.O_WRONLY)
+    with pytest.raises(OSError) as ei:
+        _transfer.read(core, _native.Engine(), [(0, y.data_ptr(), y.nbytes, -1)], [y])
+    assert ei.value.errno == errno.EBADF
+
+
+@pytest.mark.parametrize(
+    ("flag", "match"),
+    [
+        ("O_APPEND", "O_APPEND is not supported"),
+        ("O_PATH", "O_PATH is not supported"),
+        ("O_ACCMODE", "the access mode must be O_RDONLY, O_WRONLY or O_RDWR"),
+    ],
+)
+def test_gdsfile_refuses_flags_it_cannot_honour_before_opening(tmp_path, flag, match):
+    """Before, O_APPEND reached only the throw-away os.open (the core wrote at the offsets
+    regardless), and O_PATH and an access mode of 3 failed later or not at all. Now each is a
+    ValueError before anything is opened, as are negative flags."""
+    p = tmp_path / "n.bin"
+    with pytest.raises(ValueError, match=match):
+        ckptio.GdsFile(p, os.O_CREAT | os.O_RDWR | getattr(os, flag))
+    assert not p.exists()
+    with pytest.raises(ValueError, match="flags must be os.open flags"):
+        ckptio.GdsFile(p, -1)
+
+
+def test_gdsfile_with_o_tmpfile(tmp_path):
+    """Before, O_TMPFILE failed (the core reopened the folder's path: IsADirectoryError). Now
+    the unnamed file is the one read and written, and nothing is left in the folder."""
+    d = tmp_path / "d"
+    d.mkdir()
+    f = ckptio.GdsFile(d, os.O_TMPFILE | os.O_RDWR)
+    x = torch.arange(5000, dtype=torch.int16)
+    f.save_storage(x.untyped_storage(), 100)
+    y = torch.empty_like(x)
+    f.load_storage(y.untyped_storage(), 100)
+    assert torch.equal(x, y)
+    del f
+    assert list(d.iterdir()) == []
 
 
 @pytest.mark.parametrize(

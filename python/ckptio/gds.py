@@ -4,8 +4,10 @@ Same names and signatures as torch.cuda.gds (``GdsFile``, ``gds_register_buffer`
 ``gds_deregister_buffer``), so code written for it (e.g. the PyTorch GDS
 tutorial) runs with ``torch.cuda.gds`` replaced by ``ckptio``. Transfers are
 synchronous, like cuFileRead/cuFileWrite, and start after the work queued on
-the storage's device's current stream. Where the semantics differ, ckptio
-does not raise where torch would:
+the storage's device's current stream. The ``flags`` govern the I/O as in
+torch (the file is opened with them: O_SYNC / O_DSYNC writes are durable when
+``save_storage`` returns, an O_WRONLY file cannot be loaded from). Where the
+semantics differ, ckptio mostly does not raise where torch would:
 
 - Where cuFile cannot take the file (no nvidia-fs, no udev data in a VM or
   container, tmpfs) transfers go through ckptio's pinned bounce pipeline;
@@ -16,10 +18,16 @@ does not raise where torch would:
   ``gds_deregister_buffer`` of a storage that is not registered does nothing.
   A registration holds its storage, so the memory cannot be freed (and
   reused by another tensor) while it is registered.
+- ``flags``: O_DIRECT changes nothing (ckptio opens a second, O_DIRECT
+  descriptor where the filesystem takes it, ``direct=`` decides); O_APPEND
+  (on Linux a pwrite on an O_APPEND descriptor appends, whatever the offset)
+  and O_PATH are refused with a ``ValueError`` before the file is opened; a
+  file O_CREAT makes gets mode 0o644 (torch's: 0o777 less the umask).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
@@ -80,8 +88,19 @@ def gds_deregister_buffer(s: torch.UntypedStorage | torch.TypedStorage) -> None:
 class GdsFile:
     """``torch.cuda.gds.GdsFile``: storages saved to and loaded from given offsets.
 
-    ``flags`` are ``os.open`` flags (e.g. ``os.O_RDWR``); O_DIRECT is added where
-    the filesystem takes it. ``backend``: "auto" (cuFile where it can register
+    ``flags`` are ``os.open`` flags (e.g. ``os.O_RDWR``) and govern the I/O as
+    in torch: the file is opened with them (mode 0o644 where O_CREAT or
+    O_TMPFILE makes it), and the second descriptor that ckptio opens with
+    O_DIRECT where the filesystem takes it (``direct``: None for
+    CKPTIO_DIRECT, else "auto"; "off" never; "on" or an error) has the same
+    access mode and O_SYNC, O_DSYNC and O_NOATIME. So with O_SYNC or O_DSYNC
+    each ``save_storage`` is durable when it returns, and loading from a file
+    opened O_WRONLY, or saving to one opened O_RDONLY, raises
+    ``OSError(EBADF)`` before anything moves. O_DIRECT in ``flags`` changes
+    nothing (``direct`` decides); O_APPEND and O_PATH are refused with a
+    ``ValueError`` before the file is opened (see the module's notes).
+
+    ``backend``: "auto" (cuFile where it can register
     the file, else bounce buffers; a file opened read-only takes bounce buffers
     where cuFile runs in compat mode), "cufile" (or an error) or "bounce"
     (pinned bounce buffers). ``device_path`` says which runs. Every argument
@@ -143,7 +162,17 @@ class GdsFile:
         self._file.deregister_handle()
         self.handle = None
 
-    def _args(self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int):
+    def _args(self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int, write: bool):
+        # What the system gives for a read of a write-only descriptor (and the
+        # reverse), on every path, before anything moves.
+        if (self.flags & os.O_ACCMODE) == (os.O_RDONLY if write else os.O_WRONLY):
+            how = "O_RDONLY" if write else "O_WRONLY"
+            raise OSError(
+                errno.EBADF,
+                f"{os.strerror(errno.EBADF)}: {'save_storage' if write else 'load_storage'} "
+                f"on a file opened {how}",
+                self.filename,
+            )
         st = _untyped(storage)
         if not isinstance(offset, int) or isinstance(offset, bool):
             raise TypeError(f"offset must be an int, not {type(offset).__name__}")
@@ -156,14 +185,14 @@ class GdsFile:
         self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int = 0
     ) -> None:
         """Write all of ``storage`` to the file at ``offset`` (synchronous)."""
-        st, offset, dev = self._args(storage, offset)
+        st, offset, dev = self._args(storage, offset, write=True)
         transfer.write(self._file, self._engine, [(offset, st.data_ptr(), st.nbytes(), dev)], [st])
 
     def load_storage(
         self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int = 0
     ) -> None:
         """Fill all of ``storage`` from the file at ``offset`` (synchronous)."""
-        st, offset, dev = self._args(storage, offset)
+        st, offset, dev = self._args(storage, offset, write=False)
         transfer.read(self._file, self._engine, [(offset, st.data_ptr(), st.nbytes(), dev)], [st])
 
     def __del__(self) -> None:

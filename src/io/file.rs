@@ -85,20 +85,54 @@ impl IoFile {
             .map_err(|e| Error::io_at("open", path, e))?;
         check_regular(&buffered, path)?;
         clear_nonblock(&buffered);
-        Self::with_direct(buffered, path, false, mode)
+        Self::with_direct(buffered, path, false, libc::O_RDONLY, mode)
     }
 
     /// Open `path` as `os.open(path, flags, 0o644)` does (`GdsFile`): the
     /// caller's access mode and creation and status flags (O_CREAT, O_EXCL,
     /// O_TRUNC, O_TMPFILE, O_SYNC...) on the buffered descriptor, less
     /// O_DIRECT, which the second descriptor adds where the filesystem takes
-    /// it. Writable unless O_RDONLY. A file that is not regular is refused as
+    /// it; that one has the same access mode and O_SYNC, O_DSYNC and
+    /// O_NOATIME, so a read of a file opened O_WRONLY (or a write of one
+    /// opened O_RDONLY) fails with EBADF on either, and with O_SYNC / O_DSYNC
+    /// every write is durable when it returns. Writable unless O_RDONLY.
+    ///
+    /// Refused before anything is opened (`InvalidArgument`): a negative
+    /// `flags`, O_APPEND (on
+    /// Linux a pwrite on an O_APPEND descriptor appends, wherever the offset
+    /// says), O_PATH (no reads or writes) and an access mode that is none of
+    /// O_RDONLY, O_WRONLY, O_RDWR. A file that is not regular is refused as
     /// by [`Self::open_read`] (the open itself does not block: O_NONBLOCK,
     /// cleared after unless the caller asked for it).
     pub fn open_flags(path: &Path, flags: i32, mode: DirectMode) -> Result<Self> {
         use std::ffi::CString;
         use std::os::fd::FromRawFd;
         use std::os::unix::ffi::OsStrExt;
+        if flags < 0 {
+            return Err(Error::invalid(format!(
+                "flags must be os.open flags (an int >= 0), not {flags}"
+            )));
+        }
+        let refused = [
+            (
+                libc::O_APPEND,
+                "O_APPEND is not supported: every write goes to the offset given, \
+                 and on Linux a pwrite on an O_APPEND descriptor appends instead",
+            ),
+            (
+                libc::O_PATH,
+                "O_PATH is not supported: such a descriptor cannot read or write",
+            ),
+        ];
+        if let Some((_, why)) = refused.iter().find(|(f, _)| flags & f != 0) {
+            return Err(Error::invalid(format!("flags: {why}")));
+        }
+        let access = flags & libc::O_ACCMODE;
+        if access == libc::O_ACCMODE {
+            return Err(Error::invalid(
+                "flags: the access mode must be O_RDONLY, O_WRONLY or O_RDWR",
+            ));
+        }
         let c = CString::new(path.as_os_str().as_bytes())
             .map_err(|_| Error::invalid("the path contains a NUL byte"))?;
         let open_flags = (flags & !libc::O_DIRECT) | libc::O_CLOEXEC | libc::O_NONBLOCK;
@@ -113,17 +147,24 @@ impl IoFile {
         if flags & libc::O_NONBLOCK == 0 {
             clear_nonblock(&buffered);
         }
-        let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
-        Self::with_direct(buffered, path, writable, mode)
+        let carried = access | (flags & (libc::O_SYNC | libc::O_DSYNC | libc::O_NOATIME));
+        Self::with_direct(buffered, path, access != libc::O_RDONLY, carried, mode)
     }
 
     /// Wrap a file already open for writing (e.g. a temp file made by
     /// [`crate::io::persist`]) and add an O_DIRECT descriptor to it.
     pub fn from_writable(file: File, path: &Path, mode: DirectMode) -> Result<Self> {
-        Self::with_direct(file, path, true, mode)
+        Self::with_direct(file, path, true, libc::O_RDWR, mode)
     }
 
-    fn with_direct(buffered: File, path: &Path, write: bool, mode: DirectMode) -> Result<Self> {
+    /// `direct_flags`: the access mode and status flags of the O_DIRECT descriptor.
+    fn with_direct(
+        buffered: File,
+        path: &Path,
+        write: bool,
+        direct_flags: i32,
+        mode: DirectMode,
+    ) -> Result<Self> {
         let align = align::dio_align(buffered.as_raw_fd());
         let in_memory = align::is_tmpfs_fd(buffered.as_raw_fd());
         let (direct, reason) = match mode {
@@ -134,7 +175,7 @@ impl IoFile {
                 None,
                 Some("tmpfs: the page cache is the storage".to_string()),
             ),
-            _ => match reopen_direct(&buffered, write) {
+            _ => match reopen_direct(&buffered, direct_flags) {
                 Ok(f) => (Some(f), None),
                 Err(e) if mode == DirectMode::Required => {
                     return Err(Error::io_at("open with O_DIRECT", path, e));
@@ -482,15 +523,17 @@ pub(crate) fn kind_of_mode(mode: u32) -> &'static str {
     }
 }
 
-/// A second, independent open of the same file with O_DIRECT. Opening
-/// /proc/self/fd/N makes a new open file description, so O_DIRECT does not leak
-/// onto the buffered descriptor (fcntl would set it on both).
-fn reopen_direct(file: &File, write: bool) -> io::Result<File> {
+/// A second, independent open of the same file with O_DIRECT, with the
+/// access mode and status flags of `flags`. Opening /proc/self/fd/N makes a
+/// new open file description, so O_DIRECT does not leak onto the buffered
+/// descriptor (fcntl would set it on both).
+fn reopen_direct(file: &File, flags: i32) -> io::Result<File> {
     let proc = format!("/proc/self/fd/{}", file.as_raw_fd());
+    let access = flags & libc::O_ACCMODE;
     OpenOptions::new()
-        .read(true)
-        .write(write)
-        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        .read(access != libc::O_WRONLY)
+        .write(access != libc::O_RDONLY)
+        .custom_flags((flags & !libc::O_ACCMODE) | libc::O_DIRECT | libc::O_CLOEXEC)
         .open(proc)
 }
 
