@@ -4,6 +4,8 @@ tensors on the wrong device, storages too small: a clear error naming the argume
 from __future__ import annotations
 
 import errno
+import fcntl
+import gc
 import os
 
 import ckptio
@@ -190,6 +192,37 @@ def test_gdsfile_with_o_tmpfile(tmp_path):
     assert torch.equal(x, y)
     del f
     assert list(d.iterdir()) == []
+
+
+def test_gdsfile_fd_and_registering_twice_as_in_torch(tmp_path):
+    """Before, GdsFile had no ``fd`` (torch's has: the descriptor opened with the flags) and
+    registering a registered handle did nothing. Now ``fd`` is that descriptor until the
+    GdsFile is deleted, and a second register_handle raises torch's AssertionError;
+    deregistering twice stays harmless (documented)."""
+    p = tmp_path / "fd.bin"
+    f = ckptio.GdsFile(p, os.O_CREAT | os.O_RDWR | os.O_DSYNC)
+    fd = f.fd
+    assert isinstance(fd, int) and os.readlink(f"/proc/self/fd/{fd}") == os.path.realpath(p)
+    fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+    assert fl & os.O_ACCMODE == os.O_RDWR and fl & os.O_DSYNC and not fl & os.O_DIRECT
+    f.save_storage(torch.arange(100, dtype=torch.int64).untyped_storage(), 0)
+    os.fsync(f.fd)
+    assert os.fstat(f.fd).st_size == 800
+    with pytest.raises(AssertionError, match="Cannot register a handle that is already registered"):
+        f.register_handle()
+    assert f.handle is not None
+    f.deregister_handle()
+    f.deregister_handle()
+    assert f.handle is None
+    f.register_handle()
+    assert f.handle is not None
+    del f
+    gc.collect()
+    try:
+        still = os.readlink(f"/proc/self/fd/{fd}") == os.path.realpath(p)
+    except OSError:
+        still = False
+    assert not still
 
 
 @pytest.mark.parametrize(

@@ -125,10 +125,10 @@ _TWO_THREADS = """
 import os, sys, threading, torch, ckptio
 f = ckptio.GdsFile(sys.argv[1], os.O_CREAT | os.O_RDWR)
 n = int(sys.argv[2])
-def flip():  # opens and closes the device path (detached, under the file's locks)
+def flip():  # closes and opens the device path (detached, under the file's locks)
     for _ in range(n):
-        f.register_handle()
         f.deregister_handle()
+        f.register_handle()
 def look():  # reads it, and transfers, while attached to the interpreter
     x = torch.arange(1 << 12, dtype=torch.uint8).untyped_storage()
     for _ in range(n):

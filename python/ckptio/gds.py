@@ -13,7 +13,12 @@ semantics differ, ckptio mostly does not raise where torch would:
   container, tmpfs) transfers go through ckptio's pinned bounce pipeline;
   ``GdsFile.device_path`` says which path is in use.
 - After ``GdsFile.deregister_handle()`` transfers still work (through the
-  bounce pipeline) until ``register_handle()``; torch's fail.
+  bounce pipeline) until ``register_handle()``, and deregistering again does
+  nothing; torch's fail. Registering a registered handle raises torch's
+  ``AssertionError``.
+- ``GdsFile.fd`` is, as in torch, the file's descriptor opened with ``flags``
+  (valid until the ``GdsFile`` is deleted: ``os.fsync(f.fd)`` works), but
+  without O_DIRECT, which ckptio's second descriptor has.
 - ``gds_register_buffer`` without a usable cuFile is a no-op, and
   ``gds_deregister_buffer`` of a storage that is not registered does nothing.
   A registration holds its storage, so the memory cannot be freed (and
@@ -98,7 +103,8 @@ class GdsFile:
     opened O_WRONLY, or saving to one opened O_RDONLY, raises
     ``OSError(EBADF)`` before anything moves. O_DIRECT in ``flags`` changes
     nothing (``direct`` decides); O_APPEND and O_PATH are refused with a
-    ``ValueError`` before the file is opened (see the module's notes).
+    ``ValueError`` before the file is opened (see the module's notes). ``fd``
+    is that first descriptor (no O_DIRECT), open until the GdsFile is deleted.
 
     ``backend``: "auto" (cuFile where it can register
     the file, else bounce buffers; a file opened read-only takes bounce buffers
@@ -127,6 +133,8 @@ class GdsFile:
         mode = engines.direct_arg(direct)
         self._engine = engines.engine(threads, chunk_size, mode)
         self._file = _native.DeviceFile.open(self.filename, flags, mode, backend)
+        # torch's attribute: the descriptor opened with ``flags`` (owned by _file).
+        self.fd: int = self._file.fileno()
         self.handle: int | None = None
         self.register_handle()
 
@@ -151,14 +159,17 @@ class GdsFile:
         return self._file.fallback_reason
 
     def register_handle(self) -> None:
-        """Pick the path (cuFileHandleRegister where it works)."""
+        """Pick the path (cuFileHandleRegister where it works); registering a
+        registered handle raises ``AssertionError``, as torch's does."""
+        if self.handle is not None:
+            raise AssertionError("Cannot register a handle that is already registered.")
         self._file.register_handle()
         self.handle = id(self._file)
 
     def deregister_handle(self) -> None:
         """cuFileHandleDeregister (once transfers in flight on other threads end);
         unlike torch's, later transfers still work, through the bounce pipeline,
-        until ``register_handle``."""
+        until ``register_handle``, and a second call does nothing."""
         self._file.deregister_handle()
         self.handle = None
 
