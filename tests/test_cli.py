@@ -460,3 +460,76 @@ def test_bench_refuses_sizes_and_rounds_it_cannot_run(tmp_path, capsys, args):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--dir", str(tmp_path), *args])
     assert e.value.code == 2 and "give" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- review of the CLI
+
+
+def test_clean_keeps_shards_and_data_files_of_other_writers(tmp_path, capsys):
+    """Shards of the hub's names with no index (a save_pretrained before its index, a
+    download in progress) and a live torch DCP writer's data files before its .metadata
+    are no dead ckptio save's: clean leaves them; --unreferenced removes them."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for i in (1, 2):
+        st.save_file({f"t{i}": torch.ones(8)}, hf / f"model-0000{i}-of-00002.safetensors")
+    (hf / "config.json").write_text("{}")
+    before = sorted(os.listdir(hf))
+    assert run(capsys, "clean", "-q", hf) == (0, "", "")
+    assert ckptio.clean(hf) == [] and sorted(os.listdir(hf)) == before
+
+    live = tmp_path / "live"
+    seen = {}
+
+    class Writer(dcp.FileSystemWriter):
+        def finish(self, metadata, results):  # data files written, no .metadata yet
+            seen["rc"] = run(capsys, "clean", "--json", live)
+            return super().finish(metadata, results)
+
+    sd = {"w": torch.randn(16, 16)}
+    dcp.save(sd, storage_writer=Writer(live), no_dist=True)
+    rc, out, _ = seen["rc"]
+    assert rc == 0 and json.loads(out)["removed"] == []
+    got = {"w": torch.empty(16, 16)}
+    dcp.load(got, checkpoint_id=live, no_dist=True)
+    assert torch.equal(got["w"], sd["w"])
+
+    rc, out, _ = run(capsys, "clean", "--unreferenced", "--json", hf)
+    assert rc == 0 and sorted(json.loads(out)["removed"]) == before[1:]
+    assert os.listdir(hf) == ["config.json"]
+
+
+def test_clean_removes_what_dead_ckptio_saves_left(tmp_path, capsys):
+    """What carries the evidence of a dead ckptio save still goes: its own names (the
+    token), and the generation a ckptio commit replaced (older than its index or
+    .metadata); a torch writer's file newer than ckptio's .metadata stays."""
+    d = tmp_path / "dcp"
+    dcp.save(state(), storage_writer=dcp.FileSystemWriter(d), no_dist=True)  # torch's names
+    old = sorted(n for n in os.listdir(d) if n.endswith(".distcp"))
+    past = time.time() - 60
+    for n in old:
+        os.utime(d / n, (past, past))
+    shutil.copytree(d, tmp_path / "keep")
+    dcp.save(state(), storage_writer=FileSystemWriter(d), no_dist=True)
+    for n in old:  # as if ckptio's save died between its commit and its sweep
+        shutil.copy2(tmp_path / "keep" / n, d / n)
+    (d / "__0_0123abcd_0.distcp").write_bytes(b"dead")  # a dead ckptio save's
+    (d / "__1_0.distcp").write_bytes(b"live")  # a torch writer's, after the commit
+    rc, out, _ = run(capsys, "clean", "--json", d)
+    assert rc == 0 and sorted(json.loads(out)["removed"]) == sorted(["__0_0123abcd_0.distcp", *old])
+    assert (d / "__1_0.distcp").exists()
+    assert ckptio.verify(d).ok
+
+    sh = tmp_path / "sharded"
+    sd = {f"w{i}": torch.full((1024,), float(i)) for i in range(4)}
+    cst.save_sharded(sd, sh, max_shard_size=8192)  # the hub's names
+    hub = sorted(n for n in os.listdir(sh) if n.startswith("model-"))
+    shutil.copytree(sh, tmp_path / "hub")
+    for n in hub:
+        os.utime(tmp_path / "hub" / n, (past, past))
+    cst.save_sharded(sd, sh, max_shard_size=8192)  # names with a token: the hub's were taken
+    assert not set(hub) & set(os.listdir(sh))
+    for n in hub:  # the replaced generation, as if the save died before its sweep
+        shutil.copy2(tmp_path / "hub" / n, sh / n)
+    assert sorted(ckptio.clean(sh)) == hub
+    assert set(cst.load_sharded(sh)) == set(sd)

@@ -40,7 +40,7 @@ from ckptio import _native
 from ckptio.errors import FormatError, corrupt
 from ckptio.formats import torchzip
 from ckptio.io import memory
-from ckptio.io.paths import inside, open_regular, sweep_unnamed
+from ckptio.io.paths import inside, older_than, open_regular, sweep_unnamed
 
 ALIGN = torchzip.STORAGE_ALIGNMENT
 
@@ -51,6 +51,9 @@ METADATA = ".metadata"
 #: Data files of a DCP checkpoint: torch's ``__{rank}_{n}.distcp`` and ckptio's
 #: ``__{rank}_{token}_{n}.distcp`` (the files a save may remove once it is published).
 DATA_FILE = re.compile(r"__(?P<rank>\d+)_(?:[0-9a-f]{8}_)?\d+" + re.escape(DEFAULT_SUFFIX))
+#: ckptio's data files alone (the token its coordinator picks): torch's writer never
+#: makes these names, so one that no metadata names is a dead ckptio save's.
+OWN_DATA_FILE = re.compile(r"__\d+_[0-9a-f]{8}_\d+" + re.escape(DEFAULT_SUFFIX))
 
 
 class _SparseSink(io.RawIOBase):
@@ -306,26 +309,43 @@ _BUILDABLE = (*_METADATA_CLASSES, OrderedDict)
 METADATA_OF_RANK = re.compile(r"__\d+" + re.escape(METADATA))
 
 
-def sweep(folder: str, own: str | None = None) -> list[str]:
+def sweep(folder: str, own: str | None = None, *, unreferenced: bool = True) -> list[str]:
     """Remove what dead saves left in a DCP folder: their temp files, and the data
     files that no metadata file names (a save that died, or failed on a rank that
     could not clean up, before its ``.metadata``). Nothing of the data files while
     a save may be in flight: a temp file some writer holds (but ``own``, the
     caller's, see ``ckptio.dcp``) or a metadata file that cannot be read. The
-    names removed."""
+    names removed.
+
+    ``unreferenced=False`` (``ckptio clean``, which no save of this folder runs):
+    only data files that carry the evidence of a dead ckptio save go: ckptio's
+    own names (``OWN_DATA_FILE``), and torch's names older than a metadata file
+    ckptio committed (one naming ckptio's files): the generation that commit
+    replaced. A torch writer's files before its ``.metadata`` stay."""
+    commits: list[int] = []  # mtimes of the metadata files ckptio committed
 
     def in_use() -> set[str] | None:
         named: set[str] = set()
         for n in os.listdir(folder):
             if n == METADATA or METADATA_OF_RANK.fullmatch(n):
+                path = os.path.join(folder, n)
                 try:
-                    md = read_metadata(os.path.join(folder, n))
+                    md = read_metadata(path)
+                    mtime = os.stat(path).st_mtime_ns
                 except (FormatError, OSError):
                     return None  # which files it names is not known: none is surely dead
-                named |= {info.relative_path for info in md.storage_data.values()}
+                files = {info.relative_path for info in md.storage_data.values()}
+                named |= files
+                if any(OWN_DATA_FILE.fullmatch(f) for f in files):
+                    commits.append(mtime)
         return named
 
-    return sweep_unnamed(folder, DATA_FILE, own, in_use)
+    def dead(name: str) -> bool:
+        if OWN_DATA_FILE.fullmatch(name):
+            return True
+        return bool(commits) and older_than(os.path.join(folder, name), max(commits))
+
+    return sweep_unnamed(folder, DATA_FILE, own, in_use, None if unreferenced else dead)
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:

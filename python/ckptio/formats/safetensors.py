@@ -42,7 +42,7 @@ from ckptio import _native
 from ckptio.errors import FormatError, SafetensorError
 from ckptio.formats.mapped import Mapped
 from ckptio.io import memory, remote
-from ckptio.io.paths import inside, open_regular, sweep_unnamed
+from ckptio.io.paths import inside, older_than, open_regular, sweep_unnamed
 
 #: safetensors dtype name -> torch dtype (those this torch has).
 DTYPES: dict[str, torch.dtype] = {
@@ -113,6 +113,8 @@ INDEX_NAME = "model.safetensors.index.json"
 #: names them): ``model.safetensors``, ``model-0000k-of-0000n.safetensors`` and,
 #: while those names are in use, ``model-<token>-0000k-of-0000n.safetensors``.
 SHARD_FILE = re.compile(r"model(-([0-9a-f]{8}-)?\d{5}-of-\d{5})?\.safetensors")
+#: The shard names only ckptio gives (with its token): the hub's writers never do.
+OWN_SHARD_FILE = re.compile(r"model-[0-9a-f]{8}-\d{5}-of-\d{5}\.safetensors")
 
 
 #: Largest dimension, element count and byte count a tensor may have (int64).
@@ -654,14 +656,43 @@ def current_shards(folder: str) -> set[str] | None:
     return set((wm or {}).values()) | {"model.safetensors"}
 
 
-def sweep(folder: str, own: str | None = None) -> list[str]:
+def sweep(folder: str, own: str | None = None, *, unreferenced: bool = True) -> list[str]:
     """Remove what dead saves left in a sharded checkpoint's folder: their temp
     files, and shard files (``SHARD_FILE``) that the current checkpoint does
     not use (a ``save_sharded`` that died before its index). Nothing of the
     shards while a save may be in flight: a temp file some writer holds (but
     ``own``, the caller's guard) or an index that cannot be read. The names
-    removed."""
-    return sweep_unnamed(folder, SHARD_FILE, own, lambda: current_shards(folder))
+    removed.
+
+    ``unreferenced=False`` (``ckptio clean``, which no save of this folder runs):
+    only shards that carry the evidence of a dead ckptio save go: ckptio's own
+    names (``OWN_SHARD_FILE``), and the hub's names older than an index that
+    names ckptio's (a save picks those only while the hub's names are the
+    current checkpoint's: that index replaced them). Shards of the hub's names
+    without an index (another writer's save before its index, a download in
+    progress, or a ckptio save killed in a fresh folder) stay."""
+    commit: list[int] = []  # the mtime of an index that names ckptio's shards
+
+    def in_use() -> set[str] | None:
+        index = os.path.join(folder, INDEX_NAME)
+        if not os.path.exists(index):
+            return {"model.safetensors"}
+        try:
+            _, wm = shard_files(index)
+            mtime = os.stat(index).st_mtime_ns
+        except (OSError, FormatError):
+            return None
+        named = set((wm or {}).values())
+        if any(OWN_SHARD_FILE.fullmatch(n) for n in named):
+            commit.append(mtime)
+        return named | {"model.safetensors"}
+
+    def dead(name: str) -> bool:
+        if OWN_SHARD_FILE.fullmatch(name):
+            return True
+        return bool(commit) and older_than(os.path.join(folder, name), commit[0])
+
+    return sweep_unnamed(folder, SHARD_FILE, own, in_use, None if unreferenced else dead)
 
 
 def gather(

@@ -156,17 +156,29 @@ def live_temps(folder: str, own: str | None = None) -> list[str]:
     return [n for n in os.listdir(folder) if TEMP_FILE.fullmatch(n) and n != mine]
 
 
+def older_than(path: str, mtime_ns: int) -> bool:
+    """Whether the file at ``path`` was last written before ``mtime_ns`` (a file
+    that cannot be read: False)."""
+    try:
+        return os.stat(path).st_mtime_ns < mtime_ns
+    except OSError:
+        return False
+
+
 def sweep_unnamed(
     folder: str,
     pattern: re.Pattern[str],
     own: str | None,
     in_use: Callable[[], set[str] | None],
+    dead: Callable[[str], bool] | None = None,
 ) -> list[str]:
     """Remove what dead saves left in a checkpoint's folder: their temp files
     (:func:`live_temps`), and the files named by ``pattern`` that ``in_use()``
-    (the names the current checkpoint uses) does not name. Nothing of those
-    while a save may be in flight (a temp file some writer holds, but ``own``,
-    the caller's) or where ``in_use()`` cannot tell (None). The names removed."""
+    (the names the current checkpoint uses) does not name, and, where ``dead``
+    is given, that it says a dead save left (called after ``in_use()``).
+    Nothing of those while a save may be in flight (a temp file some writer
+    holds, but ``own``, the caller's) or where ``in_use()`` cannot tell (None).
+    The names removed."""
     try:
         mine = [n for n in os.listdir(folder) if pattern.fullmatch(n)]
     except FileNotFoundError:
@@ -178,7 +190,7 @@ def sweep_unnamed(
         return []
     removed = []
     for n in mine:
-        if n not in used:
+        if n not in used and (dead is None or dead(n)):
             try:
                 os.unlink(os.path.join(folder, n))
             except FileNotFoundError:

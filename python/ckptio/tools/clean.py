@@ -6,7 +6,15 @@ file unlocked. A multi-file save (DCP, sharded safetensors) that died or failed
 before its ``.metadata`` or index may also leave data files that nothing names.
 :func:`clean` removes both, using the temp files' locks as the liveness rule, in
 any PID namespace: nothing while a save into the folder may still be running.
-Every save does the same in its own folder first.
+
+Data files go only where they carry the evidence of a dead ckptio save: the
+names only ckptio gives (its token in them), or the files of a generation that
+an index or ``.metadata`` ckptio committed replaced (older than it). Shards and
+DCP data files of other writers that nothing names yet (a ``save_pretrained``
+or torch's DCP writer before its index or ``.metadata``, a download in
+progress) hold no lock ckptio sees, and stay; ``unreferenced=True`` (``ckptio
+clean --unreferenced``) removes every data file nothing names, whoever wrote it,
+as every ckptio save into the folder does first.
 """
 
 from __future__ import annotations
@@ -21,14 +29,16 @@ from ckptio.formats import safetensors as st_format
 from ckptio.io import remote
 
 
-def clean(folder: str | os.PathLike[str]) -> list[str]:
+def clean(folder: str | os.PathLike[str], *, unreferenced: bool = False) -> list[str]:
     """Remove what dead saves left in ``folder``: temp files no live save holds, and
     the data files of DCP or sharded safetensors checkpoints that no ``.metadata``
-    or index names while no save is in flight. The names removed."""
+    or index names and that a dead ckptio save left (its names, or a generation
+    its commit replaced), while no save is in flight. ``unreferenced``: every
+    data file that nothing names, whoever wrote it. The names removed."""
     path = os.fspath(folder)
     removed = list(_native.clean_temps(path))
-    removed += dcp.sweep(path)
-    removed += st_format.sweep(path)
+    removed += dcp.sweep(path, unreferenced=unreferenced)
+    removed += st_format.sweep(path, unreferenced=unreferenced)
     return removed
 
 

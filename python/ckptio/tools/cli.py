@@ -160,8 +160,11 @@ def _parser() -> argparse.ArgumentParser:
         help="remove what dead saves (killed, crashed or failed) left in a folder",
         description="Remove the temp files (.NAME.ckptio-PID-NONCE.tmp) that saves killed or "
         "crashed left in FOLDER, only those no live save holds (each save holds a lock on its "
-        "temp file, in any PID namespace or container), and the data files of DCP or sharded "
-        "safetensors checkpoints that no .metadata or index names, while no save runs there.",
+        "temp file, in any PID namespace or container), and, while no save runs there, the "
+        "data files of DCP or sharded safetensors checkpoints that no .metadata or index names "
+        "and that a dead ckptio save left: ckptio's own names (with its token), or the "
+        "generation a commit of ckptio replaced. Other writers' shards and .distcp files "
+        "stay (a save_pretrained or torch's DCP writer before its index, a download).",
     )
     cl.add_argument("folder", help="a folder, or s3://bucket/prefix: abort its dangling uploads")
     cl.add_argument(
@@ -169,6 +172,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=86400.0,
         help="s3://: abort uploads begun more than this many seconds ago (default 1 day)",
+    )
+    cl.add_argument(
+        "--unreferenced",
+        action="store_true",
+        help="also remove the model*.safetensors shards and __*.distcp files that no index or "
+        ".metadata names, whoever wrote them (none while a ckptio save runs there; another "
+        "writer's save in progress would lose them)",
     )
     cl.add_argument("-q", "--quiet", action="store_true", help="print only errors")
     cl.add_argument("--json", action="store_true", help="print the removed files as JSON")
@@ -380,7 +390,7 @@ def _cmd_clean(a: argparse.Namespace) -> int:
                 print(name)
             print(f"{a.folder}: {len(removed)} dangling uploads aborted")
         return OK
-    removed = clean.clean(a.folder)
+    removed = clean.clean(a.folder, unreferenced=a.unreferenced)
     if a.json:
         _print_json({"folder": a.folder, "removed": list(removed)})
     elif not a.quiet:
