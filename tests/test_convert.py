@@ -1,5 +1,6 @@
 """``ckptio convert``: torch.save <-> safetensors, and what it refuses."""
 
+import os
 import subprocess
 import sys
 
@@ -82,7 +83,7 @@ def test_flatten_joins_nested_keys_and_refuses_collisions(tmp_path, capsys):
     assert main(["convert", str(src), str(dst), "--flatten"]) == 0
     assert list(st.load_file(dst)) and set(st.load_file(dst)) == {"model.w", "model.sub.b", "x"}
     torch.save({"a": {"b": torch.ones(1)}, "a.b": torch.zeros(1)}, src)
-    assert "'a.b' is there twice" in run_err(capsys, src, dst, "--flatten")
+    assert "'a.b' is there twice" in run_err(capsys, src, dst, "--flatten", "--force")
 
 
 def test_shared_storages_refused_unless_duplicated(tmp_path, capsys):
@@ -159,3 +160,42 @@ def test_flatten_refuses_an_empty_dict_instead_of_dropping_it(tmp_path):
     torch.save({"w": torch.ones(2), "opt": {}}, src)
     with pytest.raises(ConversionError, match="'opt' is an empty dict"):
         convert(str(src), str(tmp_path / "c.safetensors"), flatten=True, log=lambda _: None)
+
+
+# --------------------------------------------------------------------------- review of the CLI
+
+
+def test_an_existing_destination_is_replaced_only_with_force(tmp_path, capsys):
+    """convert replaced any DST without a word: notes, the source itself, the file a link
+    points to. An existing DST is now refused (one line, exit 1, nothing written) unless
+    --force; the source itself and a symbolic link are refused even then."""
+    src = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(4)}, src)
+    src_bytes = src.read_bytes()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("three weeks of notes\n")
+    err = run_err(capsys, src, notes)
+    assert err.count("\n") == 1 and "notes.txt exists" in err and "--force" in err
+    assert notes.read_text() == "three weeks of notes\n"
+    assert main(["convert", "-q", "--force", str(src), str(notes)]) == 0
+    same(st.load_file(notes), {"w": torch.ones(4)})
+
+    for force in ([], ["--force"]):
+        err = run_err(capsys, src, src, "--to", "safetensors", *force)
+        assert "the source itself" in err
+        os.link(src, tmp_path / "hard.pt")
+        assert "the source itself" in run_err(capsys, src, tmp_path / "hard.pt", *force)
+        os.unlink(tmp_path / "hard.pt")
+        assert src.read_bytes() == src_bytes
+
+    blob = tmp_path / "blob"
+    st.save_file({"other_model": torch.zeros(2)}, blob)
+    blob_bytes = blob.read_bytes()
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(blob)
+    (tmp_path / "to-src.safetensors").symlink_to(src)
+    for force in ([], ["--force"]):
+        assert "symbolic link" in run_err(capsys, src, link, *force)
+        assert "symbolic link" in run_err(capsys, src, tmp_path / "to-src.safetensors", *force)
+    assert blob.read_bytes() == blob_bytes and link.is_symlink()
+    assert src.read_bytes() == src_bytes

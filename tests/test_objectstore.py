@@ -1896,3 +1896,24 @@ def test_dcp_from_the_store_loads_tied_weights_and_casts(s3, verify):
     assert torch.equal(w, emb.weight.detach()) and out["head"] is w
     assert torch.equal(out["b"], sd["b"].bfloat16())
     assert all(s["backend"] == "store" for s in reader.last_stats)
+
+
+# --------------------------------------------------------------------------- review of the CLI
+
+
+def test_convert_refuses_an_existing_object_without_force(s3, tmp_path):
+    """convert replaced an existing object at DST without a word; now one line, exit 1,
+    the object as it was, unless --force; the source's own URL is refused even then."""
+    src, dst = s3.url("keep.pt"), s3.url("keep.safetensors")
+    ckptio.save(_state(1), src, storage_options=s3.options)
+    ckptio.save({"other": torch.zeros(2)}, dst, storage_options=s3.options)
+    before = remote.head(dst, s3.options)["e_tag"]
+    r = _cli(s3, "convert", src, dst)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "exists" in r.stderr, r.stderr
+    assert remote.head(dst, s3.options)["e_tag"] == before
+    r = _cli(s3, "convert", "-q", "--force", src, dst)
+    assert r.returncode == 0, r.stderr
+    _same(ckptio.safetensors.load_file(dst, storage_options=s3.options), _state(1))
+    r = _cli(s3, "convert", "--force", src, src, "--to", "safetensors")
+    assert r.returncode == 1 and "the source itself" in r.stderr, r.stderr
+    _same(ckptio.load(src, storage_options=s3.options), _state(1))

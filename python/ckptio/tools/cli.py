@@ -135,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
         help="store the tensors of nested dicts under dotted names ({'model': {'w': t}} -> "
         "'model.w') instead of refusing them",
     )
+    c.add_argument(
+        "-f",
+        "--force",
+        action="store_true",
+        help="replace DST if it exists (never SRC itself, nor a file through a symbolic link)",
+    )
     c.add_argument("-q", "--quiet", action="store_true", help="print only errors")
 
     b = sub.add_parser("bench", help="save/load side by side with torch.save/torch.load")
@@ -334,6 +340,7 @@ def _cmd_convert(a: argparse.Namespace) -> int:
             flatten=a.flatten,
             log=log,
             source=src,
+            overwrite=a.force,
         )
     return OK
 

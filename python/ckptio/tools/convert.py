@@ -15,6 +15,10 @@ else is refused with the key that does not fit:
 safetensors -> torch.save writes the tensors as a plain dict (ckptio.save); the
 safetensors header metadata has no place in a torch.save file and is dropped
 (the command says so).
+
+The destination is never the source itself, nor written through a symbolic
+link (the file it points to may be anything: a cache's blob, another model); an
+existing destination is replaced only with ``overwrite`` (``--force``).
 """
 
 from __future__ import annotations
@@ -127,6 +131,34 @@ def unshare(
     return out
 
 
+def check_destination(src: str, dst: str, overwrite: bool) -> None:
+    """Refuse ``dst`` where convert must not write it: the source itself (the same
+    file under any name, or the same URL), a symbolic link (convert writes
+    nothing through one), or, unless ``overwrite``, anything that exists."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    if remote.is_url(dst):
+        if remote.is_url(src) and src.rstrip("/") == dst.rstrip("/"):
+            raise ValueError(f"{dst} is the source itself: convert writes another object")
+        if not overwrite:
+            try:
+                remote.head(dst)
+            except FileNotFoundError:
+                return
+            raise FileExistsError(f"{dst} exists: convert replaces it only with --force")
+        return
+    if os.path.islink(dst):
+        raise ValueError(
+            f"{dst} is a symbolic link (to {os.readlink(dst)}): convert writes nothing through "
+            "a link; remove it or name another path"
+        )
+    if not os.path.lexists(dst):
+        return
+    if not remote.is_url(src) and os.path.exists(src) and os.path.samefile(src, dst):
+        raise ValueError(f"{dst} is the source itself ({src}): convert writes another file")
+    if not overwrite:
+        raise FileExistsError(f"{dst} exists: convert replaces it only with --force")
+
+
 def convert(
     src: str,
     dst: str,
@@ -136,12 +168,17 @@ def convert(
     flatten: bool = False,
     log: Callable[[str], None] = print,
     source: detect.Detected | None = None,
+    overwrite: bool = True,
 ) -> str:
     """Convert ``src`` into ``dst``; returns the format written. ``source``: what
     ``formats.detect`` found ``src`` to be, where the caller asked already.
     Either may be an object URL (configured by the AWS_* variables): the
     tensors are then read straight from the store and streamed to it, with no
-    local copy."""
+    local copy. ``dst`` is never ``src`` itself nor a symbolic link; an
+    existing ``dst`` is replaced (as ``ckptio.save`` replaces) unless
+    ``overwrite`` is False (``ckptio convert`` without ``--force``): then
+    FileExistsError."""
+    check_destination(src, dst, overwrite)
     if source is not None:
         found = source
     elif remote.is_url(src):
