@@ -199,3 +199,19 @@ def test_an_existing_destination_is_replaced_only_with_force(tmp_path, capsys):
         assert "symbolic link" in run_err(capsys, src, tmp_path / "to-src.safetensors", *force)
     assert blob.read_bytes() == blob_bytes and link.is_symlink()
     assert src.read_bytes() == src_bytes
+
+
+@pytest.mark.parametrize("dst", ["copy.pt", "copy.safetensors"])
+def test_a_damaged_source_fails_convert(tmp_path, capsys, dst):
+    """convert loaded a torch.save source without its CRC-32s and wrote the rotten bytes
+    into a file whose fresh CRC-32s vouched for them; now the source is verified as it is
+    read: one line naming the bad record, exit 1, nothing written."""
+    src = tmp_path / "rotted.pt"
+    torch.save({"w": torch.zeros(1024)}, src)
+    rec = next(r for r in ckptio.records(src) if r.name.endswith("/data/0"))
+    b = bytearray(src.read_bytes())
+    b[rec.offset + 2] ^= 0x40
+    src.write_bytes(bytes(b))
+    err = run_err(capsys, src, tmp_path / dst)
+    assert err.count("\n") == 1 and "FormatError" in err and rec.name in err and "CRC-32" in err
+    assert not (tmp_path / dst).exists()

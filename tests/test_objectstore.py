@@ -1917,3 +1917,18 @@ def test_convert_refuses_an_existing_object_without_force(s3, tmp_path):
     r = _cli(s3, "convert", "--force", src, src, "--to", "safetensors")
     assert r.returncode == 1 and "the source itself" in r.stderr, r.stderr
     _same(ckptio.load(src, storage_options=s3.options), _state(1))
+
+
+def test_convert_verifies_a_source_object(s3, tmp_path):
+    """convert of a damaged torch.save object wrote its rotten bytes with fresh CRC-32s;
+    now it fails naming the bad record, nothing written."""
+    src = tmp_path / "rotted.pt"
+    torch.save({"w": torch.zeros(1024)}, src)
+    rec = next(r for r in ckptio.records(src) if r.name.endswith("/data/0"))
+    b = bytearray(src.read_bytes())
+    b[rec.offset + 2] ^= 0x40
+    url = s3.url("rotted.pt")
+    remote.put_bytes(url, bytes(b), s3.options)
+    r = _cli(s3, "convert", url, s3.url("copy.safetensors"))
+    assert r.returncode == 1 and rec.name in r.stderr and "CRC-32" in r.stderr, r.stderr
+    assert not remote.listing(s3.url("copy.safetensors"), s3.options)

@@ -16,6 +16,10 @@ safetensors -> torch.save writes the tensors as a plain dict (ckptio.save); the
 safetensors header metadata has no place in a torch.save file and is dropped
 (the command says so).
 
+A torch.save source is read with ``verify=True``: a record whose bytes do not
+match its CRC-32 fails the conversion (safetensors stores no checksum: its
+header and offsets are checked as ``load_file`` checks them).
+
 The destination is never the source itself, nor written through a symbolic
 link (the file it points to may be anything: a cache's blob, another model); an
 existing destination is replaced only with ``overwrite`` (``--force``).
@@ -196,7 +200,9 @@ def convert(
     where = f"{src}: "
     meta: dict[str, str] = {}
     if src_format == "torch":
-        obj = load(src, map_location="cpu", weights_only=True)
+        # Every record against its CRC-32 as it is read: a damaged source fails here,
+        # not copied into a file whose fresh CRC-32s would vouch for it.
+        obj = load(src, map_location="cpu", weights_only=True, verify=True)
         tensors = flat_tensors(obj, flatten=flatten, where=where)
     else:
         tensors = cst.load_file(src)
