@@ -533,3 +533,33 @@ def test_clean_removes_what_dead_ckptio_saves_left(tmp_path, capsys):
         shutil.copy2(tmp_path / "hub" / n, sh / n)
     assert sorted(ckptio.clean(sh)) == hub
     assert set(cst.load_sharded(sh)) == set(sd)
+
+
+def test_verify_into_a_closed_pipe_exits_with_its_verdict(tmp_path):
+    """`ckptio verify BAD | head -n 2` exited 0: a broken pipe ended every command as
+    done. The verdict now decides (1 for a damaged checkpoint, 0 for a sound one),
+    however little of the report the reader took."""
+    sd = {f"t{i}": torch.full((4,), float(i)) for i in range(3000)}  # 3006 lines: > a pipe
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    torch.save(sd, good)
+    rec = next(r for r in ckptio.records(good) if r.name.endswith("/data/2999"))
+    b = bytearray(good.read_bytes())
+    b[rec.offset] ^= 0xFF
+    bad.write_bytes(bytes(b))
+    for path, rc in ((bad, 1), (good, 0)):
+        for argv in (["verify"], ["verify", "--json"]):
+            p = subprocess.Popen(
+                [sys.executable, "-m", "ckptio", *argv, str(path)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            assert p.stdout.readline()  # the reader takes one line and goes
+            p.stdout.close()
+            err = p.stderr.read()
+            assert p.wait(timeout=120) == rc, (argv, path, err)
+            assert "Traceback" not in err and "Exception ignored" not in err, err
+            assert (rec.name in err) == (rc == 1 and "--json" not in argv), err
+    r = subprocess.run(
+        f"{sys.executable} -m ckptio ls {good} | head -n 1; exit ${{PIPESTATUS[0]}}",
+        shell=True, executable="/bin/bash", capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stderr == "", r.stderr

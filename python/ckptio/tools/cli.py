@@ -11,6 +11,9 @@ output on stdout; an error is one line on stderr and a non-zero exit:
        malformed, refused, or (verify) damaged
     2  the command line is wrong (argparse)
 
+A reader that stops reading (``ckptio verify x | head``) changes none of these:
+the command runs on, the rest of its output going nowhere.
+
 Long operations (verify, convert, bench) draw a progress line on stderr when it
 is a terminal; ``--quiet`` turns it off with the rest of the chatter, ``--json``
 prints what a script reads.
@@ -197,6 +200,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    stdout = sys.stdout
+    if stdout is not None:
+        sys.stdout = _PipeSafe(stdout)  # type: ignore[assignment]
     try:
         with contextlib.ExitStack() as stack:
             _local_copies(a, stack)
@@ -204,12 +210,44 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ckptio {a.cmd}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `ckptio ls x | head`: the reader had enough
-        _silence_stdout()
-        return OK
     except Exception as e:  # bad input of any kind: one line, no traceback
         print(f"ckptio {a.cmd}: {_one_line(e)}", file=sys.stderr)
         return FAILED
+    finally:
+        sys.stdout = stdout
+
+
+class _PipeSafe:
+    """stdout, whose reader may stop reading (``ckptio verify x | head``): from the
+    first write that finds the pipe closed on, the rest of the output goes nowhere
+    and the command runs on, so its outcome, not the reader, decides the exit
+    status (a damaged checkpoint exits 1 however little of the report was read)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._broken = False
+
+    def write(self, text: str) -> int:
+        if not self._broken:
+            try:
+                return int(self._stream.write(text))
+            except BrokenPipeError:
+                self._broke()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._broken:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._broke()
+
+    def _broke(self) -> None:
+        self._broken = True
+        _silence_stdout(self._stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _local_copies(a: argparse.Namespace, stack: contextlib.ExitStack) -> None:
@@ -259,10 +297,12 @@ def _one_line(e: BaseException) -> str:
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def _silence_stdout() -> None:
+def _silence_stdout(stream: Any) -> None:
+    """Point the file descriptor under ``stream`` at /dev/null: what its buffer
+    still holds, flushed at exit, goes there instead of failing again."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stream.fileno())
         os.close(devnull)
     except (OSError, ValueError):
         pass
