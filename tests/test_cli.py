@@ -563,3 +563,17 @@ def test_verify_into_a_closed_pipe_exits_with_its_verdict(tmp_path):
         shell=True, executable="/bin/bash", capture_output=True, text=True,
     )  # fmt: skip
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_verify_json_reports_a_damaged_dcp_metadata(ckpts, tmp_path, capsys):
+    """verify --json printed no JSON for a DCP folder whose .metadata is damaged (the
+    progress line's size pass raised first); now the report, ok false, exit 1."""
+    d = tmp_path / "dcp"
+    shutil.copytree(ckpts["DCP folder"], d)
+    md = (d / ".metadata").read_bytes()
+    (d / ".metadata").write_bytes(md[: len(md) // 2])
+    rc, out, err = run(capsys, "verify", "--json", d)
+    doc = json.loads(out)
+    assert rc == 1 and err == "" and doc["ok"] is False and doc["format"] == describe.DCP
+    assert ".metadata" in doc["error"] and "truncated" in doc["error"], doc
+    assert "BAD" in failed(capsys, "verify", d)

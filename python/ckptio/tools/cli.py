@@ -332,7 +332,10 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if remote.is_url(a.path):
         total = _object_size(a.path)
     else:
-        total = describe.checkpoint_bytes(detect.detect(a.path))  # a missing path: its error alone
+        try:  # only the progress line's total: what is wrong is verify's to report
+            total = describe.checkpoint_bytes(detect.detect(a.path))
+        except Exception:
+            total = 0  # (a missing path: verify raises its error alone)
     with Progress(f"verifying {a.path}", total, enabled=False if a.quiet else None) as p:
         rep = verify(a.path, progress=p.add)
     if a.json:
