@@ -577,3 +577,15 @@ def test_verify_json_reports_a_damaged_dcp_metadata(ckpts, tmp_path, capsys):
     assert rc == 1 and err == "" and doc["ok"] is False and doc["format"] == describe.DCP
     assert ".metadata" in doc["error"] and "truncated" in doc["error"], doc
     assert "BAD" in failed(capsys, "verify", d)
+
+
+def test_info_of_a_missing_folder_fails(tmp_path, capsys):
+    """`ckptio info /no/such/folder` exited 0 (its probes said "no"); a folder that is
+    not there, or a file, is now an error: one line, exit 1."""
+    for argv in (["info"], ["info", "--json"]):
+        err = failed(capsys, *argv, tmp_path / "nope")
+        assert "FileNotFoundError" in err and "nope" in err, err
+    (tmp_path / "f").write_text("x")
+    assert "NotADirectoryError" in failed(capsys, "info", tmp_path / "f")
+    rc, out, _ = run(capsys, "info", tmp_path)
+    assert rc == 0 and f"folder {tmp_path}:" in out

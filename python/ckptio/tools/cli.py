@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import errno
 import json
 import os
 import re
@@ -451,6 +452,10 @@ def _cmd_clean(a: argparse.Namespace) -> int:
 
 
 def _cmd_info(a: argparse.Namespace) -> int:
+    if not os.path.isdir(a.folder):  # nothing there to probe: the command failed
+        if os.path.exists(a.folder):
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder: info probes a folder", a.folder)
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), a.folder)
     d = info(a.folder)
     print(json.dumps(d, indent=2, default=str) if a.json else format_info(d))
     return OK
