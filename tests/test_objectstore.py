@@ -1932,3 +1932,27 @@ def test_convert_verifies_a_source_object(s3, tmp_path):
     r = _cli(s3, "convert", url, s3.url("copy.safetensors"))
     assert r.returncode == 1 and rec.name in r.stderr and "CRC-32" in r.stderr, r.stderr
     assert not remote.listing(s3.url("copy.safetensors"), s3.options)
+
+
+def test_clean_aborts_only_the_uploads_of_its_own_folder(s3):
+    """clean s3://b/run1 aborted the uploads of run10/ and run1-eval/ too (a prefix
+    without its '/'); a folder is now the folder, and an object's URL its own uploads."""
+    client = _boto3_client(s3)
+    bucket, _, prefix = s3.url("").rstrip("/").split("://", 1)[1].partition("/")
+    keys = ["run1/model.pt", "run1/sub/x.pt", "run10/model.pt", "run1-eval/model.pt"]
+    for key in keys:
+        client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/{key}")
+
+    def left():
+        ups = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
+        return sorted(u["Key"].removeprefix(prefix + "/") for u in ups)
+
+    r = _cli(s3, "clean", "--older-than", "0", "--json", s3.url("run1"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(a.split(" (")[0] for a in json.loads(r.stdout)["aborted"]) == [
+        f"{prefix}/run1/model.pt", f"{prefix}/run1/sub/x.pt",
+    ]  # fmt: skip
+    assert left() == ["run1-eval/model.pt", "run10/model.pt"]
+    r = _cli(s3, "clean", "--older-than", "0", s3.url("run10/model.pt"))  # one object's
+    assert r.returncode == 0 and "1 dangling uploads aborted" in r.stdout, r.stdout + r.stderr
+    assert left() == ["run1-eval/model.pt"]

@@ -63,6 +63,9 @@ def abort_uploads(
     """Abort the multipart uploads under ``url`` (``s3://bucket/prefix``) begun
     more than ``older_than`` seconds ago: what saves killed midway leave in a
     store (invisible as objects, billed as storage). ``key (upload id)`` of each.
+    ``url`` names a folder (``s3://b/run1`` is ``s3://b/run1/``: never the
+    uploads of ``run10/`` or ``run1-eval/``) or one object (whose own uploads
+    go too: ``s3://b/run1/model.pt``).
 
     The store's own rule does the same without a command (S3's
     ``AbortIncompleteMultipartUpload`` lifecycle rule; docs/objectstore.md).
@@ -86,9 +89,14 @@ def abort_uploads(
     cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=older_than)
     aborted = []
     pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix)
+    folder = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+
+    def under(key: str) -> bool:  # in the folder, or the object the URL names
+        return key.startswith(folder) or key == prefix
+
     for page in pages:
         for up in page.get("Uploads", []):
-            if up["Initiated"] <= cutoff:
+            if under(up["Key"]) and up["Initiated"] <= cutoff:
                 client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
                 aborted.append(f"{up['Key']} ({up['UploadId']})")
     return aborted
