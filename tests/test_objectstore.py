@@ -1956,3 +1956,31 @@ def test_clean_aborts_only_the_uploads_of_its_own_folder(s3):
     r = _cli(s3, "clean", "--older-than", "0", s3.url("run10/model.pt"))  # one object's
     assert r.returncode == 0 and "1 dangling uploads aborted" in r.stdout, r.stdout + r.stderr
     assert left() == ["run1-eval/model.pt"]
+
+
+def test_reports_of_a_dcp_folder_url_name_the_url(s3):
+    """ls and verify of a DCP folder in a store (read from a scratch copy) named the
+    scratch copy (/dev/shm/...) instead of the URL; so did verify's error."""
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemWriter
+
+    url = s3.url("named-dcp")
+    dcp.save(
+        {"w": torch.arange(10.0)},
+        storage_writer=FileSystemWriter(url, storage_options=s3.options),
+        no_dist=True,
+    )
+    assert ckptio.listing(url, storage_options=s3.options).path == url
+    assert ckptio.verify(url, storage_options=s3.options).path == url
+    r = _cli(s3, "ls", url)
+    assert r.returncode == 0 and r.stdout.startswith(f"DCP: {url}\n"), r.stdout + r.stderr
+    r = _cli(s3, "verify", url)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith(f"{url}: ok: "), r.stdout
+    r = _cli(s3, "verify", "--json", url)
+    assert r.returncode == 0 and json.loads(r.stdout)["path"] == url, r.stdout + r.stderr
+    md, _ = remote.get_bytes(url + "/.metadata", s3.options)
+    remote.put_bytes(url + "/.metadata", md[: len(md) // 2], s3.options)
+    rep = ckptio.verify(url, storage_options=s3.options)
+    assert not rep.ok and rep.error.startswith(f"{url}/.metadata: "), rep.error
+    r = _cli(s3, "verify", url)
+    assert r.returncode == 1 and r.stderr.startswith(f"ckptio verify: {url}: BAD: "), r.stderr

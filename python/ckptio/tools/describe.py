@@ -137,7 +137,8 @@ def listing(
             return stored
     if remote.is_url(path) or storage_options is not None:
         with remote.local_tree(path, storage_options) as local:
-            return listing(local)
+            # Named by what was asked for, not by the scratch copy.
+            return dataclasses.replace(listing(local), path=os.fsdecode(os.fspath(path)))
     src = source or detect(path)
     if src.format == TORCH:
         return _torch(src)

@@ -132,8 +132,12 @@ def verify(
             return rep
     if remote.is_url(f) or storage_options is not None:
         with remote.local_tree(f, storage_options) as local:
-            return verify(local, threads=threads, chunk_size=chunk_size, direct=direct,
-                          progress=progress)  # fmt: skip
+            rep = verify(local, threads=threads, chunk_size=chunk_size, direct=direct,
+                         progress=progress)  # fmt: skip
+        # Named by what was asked for, not by the scratch copy.
+        url = os.fsdecode(os.fspath(f))
+        error = None if rep.error is None else rep.error.replace(local, url.rstrip("/"))
+        return dataclasses.replace(rep, path=url, error=error)
     path = paths.path(f, "verify")
     io = IoOptions.of(threads, chunk_size, direct, None)
     engine = io.engine()
