@@ -589,3 +589,47 @@ def test_info_of_a_missing_folder_fails(tmp_path, capsys):
     assert "NotADirectoryError" in failed(capsys, "info", tmp_path / "f")
     rc, out, _ = run(capsys, "info", tmp_path)
     assert rc == 0 and f"folder {tmp_path}:" in out
+
+
+class _Runs:
+    """Pickled as a call of os.mkdir: whoever unpickles it makes the folder."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def test_ls_lists_a_checkpoint_torch_loads_only_without_weights_only(tmp_path, capsys):
+    """ls and inspect refused a sound checkpoint holding an argparse.Namespace (torch's
+    weights_only refusal) that verify accepts; now its records and tensors are listed
+    from a scan of the pickle that runs none of it (a global that would run is not run)."""
+    import argparse
+
+    p = tmp_path / "ns.pt"
+    ran = tmp_path / "ran"
+    model = torch.nn.Linear(2, 3)
+    obj = {
+        "hparams": argparse.Namespace(lr=0.1, t=torch.ones(2)),
+        "model": model.state_dict(),
+        "p": torch.nn.Parameter(torch.zeros(4)),
+        "view": torch.arange(10.0)[2:5],
+        "hook": _Runs(str(ran)),
+    }
+    torch.save(obj, p)
+    assert run(capsys, "verify", "-q", p) == (0, "", "")
+    for cmd in ("ls", "inspect"):
+        rc, out, err = run(capsys, cmd, p)
+        assert rc == 0 and err == "", err
+        for line in (
+            "- hparams.t: float32 [2]",
+            "- model.weight: float32 [3x2]",
+            "- p: float32 [4]",
+        ):
+            assert line in out, (line, out)
+        assert "- view: float32 [3] at element 2" in out, out
+    rc, out, _ = run(capsys, "ls", "--json", p)
+    names = {t["name"] for e in json.loads(out)["entries"] for t in e["tensors"]}
+    assert rc == 0 and names == {"hparams.t", "model.weight", "model.bias", "p", "view"}
+    assert not ran.exists()

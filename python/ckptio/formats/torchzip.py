@@ -42,7 +42,7 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.utils.serialization import config as _torch_config
@@ -1167,20 +1167,132 @@ def _declared(
         storages.append(st)
         return st
 
-    # The C unpickler sizes its memo table by the largest index a PUT names (a
-    # 5-byte op can ask for 2^32 entries: MemoryError); the Python one keeps a
-    # dict, as torch.load's unpickler does.
-    for base in (pickle.Unpickler, pickle._Unpickler):
+    def again() -> None:
         storages.clear()
         views.clear()
+
+    _inert_load(pkl, find_class, persistent_load, again)
+    return storages, views
+
+
+def _inert_load(
+    pkl: bytes,
+    find_class: Callable[[Any, str, str], Any],
+    persistent_load: Callable[[Any, object], object],
+    again: Callable[[], object],
+) -> Any:
+    """Unpickle ``pkl`` with these ``find_class`` and ``persistent_load`` (which
+    make every global inert, so that nothing of the pickle runs). The C
+    unpickler sizes its memo table by the largest index a PUT names (a 5-byte
+    op can ask for 2^32 entries: MemoryError); the Python one keeps a dict, as
+    torch.load's unpickler does: tried then, after ``again()``."""
+    for base in (pickle.Unpickler, pickle._Unpickler):
         scan = type("Scan", (base,), {"find_class": find_class, "persistent_load": persistent_load})
         try:
-            scan(io.BytesIO(pkl)).load()
-            break
+            return scan(io.BytesIO(pkl)).load()
         except MemoryError:
             if base is not pickle.Unpickler:
                 raise
-    return storages, views
+            again()
+    raise AssertionError("unreachable")
+
+
+class _Kept(_Inert):
+    """An inert stand-in that keeps the attributes its state gives (so that the
+    tensors of an ``argparse.Namespace`` are found, and named)."""
+
+    def __setstate__(self, state: object) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (__dict__, __slots__ values)
+            parts = [x for x in state if isinstance(x, dict)]
+            state = {k: v for x in parts for k, v in x.items()}
+        if isinstance(state, dict):
+            self.__dict__.update((str(k), v) for k, v in state.items())
+
+
+class _Scanned(NamedTuple):
+    """A storage a pickle declares, on the meta device over its record (a
+    tuple: a BUILD of the pickle cannot change it)."""
+
+    storage: torch.UntypedStorage
+    dtype: torch.dtype
+
+
+#: The globals a scan builds for real: containers (a state dict is an
+#: OrderedDict), and a Parameter is its tensor.
+def _parameter(data: object, *_: object) -> object:
+    return data if isinstance(data, torch.Tensor) else _Kept()
+
+
+_SCAN_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_parameter"): _parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
+}
+
+
+def scanned_records(path: str) -> list[RecordInfo]:
+    """:func:`list_records` of an archive whose pickle torch.load refuses with
+    ``weights_only`` (it names classes outside torch's allow-list: an
+    ``argparse.Namespace`` of hyperparameters, numpy values), found without
+    running any of it: every global inert as :func:`check_pickle` scans it (but
+    OrderedDict, and Parameters as their tensors), each tensor made on the meta
+    device over its record. Tensors in containers and in the attributes of
+    other objects are named as list_records names them; other objects' tensors
+    (a class's own ``__reduce__``) are not found: their records list no tensor."""
+    archive = open_archive(path, "off", None)
+    prefix = archive.prefix
+    storages: dict[str, _Scanned] = {}
+
+    def persistent_load(self: Any, pid: object) -> object:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            return _Kept()
+        _, kind, key, _, numel = pid
+        named = (getattr(kind, "module", ""), getattr(kind, "name", ""))
+        torch_named = named[0] == "torch" or named == ("torch.storage", "UntypedStorage")
+        dtype = storage_dtype(named[1]) if torch_named else None
+        where = archive.where.get(f"{prefix}/data/{key}")
+        if dtype is None or where is None or type(numel) is not int or numel < 0:
+            return _Kept()
+        found = storages.get(str(key))
+        if found is None:
+            st = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+            st._checkpoint_offset = where[0]  # type: ignore[attr-defined]
+            found = storages[str(key)] = _Scanned(st, dtype)
+        return found
+
+    def rebuild(
+        storage: object, offset: object, size: object, stride: object, *rest: object
+    ) -> object:
+        if not isinstance(storage, _Scanned):
+            return _Kept()
+        dtype = storage.dtype
+        if len(rest) > 2:  # _rebuild_tensor_v3: an untyped storage, the dtype an argument
+            named = getattr(torch, getattr(rest[2], "name", ""), None)
+            if not isinstance(named, torch.dtype):
+                return _Kept()
+            dtype = named
+        try:
+            t = torch.empty(0, dtype=dtype, device="meta")
+            return t.set_(storage.storage, offset, size, stride)  # type: ignore[call-overload]
+        except Exception:  # a view set_ refuses: check_pickle names what is wrong
+            return _Kept()
+
+    def find_class(self: Any, module: str, name: str) -> Any:
+        if (module, name) in (
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch._utils", "_rebuild_tensor_v3"),
+        ):
+            return rebuild
+        if (module, name) in _SCAN_GLOBALS:
+            return _SCAN_GLOBALS[(module, name)]
+        return type(name, (_Kept,), {"module": module, "name": name})
+
+    pkl = archive.reader.read_record(f"{prefix}/data.pkl")
+    try:
+        obj = _inert_load(pkl, find_class, persistent_load, storages.clear)
+    except Exception as e:  # a pickle that runs nothing and still fails: it is malformed
+        raise corrupt(f"{path}, record {prefix}/data.pkl", f"not a readable pickle: {e!r}") from e
+    return _record_infos(archive, obj, dict(archive.reader.checksums()))
 
 
 def _tensors(obj: Any, name: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 from typing import Any
 
 import torch
@@ -154,7 +155,11 @@ def _dtype(dt: torch.dtype) -> str:
 
 
 def _torch(src: Detected) -> Listing:
-    entries = _torch_entries(torchzip.list_records(src.root))
+    try:
+        records = torchzip.list_records(src.root)
+    except pickle.UnpicklingError:  # torch's weights_only refusal: what the pickle
+        records = torchzip.scanned_records(src.root)  # holds, found running none of it
+    entries = _torch_entries(records)
     return Listing(src.path, TORCH, (("", os.path.getsize(src.root)),), entries)
 
 
