@@ -1984,3 +1984,60 @@ def test_reports_of_a_dcp_folder_url_name_the_url(s3):
     assert not rep.ok and rep.error.startswith(f"{url}/.metadata: "), rep.error
     r = _cli(s3, "verify", url)
     assert r.returncode == 1 and r.stderr.startswith(f"ckptio verify: {url}: BAD: "), r.stderr
+
+
+_SLASH_SCRIPT = """
+import json, sys, torch, ckptio
+from ckptio.io import remote
+out = {}
+for url in sys.argv[1:]:  # each folder with a trailing '/' first, then without
+    for u in (url + "/", url):
+        lst = ckptio.listing(u)
+        rep = ckptio.verify(u)
+        out[u] = [lst.format, lst.path, len(lst.entries), rep.ok, rep.path, rep.error]
+    out[url + " objects"] = [o[0] for o in remote.listing(url)]
+print(json.dumps(out))
+"""
+
+
+def test_a_folder_url_with_a_trailing_slash_is_the_same_folder(s3):
+    """s3://b/p/dcp/ made the core's client of the bucket take s3://b/p/dcp as its base:
+    the call failed (a doubled key), and so did every later call of the process without
+    the '/'. Both forms now list and verify the same checkpoint, in one process, and the
+    reports name the URL, not the scratch copy."""
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemWriter
+
+    d, sh = s3.url("slash-dcp"), s3.url("slash-sharded")
+    dcp.save(
+        {"w": torch.arange(10.0)},
+        storage_writer=FileSystemWriter(d, storage_options=s3.options),
+        no_dist=True,
+    )
+    sd = {"a": torch.ones(300), "b": torch.zeros(300)}
+    ckptio.safetensors.save_sharded(sd, sh, max_shard_size="1KB", storage_options=s3.options)
+    env = dict(os.environ, **s3.env, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run(
+        [sys.executable, "-c", _SLASH_SCRIPT, d, sh], capture_output=True, text=True, env=env,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    for url, fmt in ((d, "DCP"), (sh, "sharded safetensors")):
+        for u in (url + "/", url):
+            assert got[u][0] == fmt and got[u][3] is True and got[u][5] is None, (u, got[u])
+            assert got[u][1] == u and got[u][4] == u, got[u]  # the URL, as given
+        assert got[url + "/"][2] == got[url][2] > 0
+        assert all(o.startswith(url + "/") and "//" not in o[5:] for o in got[url + " objects"])
+    for u in (d + "/", d):
+        r = _cli(s3, "ls", u)
+        assert r.returncode == 0 and r.stdout.startswith(f"DCP: {u}\n"), r.stdout + r.stderr
+        r = _cli(s3, "verify", u)
+        assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith(f"{u}: ok: "), r.stdout
+        r = _cli(s3, "verify", "--json", u)
+        assert r.returncode == 0 and json.loads(r.stdout)["path"] == u, r.stdout + r.stderr
+    r = _cli(s3, "ls", sh + "/")
+    assert r.returncode == 0 and "a: float32 [300]" in r.stdout, r.stdout + r.stderr

@@ -52,19 +52,22 @@ fn options(opts: Option<&Bound<'_, PyDict>>) -> PyResult<Options> {
 }
 
 /// The store of `url` (one client per bucket, options and environment) and
-/// the key it names.
+/// the key it names. The client is kept under its bucket's base URL
+/// (`Store::base`), the same whatever the form of the URL that made it (a
+/// trailing `/`, path-style https).
 fn store_of(url: &str, opts: &Options) -> crate::Result<(Store, String)> {
-    let bucket = url
-        .split_once("://")
-        .map(|(scheme, rest)| format!("{scheme}://{}", rest.split('/').next().unwrap_or("")))
-        .unwrap_or_else(|| url.to_string());
+    let (_, key) = Store::parse_key(url)?;
     let env: Vec<(String, String)> = std::env::vars()
         .filter(|(k, _)| ENV_PREFIXES.iter().any(|p| k.starts_with(p)))
         .collect();
-    let ck = (std::process::id(), bucket, opts.clone(), env);
+    let ck = (
+        std::process::id(),
+        Store::base(url, &key),
+        opts.clone(),
+        env,
+    );
     let pairs: Vec<(&str, &str)> = opts.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     if let Some(s) = lock(&CLIENTS).get_or_insert_with(HashMap::new).get(&ck) {
-        let (_, key) = Store::parse_key(url)?;
         return Ok((s.clone(), key));
     }
     let (store, key) = Store::parse(url, &pairs)?;

@@ -217,10 +217,9 @@ impl Store {
             }
         };
         let (objects, multipart) = built.map_err(|e| store_error(url, e))?;
-        let base = url[..url.len() - url_tail(url, &key)].trim_end_matches('/');
         let store = Store {
             inner: Arc::new(Inner {
-                base: base.to_string(),
+                base: Store::base(url, &key),
                 pid: std::process::id(),
                 objects,
                 multipart,
@@ -253,6 +252,24 @@ impl Store {
         .map_err(|e| Error::invalid(format!("{url}: not a valid key: {e}")))?
         .to_string();
         Ok((scheme, key))
+    }
+
+    /// What comes before the key in `url` (which names `key`): `s3://bucket`
+    /// (`gs://`, `az://`: the scheme and the bucket as written, whatever the
+    /// key's form: `s3://b/run/` and `s3://b/run` have the same), or the https
+    /// URL less the key's path. The same for every URL of one bucket: a client
+    /// made for one of them serves the others.
+    pub fn base(url: &str, key: &str) -> String {
+        if let Some((scheme, rest)) = url.split_once("://") {
+            if !matches!(scheme, "http" | "https") {
+                let bucket = rest.split('/').next().unwrap_or("");
+                return format!("{scheme}://{bucket}");
+            }
+        }
+        let url = url.trim_end_matches('/');
+        url[..url.len() - url_tail(url, key)]
+            .trim_end_matches('/')
+            .to_string()
     }
 
     /// The URL of `key` in this store (for messages).

@@ -299,6 +299,30 @@ fn urls_and_options_are_checked_before_any_request() {
 }
 
 #[test]
+fn a_folder_url_with_a_trailing_slash_has_its_bucket_as_base() {
+    let opts = [
+        ("region", "us-east-1"),
+        ("access_key_id", "a"),
+        ("secret_access_key", "b"),
+    ];
+    for url in ["s3://bucket/run/dcp/", "s3://bucket/run/dcp"] {
+        let (store, key) = Store::parse(url, &opts).unwrap();
+        assert_eq!(key, "run/dcp", "{url}");
+        assert_eq!(Store::base(url, &key), "s3://bucket", "{url}");
+        assert_eq!(
+            store.url("run/dcp/.metadata"),
+            "s3://bucket/run/dcp/.metadata"
+        );
+    }
+    assert_eq!(Store::base("s3://bucket", ""), "s3://bucket");
+    assert_eq!(Store::base("gs://b/x/", "x"), "gs://b");
+    assert_eq!(
+        Store::base("https://s3.us-east-1.amazonaws.com/bucket/run/", "run"),
+        "https://s3.us-east-1.amazonaws.com/bucket"
+    );
+}
+
+#[test]
 fn keys_are_taken_as_written_not_as_url_escapes() {
     let key = |url: &str| Store::parse_key(url).map(|(_, k)| k);
     for (url, want) in [
