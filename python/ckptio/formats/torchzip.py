@@ -730,6 +730,18 @@ def storage_dtype(name: str) -> torch.dtype | None:
         return None
 
 
+def _pid_storage(pid: object) -> tuple[str, Any, torch.dtype | None, Any] | None:
+    """A persistent id of a pickle scanned with every global inert: (key,
+    location tag, dtype of the storage class where torch names it, else None;
+    numel as stored) of a ``("storage", ...)`` id; None for any other id."""
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        return None
+    _, kind, key, location, numel = pid
+    named = (getattr(kind, "module", ""), getattr(kind, "name", ""))
+    torch_named = named[0] == "torch" or named == ("torch.storage", "UntypedStorage")
+    return str(key), location, storage_dtype(named[1]) if torch_named else None, numel
+
+
 # torch's reader takes files of these format versions (caffe2/serialize/versions.h).
 _MIN_VERSION, _MAX_VERSION = 1, 10
 
@@ -1155,15 +1167,13 @@ def _declared(
         return type(name, (_Inert,), {"module": module, "name": name})
 
     def persistent_load(self: Any, pid: object) -> object:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        got = _pid_storage(pid)
+        if got is None:
             return _Inert()
-        _, kind, key, location, numel = pid
-        named = (getattr(kind, "module", ""), getattr(kind, "name", ""))
-        torch_named = named[0] == "torch" or named == ("torch.storage", "UntypedStorage")
-        dtype = storage_dtype(named[1]) if torch_named else None
+        key, location, dtype, numel = got
         itemsize = dtype.itemsize if dtype is not None else 1
         ok = dtype is not None and type(numel) is int and numel >= 0
-        st = _Declared(str(key), location, numel * itemsize if ok else None, itemsize)
+        st = _Declared(key, location, numel * itemsize if ok else None, itemsize)
         storages.append(st)
         return st
 
@@ -1244,20 +1254,18 @@ def scanned_records(path: str) -> list[RecordInfo]:
     storages: dict[str, _Scanned] = {}
 
     def persistent_load(self: Any, pid: object) -> object:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        got = _pid_storage(pid)
+        if got is None:
             return _Kept()
-        _, kind, key, _, numel = pid
-        named = (getattr(kind, "module", ""), getattr(kind, "name", ""))
-        torch_named = named[0] == "torch" or named == ("torch.storage", "UntypedStorage")
-        dtype = storage_dtype(named[1]) if torch_named else None
+        key, _, dtype, numel = got
         where = archive.where.get(f"{prefix}/data/{key}")
         if dtype is None or where is None or type(numel) is not int or numel < 0:
             return _Kept()
-        found = storages.get(str(key))
+        found = storages.get(key)
         if found is None:
             st = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
             st._checkpoint_offset = where[0]  # type: ignore[attr-defined]
-            found = storages[str(key)] = _Scanned(st, dtype)
+            found = storages[key] = _Scanned(st, dtype)
         return found
 
     def rebuild(
