@@ -40,7 +40,7 @@ from ckptio import _native
 from ckptio.errors import FormatError, corrupt
 from ckptio.formats import torchzip
 from ckptio.io import memory
-from ckptio.io.paths import inside, older_than, open_regular, sweep_unnamed
+from ckptio.io.paths import inside, left_by_dead_save, open_regular, sweep_unnamed
 
 ALIGN = torchzip.STORAGE_ALIGNMENT
 
@@ -340,12 +340,8 @@ def sweep(folder: str, own: str | None = None, *, unreferenced: bool = True) -> 
                     commits.append(mtime)
         return named
 
-    def dead(name: str) -> bool:
-        if OWN_DATA_FILE.fullmatch(name):
-            return True
-        return bool(commits) and older_than(os.path.join(folder, name), max(commits))
-
-    return sweep_unnamed(folder, DATA_FILE, own, in_use, None if unreferenced else dead)
+    dead = None if unreferenced else left_by_dead_save(folder, OWN_DATA_FILE, commits)
+    return sweep_unnamed(folder, DATA_FILE, own, in_use, dead)
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:

@@ -42,7 +42,7 @@ from ckptio import _native
 from ckptio.errors import FormatError, SafetensorError
 from ckptio.formats.mapped import Mapped
 from ckptio.io import memory, remote
-from ckptio.io.paths import inside, older_than, open_regular, sweep_unnamed
+from ckptio.io.paths import inside, left_by_dead_save, open_regular, sweep_unnamed
 
 #: safetensors dtype name -> torch dtype (those this torch has).
 DTYPES: dict[str, torch.dtype] = {
@@ -674,25 +674,16 @@ def sweep(folder: str, own: str | None = None, *, unreferenced: bool = True) -> 
     commit: list[int] = []  # the mtime of an index that names ckptio's shards
 
     def in_use() -> set[str] | None:
-        index = os.path.join(folder, INDEX_NAME)
-        if not os.path.exists(index):
-            return {"model.safetensors"}
-        try:
-            _, wm = shard_files(index)
-            mtime = os.stat(index).st_mtime_ns
-        except (OSError, FormatError):
-            return None
-        named = set((wm or {}).values())
-        if any(OWN_SHARD_FILE.fullmatch(n) for n in named):
-            commit.append(mtime)
-        return named | {"model.safetensors"}
+        named = current_shards(folder)
+        if named is not None and any(OWN_SHARD_FILE.fullmatch(n) for n in named):
+            try:
+                commit.append(os.stat(os.path.join(folder, INDEX_NAME)).st_mtime_ns)
+            except OSError:
+                return None  # the index went meanwhile: which files are in use is not known
+        return named
 
-    def dead(name: str) -> bool:
-        if OWN_SHARD_FILE.fullmatch(name):
-            return True
-        return bool(commit) and older_than(os.path.join(folder, name), commit[0])
-
-    return sweep_unnamed(folder, SHARD_FILE, own, in_use, None if unreferenced else dead)
+    dead = None if unreferenced else left_by_dead_save(folder, OWN_SHARD_FILE, commit)
+    return sweep_unnamed(folder, SHARD_FILE, own, in_use, dead)
 
 
 def gather(

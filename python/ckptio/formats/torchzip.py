@@ -742,6 +742,14 @@ def _pid_storage(pid: object) -> tuple[str, Any, torch.dtype | None, Any] | None
     return str(key), location, storage_dtype(named[1]) if torch_named else None, numel
 
 
+def _v3_dtype(rest: tuple[object, ...]) -> torch.dtype | None:
+    """The dtype a scanned ``_rebuild_tensor_v3`` call names after its first four
+    arguments (torch.save's for dtypes without a typed storage: float8,
+    uint16-64, complex32); None where it names none (a v2 call, or not a dtype)."""
+    named = getattr(torch, getattr(rest[2], "name", ""), None) if len(rest) > 2 else None
+    return named if isinstance(named, torch.dtype) else None
+
+
 # torch's reader takes files of these format versions (caffe2/serialize/versions.h).
 _MIN_VERSION, _MAX_VERSION = 1, 10
 
@@ -1153,9 +1161,9 @@ def _declared(
     ) -> _Inert:
         # torch.save's for dtypes without a typed storage (float8, uint16-64,
         # complex32): an untyped storage, the dtype an argument.
-        dtype = getattr(torch, getattr(rest[2], "name", ""), None) if len(rest) > 2 else None
+        dtype = _v3_dtype(rest)
         if isinstance(storage, _Declared):
-            itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else storage.itemsize
+            itemsize = dtype.itemsize if dtype is not None else storage.itemsize
             views.append((storage, offset, size, stride, itemsize))
         return _Inert()
 
@@ -1275,8 +1283,8 @@ def scanned_records(path: str) -> list[RecordInfo]:
             return _Kept()
         dtype = storage.dtype
         if len(rest) > 2:  # _rebuild_tensor_v3: an untyped storage, the dtype an argument
-            named = getattr(torch, getattr(rest[2], "name", ""), None)
-            if not isinstance(named, torch.dtype):
+            named = _v3_dtype(rest)
+            if named is None:
                 return _Kept()
             dtype = named
         try:

@@ -156,13 +156,27 @@ def live_temps(folder: str, own: str | None = None) -> list[str]:
     return [n for n in os.listdir(folder) if TEMP_FILE.fullmatch(n) and n != mine]
 
 
-def older_than(path: str, mtime_ns: int) -> bool:
-    """Whether the file at ``path`` was last written before ``mtime_ns`` (a file
-    that cannot be read: False)."""
-    try:
-        return os.stat(path).st_mtime_ns < mtime_ns
-    except OSError:
-        return False
+def left_by_dead_save(
+    folder: str, own: re.Pattern[str], commits: list[int]
+) -> Callable[[str], bool]:
+    """The ``dead`` of :func:`sweep_unnamed` for ``ckptio clean``: whether a data
+    file that nothing names carries the evidence of a dead ckptio save: a name
+    only ckptio gives (``own``, with its token), or a file last written before
+    the newest of ``commits`` (the mtimes of the indexes or metadata files
+    naming ckptio's files, which ``in_use()`` fills): the generation such a
+    commit replaced. A file that cannot be read is not judged dead."""
+
+    def dead(name: str) -> bool:
+        if own.fullmatch(name):
+            return True
+        if not commits:
+            return False
+        try:
+            return os.stat(os.path.join(folder, name)).st_mtime_ns < max(commits)
+        except OSError:
+            return False
+
+    return dead
 
 
 def sweep_unnamed(
