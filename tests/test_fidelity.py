@@ -788,3 +788,32 @@ def test_records_and_listing_of_sparse_and_quantized_tensors(tmp_path):
         recs = {r.name.split("/", 1)[1]: r for r in ckptio.records(p)}
         assert any(ti.name == "w" and ti.shape == (2,) for r in recs.values() for ti in r.tensors)
         assert ckptio.listing(p) is not None
+
+
+def test_an_unknown_byte_order_is_the_value_error_torch_raises(tmp_path):
+    """A byteorder record other than little or big: torch.load raises ValueError
+    ("Unknown endianness type"); ckptio the same class (a FormatError too), naming
+    the file and the record, on every load path."""
+    p = tmp_path / "x.pt"
+    sd = {"w": torch.arange(4.0)}
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(p, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"middle"
+            dst.writestr(info, data)
+    with pytest.raises(ValueError, match="Unknown endianness type: middle"):
+        torch.load(p)
+    for call in (
+        lambda: ckptio.load(p),
+        lambda: ckptio.load(p, weights_only=False),
+        lambda: ckptio.load(p, out={"w": torch.zeros(4)}),
+    ):
+        with pytest.raises(ValueError, match="Unknown endianness type: middle") as ei:
+            call()
+        assert isinstance(ei.value, ckptio.FormatError)
+        assert str(p) in str(ei.value) and "byteorder" in str(ei.value)

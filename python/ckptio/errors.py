@@ -11,6 +11,8 @@ catches ckptio's errors too; its subclasses single them out:
   (nothing written) or failed midway (``PartialLoadError``);
 - ``GroupLoadError``: a load with ``group=`` failed on every rank together;
 - ``LocationError``: a storage saved on a device this machine lacks;
+- ``RecordValueError``: a ``FormatError`` that is also the ``ValueError`` torch.load
+  raises for the same record (an unknown byte order);
 - ``BackendUnavailableError``, ``CudaError``, ``CuFileError``: the device path;
 - ``StoreError`` (an ``OSError`` naming the URL, and a ``CkptioError``) and its
   kinds: ``StoreCredentialsError`` / ``StorePermissionError``
@@ -64,6 +66,7 @@ __all__ = [
     "LocationError",
     "PartialLoadError",
     "PeerLoadError",
+    "RecordValueError",
     "SafetensorError",
     "ShapeMismatchError",
     "StoreConnectionError",
@@ -99,6 +102,12 @@ class LocationError(CkptioError):
     """A storage of the checkpoint was saved on a device this machine lacks (a CUDA
     device where there is none, or not that many): torch.load's own message, the
     file after it. ``map_location`` sends the storages elsewhere."""
+
+
+class RecordValueError(FormatError, ValueError):
+    """A record holds a value torch.load refuses with ``ValueError`` (a byte order
+    other than little or big): a ``FormatError`` naming the file and the record,
+    so that ``except ValueError`` written for torch.load catches it too."""
 
 
 # --------------------------------------------------------------------------- safetensors

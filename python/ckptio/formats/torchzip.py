@@ -48,7 +48,14 @@ import torch
 from torch.utils.serialization import config as _torch_config
 
 from ckptio import _native
-from ckptio.errors import CkptioError, FormatError, LocationError, check_crc, corrupt
+from ckptio.errors import (
+    CkptioError,
+    FormatError,
+    LocationError,
+    RecordValueError,
+    check_crc,
+    corrupt,
+)
 from ckptio.formats import unpickled
 from ckptio.formats.mapped import Mapped
 from ckptio.io import devices, memory, remote
@@ -714,8 +721,12 @@ def native_byteorder(archive: Records) -> bool:
         return sys.byteorder == ("big" if big else "little")
     raw = archive.reader.read_record(byteorder)
     if raw not in (b"little", b"big"):
-        where = f"{archive.path}, record {byteorder}"
-        raise corrupt(where, f"{raw[:16]!r} is not b'little' or b'big'")
+        # torch.load's ValueError ("Unknown endianness type"), naming the file too.
+        shown = raw[:16].decode(errors="replace")
+        raise RecordValueError(
+            f"{archive.path}, record {byteorder}: not a usable checkpoint: "
+            f"Unknown endianness type: {shown} (torch reads b'little' or b'big')"
+        )
     return raw.decode() == sys.byteorder
 
 
