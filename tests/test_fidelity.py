@@ -719,6 +719,43 @@ def test_a_save_inside_an_objects_pickling_does_not_hang(tmp_path):
     assert run.stdout.split("\n")[:2] == ["saved [0.0, 1.0, 2.0, 3.0]"] * 2, run.stdout
 
 
+def test_a_save_inside_an_objects_pickling_may_wait_for_another_threads_save(tmp_path):
+    """An object's __reduce__ that hands a save to another thread and waits for it
+    (a save queue): the other thread waited for ever on the lock of torch's config
+    the outer save held while torch pickled. Both saves keep ckptio's settings
+    (storages at 4 KiB, every CRC-32), and torch's config is restored after."""
+    from test_soundness import run_python
+
+    code = f"""
+        import threading, torch, ckptio
+        from torch.utils.serialization import config
+
+        inner = {str(tmp_path / "inner.pt")!r}
+
+        class Queued:
+            def __reduce__(self):
+                w = {{"w": torch.arange(8.0)}}
+                kw = {{"pickle_protocol": 4}}
+                t = threading.Thread(target=ckptio.save, args=(w, inner), kwargs=kw)
+                t.start()
+                t.join()
+                return (int, (7,))
+
+        torch.serialization.set_crc32_options(False)
+        for protocol in (2, 4):
+            p = {str(tmp_path / "outer.pt")!r}
+            ckptio.save({{"q": Queued(), "v": torch.ones(1024)}}, p, pickle_protocol=protocol)
+            q = torch.load(p, weights_only=False)["q"]
+            w = torch.load(inner, weights_only=False)["w"].tolist()[-1]
+            print(q, w, ckptio.verify(p).ok, ckptio.verify(inner).ok)
+        print(config.save.storage_alignment, torch.serialization.get_crc32_options())
+    """
+    run = run_python(code, tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.split("\n")
+    assert lines[:3] == ["7 7.0 True True", "7 7.0 True True", "64 False"], run.stdout
+
+
 def test_a_read_only_checkpoint_is_not_replaced_and_a_folder_name_is_refused(tmp_path):
     """A file this process may not write (chmod a-w) is refused as torch.save's
     open() refuses it: a rename over it needs only the folder's permission, and

@@ -169,7 +169,7 @@ def item_zip(dtype: torch.dtype, shape: tuple[int, ...], align: int = ALIGN) -> 
     tensor of that dtype and shape, hence the cache."""
     shell = torch.empty(shape, dtype=dtype)  # untouched pages: costs nothing
     sink = _SparseSink()
-    with torchzip.CONFIG_LOCK, torchzip.storage_alignment(align), torch.serialization.skip_data():
+    with torchzip.exclusive_config(align), torch.serialization.skip_data():
         torch.save(shell, sink)
     nbytes = shell.numel() * shell.element_size()
     head, tail = bytearray(), bytearray()

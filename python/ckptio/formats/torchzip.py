@@ -118,27 +118,15 @@ class RecordInfo:
         return a
 
 
-# torch's serialization config is process-global: set and restore it under a lock,
-# reentrant: a save may run inside another's pickling (an object's __reduce__).
-CONFIG_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _crc32_on() -> Iterator[None]:
-    """torch computes the CRC-32 of the records it writes (data.pkl, version...),
-    also where ``torch.serialization.set_crc32_options(False)`` turned it off:
-    ckptio marks its archives as carrying every CRC-32. Data records are not
-    written by torch (skip_data), so this costs nothing."""
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    set_ = getattr(torch.serialization, "set_crc32_options", None)
-    if get is None or set_ is None or get():
-        yield
-        return
-    set_(True)
-    try:
-        yield
-    finally:
-        set_(False)
+# torch's serialization config is process-global. Every ckptio save wants the same
+# of it (see torch_writing), so saves share one setting, counted, and no lock is held
+# while torch pickles: an object's __reduce__ may run a save, on this thread or on
+# another it waits for. CONFIG_LOCK guards the count and a setting of another value
+# (``exclusive_config``), which waits until no save is writing.
+CONFIG_LOCK = threading.Condition(threading.RLock())
+_writing = 0  # ckptio saves inside torch_writing, on any thread
+_writing_here = threading.local()  # ... and on this one
+_restore_to: tuple[int, bool | None] = (0, None)  # what the first of them found
 
 
 @contextlib.contextmanager
@@ -168,10 +156,46 @@ def asked_alignment() -> int:
 @contextlib.contextmanager
 def torch_writing() -> Iterator[None]:
     """While torch.save writes into a file of ckptio's: storages at 4 KiB (or the
-    user's larger ``storage_alignment``), and every record's CRC-32 computed."""
+    user's larger ``storage_alignment``), and every record's CRC-32 computed, also
+    where ``torch.serialization.set_crc32_options(False)`` turned it off: ckptio's
+    archives carry every CRC-32 (torch writes no data record here, so it costs
+    nothing). Set by the first of the saves that run at once, restored by the last."""
+    global _writing, _restore_to
+    get_crc = getattr(torch.serialization, "get_crc32_options", None)
+    set_crc = getattr(torch.serialization, "set_crc32_options", None)
     with CONFIG_LOCK:
-        align = max(STORAGE_ALIGNMENT, asked_alignment())
-        with storage_alignment(align), _crc32_on():
+        if _writing == 0:
+            align = max(STORAGE_ALIGNMENT, asked_alignment())
+            crc = get_crc() if get_crc is not None and set_crc is not None else None
+            _restore_to = (_torch_config.save.storage_alignment, crc)
+            _torch_config.save.storage_alignment = align
+            if crc is False:
+                set_crc(True)  # type: ignore[misc]
+        _writing += 1
+        _writing_here.n = getattr(_writing_here, "n", 0) + 1
+    try:
+        yield
+    finally:
+        with CONFIG_LOCK:
+            _writing -= 1
+            _writing_here.n -= 1
+            if _writing == 0:
+                old_align, crc = _restore_to
+                _torch_config.save.storage_alignment = old_align
+                if crc is False:
+                    set_crc(False)  # type: ignore[misc]
+                CONFIG_LOCK.notify_all()
+
+
+@contextlib.contextmanager
+def exclusive_config(align: int) -> Iterator[None]:
+    """torch's config with storage alignment ``align`` for a torch.save that runs no
+    user code (a shell tensor's archive), while no other thread's save is writing;
+    one inside this thread's own save goes ahead: that save is paused meanwhile
+    and finds its setting back."""
+    with CONFIG_LOCK:
+        CONFIG_LOCK.wait_for(lambda: _writing == getattr(_writing_here, "n", 0))
+        with storage_alignment(align):
             yield
 
 
