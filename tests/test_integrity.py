@@ -422,3 +422,52 @@ def test_verify_checks_a_dcp_folders_non_tensor_values(tmp_path, where):
     (folder / info.relative_path).write_bytes(bytes(data))
     bad = ckptio.verify(folder)
     assert not bad.ok, bad
+
+
+# ------------------------------------------------------------------- archives held in memory
+
+
+def test_check_archive_judges_an_archive_held_in_memory(tmp_path):
+    """_native.check_archive, what the DCP reader runs on a non-tensor value fetched
+    from a store: a flipped byte is a FormatError naming where and the record; a record
+    the comment lists as unchecked is not judged; bytes that are no zip of stored
+    records are a FormatError naming where."""
+    import io
+    import re
+
+    from ckptio import _native
+
+    where = "s3://bucket/c/__0_0.distcp, item 'cfg'"
+    p = tmp_path / "c.pt"
+    ckptio.save({"a": torch.ones(1000), "b": torch.arange(100)}, p)
+    data = bytearray(p.read_bytes())
+    assert _native.check_archive(bytes(data), where) is None
+    [(name_b, (off, n, _))] = [(k, v) for k, v in records_of(p).items() if k.endswith("/data/1")]
+    data[off + n // 2] ^= 1
+    with pytest.raises(ckptio.FormatError, match=re.escape(f"{where}: ")) as ei:
+        _native.check_archive(bytes(data), where)
+    assert name_b in str(ei.value) and "CRC-32" in str(ei.value), str(ei.value)
+
+    def commented(comment: bytes) -> bytes:
+        e = end_records(bytes(data))["eocd"]
+        out = bytearray(data[: e + 22])
+        struct.pack_into("<H", out, e + 20, len(comment))
+        return bytes(out) + comment
+
+    _native.check_archive(commented(b"ckptio:crc32 unchecked=1"), where)
+    _native.check_archive(commented(b"ckptio:crc32 unchecked=*"), where)
+    with pytest.raises(ckptio.FormatError, match=re.escape(name_b)):
+        _native.check_archive(commented(b"ckptio:crc32 unchecked=0,2-5"), where)
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", b"x" * 100)
+    for junk, says in [
+        (b"PK\x03\x04" + bytes(100), "not a usable checkpoint"),
+        (b"", "not a usable checkpoint"),
+        (bytes(data[: len(data) // 2]), "not a usable checkpoint"),
+        (buf.getvalue(), "is compressed"),
+    ]:
+        with pytest.raises(ckptio.FormatError, match=re.escape(f"{where}: ")) as ei:
+            _native.check_archive(junk, where)
+        assert says in str(ei.value), str(ei.value)

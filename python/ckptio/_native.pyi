@@ -14,6 +14,7 @@ CORRUPT_HINT: str
 # are not declared here: reach them with getattr(_native, name, None).
 __all__ = [
     "advise_huge",
+    "check_archive",
     "clean_temps",
     "detach_mapping",
     "cufile_register_buffer",
@@ -168,6 +169,13 @@ def map_archives(
 
 def map_archive(path: _Path) -> list[tuple[str, int, int]]:
     """[(record name, data offset, size)] of a torch.save zip archive."""
+
+def check_archive(blob: bytes, where: str) -> None:
+    """Check every record of the zip archive ``blob`` (a torch.save archive held in
+    memory) against the CRC-32 it declares, as ``Reader.verify`` checks one in a file
+    (a CRC-32 the archive says it did not compute is not judged). A FormatError naming
+    ``where`` and the record on a mismatch, or ``where`` when the bytes are no zip of
+    stored records."""
 
 @final
 class AtomicWriter:

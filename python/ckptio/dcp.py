@@ -1034,7 +1034,7 @@ class FileSystemReader(_TorchReader):
             name = req.storage_index.fqn
             blob = buf.numpy().tobytes()
             if blob.startswith(b"PK\x03\x04"):
-                torchzip.check_archive_bytes(f"{url}, item {name!r}", blob)
+                _native.check_archive(blob, f"{url}, item {name!r}")
                 verified.append(name)
             else:
                 unchecked.append(name)

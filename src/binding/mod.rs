@@ -43,7 +43,7 @@ use faults::{_clear_faults, _op_log, _record_ops, _set_fault, _set_truncation};
 use hostmem::{advise_huge, detach_mapping, HostMemory};
 use pickled::{unpickle, StateDictPickler, Unpickled};
 use probe::info;
-use reader::{map_archive, map_archives, Reader};
+use reader::{check_archive, map_archive, map_archives, Reader};
 use safetensors::safetensors_header;
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
 use writer::{clean_temps, AtomicWriter};
@@ -210,15 +210,15 @@ mod _native {
     // and probe hooks are set as plain attributes in `init` instead.
     #[pymodule_export]
     use super::{
-        advise_huge, clean_temps, cufile_register_buffer, detach_mapping, env_threads, info,
-        map_archive, map_archives, pinned_memory, release_buffers, safetensors_header, stage_copy,
-        stage_device_copy, stage_pin, store::store_crc32, store::store_delete,
-        store::store_download, store::store_get, store::store_head, store::store_list,
-        store::store_put, store::store_read, store::store_read_into, store::store_torch_map,
-        store::store_upload, store::store_upload_archive, store::store_upload_image,
-        store::store_upload_zstd, store::zip_headers_match, store::ObjectWriter, unpickle,
-        AtomicWriter, BufferRegistration, DeviceFile, Engine, HostMemory, HostPin, Reader,
-        StateDictPickler, Unpickled,
+        advise_huge, check_archive, clean_temps, cufile_register_buffer, detach_mapping,
+        env_threads, info, map_archive, map_archives, pinned_memory, release_buffers,
+        safetensors_header, stage_copy, stage_device_copy, stage_pin, store::store_crc32,
+        store::store_delete, store::store_download, store::store_get, store::store_head,
+        store::store_list, store::store_put, store::store_read, store::store_read_into,
+        store::store_torch_map, store::store_upload, store::store_upload_archive,
+        store::store_upload_image, store::store_upload_zstd, store::zip_headers_match,
+        store::ObjectWriter, unpickle, AtomicWriter, BufferRegistration, DeviceFile, Engine,
+        HostMemory, HostPin, Reader, StateDictPickler, Unpickled,
     };
 
     use super::*;

@@ -1,8 +1,8 @@
 //! `Reader`: an existing torch.save checkpoint, mapped and opened for reading;
 //! `map_archive`, the mapping alone; `map_archives`, archives held in memory
-//! (DCP items).
+//! (DCP items); `check_archive`, the CRC-32s of one held in memory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
@@ -89,6 +89,17 @@ pub(super) fn map_archives(
     });
     owners.release();
     Ok(out)
+}
+
+/// Check the records of the zip archive `blob` (a torch.save archive held in
+/// memory: a DCP non-tensor value fetched from a store) against the CRC-32s
+/// it declares, detached and with no copy of the bytes (immutable, held by
+/// the caller's reference): a FormatError naming `where` and the record on a
+/// mismatch, or naming `where` when the bytes are no zip of stored records.
+#[pyfunction]
+pub(super) fn check_archive(py: Python<'_>, blob: &[u8], r#where: &str) -> PyResult<()> {
+    py.detach(|| integrity::check_bytes(blob, Path::new(r#where)))?;
+    Ok(())
 }
 
 /// An existing checkpoint opened for reading.

@@ -490,6 +490,42 @@ pub fn check(
     Ok(out)
 }
 
+/// Check every record of a zip archive held in memory (a DCP non-tensor
+/// value fetched from an object store: a small torch.save archive) against
+/// the CRC-32 it declares ([`declared`]; one the archive says it did not
+/// compute is not judged). `path` names where the bytes came from in errors:
+/// a format error naming it and the record on a mismatch, or naming it where
+/// the bytes are no zip archive of stored records inside them ([`zipmap::map_bytes`]).
+pub fn check_bytes(bytes: &[u8], path: &Path) -> Result<Verdict> {
+    let a = zipmap::map_bytes(bytes).map_err(|e| e.with_path(path))?;
+    let mut v = Verdict::default();
+    for (r, d) in a.records.iter().zip(declared(&a)) {
+        if d == Declared::Unchecked {
+            v.unchecked.push(r.name.clone());
+            continue;
+        }
+        // map_bytes keeps every record inside the bytes; refused all the same otherwise.
+        let data = usize::try_from(r.data_offset)
+            .ok()
+            .zip(usize::try_from(r.size).ok())
+            .and_then(|(at, n)| bytes.get(at..at.checked_add(n)?))
+            .ok_or_else(|| {
+                Error::format(
+                    Some(path),
+                    format!("record {:?} runs past the archive's end", r.name),
+                )
+            })?;
+        match judge(d, Some(crc32fast::hash(data))) {
+            State::Mismatch { stored, actual } => {
+                return Err(mismatch_error(path, &r.name, stored, actual))
+            }
+            State::Ok => v.verified.push(r.name.clone()),
+            State::Unchecked => v.unchecked.push(r.name.clone()),
+        }
+    }
+    Ok(v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -695,5 +731,102 @@ mod tests {
         );
         let e = storage_segments(&a, p, &[st("9", 1)]).unwrap_err();
         assert!(e.to_string().contains("no record for storage 9"), "{e}");
+    }
+
+    fn fixture(name: &str) -> Vec<u8> {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
+        std::fs::read(Path::new(dir).join(name)).unwrap()
+    }
+
+    /// `bytes` with the archive comment `comment` (the end record is the tail).
+    fn with_comment(bytes: &[u8], comment: &str) -> Vec<u8> {
+        let at = zipmap::map_bytes(bytes).unwrap().eocd_offset as usize;
+        let mut v = bytes[..at + 22].to_vec();
+        v[at + 20..at + 22].copy_from_slice(&(comment.len() as u16).to_le_bytes());
+        v.extend(comment.as_bytes());
+        v
+    }
+
+    #[test]
+    fn bytes_in_memory_are_checked_against_their_crcs() {
+        let where_ = Path::new("s3://b/c/__0_0.distcp, item 'cfg'");
+        let good = fixture("torch_small_a64.pt");
+        let a = zipmap::map_bytes(&good).unwrap();
+        let v = check_bytes(&good, where_).unwrap();
+        assert_eq!(v.verified.len(), a.records.len());
+        assert!(v.unchecked.is_empty());
+        // A flipped byte in a record: a format error naming where and the record.
+        let r = a.storage("0").unwrap();
+        let mut bad = good.clone();
+        bad[r.data_offset as usize + 3] ^= 1;
+        let e = check_bytes(&bad, where_).unwrap_err();
+        assert!(matches!(e, Error::Format { .. }), "{e:?}");
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("s3://b/c/__0_0.distcp, item 'cfg': "),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("\"torch_small_a64/data/0\" is corrupt"),
+            "{msg}"
+        );
+        // ... unless the comment says that record's CRC-32 was not computed.
+        let v = check_bytes(&with_comment(&bad, "ckptio:crc32 unchecked=0"), where_).unwrap();
+        assert_eq!(v.unchecked, [r.name.as_str()]);
+        assert_eq!(v.verified.len(), a.records.len() - 1);
+        let v = check_bytes(&with_comment(&bad, "ckptio:crc32 unchecked=*"), where_).unwrap();
+        assert_eq!(
+            v.unchecked,
+            ["torch_small_a64/data/0", "torch_small_a64/data/1"]
+        );
+        let e = check_bytes(&with_comment(&bad, "ckptio:crc32 unchecked=1"), where_);
+        assert!(e.unwrap_err().to_string().contains("data/0\" is corrupt"));
+    }
+
+    #[test]
+    fn a_zero_crc_is_unchecked_only_without_our_comment() {
+        let where_ = Path::new("item");
+        let mut v = fixture("torch_small_a64.pt");
+        let a = zipmap::map_bytes(&v).unwrap();
+        let r = a.storage("1").unwrap();
+        let at = r.cd_entry_offset as usize + 16;
+        v[at..at + 4].copy_from_slice(&[0; 4]);
+        // A foreign archive: 0 means none computed.
+        let got = check_bytes(&v, where_).unwrap();
+        assert_eq!(got.unchecked, [r.name.as_str()]);
+        // Ours: 0 is a real value, wrong here, unless listed.
+        let e = check_bytes(&with_comment(&v, "ckptio:crc32"), where_).unwrap_err();
+        assert!(
+            e.to_string().contains("the archive stores 0x00000000"),
+            "{e}"
+        );
+        check_bytes(&with_comment(&v, "ckptio:crc32 unchecked=1"), where_).unwrap();
+    }
+
+    #[test]
+    fn bytes_that_are_no_archive_of_stored_records_are_refused() {
+        let where_ = Path::new("s3://b/o, item 'x'");
+        let stored = fixture("zipfile_stored.zip");
+        check_bytes(&stored, where_).unwrap();
+        // A record running past the end: its sizes in the central directory.
+        let a = zipmap::map_bytes(&stored).unwrap();
+        let mut long = stored.clone();
+        let cd = a.records[1].cd_entry_offset as usize;
+        for at in [cd + 20, cd + 24] {
+            long[at..at + 4].copy_from_slice(&1_000_000u32.to_le_bytes());
+        }
+        let cases: [(&[u8], &str); 4] = [
+            (b"PK\x03\x04 not a zip at all", "not a usable checkpoint"),
+            (&[], "not a usable checkpoint"),
+            (&fixture("zipfile_deflated.zip"), "is compressed (method 8)"),
+            (&long, "archive/data/0"),
+        ];
+        for (bytes, says) in cases {
+            let e = check_bytes(bytes, where_).unwrap_err();
+            assert!(matches!(e, Error::Format { .. }), "{e:?}");
+            let msg = e.to_string();
+            assert!(msg.starts_with("s3://b/o, item 'x': "), "{msg}");
+            assert!(msg.contains(says), "{says}: {msg}");
+        }
     }
 }

@@ -40,7 +40,6 @@ import threading
 import types
 import warnings
 import zipfile
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -48,14 +47,7 @@ import torch
 from torch.utils.serialization import config as _torch_config
 
 from ckptio import _native
-from ckptio.errors import (
-    CkptioError,
-    FormatError,
-    LocationError,
-    RecordValueError,
-    check_crc,
-    corrupt,
-)
+from ckptio.errors import CkptioError, FormatError, LocationError, RecordValueError, corrupt
 from ckptio.formats import unpickled
 from ckptio.formats.mapped import Mapped
 from ckptio.io import devices, memory, remote
@@ -548,73 +540,6 @@ def is_torchscript(path: str) -> bool:
             return any(n.endswith("/constants.pkl") for n in z.namelist())
     except Exception:  # noqa: BLE001 - a zip Python cannot read is no TorchScript to hand on
         return False
-
-
-#: The archive comment of ckptio's writers (``src/format/integrity.rs``):
-#: every CRC-32 field is real, but for the data records it lists as unchecked.
-_CRC_COMMENT = "ckptio:crc32"
-
-
-def _unchecked_keys(comment: str) -> set[str] | None:
-    """The storage keys a ``ckptio:crc32 unchecked=3,5-9`` comment lists ({"*"}:
-    every one); None where the archive has no such comment (then a CRC-32 of
-    0 is taken as none computed), as the native reader reads it."""
-    if not comment.startswith(_CRC_COMMENT):
-        return None
-    listed = comment[len(_CRC_COMMENT) :].removeprefix(" unchecked=")
-    if listed == comment[len(_CRC_COMMENT) :]:
-        return set()
-    keys: set[str] = set()
-    for item in filter(None, listed.split(",")):
-        lo, _, hi = item.partition("-")
-        if lo.isdigit() and hi.isdigit() and int(lo) <= int(hi) < int(lo) + (1 << 20):
-            keys.update(str(k) for k in range(int(lo), int(hi) + 1))
-        else:
-            keys.add(item)
-    return keys
-
-
-def check_archive_bytes(where: str, blob: bytes) -> None:
-    """The records of the zip archive ``blob`` (a torch.save archive held in
-    memory: a DCP non-tensor value fetched from a store) checked against the
-    CRC-32s it declares, as ``_native.Reader.verify`` checks an archive in a
-    file (a CRC-32 the archive says it did not compute is not judged). A
-    FormatError naming ``where`` and the record on a mismatch, or where the
-    bytes are no zip of stored records."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(blob)) as z:
-            infos = z.infolist()
-            comment = z.comment.decode("utf-8", "replace")
-    except (zipfile.BadZipFile, ValueError, OSError) as e:
-        raise corrupt(where, f"not a zip archive: {e}") from e
-    unchecked = _unchecked_keys(comment)
-    # The first record's folder, as the native reader takes it.
-    prefix = infos[0].filename.partition("/")[0] if infos else ""
-    for info in infos:
-        name = info.filename
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise corrupt(
-                where,
-                f"record {name!r} is compressed (method {info.compress_type}); "
-                "ckptio needs stored records",
-            )
-        at = info.header_offset
-        head = blob[at : at + 30]
-        if len(head) < 30 or head[:4] != b"PK\x03\x04":
-            raise corrupt(where, f"record {name!r}: no local header at byte {at}")
-        start = (
-            at + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
-        )
-        data = blob[start : start + info.file_size]
-        if len(data) != info.file_size:
-            raise corrupt(where, f"record {name!r}: its bytes run past the archive's end")
-        key = name[len(prefix) + 6 :] if name.startswith(f"{prefix}/data/") else None
-        if unchecked is None:
-            declared = info.CRC or None
-        else:
-            every = unchecked == {"*"}
-            declared = None if key is not None and (every or key in unchecked) else info.CRC
-        check_crc(where, name, declared, zlib.crc32(data))
 
 
 class RecordReader(Protocol):
