@@ -1670,3 +1670,28 @@ def test_load_state_dict_resolves_weights_only_as_torch_load(tmp_path, monkeypat
     assert torch.equal(back.weight, m.weight)
     with pytest.raises(pickle.UnpicklingError):  # the caller's choice wins
         ckptio.load_state_dict(back, p, key="model", weights_only=True)
+
+
+# --------------------------------------------------------------- review of 2026-12-08 (rev2)
+
+
+def test_a_tuple_the_checkpoint_holds_at_two_paths_loads_into_both(tmp_path):
+    """One tuple at two key paths (pickle keeps it one object; Adam's param groups
+    share their ``betas``), and a tuple inside a cycle: load(out=) recursed
+    until RecursionError."""
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    opt = torch.optim.Adam([{"params": m[0].parameters()}, {"params": m[1].parameters()}])
+    torch.save({"model": m.state_dict(), "optim": opt.state_dict()}, tmp_path / "train.pt")
+    back = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    got = ckptio.load(tmp_path / "train.pt", out={"model": back.state_dict()}, strict=False)
+    same_tensors(back.state_dict(), m.state_dict())
+    assert [g["betas"] for g in got["optim"]["param_groups"]] == [(0.9, 0.999)] * 2
+    tup = (torch.arange(3.0),)
+    loop: list = []
+    loop.append((loop, torch.ones(2)))
+    torch.save({"a": tup, "b": tup, "c": loop}, tmp_path / "t.pt")
+    out = {"a": (torch.zeros(3),), "b": (torch.zeros(3),), "c": [(None, torch.zeros(2))]}
+    got = ckptio.load(tmp_path / "t.pt", out=out, weights_only=False)
+    assert torch.equal(out["a"][0], tup[0]) and got["a"][0] is out["a"][0]
+    assert torch.equal(out["b"][0], tup[0]) and got["b"][0] is out["b"][0]
+    assert torch.equal(out["c"][0][1], torch.ones(2)) and got["c"][0][1] is out["c"][0][1]

@@ -236,16 +236,32 @@ def _walk(
         return fn(p, o)
     if id(o) in memo:
         if type(memo) is _Unsharing and id(o) in memo.before and id(o) not in memo.open:
-            return _walk(copy.copy(memo.before[id(o)]), p, fn, memo)
+            before = memo.before[id(o)]
+            if isinstance(before, tuple):
+                # Rebuilt, never changed: walked again as it is (a copy of a tuple
+                # is the tuple itself, which _walk would find here again, for ever).
+                return _walk_open(before, p, fn, memo)
+            return _walk(copy.copy(before), p, fn, memo)
         return memo[id(o)]
     if type(memo) is _Unsharing and isinstance(o, (dict, list, tuple)):
         memo.before[id(o)] = o if isinstance(o, tuple) else copy.copy(o)
-        memo.open.add(id(o))
-        try:
-            return _walk_container(o, p, fn, memo)
-        finally:
-            memo.open.discard(id(o))
+        return _walk_open(o, p, fn, memo)
     return _walk_container(o, p, fn, memo)
+
+
+def _walk_open(
+    o: Any,
+    p: tuple[Any, ...],
+    fn: Callable[[tuple[Any, ...], torch.Tensor], Any],
+    memo: _Unsharing,
+) -> Any:
+    """:func:`_walk_container` of ``o``, marked open meanwhile (a cycle back to it
+    is not walked again)."""
+    memo.open.add(id(o))
+    try:
+        return _walk_container(o, p, fn, memo)
+    finally:
+        memo.open.discard(id(o))
 
 
 class _Unsharing(dict):  # type: ignore[type-arg]
@@ -284,6 +300,7 @@ def _walk_container(
             o[i] = None if r is _DROP else r
         return o
     if isinstance(o, tuple):
+        memo[id(o)] = o  # (what a cycle back to it finds: the tuple is not rebuilt yet)
         items = [_walk(v, (*p, i), fn, memo) for i, v in enumerate(o)]
         items = [None if r is _DROP else r for r in items]
         if all(a is b for a, b in zip(items, o, strict=True)):
