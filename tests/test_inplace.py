@@ -1695,3 +1695,64 @@ def test_a_tuple_the_checkpoint_holds_at_two_paths_loads_into_both(tmp_path):
     assert torch.equal(out["a"][0], tup[0]) and got["a"][0] is out["a"][0]
     assert torch.equal(out["b"][0], tup[0]) and got["b"][0] is out["b"][0]
     assert torch.equal(out["c"][0][1], torch.ones(2)) and got["c"][0][1] is out["c"][0][1]
+
+
+class _Slotted:
+    """An object keeping its values in ``__slots__`` (no ``__dict__``)."""
+
+    __slots__ = ("t", "__hidden")
+
+    def __init__(self, t, hidden=None):
+        self.t = t
+        self.__hidden = hidden
+
+    def __reduce__(self):
+        return (_Slotted, (self.t, self.__hidden))
+
+
+def test_load_out_leaves_no_tensor_viewing_the_file(tmp_path, monkeypatch):
+    """Tensors in a deque or an object's ``__slots__`` pair by key path as in a
+    list or an object's ``__dict__``; one in a set (no key path) becomes the
+    process's own memory: load(out=) returned views of the file's mapping,
+    which changed with the next save over the file (a truncation: SIGBUS)."""
+    from collections import deque
+
+    from ckptio.formats.mapped import Mapped
+
+    detached = []
+    real = Mapped.detach
+    monkeypatch.setattr(Mapped, "detach", lambda m: (detached.append(m.path), real(m))[1])
+    path = tmp_path / "c.pt"
+    in_set = torch.arange(1 << 14, dtype=torch.float32)
+    sd = {
+        "w": torch.arange(4.0),
+        "hist": deque([torch.arange(3.0)], maxlen=4),
+        "obj": _Slotted(torch.arange(3.0) + 10, torch.ones(2)),
+        "s": {in_set},
+    }
+    torch.save(sd, path)
+    out = {
+        "w": torch.zeros(4),
+        "hist": deque([torch.zeros(3)]),
+        "obj": _Slotted(torch.zeros(3), torch.zeros(2)),
+    }
+    got = ckptio.load(path, out=out, weights_only=False)
+    assert got["hist"][0] is out["hist"][0] and got["hist"].maxlen == 4
+    assert got["obj"].t is out["obj"].t
+    assert got["obj"]._Slotted__hidden is out["obj"]._Slotted__hidden
+    assert torch.equal(out["hist"][0], torch.arange(3.0))
+    assert torch.equal(out["obj"].t, torch.arange(3.0) + 10)
+    assert torch.equal(out["obj"]._Slotted__hidden, torch.ones(2))
+    (kept,) = got["s"]
+    assert torch.equal(kept, in_set) and detached and not in_mapping_of(path, kept)
+    with pytest.raises(ckptio.KeyMismatchError, match="'hist.0', 'obj.t'"):
+        ckptio.load(path, out={"w": torch.zeros(4)}, weights_only=False)
+    _rewrite(path, torch.save, {"s": {torch.zeros(1 << 14)}})
+    assert torch.equal(kept, in_set), "the kept tensor changed with the file"
+    # Where every tensor pairs (a tuple at the root too), nothing is copied.
+    detached.clear()
+    torch.save((torch.arange(4.0), {"t": (torch.ones(2),)}), path)
+    for wo in (True, False):
+        got = ckptio.load(path, out=(torch.zeros(4), {"t": (torch.zeros(2),)}), weights_only=wo)
+        assert torch.equal(got[1]["t"][0], torch.ones(2))
+    assert detached == []

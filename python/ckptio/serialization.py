@@ -891,7 +891,7 @@ def _load_into(
             torch_kw=torch_kw,
             lazy=True,  # every tensor is paired (read, or copied) or left out
         )
-        return inplace.fill_structure(
+        result = inplace.fill_structure(
             f"ckptio.load(out=): {shown}",
             src,
             out,
@@ -902,6 +902,11 @@ def _load_into(
             verify=verify,
             t0=t0,
         )
+        # Tensors the walk leaves where they were (in a set: no destination
+        # pairs with them) must not view the file once returned, as torch.load's.
+        del src  # (a tuple at the root is the checkpoint's own, with its views)
+        inplace.detach_kept([mapped])
+        return result
 
 
 def _verify_all(path: str, io: IoOptions) -> None:

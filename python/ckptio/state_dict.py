@@ -19,7 +19,6 @@ without running them (torch's walk costs 50 ms per 512 tensors). Optimizers repl
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import os
 import re
@@ -48,6 +47,7 @@ from ckptio.loading.inplace import (
     Plan,
     Problem,
     check_flags,
+    detach_kept,
     execute,
     fill,
     key_name,
@@ -303,7 +303,7 @@ class _Run:
         self.problems: list[Problem] = []
         self.wrote = False
         #: Whether user code (hooks, overrides) got the checkpoint's tensors,
-        #: views of the files' mappings that it may keep: see _detach_kept.
+        #: views of the files' mappings that it may keep: see detach_kept.
         self.exposed = False
 
     def expose(self, state_dict: Any) -> Any:
@@ -1016,13 +1016,13 @@ def load_state_dict(
         del state_dict, run  # (the tensors a hook kept are counted without ours)
         if exposed:
             _release_own_frames(sys.exc_info()[2])
-            _detach_kept(files)
+            detach_kept(files)
 
 
 def _release_own_frames(tb: Any) -> None:
     """A failed load's traceback holds ckptio's finished frames, and their
     locals the checkpoint's tensors: cleared, so that they do not count as kept
-    (a copy of the whole file, _detach_kept). The caller's frames and user
+    (a copy of the whole file, detach_kept). The caller's frames and user
     code's (a hook that raised) keep theirs."""
     own = os.path.dirname(os.path.abspath(__file__))
     while tb is not None:
@@ -1031,21 +1031,6 @@ def _release_own_frames(tb: Any) -> None:
             with contextlib.suppress(RuntimeError):  # a frame still running
                 frame.clear()
         tb = tb.tb_next
-
-
-def _detach_kept(files: list[Mapped]) -> None:
-    """Where user code kept a tensor of the checkpoint (a hook that stores one,
-    an override passing assign=True), it views the file's mapping: a rewrite of
-    the file would change it and a truncation kill the process (SIGBUS), where
-    torch.load's tensors are the process's own memory. Such a mapping becomes
-    private memory holding the same bytes (a copy of the file, as torch.load
-    makes); nothing is copied where nothing was kept."""
-    if not any(m.viewed() for m in files):
-        return
-    gc.collect()  # views held only by cycles of the load's own objects
-    for m in files:
-        if m.viewed():
-            m.detach()
 
 
 #: What :func:`_load_stored` returns where the scratch copy must load it.

@@ -34,9 +34,12 @@ from __future__ import annotations
 import bisect
 import copy
 import dataclasses
+import functools
+import gc
 import os
 import time
 import types
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
@@ -215,9 +218,10 @@ def replace_tensors(
     memo: dict[int, Any] | None = None,
 ) -> Any:
     """``obj`` with every tensor ``t`` at key path ``p`` replaced by ``fn(p, t)``:
-    dicts, lists and objects' ``__dict__`` changed in place, tuples rebuilt
-    (named tuples too). Shared containers are walked once (``memo``: an
-    :class:`_Unsharing`, at each key path instead)."""
+    dicts, lists, deques and objects' ``__dict__`` and ``__slots__`` changed in
+    place, tuples rebuilt (named tuples too). Shared containers are walked once
+    (``memo``: an :class:`_Unsharing`, at each key path instead). Other
+    containers (sets, objects keeping values elsewhere) are not entered."""
     r = _walk(obj, path, fn, {} if memo is None else memo)
     return None if r is _DROP else r
 
@@ -243,7 +247,7 @@ def _walk(
                 return _walk_open(before, p, fn, memo)
             return _walk(copy.copy(before), p, fn, memo)
         return memo[id(o)]
-    if type(memo) is _Unsharing and isinstance(o, (dict, list, tuple)):
+    if type(memo) is _Unsharing and isinstance(o, (dict, list, deque, tuple)):
         memo.before[id(o)] = o if isinstance(o, tuple) else copy.copy(o)
         return _walk_open(o, p, fn, memo)
     return _walk_container(o, p, fn, memo)
@@ -293,9 +297,9 @@ def _walk_container(
             else:
                 o[k] = v
         return o
-    if isinstance(o, list):
+    if isinstance(o, (list, deque)):
         memo[id(o)] = o
-        for i, v in enumerate(o):
+        for i, v in enumerate(o if isinstance(o, list) else list(o)):
             r = _walk(v, (*p, i), fn, memo)
             o[i] = None if r is _DROP else r
         return o
@@ -311,16 +315,46 @@ def _walk_container(
             new = type(o)(items)
         memo[id(o)] = new
         return new
-    if hasattr(o, "__dict__") and not isinstance(
-        o, (type, types.ModuleType, types.FunctionType, types.MethodType)
-    ):
+    if isinstance(o, _NOT_WALKED):
+        return o
+    slots = _slot_names(type(o))
+    if hasattr(o, "__dict__") or slots:
         memo[id(o)] = o
-        attrs = vars(o)
+        attrs = getattr(o, "__dict__", {})
         for k in list(attrs):
             v = _walk(attrs[k], (*p, k), fn, memo)
             attrs[k] = None if v is _DROP else v
+        for k in slots:
+            try:
+                old = object.__getattribute__(o, k)
+            except AttributeError:  # (a slot not set)
+                continue
+            v = _walk(old, (*p, k), fn, memo)
+            if v is not old:  # (past a __setattr__ of the class, as pickle sets them)
+                object.__setattr__(o, k, None if v is _DROP else v)
         return o
     return o
+
+
+_NOT_WALKED = (type, types.ModuleType, types.FunctionType, types.MethodType)
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The attributes that ``__slots__`` of ``cls`` and its bases declare, each
+    as the class stores it (a private name mangled), as pickle finds them."""
+    names: list[str] = []
+    for c in cls.__mro__:
+        declared = c.__dict__.get("__slots__")
+        if declared is None:
+            continue
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__") and c.__name__.lstrip("_"):
+                name = f"_{c.__name__.lstrip('_')}{name}"
+            names.append(name)
+    return tuple(names)
 
 
 def materialize(obj: Any) -> Any:
@@ -385,7 +419,7 @@ _ABSENT = object()
 
 def _value_at(obj: Any, path: tuple[Any, ...]) -> Any:
     """What ``obj`` holds at key path ``path``, as :func:`replace_tensors` walks
-    it (dict keys, list and tuple indices, objects' attributes); ``_ABSENT``
+    it (dict keys, list, deque and tuple indices, objects' attributes); ``_ABSENT``
     where it holds nothing there."""
     for k in path:
         if isinstance(obj, torch.Tensor):
@@ -394,17 +428,19 @@ def _value_at(obj: Any, path: tuple[Any, ...]) -> Any:
             if k not in obj:
                 return _ABSENT
             obj = obj[k]
-        elif isinstance(obj, (list, tuple)):
+        elif isinstance(obj, (list, deque, tuple)):
             if type(k) is not int or not 0 <= k < len(obj):
                 return _ABSENT
             obj = obj[k]
-        elif (
-            isinstance(k, str)
-            and hasattr(obj, "__dict__")
-            and not isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType))
-            and k in vars(obj)
-        ):
+        elif not isinstance(k, str) or isinstance(obj, _NOT_WALKED):
+            return _ABSENT
+        elif k in getattr(obj, "__dict__", {}):
             obj = vars(obj)[k]
+        elif k in _slot_names(type(obj)):
+            try:
+                obj = object.__getattribute__(obj, k)
+            except AttributeError:
+                return _ABSENT
         else:
             return _ABSENT
     return obj
@@ -919,6 +955,23 @@ def fill_structure(
     stats = execute(p, io, verify=verify)
     report_plan(p, io, stats, t0, verify, missing, unexpected)
     return result
+
+
+def detach_kept(files: Sequence[Mapped]) -> None:
+    """Where a tensor of the checkpoint outlives the load (user code keeping one:
+    a hook that stores one, an override passing assign=True; a value of
+    ``load(out=)``'s result in a container the walk does not enter, a set), it
+    views the file's mapping: a rewrite of the file would change it and a
+    truncation kill the process (SIGBUS), where torch.load's tensors are the
+    process's own memory. Such a mapping becomes private memory holding the
+    same bytes (a copy of the file, as torch.load makes); nothing is copied
+    where nothing was kept. The caller holds no source of its own any more."""
+    if not any(m.viewed() for m in files):
+        return
+    gc.collect()  # views held only by cycles of the load's own objects
+    for m in files:
+        if m.viewed():
+            m.detach()
 
 
 def check_flags(**flags: Any) -> None:
