@@ -1756,3 +1756,17 @@ def test_load_out_leaves_no_tensor_viewing_the_file(tmp_path, monkeypatch):
         got = ckptio.load(path, out=(torch.zeros(4), {"t": (torch.zeros(2),)}), weights_only=wo)
         assert torch.equal(got[1]["t"][0], torch.ones(2))
     assert detached == []
+
+
+def test_a_container_out_holds_at_two_paths_is_a_destination_at_both(tmp_path):
+    """``out={"model": d, "ema": d}``: out was indexed at the first path only, and
+    the checkpoint's tensor at the second was a false "Unexpected key"."""
+    path = tmp_path / "c.pt"
+    torch.save({"model": {"w": torch.arange(3.0)}, "ema": {"w": torch.arange(3.0) + 1}}, path)
+    d = {"w": torch.zeros(3)}
+    got = ckptio.load(path, out={"model": d, "ema": d})
+    assert got["model"]["w"] is d["w"] and got["ema"]["w"] is d["w"]
+    assert torch.equal(d["w"], torch.arange(3.0) + 1)  # the later copy, as copy_ in order
+    torch.save({"model": {"w": torch.arange(3.0)}}, path)
+    with pytest.raises(ckptio.KeyMismatchError, match="Missing key.*'ema.w'"):
+        ckptio.load(path, out={"model": d, "ema": d})

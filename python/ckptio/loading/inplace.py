@@ -372,14 +372,14 @@ def key_name(path: tuple[Any, ...]) -> str:
 
 
 def _index(obj: Any) -> dict[tuple[Any, ...], torch.Tensor]:
-    """Every tensor of ``obj`` by key path."""
+    """Every tensor of ``obj`` by key path (a container at two paths: at both)."""
     found: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def note(p: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
         found.setdefault(p, t)
         return t
 
-    replace_tensors(obj, note)
+    replace_tensors(obj, note, memo=_Unsharing())
     return found
 
 
