@@ -1770,3 +1770,35 @@ def test_a_container_out_holds_at_two_paths_is_a_destination_at_both(tmp_path):
     torch.save({"model": {"w": torch.arange(3.0)}}, path)
     with pytest.raises(ckptio.KeyMismatchError, match="Missing key.*'ema.w'"):
         ckptio.load(path, out={"model": d, "ema": d})
+
+
+@pytest.mark.parametrize("how", ["prehook", "override"])
+def test_a_hook_that_copies_one_checkpoint_tensor_into_another_is_seen(tmp_path, how):
+    """``sd[a].copy_(sd[b])`` in a pre-hook or an override of load_state_dict:
+    the copy into the checkpoint's own tensor was recorded as a load into a
+    destination (and never run), so a.weight got the file's values, not b's."""
+
+    def copy_b_into_a(sd, prefix=""):
+        sd[prefix + "a.weight"].copy_(sd[prefix + "b.weight"])
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+            if how == "prehook":
+                self.register_load_state_dict_pre_hook(
+                    lambda mod, sd, prefix, *a: copy_b_into_a(sd, prefix)
+                )
+
+        def load_state_dict(self, sd, strict=True, assign=False):
+            if how == "override":
+                copy_b_into_a(sd)
+            return super().load_state_dict(sd, strict)
+
+    sd = {k: torch.randn_like(v) for k, v in Two().state_dict().items()}
+    torch.save(sd, tmp_path / "c.pt")
+    ours, theirs = Two(), Two()
+    ckptio.load_state_dict(ours, tmp_path / "c.pt")
+    theirs.load_state_dict(torch.load(tmp_path / "c.pt"))
+    assert torch.equal(ours.a.weight, sd["b.weight"])
+    same_tensors(ours.state_dict(), theirs.state_dict())

@@ -160,8 +160,9 @@ class _Changes(TorchFunctionMode):
 
 
 class _Deferred(_Changes):
-    """While active, ``dest.copy_(src)`` from a view of a checkpoint mapping is
-    recorded instead of run (``eager``: read at once through the engine); any
+    """While active, ``dest.copy_(src)`` from a view of a checkpoint mapping into
+    a tensor that is not one is recorded instead of run (``eager``: read at once
+    through the engine); any
     other call that uses a destination with a recorded copy runs the recorded
     copies first (:meth:`flush`, through ``read``), so code that reads what it
     copied sees the data. ``read`` and ``eager`` run with the mode passing every
@@ -211,6 +212,8 @@ class _Deferred(_Changes):
             and isinstance(args[0], torch.Tensor)
             and args[0].device.type != "meta"
             and self.files.locate(args[1]) is not None
+            # (into a checkpoint tensor: a change of the checkpoint, run below)
+            and self.files.locate(args[0]) is None
         ):
             dest, src = args
             key = self.names.get(id(dest), "<tensor>")
