@@ -1802,3 +1802,41 @@ def test_a_hook_that_copies_one_checkpoint_tensor_into_another_is_seen(tmp_path,
     theirs.load_state_dict(torch.load(tmp_path / "c.pt"))
     assert torch.equal(ours.a.weight, sd["b.weight"])
     same_tensors(ours.state_dict(), theirs.state_dict())
+
+
+def _relu_inplace(sd, prefix):
+    nn.functional.relu(sd[prefix + "weight"], inplace=True)
+
+
+def _foreach_mul(sd, prefix):
+    torch._foreach_mul_([sd[prefix + "weight"], sd[prefix + "bias"]], 3.0)
+
+
+def _numpy_write(sd, prefix):
+    sd[prefix + "weight"].numpy()[:] = 7
+
+
+def _asarray_write(sd, prefix):
+    import numpy as np
+
+    np.asarray(sd[prefix + "bias"])[:] = 5
+
+
+@pytest.mark.parametrize("change", [_relu_inplace, _foreach_mul, _numpy_write, _asarray_write])
+def test_in_place_changes_by_functionals_foreach_and_numpy_are_seen(tmp_path, change):
+    """Pre-hooks changing a checkpoint tensor by ``F.relu(inplace=True)``,
+    ``torch._foreach_mul_`` or a write through ``.numpy()`` / ``np.asarray``:
+    none was seen, and the destination held the file's bytes, not the change."""
+    sd = {"weight": -torch.arange(4.0).view(2, 2) + 1, "bias": torch.ones(2)}
+    torch.save(sd, tmp_path / "c.pt")
+
+    def hooked():
+        m = nn.Linear(2, 2)
+        m.register_load_state_dict_pre_hook(lambda mod, sd, prefix, *a: change(sd, prefix))
+        return m
+
+    ours, theirs = hooked(), hooked()
+    ckptio.load_state_dict(ours, tmp_path / "c.pt")
+    theirs.load_state_dict(torch.load(tmp_path / "c.pt"))
+    assert not all(torch.equal(theirs.state_dict()[k], v) for k, v in sd.items())
+    same_tensors(ours.state_dict(), theirs.state_dict())

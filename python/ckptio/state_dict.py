@@ -114,17 +114,27 @@ _INPLACE_DUNDERS = frozenset(
 #: In-place methods that leave the elements as they are.
 _NOT_DATA = frozenset({"requires_grad_", "share_memory_", "retain_grad_"})
 
+#: Calls that hand a tensor's memory to code no torch function mode sees (NumPy,
+#: DLPack): a write through what they return cannot be seen, so they count as one.
+_HANDED_OUT = frozenset({"numpy", "__array__", "__dlpack__"})
+
 
 def _written(func: Any, args: Sequence[Any], kwargs: Any) -> list[Any]:
     """What a call writes in place: an in-place method's tensor (``mul_``,
-    ``__setitem__``), ``out=``."""
+    ``__setitem__``), a functional's with ``inplace=True`` (``F.relu``), the
+    tensors of ``torch._foreach_*_``, ``out=``; or may write later: a tensor
+    handed to NumPy or DLPack (:data:`_HANDED_OUT`)."""
     name = getattr(func, "__name__", "")
     found: list[Any] = []
     if args and (
         name in _INPLACE_DUNDERS
+        or name in _HANDED_OUT
         or (name.endswith("_") and name[:1] != "_" and name not in _NOT_DATA)
+        or (kwargs and kwargs.get("inplace") is True)
     ):
         found.append(args[0])
+    if args and name.startswith("_foreach_") and name.endswith("_"):
+        found.extend(args[0] if isinstance(args[0], (tuple, list)) else (args[0],))
     out = kwargs.get("out") if kwargs else None
     if out is not None:
         found.extend(out if isinstance(out, (tuple, list)) else (out,))
@@ -133,9 +143,12 @@ def _written(func: Any, args: Sequence[Any], kwargs: Any) -> list[Any]:
 
 class _Changes(TorchFunctionMode):
     """While active, a call that writes a view of a checkpoint mapping in
-    place (user code: a hook, an override) makes that file's tensors copied
-    from the mapping from then on (``Files.changed``), so that they hold the
-    change as torch.load's tensors would; :meth:`before_change` runs first."""
+    place (user code: a hook, an override; :func:`_written`) makes that file's
+    tensors copied from the mapping from then on (``Files.changed``), so that
+    they hold the change as torch.load's tensors would; :meth:`before_change`
+    runs first. Writes that pass no torch function are not seen: through
+    ``data_ptr()`` (ctypes), ``untyped_storage()``'s methods,
+    ``torch.utils.dlpack.to_dlpack``."""
 
     def __init__(self, files: Files) -> None:
         super().__init__()
