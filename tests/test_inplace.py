@@ -1840,3 +1840,23 @@ def test_in_place_changes_by_functionals_foreach_and_numpy_are_seen(tmp_path, ch
     theirs.load_state_dict(torch.load(tmp_path / "c.pt"))
     assert not all(torch.equal(theirs.state_dict()[k], v) for k, v in sd.items())
     same_tensors(ours.state_dict(), theirs.state_dict())
+
+
+def test_an_override_of_load_state_dict_that_returns_nothing_loads(tmp_path):
+    """An override calling super().load_state_dict without returning: the load
+    succeeded, then failed with AttributeError on ``result.missing_keys``."""
+
+    class NoReturn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def load_state_dict(self, sd, strict=True, assign=False):
+            super().load_state_dict(sd, strict)
+
+    src = NoReturn()
+    torch.save(src.state_dict(), tmp_path / "c.pt")
+    back = NoReturn()
+    assert ckptio.load_state_dict(back, tmp_path / "c.pt") is None
+    same_tensors(back.state_dict(), src.state_dict())
+    assert ckptio.last_report().missing_keys == ()

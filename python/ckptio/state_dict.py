@@ -384,7 +384,10 @@ def _load_module(
         mode = _Deferred(run.located, names, lambda _: None, eager=now)
         with mode:
             result = module.load_state_dict(state_dict, strict)
-        run.report(t0, result.missing_keys, result.unexpected_keys)
+        # What the override returns, as torch's call returns it (None from one
+        # that does not return super()'s).
+        missing_keys = getattr(result, "missing_keys", ())
+        run.report(t0, missing_keys, getattr(result, "unexpected_keys", ()))
         return result
 
     missing: list[str] = []
@@ -968,9 +971,10 @@ def load_state_dict(
 
     ``obj``: an ``nn.Module`` (parameters and persistent buffers; torch's
     ``_load_from_state_dict``, its overrides and load_state_dict pre- and post-
-    hooks run as with torch; returns ``(missing_keys, unexpected_keys)``;
-    ``strict`` as torch's) or a ``torch.optim.Optimizer`` (param_groups restored
-    and state made as ``Optimizer.load_state_dict`` does them, existing state
+    hooks run as with torch; returns ``(missing_keys, unexpected_keys)``, or
+    what an override of ``load_state_dict`` returns; ``strict`` as torch's) or
+    a ``torch.optim.Optimizer`` (param_groups restored and state made as
+    ``Optimizer.load_state_dict`` does them, existing state
     tensors filled in place, pre- and post-hooks; returns None).
     ``f``: a torch.save archive, a safetensors file, or a sharded safetensors
     checkpoint (its ``*.index.json`` or the folder). ``key``: a key, or a tuple
