@@ -1860,3 +1860,30 @@ def test_an_override_of_load_state_dict_that_returns_nothing_loads(tmp_path):
     assert ckptio.load_state_dict(back, tmp_path / "c.pt") is None
     same_tensors(back.state_dict(), src.state_dict())
     assert ckptio.last_report().missing_keys == ()
+
+
+def test_a_copy_refused_in_an_override_of_load_state_dict_is_the_typed_error(tmp_path):
+    """A dtype mismatch in a module overriding load_state_dict: torch's
+    _load_from_state_dict caught ckptio's error and went on copying, and the
+    error was a plain RuntimeError saying "(no destination was written)" while
+    others were written."""
+
+    class Override(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def load_state_dict(self, sd, strict=True, assign=False):
+            return super().load_state_dict(sd, strict)
+
+    sd = {k: torch.randn_like(v) for k, v in Override().state_dict().items()}
+    sd["a.weight"] = sd["a.weight"].double()
+    torch.save(sd, tmp_path / "c.pt")
+    m = Override()
+    with pytest.raises(ckptio.DtypeMismatchError, match="'a.weight'") as e:
+        ckptio.load_state_dict(m, tmp_path / "c.pt")
+    assert e.value.partial and "the destinations are partially filled" in str(e.value)
+    assert torch.equal(m.b.weight, sd["b.weight"])  # torch went on copying
+    back = Override()
+    ckptio.load_state_dict(back, tmp_path / "c.pt", cast=True)
+    assert torch.equal(back.a.weight, sd["a.weight"].float())

@@ -382,8 +382,19 @@ def _load_module(
                 raise_problems("", [p[2]], [p], partial=run.wrote)
 
         mode = _Deferred(run.located, names, lambda _: None, eager=now)
-        with mode:
-            result = module.load_state_dict(state_dict, strict)
+        # A copy refused here (a dtype unless cast=True) raises inside torch's
+        # _load_from_state_dict, which makes any error of a copy a line of its
+        # RuntimeError and goes on copying (an override may even let that
+        # pass): the typed error then, saying whether some were written.
+        try:
+            with mode:
+                result = module.load_state_dict(state_dict, strict)
+        except Exception:
+            if run.problems:
+                _refused(module, run)  # (torch's error as its context)
+            raise
+        if run.problems:
+            _refused(module, run)
         # What the override returns, as torch's call returns it (None from one
         # that does not return super()'s).
         missing_keys = getattr(result, "missing_keys", ())
@@ -462,6 +473,15 @@ def _load_module(
         )
     run.report(t0, missing, unexpected)
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _refused(module: torch.nn.Module, run: _Run) -> NoReturn:
+    raise_problems(
+        f"Error(s) in loading state_dict for {module.__class__.__name__}:",
+        [t for _, _, t in run.problems],
+        run.problems,
+        partial=run.wrote,
+    )
 
 
 def _plain_module(m: torch.nn.Module) -> bool:
@@ -985,8 +1005,9 @@ def load_state_dict(
     before anything is written: the error (an :class:`InPlaceLoadError`
     subclass and a RuntimeError, naming the keys, torch's message where torch
     has one) says "no destination was written"; only where a module has
-    load_state_dict post-hooks (which must see the data loaded before them)
-    can an error come after some were, and then says so. ``verify``,
+    load_state_dict post-hooks (which must see the data loaded before them) or
+    overrides ``load_state_dict`` (each copy is read at once) can an error
+    come after some were, and then says so. ``verify``,
     ``weights_only`` and the engine knobs are ``ckptio.load``'s; so is
     ``group`` (every rank of a process group loads the same checkpoint into
     its own ``obj``, each byte read from storage by one rank and shared).
