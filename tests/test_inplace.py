@@ -1887,3 +1887,23 @@ def test_a_copy_refused_in_an_override_of_load_state_dict_is_the_typed_error(tmp
     back = Override()
     ckptio.load_state_dict(back, tmp_path / "c.pt", cast=True)
     assert torch.equal(back.a.weight, sd["a.weight"].float())
+
+
+def test_an_optimizer_refusal_after_reading_param_groups_says_nothing_was_written(tmp_path):
+    """A tensor lr in param_groups is read into a new tensor first; a dtype
+    mismatch of the state after it said "the destinations are partially filled"."""
+    w = nn.Parameter(torch.randn(3))
+    src = torch.optim.Adam([w], lr=torch.tensor(0.01))
+    w.grad = torch.ones(3)
+    src.step()
+    torch.save(src.state_dict(), tmp_path / "opt.pt")
+    wb = nn.Parameter(torch.randn(3, dtype=torch.bfloat16))
+    opt = torch.optim.Adam([wb], lr=torch.tensor(0.01))
+    wb.grad = torch.ones(3, dtype=torch.bfloat16)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[wb].items()}
+    with pytest.raises(ckptio.DtypeMismatchError, match="no destination was written") as e:
+        ckptio.load_state_dict(opt, tmp_path / "opt.pt")
+    assert e.value.partial is False
+    for k, v in before.items():
+        assert torch.equal(opt.state[wb][k], v), k

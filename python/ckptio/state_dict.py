@@ -734,7 +734,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
         # torch.load would give them).
         fresh: list[tuple[str, torch.Tensor, Any]] = []
         state_dict = replace_tensors(state_dict, _fresh_into(run, fresh))
-        if not run.run(fresh, exact_shape=True):
+        if not run.run(fresh, exact_shape=True, fresh=True):
             _raise_optimizer(opt, run)
         opt.load_state_dict(state_dict)
         run.report(t0)
@@ -753,7 +753,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
     state_dict["param_groups"] = replace_tensors(
         state_dict["param_groups"], _fresh_into(run, early, ("param_groups",))
     )
-    if not run.run(early, exact_shape=True):
+    if not run.run(early, exact_shape=True, fresh=True):
         _raise_optimizer(opt, run)
     saved_groups = deepcopy(state_dict["param_groups"])
     if len(groups) != len(saved_groups):
