@@ -3,6 +3,7 @@ for modules and optimizers, safetensors load_file/load_sharded(out=); every mism
 kind with its error and nothing written; torch's semantics (keys, hooks, optimizer
 state) compared with torch's own load_state_dict; peak RSS."""
 
+import contextlib
 import io
 import mmap
 import os
@@ -1907,3 +1908,31 @@ def test_an_optimizer_refusal_after_reading_param_groups_says_nothing_was_writte
     assert e.value.partial is False
     for k, v in before.items():
         assert torch.equal(opt.state[wb][k], v), k
+
+
+def test_an_override_copying_into_a_parameter_in_grad_mode_fails_as_with_torch(tmp_path):
+    """A _load_from_state_dict override copying into a parameter outside
+    torch.no_grad(): torch refuses the in-place write to a leaf that requires
+    grad; ckptio recorded the copy and loaded."""
+
+    class Override(nn.Module):
+        def __init__(self, no_grad):
+            super().__init__()
+            self.no_grad = no_grad
+            self.weight = nn.Parameter(torch.zeros(3))
+
+        def _load_from_state_dict(self, sd, prefix, *a):
+            with torch.no_grad() if self.no_grad else contextlib.nullcontext():
+                self.weight.copy_(sd[prefix + "weight"])
+
+    torch.save({"weight": torch.ones(3)}, tmp_path / "c.pt")
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad") as theirs:
+        Override(False).load_state_dict(torch.load(tmp_path / "c.pt"))
+    m = Override(False)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad") as ours:
+        ckptio.load_state_dict(m, tmp_path / "c.pt")
+    assert type(ours.value) is type(theirs.value)
+    assert torch.equal(m.weight, torch.zeros(3))
+    m = Override(True)
+    ckptio.load_state_dict(m, tmp_path / "c.pt")
+    assert torch.equal(m.weight, torch.ones(3))

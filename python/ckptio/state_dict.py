@@ -174,8 +174,9 @@ class _Changes(TorchFunctionMode):
 
 class _Deferred(_Changes):
     """While active, ``dest.copy_(src)`` from a view of a checkpoint mapping into
-    a tensor that is not one is recorded instead of run (``eager``: read at once
-    through the engine); any
+    a tensor that is not one (and that autograd lets be written: no grad mode
+    with a ``dest`` that requires grad) is recorded instead of run (``eager``:
+    read at once through the engine); any
     other call that uses a destination with a recorded copy runs the recorded
     copies first (:meth:`flush`, through ``read``), so code that reads what it
     copied sees the data. ``read`` and ``eager`` run with the mode passing every
@@ -227,6 +228,8 @@ class _Deferred(_Changes):
             and self.files.locate(args[1]) is not None
             # (into a checkpoint tensor: a change of the checkpoint, run below)
             and self.files.locate(args[0]) is None
+            # (autograd's to check: torch refuses a leaf that requires grad)
+            and not (torch.is_grad_enabled() and args[0].requires_grad)
         ):
             dest, src = args
             key = self.names.get(id(dest), "<tensor>")
