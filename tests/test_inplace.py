@@ -1936,3 +1936,18 @@ def test_an_override_copying_into_a_parameter_in_grad_mode_fails_as_with_torch(t
     m = Override(True)
     ckptio.load_state_dict(m, tmp_path / "c.pt")
     assert torch.equal(m.weight, torch.ones(3))
+
+
+def test_a_checkpoint_that_is_a_bare_tensor_is_named_as_torch_names_it(tmp_path):
+    """The errors named ckptio's internal Placeholder where torch names torch.Tensor."""
+    torch.save(torch.ones(2), tmp_path / "t.pt")
+    m = nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for target, err, msg in [
+        (m, TypeError, "got <class 'torch.Tensor'>"),
+        (opt, AttributeError, "'Tensor' object has no attribute 'copy'"),
+    ]:
+        with pytest.raises(err, match=msg):
+            target.load_state_dict(torch.load(tmp_path / "t.pt"))
+        with pytest.raises(err, match=msg):
+            ckptio.load_state_dict(target, tmp_path / "t.pt")

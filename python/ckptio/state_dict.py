@@ -1052,6 +1052,8 @@ def load_state_dict(
     try:
         for k in () if key is None else key if isinstance(key, tuple) else (key,):
             state_dict = unpickled.tensor(state_dict[k])
+        # A checkpoint that is a bare tensor: torch's messages name its type.
+        state_dict = unpickled.tensor(state_dict)
         if isinstance(obj, torch.nn.Module):
             return _load_module(obj, state_dict, run, strict=strict, t0=t0)
         return _load_optimizer(obj, state_dict, run, t0=t0)
