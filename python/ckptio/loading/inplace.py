@@ -34,7 +34,6 @@ from __future__ import annotations
 import bisect
 import copy
 import dataclasses
-import functools
 import gc
 import os
 import time
@@ -288,6 +287,8 @@ def _walk_container(
     memo: dict[int, Any],
 ) -> Any:
     """:func:`_walk` of a value that is not a tensor, seen the first time."""
+    if type(o) in _ATOMS:
+        return o
     if isinstance(o, dict):
         memo[id(o)] = o
         for k in list(o):
@@ -337,9 +338,11 @@ def _walk_container(
 
 
 _NOT_WALKED = (type, types.ModuleType, types.FunctionType, types.MethodType)
+#: Values that hold nothing to walk (most of a checkpoint's other values): no
+#: look for ``__slots__`` in their classes.
+_ATOMS = frozenset({int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device})
 
 
-@functools.lru_cache(maxsize=256)
 def _slot_names(cls: type) -> tuple[str, ...]:
     """The attributes that ``__slots__`` of ``cls`` and its bases declare, each
     as the class stores it (a private name mangled), as pickle finds them."""
