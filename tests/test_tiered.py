@@ -872,3 +872,30 @@ def test_a_commit_the_folder_made_but_did_not_record_is_its_own(tmp_path, s3):
     third = TieredWriter(local, url, storage_options=s3.options)
     assert third.resumed.result(60) == url
     _same(_dcp_from(url, s3, 2), _state(2))
+
+
+# --------------------------------------------------------------------------- review of 2026-12-07
+
+
+def test_retry_and_retention_settings_are_checked(tmp_path, s3):
+    """TieredWriter took tries=0 (nothing uploaded, a TypeError later), and
+    Checkpointer tries=1.5, backoff="1", max_backoff=None, keep_local=True."""
+    from ckptio.tiered import TieredWriter
+
+    for kw, error in [
+        (dict(tries=1.5), TypeError), (dict(tries=True), TypeError), (dict(tries=0), ValueError),
+        (dict(backoff="1"), TypeError), (dict(backoff=-1.0), ValueError),
+        (dict(max_backoff=None), TypeError), (dict(max_backoff=float("inf")), ValueError),
+        (dict(keep_local=True), TypeError), (dict(keep_remote=2.0), TypeError),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=next(iter(kw))):
+            _ckpt(tmp_path, s3, **kw)
+    for kw, error in [
+        (dict(tries=0), ValueError), (dict(tries="3"), TypeError),
+        (dict(backoff=float("nan")), ValueError), (dict(mark_timeout=None), TypeError),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=next(iter(kw))):
+            TieredWriter(tmp_path / "dcp", s3.url("dcp"), storage_options=s3.options, **kw)
+    writer = TieredWriter(tmp_path / "dcp", s3.url("dcp"), storage_options=s3.options, tries=1)
+    writer._tries = 0  # (as a writer unpickled from an older version might hold)
+    assert writer._retried(lambda: "done") == "done"  # never None for an op not run

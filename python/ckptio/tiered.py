@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -125,7 +126,8 @@ class Checkpointer:
     settings (``ckptio.save``). ``stager``: takes the snapshot (default
     ``ckptio.staging.DefaultStager()``, pinned and reused save after save).
     ``tries``/``backoff``/``max_backoff``: the drain's retries of transient
-    errors (seconds, doubled each try, with jitter).
+    errors (seconds, doubled each try, with jitter). A setting of the wrong
+    type or out of range is a TypeError or ValueError naming it.
     """
 
     def __init__(
@@ -145,12 +147,10 @@ class Checkpointer:
         _check_tiers(local, remote, storage_options)
         if format not in FORMATS:
             raise ValueError(f"format must be one of {sorted(FORMATS)}, not {format!r}")
-        if not isinstance(keep_local, int) or keep_local < 1:
-            raise ValueError(f"keep_local must be an int >= 1, not {keep_local!r}")
-        if keep_remote is not None and (not isinstance(keep_remote, int) or keep_remote < 1):
-            raise ValueError(f"keep_remote must be None or an int >= 1, not {keep_remote!r}")
-        if tries < 1:
-            raise ValueError(f"tries must be >= 1, not {tries}")
+        _check_int("keep_local", keep_local, 1)
+        if keep_remote is not None:
+            _check_int("keep_remote", keep_remote, 1)
+        _check_retries(tries, backoff, max_backoff=max_backoff)
         self.local = os.path.abspath(os.fspath(local))
         self.remote = remote.rstrip("/")
         self.format = format
@@ -729,7 +729,8 @@ class TieredWriter(FileSystemWriter):
     for its uploads.
     ``tries``/``backoff``: retries of transient errors, as ``Checkpointer``'s;
     ``mark_timeout``: seconds the coordinator waits for the other ranks' files
-    (its own rank's upload failing ends the wait at once).
+    (its own rank's upload failing ends the wait at once); checked as
+    ``Checkpointer``'s settings are.
     Other keywords: ``ckptio.dcp.FileSystemWriter``'s.
 
     A process waits at exit for its drains (as for ``Checkpointer``'s), so a
@@ -753,6 +754,7 @@ class TieredWriter(FileSystemWriter):
         **kwargs: Any,
     ) -> None:
         _check_tiers(local, remote, storage_options)
+        _check_retries(tries, backoff, mark_timeout=mark_timeout)
         super().__init__(local, **kwargs)
         self.remote = remote.rstrip("/")
         self._options = dict(storage_options) if storage_options is not None else None
@@ -980,14 +982,15 @@ class TieredWriter(FileSystemWriter):
             time.sleep(0.2)
 
     def _retried(self, op: Any) -> Any:
-        for attempt in range(self._tries):
+        attempt = 0
+        while True:  # ends in op's result or its error, never in None
             try:
                 return op()
             except BaseException as e:
-                if not _transient(e) or attempt + 1 == self._tries:
+                if not _transient(e) or attempt + 1 >= self._tries:
                     raise
                 time.sleep(min(60.0, self._backoff * 2**attempt) * (0.5 + random.random() / 2))
-        return None
+                attempt += 1
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         tier = self._tier
@@ -1216,6 +1219,25 @@ def _check_tiers(local: Any, remote: Any, storage_options: objstore.StorageOptio
     if objstore.is_url(local):
         raise ValueError(f"local must be a local folder, not the URL {local!r}")
     objstore.check_options(remote, storage_options)
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, not {value!r}")
+
+
+def _check_retries(tries: Any, backoff: Any, **seconds: Any) -> None:
+    """The retry settings of ``Checkpointer`` and ``TieredWriter``: ``tries`` an
+    int >= 1 (0 tried nothing and called it done), the others (``backoff``
+    and any given: ``max_backoff``, ``mark_timeout``) finite seconds >= 0."""
+    _check_int("tries", tries, 1)
+    for name, value in {"backoff": backoff, **seconds}.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a number of seconds, not {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be finite and >= 0, not {value!r}")
 
 
 def _token_of(names: list[str]) -> str:
