@@ -899,3 +899,14 @@ def test_retry_and_retention_settings_are_checked(tmp_path, s3):
     writer = TieredWriter(tmp_path / "dcp", s3.url("dcp"), storage_options=s3.options, tries=1)
     writer._tries = 0  # (as a writer unpickled from an older version might hold)
     assert writer._retried(lambda: "done") == "done"  # never None for an op not run
+
+
+def test_load_checks_its_step_as_save_does(tmp_path, s3):
+    """load("1") and load(1.0) failed on a format code, load(True) loaded step 1
+    and load(-1) looked for step--000000001."""
+    with _ckpt(tmp_path, s3) as c:
+        c.save(1, _state(1)).wait(60)
+        for bad in ("1", 1.0, True, -1):
+            with pytest.raises(ValueError, match="step must be an int >= 0"):
+                c.load(bad)
+        _same(c.load(1), _state(1))

@@ -251,8 +251,7 @@ class Checkpointer:
         """Snapshot ``state`` and save it as ``step`` in both tiers, in the
         background. Waits only for the previous save's local write (the
         snapshot buffers are reused) when it has not finished yet."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be an int >= 0, not {step!r}")
+        _check_step(step)
         with self._lock:
             if self._closed:
                 raise RuntimeError("ckptio.tiered.Checkpointer: save() after close()")
@@ -527,11 +526,12 @@ class Checkpointer:
         local copy where it is complete and whole, else from the store.
         ``out``: load in place (required for ``"dcp"``, as DCP loads in place);
         ``group``: read once per process group (``ckptio.load``); other keywords
-        go to the format's load call."""
+        go to the format's load call. ``step`` is checked as ``save``'s is."""
         if step is None:
             step = self.latest()
             if step is None:
                 raise FileNotFoundError(f"no complete step in {self.local} or {self.remote}")
+        _check_step(step)  # (True loaded step 1, -1 looked for step--000000001)
         if self._local_manifest(step) is not None:
             try:
                 return self._load_from(step, False, out, map_location, group, kwargs)
@@ -1219,6 +1219,11 @@ def _check_tiers(local: Any, remote: Any, storage_options: objstore.StorageOptio
     if objstore.is_url(local):
         raise ValueError(f"local must be a local folder, not the URL {local!r}")
     objstore.check_options(remote, storage_options)
+
+
+def _check_step(step: Any) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an int >= 0, not {step!r}")
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
