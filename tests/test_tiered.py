@@ -910,3 +910,26 @@ def test_load_checks_its_step_as_save_does(tmp_path, s3):
             with pytest.raises(ValueError, match="step must be an int >= 0"):
                 c.load(bad)
         _same(c.load(1), _state(1))
+
+
+def test_wait_has_one_deadline_for_all_the_drains(tmp_path, s3, monkeypatch):
+    """wait(timeout=) gave each pending drain the whole timeout: with drains of
+    1 s each, wait(timeout=1.5) took 4 s and raised nothing."""
+    import time
+
+    real = remote.upload
+
+    def slow(*a, **k):
+        time.sleep(1.0)
+        return real(*a, **k)
+
+    monkeypatch.setattr(remote, "upload", slow)
+    with _ckpt(tmp_path, s3) as c:
+        for step in range(4):
+            c.save(step, _state(step))
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="of 4 drains"):
+            c.wait(timeout=2.5)  # each drain within 2.5 s of the one before: 4 s in all
+        assert time.monotonic() - t0 < 3.5
+        c.wait(60)
+        assert c.remote_steps() == [0, 1, 2, 3]

@@ -581,16 +581,23 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save (and every resumed drain) is durable in the
-        store or has failed; raises the first failure."""
+        store or has failed; raises the first failure. ``timeout`` (seconds;
+        None: no limit) bounds the whole call: a TimeoutError where a drain is
+        still under way then."""
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or a number >= 0, not {timeout!r}")
         with self._lock:
             pending = list(self._pending)
-        first: BaseException | None = None
-        for f in pending:
-            e = f.exception(timeout)
-            if e is not None and first is None:
-                first = e
+        # One deadline for them all (it was each future's: n drains, n timeouts).
+        _, late = wait_futures(pending, timeout)
+        first = next((e for f in pending if f.done() and (e := f.exception()) is not None), None)
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
+        if late:
+            raise TimeoutError(
+                f"ckptio.tiered: {len(late)} of {len(pending)} drains to {self.remote} "
+                f"still under way after {timeout} s"
+            ) from first
         if first is not None:
             raise first
 
