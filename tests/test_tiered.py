@@ -933,3 +933,30 @@ def test_wait_has_one_deadline_for_all_the_drains(tmp_path, s3, monkeypatch):
         assert time.monotonic() - t0 < 3.5
         c.wait(60)
         assert c.remote_steps() == [0, 1, 2, 3]
+
+
+def test_a_dcp_load_reads_the_store_when_the_local_copy_goes_under_it(tmp_path, s3, monkeypatch):
+    """DCP wraps a file removed mid-load in a CheckpointException, not an
+    OSError: load() failed though the step is complete in the store."""
+    import ckptio.tiered as tiered
+    import torch.distributed.checkpoint as dcp
+
+    with _ckpt(tmp_path, s3, format="dcp") as c:
+        c.save(1, _state(1)).wait(60)
+        real = tiered.FileSystemReader
+
+        class PrunedMeanwhile(real):
+            def read_data(self, plan, planner):
+                # (the drain thread's prune; a no-op for the store's reader after it)
+                shutil.rmtree(tmp_path / "local" / step_name(1), ignore_errors=True)
+                return super().read_data(plan, planner)
+
+        monkeypatch.setattr(tiered, "FileSystemReader", PrunedMeanwhile)
+        out = {k: torch.zeros_like(v) for k, v in _state(1).items()}
+        c.load(1, out=out)
+        _same(out, _state(1))
+        # Where the local copy is still there, its failure is the load's.
+        monkeypatch.setattr(tiered, "FileSystemReader", real)
+        c.save(2, _state(2)).wait(60)
+        with pytest.raises(dcp.CheckpointException, match="Size mismatch"):
+            c.load(2, out={"w": torch.zeros(3)})

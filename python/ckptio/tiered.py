@@ -535,7 +535,9 @@ class Checkpointer:
         if self._local_manifest(step) is not None:
             try:
                 return self._load_from(step, False, out, map_location, group, kwargs)
-            except OSError:
+            # Any failure, not only an OSError: DCP wraps a file gone in its
+            # CheckpointException (a BaseException).
+            except (Exception, dcp.CheckpointException):
                 if self._local_manifest(step) is not None:
                     raise
                 # Pruned while it was read (its remote copy is complete): the store.
