@@ -960,3 +960,32 @@ def test_a_dcp_load_reads_the_store_when_the_local_copy_goes_under_it(tmp_path, 
         c.save(2, _state(2)).wait(60)
         with pytest.raises(dcp.CheckpointException, match="Size mismatch"):
             c.load(2, out={"w": torch.zeros(3)})
+
+
+def test_a_forked_child_is_told_to_make_its_own(tmp_path, s3):
+    """In a child forked after a save, save() returned and its futures never
+    completed (the drain threads are the parent's); close() would hang."""
+    with _ckpt(tmp_path, s3) as c:
+        c.save(1, _state(1)).wait(60)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report each call's error, then leave at once
+            got = []
+            calls = (lambda: c.save(2, _state(2)), lambda: c.load(1), lambda: c.wait(5), c.close)
+            for call in calls:
+                try:
+                    call()
+                    got.append("returned")
+                except BaseException as e:  # noqa: BLE001 - reported to the parent
+                    got.append(f"{type(e).__name__}: {e}")
+            os.write(write, json.dumps(got).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as fh:
+            got = json.loads(fh.read())
+        os.waitpid(pid, 0)
+        assert len(got) == 4
+        for line in got:
+            assert line.startswith("RuntimeError") and "forked" in line, got
+        c.save(2, _state(2)).wait(60)  # the parent's goes on
+        assert c.remote_steps() == [1, 2]

@@ -127,7 +127,9 @@ class Checkpointer:
     ``ckptio.staging.DefaultStager()``, pinned and reused save after save).
     ``tries``/``backoff``/``max_backoff``: the drain's retries of transient
     errors (seconds, doubled each try, with jitter). A setting of the wrong
-    type or out of range is a TypeError or ValueError naming it.
+    type or out of range is a TypeError or ValueError naming it. One process
+    uses it: in a child forked from it, ``save``/``load``/``wait``/``close``
+    raise a RuntimeError (its threads are the parent's).
     """
 
     def __init__(
@@ -170,6 +172,8 @@ class Checkpointer:
         self._drainer = ThreadPoolExecutor(1, thread_name_prefix="ckptio-tier-remote")
         self._lock = threading.Lock()
         self._closed = False
+        #: The process whose threads drain: a forked child has none of them.
+        self._pid = os.getpid()
         #: Set by close(timeout=) once its time is up: drains stop at their next
         #: retry or file (their steps stay local, for the next Checkpointer).
         self._stopping = threading.Event()
@@ -251,6 +255,7 @@ class Checkpointer:
         """Snapshot ``state`` and save it as ``step`` in both tiers, in the
         background. Waits only for the previous save's local write (the
         snapshot buffers are reused) when it has not finished yet."""
+        self._check_process()
         _check_step(step)
         with self._lock:
             if self._closed:
@@ -527,6 +532,7 @@ class Checkpointer:
         ``out``: load in place (required for ``"dcp"``, as DCP loads in place);
         ``group``: read once per process group (``ckptio.load``); other keywords
         go to the format's load call. ``step`` is checked as ``save``'s is."""
+        self._check_process()
         if step is None:
             step = self.latest()
             if step is None:
@@ -581,11 +587,23 @@ class Checkpointer:
 
     # -- lifetime ----------------------------------------------------------------------
 
+    def _check_process(self) -> None:
+        """A RuntimeError in a child forked from the process that made this
+        Checkpointer: its threads (and their queues, locks) stayed in the
+        parent, so a save there would never complete (checked before any lock:
+        one a parent's thread held at the fork is never released here)."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"ckptio.tiered.Checkpointer: made in process {self._pid}, used in "
+                f"{os.getpid()}, a child forked from it: make a Checkpointer in the child"
+            )
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save (and every resumed drain) is durable in the
         store or has failed; raises the first failure. ``timeout`` (seconds;
         None: no limit) bounds the whole call: a TimeoutError where a drain is
         still under way then."""
+        self._check_process()
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be None or a number >= 0, not {timeout!r}")
         with self._lock:
@@ -614,6 +632,7 @@ class Checkpointer:
         in the local folder for the next ``Checkpointer`` on the same folders,
         their ``remote`` futures fail with ``DrainStoppedError``, and a warning
         names them."""
+        self._check_process()
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be None or a number >= 0, not {timeout!r}")
         with self._lock:
