@@ -989,3 +989,24 @@ def test_a_forked_child_is_told_to_make_its_own(tmp_path, s3):
             assert line.startswith("RuntimeError") and "forked" in line, got
         c.save(2, _state(2)).wait(60)  # the parent's goes on
         assert c.remote_steps() == [1, 2]
+
+
+def test_a_step_whose_drain_met_another_save_stays_local(tmp_path, s3):
+    """A step whose drain failed with a CommitConflictError (the store holds
+    another save of its number) was pruned locally at the next drain, as the
+    listing put it in the store: the only copy of what was saved went, and
+    load() returned the other save's data."""
+    with _ckpt(tmp_path, s3, keep_local=1) as c:
+        for step in (1, 2, 3):
+            c.save(step, _state(step)).wait(60)
+    with _ckpt(tmp_path, s3, keep_local=1) as c:
+        with pytest.raises(ckptio.CommitConflictError):
+            c.save(2, _state(22)).wait(60)  # a new run in the same prefix
+        c.save(4, _state(4)).wait(60)  # its prune
+        assert c.local_steps() == [2, 4]
+        _same(c.load(2), _state(22))
+    with _ckpt(tmp_path, s3, keep_local=1) as c:  # nor by the next process
+        assert c.resumed == []
+        c.save(5, _state(5)).wait(60)
+        assert c.local_steps() == [2, 5]
+        _same(c.load(2), _state(22))

@@ -22,9 +22,10 @@ store errors (throttling, lost connections, 5xx) with exponential backoff, and
 is idempotent per step (an object this step's drain uploaded, whole in the store,
 is not sent again; its own commit record already there counts as done; another
 save's is a conflict). A local
-step is removed only once its remote copy is complete (``keep_local`` newest
-kept); a new ``Checkpointer`` on the same folders drains what the last process
-left. Layout, guarantees and figures: docs/objectstore.md.
+step is removed only once its own save is complete in the store (``keep_local``
+newest kept; one whose drain met another save's stays); a new ``Checkpointer``
+on the same folders drains what the last process left. Layout, guarantees and
+figures: docs/objectstore.md.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class Checkpointer:
     ``format``: ``"torch"`` (``ckptio.save`` of any state), ``"safetensors"`` (a
     flat dict of tensors) or ``"dcp"`` (``torch.distributed.checkpoint`` with
     ckptio's writer, one process). ``keep_local``: newest steps kept locally
-    (older ones go once their remote copy is complete); ``keep_remote``: newest
+    (older ones go once their own save is complete in the store: never one
+    whose drain met another save's commit record); ``keep_remote``: newest
     steps kept in the store (None: all). ``storage_options``: the store's
     settings (``ckptio.save``). ``stager``: takes the snapshot (default
     ``ckptio.staging.DefaultStager()``, pinned and reused save after save).
@@ -184,6 +186,11 @@ class Checkpointer:
         #: Steps this process removed from the store (keep_remote): past both
         #: windows, so their local copies go too.
         self._dropped: set[int] = set()
+        #: Local steps whose own save is (or was, until keep_remote removed it)
+        #: the store's: drained here, or the store's commit record is theirs.
+        #: Only these leave the local tier (a step whose drain met another
+        #: save's of its number is the only copy of what was saved).
+        self._own: set[int] = set()
         #: Steps found marked for removal in the store (a process that died
         #: midway left them): the next prune finishes them.
         self._marked: set[int] = set()
@@ -381,6 +388,7 @@ class Checkpointer:
                 self._stopping.wait(delay * (0.5 + random.random() / 2))
         with self._lock:
             self._in_store.add(step)
+            self._own.add(step)
         return url
 
     def _upload_step(self, step: int, manifest: dict[str, Any], url: str, record: bytes) -> None:
@@ -433,18 +441,40 @@ class Checkpointer:
             in_store, dropped = set(self._in_store), set(self._dropped)
         local = self.local_steps()
         for step in local[: max(0, len(local) - self.keep_local)]:
-            if step in in_store or step in dropped:
+            if (step in in_store or step in dropped) and self._is_own(step):
                 folder = self._step_dir(step)
                 os.unlink(os.path.join(folder, COMMIT))  # incomplete first, then gone
                 shutil.rmtree(folder, ignore_errors=True)
         if self.keep_remote is not None:
             steps = sorted(in_store)
             for step in steps[: max(0, len(steps) - self.keep_remote)]:
+                self._is_own(step)  # known before it goes: its local copy may go then
                 self._remove_step(step)
         with self._lock:
             marked = sorted(self._marked)
         for step in marked:  # removals a process that died left
             self._remove_step(step)
+
+    def _is_own(self, step: int) -> bool:
+        """Whether the store's ``step`` is (or was, until keep_remote removed
+        it here) this local step's own save: drained here, or the store's
+        commit record is the local one (the save's id in it), not another
+        save's of the same step number."""
+        with self._lock:
+            if step in self._own:
+                return True
+        manifest = self._local_manifest(step)
+        if manifest is None:
+            return False
+        try:
+            data, _ = objstore.get_bytes(objstore.join(self._step_url(step), COMMIT), self._options)
+        except FileNotFoundError:
+            return False
+        if data != _manifest_bytes(manifest):
+            return False
+        with self._lock:
+            self._own.add(step)
+        return True
 
     def _remove_step(self, step: int) -> None:
         """Remove ``step`` from the store, resumably and idempotently: its
