@@ -1010,3 +1010,34 @@ def test_a_step_whose_drain_met_another_save_stays_local(tmp_path, s3):
         c.save(5, _state(5)).wait(60)
         assert c.local_steps() == [2, 5]
         _same(c.load(2), _state(22))
+
+
+def test_retention_after_a_restart_from_an_older_step_keeps_the_new_saves(tmp_path, s3):
+    """keep_remote ranked the store's steps by number: a run restarted from step
+    100 after 200 was saved had each new save (150, 160) removed from the store
+    right after its drain, its remote future done, then its local copy pruned:
+    the save was lost. In save order, the new saves are the newest."""
+    with _ckpt(tmp_path, s3, keep_local=1, keep_remote=1) as c:
+        for step in (100, 200):
+            c.save(step, _state(step)).wait(60)
+    with _ckpt(tmp_path, s3, keep_local=1, keep_remote=1) as c:
+        for step in (150, 160):
+            c.save(step, _state(step)).wait(60)
+            assert c.local_steps() == [step] and c.remote_steps() == [step]
+            _same(c.load(step), _state(step))
+    # Restarted from 150 again, saved 155 while the store was down: the next
+    # process's resumed drain of 155 is newer in save order than the store's 160.
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    with pytest.warns(UserWarning, match="not listed"):
+        c = Checkpointer(tmp_path / "local", s3.url("run"), storage_options=down, tries=1)
+    with c:
+        with pytest.raises(ckptio.StoreConnectionError):
+            c.save(155, _state(155)).wait(60)
+    with _ckpt(tmp_path, s3, keep_local=1, keep_remote=1) as c:
+        assert c.resumed == [155]
+        c.wait(60)
+        assert c.local_steps() == [155] and c.remote_steps() == [155]
+    with _ckpt(tmp_path, s3, keep_local=2, keep_remote=2) as c:
+        c.save(170, _state(170)).wait(60)
+        c.save(180, _state(180)).wait(60)  # in save order as in step order
+        assert c.local_steps() == [170, 180] and c.remote_steps() == [170, 180]

@@ -31,6 +31,7 @@ figures: docs/objectstore.md.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -124,7 +125,11 @@ class Checkpointer:
     ckptio's writer, one process). ``keep_local``: newest steps kept locally
     (older ones go once their own save is complete in the store: never one
     whose drain met another save's commit record); ``keep_remote``: newest
-    steps kept in the store (None: all). ``storage_options``: the store's
+    steps kept in the store (None: all). Newest in save order: the steps this
+    Checkpointer saved (or resumed the drain of), in that order, are newer
+    than every step it found in either tier (those by step number), so a run
+    restarted from an older step keeps its new saves and the steps of the run
+    it left go first. ``storage_options``: the store's
     settings (``ckptio.save``). ``stager``: takes the snapshot (default
     ``ckptio.staging.DefaultStager()``, pinned and reused save after save).
     ``tries``/``backoff``/``max_backoff``: the drain's retries of transient
@@ -191,6 +196,10 @@ class Checkpointer:
         #: Only these leave the local tier (a step whose drain met another
         #: save's of its number is the only copy of what was saved).
         self._own: set[int] = set()
+        #: The steps this Checkpointer queued for a drain (saved, or resumed),
+        #: by the order it queued them: retention's save order (see _prune).
+        self._order: dict[int, int] = {}
+        self._queue_seq = itertools.count(1)
         #: Steps found marked for removal in the store (a process that died
         #: midway left them): the next prune finishes them.
         self._marked: set[int] = set()
@@ -310,6 +319,7 @@ class Checkpointer:
             if self._closed:
                 raise RuntimeError("ckptio.tiered.Checkpointer: save() after close()")
             self._last = handle
+            self._order[step] = next(self._queue_seq)
             self._pending.append(remote_done)
             self._writer.submit(write_local)
             # Queued now, not once the local write is done: an executor refuses
@@ -437,16 +447,28 @@ class Checkpointer:
             )
 
     def _prune(self) -> None:
+        """``keep_local`` and ``keep_remote``, by save order: the steps this
+        Checkpointer saved or resumed, in the order it queued them, are newer
+        than every step it found (those by step number). The step just drained
+        is thus the store's newest, never removed (ranked by number, a run
+        restarted from an older step, the store holding 100 and 200, had each
+        new save removed from the store right after its drain, then its local
+        copy)."""
         with self._lock:
             in_store, dropped = set(self._in_store), set(self._dropped)
-        local = self.local_steps()
+            order = dict(self._order)
+
+        def newer(step: int) -> tuple[int, int]:
+            return order.get(step, 0), step
+
+        local = sorted(self.local_steps(), key=newer)
         for step in local[: max(0, len(local) - self.keep_local)]:
             if (step in in_store or step in dropped) and self._is_own(step):
                 folder = self._step_dir(step)
                 os.unlink(os.path.join(folder, COMMIT))  # incomplete first, then gone
                 shutil.rmtree(folder, ignore_errors=True)
         if self.keep_remote is not None:
-            steps = sorted(in_store)
+            steps = sorted(in_store, key=newer)
             for step in steps[: max(0, len(steps) - self.keep_remote)]:
                 self._is_own(step)  # known before it goes: its local copy may go then
                 self._remove_step(step)
@@ -542,6 +564,7 @@ class Checkpointer:
         for step in todo:
             done: Future[str] = Future()
             with self._lock:
+                self._order[step] = next(self._queue_seq)
                 self._pending.append(done)
             self._drainer.submit(self._drain_into, step, done)
         return todo
