@@ -1041,3 +1041,27 @@ def test_retention_after_a_restart_from_an_older_step_keeps_the_new_saves(tmp_pa
         c.save(170, _state(170)).wait(60)
         c.save(180, _state(180)).wait(60)  # in save order as in step order
         assert c.local_steps() == [170, 180] and c.remote_steps() == [170, 180]
+
+
+def test_steps_keep_remote_dropped_are_not_drained_again(tmp_path, s3, monkeypatch):
+    """keep_local > keep_remote: the steps the store dropped stay local, and every
+    new Checkpointer on the same folders uploaded them again in full (taken for
+    undrained), then removed them from the store again."""
+    from ckptio.tiered import DROPPED
+
+    with _ckpt(tmp_path, s3, keep_local=3, keep_remote=1) as c:
+        for step in (8, 9, 10):
+            c.save(step, _state(step)).wait(60)
+        assert c.local_steps() == [8, 9, 10] and c.remote_steps() == [10]
+    assert sorted(p.parent.name for p in (tmp_path / "local").glob(f"*/{DROPPED}")) == [
+        step_name(8), step_name(9),
+    ]  # fmt: skip
+    sent = []
+    real = remote.upload
+    monkeypatch.setattr(remote, "upload", lambda *a, **k: sent.append(a[1]) or real(*a, **k))
+    with _ckpt(tmp_path, s3, keep_local=3, keep_remote=1) as c:
+        assert c.resumed == []
+        c.save(11, _state(11)).wait(60)
+        assert [u.rsplit("/", 2)[1] for u in sent] == [step_name(11)]
+        assert c.local_steps() == [9, 10, 11] and c.remote_steps() == [11]
+        _same(c.load(9), _state(9))

@@ -85,6 +85,9 @@ WRITER = ".ckptio-writer"
 #: In a local step folder: the ETag of each file as this step's drain uploaded
 #: it, so that a resumed drain skips exactly those objects.
 UPLOADED = ".ckptio-uploaded.json"
+#: In a local step folder: written (atomically) before keep_remote removes the
+#: step's own save from the store, so that no later Checkpointer drains it again.
+DROPPED = ".ckptio-dropped.json"
 _STEP = re.compile(r"step-(\d+)$")
 
 
@@ -188,8 +191,8 @@ class Checkpointer:
         self._pending: list[Future[Any]] = []
         #: Steps known complete in the store (filled by listings and drains).
         self._in_store: set[int] = set()
-        #: Steps this process removed from the store (keep_remote): past both
-        #: windows, so their local copies go too.
+        #: Steps this process removed from the store (keep_remote), or an
+        #: earlier one (DROPPED): past both windows, so their local copies go too.
         self._dropped: set[int] = set()
         #: Local steps whose own save is (or was, until keep_remote removed it)
         #: the store's: drained here, or the store's commit record is theirs.
@@ -470,7 +473,11 @@ class Checkpointer:
         if self.keep_remote is not None:
             steps = sorted(in_store, key=newer)
             for step in steps[: max(0, len(steps) - self.keep_remote)]:
-                self._is_own(step)  # known before it goes: its local copy may go then
+                folder = self._step_dir(step)
+                # Its local copy, kept (keep_local), is not drained again by
+                # every later Checkpointer: it was, and left the store.
+                if self._is_own(step) and os.path.isfile(os.path.join(folder, COMMIT)):
+                    _write_commit(os.path.join(folder, DROPPED), b"{}")
                 self._remove_step(step)
         with self._lock:
             marked = sorted(self._marked)
@@ -522,8 +529,8 @@ class Checkpointer:
         """Remove local step folders of saves that died; finish the removals
         from the store that processes which died left (where the store is
         listed: local steps, or ``keep_remote``); drain the local steps the
-        store lacks (oldest first), but those marked for removal. The steps
-        being drained."""
+        store lacks (oldest first), but those marked for removal and those
+        keep_remote removed from it (``DROPPED``). The steps being drained."""
         for name in os.listdir(self.local):
             path = os.path.join(self.local, name)
             if _STEP.match(name) and not os.path.isfile(os.path.join(path, COMMIT)):
@@ -552,6 +559,11 @@ class Checkpointer:
                 )
         todo = []
         for step in (s for s in local if s not in stored and s not in marked):
+            if os.path.isfile(os.path.join(self._step_dir(step), DROPPED)):
+                with self._lock:  # drained, then removed from the store: not again
+                    self._own.add(step)
+                    self._dropped.add(step)
+                continue
             manifest = self._local_manifest(step) or {}
             if manifest.get("remote", self.remote) != self.remote:
                 warnings.warn(
