@@ -254,6 +254,21 @@ def case_mismatch_out(c: Ctx) -> dict:
     return {}
 
 
+def case_mismatch_verify(c: Ctx) -> dict:
+    """Only verify= differs: into cast destinations (pieces never split either way)."""
+    p = c.shared_file("ck.pt", lambda p: ckptio.save(state(1), p))
+    dest = {k: torch.zeros(state(1)[k].shape, dtype=torch.float64) for k in ("big", "mid")}
+    ckptio.load(p, out=dest, strict=False, cast=True, verify=c.rank == 0, group=c.group)
+    return {}
+
+
+def case_mismatch_verify_empty(c: Ctx) -> dict:
+    """Only verify= differs, a checkpoint with no tensor bytes (no pieces)."""
+    p = c.shared_file("empty.pt", lambda p: ckptio.save({"step": 7, "e": torch.zeros(0, 3)}, p))
+    ckptio.load(p, verify=c.rank == 0, group=c.group)
+    return {}
+
+
 def case_missing_file(c: Ctx) -> dict:
     p = c.shared_file("ck.pt", lambda p: ckptio.save(state(1), p))
     ckptio.load(p if c.rank != 1 else c.path("nowhere.pt"), group=c.group)

@@ -32,6 +32,8 @@ FAILING = [
     "mismatch_records",
     "mismatch_bytes",
     "mismatch_out",
+    "mismatch_verify",
+    "mismatch_verify_empty",
     "missing_file",
     "read_error",
     "read_error_inplace",
@@ -131,6 +133,17 @@ def test_different_destinations_fail_on_every_rank(two):
     for g in failed(two, "mismatch_out"):
         assert g["type"] == "GroupMismatchError" and g["rank"] == 1
         assert "destinations" in g["msg"], g["msg"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mismatch_verify", "mismatch_verify_empty"])
+def test_different_verify_fails_on_every_rank(two, case):
+    """Ranks that differ only in verify= agreed (cast destinations and empty loads
+    have the same pieces either way), then ran different collectives: a garbled
+    PeerLoadError on one rank, the group's timeout on the other."""
+    for g in failed(two, case):
+        assert g["type"] == "GroupMismatchError" and g["rank"] == 1, g
+        assert "verify=False" in g["msg"] and "verify=True" in g["msg"], g["msg"]
 
 
 @pytest.mark.slow

@@ -772,7 +772,7 @@ def execute(
     shared = sharing.current()
     if shared is not None:  # read once over the group: every rank agrees first
         pieces = [_piece(it, verify) for it in reads]
-        shared.agree(p.files, pieces)
+        shared.agree(p.files, pieces, verify)
         reads = []
     try:
         if shared is not None:

@@ -328,11 +328,12 @@ class Session:
         native Reader or DeviceFile, ``.size``); ``io``: the engine knobs
         (:class:`~ckptio.io.engines.IoOptions`). Returns the stats of this rank's reads, with
         "bytes" (all the pieces), "bytes_read" and "bytes_received"."""
-        self.agree(files, pieces)
+        self.agree(files, pieces, verify)
         return self.share(files, pieces, io, verify)
 
-    def agree(self, files: Sequence[Any], pieces: list[Piece]) -> None:
-        """The exchange before any data moves (see the module doc)."""
+    def agree(self, files: Sequence[Any], pieces: list[Piece], verify: bool = False) -> None:
+        """The exchange before any data moves (see the module doc); ``verify`` too:
+        the ranks' collectives after the reads depend on it."""
         h = hashlib.sha1()
         for p in sorted(pieces, key=lambda p: _order(p, self.comm(p.device))):
             h.update(
@@ -345,6 +346,7 @@ class Session:
             "kind": "read",
             "files": [(f.size, _records_digest(f)) for f in files],
             "pieces": (len(pieces), sum(p.nbytes for p in pieces), h.hexdigest()),
+            "verify": bool(verify),
             # Names may differ (a copy per node): only in messages.
             "names": [f.path for f in files],
         }
@@ -410,6 +412,11 @@ def _difference(ref: dict[str, Any], e: dict[str, Any], r: int) -> str | None:
                 f"rank {r} sees a different file: the records of {nb} (names, offsets, "
                 f"sizes, stored CRC-32s) differ from those of {na} on rank 0"
             )
+    if e.get("verify") != ref.get("verify"):
+        return (
+            f"rank {r} loads with verify={e.get('verify')}, rank 0 with "
+            f"verify={ref.get('verify')}: the ranks must check the checkpoint alike"
+        )
     (ca, ba, _), (cb, bb, _) = ref["pieces"], e["pieces"]
     return (
         f"rank {r} reads {cb} piece(s) ({_mib(bb)}) of the checkpoint, rank 0 {ca} ({_mib(ba)}), "
