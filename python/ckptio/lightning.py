@@ -7,11 +7,12 @@ Needs the ``lightning`` package (``pip install 'ckptio[lightning]'``); ckptio
 itself never imports it. Checkpoints are regular torch.save files (``ckptio.save``:
 crash-safe, parallel I/O), so plain Lightning / ``torch.load`` read them too.
 
-Loading: Lightning checkpoints hold non-tensor state (hyper-parameters, loop and
-callback state), so ``load_checkpoint`` unpickles them with ``weights_only=False``
-unless Lightning passes ``weights_only=True`` (``Trainer.fit(..., weights_only=True)``):
-load only checkpoints you trust. Tensors land in host memory unless a
-``map_location`` says otherwise (as Lightning's ``TorchCheckpointIO`` does).
+Loading: ``weights_only`` as Lightning passes it (``Trainer.fit(..., weights_only=)``),
+and where it passes None, torch.load's default (True, and the
+``TORCH_FORCE_*WEIGHTS_ONLY_LOAD`` variables), as Lightning's ``TorchCheckpointIO``:
+a checkpoint that pickles other objects than Lightning's own state needs
+``weights_only=False`` (only for checkpoints you trust). Tensors land in host
+memory unless a ``map_location`` says otherwise (as ``TorchCheckpointIO`` does).
 
 Paths may be object URLs (``s3://bucket/key``; the store's settings from the
 standard AWS variables, see docs/objectstore.md): saved and loaded as single
@@ -24,7 +25,9 @@ from the file into its parameter, on the host or the GPU, and when it restores
 the optimizers each state tensor is read straight into the optimizer's new one
 on the parameter's device. No copy of the checkpoint is held in memory. A large
 tensor used any other way (a hook that inspects the checkpoint) is read on
-first use. ``in_place=False`` loads the whole checkpoint first (``ckptio.load``).
+first use; one handed to ``nn.Parameter`` (``load_state_dict(..., assign=True)``)
+is refused by torch, being of another type: read it first (``t.clone()``) or use
+``in_place=False``, which loads the whole checkpoint first (``ckptio.load``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ except ImportError as e:  # pragma: no cover - exercised with lightning hidden
         "pip install 'ckptio[lightning]'"
     ) from e
 
+from ckptio.formats.torchzip import resolve_weights_only
 from ckptio.io import objects, remote
 from ckptio.io.devices import MapLocation
 from ckptio.io.engines import IoOptions
@@ -109,11 +113,11 @@ class CkptioCheckpointIO(CheckpointIO):
             return lazy_load(  # type: ignore[no-any-return]
                 path,
                 map_location=where,
-                weights_only=bool(weights_only),
+                weights_only=resolve_weights_only(weights_only, None, stacklevel=3),
                 io=IoOptions.of(**self._opts),
             )
         return load(  # type: ignore[no-any-return]
-            path, map_location=where, weights_only=bool(weights_only), **self._opts
+            path, map_location=where, weights_only=weights_only, **self._opts
         )
 
     def remove_checkpoint(self, path: Any) -> None:
