@@ -79,12 +79,12 @@ __all__ = [
 ]
 
 
-def corrupt(where: str, what: str) -> FormatError:
-    """A ``FormatError`` for a damaged checkpoint: ``where`` (the file, and the
-    record where known), ``what`` is wrong, then torch's words for it (the core's
-    format errors read the same way)."""
+def corrupt(where: str, what: str, kind: type[FormatError] = FormatError) -> FormatError:
+    """A ``FormatError`` (or its subclass ``kind``) for a damaged checkpoint:
+    ``where`` (the file, and the record where known), ``what`` is wrong, then
+    torch's words for it (the core's format errors read the same way)."""
     hint = "" if "high likelihood" in what else f"; {CORRUPT_HINT}"
-    return FormatError(f"{where}: not a usable checkpoint: {what}{hint}")
+    return kind(f"{where}: not a usable checkpoint: {what}{hint}")
 
 
 def check_crc(where: str, name: str, declared: int | None, actual: int) -> None:

@@ -672,10 +672,9 @@ def native_byteorder(archive: Records) -> bool:
     if raw not in (b"little", b"big"):
         # torch.load's ValueError ("Unknown endianness type"), naming the file too.
         shown = raw[:16].decode(errors="replace")
-        raise RecordValueError(
-            f"{archive.path}, record {byteorder}: not a usable checkpoint: "
-            f"Unknown endianness type: {shown} (torch reads b'little' or b'big')"
-        )
+        where = f"{archive.path}, record {byteorder}"
+        what = f"Unknown endianness type: {shown} (torch reads b'little' or b'big')"
+        raise corrupt(where, what, RecordValueError)
     return raw.decode() == sys.byteorder
 
 
