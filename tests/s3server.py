@@ -202,7 +202,9 @@ def _wait_up(server: S3Server) -> None:
 class FaultProxy:
     """A loopback HTTP proxy to the server for fault tests: each request passes,
     unless ``rule(request_line)`` says "slowdown" (503 SlowDown), "conflict"
-    (412) or "drop" (the connection closed unanswered). One request per
+    (412), "drop" (the connection closed unanswered) or "forward-drop" (the
+    request reaches the server, its answer is dropped: a reply lost on the
+    way back, e.g. to a PUT that committed). One request per
     connection (the server is asked to close after each answer)."""
 
     def __init__(self, upstream: str, rule) -> None:
@@ -267,7 +269,8 @@ class FaultProxy:
             with socket.create_connection(("127.0.0.1", self.upstream)) as up:
                 up.sendall(b"".join(head) + b"Connection: close\r\n\r\n" + body)
                 while chunk := up.recv(1 << 16):
-                    conn.sendall(chunk)
+                    if action != "forward-drop":
+                        conn.sendall(chunk)
         except OSError:
             pass
         finally:

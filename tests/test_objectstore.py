@@ -1113,6 +1113,79 @@ def test_a_412_on_the_commit_is_a_conflict(s3):
     _same(ckptio.safetensors.load_sharded(url, storage_options=s3.options), sd)
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["new", "over-old"])
+def test_a_lost_reply_to_the_index_put_is_the_saves_commit(s3, first):
+    """The conditional index PUT reaches the store and commits, but its reply is
+    lost: the client's retry gets a 412 of its own making. The save reads the
+    index back, finds its own bytes there and is committed; it neither raises
+    nor removes the shards the committed index names."""
+    from s3server import FaultProxy
+
+    st = ckptio.safetensors
+    url = s3.url("index-reply-lost")
+    if not first:
+        st.save_sharded(_four(1.0), url, max_shard_size="10KB", storage_options=s3.options)
+    index_put = "PUT /" + url.split("://", 1)[1] + "/model.safetensors.index.json"
+    proxy = FaultProxy(s3.endpoint, _once(index_put, "forward-drop"))
+    try:
+        opts = dict(s3.options, endpoint=proxy.endpoint, max_retries="3")
+        st.save_sharded(_four(2.0), url, max_shard_size="10KB", storage_options=opts)
+        assert sum(index_put in line for line in proxy.lines) == 2  # landed, then retried
+    finally:
+        proxy.close()
+    assert _index_names(s3, url) <= set(_shard_names(s3, url))
+    _same(st.load_sharded(url, storage_options=s3.options), _four(2.0))
+
+
+def test_a_conflict_keeps_the_shards_the_winning_index_names(s3, monkeypatch):
+    """On a real conflict the loser's shards go, but never one that the index
+    now in the store names."""
+    st = ckptio.safetensors
+    url = s3.url("conflict-named")
+    st.save_sharded(_four(1.0), url, max_shard_size="10KB", storage_options=s3.options)
+    real = remote.upload
+    mine: list[str] = []
+
+    def upload_then_race(path, obj, options=None):
+        info = real(path, obj, options)
+        mine.append(obj.rsplit("/", 1)[1])
+        if len(mine) == 2:  # another writer commits an index naming the first shard
+            index = {"weight_map": {"t0": mine[0], "t1": mine[0]}}
+            remote.put_bytes(
+                url + "/model.safetensors.index.json", json.dumps(index).encode(), options
+            )
+        return info
+
+    monkeypatch.setattr(remote, "upload", upload_then_race)
+    with pytest.raises(ckptio.CommitConflictError):
+        st.save_sharded(_four(2.0), url, max_shard_size="10KB", storage_options=s3.options)
+    names = set(_shard_names(s3, url))
+    assert mine[0] in names and mine[1] not in names
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+@pytest.mark.parametrize("first", [True, False], ids=["new", "over-old"])
+def test_a_lost_reply_to_the_metadata_put_is_the_dcp_saves_commit(s3, first):
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemWriter
+    from s3server import FaultProxy
+
+    url = s3.url("dcp-reply-lost")
+    if not first:
+        _dcp_save(url, _dcp_state(1), s3)
+    put = "PUT /" + url.split("://", 1)[1] + "/.metadata"
+    proxy = FaultProxy(s3.endpoint, _once(put, "forward-drop"))
+    try:
+        opts = dict(s3.options, endpoint=proxy.endpoint, max_retries="3")
+        w = FileSystemWriter(url, storage_options=opts)
+        dcp.save(_dcp_state(2), storage_writer=w, no_dist=True)
+        assert sum(put in line for line in proxy.lines) == 2  # landed, then retried
+    finally:
+        proxy.close()
+    _dcp_load(url, s3, 2)
+
+
 @pytest.mark.slow
 def test_a_server_stopped_mid_save_is_a_typed_error_and_the_old_object_survives(tmp_path):
     import s3server

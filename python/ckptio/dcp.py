@@ -97,7 +97,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptio import _native
-from ckptio.errors import CommitConflictError, FormatError, corrupt
+from ckptio.errors import FormatError, corrupt
 from ckptio.formats import dcp as fmt
 from ckptio.formats import torchzip
 from ckptio.formats.dcp import read_metadata
@@ -163,7 +163,9 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
     the coordinator then puts ``.metadata`` in one conditional PUT (If-Match on
     the ``.metadata`` the save started from, If-None-Match for a new
     checkpoint), the commit: a writer that raced this one gets
-    ``ckptio.CommitConflictError`` (this save's data objects removed). After the
+    ``ckptio.CommitConflictError`` (this save's data objects removed). A 412
+    where ``.metadata`` holds this save's own bytes (its PUT landed, the reply
+    was lost and the retry found it there) is this save's commit. After the
     commit, data objects that neither the new nor the previous ``.metadata``
     names are removed.
     """
@@ -691,17 +693,22 @@ class _Remote:
                 remote.delete(self.join(name), self.options)
 
     def commit(self, name: str, data: bytes, files: set[str]) -> None:
-        """Put the commit object ``name`` conditionally; on a conflict this save's
-        data objects go. Then the objects of neither generation go."""
+        """Put the commit object ``name`` conditionally (``remote.put_commit``:
+        a 412 where it holds ``data`` is this save's commit); on a conflict this
+        save's data objects go, but for those the commit object there names.
+        Then the objects of neither generation go."""
         base = self._base
-        try:
-            committed = remote.put_bytes(
-                self.join(name), data, self.options,
-                create=base is None, if_match=None if base is None else base[1],
-            )["e_tag"]  # fmt: skip
-        except CommitConflictError:
-            self.remove(files)
-            raise
+
+        def lost(now: bytes | None) -> None:
+            # This save's data objects have names of its own: one that cannot be
+            # read (or a .metadata that cannot) is no other save's.
+            named = fmt.files_named(now, self.join(name)) if now is not None else None
+            self.remove(files - (named or set()))
+
+        committed = remote.put_commit(
+            self.join(name), data, self.options,
+            create=base is None, if_match=None if base is None else base[1], on_conflict=lost,
+        )  # fmt: skip
         previous = fmt.files_named(base[0], self.join(name)) if base is not None else set()
         if previous is None:  # an old .metadata that cannot be read: remove nothing
             return

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ckptio import _native
-from ckptio.errors import CommitConflictError, SafetensorError
+from ckptio.errors import SafetensorError
 from ckptio.formats import safetensors as fmt
 from ckptio.formats.safetensors import DTYPES, INDEX_NAME, find_shared
 from ckptio.io import devices, memory, paths, remote, reports, transfer
@@ -559,7 +559,9 @@ def save_sharded(
     conditional PUT (If-Match on the index the save started from, or
     If-None-Match for a new checkpoint): a writer that raced this one makes it
     fail with ``ckptio.CommitConflictError`` (its shards removed), never a mix.
-    After the commit, shards that neither the new index nor the previous one
+    A 412 where the index holds this save's own bytes (its PUT landed, the reply
+    was lost and the retry found it there) is this save's commit. After the
+    commit, shards that neither the new index nor the previous one
     names are removed (the previous generation stays for readers that hold its
     index).
     """
@@ -687,17 +689,21 @@ def _save_sharded_remote(
         index_path = os.path.join(folder, fmt.INDEX_NAME)
         new: bytes | None = None
         if os.path.exists(index_path) and files != ["model.safetensors"]:
-            with open(index_path, "rb") as fh:
-                new = fh.read()
-            try:
-                committed = remote.put_bytes(
-                    remote.join(url, fmt.INDEX_NAME), new, options,
-                    create=old is None, if_match=None if old is None else old[1],
-                )["e_tag"]  # fmt: skip
-            except CommitConflictError:
-                for obj in uploaded:  # this save's own names: no other save's
-                    remote.delete(obj, options)
-                raise
+            with open(index_path, "rb") as src:
+                new = src.read()
+
+            def lost(now: bytes | None) -> None:
+                # Another save's index is there: this save's shards go (its own
+                # names: no other save's), but for any that index names.
+                named = _names(now)
+                for obj in uploaded:
+                    if obj.rsplit("/", 1)[-1] not in named:
+                        remote.delete(obj, options)
+
+            committed = remote.put_commit(
+                remote.join(url, fmt.INDEX_NAME), new, options,
+                create=old is None, if_match=None if old is None else old[1], on_conflict=lost,
+            )  # fmt: skip
         elif old is not None:  # now one model.safetensors: the old index goes
             remote.delete(remote.join(url, fmt.INDEX_NAME), options)
     finally:

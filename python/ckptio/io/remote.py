@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import torch
 
 from ckptio import _native
+from ckptio.errors import CommitConflictError
 from ckptio.io import liveness
 from ckptio.io.units import parse_size
 
@@ -127,6 +128,45 @@ def put_bytes(
     ``CommitConflictError``); ``if_match``: only over that ETag."""
     client, _, _ = client_options(options)
     return _native.store_put(url, data, client, create=create, if_match=if_match)
+
+
+def put_commit(
+    url: str,
+    data: bytes,
+    options: StorageOptions,
+    *,
+    create: bool,
+    if_match: str | None,
+    on_conflict: Callable[[bytes | None], None],
+) -> str | None:
+    """The commit PUT of a multi-object checkpoint (an index, a ``.metadata``):
+    ``data`` put at ``url`` conditionally (``create`` / ``if_match`` as for
+    :func:`put_bytes`); its ETag.
+
+    A conflict is not taken at its word: where the PUT landed but its reply was
+    lost, the client's retry of it gets a 412 of its own making. So the commit
+    object is read back: where it holds ``data`` (the object names this save's
+    own data objects, so no other save puts the same bytes), the save is
+    committed and its ETag returned. Else ``on_conflict`` gets what the commit
+    object holds now (None where there is none), to remove what this save
+    uploaded but what that names, and the ``CommitConflictError`` is raised.
+    Where the commit object cannot be read, that error is raised (chained to
+    the conflict) and ``on_conflict`` is not called: the save may have
+    committed, so nothing of it may go."""
+    try:
+        return put_bytes(url, data, options, create=create, if_match=if_match)["e_tag"]
+    except CommitConflictError as conflict:
+        try:
+            now: bytes | None
+            now, version = get_bytes(url, options)
+        except FileNotFoundError:
+            now, version = None, {}
+        except OSError as e:
+            raise e from conflict
+        if now == data:
+            return version["e_tag"]
+        on_conflict(now)
+        raise
 
 
 def read(
