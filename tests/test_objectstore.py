@@ -214,6 +214,14 @@ def test_bad_options_are_value_errors(s3, tmp_path):
         remote.head("s3:/broken", s3.options)
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "1e300", -1.0, float("nan")])
+def test_a_bad_retry_timeout_is_a_value_error_naming_the_url_and_option(s3, value):
+    url = s3.url("rt.pt")
+    with pytest.raises(ValueError, match="retry_timeout") as e:
+        ckptio.save(_state(), url, storage_options=dict(s3.options, retry_timeout=value))
+    assert url in str(e.value)
+
+
 def test_conditional_puts_are_typed_conflicts(s3):
     url = s3.url("commit.json")
     v1 = remote.put_bytes(url, b"one", s3.options, create=True)

@@ -176,9 +176,7 @@ impl Store {
         for &(k, v) in options {
             match k {
                 MAX_RETRIES => retry.max_retries = parse_option(url, k, v)?,
-                RETRY_TIMEOUT => {
-                    retry.retry_timeout = Duration::from_secs_f64(parse_option(url, k, v)?)
-                }
+                RETRY_TIMEOUT => retry.retry_timeout = parse_seconds(url, k, v)?,
                 _ => rest.push((k, v)),
             }
         }
@@ -435,6 +433,20 @@ fn parse_option<T: std::str::FromStr>(url: &str, key: &str, value: &str) -> Resu
     value
         .parse()
         .map_err(|_| Error::invalid(format!("{url}: bad value {value:?} for {key}")))
+}
+
+/// A duration option given in seconds: a finite number >= 0 that a
+/// [`Duration`] holds (a negative, NaN, infinite or too large one is an
+/// invalid value naming the URL and the option, not a panic).
+fn parse_seconds(url: &str, key: &str, value: &str) -> Result<Duration> {
+    let secs: f64 = parse_option(url, key, value)?;
+    Duration::try_from_secs_f64(secs).map_err(|_| {
+        Error::invalid(format!(
+            "{url}: bad value {value:?} for {key}: a finite number of seconds >= 0 \
+             (at most {}) is expected",
+            u64::MAX
+        ))
+    })
 }
 
 /// How many bytes at the end of `url` spell `key` (0 when they don't).

@@ -285,6 +285,21 @@ fn urls_and_options_are_checked_before_any_request() {
     assert!(err("ftp://host/x", &[]).contains("not an"));
     assert!(err("s3://b/k", &[("no_such_option", "1")]).contains("no_such_option"));
     assert!(err("s3://b/k", &[("max_retries", "many")]).contains("max_retries"));
+    assert!(err("s3://b/k", &[("max_retries", "-1")]).contains("max_retries"));
+    // Seconds that no Duration holds are invalid values, not a panic.
+    for bad in ["-1", "-0.5", "nan", "NaN", "inf", "-inf", "1e300", "many"] {
+        let m = err("s3://b/k", &[("retry_timeout", bad)]);
+        assert!(
+            m.contains("s3://b/k") && m.contains("retry_timeout"),
+            "{bad}: {m}"
+        );
+    }
+    for good in ["0", "0.25", "30", "1e6"] {
+        assert!(
+            Store::parse("s3://b/k", &[("retry_timeout", good)]).is_ok(),
+            "{good}"
+        );
+    }
     let (store, key) = Store::parse(
         "s3://bucket/run/step-10/model.pt",
         &[
