@@ -924,6 +924,24 @@ def test_verify_and_listing_take_urls(s3):
         ckptio.verify(s3.url("nothing"), storage_options=s3.options)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize(
+    "marker", ["", "notes/", "notes/deeper/"], ids=["own", "subfolder", "nested"]
+)
+def test_folder_markers_are_not_objects_of_a_dcp_folder(s3, marker):
+    """Empty objects whose key ends in "/" (the S3 console's "Create folder")
+    in a DCP folder: verify and listing skip them as the store's listing does."""
+    url = s3.url("dcp-marker")
+    _dcp_save(url, _dcp_state(1), s3)
+    bucket, key = remote.bucket_and_key(url)
+    _boto3_client(s3).put_object(Bucket=bucket, Key=key + "/" + marker, Body=b"")
+    listed = [u for u, *_ in remote.listing(url, s3.options)]
+    assert url not in listed  # the folder's own marker
+    assert ckptio.verify(url, storage_options=s3.options).ok
+    assert ckptio.listing(url, storage_options=s3.options).format == "DCP"
+    _dcp_load(url, s3, 1)
+
+
 def test_listing_and_verify_read_a_torch_object_straight(s3, tmp_path, scratch):
     sd = _torch_state(13)
     sd["big"] = torch.randn(5 << 20)  # 20 MiB: hashed in pieces of the part size

@@ -360,6 +360,13 @@ impl Store {
     /// Every object under the folder `prefix` (all depths): key, size, ETag,
     /// and the store's time of its last change (seconds since the epoch; for
     /// a multipart upload, S3 gives the time it began).
+    ///
+    /// Folder markers (empty objects whose key ends in `/`, as the S3
+    /// console's "Create folder" and many tools make) are not objects of the
+    /// folder: the client gives their key with the `/` taken off, so the
+    /// marker of `prefix` itself and an empty object that other listed keys
+    /// lie under are left out. (A marker of an empty subfolder cannot be told
+    /// from an empty object here: `remote.local_tree` HEADs those.)
     pub fn list(&self, prefix: &str) -> Result<Vec<Listed>> {
         let path = object_path(prefix);
         let listed = block_on(async {
@@ -368,12 +375,15 @@ impl Store {
             let mut stream = objects.list(Some(&path));
             while let Some(meta) = stream.next().await {
                 let meta = meta.map_err(|e| self.error(prefix, e))?;
+                if meta.location == path {
+                    continue; // the folder's own marker
+                }
                 let modified = meta.last_modified.timestamp_millis() as f64 / 1000.0;
                 out.push((meta.location.to_string(), meta.size, meta.e_tag, modified));
             }
             Ok(out)
         })?;
-        listed
+        listed.map(without_folder_markers)
     }
 
     /// Remove `key` (a key that is not there is not an error on S3).
@@ -433,6 +443,26 @@ fn parse_option<T: std::str::FromStr>(url: &str, key: &str, value: &str) -> Resu
     value
         .parse()
         .map_err(|_| Error::invalid(format!("{url}: bad value {value:?} for {key}")))
+}
+
+/// `listed` less the empty objects that other listed keys lie under: folder
+/// markers (`run/notes/` listed as `run/notes` beside `run/notes/a`).
+fn without_folder_markers(mut listed: Vec<Listed>) -> Vec<Listed> {
+    let folders: std::collections::HashSet<&str> = listed
+        .iter()
+        .flat_map(|(key, ..)| {
+            key.char_indices()
+                .filter(|&(_, c)| c == '/')
+                .map(move |(i, _)| &key[..i])
+        })
+        .collect();
+    let markers: std::collections::HashSet<String> = listed
+        .iter()
+        .filter(|(key, size, ..)| *size == 0 && folders.contains(key.as_str()))
+        .map(|(key, ..)| key.clone())
+        .collect();
+    listed.retain(|(key, ..)| !markers.contains(key));
+    listed
 }
 
 /// A duration option given in seconds: a finite number >= 0 that a

@@ -314,6 +314,35 @@ fn urls_and_options_are_checked_before_any_request() {
 }
 
 #[test]
+fn folder_markers_that_keys_lie_under_are_not_listed() {
+    let l = |key: &str, size: u64| (key.to_string(), size, None, 0.0);
+    let listed = vec![
+        l("run/.metadata", 10),
+        l("run/notes", 0), // the marker `run/notes/`, with a key under it
+        l("run/notes/a", 3),
+        l("run/empty", 0),      // an empty object (or a leaf marker: not told here)
+        l("run/sub/deep/x", 1), // `run/sub` is not listed: nothing to drop
+        l("run/sized", 5),      // not empty: an object even with keys under it
+        l("run/sized/y", 1),
+    ];
+    let keys: Vec<String> = without_folder_markers(listed)
+        .into_iter()
+        .map(|(k, ..)| k)
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "run/.metadata",
+            "run/notes/a",
+            "run/empty",
+            "run/sub/deep/x",
+            "run/sized",
+            "run/sized/y"
+        ]
+    );
+}
+
+#[test]
 fn a_folder_url_with_a_trailing_slash_has_its_bucket_as_base() {
     let opts = [
         ("region", "us-east-1"),

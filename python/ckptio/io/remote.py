@@ -397,7 +397,9 @@ def local_tree(f: Any, options: StorageOptions = None) -> Iterator[str]:
         if objects is None:
             download(url, path, options)
         else:
-            for obj, _, _, _ in objects:
+            for obj, n, _, _ in objects:
+                if n == 0 and _folder_marker(obj, options):
+                    continue
                 rel = obj[len(url) + 1 :]
                 if not rel or rel.startswith("/") or ".." in rel.split("/"):
                     raise ValueError(f"{obj}: not a name inside {url}")
@@ -407,6 +409,18 @@ def local_tree(f: Any, options: StorageOptions = None) -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _folder_marker(url: str, options: StorageOptions) -> bool:
+    """Whether the empty object a listing gave as ``url`` is a folder marker
+    (its key ``url`` + "/": the client's listing takes the "/" off, so no object
+    has the key it gives). The listing leaves out the markers it can tell
+    (``Store::list``); the marker of an empty subfolder only a HEAD tells."""
+    try:
+        head(url, options)
+    except FileNotFoundError:
+        return True
+    return False
 
 
 class ObjectFile(io.RawIOBase):
