@@ -942,6 +942,32 @@ def test_folder_markers_are_not_objects_of_a_dcp_folder(s3, marker):
     _dcp_load(url, s3, 1)
 
 
+def test_a_bucket_url_is_the_folder_of_the_buckets_objects(s3):
+    """``s3://bucket`` (no key) names a folder, not an empty object: verify and
+    listing read the checkpoint at the bucket's root."""
+    import uuid
+
+    bucket = "ckptio-root-" + uuid.uuid4().hex[:12]
+    client = _boto3_client(s3)
+    client.create_bucket(Bucket=bucket)
+    try:
+        st = ckptio.safetensors
+        sd = {"a": torch.ones(300), "b": torch.zeros(300)}
+        for url in (f"s3://{bucket}", f"s3://{bucket}/"):
+            st.save_sharded(sd, url, max_shard_size="1KB", storage_options=s3.options)
+            _same(st.load_sharded(url, storage_options=s3.options), sd)
+            rep = ckptio.verify(url, storage_options=s3.options)
+            assert rep.ok, rep.summary()
+            lst = ckptio.listing(url, storage_options=s3.options)
+            assert lst.format == "sharded safetensors" and lst.path == url
+            with pytest.raises(ckptio.StoreNotFoundError, match="names the bucket"):
+                remote.head(url, s3.options)
+    finally:
+        for obj in client.list_objects_v2(Bucket=bucket).get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=obj["Key"])
+        client.delete_bucket(Bucket=bucket)
+
+
 def test_listing_and_verify_read_a_torch_object_straight(s3, tmp_path, scratch):
     sd = _torch_state(13)
     sd["big"] = torch.randn(5 << 20)  # 20 MiB: hashed in pieces of the part size

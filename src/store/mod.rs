@@ -299,6 +299,7 @@ impl Store {
 
     /// Size and version of `key`.
     pub fn head(&self, key: &str) -> Result<ObjectInfo> {
+        self.not_the_bucket(key)?;
         let path = object_path(key);
         let meta = match block_on(self.objects()?.head(&path))? {
             Ok(meta) => meta,
@@ -316,6 +317,7 @@ impl Store {
     /// Write `data` to `key` in one PUT, atomically, if `pre` holds (else a
     /// [`StoreErrorKind::Conflict`]); the new version.
     pub fn put(&self, key: &str, data: Bytes, pre: Precondition) -> Result<Version> {
+        self.an_object(key)?;
         let mode = match pre {
             Precondition::None => PutMode::Overwrite,
             Precondition::Absent => PutMode::Create,
@@ -340,6 +342,7 @@ impl Store {
     /// The whole of a small object (an index, a commit record) and its version,
     /// in one GET.
     pub fn get(&self, key: &str) -> Result<(Bytes, Version)> {
+        self.not_the_bucket(key)?;
         let path = object_path(key);
         let fetched = block_on(async {
             let r = self.objects()?.get(&path).await;
@@ -388,8 +391,36 @@ impl Store {
 
     /// Remove `key` (a key that is not there is not an error on S3).
     pub fn delete(&self, key: &str) -> Result<()> {
+        self.an_object(key)?;
         let path = object_path(key);
         block_on(self.objects()?.delete(&path))?.map_err(|e| self.error(key, e))
+    }
+
+    /// An empty key names the bucket, a folder: no object has it (a HEAD of
+    /// it is the bucket's, answered 200 with no size; a GET of it a listing).
+    /// The error a missing object gives, so that a caller that falls back to
+    /// the folder's listing does so.
+    pub(crate) fn not_the_bucket(&self, key: &str) -> Result<()> {
+        if key.is_empty() {
+            return Err(Error::Store {
+                kind: StoreErrorKind::NoSuchKey,
+                url: self.inner.base.clone(),
+                reason: "names the bucket, not an object (no key)".to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refused for an empty key: a PUT, DELETE or upload of it would be the
+    /// bucket's own (CreateBucket, DeleteBucket).
+    pub(crate) fn an_object(&self, key: &str) -> Result<()> {
+        if key.is_empty() {
+            return Err(Error::invalid(format!(
+                "{}: names the bucket, not an object: give the object's key",
+                self.inner.base
+            )));
+        }
+        Ok(())
     }
 
     /// A HEAD's 404 has no body to tell a missing bucket from a missing

@@ -59,6 +59,7 @@ impl MultipartSink {
     }
 
     fn start(store: &Store, key: &str, grid: Option<PartGrid>) -> Result<Self> {
+        store.an_object(key)?;
         let path = super::object_path(key);
         let id = block_on(store.multipart()?.create_multipart(&path))?
             .map_err(|e| store.error(key, e))?;

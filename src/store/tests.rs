@@ -343,6 +343,34 @@ fn folder_markers_that_keys_lie_under_are_not_listed() {
 }
 
 #[test]
+fn an_empty_key_names_the_bucket_not_an_object() {
+    // Refused before any request: no server is asked.
+    let opts = [
+        ("region", "us-east-1"),
+        ("access_key_id", "a"),
+        ("secret_access_key", "b"),
+        ("endpoint", "http://127.0.0.1:9"),
+        ("max_retries", "0"),
+    ];
+    for url in ["s3://bucket", "s3://bucket/"] {
+        let (store, key) = Store::parse(url, &opts).unwrap();
+        assert_eq!(key, "");
+        assert_eq!(kind(store.head(&key)), StoreErrorKind::NoSuchKey);
+        assert_eq!(kind(store.get(&key)), StoreErrorKind::NoSuchKey);
+        let invalid = |r: Result<()>| matches!(r, Err(Error::InvalidArgument(m)) if m.contains("s3://bucket"));
+        assert!(invalid(store.delete(&key)));
+        assert!(invalid(
+            store
+                .put(&key, Bytes::new(), Precondition::None)
+                .map(|_| ())
+        ));
+        assert!(invalid(
+            MultipartSink::create(&store, &key, part_grid(1, MIB).unwrap()).map(|_| ())
+        ));
+    }
+}
+
+#[test]
 fn a_folder_url_with_a_trailing_slash_has_its_bucket_as_base() {
     let opts = [
         ("region", "us-east-1"),
