@@ -2125,6 +2125,25 @@ print(json.dumps(out))
 """
 
 
+def test_listing_errors_name_the_url_not_the_scratch_copy(s3, scratch):
+    """ckptio.listing of a folder URL that holds no checkpoint, or a DCP folder
+    whose .metadata is damaged: the error names the URL, as verify's does."""
+    ckptio.save({"w": torch.ones(2)}, s3.url("no-ckpt", "inner.pt"), storage_options=s3.options)
+    remote.put_bytes(s3.url("bad-dcp", ".metadata"), b"garbage", s3.options)
+    remote.put_bytes(s3.url("bad-dcp", "__0_0.distcp"), b"x", s3.options)
+    for url, obj in (
+        (s3.url("no-ckpt"), s3.url("no-ckpt")),
+        (s3.url("bad-dcp"), s3.url("bad-dcp", ".metadata")),
+    ):
+        for asked in (url, url + "/"):
+            with pytest.raises(ckptio.FormatError) as e:
+                ckptio.listing(asked, storage_options=s3.options)
+            text = str(e.value)
+            assert text.startswith(obj + ":") and str(scratch) not in text, text
+            rep = ckptio.verify(asked, storage_options=s3.options)
+            assert not rep.ok and obj in rep.error and str(scratch) not in rep.error
+
+
 def test_a_folder_url_with_a_trailing_slash_is_the_same_folder(s3):
     """s3://b/p/dcp/ made the core's client of the bucket take s3://b/p/dcp as its base:
     the call failed (a doubled key), and so did every later call of the process without

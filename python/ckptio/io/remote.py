@@ -411,6 +411,28 @@ def local_tree(f: Any, options: StorageOptions = None) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def named_as(e: BaseException, local: str, url: str) -> BaseException:
+    """``e``, raised on the scratch copy ``local`` of ``url``, naming ``url``
+    instead (the same type, the same traceback); ``e`` itself where it does
+    not name the copy or cannot be made again."""
+
+    def sub(v: Any) -> Any:
+        return v.replace(local, url) if isinstance(v, str) else v
+
+    if local not in str(e):
+        return e
+    try:
+        if isinstance(e, OSError) and e.errno is not None:
+            new: BaseException = type(e)(e.errno, sub(e.strerror), sub(e.filename))
+        else:
+            new = type(e)(*map(sub, e.args))
+    except Exception:
+        return e
+    if local in str(new):
+        return e
+    return new.with_traceback(e.__traceback__)
+
+
 def _folder_marker(url: str, options: StorageOptions) -> bool:
     """Whether the empty object a listing gave as ``url`` is a folder marker
     (its key ``url`` + "/": the client's listing takes the "/" off, so no object

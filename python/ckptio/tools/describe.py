@@ -137,9 +137,18 @@ def listing(
         if stored is not None:
             return stored
     if remote.is_url(path) or storage_options is not None:
+        url = os.fsdecode(os.fspath(path))
         with remote.local_tree(path, storage_options) as local:
-            # Named by what was asked for, not by the scratch copy.
-            return dataclasses.replace(listing(local), path=os.fsdecode(os.fspath(path)))
+            # Named by what was asked for, not by the scratch copy: the listing,
+            # and an error raised on the copy.
+            try:
+                lst = listing(local)
+            except Exception as e:
+                named = remote.named_as(e, local, url.rstrip("/"))
+                if named is e:
+                    raise
+                raise named from None
+            return dataclasses.replace(lst, path=url)
     src = source or detect(path)
     if src.format == TORCH:
         return _torch(src)
