@@ -73,6 +73,35 @@ def test_the_standard_variables_configure_the_store(s3, monkeypatch):
     _same(ckptio.load(url), _state(1))
 
 
+def test_keys_in_storage_options_replace_the_environments_session_token(s3, monkeypatch):
+    """A session token in the environment belongs to the environment's keys:
+    with keys of their own, storage_options send no token (else the store
+    refuses the mix: access denied)."""
+    url = s3.url("token.pt")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "a-token-of-another-identity")
+    ckptio.save(_state(1), url, storage_options=s3.options)
+    _same(ckptio.load(url, storage_options=s3.options), _state(1))
+    # Without keys in the options the environment's credentials are taken
+    # whole, its token too (which this server refuses).
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ckptio.StorePermissionError):
+        ckptio.load(url, storage_options={"max_retries": "0"})
+    monkeypatch.delenv("AWS_SESSION_TOKEN")
+    _same(ckptio.load(url, storage_options={"max_retries": "0"}), _state(1))
+
+
+def test_a_none_storage_option_is_unset(s3):
+    from ckptio import _native
+
+    url = s3.url("none.pt")
+    opts = dict(s3.options, session_token=None, concurrency=None, part_size=None)
+    ckptio.save(_state(2), url, storage_options=opts)
+    _same(ckptio.load(url, storage_options=opts), _state(2))
+    # The core's own reading of the options: None is not the string "None".
+    assert _native.store_head(url, opts)["size"] == remote.head(url, s3.options)["size"]
+
+
 def test_load_in_place_and_map_location(s3):
     url = s3.url("inplace.pt")
     sd = _state(2)

@@ -40,6 +40,9 @@ fn options(opts: Option<&Bound<'_, PyDict>>) -> PyResult<Options> {
     let mut out = Vec::new();
     if let Some(d) = opts {
         for (k, v) in d.iter() {
+            if v.is_none() {
+                continue; // None: unset (the environment's value or the default)
+            }
             let v = match v.extract::<bool>() {
                 Ok(b) => b.to_string(),
                 Err(_) => v.str()?.to_string(),

@@ -182,10 +182,7 @@ impl Store {
         }
         let built = match scheme {
             ObjectStoreScheme::AmazonS3 => {
-                let mut b = AmazonS3Builder::from_env().with_url(url);
-                for (key, v) in config_keys::<AmazonS3ConfigKey>(url, &rest)? {
-                    b = b.with_config(key, v);
-                }
+                let mut b = s3_builder(url, &config_keys::<AmazonS3ConfigKey>(url, &rest)?);
                 let http = b
                     .get_config_value(&AmazonS3ConfigKey::Endpoint)
                     .is_some_and(|e| e.starts_with("http://"));
@@ -195,15 +192,37 @@ impl Store {
                 b.with_retry(retry).build().map(clients)
             }
             ObjectStoreScheme::GoogleCloudStorage => {
-                let mut b = GoogleCloudStorageBuilder::from_env().with_url(url);
-                for (key, v) in config_keys::<GoogleConfigKey>(url, &rest)? {
+                let opts = config_keys::<GoogleConfigKey>(url, &rest)?;
+                let mut b = GoogleCloudStorageBuilder::new();
+                let drop = |k: &GoogleConfigKey| other_credential(k, &opts, gcs_credential);
+                if !drop(&GoogleConfigKey::ServiceAccount) {
+                    // As GoogleCloudStorageBuilder::from_env reads it.
+                    if let Ok(path) = std::env::var("SERVICE_ACCOUNT") {
+                        b = b.with_service_account_path(path);
+                    }
+                }
+                for (key, v) in env_config::<GoogleConfigKey>("GOOGLE_", drop) {
+                    b = b.with_config(key, v);
+                }
+                b = b.with_url(url);
+                for (key, v) in opts {
                     b = b.with_config(key, v);
                 }
                 b.with_retry(retry).build().map(clients)
             }
             ObjectStoreScheme::MicrosoftAzure => {
-                let mut b = MicrosoftAzureBuilder::from_env().with_url(url);
-                for (key, v) in config_keys::<AzureConfigKey>(url, &rest)? {
+                let opts = config_keys::<AzureConfigKey>(url, &rest)?;
+                let mut b = MicrosoftAzureBuilder::new();
+                let drop = |k: &AzureConfigKey| other_credential(k, &opts, azure_credential);
+                for (key, v) in env_config::<AzureConfigKey>("AZURE_", drop) {
+                    b = b.with_config(key, v);
+                }
+                // As MicrosoftAzureBuilder::from_env reads it.
+                if let Ok(text) = std::env::var("IDENTITY_ENDPOINT") {
+                    b = b.with_msi_endpoint(text);
+                }
+                b = b.with_url(url);
+                for (key, v) in opts {
                     b = b.with_config(key, v);
                 }
                 b.with_retry(retry).build().map(clients)
@@ -453,6 +472,71 @@ type Clients = (Arc<dyn ObjectStore>, Arc<dyn MultipartStore>);
 fn clients<S: ObjectStore + MultipartStore>(s: S) -> Clients {
     let s = Arc::new(s);
     (s.clone(), s)
+}
+
+/// The S3 client of `url`: the environment's `AWS_*` variables (as
+/// `AmazonS3Builder::from_env` reads them), then `opts` over them. Where `opts`
+/// give an access key or a secret, the environment's session token is not
+/// taken unless `opts` give one too: a token belongs to the keys it was issued
+/// with, and one sent with other keys is refused (access denied).
+fn s3_builder(url: &str, opts: &[(AmazonS3ConfigKey, &str)]) -> AmazonS3Builder {
+    use AmazonS3ConfigKey as K;
+    let given = |k: &K| opts.iter().any(|(o, _)| o == k);
+    let own_keys = given(&K::AccessKeyId) || given(&K::SecretAccessKey);
+    let drop = |k: &K| own_keys && *k == K::Token && !given(&K::Token);
+    let mut b = AmazonS3Builder::new();
+    for (key, v) in env_config::<K>("AWS_", drop) {
+        b = b.with_config(key, v);
+    }
+    b = b.with_url(url);
+    for (key, v) in opts {
+        b = b.with_config(*key, *v);
+    }
+    b
+}
+
+/// The client's keys of the environment's variables named `prefix...` (as the
+/// builders' `from_env` read them), less those `drop` names.
+fn env_config<K: std::str::FromStr>(prefix: &str, drop: impl Fn(&K) -> bool) -> Vec<(K, String)> {
+    std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .filter(|(k, _)| k.starts_with(prefix))
+        .filter_map(|(k, v)| Some((k.to_ascii_lowercase().parse::<K>().ok()?, v)))
+        .filter(|(k, _)| !drop(k))
+        .collect()
+}
+
+/// Whether the environment's key `k` is a credential of another kind than
+/// those `opts` give (`kind` sorts the credential keys): the credentials of
+/// `opts` then replace the environment's, which the client would otherwise
+/// prefer by its own order (a bearer token over an account key, a service
+/// account over application credentials).
+fn other_credential<K: PartialEq>(k: &K, opts: &[(K, &str)], kind: fn(&K) -> Option<u8>) -> bool {
+    let given: Vec<u8> = opts.iter().filter_map(|(o, _)| kind(o)).collect();
+    match kind(k) {
+        Some(c) => !given.is_empty() && !given.contains(&c),
+        None => false,
+    }
+}
+
+fn azure_credential(k: &AzureConfigKey) -> Option<u8> {
+    match k {
+        AzureConfigKey::AccessKey => Some(0),
+        AzureConfigKey::ClientSecret => Some(1),
+        AzureConfigKey::SasKey => Some(2),
+        AzureConfigKey::Token => Some(3),
+        _ => None,
+    }
+}
+
+fn gcs_credential(k: &GoogleConfigKey) -> Option<u8> {
+    match k {
+        GoogleConfigKey::ServiceAccount => Some(0),
+        GoogleConfigKey::ServiceAccountKey => Some(1),
+        GoogleConfigKey::ApplicationCredentials => Some(2),
+        GoogleConfigKey::BearerToken => Some(3),
+        _ => None,
+    }
 }
 
 /// The client's configuration keys of `options` (an unknown one is an error).

@@ -371,6 +371,24 @@ fn an_empty_key_names_the_bucket_not_an_object() {
 }
 
 #[test]
+fn credentials_in_the_options_replace_the_environments_of_other_kinds() {
+    use object_store::azure::AzureConfigKey as A;
+    use object_store::gcp::GoogleConfigKey as G;
+    let az = |k: &A, opts: &[(A, &str)]| other_credential(k, opts, azure_credential);
+    // An account key given: the environment's bearer token and SAS go.
+    let key = [(A::AccessKey, "k")];
+    assert!(az(&A::Token, &key) && az(&A::SasKey, &key) && az(&A::ClientSecret, &key));
+    assert!(!az(&A::AccessKey, &key) && !az(&A::AccountName, &key));
+    // No credential given: the environment's are all taken.
+    let none = [(A::AccountName, "acct")];
+    assert!(!az(&A::Token, &none) && !az(&A::AccessKey, &none));
+    let gcs = |k: &G, opts: &[(G, &str)]| other_credential(k, opts, gcs_credential);
+    let creds = [(G::ApplicationCredentials, "/c.json")];
+    assert!(gcs(&G::ServiceAccount, &creds) && gcs(&G::ServiceAccountKey, &creds));
+    assert!(!gcs(&G::ApplicationCredentials, &creds) && !gcs(&G::Bucket, &creds));
+}
+
+#[test]
 fn a_folder_url_with_a_trailing_slash_has_its_bucket_as_base() {
     let opts = [
         ("region", "us-east-1"),

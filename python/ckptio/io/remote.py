@@ -88,7 +88,8 @@ def check_options(f: Any, storage_options: StorageOptions, *, single: bool = Fal
 
 def client_options(options: StorageOptions) -> tuple[dict[str, Any], int, int]:
     """(the client's options, ``concurrency``, ``part_size``) of ``storage_options``."""
-    client = dict(options or {})
+    # A None value is unset: the environment's value or the default.
+    client = {k: v for k, v in (options or {}).items() if v is not None}
     concurrency = int(client.pop("concurrency", 8))
     if concurrency < 1:
         raise ValueError(f"storage_options: concurrency must be >= 1, not {concurrency}")
