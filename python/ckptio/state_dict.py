@@ -479,12 +479,12 @@ def _load_module(
 
 
 def _refused(module: torch.nn.Module, run: _Run) -> NoReturn:
-    raise_problems(
-        f"Error(s) in loading state_dict for {module.__class__.__name__}:",
-        [t for _, _, t in run.problems],
-        run.problems,
-        partial=run.wrote,
-    )
+    _raise_run(f"Error(s) in loading state_dict for {module.__class__.__name__}:", run)
+
+
+def _raise_run(head: str, run: _Run) -> NoReturn:
+    """The typed error of ``run``'s problems, under ``head`` (torch's first line)."""
+    raise_problems(head, [t for _, _, t in run.problems], run.problems, partial=run.wrote)
 
 
 def _plain_module(m: torch.nn.Module) -> bool:
@@ -901,12 +901,7 @@ def _cast(
 
 
 def _raise_optimizer(opt: torch.optim.Optimizer, run: _Run) -> NoReturn:
-    raise_problems(
-        f"Error(s) in loading the optimizer state of {type(opt).__name__}:",
-        [t for _, _, t in run.problems],
-        run.problems,
-        partial=run.wrote,
-    )
+    _raise_run(f"Error(s) in loading the optimizer state of {type(opt).__name__}:", run)
 
 
 def _fresh_into(
