@@ -2112,6 +2112,17 @@ def test_clean_aborts_only_the_uploads_of_its_own_folder(s3):
     assert left() == ["run1-eval/model.pt"]
 
 
+def _cli_names_the_dcp_url(s3, url):
+    """ckptio ls, verify and verify --json of a sound DCP folder at ``url`` name
+    ``url`` as given."""
+    r = _cli(s3, "ls", url)
+    assert r.returncode == 0 and r.stdout.startswith(f"DCP: {url}\n"), r.stdout + r.stderr
+    r = _cli(s3, "verify", url)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith(f"{url}: ok: "), r.stdout
+    r = _cli(s3, "verify", "--json", url)
+    assert r.returncode == 0 and json.loads(r.stdout)["path"] == url, r.stdout + r.stderr
+
+
 def test_reports_of_a_dcp_folder_url_name_the_url(s3):
     """ls and verify of a DCP folder in a store (read from a scratch copy) named the
     scratch copy (/dev/shm/...) instead of the URL; so did verify's error."""
@@ -2126,12 +2137,7 @@ def test_reports_of_a_dcp_folder_url_name_the_url(s3):
     )
     assert ckptio.listing(url, storage_options=s3.options).path == url
     assert ckptio.verify(url, storage_options=s3.options).path == url
-    r = _cli(s3, "ls", url)
-    assert r.returncode == 0 and r.stdout.startswith(f"DCP: {url}\n"), r.stdout + r.stderr
-    r = _cli(s3, "verify", url)
-    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith(f"{url}: ok: "), r.stdout
-    r = _cli(s3, "verify", "--json", url)
-    assert r.returncode == 0 and json.loads(r.stdout)["path"] == url, r.stdout + r.stderr
+    _cli_names_the_dcp_url(s3, url)
     md, _ = remote.get_bytes(url + "/.metadata", s3.options)
     remote.put_bytes(url + "/.metadata", md[: len(md) // 2], s3.options)
     rep = ckptio.verify(url, storage_options=s3.options)
@@ -2206,11 +2212,6 @@ def test_a_folder_url_with_a_trailing_slash_is_the_same_folder(s3):
         assert got[url + "/"][2] == got[url][2] > 0
         assert all(o.startswith(url + "/") and "//" not in o[5:] for o in got[url + " objects"])
     for u in (d + "/", d):
-        r = _cli(s3, "ls", u)
-        assert r.returncode == 0 and r.stdout.startswith(f"DCP: {u}\n"), r.stdout + r.stderr
-        r = _cli(s3, "verify", u)
-        assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith(f"{u}: ok: "), r.stdout
-        r = _cli(s3, "verify", "--json", u)
-        assert r.returncode == 0 and json.loads(r.stdout)["path"] == u, r.stdout + r.stderr
+        _cli_names_the_dcp_url(s3, u)
     r = _cli(s3, "ls", sh + "/")
     assert r.returncode == 0 and "a: float32 [300]" in r.stdout, r.stdout + r.stderr
