@@ -1,11 +1,15 @@
-"""How load_sharded should read its shards (issue 37): the LLM-shaped state dict
-(benchlib.llm_state_dict) saved by save_sharded (2 GB shards, as bench_shapes.py
-saves it), loaded by ``ckptio.safetensors.load_sharded`` as it is (up to 4 shards
-read at once, the engine's threads split among them: ``IoOptions.shared_engine``)
-against the shards read one after another, each by the whole engine, the next
-file's tensors made while one is read (``shared_engine`` giving one worker), and
-``load_file`` of the same tensors in one file; rounds alternated, from /dev/shm
-and from the page cache.
+"""How load_sharded reads its shards against one file (issue 37): the LLM-shaped
+state dict (benchlib.llm_state_dict) saved by save_sharded (2 GB shards, as
+bench_shapes.py saves it) and loaded by ``ckptio.safetensors.load_sharded``
+(the shards read one after another, each by the whole engine, the next file's
+tensors made while one is read) against ``load_file`` of the same tensors in
+one file; rounds alternated, from /dev/shm and from ``--dir``.
+
+Its first run (H100, stop 53, benches/results/gpu-2026-12-07-s53/probe.log)
+set the shards read side by side, the engine's threads split among them (as
+load_sharded read them then), against one by one: 151.5 ms against 116.8 from
+/dev/shm (load_file 126.2), 2255 against 2233 from the disk; load_sharded has
+read them one by one since.
 
 usage: PYTHONPATH=python python probes/probe_sharded_workers.py [--size 4G]
        [--device cuda] [--rounds 5] [--dir /tmp]
@@ -23,18 +27,11 @@ import time
 
 import ckptio
 import torch
-from ckptio.io.engines import IoOptions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benches"))
 import benchlib  # noqa: E402
 from ckptio.io.units import parse_size  # noqa: E402
-
-_split = IoOptions.shared_engine
-
-
-def _serial(self: IoOptions, files: int) -> tuple[object, int]:
-    return self.engine(), 1
 
 
 def main() -> None:
@@ -61,28 +58,20 @@ def main() -> None:
         shards = sorted(f for f in os.listdir(sharded) if f.endswith(".safetensors"))
         sizes = [os.path.getsize(os.path.join(sharded, f)) / 2**30 for f in shards]
         print(f"## {place}: shards of {', '.join(f'{s:.2f}' for s in sizes)} GiB")
-        rows = {
-            "load_sharded (split threads)": (_split, sharded, True),
-            "load_sharded (one by one)": (_serial, sharded, True),
-            "load_file (one file)": (_split, single, False),
-        }
+        rows = {"load_sharded": (sharded, True), "load_file (one file)": (single, False)}
         times: dict[str, list[float]] = {k: [] for k in rows}
         for r in range(a.rounds + 1):
             order = list(rows) if r % 2 else list(reversed(rows))
             for name in order:
-                policy, path, is_sharded = rows[name]
-                IoOptions.shared_engine = policy  # type: ignore[method-assign]
-                try:
-                    sync()
-                    t0 = time.perf_counter()
-                    if is_sharded:
-                        out = ckptio.safetensors.load_sharded(path, device=a.device)
-                    else:
-                        out = ckptio.safetensors.load_file(path, device=a.device)
-                    sync()
-                    dt = time.perf_counter() - t0
-                finally:
-                    IoOptions.shared_engine = _split  # type: ignore[method-assign]
+                path, is_sharded = rows[name]
+                sync()
+                t0 = time.perf_counter()
+                if is_sharded:
+                    out = ckptio.safetensors.load_sharded(path, device=a.device)
+                else:
+                    out = ckptio.safetensors.load_file(path, device=a.device)
+                sync()
+                dt = time.perf_counter() - t0
                 assert len(out) == len(sd)
                 del out
                 if r:  # the first round warms up

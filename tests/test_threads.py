@@ -173,7 +173,7 @@ def test_batches_added_while_a_read_waits_join_it():
 
     first_runs, reads = threading.Event(), []
 
-    def read(segments, owners, streams):
+    def read(source, segments, owners, streams):
         reads.append([s[0] for s in segments])
         if len(reads) == 1:
             assert first_runs.wait(10)

@@ -762,8 +762,8 @@ def load_sharded(
 ) -> dict[str, torch.Tensor]:
     """Load a sharded checkpoint (``*.safetensors.index.json`` + shards, or a folder
     holding one, or a folder with a single ``model.safetensors``) to ``device``
-    in one call: every shard's tensors allocated first, then the shards read in
-    parallel (the engine's threads split among them). Every tensor the index's
+    in one call: each shard read by the engine while the next one's tensors are
+    allocated. Every tensor the index's
     weight_map names must be in the shard it names (FormatError otherwise); a
     tensor name in two shards is a FormatError. Returns all tensors of the
     shards, shard by shard in file order. The keywords are ``load_file``'s
@@ -808,24 +808,20 @@ def load_sharded(
         tensors = fmt.gather(src, files, [p.tensors for p in plans], wm)
         _read_shared(shared, src, t0, plans, io)
         return _finish(tensors, want, fill)
-    # Each file read (on kept threads, ``workers`` at a time, sharing the
-    # engine's threads) as soon as its tensors are made, while the next file's are.
-    engine, workers = io.shared_engine(len(files))
-    plans, jobs = [], []
+    # Each file queued for the engine as soon as its tensors are made, while the
+    # next file's are; the files read one after another, each by the whole engine.
+    reads = transfer.Pipeline.of_files(io.engine())
+    plans = []
     try:
         for f in files:
             plan = _plan(os.path.join(folder, f), home, io)
             plans.append(plan)
-            if plan.segments:
-                if len(jobs) >= workers:
-                    jobs[-workers].result()
-                jobs.append(transfer.start_read(plan.file, engine, plan.segments, plan.owners))
+            reads.add(plan.segments, plan.owners, plan.file)
         tensors = fmt.gather(src, files, [p.tensors for p in plans], wm)
     except BaseException as err:
-        transfer.settle(jobs, err)  # the destinations stay the engine's until then
+        reads.abandon(err)  # the destinations stay the engine's until then
         raise
-    stats = transfer.wait_all(jobs)
-    reports.report(src, t0, reports.merged(stats, io.backend), len(tensors))
+    reports.report(src, t0, reports.merged(transfer.wait_all(reads.jobs), io.backend), len(tensors))
     return _finish(tensors, want, fill)
 
 

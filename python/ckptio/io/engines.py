@@ -63,13 +63,3 @@ class IoOptions:
 
     def engine(self) -> _native.Engine:
         return engine(self.threads, self.chunk_size, self.direct)
-
-    def shared_engine(self, files: int) -> tuple[_native.Engine, int]:
-        """(engine, workers) to read ``files`` files at once: up to 4 workers,
-        which share the engine's threads, for disk and tmpfs files alike."""
-        base = self.engine()
-        workers = max(1, min(files, base.threads, 4))
-        if workers == 1:
-            return base, 1
-        per_worker = (max(1, base.threads // workers), max(1, base.memory_threads // workers))
-        return engine(per_worker[0], self.chunk_size, self.direct, per_worker[1]), workers

@@ -165,7 +165,8 @@ def read_batches(
 
 
 class Pipeline:
-    """A load's reads of one file (or one object's version), handed to the
+    """A load's reads of one file (or one object's version; or of several files,
+    :meth:`of_files`), handed to the
     engine (or the store's GETs) in order, one at a time (each engine call takes
     its threads' lanes: calls side by side would take more, pinned for GPU
     memory; each store read its concurrency's requests and buffers), on kept
@@ -178,11 +179,13 @@ class Pipeline:
 
     def __init__(
         self,
-        read: Callable[[list[Segment], list[Any], list[tuple[int, int]]], dict[str, Any]],
+        read: Callable[[Any, list[Segment], list[Any], list[tuple[int, int]]], dict[str, Any]],
         *,
+        source: Any = None,
         join: bool = False,
     ) -> None:
-        self._read = read
+        self._read = read  # (source, segments, owners, streams) -> stats
+        self._source = source  # what add() reads from unless it names another
         self._join = join
         self._lock = threading.Lock()
         self._last: _Batches | None = None
@@ -196,7 +199,28 @@ class Pipeline:
         cls, source: _native.Reader | _native.DeviceFile, engine: _native.Engine, *, verify: bool
     ) -> Pipeline:
         """Engine reads of ``source`` (:func:`read_after`)."""
-        return cls(lambda segs, owners, st: read_after(source, engine, segs, owners, st, verify))
+        return cls.of_files(engine, verify=verify, source=source)
+
+    @classmethod
+    def of_files(
+        cls,
+        engine: _native.Engine,
+        *,
+        verify: bool = False,
+        source: _native.Reader | _native.DeviceFile | None = None,
+    ) -> Pipeline:
+        """Engine reads of the file each :meth:`add` names: files read one after
+        another, each by the whole engine. (Side by side, the engine's threads
+        split among them, the threads of a file read first idle while the others
+        are read: load_sharded of the LLM shape from /dev/shm took 1.30x as long
+        on an H100, ``probes/probe_sharded_workers.py``.)"""
+
+        def read(
+            src: Any, segs: list[Segment], owners: list[Any], st: list[tuple[int, int]]
+        ) -> dict[str, Any]:
+            return read_after(src, engine, segs, owners, st, verify)
+
+        return cls(read, source=source)
 
     @classmethod
     def of_store(
@@ -205,24 +229,25 @@ class Pipeline:
         """Ranged GETs of version ``e_tag`` of ``url`` (:func:`read_from_store`),
         batches joining the read that waits."""
         return cls(
-            lambda segs, owners, st: read_from_store(url, segs, owners, options, e_tag, crc, st),
+            lambda _, segs, owners, st: read_from_store(url, segs, owners, options, e_tag, crc, st),
             join=True,
         )
 
-    def add(self, segments: list[Segment], owners: list[Any]) -> int | None:
-        """Read ``segments`` once the reads before are done (after one fails,
-        this one is not made and fails with its error); the index of its
-        stats, None for no segments."""
+    def add(self, segments: list[Segment], owners: list[Any], source: Any = None) -> int | None:
+        """Read ``segments`` (of ``source``, else the pipeline's) once the reads
+        before are done (after one fails, this one is not made and fails with its
+        error); the index of its stats, None for no segments."""
         if not segments:
             return None
+        source = self._source if source is None else source
         streams = _streams_of(segments)  # the caller's current streams (thread-local)
         with self._lock:
             last = self._last
-            if self._join and last is not None and not last.started:
+            if self._join and last is not None and not last.started and last.source is source:
                 self._parts.append((len(self.jobs) - 1, len(last.segments), len(segments)))
                 last.add(segments, owners, streams)
                 return len(self._parts) - 1
-        batches = self._last = _Batches(list(segments), list(owners), streams)
+        batches = self._last = _Batches(source, list(segments), list(owners), streams)
         before = self.jobs[-1] if self.jobs else None
         self._parts.append((len(self.jobs), 0, len(segments)))
         job = submit(functools.partial(self._run, before, batches))
@@ -238,7 +263,7 @@ class Pipeline:
             before.result()  # its error instead, where it failed
         with self._lock:
             batches.started = True  # no batch joins it now
-        return self._read(batches.segments, batches.owners, batches.streams)
+        return self._read(batches.source, batches.segments, batches.owners, batches.streams)
 
     def result(self, index: int) -> dict[str, Any]:
         """The stats of batch ``index`` once its read is done (of a read that
@@ -269,14 +294,19 @@ class Pipeline:
 
 
 class _Batches:
-    """The batches of one read of a :class:`Pipeline`: their segments, owners
-    and the streams the read is ordered after; ``started`` once it reads."""
+    """The batches of one read of a :class:`Pipeline`: their source, segments,
+    owners and the streams the read is ordered after; ``started`` once it reads."""
 
-    __slots__ = ("segments", "owners", "streams", "started")
+    __slots__ = ("source", "segments", "owners", "streams", "started")
 
     def __init__(
-        self, segments: list[Segment], owners: list[Any], streams: list[tuple[int, int]]
+        self,
+        source: Any,
+        segments: list[Segment],
+        owners: list[Any],
+        streams: list[tuple[int, int]],
     ) -> None:
+        self.source = source
         self.segments, self.owners, self.streams = segments, owners, streams
         self.started = False
 
@@ -311,22 +341,6 @@ def settle(jobs: Sequence[Job[Any]], err: BaseException) -> None:
             failed = failed or e
     if failed is not None and failed is not err:
         raise failed from err
-
-
-def start_read(
-    source: _native.Reader | _native.DeviceFile,
-    engine: _native.Engine,
-    segments: list[Segment],
-    owners: list[Any],
-    *,
-    verify: bool = False,
-) -> Job[dict[str, Any]]:
-    """:func:`read` on a kept thread, ordered after the work queued on the
-    caller's current streams: its :class:`Job`, whose ``result()`` is the read's
-    stats. Until then the destinations are the engine's: the caller must wait
-    for the job (also when it fails meanwhile) before it touches or frees them."""
-    streams = _streams_of(segments)  # the caller's current streams (thread-local)
-    return submit(lambda: read_after(source, engine, segments, owners, streams, verify))
 
 
 def wait_all(jobs: Sequence[Job[T]]) -> list[T]:
@@ -489,8 +503,9 @@ def read_files(
     io: IoOptions,
     verify: bool,
 ) -> list[dict[str, Any]]:
-    """Read ``per_file`` ({index in ``files``: (segments, owners)}), the files side
-    by side (:meth:`IoOptions.shared_engine`); one stats dict per file, with
+    """Read ``per_file`` ({index in ``files``: (segments, owners)}), the files one
+    after another, each by the whole engine (see :meth:`Pipeline.of_files`); one
+    stats dict per file, with
     "path". ``verify``: each whole record read from a ``Reader`` (or of an
     object's ``declared`` records) is checked against its CRC-32 ("verified",
     "unchecked": the records' names). Objects in a store are read by ranged
@@ -540,45 +555,15 @@ def _read_local_files(
     verify: bool,
     done: dict[int, dict[str, Any]],
 ) -> list[dict[str, Any]]:
-    """``read_files`` of the local files (those not in ``done``)."""
-    engine, workers = io.shared_engine(len(per_file) - len(done))
-
-    def one(fi: int) -> dict[str, Any]:
-        segs, owners = per_file[fi]
+    """``read_files`` of the local files (those not in ``done``), one after another."""
+    engine = io.engine()
+    got: dict[int, dict[str, Any]] = dict(done)
+    for fi, (segs, owners) in per_file.items():
+        if fi in done:
+            continue
         f = files[fi]
         check = verify and isinstance(f.file, _native.Reader)
-        return dict(read(f.file, engine, segs, owners, verify=check), path=f.path)
-
-    order = [fi for fi in per_file if fi not in done]
-    got: dict[int, dict[str, Any]] = dict(done)
-    if workers == 1:
-        got.update((fi, one(fi)) for fi in order)
-        return [got[fi] for fi in per_file]
-    todo = iter(order)
-    lock = threading.Lock()
-
-    def drain() -> None:  # each worker takes the next file until none is left
-        while True:
-            with lock:
-                fi = next(todo, None)
-            if fi is None:
-                return
-            got[fi] = one(fi)
-
-    jobs: list[Job[None]] = []
-    try:
-        for _ in range(workers - 1):
-            jobs.append(submit(drain))
-        drain()
-    finally:
-        errors = []
-        for job in jobs:
-            try:
-                job.result()
-            except BaseException as e:
-                errors.append(e)
-    if errors:
-        raise errors[0]
+        got[fi] = dict(read(f.file, engine, segs, owners, verify=check), path=f.path)
     return [got[fi] for fi in per_file]
 
 
