@@ -1,0 +1,62 @@
+"""What the cyclic garbage collector costs a DCP load of many items (issue 37):
+torch's ``dcp.load`` of the LLM-shaped state dict (benchlib.llm_state_dict,
+1,995 items) with ckptio's FileSystemReader into the same existing tensors,
+``--loads`` loads with the collector on, then off, twice, alternated; each
+load's time printed. A full collection walks every tracked object of the
+process; torch's planner allocates enough per item to set one off every few
+loads.
+
+usage: PYTHONPATH=python python probes/probe_dcp_gc.py [--size 64M] [--loads 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from ckptio.dcp import FileSystemReader, FileSystemWriter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "benches"))
+import benchlib  # noqa: E402
+from ckptio.io.units import parse_size  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", type=parse_size, default=parse_size("64M"))
+    p.add_argument("--loads", type=int, default=5)
+    a = p.parse_args()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    sd = benchlib.llm_state_dict(a.size, "cpu")
+    folder = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        dcp.save(sd, storage_writer=FileSystemWriter(folder))
+        dest = {k: torch.empty_like(v) for k, v in sd.items()}
+        print(f"# {len(sd)} items, {len(gc.get_objects())} objects tracked")
+        for label in ("collector on", "collector off") * 2:
+            if label == "collector off":
+                gc.disable()
+            try:
+                ms = []
+                for _ in range(a.loads):
+                    t0 = time.perf_counter()
+                    dcp.load(dest, storage_reader=FileSystemReader(folder))
+                    ms.append((time.perf_counter() - t0) * 1e3)
+            finally:
+                gc.enable()
+            print(f"{label:14s} dcp.load ms: {', '.join(f'{m:.0f}' for m in ms)}")
+    finally:
+        shutil.rmtree(folder)
+
+
+if __name__ == "__main__":
+    main()
