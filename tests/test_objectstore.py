@@ -388,6 +388,30 @@ def test_sharded_safetensors_single_file_and_back(s3):
     _same(st.load_sharded(url, storage_options=s3.options), sd)
 
 
+def test_a_stored_folder_is_read_through_the_rule_of_a_local_one(s3):
+    """As on a disk (formats.safetensors.read_through): a folder with neither
+    model.safetensors.index.json nor model.safetensors is read through its one
+    other index, a save's model.safetensors before that index, and the shards
+    that index names stay through later saves and their sweeps."""
+    url, o = s3.url("foreign"), s3.options
+    st = ckptio.safetensors
+    theirs = {"a": torch.full((4,), 7.0)}
+    shard, index = "model-00001-of-00001.safetensors", "consolidated.safetensors.index.json"
+    remote.put_bytes(f"{url}/{shard}", st.save(theirs), o)
+    remote.put_bytes(f"{url}/{index}", json.dumps({"weight_map": {"a": shard}}).encode(), o)
+    _same(st.load_sharded(url, storage_options=o), theirs)
+    out = {"a": torch.zeros(4)}
+    st.load_sharded(url, out=out, storage_options=o)
+    _same(out, theirs)
+    time.sleep(remote.CLOCK_SLACK + 1)  # the sweeps below may remove what is this old
+    for sd, size in [({"a": torch.ones(4)}, "5GB"), ({"a": torch.ones(4), "b": torch.ones(4)}, 16)]:
+        st.save_sharded(sd, url, max_shard_size=size, storage_options=o)
+        _same(st.load_sharded(url, storage_options=o), sd)
+        _same(st.load_sharded(f"{url}/{index}", storage_options=o), theirs)
+    with pytest.raises(FileNotFoundError):
+        st.load_sharded(f"{url}/gone.safetensors.index.json", storage_options=o)
+
+
 def test_a_racing_sharded_save_is_a_conflict(s3, monkeypatch):
     url = s3.url("race")
     st = ckptio.safetensors

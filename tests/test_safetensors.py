@@ -517,6 +517,63 @@ def test_sharded_index_inconsistent_with_shards_is_formaterror(tmp_path):
         cst.load_sharded(tmp_path)
 
 
+def _foreign(folder: Path, index: str, shards: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """A checkpoint another writer left in ``folder`` under ``index``: the
+    shards (written by safetensors) and the bytes of each, to check they stay."""
+    folder.mkdir(exist_ok=True)
+    wm = {}
+    for name, tensors in shards.items():
+        st.save_file(tensors, folder / name)
+        wm.update({k: name for k in tensors})
+    (folder / index).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    return {n: (folder / n).read_bytes() for n in [*shards, index]}
+
+
+def test_a_folder_is_read_through_its_own_checkpoint_before_another_index(tmp_path):
+    """The folder lookup and save_sharded agree: model.safetensors.index.json,
+    then model.safetensors; another index only where neither is there."""
+    d = tmp_path / "ck"
+    old = {"w": torch.zeros(2)}
+    index = "consolidated.safetensors.index.json"
+    _foreign(d, index, {"consolidated-00001-of-00001.safetensors": old})
+    assert_same(cst.load_sharded(d), old)  # the lone other index
+    new = {"w": torch.ones(2)}
+    cst.save_sharded(new, d)  # one shard: model.safetensors
+    assert_same(cst.load_sharded(d), new)
+    cst.save_sharded({"w": torch.ones(2), "v": torch.ones(2)}, d, max_shard_size=8)
+    assert_same(cst.load_sharded(d), {"w": torch.ones(2), "v": torch.ones(2)})
+    assert_same(cst.load_sharded(d / index), old)
+
+
+def test_a_save_neither_removes_nor_overwrites_shards_another_index_names(tmp_path):
+    """Shards of the hub's names that another index of the folder names are
+    that checkpoint's: no save (nor its sweep, nor ckptio clean) writes over
+    them or removes them; only the save's own previous generation goes."""
+    d = tmp_path / "ck"
+    theirs = {
+        "model-00001-of-00002.safetensors": {"a": torch.full((4,), 7.0)},
+        "model-00002-of-00002.safetensors": {"b": torch.full((4,), 8.0)},
+    }
+    kept = _foreign(d, "other.safetensors.index.json", theirs)
+    other = d / "other.safetensors.index.json"
+    want = {"a": torch.full((4,), 7.0), "b": torch.full((4,), 8.0)}
+    mine = [
+        {"a": torch.ones(4)},  # model.safetensors
+        {"a": torch.ones(4), "b": torch.ones(4)},  # two shards: the hub's names are taken
+        {"a": torch.ones(4) * 2, "b": torch.ones(4) * 2},
+        {"a": torch.ones(4) * 3},
+    ]
+    for sd in mine:
+        cst.save_sharded(sd, d, max_shard_size=16)
+        assert_same(cst.load_sharded(d), sd)
+        assert {n: (d / n).read_bytes() for n in kept} == kept
+        assert_same(cst.load_sharded(other), want)
+        ckptio.clean(d, unreferenced=True)
+        assert {n: (d / n).read_bytes() for n in kept} == kept
+    # The last save's previous generation (two shards and their index) went.
+    assert sorted(os.listdir(d)) == sorted([*kept, "model.safetensors"])
+
+
 @pytest.mark.parametrize(
     "size, n",
     [(5, 5), ("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("4GiB", 4 << 30), ("1.5KB", 1500)]

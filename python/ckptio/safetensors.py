@@ -546,8 +546,10 @@ def save_sharded(
     names when they are free, else ``model-<token>-0000k-of-0000n.safetensors``),
     then the index is replaced the same way; only then are the previous
     checkpoint's files (``model*.safetensors`` that the new index does not name,
-    or the index when there is now a single ``model.safetensors``) removed. A
-    save that fails or is killed leaves the previous checkpoint loadable and
+    or the index when there is now a single ``model.safetensors``) removed.
+    The shards another ``*.safetensors.index.json`` of the folder names are
+    that checkpoint's: the shards take other names and nothing removes them.
+    A save that fails or is killed leaves the previous checkpoint loadable and
     unchanged; its leftovers go with the next save. (Between the single-file and
     sharded layouts, a reader that prefers ``model.safetensors`` to the index, as
     transformers does, switches when the other layout's files are removed.)
@@ -561,9 +563,9 @@ def save_sharded(
     fail with ``ckptio.CommitConflictError`` (its shards removed), never a mix.
     A 412 where the index holds this save's own bytes (its PUT landed, the reply
     was lost and the retry found it there) is this save's commit. After the
-    commit, shards that neither the new index nor the previous one
-    names are removed (the previous generation stays for readers that hold its
-    index).
+    commit, shards that neither the new index nor the previous one (nor another
+    ``*.safetensors.index.json`` of the folder) names are removed (the previous
+    generation stays for readers that hold its index).
     """
     if remote.is_url(folder) or storage_options is not None:
         remote.check_options(folder, storage_options)
@@ -608,6 +610,11 @@ def save_sharded(
     written: list[str] = []
     try:
         fmt.sweep(out, own=guard.tmp_path)
+        # What the clean-up below may remove: the files of the checkpoint this
+        # save replaces (every model*.safetensors, where its index cannot be read).
+        previous = fmt.generation(out)
+        if previous is None:
+            previous = {f for f in os.listdir(out) if fmt.SHARD_FILE.fullmatch(f)}
         names = fmt.shard_names(out, len(shards))
         stats = []
         for name, shard in zip(names, shards, strict=True):
@@ -637,9 +644,11 @@ def save_sharded(
             for path in written:
                 _remove(path)
         raise
-    if not paths.live_temps(out):  # no save in flight: the earlier checkpoint's files go
-        for f in os.listdir(out):
-            if f not in keep and fmt.SHARD_FILE.fullmatch(f):
+    # No save in flight: the previous checkpoint's files go, but those another
+    # index names (that writer's checkpoint; one that cannot be read may name any).
+    if not paths.live_temps(out) and (foreign := fmt.foreign_shards(out)) is not None:
+        for f in sorted(previous - keep - foreign):
+            if fmt.SHARD_FILE.fullmatch(f):
                 _remove(os.path.join(out, f))
     reports.report(out, t0, reports.merged(stats, io.backend), len(tensors))
 
@@ -669,8 +678,8 @@ def _save_sharded_remote(
     """``save`` into a scratch folder that holds the store's current index, the
     shards named with a token of this save's own (a save racing on the folder
     never uploads over them), uploaded, the index put conditionally (the
-    commit), then the shards no save can still commit removed
-    (``remote.sweep_before``)."""
+    commit), then the shards no save can still commit and no other index
+    names removed (``remote.sweep_before``)."""
     old = _index_of(url, options)
     folder = remote.scratch_folder()
     uploaded: list[str] = []
@@ -708,11 +717,14 @@ def _save_sharded_remote(
             remote.delete(remote.join(url, fmt.INDEX_NAME), options)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    if new is not None:
+    foreign = fmt.stored_foreign_shards(url, options) if new is not None else None
+    if foreign is not None:
         # Shards named by neither generation (readers holding the previous index
-        # still read its own); never a single model.safetensors beside them (a
-        # single-file save commits without the index).
+        # still read its own) nor another index (another writer's checkpoint);
+        # never a single model.safetensors beside them (a single-file save
+        # commits without the index).
         keep = _names(new) | _names(None if old is None else old[0]) | {"model.safetensors"}
+        keep |= foreign
         remote.sweep_before(
             url, fmt.INDEX_NAME, committed,
             lambda n: "/" not in n and bool(fmt.SHARD_FILE.fullmatch(n)) and n not in keep,
@@ -760,18 +772,21 @@ def load_sharded(
     group: Any = None,
     storage_options: remote.StorageOptions = None,
 ) -> dict[str, torch.Tensor]:
-    """Load a sharded checkpoint (``*.safetensors.index.json`` + shards, or a folder
-    holding one, or a folder with a single ``model.safetensors``) to ``device``
-    in one call: each shard read by the engine while the next one's tensors are
-    allocated. Every tensor the index's
-    weight_map names must be in the shard it names (FormatError otherwise); a
-    tensor name in two shards is a FormatError. Returns all tensors of the
-    shards, shard by shard in file order. The keywords are ``load_file``'s
-    (``out``, ``strict``, ``cast``: load in place; ``group``: read once, share
-    over a process group). ``index_path_or_folder`` may be an object URL (of the
-    folder or the index, with ``storage_options``): the index in one GET, each
-    shard's tensors read straight into memory by ranged GETs (with ``out``:
-    the index and shards go through a local scratch copy).
+    """Load a sharded checkpoint (``*.safetensors.index.json`` + shards, or a
+    folder: read through its ``model.safetensors.index.json``, else its
+    ``model.safetensors``, else its one other ``*.safetensors.index.json``, as
+    ``save_sharded`` keeps them) to ``device`` in one call: every shard's
+    shards read one by one, each by the engine while the next one's tensors
+    are allocated. Every tensor the index's weight_map names must
+    be in the shard it names (FormatError otherwise); a tensor name in two
+    shards is a FormatError. Returns all tensors of the shards, shard by shard
+    in file order. The keywords are ``load_file``'s (``out``, ``strict``,
+    ``cast``: load in place; ``group``: read once, share over a process
+    group). ``index_path_or_folder`` may be an object URL (of the folder or the
+    index, with ``storage_options``): the index in one GET (a listing first
+    where a folder has no model.safetensors.index.json), each shard's tensors
+    read straight into memory by ranged GETs (with ``out``: the index and
+    shards go through a local scratch copy).
     """
     if remote.is_url(index_path_or_folder) or storage_options is not None:
         remote.check_options(index_path_or_folder, storage_options)

@@ -11,7 +11,11 @@ keep safetensors' own 8-byte alignment.
 
 A sharded checkpoint is ``model.safetensors.index.json`` (``weight_map``: tensor
 name -> shard file) and ``model-0000k-of-0000n.safetensors`` shards in one
-folder (or a single ``model.safetensors``).
+folder (or a single ``model.safetensors``). A folder is read through those, or
+where neither is there, through its one other ``*.safetensors.index.json``
+(:func:`read_through`); the shards other indexes name are theirs: a save
+gives its shards other names (but a single ``model.safetensors``) and its
+clean-ups leave them.
 
 Nothing is trusted: a header that is not what safetensors writes (bad JSON,
 nesting, sizes or offsets that do not add up, dimensions past int64) is a
@@ -32,7 +36,7 @@ import os
 import re
 import secrets
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -515,19 +519,40 @@ def stored_shards(
     the folder's URL, the index's name, its bytes and weight_map (None: no
     index, a single model.safetensors) and the shard files it names, in
     first-named order."""
-    base, index_name = url.rstrip("/"), INDEX_NAME
+    base, named = url.rstrip("/"), None
     if base.endswith(".json"):
-        base, index_name = base.rsplit("/", 1)
+        base, named = base.rsplit("/", 1)
+    index_name = named or INDEX_NAME
     try:
         index, _ = remote.get_bytes(remote.join(base, index_name), options)
     except FileNotFoundError:
-        return base, index_name, None, None, ["model.safetensors"]
+        if named is not None:  # an index's URL: that index, as a local path is read
+            raise
+        # A folder without read_through's first choice (asked in one GET): its names decide.
+        found = read_through(stored_names(base, options), url)
+        if found is None:
+            return base, INDEX_NAME, None, None, ["model.safetensors"]
+        index_name = found
+        index, _ = remote.get_bytes(remote.join(base, index_name), options)
     wm = weight_map_of(index, remote.join(base, index_name))
     files = list(dict.fromkeys(wm.values()))
     for name in files:
         if name in (".", "..") or not name:
             raise fail(url, f"the index names a shard outside its folder: {name!r}")
     return base, index_name, index, wm, files
+
+
+def stored_foreign_shards(url: str, options: remote.StorageOptions = None) -> set[str] | None:
+    """:func:`foreign_shards` of the folder ``url`` in a store: the objects its
+    other indexes name (None: one that cannot be read, which may name any)."""
+    named: set[str] = set()
+    for index in other_indexes(stored_names(url, options)):
+        try:
+            data, _ = remote.get_bytes(remote.join(url, index), options)
+            named |= set(weight_map_of(data, remote.join(url, index)).values())
+        except (OSError, FormatError):
+            return None
+    return named
 
 
 def header_length(first8: bytes, size: int, where: str) -> int:
@@ -564,26 +589,50 @@ def shard_files(index_path_or_folder: str) -> tuple[str, dict[str, str] | None]:
     """(folder, weight_map or None for a single model.safetensors)."""
     p = index_path_or_folder
     if os.path.isdir(p):
-        if os.path.exists(os.path.join(p, INDEX_NAME)):
-            p = os.path.join(p, INDEX_NAME)
-        else:
-            found = sorted(f for f in os.listdir(p) if f.endswith(".safetensors.index.json"))
-            if len(found) == 1:
-                p = os.path.join(p, found[0])
-            elif os.path.exists(os.path.join(p, "model.safetensors")):
-                return p, None
-            else:
-                raise FileNotFoundError(
-                    2,
-                    f"no {INDEX_NAME} (nor a single *.safetensors.index.json or model.safetensors)",
-                    p,
-                )
+        found = read_through(os.listdir(p), p)
+        if found is None:
+            return p, None
+        p = os.path.join(p, found)
     with open_regular(p) as f:
         wm = weight_map_of(f.read(), p)
     folder = os.path.dirname(p) or "."
     for v in set(wm.values()):
         inside(folder, v, f"{p}: shard", blobs=True, error=SafetensorError)
     return folder, wm
+
+
+def other_indexes(names: Iterable[str]) -> list[str]:
+    """The ``*.safetensors.index.json`` among a folder's file ``names`` but its
+    ``model.safetensors.index.json`` (another writer's: consolidated.safetensors.index.json)."""
+    return sorted(n for n in names if n.endswith(".safetensors.index.json") and n != INDEX_NAME)
+
+
+def read_through(names: Collection[str], where: str) -> str | None:
+    """The file a folder of sharded safetensors (its file ``names``) is read
+    through: its model.safetensors.index.json, else its model.safetensors
+    (None), else its one other index. ``save_sharded`` writes and removes the
+    first two only: a folder it saved into is never read through another
+    index. FileNotFoundError naming ``where`` otherwise."""
+    if INDEX_NAME in names:
+        return INDEX_NAME
+    if "model.safetensors" in names:
+        return None
+    others = other_indexes(names)
+    if len(others) == 1:
+        return others[0]
+    raise FileNotFoundError(
+        2,
+        f"no {INDEX_NAME} nor model.safetensors, nor a single other *.safetensors.index.json"
+        + (f" (there are {len(others)}: {', '.join(others)})" if others else ""),
+        where,
+    )
+
+
+def stored_names(url: str, options: remote.StorageOptions = None) -> list[str]:
+    """The names of the objects right in the folder ``url`` of a store."""
+    prefix = url.rstrip("/") + "/"
+    listed = (obj[len(prefix) :] for obj, _, _, _ in remote.listing(url, options))
+    return [n for n in listed if n and "/" not in n]
 
 
 def weight_map_of(data: bytes, where: str) -> dict[str, str]:
@@ -645,24 +694,50 @@ def shard_names(folder: str, k: int) -> list[str]:
 
 
 def current_shards(folder: str) -> set[str] | None:
-    """The files the folder's current checkpoint uses (None: an index that cannot
-    be read, so any name may be in use)."""
+    """The files the folder's checkpoints use: ``save_sharded``'s (its
+    :func:`generation`) and those another index of the folder names
+    (:func:`foreign_shards`), which no save may write over or remove. None:
+    an index that cannot be read, so any name may be in use."""
+    own, foreign = generation(folder), foreign_shards(folder)
+    return None if own is None or foreign is None else own | foreign
+
+
+def generation(folder: str) -> set[str] | None:
+    """The files of the checkpoint ``save_sharded`` keeps in the folder:
+    model.safetensors and those model.safetensors.index.json names (None: an
+    index that cannot be read)."""
     if not os.path.exists(os.path.join(folder, INDEX_NAME)):
         return {"model.safetensors"}
+    return _named_by(os.path.join(folder, INDEX_NAME), {"model.safetensors"})
+
+
+def foreign_shards(folder: str) -> set[str] | None:
+    """The files the folder's other indexes (:func:`other_indexes`) name: another
+    writer's checkpoint (None: one that cannot be read, which may name any)."""
+    named: set[str] | None = set()
+    for index in other_indexes(os.listdir(folder)):
+        named = _named_by(os.path.join(folder, index), named)
+        if named is None:
+            return None
+    return named
+
+
+def _named_by(index: str, named: set[str]) -> set[str] | None:
+    """``named`` and the files the index ``index`` names (None: it cannot be read)."""
     try:
-        _, wm = shard_files(os.path.join(folder, INDEX_NAME))
+        _, wm = shard_files(index)
     except (OSError, FormatError):
         return None
-    return set((wm or {}).values()) | {"model.safetensors"}
+    return named | set((wm or {}).values())
 
 
 def sweep(folder: str, own: str | None = None, *, unreferenced: bool = True) -> list[str]:
     """Remove what dead saves left in a sharded checkpoint's folder: their temp
-    files, and shard files (``SHARD_FILE``) that the current checkpoint does
-    not use (a ``save_sharded`` that died before its index). Nothing of the
-    shards while a save may be in flight: a temp file some writer holds (but
-    ``own``, the caller's guard) or an index that cannot be read. The names
-    removed.
+    files, and shard files (``SHARD_FILE``) that no index of the folder names
+    (:func:`current_shards`: a ``save_sharded`` that died before its index
+    left them). Nothing of the shards while a save may be in flight: a temp
+    file some writer holds (but ``own``, the caller's guard) or an index that
+    cannot be read. The names removed.
 
     ``unreferenced=False`` (``ckptio clean``, which no save of this folder runs):
     only shards that carry the evidence of a dead ckptio save go: ckptio's own
@@ -674,13 +749,15 @@ def sweep(folder: str, own: str | None = None, *, unreferenced: bool = True) -> 
     commit: list[int] = []  # the mtime of an index that names ckptio's shards
 
     def in_use() -> set[str] | None:
-        named = current_shards(folder)
-        if named is not None and any(OWN_SHARD_FILE.fullmatch(n) for n in named):
+        own, foreign = generation(folder), foreign_shards(folder)
+        if own is None or foreign is None:
+            return None
+        if any(OWN_SHARD_FILE.fullmatch(n) for n in own):
             try:
                 commit.append(os.stat(os.path.join(folder, INDEX_NAME)).st_mtime_ns)
             except OSError:
                 return None  # the index went meanwhile: which files are in use is not known
-        return named
+        return own | foreign
 
     dead = None if unreferenced else left_by_dead_save(folder, OWN_SHARD_FILE, commit)
     return sweep_unnamed(folder, SHARD_FILE, own, in_use, dead)
