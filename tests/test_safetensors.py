@@ -30,8 +30,10 @@ def rand(shape, dtype, device="cpu", seed=0):
 
 
 def bits(t):
-    """The bytes of a tensor (NaN-safe equality)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    """The bytes of a tensor (NaN-safe equality; a copy with the usual strides,
+    which a byte view needs)."""
+    flat = t.detach().cpu().reshape(-1)
+    return flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)
 
 
 def assert_same(got, want):
@@ -101,6 +103,24 @@ def test_layout_matches_the_package_but_for_padding(tmp_path):
     assert a[8 + na :] == b[8 + nb :]
     # bytes in memory keep safetensors' own 8-byte alignment: the very same bytes
     assert cst.save(sd, {"a": "b"}) == st.save(sd, {"a": "b"}) == b
+
+
+def test_contiguous_tensors_with_any_stride_on_a_size_1_dimension(tmp_path):
+    """Contiguous, though a dimension of size 1 has a stride other than 1 (a
+    byte view refuses those strides): saved as safetensors saves them."""
+    cases = {
+        "row": torch.randn(3, 4, generator=torch.Generator().manual_seed(0))[0:1, 0],
+        "step": torch.arange(4.0)[::2][:1],
+        "ones": torch.arange(21.0).reshape(7, 3).as_strided((1, 1), (7, 3), 4),
+        "bf16": torch.arange(6.0).bfloat16()[::3][1:2],
+        "bool": torch.tensor([True, False, True])[::2][1:],
+    }
+    for name, t in cases.items():
+        assert t.is_contiguous() and t.stride()[-1] != 1, name
+        assert cst.save({name: t}) == st.save({name: t}), name
+        cst.save_file({name: t}, tmp_path / "x.safetensors")
+        assert_same(st.load_file(tmp_path / "x.safetensors"), {name: t})
+    assert cst.save(cases) == st.save(cases)
 
 
 def test_load_returns_own_storages_in_file_order(tmp_path):

@@ -211,7 +211,10 @@ def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
             dst = torch.frombuffer(
                 buf, dtype=torch.uint8, count=end - begin, offset=len(lay.header) + begin
             )
-            dst.copy_(t.detach().to("cpu").reshape(-1).view(torch.uint8))
+            src = t.detach().to("cpu")
+            # Contiguous, but a size-1 dimension may have any stride, which a byte
+            # view refuses: the same elements as one dense row.
+            dst.copy_(src.as_strided((src.numel(),), (1,)).view(torch.uint8))
     return bytes(buf)
 
 
