@@ -363,6 +363,8 @@ def test_load_sharded_reads_the_shards_straight_and_checks_the_index(s3, tmp_pat
         (b"{not json", ckptio.safetensors.SafetensorError, "index.json: not a safetensors index"),
         (json.dumps({"weight_map": {"t0": "../x.safetensors"}}).encode(),
          ckptio.safetensors.SafetensorError, "not a file name"),
+        (json.dumps({"weight_map": {"t0": "."}}).encode(),
+         ckptio.safetensors.SafetensorError, "tensor 't0' in '.', not a file name"),
         (json.dumps({"weight_map": wrong}).encode(),
          ckptio.safetensors.SafetensorError, f"tensor '{moved}'"),
         (json.dumps({"weight_map": {"t0": "gone.safetensors"}}).encode(),

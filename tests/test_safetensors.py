@@ -537,6 +537,19 @@ def test_sharded_index_inconsistent_with_shards_is_formaterror(tmp_path):
         cst.load_sharded(tmp_path)
 
 
+@pytest.mark.parametrize("shard", ["", ".", "..", "sub/x.safetensors", "/abs.safetensors"])
+def test_a_shard_name_that_is_no_file_of_the_folder_names_index_and_tensor(tmp_path, shard):
+    d = tmp_path / "ck"
+    cst.save_sharded({"a": torch.zeros(4), "b": torch.ones(4)}, d, max_shard_size=16)
+    ip = d / cst.INDEX_NAME
+    index = json.loads(ip.read_text())
+    index["weight_map"]["b"] = shard
+    ip.write_text(json.dumps(index))
+    for src in (d, ip):
+        with pytest.raises(cst.SafetensorError, match=f"{re.escape(str(ip))}: .*tensor 'b'"):
+            cst.load_sharded(src)
+
+
 def _foreign(folder: Path, index: str, shards: dict[str, dict[str, torch.Tensor]]) -> dict:
     """A checkpoint another writer left in ``folder`` under ``index``: the
     shards (written by safetensors) and the bytes of each, to check they stay."""

@@ -535,11 +535,7 @@ def stored_shards(
         index_name = found
         index, _ = remote.get_bytes(remote.join(base, index_name), options)
     wm = weight_map_of(index, remote.join(base, index_name))
-    files = list(dict.fromkeys(wm.values()))
-    for name in files:
-        if name in (".", "..") or not name:
-            raise fail(url, f"the index names a shard outside its folder: {name!r}")
-    return base, index_name, index, wm, files
+    return base, index_name, index, wm, list(dict.fromkeys(wm.values()))
 
 
 def stored_foreign_shards(url: str, options: remote.StorageOptions = None) -> set[str] | None:
@@ -651,8 +647,9 @@ def weight_map_of(data: bytes, where: str) -> dict[str, str]:
             f"{where}: not a safetensors index: no weight_map of tensor name -> shard file name"
         )
     for name, v in wm.items():
-        # A shard is a file of this folder (or, in a hub cache snapshot, a link to its blobs).
-        if os.path.basename(v) != v:
+        # A shard is a file of this folder (or, in a hub cache snapshot, a link to its
+        # blobs): "", "." and ".." name none.
+        if os.path.basename(v) != v or v in ("", ".", ".."):
             raise SafetensorError(
                 f"{where}: weight_map puts tensor {name!r} in {v!r}, not a file name of the "
                 "index's folder"
