@@ -123,6 +123,10 @@ def test_safetensors_round_trip(s3):
     out = {k: torch.empty_like(v) for k, v in sd.items()}
     ckptio.safetensors.load_file(url, out=out, storage_options=s3.options)
     _same(out, sd)
+    for dev in ["cpu:0", torch.device("cpu")]:  # the host, spelled otherwise
+        out = {k: torch.empty_like(v) for k, v in sd.items()}
+        ckptio.safetensors.load_file(url, dev, out=out, storage_options=s3.options)
+        _same(out, sd)
 
 
 def test_a_failed_save_leaves_the_old_object_whole(s3):

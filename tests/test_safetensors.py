@@ -448,6 +448,22 @@ def test_device_none_and_invalid_devices_as_the_package(tmp_path):
         cst.save_file({}, open(p, "rb"))  # noqa: SIM115
 
 
+def test_out_takes_any_spelling_of_the_host_as_device(tmp_path):
+    """out= with a device: the destinations decide, so only the host is taken,
+    however it is spelled; any other device is still refused."""
+    p = tmp_path / "x.safetensors"
+    cst.save_file({"a": torch.ones(2)}, p)
+    cst.save_sharded({"a": torch.ones(2)}, tmp_path / "s")
+    for dev in ["cpu", "cpu:0", torch.device("cpu"), torch.device("cpu", 0), None]:
+        for load, src in [(cst.load_file, p), (cst.load_sharded, tmp_path / "s")]:
+            out = {"a": torch.zeros(2)}
+            assert load(src, dev, out=out)["a"] is out["a"], (load, dev)
+            assert torch.equal(out["a"], torch.ones(2))
+    for dev in ["cuda", 0, "meta", torch.device("meta")]:
+        with pytest.raises(TypeError, match="out= and device= cannot be combined"):
+            cst.load_file(p, dev, out={"a": torch.zeros(2)})
+
+
 # --------------------------------------------------------------------------- sharded
 
 

@@ -237,6 +237,12 @@ def _devices(device: Device) -> tuple[torch.device, torch.device | None]:
     return want, fill
 
 
+def _on_host(device: Device) -> bool:
+    """Whether ``device`` names host memory, however spelled ("cpu", "cpu:0",
+    torch.device("cpu"), None): the one device ``out=`` is given with."""
+    return _devices(device)[0].type == "cpu"
+
+
 @dataclasses.dataclass
 class _Plan:
     """One file's tensors allocated empty and the reads that fill them."""
@@ -339,7 +345,7 @@ def load_file(
         url = os.fsdecode(os.fspath(filename))
         if out is None:  # straight into new tensors (once per group, where there is one)
             return _load_file_remote(url, device, storage_options)
-        if device in ("cpu", None) and isinstance(strict, bool) and isinstance(cast, bool):
+        if _on_host(device) and isinstance(strict, bool) and isinstance(cast, bool):
             got = _load_into_remote(url, [url], out, storage_options)
             if got is not None:
                 return got
@@ -800,7 +806,7 @@ def load_sharded(
         url = os.fsdecode(os.fspath(index_path_or_folder))
         if out is None:  # straight (once per group, where there is one)
             return _load_sharded_remote(url, device, storage_options)
-        if device in ("cpu", None) and isinstance(strict, bool) and isinstance(cast, bool):
+        if _on_host(device) and isinstance(strict, bool) and isinstance(cast, bool):
             base, _, _, wm, files = fmt.stored_shards(url, storage_options)
             shards = [remote.join(base, f) for f in files]
             got = _load_into_remote(url, shards, out, storage_options, wm)
@@ -871,7 +877,7 @@ def _load_into(
     """load_file / load_sharded with ``out``: the files' tensors read into ``out``'s."""
     if not isinstance(out, Mapping):
         raise TypeError(f"out must be a dict of name -> tensor, not {type(out).__name__}")
-    if device is not None and device != "cpu":
+    if not _on_host(device):
         raise TypeError("out= and device= cannot be combined: the destinations decide")
     inplace.check_flags(strict=strict, cast=cast)
     opened = [fmt.open_file(p, direct=io.direct, backend=io.backend) for p in shards]
