@@ -127,6 +127,11 @@ def test_safetensors_round_trip(s3):
         out = {k: torch.empty_like(v) for k, v in sd.items()}
         ckptio.safetensors.load_file(url, dev, out=out, storage_options=s3.options)
         _same(out, sd)
+    # metadata() reads a header as safetensors does, though torch cannot hold its tensors.
+    header = json.dumps({"__metadata__": {"k": "v"}, "a": {"dtype": "F6_E2M3", "shape": [4],
+                         "data_offsets": [0, 3]}}).encode()  # fmt: skip
+    remote.put_bytes(url, len(header).to_bytes(8, "little") + header + bytes(3), s3.options)
+    assert ckptio.safetensors.metadata(url, storage_options=s3.options) == {"k": "v"}
 
 
 def test_a_failed_save_leaves_the_old_object_whole(s3):

@@ -409,6 +409,51 @@ def test_header_json_that_safetensors_reads_is_read(tmp_path, value):
     assert list(cst.load_file(p)) == ["x"] and list(cst.load(p.read_bytes())) == ["x"]
 
 
+def _tensor(dtype, shape, begin, end):
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+@pytest.mark.parametrize(
+    "entry, data",
+    [
+        (_tensor("F6_E2M3", [4], 0, 3), b"\0" * 3),  # no torch dtype
+        (_tensor("U8", [0, 2**64 - 1], 0, 0), b""),  # past int64, not past u64
+        (_tensor("I64", [2**62, 2, 0], 0, 0), b""),
+        (_tensor("F4", [2, 1], 0, 1), b"\0"),  # not torch's pairs
+    ],
+)
+def test_metadata_reads_every_header_that_safetensors_reads(tmp_path, entry, data):
+    """metadata() checks what reading the header needs (safetensors' checks),
+    not whether torch can hold the tensors, which only a load needs."""
+    p = tmp_path / "h.safetensors"
+    p.write_bytes(_file({"__metadata__": {"k": "v"}, "a": entry}, data))
+    with st.safe_open(str(p), "pt") as f:
+        assert f.metadata() == {"k": "v"}
+    assert cst.metadata(p) == {"k": "v"}
+    with pytest.raises(cst.SafetensorError, match="tensor 'a'"):
+        cst.load_file(p)
+
+
+@pytest.mark.parametrize(
+    "entry, data, match",
+    [
+        (_tensor("U8", [2**32, 2**32, 0], 0, 0), b"", "overflows"),
+        (_tensor("U8", [0, 2**64], 0, 0), b"", "overflows"),
+        (_tensor("C128", [1], 0, 16), b"\0" * 16, "unknown"),
+        (_tensor("F4", [1], 0, 1), b"\0", "whole bytes"),
+        (_tensor("F6_E3M2", [4], 0, 4), b"\0" * 4, "needs 3"),
+        (_tensor("F6_E3M2", [4], 0, 3), b"\0" * 4, "the file at 4"),
+    ],
+)
+def test_metadata_refuses_headers_that_safetensors_refuses(tmp_path, entry, data, match):
+    p = tmp_path / "h.safetensors"
+    p.write_bytes(_file({"__metadata__": {"k": "v"}, "a": entry}, data))
+    with pytest.raises(PeerError), st.safe_open(str(p), "pt"):
+        pass
+    with pytest.raises(cst.SafetensorError, match=match):
+        cst.metadata(p)
+
+
 def test_good_hand_made_file_loads(tmp_path):
     p = tmp_path / "good.safetensors"
     p.write_bytes(_file(GOOD, struct.pack("<2f", 1.5, -2.0)))

@@ -516,14 +516,17 @@ def load(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
 def metadata(
     filename: str | os.PathLike[str], *, storage_options: remote.StorageOptions = None
 ) -> dict[str, str] | None:
-    """The ``__metadata__`` of a safetensors file (the header is validated, no data
-    is read); of an object URL, its header in one ranged GET."""
+    """The ``__metadata__`` of a safetensors file (the header is validated as
+    safetensors validates it to read it: tensors of a dtype or size torch here
+    cannot hold pass, a load refuses them; no data is read); of an object URL,
+    its header in one ranged GET."""
     remote.check_options(filename, storage_options, single=True)
     if remote.is_url(filename):
-        return fmt.read_stored_header(os.fsdecode(os.fspath(filename)), storage_options)[2]
+        url = os.fsdecode(os.fspath(filename))
+        return fmt.read_stored_header(url, storage_options, tensors=False)[2]
     path = paths.path(filename, "safetensors.metadata")
     with paths.open_regular(path) as f:
-        return fmt.read_header(f.fileno(), path)[0]
+        return fmt.read_header(f.fileno(), path, tensors=False)[0]
 
 
 def save_sharded(

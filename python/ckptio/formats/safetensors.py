@@ -82,8 +82,15 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 
 
-#: Bits per value in the header's count, where it is not the torch element size.
-_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+#: Bits per value of every dtype safetensors names (the header counts values),
+#: in its Dtype enum's order: its files sort tensors by it, descending, then by
+#: name. F6 are known names that no torch dtype here maps to.
+_BITS = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8,
+    "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
+    "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64,
+    "U64": 64,
+}  # fmt: skip
 
 
 #: Header values per torch element (packed dtypes).
@@ -92,18 +99,10 @@ _PACKED = {"F4": 2}
 
 #: Bytes per element of each dtype the native header reader takes (packed and
 #: sub-byte dtypes go to the Python reader).
-_ITEMSIZES = {name: dt.itemsize for name, dt in DTYPES.items() if name not in _BITS}
+_ITEMSIZES = {name: dt.itemsize for name, dt in DTYPES.items() if _BITS[name] == 8 * dt.itemsize}
 
 
-# safetensors' Dtype enum order (its files sort tensors by it, descending, then by
-# name). F6 are known names that no torch dtype here maps to.
-_ENUM = (
-    "BOOL F4 F6_E2M3 F6_E3M2 U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ "
-    "I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64"
-).split()
-
-
-_RANK = {name: i for i, name in enumerate(_ENUM)}
+_RANK = {name: i for i, name in enumerate(_BITS)}
 
 
 #: The safetensors package refuses headers larger than this.
@@ -125,6 +124,10 @@ OWN_SHARD_FILE = re.compile(r"model-[0-9a-f]{8}-\d{5}-of-\d{5}\.safetensors")
 _MAX_DIM = 2**63 - 1
 
 
+#: Largest dimension, element count and bit count safetensors reads (usize).
+_MAX_USIZE = 2**64 - 1
+
+
 class Entry(NamedTuple):
     name: str
     dtype: torch.dtype
@@ -138,9 +141,12 @@ def fail(where: str, what: str) -> SafetensorError:
 
 
 def parse_header(
-    raw: bytes, data_len: int, where: str
+    raw: bytes, data_len: int, where: str, *, tensors: bool = True
 ) -> tuple[dict[str, str] | None, list[Entry]]:
-    """Validate a header as the safetensors package does; entries in file order."""
+    """Validate a header as the safetensors package does; entries in file order.
+    ``tensors=False``: only what reading the header needs (safetensors'
+    checks; ``metadata()``), not that torch here can hold each tensor (its
+    dtype, int64 sizes, packed pairs), and no entries."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -186,7 +192,7 @@ def parse_header(
         isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
     ):
         raise fail(where, "__metadata__ is not an object of strings")
-    entries = []
+    entries, spans = [], []
     for name, info in head.items():
         tensor = f"tensor {name!r}"
         if not isinstance(info, dict):
@@ -194,32 +200,39 @@ def parse_header(
         dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype_name, str):
             raise fail(where, f"{tensor}: no dtype")
-        if dtype_name not in DTYPES:
+        if dtype_name not in (DTYPES if tensors else _BITS):
             known = (
-                "known to safetensors but not readable here" if dtype_name in _RANK else "unknown"
+                "known to safetensors but not readable here" if dtype_name in _BITS else "unknown"
             )
             raise fail(where, f"{tensor}: dtype {dtype_name!r} is {known}")
         if not _int_list(shape):
             raise fail(where, f"{tensor}: shape {_short(shape)} is not a list of non-negative ints")
         if not (_int_list(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
             raise fail(where, f"{tensor}: data_offsets {_short(offsets)} are not [begin, end]")
-        dtype = DTYPES[dtype_name]
+        # torch: dimensions, elements and bytes in int64; safetensors: dimensions,
+        # elements and bits in usize.
+        if tensors:
+            top, width, limit = _MAX_DIM, DTYPES[dtype_name].itemsize, "int64"
+        else:
+            top, width, limit = _MAX_USIZE, 1, "usize"
         numel = 1
-        for d in shape:  # as safetensors multiplies them: in order, checked
+        for d in shape:  # as they are multiplied: in order, checked
             numel *= d
-            if d > _MAX_DIM or numel * dtype.itemsize > _MAX_DIM:
-                raise fail(where, f"{tensor}: shape {_short(shape)} overflows int64")
-        bits = numel * _BITS.get(dtype_name, dtype.itemsize * 8)
+            if d > top or numel * width > top:
+                raise fail(where, f"{tensor}: shape {_short(shape)} overflows {limit}")
+        bits = numel * _BITS[dtype_name]
+        if not tensors and bits > top:
+            raise fail(where, f"{tensor}: shape {_short(shape)} overflows {limit}")
         if bits % 8:
             raise fail(where, f"{tensor}: shape {shape} of {dtype_name} does not fill whole bytes")
         need = bits // 8
-        per = _PACKED.get(dtype_name, 1)
+        per = _PACKED.get(dtype_name, 1) if tensors else 1
         if per > 1:  # torch counts packed elements: the last dimension shrinks
             if not shape or shape[-1] % per:
                 raise fail(
                     where,
                     f"{tensor}: the last dimension of shape {shape} of {dtype_name} is not a "
-                    f"multiple of {per}, which torch's {dtype} needs",
+                    f"multiple of {per}, which torch's {DTYPES[dtype_name]} needs",
                 )
             shape = [*shape[:-1], shape[-1] // per]
         begin, end = offsets
@@ -235,19 +248,22 @@ def parse_header(
                 f"{tensor}: data_offsets [{begin}, {end}] run past the end of the file "
                 f"(the data section holds {data_len} bytes)",
             )
-        entries.append(Entry(name, dtype, tuple(shape), begin, end))
+        spans.append((begin, end, name))
+        if tensors:
+            entries.append(Entry(name, DTYPES[dtype_name], tuple(shape), begin, end))
+    spans.sort(key=lambda e: (e[0], e[1]))
     entries.sort(key=lambda e: (e.begin, e.end))
     at, prev = 0, None
-    for e in entries:
-        if e.begin < at and prev is not None:
+    for begin, end, name in spans:
+        if begin < at and prev is not None:
             raise fail(
                 where,
-                f"tensor {e.name!r} (bytes {e.begin}..{e.end}) overlaps tensor {prev.name!r} "
-                f"(bytes {prev.begin}..{prev.end}) in the data section",
+                f"tensor {name!r} (bytes {begin}..{end}) overlaps tensor {prev[2]!r} "
+                f"(bytes {prev[0]}..{prev[1]}) in the data section",
             )
-        if e.begin > at:
-            raise fail(where, f"bytes {at}..{e.begin} of the data section belong to no tensor")
-        at, prev = e.end, e
+        if begin > at:
+            raise fail(where, f"bytes {at}..{begin} of the data section belong to no tensor")
+        at, prev = end, (begin, end, name)
     if at != data_len:
         raise fail(
             where, f"the tensors end at byte {at} of the data section, the file at {data_len}"
@@ -484,12 +500,15 @@ def _pread_exact(fd: int, n: int, off: int, where: str) -> bytes:
     return out
 
 
-def read_header(fd: int, where: str) -> tuple[dict[str, str] | None, list[Entry], int]:
-    """(metadata, entries in file order, data section offset) of an open file."""
+def read_header(
+    fd: int, where: str, *, tensors: bool = True
+) -> tuple[dict[str, str] | None, list[Entry], int]:
+    """(metadata, entries in file order, data section offset) of an open file
+    (``tensors``: :func:`parse_header`'s)."""
     size = os.fstat(fd).st_size
     first8 = _pread_exact(fd, 8, 0, where) if size >= 8 else b""
     n = header_length(first8, size, where)
-    return header_of(_pread_exact(fd, n, 8, where), size, where)
+    return header_of(_pread_exact(fd, n, 8, where), size, where, tensors=tensors)
 
 
 #: What the first GET of a stored object's header asks for.
@@ -497,18 +516,19 @@ FIRST_READ = 1 << 20
 
 
 def read_stored_header(
-    url: str, options: remote.StorageOptions = None
+    url: str, options: remote.StorageOptions = None, *, tensors: bool = True
 ) -> tuple[int, str | None, dict[str, str] | None, list[Entry], int]:
     """(size, version, metadata, entries in file order, data section offset)
     of the safetensors object ``url``: its header in one ranged GET (a second
-    where it is longer than 1 MiB), of the version later reads pin."""
+    where it is longer than 1 MiB), of the version later reads pin
+    (``tensors``: :func:`parse_header`'s)."""
     head, info = remote.read(url, 0, FIRST_READ, options)
     size, e_tag = info["size"], info["e_tag"]
     n = header_length(head, size, url)
     raw = head[8 : 8 + n]
     if len(raw) < n:
         raw += remote.read(url, 8 + len(raw), n - len(raw), options, e_tag)[0]
-    meta, entries, base = header_of(raw, size, url)
+    meta, entries, base = header_of(raw, size, url, tensors=tensors)
     return size, e_tag, meta, entries, base
 
 
@@ -563,15 +583,19 @@ def header_length(first8: bytes, size: int, where: str) -> int:
     return n
 
 
-def header_of(raw: bytes, size: int, where: str) -> tuple[dict[str, str] | None, list[Entry], int]:
+def header_of(
+    raw: bytes, size: int, where: str, *, tensors: bool = True
+) -> tuple[dict[str, str] | None, list[Entry], int]:
     """(metadata, entries in file order, data section offset) from the header's
-    bytes ``raw`` of a file of ``size`` bytes."""
+    bytes ``raw`` of a file of ``size`` bytes (``tensors``: :func:`parse_header`'s)."""
     n = len(raw)
     fast = _native.safetensors_header(raw, size - 8 - n, _ITEMSIZES)
     if fast is None:  # the Python validator says what is wrong (or reads the unusual)
-        meta, entries = parse_header(raw, size - 8 - n, where)
+        meta, entries = parse_header(raw, size - 8 - n, where, tensors=tensors)
         return meta, entries, 8 + n
     pairs, rows = fast
+    if not tensors:  # what the native reader takes, parse_header's tensors=False takes
+        return (None if pairs is None else dict(pairs)), [], 8 + n
     dtypes = DTYPES
     # Entry's made as tuples are (its __new__ takes keywords: 5x the time).
     new = tuple.__new__
