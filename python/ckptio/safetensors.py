@@ -787,9 +787,9 @@ def load_sharded(
     """Load a sharded checkpoint (``*.safetensors.index.json`` + shards, or a
     folder: read through its ``model.safetensors.index.json``, else its
     ``model.safetensors``, else its one other ``*.safetensors.index.json``, as
-    ``save_sharded`` keeps them) to ``device`` in one call: every shard's
-    shards read one by one, each by the engine while the next one's tensors
-    are allocated. Every tensor the index's weight_map names must
+    ``save_sharded`` keeps them) to ``device`` in one call: the shards read one
+    by one, each by the engine while the next one's tensors are allocated.
+    Every tensor the index's weight_map names must
     be in the shard it names (FormatError otherwise); a tensor name in two
     shards is a FormatError. Returns all tensors of the shards, shard by shard
     in file order. The keywords are ``load_file``'s (``out``, ``strict``,
