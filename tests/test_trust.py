@@ -221,10 +221,11 @@ def test_metadata_read_is_the_trusted_read_for_every_dtype_and_format(tmp_path):
     assert type(got) is type(pickle.loads(raw))
 
 
-@pytest.mark.parametrize("how", ["dotdot", "absolute", "link_out"])
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "link_out", "dot"])
 def test_dcp_paths_outside_the_folder_are_refused(tmp_path, how):
     """A .metadata naming a data file outside its folder (../, an absolute path, a link in
-    the folder to a file outside) is refused, though that file is a valid data file."""
+    the folder to a file outside) is refused, though that file is a valid data file; so
+    is one naming the folder itself (".": it was an IsADirectoryError)."""
     folder = tmp_path / "ck"
     data = save_dcp(folder, tensors())
     outside = tmp_path / "elsewhere"
@@ -234,6 +235,8 @@ def test_dcp_paths_outside_the_folder_are_refused(tmp_path, how):
         rewrite_metadata(folder, lambda i: setattr(i, "relative_path", f"../elsewhere/{data.name}"))
     elif how == "absolute":
         rewrite_metadata(folder, lambda i: setattr(i, "relative_path", str(outside / data.name)))
+    elif how == "dot":
+        rewrite_metadata(folder, lambda i: setattr(i, "relative_path", "."))
     else:
         data.unlink()
         data.symlink_to(outside / data.name)

@@ -112,7 +112,8 @@ def inside(
     roots = [root]
     if blobs and os.path.basename(os.path.dirname(root)) == "snapshots":
         roots.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
-    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+    # Strictly below a root: "." (the folder itself) names no file of it.
+    if not any(real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
         raise error(f"{where}: {rel!r} resolves to {real}, outside the checkpoint folder {folder}")
     return full
 
