@@ -664,6 +664,30 @@ def test_reader_casts_to_the_destinations_dtype_as_torchs_does(tmp_path):
                 assert ours[k].dtype == dtype and torch.equal(ours[k], theirs[k]), (k, dtype)
 
 
+def test_reader_into_conjugate_and_negative_views(tmp_path):
+    """A destination that is a conjugate or negative view (``t.conj()``,
+    ``torch._neg_view(t)``) was read straight into, its bit then applied to
+    the bytes read: an item over 1 MiB came back conjugated or negated. torch's
+    reader copy_s into it: the view reads as the values saved."""
+    g = torch.Generator().manual_seed(5)
+    sd = {
+        "c": torch.randn(200_000, dtype=torch.complex64, generator=g),  # 1.6 MB
+        "r": torch.randn(300_000, generator=g),
+        "small": torch.randn(8, dtype=torch.complex64, generator=g),
+    }
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    for verify in (False, True):
+        dest = {
+            "c": torch.zeros(200_000, dtype=torch.complex64).conj(),
+            "r": torch._neg_view(torch.zeros(300_000)),
+            "small": torch.zeros(8, dtype=torch.complex64).conj(),
+        }
+        dcp.load(dest, storage_reader=FileSystemReader(tmp_path, verify=verify), no_dist=True)
+        for k, v in sd.items():
+            assert torch.equal(dest[k], v), (k, verify)
+        assert dest["c"].is_conj() and dest["r"].is_neg()
+
+
 def test_reader_verify_checks_non_tensor_values(tmp_path):
     """verify=True checks a non-tensor value's archive against its CRC-32s, as a
     tensor's bytes (a flipped byte in one loaded as another value); a value cut

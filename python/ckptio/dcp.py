@@ -1477,7 +1477,8 @@ class FileSystemReader(_TorchReader):
     ) -> int | None:
         """The engine's read of one item into its destination (or a temporary
         on the destination's device, for a strided request, one of another
-        dtype (cast by the copy), one whose memory another read of the file
+        dtype (cast by the copy), a conjugate or negative view at either end
+        (its bit applied by the copy), one whose memory another read of the file
         fills (tied weights: ``claims``), or a partial one when verifying: a
         CRC-32 covers the whole storage). Returns the index of the segment
         added, None for an empty request."""
@@ -1492,7 +1493,9 @@ class FileSystemReader(_TorchReader):
         nbytes = meta.untyped_storage().nbytes()
         whole = src.storage_offset() == 0 and target.numel() * isz == nbytes
         dev = devices.device_code(target.untyped_storage(), f"destination of {req.storage_index}")
-        plain = not (src.is_conj() or src.is_neg())  # else the bits apply at the copy
+        # Else the bits apply at the copy: the source's to the values, the
+        # destination's (a conj or neg view) to what lands in its memory.
+        plain = not (src.is_conj() or src.is_neg() or target.is_conj() or target.is_neg())
         straight = (
             plain
             and src.dtype == target.dtype  # else copy_ casts, as torch's reader does
