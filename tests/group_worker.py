@@ -348,6 +348,67 @@ def case_dcp(c: Ctx) -> dict:
     return out
 
 
+def case_dcp_destinations(c: Ctx) -> dict:
+    """DCP, shared items into destinations unlike what is stored: another
+    dtype on every rank (bf16 into fp32, fp32 into bf16) or on one rank (each
+    in turn: its sends and its receipts), conjugate and negative views, a
+    strided cast. The sender sent its destination's bytes, as many as the
+    stored dtype takes: receivers got garbage, or every rank a ValueError.
+    Every rank ends with torch's reader's values, and the items are still
+    shared."""
+    from ckptio.dcp import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint import FileSystemReader as TorchReader
+
+    g = torch.Generator().manual_seed(21)
+    n = 300_000  # fp32 and complex64 items over 1 MiB; bf16 ones too at 2n
+    saved = {}
+    for i in range(2 * c.world):  # every rank reads some for the others
+        saved[f"b{i}"] = torch.randn(2 * n, generator=g).bfloat16()
+        saved[f"f{i}"] = torch.randn(n, generator=g)
+        saved[f"c{i}"] = torch.randn(n, dtype=torch.complex64, generator=g)
+    saved["small"] = torch.randn(100, generator=g).bfloat16()
+    folder = c.path("dcp_destinations")
+    dcp.save(saved, storage_writer=FileSystemWriter(folder))
+
+    def everywhere(k: str, t: torch.Tensor) -> torch.Tensor:
+        cast = {torch.bfloat16: torch.float32, torch.float32: torch.bfloat16}
+        return torch.zeros(t.shape, dtype=cast.get(t.dtype, torch.complex128))
+
+    def on_one(k: str, t: torch.Tensor) -> torch.Tensor:
+        i = int(k[1:]) if k[1:].isdigit() else 0
+        if k[0] == "c":
+            return torch.zeros_like(t).conj()
+        if k[0] == "f" and i % 2:
+            return torch._neg_view(torch.zeros_like(t))
+        if k[0] == "f":
+            return torch.zeros(2 * t.numel(), dtype=torch.float64)[::2]  # strided, cast
+        return torch.zeros(t.shape, dtype=torch.float64)
+
+    cases = [("everywhere", everywhere, None)]
+    cases += [(f"on rank {r}", on_one, r) for r in range(c.world)]
+    wrong = []  # checked once every load is over: a rank that stops early hangs the rest
+    for name, make, only in cases:
+        reader = FileSystemReader(folder)
+        ours, theirs = (
+            {
+                k: make(k, t) if only in (None, c.rank) else torch.zeros_like(t)
+                for k, t in saved.items()
+            }
+            for _ in range(2)
+        )
+        dcp.load(ours, storage_reader=reader)
+        dcp.load(theirs, storage_reader=TorchReader(folder))
+        for k in saved:
+            a, b = ours[k], theirs[k]
+            if not (a.dtype == b.dtype and torch.equal(a, b)):
+                wrong.append((name, k, a[:3].tolist(), b[:3].tolist()))
+        got = reader.last_share
+        if not (got["items_sent"] and got["items_received"]):
+            wrong.append((name, "not shared", got))
+    assert not wrong, wrong[:4]
+    return {}
+
+
 def case_after(c: Ctx) -> dict:
     # The group is still usable after the failures above.
     return case_torch_load(c)

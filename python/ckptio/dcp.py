@@ -67,7 +67,7 @@ import secrets
 import shutil
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -1218,13 +1218,21 @@ class FileSystemReader(_TorchReader):
                 f"the load plan shares item {missing[0][1]!r}, which this rank does not read"
             )
         kept: dict[int, Any] = {}
+        # What this rank sends is the stored dtype's bytes, whatever its own
+        # destination (the receivers convert into theirs). _SendingPlanner
+        # answers all that the reads ask of a planner.
+        sent_as = {
+            id(mine[key][0]): self._sizes[key[1]][0]
+            for key in own
+            if mine[key][0].type != LoadItemType.BYTE_IO
+        }
         self._read_items(
             [
                 r
                 for r in plan.items
                 if self._share_key(r) not in shared or self._share_key(r) in own
             ],
-            planner,
+            cast(LoadPlanner, _SendingPlanner(planner, sent_as)),
             kept,
         )
         pieces = []
@@ -1723,8 +1731,43 @@ class _Shares:
     entries: tuple[tuple[tuple[Any, ...], int, int], ...]
 
 
+class _SendingPlanner:
+    """``planner`` for a rank's reads in a shared load: an item it reads for
+    the others (``sent_as``: id(request) -> the stored dtype) whose destination
+    is of another dtype, or a conjugate or negative view, is read into a
+    tensor of the stored dtype (sent as it is: its bytes are what the others
+    expect), then copied into the destination, casting as torch's reader does."""
+
+    def __init__(self, planner: LoadPlanner, sent_as: dict[int, torch.dtype]) -> None:
+        self.planner = planner
+        self.sent_as = sent_as
+        self.targets: dict[int, torch.Tensor] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.planner, name)
+
+    def resolve_tensor(self, req: Any) -> torch.Tensor:
+        target = self.planner.resolve_tensor(req)
+        dtype = self.sent_as.get(id(req))
+        if dtype is None or (target.dtype == dtype and not (target.is_conj() or target.is_neg())):
+            return target
+        self.targets[id(req)] = target  # (a read begun again resolves it again)
+        return torch.empty(target.shape, dtype=dtype, device=target.device)
+
+    def commit_tensor(self, req: Any, tensor: torch.Tensor) -> None:
+        target = self.targets.pop(id(req), None)
+        if target is not None:
+            target.detach().copy_(tensor)
+            tensor = target
+        self.planner.commit_tensor(req, tensor)
+
+    def load_bytes(self, req: Any, value: io.BytesIO) -> None:
+        self.planner.load_bytes(req, value)
+
+
 def _owned(i: int, owner: int, nbytes: int, have: Any) -> sharing.Piece:
-    """A shared item this rank read (``have``: its destination, or its bytes)."""
+    """A shared item this rank read (``have``: its bytes, or its tensor of the
+    stored dtype: the destination, or what ``_SendingPlanner`` read it into)."""
     if isinstance(have, bytes):
         t = (
             torch.frombuffer(bytearray(have), dtype=torch.uint8)
@@ -1772,7 +1815,8 @@ def _received(
                 f"item {r.storage_index.fqn!r} has shape {tuple(r.lengths)}, "
                 f"the destination {tuple(x.shape)}"
             )
-    straight = t.is_contiguous() and t.dtype == stored  # else copy_ casts, as torch's does
+    # Else copy_ casts, as torch's does, and applies a conj or neg view's bit.
+    straight = t.is_contiguous() and t.dtype == stored and not (t.is_conj() or t.is_neg())
 
     def done() -> None:
         for r, x in zip(reqs, targets, strict=True):
