@@ -511,6 +511,28 @@ def test_staged_tensors_keep_their_python_attributes(async_staging):
         assert not hasattr(out["w"], "tp_dim") and out["w"].other == "x"
 
 
+@pytest.mark.parametrize("async_staging", [True, False])
+def test_tensors_of_one_geometry_stay_distinct(async_staging):
+    """x and x.view(3) (two tensors over the same memory with one dtype, offset,
+    shape and strides) were staged as one tensor object, the last one's
+    attributes on both; torch's stager keeps them two objects (of one staged
+    storage), each with its own attributes. One tensor at two paths stays one."""
+    x = torch.arange(3.0)
+    y, z = x.view(3), x.view(3)
+    x.tag, y.tag = "x", "y"
+    with DefaultStager(StagingOptions(use_async_staging=async_staging)) as st:
+        for sd in ({"a": x, "b": y, "c": x, "z": z}, {"z": z, "b": y, "a": x, "c": x}):
+            out = result(st.stage(sd))  # the second time from the cached views, in another order
+            assert out["a"] is out["c"]
+            assert len({id(out["a"]), id(out["b"]), id(out["z"])}) == 3
+            assert (out["a"].tag, out["b"].tag) == ("x", "y") and not hasattr(out["z"], "tag")
+            ptrs = {out[k].untyped_storage().data_ptr() for k in "abz"}
+            assert len(ptrs) == 1 and ptrs != {x.untyped_storage().data_ptr()}
+            assert all(torch.equal(out[k], x) for k in "abz")
+        out = result(st.stage({"b": y}))
+        assert out["b"].tag == "y"
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     """A gloo process group of this process alone (for DTensor and ShardedTensor)."""

@@ -129,6 +129,11 @@ def _default_threads() -> int:
     return n if n is not None else max(8, min(16, os.cpu_count() or 8))
 
 
+#: A staged view's key: (dtype, storage offset, shape, strides), and n for
+#: the n-th other source tensor of that geometry in one walk (x and x.view(3)).
+_VKey = tuple[torch.dtype, Any, Any, Any] | tuple[torch.dtype, Any, Any, Any, int]
+
+
 class _Buffer:
     """A staging buffer, allocated by ``materialize()`` once the walk is over.
 
@@ -153,8 +158,8 @@ class _Buffer:
         self.views: dict[Any, torch.Tensor] = {}
         self.old: dict[Any, torch.Tensor] | None = None
 
-    def view(self, vkey: tuple[torch.dtype, int, Any, Any]) -> torch.Tensor:
-        """The staged tensor of this (dtype, storage offset, shape, strides)."""
+    def view(self, vkey: _VKey) -> torch.Tensor:
+        """The staged tensor of this (dtype, storage offset, shape, strides[, n])."""
         out = self.views.get(vkey)
         if out is None and self.old:
             out = self.old.pop(vkey, None)
@@ -173,7 +178,7 @@ class _Buffer:
             self.views[vkey] = out
         return out
 
-    def _offset(self, vkey: tuple[torch.dtype, int, Any, Any]) -> int:
+    def _offset(self, vkey: _VKey) -> int:
         """A view's storage offset in the buffer's storage, in elements of its dtype."""
         return vkey[1]
 
@@ -363,7 +368,7 @@ class _HostSlot(_Buffer):
     def pin(self) -> Any:
         return self.slab.buffer.pin if self.slab is not None else None
 
-    def _offset(self, vkey: tuple[torch.dtype, int, Any, Any]) -> int:
+    def _offset(self, vkey: _VKey) -> int:
         return self.offset // vkey[0].itemsize + vkey[1]
 
     def _allocate(self) -> torch.UntypedStorage:
@@ -536,6 +541,9 @@ class _Plan:
         # of the tensors whose attributes the walk has copied.
         self.walked: dict[int, Any] = {}
         self.with_attrs: set[int] = set()
+        # id of a cached staged view -> the source tensor it stages in this walk
+        # (kept alive: ids of distinct tensors stay distinct).
+        self.given: dict[int, torch.Tensor] = {}
 
     def devices(self) -> set[int]:
         """CUDA devices whose memory this stage copies."""
@@ -933,11 +941,29 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             out = buf.view(vkey)
             if len(buf.views) > _VIEWS_MAX:
                 self._cache.crowded[buf] = None
+        if plan.given.setdefault(id(out), t) is not t:
+            out = self._another_view(buf, vkey, t, plan)
         # Python attributes (w.tp_dim = 0) are copied as torch's stager copies
         # them; a cached view keeps none that its source lost.
         if t.__dict__ or out.__dict__:
             self._attrs(t, out, plan, sync=True)
         return out
+
+    def _another_view(
+        self, buf: _Buffer, vkey: _VKey, t: torch.Tensor, plan: _Plan
+    ) -> torch.Tensor:
+        """The staged tensor of ``t`` where another source tensor of its geometry
+        took the first (x and x.view(3)): a view of its own (cached by its rank
+        among them), as torch's stager keeps them two objects, each with its
+        own attributes."""
+        n = 1
+        while True:
+            out = buf.view((*vkey, n))
+            if plan.given.setdefault(id(out), t) is t:
+                if len(buf.views) > _VIEWS_MAX:
+                    self._cache.crowded[buf] = None
+                return out
+            n += 1
 
     def _attrs(self, t: torch.Tensor, out: Any, plan: _Plan, sync: bool = False) -> Any:
         """``out`` with ``t``'s Python attributes (``t.__dict__``), each value
