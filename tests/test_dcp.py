@@ -533,6 +533,22 @@ def test_tensors_of_one_geometry_stay_distinct(async_staging):
         assert out["b"].tag == "y"
 
 
+@pytest.mark.parametrize("async_staging", [True, False])
+def test_one_tensor_the_buffers_do_not_take_at_two_paths(async_staging):
+    """A tensor staged outside the buffers (of a storage of no bytes, a
+    conjugate view) met at two paths was staged twice, the second copy without
+    its attributes; torch's stager (a deep copy) keeps it one object."""
+    e = torch.empty(0)
+    c = torch.randn(3, dtype=torch.complex64).conj()
+    e.note, c.note = 1, 2
+    sd = {"a": e, "b": e, "c": c, "d": [c]}
+    with DefaultStager(StagingOptions(use_async_staging=async_staging)) as st:
+        out = result(st.stage(sd))
+        assert out["a"] is out["b"] and out["b"].note == 1
+        assert out["c"] is out["d"][0] and out["d"][0].note == 2
+        assert torch.equal(out["c"], c) and out["c"] is not c
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     """A gloo process group of this process alone (for DTensor and ShardedTensor)."""

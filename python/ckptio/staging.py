@@ -45,6 +45,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -920,16 +921,14 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             or t.is_conj()
             or t.is_neg()
         ):
-            copied = _plain_copy(t)
-            return self._attrs(t, copied, plan) if t.__dict__ else copied
+            return self._apart(t, _plain_copy, plan)
         st = t.untyped_storage()
         # (device ordinal or -1, storage address, storage bytes, device snapshot)
         key = (t.get_device() if cuda else -1, st.data_ptr(), st.nbytes(), cuda and self._snapshot)
         buf = plan.memo.get(key)
         if buf is None:
             if key[1] == 0 or key[2] == 0:
-                empty = _empty_view(t, key[3])
-                return self._attrs(t, empty, plan) if t.__dict__ else empty
+                return self._apart(t, lambda t: _empty_view(t, key[3]), plan)
             buf = self._cache.buffers.get(key)
             if buf is None or buf.storage is None:
                 buf = self._unallocated(t, key, plan, buf)
@@ -948,6 +947,18 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
         if t.__dict__ or out.__dict__:
             self._attrs(t, out, plan, sync=True)
         return out
+
+    def _apart(
+        self, t: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor], plan: _Plan
+    ) -> torch.Tensor:
+        """The staged tensor of ``t`` outside the buffers (``make(t)``): made once
+        per walk, as torch's deep copy keeps one tensor at two paths one object."""
+        done = plan.walked.get(id(t))
+        if done is not None:
+            return done
+        out = make(t)
+        objects.memoize(plan.walked, t, out)
+        return self._attrs(t, out, plan) if t.__dict__ else out
 
     def _another_view(
         self, buf: _Buffer, vkey: _VKey, t: torch.Tensor, plan: _Plan
