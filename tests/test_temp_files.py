@@ -76,10 +76,12 @@ def test_temps_of_dead_saves_under_other_names_are_removed(tmp_path, capsys):
     finally:
         kill(live)
     (tmp_path / "notes.ckptio-1-0123456789abcdef.tmp").write_text("not ours: no leading dot")
+    (tmp_path / ".notes.ckptio-1-0123456789ABCDEF.tmp").write_text("not ours: capitals")
     rc, out, err = cli(["clean", str(tmp_path)], capsys)
     assert (rc, out.splitlines()[0], err) == (0, name, ""), out
     assert temps(tmp_path) == []
     assert (tmp_path / "notes.ckptio-1-0123456789abcdef.tmp").exists()
+    assert (tmp_path / ".notes.ckptio-1-0123456789ABCDEF.tmp").exists()
     rc, out, err = cli(["clean", str(tmp_path / "missing")], capsys)
     assert rc == 1 and len(err.splitlines()) == 1 and "FileNotFoundError" in err, err
 

@@ -550,7 +550,9 @@ pub fn is_temp_name(file_name: &OsStr) -> bool {
         && !pid.is_empty()
         && pid.bytes().all(|b| b.is_ascii_digit())
         && nonce.len() == 16
-        && nonce.bytes().all(|b| b.is_ascii_hexdigit())
+        // Lower-case only, as temp_name writes it (and the Python side's pattern):
+        // a user's file in capitals is not ours to remove.
+        && nonce.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// Remove the temp files of dead saves (see the module doc) in `folder`: only
@@ -860,6 +862,7 @@ mod tests {
             ".ckptio-1-0123456789abcdef.tmp",
             ".a.pt.ckptio-1-0123456789abcdef",
             ".a.pt.ckptio-1-0123456789abcdef0.tmp",
+            ".a.pt.ckptio-1-0123456789ABCDEF.tmp",
         ] {
             assert!(!is_temp_name(OsStr::new(bad)), "{bad}");
         }
