@@ -215,3 +215,18 @@ def test_a_damaged_source_fails_convert(tmp_path, capsys, dst):
     err = run_err(capsys, src, tmp_path / dst)
     assert err.count("\n") == 1 and "FormatError" in err and rec.name in err and "CRC-32" in err
     assert not (tmp_path / dst).exists()
+
+
+# ------------------------------------------------------------------- review of the tools layer
+
+
+def test_a_source_without_tensor_bytes_is_refused_as_any_other(tmp_path, capsys):
+    """A torch.save source holding no tensor byte failed with "KeyError: 'verified'"
+    (its verifying load); it now gets the usual ConversionError, or converts."""
+    src, dst = tmp_path / "n.pt", tmp_path / "n.safetensors"
+    ckptio.save({"step": 3}, src)
+    err = run_err(capsys, src, dst)
+    assert "ConversionError" in err and "'step' is a int, not a tensor" in err, err
+    torch.save({"e": torch.empty(0)}, src)
+    assert main(["convert", "-q", str(src), str(dst)]) == 0
+    same(st.load_file(dst), {"e": torch.empty(0)})

@@ -471,3 +471,27 @@ def test_check_archive_judges_an_archive_held_in_memory(tmp_path):
         with pytest.raises(ckptio.FormatError, match=re.escape(f"{where}: ")) as ei:
             _native.check_archive(junk, where)
         assert says in str(ei.value), str(ei.value)
+
+
+# ------------------------------------------------------------------- review of the tools layer
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [{"epoch": 3}, {}, [1, 2], {"e": torch.empty(0)}],
+    ids=["int", "empty-dict", "list", "empty-tensor"],
+)
+@pytest.mark.parametrize("save", ["ckptio", "torch"])
+def test_verify_of_a_checkpoint_without_tensor_bytes(tmp_path, obj, save):
+    """load(verify=True) of a checkpoint that holds no tensor byte raised
+    KeyError: 'verified' (a read of no segments carried no "verified" /
+    "unchecked"); its records are checked as any others, from a path or a
+    file object."""
+    p = tmp_path / "m.pt"
+    (ckptio.save if save == "ckptio" else torch.save)(obj, p)
+    want = torch.load(p, weights_only=True)
+    assert_same(ckptio.load(p, verify=True), want)
+    assert ckptio.last_report().verified
+    with open(p, "rb") as f:
+        assert_same(ckptio.load(f, verify=True), want)
+    assert ckptio.last_report().verified

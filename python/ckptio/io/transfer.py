@@ -183,10 +183,12 @@ class Pipeline:
         *,
         source: Any = None,
         join: bool = False,
+        verify: bool = False,
     ) -> None:
         self._read = read  # (source, segments, owners, streams) -> stats
         self._source = source  # what add() reads from unless it names another
         self._join = join
+        self._verify = verify  # its stats name the records checked, even of no read
         self._lock = threading.Lock()
         self._last: _Batches | None = None
         self.jobs: list[Job[dict[str, Any]]] = []
@@ -220,7 +222,7 @@ class Pipeline:
         ) -> dict[str, Any]:
             return read_after(src, engine, segs, owners, st, verify)
 
-        return cls(read, source=source)
+        return cls(read, source=source, verify=verify)
 
     @classmethod
     def of_store(
@@ -286,7 +288,7 @@ class Pipeline:
         """Every read done: their stats merged (bytes summed; with ``verify``,
         "verified" and "unchecked" joined, "crc32" concatenated; ``backend``:
         the one asked for, said where nothing was read)."""
-        return merged(wait_all(self.jobs), backend)
+        return merged(wait_all(self.jobs), backend, verify=self._verify)
 
     def abandon(self, err: BaseException) -> None:
         """:func:`settle` the reads after ``err`` (the caller's)."""
@@ -318,13 +320,17 @@ class _Batches:
         self.streams += [s for s in streams if s not in self.streams]
 
 
-def merged(done: list[dict[str, Any]], backend: str | None = None) -> dict[str, Any]:
-    """Reads' stats as one read's (see :meth:`Pipeline.stats`)."""
+def merged(
+    done: list[dict[str, Any]], backend: str | None = None, *, verify: bool = False
+) -> dict[str, Any]:
+    """Reads' stats as one read's (see :meth:`Pipeline.stats`). ``verify``:
+    "verified" and "unchecked" are there even where nothing was read (a
+    checkpoint without a byte of tensor data checks no record)."""
     if len(done) == 1:
         return done[0]
     out = reports.merged(done, backend)
     for key in ("verified", "unchecked", "crc32"):
-        if any(key in st for st in done):
+        if any(key in st for st in done) or (verify and key != "crc32"):
             out[key] = [x for st in done for x in st.get(key, ())]
     return out
 
