@@ -633,3 +633,42 @@ def test_ls_lists_a_checkpoint_torch_loads_only_without_weights_only(tmp_path, c
     names = {t["name"] for e in json.loads(out)["entries"] for t in e["tensors"]}
     assert rc == 0 and names == {"hparams.t", "model.weight", "model.bias", "p", "view"}
     assert not ran.exists()
+
+
+# ------------------------------------------------------------------- review of the tools layer
+
+EVIL = "w\x1b[2J\x1b[32mALL GOOD\x1b[0m\nfake"  # clears the screen, prints green, splits a line
+
+
+def test_names_from_a_checkpoint_are_printed_as_escapes_by_every_command(tmp_path, capsys):
+    """verify printed record and item names as the checkpoint holds them (a DCP item
+    named EVIL cleared the screen and split its line), in its lines and in the
+    summary on stderr, and inspect in its metadata list; ls escaped them. Every
+    command now writes such a name as ls does, and so do error lines."""
+    d = tmp_path / "d"
+    sd = {EVIL: torch.randn(1000), "ok": torch.ones(3), "cfg": {EVIL: "x"}}
+    dcp.save(sd, storage_writer=FileSystemWriter(d), no_dist=True)
+    shown = "w\\x1b[2J\\x1b[32mALL GOOD\\x1b[0m\\nfake"
+    n = len(ckptio.verify(d).records)
+    for cmd in ("verify", "ls", "inspect"):
+        rc, out, err = run(capsys, cmd, d)
+        assert rc == 0 and err == "" and "\x1b" not in out and shown in out, (cmd, out)
+        assert all(shown in line for line in out.splitlines() if "fake" in line), out
+    assert len(run(capsys, "verify", d)[1].splitlines()) == n + 1
+
+    data = next(d.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[800] ^= 1  # inside EVIL's tensor bytes (its data record starts at 704)
+    data.write_bytes(bytes(raw))
+    rc, out, err = run(capsys, "verify", d)
+    assert rc == 1 and "\x1b" not in out + err and err.count("\n") == 1, err
+    assert f"do not match: {shown} (" in err, err
+    with pytest.raises(ckptio.FormatError) as ei:
+        ckptio.verify(d).raise_if_bad()
+    assert shown in str(ei.value) and "\x1b" not in str(ei.value)
+
+    junk = tmp_path / f"{EVIL}.bin"  # a path in an error line: colours dropped, the rest escaped
+    junk.write_bytes(b"not a checkpoint at all")
+    for cmd in ("ls", "verify"):
+        err = failed(capsys, cmd, junk)
+        assert "\x1b" not in err and "w\\x1b[2J" in err and ".bin: " in err, err

@@ -290,8 +290,10 @@ def _object_size(url: str) -> int:
 
 def _one_line(e: BaseException) -> str:
     """The error's whole message on one line (torch's refusals span several, the
-    file named on the last), terminal escapes left out."""
+    file named on the last), its colours left out and any other control
+    character (of a name in it) written as an escape."""
     text = " ".join(s.strip() for s in _ANSI.sub("", str(e)).splitlines() if s.strip())
+    text = describe.printable(text)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
@@ -337,7 +339,9 @@ def _cmd_verify(a: argparse.Namespace) -> int:
             total = describe.checkpoint_bytes(detect.detect(a.path))
         except Exception:
             total = 0  # (a missing path: verify raises its error alone)
-    with Progress(f"verifying {a.path}", total, enabled=False if a.quiet else None) as p:
+    with Progress(
+        f"verifying {describe.printable(a.path)}", total, enabled=False if a.quiet else None
+    ) as p:
         rep = verify(a.path, progress=p.add)
     if a.json:
         d = dataclasses.asdict(rep)
@@ -353,7 +357,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
                 and r.actual_crc32 is not None
                 else ""
             )
-            print(f"{r.state:>9}  {r.name}{extra}")
+            print(f"{r.state:>9}  {describe.printable(r.name)}{extra}")
     if rep.ok:
         if not a.quiet:
             print(rep.summary())
@@ -372,7 +376,9 @@ def _cmd_convert(a: argparse.Namespace) -> int:
         )
     # Read once, written once.
     total = 2 * (_object_size(a.src) if stored else describe.checkpoint_bytes(src))
-    with Progress(f"converting {a.src}", total, enabled=False if a.quiet else None) as p:
+    with Progress(
+        f"converting {describe.printable(a.src)}", total, enabled=False if a.quiet else None
+    ) as p:
         start = io_bytes()
         p.follow(lambda: io_bytes() - start)
         log = (lambda line: None) if a.quiet else p.print

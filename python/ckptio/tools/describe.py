@@ -38,6 +38,7 @@ __all__ = [
     "Tensor",
     "detect",
     "listing",
+    "printable",
 ]
 
 
@@ -377,16 +378,18 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return "x".join(map(str, shape)) if shape else "scalar"
 
 
-def _printable(name: str) -> str:
-    """A name as one line of text: control characters (a newline, a terminal
-    escape) written as escapes, as repr() writes them."""
+def printable(name: str) -> str:
+    """A name (from a checkpoint, a folder's listing, a path) as one line of
+    text that a terminal shows as it is: control and other non-printing
+    characters (a newline, a terminal escape, a right-to-left override)
+    written as repr() writes them. Every name the commands print goes through it."""
     if name.isprintable():
         return name
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
 
 
 def _tensor_text(t: Tensor) -> str:
-    text = f"{_printable(t.name)}: {t.dtype} [{_shape(t.shape)}]"
+    text = f"{printable(t.name)}: {t.dtype} [{_shape(t.shape)}]"
     return text + (f" {t.note}" if t.note else "")
 
 
@@ -395,7 +398,7 @@ def _file_title(lst: Listing, rel: str, size: int, entries: list[Entry]) -> str:
     m = dcp.DATA_FILE.fullmatch(rel) if lst.format == DCP else None
     rank = f" (rank {m['rank']})" if m else ""
     n = len(entries)
-    return f"== {rel}{rank}: {n} {kind}{'s' if n != 1 else ''}, {size} bytes"
+    return f"== {printable(rel)}{rank}: {n} {kind}{'s' if n != 1 else ''}, {size} bytes"
 
 
 def lines(lst: Listing, *, crc: bool = False) -> list[str]:
@@ -405,7 +408,7 @@ def lines(lst: Listing, *, crc: bool = False) -> list[str]:
     pad = 44 if crc else 33
     head = f"{'offset':>12} {'bytes':>12} {'align':>5}" + (f" {'crc32':>10}" if crc else "")
     what = {TORCH: "record / tensors", DCP: "item / tensor"}.get(lst.format, "tensor")
-    out = [f"{lst.format}: {lst.path}", f"{head}  {what}"]
+    out = [f"{lst.format}: {printable(lst.path)}", f"{head}  {what}"]
     for rel, size in lst.files:
         es = [e for e in lst.entries if e.file == rel]
         if rel:
@@ -420,7 +423,7 @@ def lines(lst: Listing, *, crc: bool = False) -> list[str]:
                 data = f", data at {e.data_offset}" if crc and e.data_offset != e.offset else ""
                 out.append(f"{row}  {_tensor_text(e.tensors[0])}{data}")
                 continue
-            out.append(f"{row}  {_printable(e.name)}")
+            out.append(f"{row}  {printable(e.name)}")
             out.extend(f"{'':>{pad}}  - {_tensor_text(t)}" for t in e.tensors)
     if not crc:
         return out
@@ -453,13 +456,17 @@ def _summary(lst: Listing) -> list[str]:
         "(name: dtype [shape]; shards: [offsets] +[sizes] file@offset)"
     )
     for s in lst.stored:
+        name = printable(s.name)
         if s.kind == "bytes":
-            at = ", ".join(f"{h.file}@{h.offset} ({h.nbytes} bytes)" for h in s.shards)
-            out.append(f"  {s.name}: bytes {at}")
+            at = ", ".join(f"{printable(h.file)}@{h.offset} ({h.nbytes} bytes)" for h in s.shards)
+            out.append(f"  {name}: bytes {at}")
             continue
         n = len(s.shards)
-        out.append(f"  {s.name}: {s.dtype} [{_shape(s.shape)}], {n} shard{'s' if n != 1 else ''}")
-        out.extend(f"    {list(h.offsets)} +{list(h.sizes)} {h.file}@{h.offset}" for h in s.shards)
+        out.append(f"  {name}: {s.dtype} [{_shape(s.shape)}], {n} shard{'s' if n != 1 else ''}")
+        out.extend(
+            f"    {list(h.offsets)} +{list(h.sizes)} {printable(h.file)}@{h.offset}"
+            for h in s.shards
+        )
     return out
 
 

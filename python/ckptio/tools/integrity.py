@@ -66,21 +66,27 @@ class VerifyReport:
     def raise_if_bad(self) -> None:
         """Raise ``ckptio.FormatError`` (the error ``load(verify=True)`` raises) unless ok."""
         if not self.ok:
-            raise corrupt(self.path, self.summary().removeprefix(f"{self.path}: "))
+            raise corrupt(self.path, self._finding())
 
     def summary(self) -> str:
+        """The finding on one line, the path first; names taken from the checkpoint
+        (records, items) and the path written as ``describe.printable`` writes
+        them: a terminal escape in an item's name shows as text."""
+        return f"{describe.printable(self.path)}: {self._finding()}"
+
+    def _finding(self) -> str:
         if self.error is not None:
-            return f"{self.path}: BAD: {self.error.removeprefix(f'{self.path}: ')}"
+            return f"BAD: {describe.printable(self.error.removeprefix(f'{self.path}: '))}"
         n, u = len(self.records), len(self.unchecked)
         if self.format in ("safetensors", "sharded safetensors"):
             return (
-                f"{self.path}: ok: header and offsets of {n} tensors checked ({self.format}: "
+                f"ok: header and offsets of {n} tensors checked ({self.format}: "
                 "the format stores no checksum, so their bytes are unchecked)"
             )
         if self.bad:
-            names = ", ".join(r.name for r in self.bad)
-            return f"{self.path}: BAD: {len(self.bad)} of {n} records do not match: {names}"
-        return f"{self.path}: ok: {n - u} records checked" + (f", {u} unchecked" if u else "")
+            names = ", ".join(describe.printable(r.name) for r in self.bad)
+            return f"BAD: {len(self.bad)} of {n} records do not match: {names}"
+        return f"ok: {n - u} records checked" + (f", {u} unchecked" if u else "")
 
 
 def verify(
