@@ -672,3 +672,31 @@ def test_names_from_a_checkpoint_are_printed_as_escapes_by_every_command(tmp_pat
     for cmd in ("ls", "verify"):
         err = failed(capsys, cmd, junk)
         assert "\x1b" not in err and "w\\x1b[2J" in err and ".bin: " in err, err
+
+
+def test_names_that_are_no_utf8_are_printed_escaped(tmp_path):
+    """clean removed a dead save's temp file whose name is no UTF-8, then failed to
+    print it (UnicodeEncodeError on a strict stdout, exit 1); ls and convert of such a
+    path failed the same way. The bytes are now printed as \\xNN, exit 0."""
+    env = dict(os.environ, PYTHONIOENCODING="utf-8:strict")
+    folder = os.fsencode(tmp_path)
+    temp = folder + b"/.\xff.ckptio-1-0123456789abcdef.tmp"
+    with open(temp, "wb") as f:
+        f.write(b"left by a dead save")
+    model = folder + b"/m\xff.pt"
+    torch.save({"w": torch.ones(2)}, os.fsdecode(model))
+
+    def cli(*argv):
+        r = subprocess.run(
+            [sys.executable, "-m", "ckptio", *argv], env=env, capture_output=True, timeout=120
+        )
+        assert r.returncode == 0 and r.stderr == b"", (argv, r.stderr)
+        return r.stdout.decode()
+
+    out = cli("clean", folder)
+    assert ".\\xff.ckptio-1-0123456789abcdef.tmp\n" in out and "1 files" in out, out
+    assert not os.path.exists(temp)
+    for cmd in ("ls", "verify"):  # the path in the listing's header, in the summary
+        assert "m\\xff.pt" in cli(cmd, model)
+    out = cli("convert", model, folder + b"/\xfe.safetensors")
+    assert "m\\xff.pt (torch) -> " in out and "\\xfe.safetensors (safetensors)" in out, out

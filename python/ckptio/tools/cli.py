@@ -444,16 +444,18 @@ def _cmd_clean(a: argparse.Namespace) -> int:
             _print_json({"url": a.folder, "aborted": removed})
         elif not a.quiet:
             for name in removed:
-                print(name)
-            print(f"{a.folder}: {len(removed)} dangling uploads aborted")
+                print(describe.printable(name))
+            print(f"{describe.printable(a.folder)}: {len(removed)} dangling uploads aborted")
         return OK
     removed = clean.clean(a.folder, unreferenced=a.unreferenced)
     if a.json:
         _print_json({"folder": a.folder, "removed": list(removed)})
     elif not a.quiet:
+        # A name that is no UTF-8 (or holds a newline) is printed escaped: the
+        # files are gone by now, and the report of what went must not fail.
         for name in removed:
-            print(name)
-        print(f"{a.folder}: {len(removed)} files of dead saves removed")
+            print(describe.printable(name))
+        print(f"{describe.printable(a.folder)}: {len(removed)} files of dead saves removed")
     return OK
 
 

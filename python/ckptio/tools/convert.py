@@ -39,6 +39,7 @@ from ckptio.formats import detect
 from ckptio.formats import safetensors as st_format
 from ckptio.io import remote
 from ckptio.serialization import last_report, load, save
+from ckptio.tools.describe import printable
 
 FORMATS = ("safetensors", "torch")
 _TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt", ".tar")
@@ -217,8 +218,8 @@ def convert(
         save(tensors, dst)
     rep = last_report()
     assert rep is not None
-    log(
-        f"{src} ({src_format}) -> {dst} ({fmt}): {len(tensors)} tensors, "
-        f"{rep.nbytes / 2**20:.1f} MiB"
+    log(  # paths escaped: a name that is no UTF-8 must not fail the report of a done write
+        f"{printable(os.fsdecode(src))} ({src_format}) -> {printable(os.fsdecode(dst))} ({fmt}): "
+        f"{len(tensors)} tensors, {rep.nbytes / 2**20:.1f} MiB"
     )
     return fmt

@@ -382,10 +382,18 @@ def printable(name: str) -> str:
     """A name (from a checkpoint, a folder's listing, a path) as one line of
     text that a terminal shows as it is: control and other non-printing
     characters (a newline, a terminal escape, a right-to-left override)
-    written as repr() writes them. Every name the commands print goes through it."""
+    written as repr() writes them; the bytes of a file name that are not UTF-8
+    (lone surrogates from ``os.fsdecode``, which a strict encoder refuses) as
+    ``\\xNN``. Every name the commands print goes through it."""
     if name.isprintable():
         return name
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+    return "".join(c if c.isprintable() else _escaped(c) for c in name)
+
+
+def _escaped(c: str) -> str:
+    if "\udc80" <= c <= "\udcff":  # the byte os.fsdecode could not decode
+        return f"\\x{ord(c) - 0xDC00:02x}"
+    return repr(c)[1:-1]
 
 
 def _tensor_text(t: Tensor) -> str:
