@@ -700,3 +700,41 @@ def test_names_that_are_no_utf8_are_printed_escaped(tmp_path):
         assert "m\\xff.pt" in cli(cmd, model)
     out = cli("convert", model, folder + b"/\xfe.safetensors")
     assert "m\\xff.pt (torch) -> " in out and "\\xfe.safetensors (safetensors)" in out, out
+
+
+@pytest.mark.parametrize(
+    "writer", [FileSystemWriter, dcp.FileSystemWriter], ids=["ckptio", "torch"]
+)
+@pytest.mark.parametrize("values", [True, False], ids=["with-values", "tensors-only"])
+def test_safetensors_format_dcp_items_are_unchecked_not_corrupted(tmp_path, capsys, writer, values):
+    """A DCP folder written with SerializationFormat.SAFETENSORS (its tensors one
+    safetensors blob per data file, no torch.save zips) was called corrupted by verify,
+    ls and inspect ("no end-of-central-directory record"). Its tensor items are now
+    "unchecked" (no CRC-32; no DCP reader reads them as items), its values checked as
+    any, exit 0; a damaged torch.save item is still damage."""
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    d = tmp_path / "st"
+    sd = {"w": torch.randn(100), "b": torch.arange(6)} | ({"cfg": {"lr": 0.5}} if values else {})
+    w = writer(d, serialization_format=SerializationFormat.SAFETENSORS)
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    rep = ckptio.verify(d)
+    assert rep.ok and rep.error is None, rep.summary()
+    assert sorted(r.name.split(" ")[0] for r in rep.unchecked) == ["b", "w"], rep.records
+    assert all(r.state == "ok" for r in rep.records if r.name.startswith("cfg.lr"))
+    assert any(r.name.startswith("cfg.lr") for r in rep.records) == values
+    rc, out, err = run(capsys, "verify", d)
+    assert rc == 0 and err == "" and "unchecked  w (" in out and ", 2 unchecked" in out, out
+    rc, out, err = run(capsys, "ls", d)
+    assert rc == 0 and err == "" and "w: float32 [100]" in out and "b: int64 [6]" in out, out
+    rc, out, err = run(capsys, "inspect", d)
+    assert rc == 0 and "safetensors-format items 2 (not read here)" in out, out
+    crcs = {e.name: e.crc for e in ckptio.listing(d).entries}
+    assert crcs == {"w": "safetensors", "b": "safetensors"} | ({"cfg.lr": "none"} if values else {})
+
+    d2 = tmp_path / "zip"  # a torch.save item whose zip lost its end: damage
+    dcp.save({"w": torch.randn(100)}, storage_writer=FileSystemWriter(d2), no_dist=True)
+    data = next(d2.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:-30])
+    assert "BAD" in failed(capsys, "verify", d2)
+    assert "corrupted" in failed(capsys, "ls", d2)

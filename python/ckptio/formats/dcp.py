@@ -4,7 +4,9 @@ A DCP checkpoint is a folder: data files (torch's ``__{rank}_{n}.distcp``,
 ckptio's ``__{rank}_{token}_{n}.distcp``) of items, and ``.metadata``, a pickle
 of DCP's ``Metadata`` that names every item (relative path, offset, length).
 Each tensor item is a complete ``torch.save`` zip of that tensor; byte items
-are raw bytes.
+are raw bytes. (torch's ``SerializationFormat.SAFETENSORS`` writes a data
+file's tensors as one safetensors blob after its byte items instead, each
+tensor item pointing at the blob: :func:`safetensors_item`.)
 
 - **writing**: :func:`item_zip`, the zip of a tensor of a dtype and shape, byte
   for byte what torch.save writes but for its data (cached: the same for every
@@ -132,6 +134,25 @@ def transformed(info: Any) -> bool:
     """Whether a DCP item (its ``_StorageInfo``) went through stream transforms
     (torch's ZStandard, ...): its bytes are a torch.save zip only once decoded."""
     return bool(getattr(info, "transform_descriptors", None))
+
+
+def safetensors_item(path: str, info: Any) -> bool:
+    """Whether the tensor item ``info`` (its ``_StorageInfo``) of the data file
+    ``path`` is in the layout torch's ``SerializationFormat.SAFETENSORS`` writes:
+    where the item starts, a safetensors blob (an 8-byte little-endian header
+    length that fits in the file, then the header's ``{``) rather than a
+    torch.save zip. Such bytes carry no CRC-32, and no DCP reader (torch's
+    FileSystemReader nor ckptio's) reads them as an item: they are neither
+    judged nor read here. False where the file cannot be read (the caller's
+    own read says why)."""
+    try:
+        with open_regular(path) as f:
+            head = os.pread(f.fileno(), 9, info.offset)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return head[8:9] == b"{" and 2 <= n <= size - info.offset - 8
 
 
 class ItemZip(NamedTuple):

@@ -69,7 +69,9 @@ class Entry:
     data_offset: int
     #: "stored" (``crc32`` holds it), "unchecked" (the file has none for it),
     #: "none" (the format has no checksum), "compressed" (a DCP item with stream
-    #: transforms: its frames are checked by whoever decodes them).
+    #: transforms: its frames are checked by whoever decodes them), "safetensors"
+    #: (a DCP tensor item in torch's SerializationFormat.SAFETENSORS layout: no
+    #: checksum, and not read here: ``formats.dcp.safetensors_item``).
     crc: str
     crc32: int | None = None
     tensors: tuple[Tensor, ...] = ()
@@ -321,6 +323,12 @@ def _dcp(src: Detected) -> Listing:
         try:
             item = _native.Reader(path, "off", None, info.offset, info.length)
         except FormatError as e:
+            if dcp.safetensors_item(path, info):  # torch's safetensors layout: not read here
+                entries.append(
+                    Entry(rel, name, info.offset, info.length, info.offset, "safetensors",
+                          None, (tensor,))
+                )  # fmt: skip
+                continue
             raise FormatError(
                 f"{path}: item {name!r} at bytes {info.offset}..+{info.length}: {e}"
             ) from e
@@ -424,7 +432,8 @@ def lines(lst: Listing, *, crc: bool = False) -> list[str]:
         for e in es:
             row = f"{e.offset:>12} {e.nbytes:>12} {e.alignment:>5}"
             if crc:
-                state = {"stored": f"{e.crc32 or 0:08x}", "none": "-"}.get(e.crc, e.crc)
+                no_crc = {"none": "-", "safetensors": "-"}  # the summary counts them apart
+                state = {"stored": f"{e.crc32 or 0:08x}", **no_crc}.get(e.crc, e.crc)
                 row += f" {state:>10}"
             single = len(e.tensors) == 1 and e.tensors[0].name == e.name.split(" [")[0]
             if single and lst.format != TORCH:
@@ -457,6 +466,11 @@ def _summary(lst: Listing) -> list[str]:
         f"{n} items, {total} bytes in {files}; CRC-32 stored for {states.count('stored')}, "
         f"unchecked {states.count('unchecked')}, bytes items {states.count('none')}"
         + (f", compressed {states.count('compressed')}" if "compressed" in states else "")
+        + (
+            f", safetensors-format items {states.count('safetensors')} (not read here)"
+            if "safetensors" in states
+            else ""
+        )
     ]
     tensors = sum(s.kind == "tensor" for s in lst.stored)
     out.append(
