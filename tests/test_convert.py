@@ -230,3 +230,20 @@ def test_a_source_without_tensor_bytes_is_refused_as_any_other(tmp_path, capsys)
     torch.save({"e": torch.empty(0)}, src)
     assert main(["convert", "-q", str(src), str(dst)]) == 0
     same(st.load_file(dst), {"e": torch.empty(0)})
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]], ids=["", "force"])
+def test_a_folder_destination_is_refused_up_front(tmp_path, capsys, force):
+    """convert a.pt FOLDER --force read the source, then failed with "IsADirectoryError:
+    [Errno 21] save to failed: Is a directory" (without --force: "exists ... only with
+    --force", which --force did not mend). A folder (or a path ending in /) is now refused
+    before anything is read: one line naming it, exit 1."""
+    src = tmp_path / "a.pt"
+    torch.save(sd(), src)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for dst in (str(folder), str(tmp_path / "new") + "/"):
+        err = run_err(capsys, src, dst, *force)
+        assert err.count("\n") == 1 and "IsADirectoryError" in err, err
+        assert f"{dst} is a folder: convert writes one file" in err, err
+    assert os.listdir(folder) == [] and not (tmp_path / "new").exists()

@@ -139,7 +139,7 @@ def unshare(
 def check_destination(src: str, dst: str, overwrite: bool) -> None:
     """Refuse ``dst`` where convert must not write it: the source itself (the same
     file under any name, or the same URL), a symbolic link (convert writes
-    nothing through one), or, unless ``overwrite``, anything that exists."""
+    nothing through one), a folder, or, unless ``overwrite``, anything that exists."""
     src, dst = os.fspath(src), os.fspath(dst)
     if remote.is_url(dst):
         if remote.is_url(src) and src.rstrip("/") == dst.rstrip("/"):
@@ -155,6 +155,11 @@ def check_destination(src: str, dst: str, overwrite: bool) -> None:
         raise ValueError(
             f"{dst} is a symbolic link (to {os.readlink(dst)}): convert writes nothing through "
             "a link; remove it or name another path"
+        )
+    # Before the source is read, and whatever --force says: no file replaces a folder.
+    if os.path.isdir(dst) or dst.endswith(os.sep):
+        raise IsADirectoryError(
+            f"{dst} is a folder: convert writes one file; name the file (a path inside it)"
         )
     if not os.path.lexists(dst):
         return
