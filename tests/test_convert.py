@@ -247,3 +247,26 @@ def test_a_folder_destination_is_refused_up_front(tmp_path, capsys, force):
         assert err.count("\n") == 1 and "IsADirectoryError" in err, err
         assert f"{dst} is a folder: convert writes one file" in err, err
     assert os.listdir(folder) == [] and not (tmp_path / "new").exists()
+
+
+def test_torch_to_torch_keeps_ties_and_views(tmp_path, capsys):
+    """convert a.pt b.pt refused tied tensors with safetensors' rule ("safetensors
+    stores each tensor on its own") though torch.save keeps ties: a torch.save
+    destination now keeps them, and views, as torch.save does (copies with
+    --duplicate-shared); what it refuses says convert's own reason."""
+    w = torch.randn(4, 6)
+    src, dst = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({"emb": w, "head": w, "row": w[1], "wt": w.t()}, src)
+    assert main(["convert", "-q", str(src), str(dst)]) == 0
+    got = torch.load(dst, weights_only=True)
+    assert got["head"].data_ptr() == got["emb"].data_ptr()
+    assert got["row"].untyped_storage().data_ptr() == got["emb"].untyped_storage().data_ptr()
+    assert got["wt"].stride() == w.t().stride() and torch.equal(got["wt"], w.t())
+    assert torch.equal(got["row"], w[1])
+    assert main(["convert", "-q", "--force", "--duplicate-shared", str(src), str(dst)]) == 0
+    got = torch.load(dst, weights_only=True)
+    assert got["head"].data_ptr() != got["emb"].data_ptr() and torch.equal(got["head"], w)
+    assert "share memory" in run_err(capsys, src, tmp_path / "c.safetensors")
+    torch.save({"w": w, "step": 3}, src)
+    err = run_err(capsys, src, tmp_path / "d.pt")
+    assert "'step' is a int, not a tensor: convert moves only tensors" in err, err

@@ -131,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         "--duplicate-shared",
         action="store_true",
         help="write tensors that share memory (tied weights, views) as separate copies "
-        "instead of refusing them",
+        "instead of refusing them (safetensors) or keeping them shared (torch.save)",
     )
     c.add_argument(
         "--flatten",

@@ -12,6 +12,10 @@ else is refused with the key that does not fit:
   non-contiguous views, unless ``duplicate_shared``: then each is written as a
   copy of its own (loading the file back gives independent tensors).
 
+A torch.save destination takes the same flat mapping (convert moves tensors),
+but keeps what torch.save keeps: tied tensors and views stay shared (copies
+only with ``duplicate_shared``).
+
 safetensors -> torch.save writes the tensors as a plain dict (ckptio.save); the
 safetensors header metadata has no place in a torch.save file and is dropped
 (the command says so).
@@ -57,12 +61,16 @@ def target_format(dst: str, src_format: str, to: str | None) -> str:
     return "torch" if src_format == "safetensors" else "safetensors"
 
 
-def flat_tensors(obj: Any, *, flatten: bool = False, where: str = "") -> dict[str, torch.Tensor]:
-    """The str -> tensor mapping in ``obj``, or ConversionError naming what does not fit."""
+def flat_tensors(
+    obj: Any, *, flatten: bool = False, where: str = "", fmt: str = "safetensors"
+) -> dict[str, torch.Tensor]:
+    """The str -> tensor mapping in ``obj``, or ConversionError naming what does
+    not fit and why: what ``fmt`` (the destination's format) holds."""
+    holds = "safetensors holds" if fmt == "safetensors" else "convert moves"
     if not isinstance(obj, dict):
         raise ConversionError(
             f"{where}holds a {type(obj).__name__}, not a dict of tensors: "
-            "safetensors holds one flat str -> tensor mapping"
+            f"{holds} one flat str -> tensor mapping"
         )
     out: dict[str, torch.Tensor] = {}
 
@@ -84,7 +92,7 @@ def flat_tensors(obj: Any, *, flatten: bool = False, where: str = "") -> dict[st
             else:
                 hint = " (a nested dict: --flatten stores its tensors as 'key.sub')"
                 raise ConversionError(
-                    f"{where}{name!r} is a {type(v).__name__}, not a tensor: safetensors holds "
+                    f"{where}{name!r} is a {type(v).__name__}, not a tensor: {holds} "
                     "only tensors" + (hint if isinstance(v, dict) else "")
                 )
 
@@ -209,14 +217,15 @@ def convert(
         # Every record against its CRC-32 as it is read: a damaged source fails here,
         # not copied into a file whose fresh CRC-32s would vouch for it.
         obj = load(src, map_location="cpu", weights_only=True, verify=True)
-        tensors = flat_tensors(obj, flatten=flatten, where=where)
+        tensors = flat_tensors(obj, flatten=flatten, where=where, fmt=fmt)
     else:
         tensors = cst.load_file(src)
         meta = cst.metadata(src) or {}
         if fmt == "torch" and meta:
             log(f"note: the safetensors metadata {meta} is not kept in a torch.save file")
     check_convertible(tensors, fmt, where)
-    tensors = unshare(tensors, duplicate_shared, where)
+    if fmt == "safetensors" or duplicate_shared:  # torch.save keeps ties and views as they are
+        tensors = unshare(tensors, duplicate_shared, where)
     if fmt == "safetensors":  # a safetensors source's metadata kept
         cst.save_file(tensors, dst, metadata={"format": "pt", **meta})
     else:
