@@ -738,3 +738,16 @@ def test_safetensors_format_dcp_items_are_unchecked_not_corrupted(tmp_path, caps
     data.write_bytes(data.read_bytes()[:-30])
     assert "BAD" in failed(capsys, "verify", d2)
     assert "corrupted" in failed(capsys, "ls", d2)
+
+
+def test_listing_takes_the_paths_verify_and_records_take(ckpts):
+    """ckptio.listing(b"x.pt") raised the core's TypeError ('bytes' object is not an
+    instance of 'str') where verify and records take bytes; it now takes str, bytes and
+    os.PathLike alike, and anything else is a TypeError naming ckptio.listing."""
+    for label in ("torch.save by ckptio", "safetensors by ckptio", "DCP folder"):
+        p = ckpts[label]
+        want = ckptio.listing(str(p))
+        assert ckptio.listing(os.fsencode(p)) == want == ckptio.listing(p)
+        assert ckptio.verify(os.fsencode(p)).ok
+    with pytest.raises(TypeError, match="ckptio.listing needs a file path"):
+        ckptio.listing(3)

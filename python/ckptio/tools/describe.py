@@ -25,8 +25,7 @@ from ckptio.errors import FormatError
 from ckptio.formats import dcp, torchzip
 from ckptio.formats import safetensors as st_format
 from ckptio.formats.detect import DCP, FORMATS, SAFETENSORS, SHARDED, TORCH, Detected, detect
-from ckptio.io import remote
-from ckptio.io.paths import inside, open_regular
+from ckptio.io import paths, remote
 
 __all__ = [
     "FORMATS",
@@ -152,7 +151,8 @@ def listing(
                     raise
                 raise named from None
             return dataclasses.replace(lst, path=url)
-    src = source or detect(path)
+    # bytes and PathLike taken as verify and records take them; anything else a TypeError.
+    src = source or detect(paths.path(path, "listing"))
     if src.format == TORCH:
         return _torch(src)
     if src.format == SAFETENSORS:
@@ -238,7 +238,7 @@ def _torch_entries(records: list[torchzip.RecordInfo]) -> tuple[Entry, ...]:
 
 
 def _safetensors_file(path: str, rel: str) -> tuple[dict[str, str] | None, list[Entry]]:
-    with open_regular(path) as f:
+    with paths.open_regular(path) as f:
         meta, entries, base = st_format.read_header(f.fileno(), path)
     return meta, _st_entries(rel, entries, base)
 
@@ -293,7 +293,7 @@ def _dcp(src: Detected) -> Listing:
     md = dcp.read_metadata(md_path)
     sdm = md.state_dict_metadata
     entries: list[Entry] = []
-    paths: dict[str, str] = {}
+    at: dict[str, str] = {}  # each data file's path, checked inside the folder once
     where: dict[tuple[str, tuple[int, ...] | None], Any] = {}
     for index, info in sorted(
         md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)
@@ -319,7 +319,7 @@ def _dcp(src: Detected) -> Listing:
                 )
             )
             continue
-        path = paths.get(rel) or paths.setdefault(rel, inside(folder, rel, md_path))
+        path = at.get(rel) or at.setdefault(rel, paths.inside(folder, rel, md_path))
         try:
             item = _native.Reader(path, "off", None, info.offset, info.length)
         except FormatError as e:
