@@ -8,6 +8,7 @@ misleading name.
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -751,3 +752,24 @@ def test_listing_takes_the_paths_verify_and_records_take(ckpts):
         assert ckptio.verify(os.fsencode(p)).ok
     with pytest.raises(TypeError, match="ckptio.listing needs a file path"):
         ckptio.listing(3)
+
+
+def test_a_safetensors_file_cut_inside_its_header_is_named_so(tmp_path, capsys):
+    """A safetensors file truncated inside its header was "not a checkpoint ckptio reads
+    (it starts with b'...')": its header length runs past the end, so detection took it
+    for nothing known. A plausible header length with the header's '{' after it is now a
+    SafetensorError saying the header is truncated (its length, the file's)."""
+    whole = tmp_path / "whole.safetensors"
+    cst.save_file({"w": torch.ones(4)}, whole)
+    data = whole.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:40])
+    says = f"header length {n} runs past the end of the file (40 bytes): the header is truncated"
+    for cmd in ("ls", "verify"):
+        err = failed(capsys, cmd, cut)
+        assert says in err and "not a checkpoint ckptio reads" not in err, err
+    with pytest.raises(ckptio.safetensors.SafetensorError, match=re.escape(says)):
+        describe.detect(cut)
+    cut.write_bytes(data[:8] + b"[" + data[9:40])  # no '{': nothing ckptio knows, as before
+    assert "not a checkpoint ckptio reads" in failed(capsys, "ls", cut)

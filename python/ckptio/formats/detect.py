@@ -3,6 +3,8 @@
 - a file that starts as a zip archive: a ``torch.save`` checkpoint;
 - a file whose first 8 bytes are a little-endian length N of a header that
   fits in the file: a safetensors file (its header parser judges the rest);
+  one whose N runs past its end, with the header's ``{`` after it, is a
+  safetensors file cut short: a ``SafetensorError`` says so;
 - a JSON object with a ``weight_map`` (a ``*.safetensors.index.json``), or a
   folder holding one (or a single ``model.safetensors``): sharded safetensors;
 - a folder holding ``.metadata`` (or that file itself, a pickle of DCP
@@ -20,6 +22,7 @@ import os
 
 from ckptio.errors import FormatError
 from ckptio.formats import dcp, torchzip
+from ckptio.formats import safetensors as st_format
 from ckptio.io import remote
 from ckptio.io.paths import open_regular
 
@@ -100,7 +103,8 @@ def check_verify(found: Detected, verify: bool) -> None:
 
 def _single_file(p: str, head: bytes, size: int) -> str | None:
     """TORCH or SAFETENSORS from a file's first 16 bytes and its size, else None;
-    a FormatError for torch's legacy format."""
+    a FormatError for torch's legacy format, a SafetensorError for a safetensors
+    file whose header is truncated."""
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
         return TORCH
     if torchzip.is_legacy(head[:14]):
@@ -111,6 +115,9 @@ def _single_file(p: str, head: bytes, size: int) -> str | None:
     n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
     if 2 <= n <= size - 8:  # a header length that fits: safetensors (its parser judges the rest)
         return SAFETENSORS
+    if head[8:9] == b"{" and 2 <= n <= st_format.MAX_HEADER:
+        # A header length past the end, its JSON after it: safetensors cut short, said so.
+        st_format.header_length(head, size, p)
     return None
 
 

@@ -579,7 +579,11 @@ def header_length(first8: bytes, size: int, where: str) -> int:
     if n > MAX_HEADER:
         raise fail(where, f"header length {n} is over safetensors' limit of {MAX_HEADER} bytes")
     if 8 + n > size:
-        raise fail(where, f"header length {n} runs past the end of the file ({size} bytes)")
+        raise fail(
+            where,
+            f"header length {n} runs past the end of the file ({size} bytes): the header "
+            "is truncated",
+        )
     return n
 
 
