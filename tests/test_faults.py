@@ -258,6 +258,7 @@ def test_save_to_a_folder_is_isadirectoryerror(tmp_path):
     with pytest.raises(OSError) as ei:
         ckptio.save(sample_state(), target)
     assert_os_error(ei.value, IsADirectoryError, errno.EISDIR, target)
+    assert ei.value.strerror.startswith("save failed: "), ei.value.strerror  # was "save to failed"
     assert target.is_dir() and list(target.iterdir()) == []
     assert temps(tmp_path) == []
 

@@ -238,7 +238,7 @@ fn split(target: &Path) -> Result<(PathBuf, OsString)> {
         // A folder's name (open("x/", "wb") is EISDIR): file_name() would drop
         // the slash and make a file named as the folder.
         let e = io::Error::from_raw_os_error(libc::EISDIR);
-        return Err(Error::io_at("save to", target, e));
+        return Err(Error::io_at("save", target, e));
     }
     let name = target
         .file_name()
@@ -337,7 +337,7 @@ fn check_replaceable(st: &libc::stat, target: &Path) -> Result<()> {
             ),
         ),
     };
-    Err(Error::io_at("save to", target, why))
+    Err(Error::io_at("save", target, why))
 }
 
 /// A file this process may not write is not replaced, as open() would not
@@ -353,7 +353,7 @@ fn check_writable(dir: &File, name: &CStr, target: &Path) -> Result<()> {
             e.raw_os_error(),
             Some(libc::EACCES | libc::EPERM | libc::EROFS)
         ) {
-            return Err(Error::io_at("save to", target, e));
+            return Err(Error::io_at("save", target, e));
         }
     }
     Ok(())
