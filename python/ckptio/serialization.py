@@ -673,7 +673,7 @@ def _load_archive(
         # replaced meanwhile by a concurrent save.
         src = f"/proc/self/fd/{archive.fileno()}"
         reads = torchzip.reads_values_while_unpickling(archive)
-        if reads is not None:  # the restorer's storages are filled after torch.load
+        if reads is not None:  # the restorer's storages are filled after torch.load returns
             return _by_torch(t0, src, reads, map_location, name=shown, **torch_kw)
         restorer = _Restorer(map_location, list(archive.data.values()), shown)
         try:

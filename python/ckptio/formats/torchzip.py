@@ -32,7 +32,6 @@ import functools
 import io
 import os
 import pickle
-import pickletools
 import re
 import secrets
 import sys
@@ -828,30 +827,61 @@ def _mapping_base(address: int) -> int | None:
     return None
 
 
-#: Names in a pickle whose rebuild reads tensor values while the pickle is
-#: decoded (torch.load validates sparse tensors, a nested tensor reads its
-#: sizes, a Generator its state): the storages must hold the bytes by then.
-_READS_VALUES = ("_rebuild_sparse_tensor", "_rebuild_nested_tensor", "Generator")
+#: Globals of torch's weights-only allow-list whose rebuild reads tensor values
+#: while the pickle is decoded (torch.load validates sparse tensors, a nested
+#: tensor reads its sizes): the storages must hold the bytes by then.
+_READS_VALUES = frozenset(
+    {
+        "torch._utils._rebuild_sparse_tensor",
+        "torch._utils._rebuild_nested_tensor",
+    }
+)
+
+
+@functools.cache
+def _inert_globals() -> frozenset[str]:
+    """Globals that read no tensor value while a pickle is decoded: torch's own
+    weights-only allow-list (the ``_rebuild_*`` functions, storages, dtypes,
+    containers; not what a user registers, which may run anything), but the
+    ones that read values. ckptio's native unpickler reads a subset of it."""
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    return frozenset(_get_allowed_globals()) - _READS_VALUES
 
 
 def reads_values_while_unpickling(archive: Records) -> str | None:
-    """What in the archive's pickle reads tensor values as it is decoded (the
-    storages ``ckptio.load`` hands torch.load are filled after it), or None.
-    By name: a key of that name too sends the file to torch.load, which only
-    costs speed."""
+    """What in the archive's pickle may read tensor values as it is decoded, or
+    None: a global outside :func:`_inert_globals` (a class's ``__setstate__`` or
+    reduce callable may read the tensors it is given: a quantized Linear
+    prepacks its weight, a Generator sets its state). The storages
+    ``ckptio.load`` hands torch.load must then hold their bytes when torch
+    hands them over. Found with every global inert: nothing of the pickle runs."""
     pkl = f"{archive.prefix}/data.pkl"
     if pkl not in archive.where:
         return None
-    data = archive.reader.read_record(pkl)
+    inert = _inert_globals()
+
+    def find_class(self: Any, module: str, name: str) -> Any:
+        if f"{module}.{name}" not in inert:
+            raise _NotInert(f"{module}.{name}")  # the first one decides: stop there
+        return type(name, (_Inert,), {"module": module, "name": name})
+
     try:
-        for op, arg, _ in pickletools.genops(data):
-            if isinstance(arg, str):
-                name = arg.rpartition(" ")[2] if op.name == "GLOBAL" else arg
-                if name in _READS_VALUES:
-                    return f"{name}: it reads tensor values while the pickle is decoded"
-    except (ValueError, pickle.UnpicklingError, IndexError):
-        return None  # a damaged pickle: torch.load judges it
+        with memory.gc_paused():  # many small objects, no cycles
+            _inert_load(archive.reader.read_record(pkl), find_class, _inert_pid, lambda: None)
+    except _NotInert as e:
+        return f"{e}: it may read tensor values while the pickle is decoded"
+    except Exception:  # noqa: BLE001 - a pickle that does not scan: torch.load reads its values
+        return "a pickle that does not scan"
     return None
+
+
+class _NotInert(Exception):
+    """A global outside :func:`_inert_globals`, met while a pickle is scanned."""
+
+
+def _inert_pid(unpickler: Any, pid: object) -> object:
+    return _Inert()
 
 
 @contextlib.contextmanager
