@@ -915,3 +915,43 @@ def test_pickles_of_inert_globals_stay_on_the_engine(tmp_path):
             assert ckptio.last_report().nbytes > 0
             want = got["state_dict"] if "state_dict" in got else got
             assert torch.equal(want["w"], sd["w"])
+
+
+@pytest.mark.parametrize("protocol", [1, 2, 3, 4, 5])
+def test_legacy_files_of_every_pickle_protocol_load_as_torch_loads_them(tmp_path, protocol):
+    # torch reads any file that is no zip archive as its legacy format: protocols
+    # 4 and 5 start with a FRAME, 1 with no PROTO at all.
+    sd, p = sample(), tmp_path / "legacy.pt"
+    torch.save(sd, p, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    for weights_only in (True, False):
+        if weights_only and protocol in (1, 4, 5):
+            # torch's weights-only unpickler knows no LONG (1) nor FRAME (4, 5): refused alike
+            with pytest.raises(pickle.UnpicklingError, match="Unsupported operand"):
+                torch.load(p, weights_only=True)
+            with pytest.raises(pickle.UnpicklingError, match="Unsupported operand"):
+                ckptio.load(p, weights_only=True)
+            continue
+        same(ckptio.load(p, weights_only=weights_only), torch.load(p, weights_only=weights_only))
+        with open(p, "rb") as f:
+            same(ckptio.load(f, weights_only=weights_only), sd)
+    from ckptio.formats import detect
+
+    with pytest.raises(ckptio.FormatError, match="legacy torch.save file"):
+        detect.detect(p)  # ckptio's commands say what it is
+
+
+def test_garbage_is_refused_as_torch_load_refuses_it_and_named(tmp_path):
+    # A file that is neither a zip archive nor a pickle: torch.load raises
+    # UnpicklingError; ckptio the same class, a FormatError naming the file too.
+    p = tmp_path / "junk.pt"
+    p.write_bytes(b"\x93\x11 not any checkpoint format" * 3)
+    for weights_only in (True, False):
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(p, weights_only=weights_only)
+        with pytest.raises(pickle.UnpicklingError) as e:
+            ckptio.load(p, weights_only=weights_only)
+        assert isinstance(e.value, ckptio.FormatError) and str(p) in str(e.value)
+    from ckptio.formats import detect
+
+    with pytest.raises(ckptio.FormatError, match="not a checkpoint ckptio reads"):
+        detect.detect(p)

@@ -13,6 +13,8 @@ catches ckptio's errors too; its subclasses single them out:
 - ``LocationError``: a storage saved on a device this machine lacks;
 - ``RecordValueError``: a ``FormatError`` that is also the ``ValueError`` torch.load
   raises for the same record (an unknown byte order);
+- ``NotPickleError``: a ``FormatError`` that is also the ``pickle.UnpicklingError``
+  torch.load raises for a file that is neither a zip archive nor a pickle;
 - ``BackendUnavailableError``, ``CudaError``, ``CuFileError``: the device path;
 - ``StoreError`` (an ``OSError`` naming the URL, and a ``CkptioError``) and its
   kinds: ``StoreCredentialsError`` / ``StorePermissionError``
@@ -29,6 +31,7 @@ naming the file. See docs/api-conventions.md.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 
 from ckptio._native import (
@@ -64,6 +67,7 @@ __all__ = [
     "InPlaceLoadError",
     "KeyMismatchError",
     "LocationError",
+    "NotPickleError",
     "PartialLoadError",
     "PeerLoadError",
     "RecordValueError",
@@ -108,6 +112,12 @@ class RecordValueError(FormatError, ValueError):
     """A record holds a value torch.load refuses with ``ValueError`` (a byte order
     other than little or big): a ``FormatError`` naming the file and the record,
     so that ``except ValueError`` written for torch.load catches it too."""
+
+
+class NotPickleError(FormatError, pickle.UnpicklingError):
+    """A file that is no zip archive, which torch.load reads as its legacy format,
+    and that is no pickle of it either: torch.load raises ``UnpicklingError``;
+    this names the file too, and is a ``FormatError``."""
 
 
 # --------------------------------------------------------------------------- safetensors

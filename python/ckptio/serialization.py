@@ -28,7 +28,7 @@ from torch.utils.serialization import config as _torch_config
 
 from ckptio import _native
 from ckptio import safetensors as _safetensors
-from ckptio.errors import FormatError, LocationError, corrupt
+from ckptio.errors import FormatError, LocationError, NotPickleError, corrupt
 from ckptio.formats import detect, torchzip
 from ckptio.formats.torchzip import RecordInfo as RecordInfo
 from ckptio.formats.torchzip import TensorInfo as TensorInfo
@@ -449,7 +449,13 @@ def load(
     if why is not None:
         if verify:  # torch reads the bytes itself here: check the whole file first.
             _verify_all(path, io)
-        return _by_torch(t0, path, why, map_location, mmap=mmap, name=shown, **torch_kw)
+        try:
+            return _by_torch(t0, path, why, map_location, mmap=mmap, name=shown, **torch_kw)
+        except pickle.UnpicklingError as e:
+            if why != detect.NOT_LEGACY or isinstance(e, FormatError):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise corrupt(shown, f"{why} (torch.load: {first})", NotPickleError) from e
     assert archive is not None
     return _load_archive(t0, archive, map_location, torch_kw, io, verify)
 
@@ -490,8 +496,9 @@ def _load_remote(
     try:
         mapped = torchzip.map_stored(url, options)
     except FormatError:
-        if torchzip.is_legacy(remote.read(url, 0, 14, options)[0]):
-            return _NOT_STRAIGHT  # torch's legacy format: torch.load reads a local copy
+        head, info = remote.read(url, 0, detect.HEAD, options)
+        if detect.torch_load_reads(head, info["size"]) is not None:
+            return _NOT_STRAIGHT  # no zip archive: torch.load reads a local copy
         raise
     archive = mapped.archive
     prefix = archive.prefix
@@ -556,8 +563,8 @@ def _load_into_remote(url: str, out: Any, options: remote.StorageOptions, verify
 def _torch_loads(path: str, map_location: MapLocation, mmap: bool | None) -> str | None:
     """Why torch.load must read ``path`` as is (known before it is opened), or
     None: ``mmap`` (the argument, else torch's ``config.load.mmap``), nothing to
-    read (``skip_data``, meta, FakeTensorMode) or torch's legacy (non-zip) format.
-    Other files that are no zip archive stay ckptio's to refuse (FormatError)."""
+    read (``skip_data``, meta, FakeTensorMode) or a file that is no zip archive
+    (``detect.torch_load_reads``: torch reads it as its legacy format)."""
     if mmap or (mmap is None and _torch_config.load.mmap):
         return "mmap"
     if _skipping_data():
@@ -567,7 +574,7 @@ def _torch_loads(path: str, map_location: MapLocation, mmap: bool | None) -> str
     if torch._guards.detect_fake_mode(None) is not None:
         return "FakeTensorMode: nothing to read"
     with paths.open_regular(path) as fh:
-        return "torch's legacy format" if torchzip.is_legacy(fh.read(14)) else None
+        return detect.torch_load_reads(fh.read(detect.HEAD), os.fstat(fh.fileno()).st_size)
 
 
 def _opened(path: str, shown: str, io: IoOptions) -> tuple[torchzip.Archive | None, str | None]:

@@ -17,11 +17,16 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+import pickle
+from typing import Any
+
+import torch
 
 from ckptio.errors import FormatError
-from ckptio.formats import dcp, torchzip
+from ckptio.formats import dcp
 from ckptio.formats import safetensors as st_format
 from ckptio.io import remote
 from ckptio.io.paths import open_regular
@@ -43,6 +48,10 @@ FORMATS = (TORCH, SAFETENSORS, SHARDED, DCP)
 
 #: JSON files larger than this are no safetensors index (the hub's are kilobytes).
 _MAX_INDEX = 64 << 20
+
+#: How much of a file :func:`legacy` and :func:`torch_load_reads` look at: the
+#: pickled magic number of torch's legacy format fits (protocol 0 takes 28 bytes).
+HEAD = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +84,7 @@ def detect(path: str | os.PathLike[str]) -> Detected:
             "*.safetensors.index.json / model.safetensors (sharded safetensors)"
         )
     with open_regular(p) as f:
-        head = f.read(16)
+        head = f.read(HEAD)
         size = os.fstat(f.fileno()).st_size
     single = _single_file(p, head, size)
     if single is not None:
@@ -102,23 +111,72 @@ def check_verify(found: Detected, verify: bool) -> None:
 
 
 def _single_file(p: str, head: bytes, size: int) -> str | None:
-    """TORCH or SAFETENSORS from a file's first 16 bytes and its size, else None;
+    """TORCH or SAFETENSORS from a file's first bytes and its size, else None;
     a FormatError for torch's legacy format, a SafetensorError for a safetensors
     file whose header is truncated."""
-    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+    if _is_zip(head):
         return TORCH
-    if torchzip.is_legacy(head[:14]):
+    if is_legacy(head):
         raise FormatError(
             f"{p}: a legacy torch.save file (torch < 1.6, not a zip archive): torch.load "
             "reads it; ckptio's commands read zip checkpoints"
         )
-    n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
-    if 2 <= n <= size - 8:  # a header length that fits: safetensors (its parser judges the rest)
+    if _is_safetensors(head, size):
         return SAFETENSORS
+    n = _header_length(head)
     if head[8:9] == b"{" and 2 <= n <= st_format.MAX_HEADER:
         # A header length past the end, its JSON after it: safetensors cut short, said so.
         st_format.header_length(head, size, p)
     return None
+
+
+def _is_zip(head: bytes) -> bool:
+    return head[:4] in (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def _header_length(head: bytes) -> int:
+    """The safetensors header length a file's first 8 bytes state (0: fewer)."""
+    return int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+
+
+def _is_safetensors(head: bytes, size: int) -> bool:
+    n = _header_length(head)
+    return 2 <= n <= size - 8  # a header length that fits (its parser judges the rest)
+
+
+class _MagicOnly(pickle.Unpickler):
+    """Reads a pickle of plain values only: no global, no persistent id."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def is_legacy(head: bytes) -> bool:
+    """Whether a file starting with ``head`` (:data:`HEAD` bytes) is torch's legacy
+    format: its first pickle is torch's magic number, in any protocol (0-3 start
+    with it, 4 and 5 with a FRAME, 0 and 1 write it as text). Nothing of the
+    pickle runs: it may name no global."""
+    try:
+        first = _MagicOnly(io.BytesIO(head)).load()
+    except Exception:  # noqa: BLE001 - whatever does not read as the magic number is not it
+        return False
+    return type(first) is int and first == torch.serialization.MAGIC_NUMBER
+
+
+def torch_load_reads(head: bytes, size: int) -> str | None:
+    """Why ``torch.load`` must read a file that starts with ``head`` (:data:`HEAD`
+    bytes) of ``size`` bytes, or None (a zip archive, or what has the shape of
+    a safetensors file: ckptio reads or refuses those). torch reads every file
+    that is no zip archive as its legacy format, raising its own errors for
+    one that is not (``torch.serialization._is_zipfile``)."""
+    if _is_zip(head) or _is_safetensors(head, size):
+        return None
+    return "torch's legacy format" if is_legacy(head) else NOT_LEGACY
+
+
+#: :func:`torch_load_reads` of a file that is no zip archive and does not start
+#: as torch's legacy format: torch.load refuses it (UnpicklingError, mostly).
+NOT_LEGACY = "no zip archive nor torch's legacy format"
 
 
 def detect_stored(url: str, options: remote.StorageOptions = None) -> Detected:
@@ -126,7 +184,7 @@ def detect_stored(url: str, options: remote.StorageOptions = None) -> Detected:
     safetensors file), from its first bytes: one ranged GET.
     FileNotFoundError where there is no such object (a folder included);
     FormatError naming the URL for any other content."""
-    head, info = remote.read(url, 0, 16, options)
+    head, info = remote.read(url, 0, HEAD, options)
     found = _single_file(url, head, info["size"])
     if found is None:
         what = "an empty object" if info["size"] == 0 else f"it starts with {head[:8]!r}"

@@ -525,13 +525,6 @@ def archive_entries(
     return entries
 
 
-def is_legacy(head: bytes) -> bool:
-    """torch's legacy format starts with its magic number, pickled (protocol >= 2:
-    PROTO n, LONG1 of 10 bytes)."""
-    magic = int(torch.serialization.MAGIC_NUMBER).to_bytes(10, "little")
-    return len(head) == 14 and head[0] == 0x80 and head[2:4] == b"\x8a\x0a" and head[4:] == magic
-
-
 def is_torchscript(path: str) -> bool:
     """A TorchScript zip (compressed code records, which torch.load hands to torch.jit)."""
     try:
