@@ -955,3 +955,57 @@ def test_garbage_is_refused_as_torch_load_refuses_it_and_named(tmp_path):
 
     with pytest.raises(ckptio.FormatError, match="not a checkpoint ckptio reads"):
         detect.detect(p)
+
+
+def _raises_as_torch(call_torch, call_ours):
+    """Both calls raise, the same class and message (ours may add the file after it)."""
+    with pytest.raises(Exception) as theirs:
+        call_torch()
+    with pytest.raises(Exception) as ours:
+        call_ours()
+    assert type(ours.value) is type(theirs.value), (ours.value, theirs.value)
+    assert str(ours.value).startswith(str(theirs.value)[:60])
+
+
+def test_errors_of_the_callers_code_and_arguments_pass_as_torch_raises_them(tmp_path):
+    # Only a damaged file is a FormatError: a class that is gone, the caller's
+    # map_location raising, an unknown pickle argument, mmap with a buffer or a
+    # map_location torch cannot restore to are torch.load's errors, unchanged.
+    import sys
+    import types
+
+    mod = types.ModuleType("ckptio_gone_mod")
+    exec("class Gone:\n    pass\n", mod.__dict__)
+    mod.Gone.__module__ = "ckptio_gone_mod"
+    sys.modules["ckptio_gone_mod"] = mod
+    gone = tmp_path / "gone.pt"
+    try:
+        torch.save({"g": mod.Gone(), "w": torch.ones(2)}, gone)
+    finally:
+        del sys.modules["ckptio_gone_mod"]
+    p = tmp_path / "c.pt"
+    torch.save(sample(), p)
+
+    def boom(storage, location):
+        raise KeyError("the caller's")
+
+    cases = [
+        (gone, dict(weights_only=False)),
+        (p, dict(map_location=boom)),
+        (p, dict(map_location=boom, weights_only=False)),
+        (p, dict(fix_imports=False)),
+        (p, dict(bogus=1)),
+        (None, dict(mmap=True)),
+        (p, dict(mmap=True, map_location=3)),
+        (p, dict(mmap=True, map_location="bogus")),
+        (p, dict(mmap=True, map_location="cpu:0")),
+        (p, dict(mmap=True, map_location={"cpu": 0})),
+    ]
+    data = p.read_bytes()
+    for src, kw in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pickle_load_args with weights_only
+            _raises_as_torch(
+                lambda src=src, kw=kw: torch.load(src or io.BytesIO(data), **kw),
+                lambda src=src, kw=kw: ckptio.load(src or io.BytesIO(data), **kw),
+            )

@@ -602,7 +602,8 @@ def _by_torch(
 ) -> Any:
     """torch.load as is; the report says so."""
     shown = name or (os.fsdecode(src) if paths.is_path(src) else paths.object_name(src))
-    with torchzip.unpickling(shown):
+    given = (args[0] if args else kwargs.get("map_location")) is not None
+    with torchzip.unpickling(shown, caller_location=given):
         obj = torch.load(src, *args, **kwargs)
     try:
         n = os.path.getsize(src) if paths.is_path(src) else 0

@@ -36,6 +36,7 @@ import re
 import secrets
 import sys
 import threading
+import traceback
 import types
 import warnings
 import zipfile
@@ -878,15 +879,18 @@ def _inert_pid(unpickler: Any, pid: object) -> object:
 
 
 @contextlib.contextmanager
-def unpickling(path: str) -> Iterator[None]:
+def unpickling(path: str, *, caller_location: bool = False) -> Iterator[None]:
     """What decoding a checkpoint's pickle raises, typed. torch's refusal of a pickle
     keeps torch's type and whole message, unchanged at its start (code and users
     match it: "Weights only load failed", the global refused and how to allow it),
     the file after it; a device the file names that this machine lacks is a
-    :class:`~ckptio.errors.LocationError` with torch's message; anything else the
-    decoding raises (a damaged pickle: KeyError, TypeError, torch's RuntimeError
-    for a record that is missing...) is a FormatError naming the file and the
-    record, the cause chained. ckptio's own errors and the system's pass."""
+    :class:`~ckptio.errors.LocationError` with torch's message; what the caller's
+    code or arguments raise passes as torch.load raises it (:func:`_callers`;
+    ``caller_location``: torch.load got the caller's own map_location); anything
+    else the decoding raises (a damaged pickle: KeyError, TypeError, torch's
+    RuntimeError for a record that is missing...) is a FormatError naming the
+    file and the record, the cause chained. ckptio's own errors and the
+    system's pass."""
     try:
         yield
     except pickle.UnpicklingError as e:
@@ -898,10 +902,50 @@ def unpickling(path: str) -> Iterator[None]:
         msg = text[0] if text else ""
         if isinstance(e, RuntimeError) and _NO_DEVICE.search(msg):
             raise LocationError(f"{' '.join(text)} (while loading {path})") from e
-        if declines_restorer(e):
-            raise  # the caller hands the file to torch.load with the caller's map_location
+        if declines_restorer(e) or _callers(e, caller_location):
+            raise
         what = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
         raise corrupt(f"{path}, record data.pkl", f"the pickle does not decode: {what}") from e
+
+
+#: Where torch's, ckptio's and Python's own code lies: an error raised anywhere
+#: else while a pickle is decoded comes from the caller's code.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (torch, _native, contextlib) if m.__file__
+)
+_TORCH_LOAD = torch.serialization.__file__
+
+
+def _library(filename: str) -> bool:
+    # Packages installed beside the standard library (no virtualenv) are not it.
+    return filename.startswith(_LIBRARY_DIRS) and not re.search(
+        r"[/\\](site|dist)-packages[/\\](?!(torch|ckptio)[/\\])", filename
+    )
+
+
+def _callers(e: BaseException, caller_location: bool) -> bool:
+    """Whether ``e``, raised while torch.load decoded a pickle, is the caller's
+    (torch.load raises it as is) rather than the file's, from where it was raised:
+    the caller's code (a ``map_location`` callable, a class's ``__setstate__`` or
+    reduce callable); a class the pickle names that cannot be imported (the
+    class is gone, weights_only=False); torch.load's checks of its arguments (in
+    its own body, or where it hands the caller's pickle_load_args on); torch
+    restoring a storage to the caller's own map_location."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return False
+    inner = frames[-1]
+    if not _library(inner.filename):
+        return True
+    if inner.name == "find_class" and isinstance(e, (ImportError, AttributeError)):
+        return True
+    if inner.filename == _TORCH_LOAD and (
+        inner.name == "load" or "pickle_load_args" in (inner.line or "")
+    ):
+        return True
+    return caller_location and any(
+        f.filename == _TORCH_LOAD and f.name == "restore_location" for f in frames
+    )
 
 
 def declines_restorer(e: BaseException) -> bool:
