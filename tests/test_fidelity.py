@@ -1009,3 +1009,22 @@ def test_errors_of_the_callers_code_and_arguments_pass_as_torch_raises_them(tmp_
                 lambda src=src, kw=kw: torch.load(src or io.BytesIO(data), **kw),
                 lambda src=src, kw=kw: ckptio.load(src or io.BytesIO(data), **kw),
             )
+
+
+def test_save_to_a_path_torch_cannot_write_is_the_runtime_error_torch_raises(tmp_path):
+    # torch.save raises RuntimeError for a missing parent folder, a folder and an
+    # empty name; ckptio keeps its OSError (or ValueError) class, a RuntimeError too.
+    (tmp_path / "adir").mkdir()
+    cases = [
+        (tmp_path / "nodir" / "x.pt", FileNotFoundError),
+        (tmp_path / "adir", IsADirectoryError),
+        ("", ValueError),
+    ]
+    for dst, ours in cases:
+        with pytest.raises(RuntimeError):
+            torch.save({"a": torch.ones(2)}, dst)
+        for kw in ({}, {"pickle_protocol": 4}):  # ckptio's pickle, and torch's
+            with pytest.raises(RuntimeError) as e:
+                ckptio.save({"a": torch.ones(2)}, dst, **kw)
+            assert isinstance(e.value, ours) and isinstance(e.value, ckptio.CkptioError)
+            assert not dst or str(dst) in str(e.value) or str(dst.parent) in str(e.value)

@@ -23,7 +23,10 @@ catches ckptio's errors too; its subclasses single them out:
   or the object changed while read), ``StoreThrottledError`` /
   ``StoreConnectionError`` (``ConnectionError``), after the client's retries;
 - ``DrainStoppedError`` (a ``TimeoutError``): a tiered drain stopped by
-  ``Checkpointer.close(timeout=)``, its step kept locally.
+  ``Checkpointer.close(timeout=)``, its step kept locally;
+- ``SaveFolderNotFoundError`` (``FileNotFoundError``), ``SaveIsADirectoryError``
+  (``IsADirectoryError``), ``SaveNameError`` (``ValueError``): a save to a path
+  that cannot be a file, where torch.save raises ``RuntimeError``.
 
 The operating system's errors stay ``OSError`` subclasses chosen by errno,
 naming the file. See docs/api-conventions.md.
@@ -72,6 +75,9 @@ __all__ = [
     "PeerLoadError",
     "RecordValueError",
     "SafetensorError",
+    "SaveFolderNotFoundError",
+    "SaveIsADirectoryError",
+    "SaveNameError",
     "ShapeMismatchError",
     "StoreConnectionError",
     "StoreCredentialsError",
@@ -235,6 +241,37 @@ class DrainStoppedError(CkptioError, TimeoutError):
     def __init__(self, message: str, step: int) -> None:
         super().__init__(message)
         self.step = step
+
+
+# --------------------------------------------------------------------------- save destinations
+# torch.save raises RuntimeError where its writer cannot open the path: ckptio's
+# class stays the system's (or ValueError), and is a CkptioError (a RuntimeError)
+# too, so that ``except RuntimeError`` written for torch.save catches it.
+
+
+class SaveFolderNotFoundError(FileNotFoundError, CkptioError):
+    """A save to a path whose folder does not exist."""
+
+
+class SaveIsADirectoryError(IsADirectoryError, CkptioError):
+    """A save to a path that is a folder."""
+
+
+class SaveNameError(ValueError, CkptioError):
+    """A save to a path that names no file (an empty one)."""
+
+
+def save_destination_error(e: Exception, path: str) -> Exception:
+    """The error of opening ``path`` to save into, as one of the classes above
+    where torch.save raises RuntimeError for it; else ``e`` itself (a ValueError
+    for an argument other than the path, a full disk...)."""
+    if isinstance(e, ValueError):
+        return SaveNameError(*e.args) if not path else e
+    kind = {FileNotFoundError: SaveFolderNotFoundError, IsADirectoryError: SaveIsADirectoryError}
+    cls = kind.get(type(e)) if isinstance(e, OSError) else None
+    if cls is None:
+        return e
+    return cls(e.errno, e.strerror, e.filename)
 
 
 # --------------------------------------------------------------------------- conversion

@@ -28,7 +28,13 @@ from torch.utils.serialization import config as _torch_config
 
 from ckptio import _native
 from ckptio import safetensors as _safetensors
-from ckptio.errors import FormatError, LocationError, NotPickleError, corrupt
+from ckptio.errors import (
+    FormatError,
+    LocationError,
+    NotPickleError,
+    corrupt,
+    save_destination_error,
+)
 from ckptio.formats import detect, torchzip
 from ckptio.formats.torchzip import RecordInfo as RecordInfo
 from ckptio.formats.torchzip import TensorInfo as TensorInfo
@@ -141,7 +147,7 @@ def save(
     if by_torch is None and _packs(*torch_args):
         _save_packed(obj, path, engine, io, t0)
         return
-    writer = _native.AtomicWriter(path, io.direct, io.backend)
+    writer = _atomic_writer(path, io)
     try:
         found: dict[str, torch.UntypedStorage] = {}
         try:
@@ -169,6 +175,18 @@ def save(
         writer.abort()
         raise
     reports.report(path, t0, stats, len(found))
+
+
+def _atomic_writer(path: str, io: IoOptions) -> _native.AtomicWriter:
+    """The destination opened: a missing folder, a folder, an empty name are
+    also the RuntimeError torch.save raises for them (``errors.save_destination_error``)."""
+    try:
+        return _native.AtomicWriter(path, io.direct, io.backend)
+    except (OSError, ValueError) as e:
+        err = save_destination_error(e, path)
+        if err is e:
+            raise
+        raise err from None
 
 
 def _torch_writes(new_zip: bool) -> str | None:
@@ -201,7 +219,7 @@ def _save_packed(obj: object, path: str, engine: _native.Engine, io: IoOptions, 
     with memory.gc_paused():
         pkl, storages = torchzip.pickled(obj)
         entries = torchzip.archive_entries(pkl, storages, torchzip.asked_alignment())
-    writer = _native.AtomicWriter(path, io.direct, io.backend)
+    writer = _atomic_writer(path, io)
     try:
         owners = [s[4] for s in storages]
         stats = transfer.write_archive(writer, engine, entries, torchzip.PREFIX, owners)
