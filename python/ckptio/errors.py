@@ -268,10 +268,9 @@ def save_destination_error(e: Exception, path: str) -> Exception:
     if isinstance(e, ValueError):
         return SaveNameError(*e.args) if not path else e
     kind = {FileNotFoundError: SaveFolderNotFoundError, IsADirectoryError: SaveIsADirectoryError}
-    cls = kind.get(type(e)) if isinstance(e, OSError) else None
-    if cls is None:
-        return e
-    return cls(e.errno, e.strerror, e.filename)
+    if isinstance(e, OSError) and type(e) in kind:
+        return kind[type(e)](e.errno, e.strerror, e.filename)
+    return e
 
 
 # --------------------------------------------------------------------------- conversion
