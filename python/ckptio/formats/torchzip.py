@@ -838,9 +838,12 @@ def _inert_globals() -> frozenset[str]:
     weights-only allow-list (the ``_rebuild_*`` functions, storages, dtypes,
     containers; not what a user registers, which may run anything), but the
     ones that read values. ckptio's native unpickler reads a subset of it."""
-    from torch._weights_only_unpickler import _get_allowed_globals
+    try:  # torch's private list: where a torch lacks it, every file goes to torch.load
+        from torch._weights_only_unpickler import _get_allowed_globals
 
-    return frozenset(_get_allowed_globals()) - _READS_VALUES
+        return frozenset(_get_allowed_globals()) - _READS_VALUES
+    except (ImportError, AttributeError, TypeError):
+        return frozenset()
 
 
 def reads_values_while_unpickling(archive: Records) -> str | None:
