@@ -464,6 +464,15 @@ def test_safetensors_header_refusals_name_the_tensor(tmp_path):
     os.remove(p)
 
 
+def test_an_empty_record_of_torch_save_is_checked(tmp_path):
+    """An empty storage's record holds CRC-32 0, its true CRC: verify named it
+    "unchecked" (0 is also what a writer that computed none leaves)."""
+    p = tmp_path / "e.pt"
+    torch.save({"e": torch.empty(0), "x": torch.ones(3)}, p)
+    report = ckptio.verify(p)
+    assert report.ok and report.unchecked == (), report.summary()
+
+
 @pytest.mark.parametrize("saver", ["ckptio", "torch"])
 def test_verify_takes_the_storages_of_newer_dtypes(tmp_path, saver):
     """float8, uint16-64 and complex32 tensors are saved over untyped storages

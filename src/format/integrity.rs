@@ -80,8 +80,10 @@ pub fn declared(a: &Archive) -> Vec<Declared> {
         return a
             .records
             .iter()
+            // 0 is what a writer that computed none leaves (cuFile's records),
+            // and the true CRC-32 of an empty record: that one is checked.
             .map(|r| match r.crc32 {
-                0 => Declared::Unchecked,
+                0 if r.size > 0 => Declared::Unchecked,
                 c => Declared::Crc(c),
             })
             .collect();
