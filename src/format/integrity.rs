@@ -540,7 +540,7 @@ mod tests {
                     name: n.into(),
                     header_offset: 0,
                     data_offset: 0,
-                    size: 0,
+                    size: 1,
                     crc32: crc,
                     cd_entry_offset: 0,
                 })
@@ -583,6 +583,10 @@ mod tests {
                 Declared::Crc(5)
             ]
         );
+        // ...but for an empty record, whose CRC-32 is 0.
+        let mut empty = arch(&recs, "");
+        empty.records[1].size = 0;
+        assert_eq!(declared(&empty)[1], Declared::Crc(0));
         // ckptio archive: 0 is a real value unless listed.
         let d = declared(&arch(&recs, "ckptio:crc32 unchecked=1"));
         assert_eq!(
