@@ -701,6 +701,9 @@ def test_names_that_are_no_utf8_are_printed_escaped(tmp_path):
         assert "m\\xff.pt" in cli(cmd, model)
     out = cli("convert", model, folder + b"/\xfe.safetensors")
     assert "m\\xff.pt (torch) -> " in out and "\\xfe.safetensors (safetensors)" in out, out
+    sub = folder + b"/d\xff"
+    os.mkdir(sub)
+    assert "d\\xff:" in cli("info", sub)  # the folder it probes, in its line
 
 
 @pytest.mark.parametrize(

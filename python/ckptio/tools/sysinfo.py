@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from ckptio import _native
+from ckptio.tools.describe import printable
 
 
 def info(folder: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -56,7 +57,7 @@ def format_info(d: dict[str, Any]) -> str:
     lines += _huge_pages_lines(d["huge_pages"])
     if "folder" in d:
         x = d["folder"]
-        lines.append(f"folder {x['path']}:")
+        lines.append(f"folder {printable(os.fspath(x['path']))}:")  # a terminal shows it as it is
         lines.append(
             "  O_DIRECT:      "
             + ("yes" if x["o_direct"] else f"no ({x['o_direct_reason']})")
