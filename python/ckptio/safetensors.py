@@ -848,7 +848,7 @@ def load_sharded(
     except BaseException as err:
         reads.abandon(err)  # the destinations stay the engine's until then
         raise
-    reports.report(src, t0, reports.merged(transfer.wait_all(reads.jobs), io.backend), len(tensors))
+    reports.report(src, t0, reads.stats(io.backend), len(tensors))
     return _finish(tensors, want, fill)
 
 
