@@ -284,3 +284,23 @@ def test_batched_reads_wait_for_every_batch_and_raise_the_reads_error_first(tmp_
     with pytest.raises(ckptio.FormatError):
         transfer.read_batches(reader, eng, batches(None, past_end=1), lambda: 7)
     assert order == [0, 1] and not dests[2].any() and not dests[3].any()
+    # join=True: the batches made while a read runs are read together, in
+    # one call, once it is done.
+    for d in dests:
+        d.zero_()
+    sizes: list[int] = []
+    all_made = threading.Event()  # meanwhile() runs once every batch is handed over
+
+    def joined(*a, **k):
+        sizes.append(len(a[2]))
+        if len(sizes) == 1:
+            assert all_made.wait(10), "the caller waited for the read"
+        return real(*a, **k)
+
+    monkeypatch.setattr(transfer, "read_after", joined)
+    stats, got = transfer.read_batches(
+        reader, eng, batches(None), lambda: all_made.set() or 7, join=True
+    )
+    assert got == 7 and stats["bytes"] == 4 << 16
+    assert sizes == [1, 3]  # batch 0 alone; 1-3, made during its read, in one call
+    assert all(torch.equal(d, torch.arange(256, dtype=torch.uint8).repeat(256)) for d in dests)

@@ -1353,9 +1353,10 @@ class FileSystemReader(_TorchReader):
     ) -> None:
         """Read ``reqs`` of one data file into their destinations, committed.
         The engine starts on the small items' buffer and a first batch of the
-        large items, and reads each later batch (four times the last) while the
-        rest are planned and the small items are cut out of their buffer: the
-        Python per item runs beside the reads, not before them. ``predict``:
+        large items, and reads the batches planned meanwhile (``transfer.byte_ranges``,
+        joined into one call) while the rest are planned and the small items
+        are cut out of their buffer: the Python per item runs beside the reads,
+        not before them. ``predict``:
         where each large item's data lies is predicted from its dtype and shape
         (``_predicted_item``, as from a store) and its zip head read in the same
         pass and compared; where one differs, the file is read again with each
@@ -1375,7 +1376,7 @@ class FileSystemReader(_TorchReader):
         heads: list[tuple[list[tuple[int, tuple[bytes, tuple[()]]]], torch.Tensor]] = []
         copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         claims = memory.Claims()  # the destinations read into straight
-        reads = transfer.Pipeline.of_file(dev_file, engine, verify=self.verify)
+        reads = transfer.Pipeline.of_file(dev_file, engine, verify=self.verify, join=True)
         with open_regular(path) as f:
             try:
                 for req in reqs:
@@ -1388,8 +1389,10 @@ class FileSystemReader(_TorchReader):
                         large.append((req, info))
                 box = pending = _SmallBox.of(small, planner) if small else None
                 # Verifying: one read, whose CRC-32s ``checks`` indexes.
-                first_batch = len(large) if self.verify else transfer.FIRST_BATCH
-                ranges = list(transfer.batch_ranges(len(large), first_batch))
+                if self.verify:
+                    ranges = [(0, len(large))] if large else []
+                else:
+                    ranges = list(transfer.byte_ranges([info.length for _, info in large]))
                 guess = predict and not self.verify
                 for lo, hi in ranges or [(0, 0)]:
                     first = len(segments)
