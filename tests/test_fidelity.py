@@ -1028,3 +1028,34 @@ def test_save_to_a_path_torch_cannot_write_is_the_runtime_error_torch_raises(tmp
                 ckptio.save({"a": torch.ones(2)}, dst, **kw)
             assert isinstance(e.value, ours) and isinstance(e.value, ckptio.CkptioError)
             assert not dst or str(dst) in str(e.value) or str(dst.parent) in str(e.value)
+
+
+def test_hostile_nesting_in_a_pickle_is_refused_or_read_without_recursion(tmp_path):
+    """A review of 2026-12-07: a dict key of 300,000 nested tuples overflowed the
+    native reader's stack (SIGSEGV), a key made of 60 memoized pairs of itself
+    (a 450-byte pickle) took 2^60 steps, and a value nested 5,000 deep (which
+    torch.load reads) raised RecursionError in ckptio.records."""
+    import subprocess
+    import sys
+
+    from ckptio import _native
+
+    dag = b"\x80\x02}N" + b"q\x00h\x00\x86" * 60 + b"Ns."
+    assert _native.unpickle(dag) is None  # refused at once: torch.load decides
+    # (in a process of its own: a stack overflow kills it)
+    code = (
+        "from ckptio import _native; "
+        "assert _native.unpickle(b'\\x80\\x02}N' + b'\\x85' * 300_000 + b'Ns.') is None"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert got.returncode == 0, got.stderr.decode()[-2000:]
+    p = tmp_path / "nested.pt"
+    sd = {"w": torch.arange(6.0)}
+    pkl, data = _saved_pickle(p, sd)
+    # {'w': tensor, 'n': ((((None,),),)...)}: 5,000 levels as the value of 'n'.
+    _with_pickle(p, pkl[:-1] + b"X\x01\x00\x00\x00nN" + b"\x85" * 5000 + b"s.", data)
+    want = torch.load(p, weights_only=True)
+    got = ckptio.load(p)
+    assert torch.equal(got["w"], want["w"])
+    names = [t.name for r in ckptio.records(p) for t in r.tensors]
+    assert names == ["w"]

@@ -167,11 +167,44 @@ struct Vm {
     sparse: HashMap<u32, Item>,
     storages: Vec<StorageRef>,
     by_key: HashMap<String, usize>,
+    /// Per value: its depth as a dict key (a plain value 1, a tuple of keys one
+    /// more than its deepest item), 0 where it cannot be one. Set once, when the
+    /// value is made (a tuple's items are made before it and never change):
+    /// walking the items instead took 2^k steps for a tuple made of k memoized
+    /// pairs of itself (a 450-byte pickle), and overflowed the stack for
+    /// 300,000 nested tuples.
+    keys: Vec<u8>,
 }
+
+/// Keys nested deeper than this are refused (torch.load then decides): no
+/// state dict holds one, and hashing one recurses in the interpreter.
+const MAX_KEY_DEPTH: u8 = 32;
 
 impl Vm {
     fn push(&mut self, v: Value) -> usize {
+        let depth = match &v {
+            Value::None | Value::Bool(_) | Value::Int(_) | Value::Float(_) | Value::Str(_) => 1,
+            Value::Tuple(items) => {
+                let mut deepest = 0u8;
+                for &i in items {
+                    match self.keys[i] {
+                        0 => {
+                            deepest = MAX_KEY_DEPTH;
+                            break;
+                        }
+                        d => deepest = deepest.max(d),
+                    }
+                }
+                if deepest >= MAX_KEY_DEPTH {
+                    0
+                } else {
+                    deepest + 1
+                }
+            }
+            _ => 0,
+        };
         self.values.push(v);
+        self.keys.push(depth);
         let i = self.values.len() - 1;
         self.stack.push(Item::Val(i));
         i
@@ -219,11 +252,7 @@ impl Vm {
     }
 
     fn is_key(&self, k: usize) -> bool {
-        match &self.values[k] {
-            Value::None | Value::Bool(_) | Value::Int(_) | Value::Float(_) | Value::Str(_) => true,
-            Value::Tuple(items) => items.iter().all(|&i| self.is_key(i)),
-            _ => false,
-        }
+        self.keys[k] != 0
     }
 
     fn set_items(&mut self, target: usize, pairs: Vec<usize>) -> R<()> {
@@ -409,6 +438,7 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
         sparse: HashMap::new(),
         storages: Vec::new(),
         by_key: HashMap::new(),
+        keys: Vec::new(),
     };
     loop {
         let op = r.u8()?;
@@ -823,7 +853,8 @@ pub fn view_layout(offset: i64, size: &[i64], stride: &[i64]) -> Option<(u64, bo
     let mut expected = 1i128;
     let mut contiguous = true;
     for (&s, &st) in size.iter().rev().zip(stride.iter().rev()) {
-        need += (s as i128 - 1) * st as i128;
+        // Each term is below 2^126, but many dims could still wrap the sum.
+        need = need.checked_add((s as i128 - 1) * st as i128)?;
         if s != 1 && st as i128 != expected {
             contiguous = false;
         }
@@ -846,6 +877,39 @@ mod tests {
         assert_eq!(view_layout(-1, &[4], &[1]), None);
         assert_eq!(view_layout(0, &[4], &[-1]), None);
         assert_eq!(view_layout(0, &[1 << 40, 1 << 40], &[1 << 40, 1]), None);
+        // Terms each in range whose sum wraps an i128 (it once gave 9).
+        let m = i64::MAX;
+        assert_eq!(
+            view_layout(0, &[25, m, m, m, m], &[1 << 62, m, m, m, m]),
+            None
+        );
+    }
+
+    #[test]
+    fn dict_keys_are_checked_once_each_and_not_too_deep() {
+        // {T_k: None} with T_k = (T_{k-1}, T_{k-1}) through the memo: walking
+        // the items took 2^k steps (k = 60 never ended).
+        let mut dag = b"\x80\x02}N".to_vec();
+        for _ in 0..60 {
+            dag.extend_from_slice(b"q\x00h\x00\x86");
+        }
+        dag.extend_from_slice(b"Ns.");
+        let t = std::time::Instant::now();
+        let got = parse(&dag);
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
+        assert!(got.is_err(), "a key 61 tuples deep is refused");
+        // 300,000 nested tuples as a key: no stack overflow, refused.
+        let mut deep = b"\x80\x02}N".to_vec();
+        deep.extend(std::iter::repeat_n(0x85u8, 300_000));
+        deep.extend_from_slice(b"Ns.");
+        assert!(parse(&deep).is_err());
+        // Up to the bound, nested tuples are keys as in Python.
+        for (depth, ok) in [(MAX_KEY_DEPTH - 1, true), (MAX_KEY_DEPTH, false)] {
+            let mut p = b"\x80\x02}N".to_vec();
+            p.extend(std::iter::repeat_n(0x85u8, usize::from(depth)));
+            p.extend_from_slice(b"Ns.");
+            assert_eq!(parse(&p).is_ok(), ok, "{depth}");
+        }
     }
 
     use super::*;

@@ -1341,22 +1341,28 @@ def scanned_records(path: str) -> list[RecordInfo]:
 
 
 def _tensors(obj: Any, name: str, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
-    if id(obj) in seen:
-        return
-    if isinstance(obj, torch.Tensor):
-        yield name, obj
-        return
-    seen.add(id(obj))
-    join = (lambda k: f"{name}.{k}") if name else str
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, join(k), seen)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, join(i), seen)
-    elif hasattr(obj, "__dict__"):
-        for k, v in vars(obj).items():
-            yield from _tensors(v, join(k), seen)
+    """(dotted name, tensor) of each tensor under ``obj``, depth first in order;
+    a stack of its own, not recursion (a pickle nested 5,000 deep, which
+    torch.load reads, raised RecursionError here)."""
+    todo: list[tuple[Any, str]] = [(obj, name)]
+    while todo:
+        obj, name = todo.pop()
+        if id(obj) in seen:
+            continue
+        if isinstance(obj, torch.Tensor):
+            yield name, obj
+            continue
+        seen.add(id(obj))
+        prefix = f"{name}." if name else ""
+        if isinstance(obj, dict):
+            items = list(obj.items())
+        elif isinstance(obj, (list, tuple)):
+            items = list(enumerate(obj))
+        elif hasattr(obj, "__dict__"):
+            items = list(vars(obj).items())
+        else:
+            continue
+        todo.extend((v, f"{prefix}{k}") for k, v in reversed(items))
 
 
 def list_records(path: str, *, weights_only: bool = True) -> list[RecordInfo]:
