@@ -46,7 +46,8 @@ fn zerr(e: std::io::Error) -> Error {
 /// One item as one zstd frame, compressed by `workers` zstd threads (1: this thread).
 pub fn compress(item: &Item<'_>, level: i32, workers: u32) -> Result<Vec<u8>> {
     let mut tail = item.tail.to_vec();
-    if let Some(&bad) = item.crc_at.iter().find(|&&at| at + 4 > tail.len()) {
+    let outside = |&&at: &&usize| at.checked_add(4).is_none_or(|end| end > tail.len());
+    if let Some(&bad) = item.crc_at.iter().find(outside) {
         return Err(Error::invalid(format!(
             "CRC-32 field at {bad} lies past the item's tail ({} bytes)",
             tail.len()
@@ -191,8 +192,11 @@ mod tests {
 
     #[test]
     fn crc_field_past_the_tail_is_refused() {
-        let e = compress(&item(b"x", &[0; 4], &[1]), DEFAULT_LEVEL, 1).unwrap_err();
-        assert!(e.to_string().contains("past the item's tail"), "{e}");
+        for at in [1, usize::MAX - 3, usize::MAX] {
+            // (near usize::MAX, at + 4 wrapped and passed the check, then panicked)
+            let e = compress(&item(b"x", &[0; 4], &[at]), DEFAULT_LEVEL, 1).unwrap_err();
+            assert!(e.to_string().contains("past the item's tail"), "{e}");
+        }
     }
 
     #[test]
