@@ -1951,3 +1951,29 @@ def test_a_checkpoint_that_is_a_bare_tensor_is_named_as_torch_names_it(tmp_path)
             target.load_state_dict(torch.load(tmp_path / "t.pt"))
         with pytest.raises(err, match=msg):
             ckptio.load_state_dict(target, tmp_path / "t.pt")
+
+
+def test_detach_mapping_refuses_memory_that_is_no_mapping_of_the_file(tmp_path):
+    """_native.detach_mapping replaces memory with mremap: given an address that
+    is not a private writable mapping of the file (nothing there, the heap, a
+    mapping of another file), it is a ValueError, not a segfault or a heap
+    silently remapped over (a review of 2026-12-07)."""
+    from ckptio import _native
+
+    p, q = tmp_path / "a.bin", tmp_path / "b.bin"
+    p.write_bytes(bytes(range(256)) * 64)
+    q.write_bytes(b"\1" * 16384)
+    with open(p, "rb") as f, open(q, "rb") as g:
+        heap = torch.arange(1 << 16, dtype=torch.uint8)  # anonymous memory
+        other = torch.UntypedStorage.from_file(f"/proc/self/fd/{g.fileno()}", False, 16384)
+        page = heap.data_ptr() - heap.data_ptr() % 4096 + 4096
+        for addr in (4096, page, other.data_ptr()):
+            with pytest.raises(ValueError, match="not a private writable mapping"):
+                _native.detach_mapping(addr, 4096, str(p), f.fileno())
+        assert torch.equal(heap, torch.arange(1 << 16, dtype=torch.uint8))
+        assert bytes(other[:4]) == b"\1\1\1\1"
+        # Its own mapping: detached, the same bytes, no longer the file's.
+        mine = torch.UntypedStorage.from_file(f"/proc/self/fd/{f.fileno()}", False, 16384)
+        _native.detach_mapping(mine.data_ptr(), 16384, str(p), f.fileno())
+        p.write_bytes(b"\0" * 16384)
+        assert bytes(mine[:4]) == bytes(range(4))

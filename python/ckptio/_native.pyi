@@ -360,9 +360,10 @@ class HostMemory:
 def advise_huge(addr: int, nbytes: int, shared: bool) -> bool:
     """MADV_HUGEPAGE on untouched memory where the host allows it; whether it asked."""
 
-def detach_mapping(addr: int, nbytes: int, path: str | os.PathLike[str]) -> None:
-    """Make torch's private mapping ``[addr, addr + nbytes)`` of ``path`` anonymous
-    memory with the same bytes at the same address (FormatError: the file shrank)."""
+def detach_mapping(addr: int, nbytes: int, path: str | os.PathLike[str], fd: int) -> None:
+    """Make torch's private mapping ``[addr, addr + nbytes)`` of ``path`` (open as
+    ``fd``) anonymous memory with the same bytes at the same address (FormatError:
+    the file shrank; ValueError: the range is not private writable mappings of it)."""
 
 @final
 class HostPin:

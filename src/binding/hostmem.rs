@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 
+use crate::error::Error;
 use crate::io::hugepage::{self, AnonMap};
 use crate::io::mapped;
 
@@ -82,20 +83,31 @@ pub(super) fn advise_huge(addr: u64, nbytes: usize, shared: bool) -> bool {
 }
 
 /// Make torch's private mapping `[addr, addr+nbytes)` of the file `path`
-/// anonymous memory with the same bytes at the same address
+/// (open as `fd`) anonymous memory with the same bytes at the same address
 /// ([`mapped::detach`]): tensors a load handed to user code (hooks) that
 /// still view it stop depending on the file. For ckptio's own callers
-/// (`ckptio.formats.mapped.Mapped.detach`), with a mapping they hold.
+/// (`ckptio.formats.mapped.Mapped.detach`), with a mapping they hold; any
+/// range that is not private writable mappings of that file is a ValueError.
 #[pyfunction]
 pub(super) fn detach_mapping(
     py: Python<'_>,
     addr: u64,
     nbytes: usize,
     path: PathBuf,
+    fd: i32,
 ) -> PyResult<()> {
-    // SAFETY: the caller passes the whole mapping of a file it keeps mapped
-    // (a storage it holds), private and writable as torch maps it, and no
-    // load writes it any more.
-    py.detach(|| unsafe { mapped::detach(addr as usize, nbytes, &path) })?;
+    py.detach(|| {
+        let addr = usize::try_from(addr).map_err(|_| Error::invalid("address out of range"))?;
+        if nbytes > 0 && !mapped::maps_private_file(addr, nbytes, fd)? {
+            return Err(Error::invalid(format!(
+                "{}: [{addr:#x}, +{nbytes}) is not a private writable mapping of the file",
+                path.display()
+            )));
+        }
+        // SAFETY: the range is private writable mappings of the file (checked
+        // just now); the caller holds the mapping (a storage) for the call and
+        // no load writes it any more.
+        unsafe { mapped::detach(addr, nbytes, &path) }
+    })?;
     Ok(())
 }

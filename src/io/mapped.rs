@@ -435,6 +435,58 @@ impl Drop for FileMap {
     }
 }
 
+/// Whether `[addr, addr+len)` is wholly private, writable mappings of the file
+/// open as `fd` (by device and inode, as /proc/self/maps lists them): what
+/// [`detach`] may replace. Anything else (the heap, a library, nothing) is not.
+pub fn maps_private_file(addr: usize, len: usize, fd: std::os::fd::RawFd) -> Result<bool> {
+    // SAFETY: a plain C struct, all zeros a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes only into the struct it is given (a bad fd is EBADF).
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(Error::io("fstat", None, std::io::Error::last_os_error()));
+    }
+    let (major, minor) = (libc::major(st.st_dev), libc::minor(st.st_dev));
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .map_err(|e| Error::io("read /proc/self/maps", None, e))?;
+    let Some(end) = addr.checked_add(len.next_multiple_of(PAGE)) else {
+        return Ok(false);
+    };
+    // Entries are sorted by address: walk those that meet the range, in order.
+    let mut at = addr;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms), Some(_), Some(dev), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let Some((lo, hi)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+        else {
+            continue;
+        };
+        if hi <= at {
+            continue;
+        }
+        if lo > at {
+            return Ok(false); // a hole
+        }
+        let same_file = dev.split_once(':').is_some_and(|(a, b)| {
+            u32::from_str_radix(a, 16) == Ok(major) && u32::from_str_radix(b, 16) == Ok(minor)
+        }) && inode.parse::<u64>() == Ok(st.st_ino);
+        if !(perms.starts_with("rw") && perms.ends_with('p') && same_file) {
+            return Ok(false);
+        }
+        at = hi;
+        if at >= end {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// Make the private file mapping `[addr, addr+len)` (torch's, of `path`)
 /// private anonymous memory holding the same bytes at the same address: the
 /// tensors that view it keep their values and stop depending on the file, so

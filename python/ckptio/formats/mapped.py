@@ -46,7 +46,7 @@ class Mapped:
     def detach(self) -> None:
         """Make the mapping private memory holding the same bytes at the same
         address: the tensors over it stop depending on the file."""
-        _native.detach_mapping(self.base, self.size, self.path)
+        _native.detach_mapping(self.base, self.size, self.path, self.file.fileno())
 
     def location(self, t: torch.Tensor | Placeholder) -> str:
         at = t.storage_address if type(t) is Placeholder else storage_address(t)
