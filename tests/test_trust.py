@@ -248,6 +248,22 @@ def test_dcp_paths_outside_the_folder_are_refused(tmp_path, how):
     assert not rep.ok and "outside the checkpoint folder" in rep.error
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("offset", 2**64), ("length", 2**63), ("offset", 2**63 - 1)]
+)
+def test_dcp_items_past_any_file_end_are_refused_naming_the_item(tmp_path, field, value):
+    """An item's offset or length that no file reaches (2^64 was a bare
+    OverflowError from deep inside the read, naming nothing): a FormatError
+    naming the metadata file and the item (a review of 2026-12-07)."""
+    folder = tmp_path / "ck"
+    save_dcp(folder, tensors())
+    rewrite_metadata(folder, lambda i: setattr(i, field, value))
+    with pytest.raises(ckptio.FormatError, match=r"\.metadata: .*item 't\d' at offset .* past any"):
+        FileSystemReader(folder).read_metadata()
+    with pytest.raises(BaseException, match="past any file's end"):
+        dcp.load(zeros(tensors()), storage_reader=FileSystemReader(folder), no_dist=True)
+
+
 def test_dcp_links_inside_the_folder_are_fine(tmp_path):
     folder = tmp_path / "ck"
     data = save_dcp(folder, tensors())

@@ -237,6 +237,20 @@ pub fn map_remote<R: RangeReader>(
         .and_then(|r| r.name.split_once('/'))
         .map_or(String::new(), |(p, _)| p.to_owned());
     let data_prefix = format!("{prefix}/data/");
+    for r in &records {
+        // Every header inside the object (as resolve_data_offsets checks a
+        // file's): each span below then ends inside it, and no sum wraps.
+        let head = (LH_LEN + r.name.len()) as u64;
+        if r.header_offset
+            .checked_add(head)
+            .is_none_or(|e| e > end.cd_offset)
+        {
+            return Err(bad(format!(
+                "record {:?}: local header at offset {} lies past the central directory                  (at {})",
+                r.name, r.header_offset, end.cd_offset
+            )));
+        }
+    }
     let mut order: Vec<usize> = (0..records.len()).collect();
     order.sort_unstable_by_key(|&i| records[i].header_offset);
     // Where each record's span (local header, data, descriptor) ends.
@@ -2277,6 +2291,31 @@ mod tests {
         let many: Vec<Data> = (0..2000).map(|_| Data::Bytes(&[3; 100])).collect();
         let bytes = torch_like(64, &many).to_vec();
         check_remote(bytes, 0, 3);
+    }
+
+    #[test]
+    fn remote_refuses_a_local_header_past_the_directory() {
+        // A storage's central-directory entry pointing past the directory (past
+        // the object's end: its span once ran past it, an untyped error).
+        let good = std::fs::read(fixture("torch_small_a64.pt")).unwrap();
+        let cd_sig = 0x0201_4b50u32.to_le_bytes();
+        let at = (0..good.len() - 46)
+            .filter(|&i| good[i..i + 4] == cd_sig)
+            .find(|&i| {
+                let n = u16::from_le_bytes([good[i + 28], good[i + 29]]) as usize;
+                good[i + 46..i + 46 + n].windows(6).any(|w| w == b"/data/")
+            })
+            .unwrap();
+        for lho in [good.len() as u32 + 100, 0xFFFF_FF00] {
+            let mut bad = good.clone();
+            bad[at + 42..at + 46].copy_from_slice(&lho.to_le_bytes());
+            let src = Batches(bad, std::cell::Cell::new(0));
+            let e = map_remote(&src, None, 1 << 20).unwrap_err();
+            assert!(
+                e.to_string().contains("lies past the central directory"),
+                "{e}"
+            );
+        }
     }
 
     #[test]
