@@ -130,6 +130,35 @@ def case_verify(c: Ctx) -> dict:
     return out
 
 
+class Summed:
+    """Reads its tensor's values while the pickle is decoded (a user's class)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.total = float(t.sum())
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.seen = float(self.t.sum())
+
+
+def case_user_class(c: Ctx) -> dict:
+    # A pickle that may read values as it decodes: the storages are read (once
+    # over the group) before torch.load decodes it over them.
+    import zipfile
+
+    obj = {"sd": state(4), "s": Summed(torch.arange(1000.0))}
+    p = c.shared_file("user.pt", lambda p: torch.save(obj, p))
+    got = ckptio.load(p, map_location=c.dev, weights_only=False, group=c.group)
+    with zipfile.ZipFile(p) as z:
+        total = sum(i.file_size for i in z.infolist() if "/data/" in i.filename)
+    out = report(total)
+    assert "before torch.load decoded the pickle" in ckptio.last_report().direct_reason
+    same(got["sd"], state(4))
+    assert got["s"].seen == obj["s"].total and got["s"].t.device == c.dev
+    return out
+
+
 def case_safetensors(c: Ctx) -> dict:
     p = c.shared_file("m.safetensors", lambda p: cst.save_file(flat(state(3)), p))
     got = cst.load_file(p, device=str(c.dev), group=c.group)

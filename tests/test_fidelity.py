@@ -872,9 +872,20 @@ class Summed:
         self.seen = float(self.t.sum())
 
 
+def _read_by_the_engine(n: int) -> None:
+    """The last load read its ``n`` storages with the engine, before torch.load
+    decoded the pickle (not torch.load reading the file itself)."""
+    rep = ckptio.last_report()
+    reason = rep.direct_reason or ""
+    assert "torch.load read it" not in reason, reason
+    assert "before torch.load decoded the pickle" in reason, reason
+    assert rep.read_source is not None and rep.storages == n and rep.nbytes > 0, rep
+
+
 def test_classes_that_read_values_while_unpickling_see_the_bytes(tmp_path):
     # torch.load hands a class's __setstate__ (or reduce callable) storages that
-    # hold their bytes: a quantized Linear prepacks (copies) its weight then.
+    # hold their bytes: a quantized Linear prepacks (copies) its weight then. The
+    # engine reads them all before torch.load runs (review of 2026-12-08).
     torch.manual_seed(0)
     qm = torch.ao.quantization.quantize_dynamic(
         torch.nn.Sequential(torch.nn.Linear(16, 4)), dtype=torch.qint8
@@ -889,6 +900,7 @@ def test_classes_that_read_values_while_unpickling_see_the_bytes(tmp_path):
         torch.save(obj, p)
         want = torch.load(p, weights_only=False)
         got = ckptio.load(p, weights_only=False)
+        _read_by_the_engine(len(_storage_records(p)))
         if isinstance(obj, dict):
             assert got["s"].seen == want["s"].seen == obj["s"].total
             continue
@@ -896,9 +908,11 @@ def test_classes_that_read_values_while_unpickling_see_the_bytes(tmp_path):
             x_in = torch.quantize_per_tensor(x, 0.05, 64, torch.quint8)
             assert torch.equal(got(x_in).int_repr(), want(x_in).int_repr())
             assert torch.equal(got.weight().int_repr(), want.weight().int_repr())
+            assert torch.equal(got.bias(), want.bias())
         else:
             assert torch.equal(got(x), want(x))
             assert torch.equal(got[0].weight().int_repr(), want[0].weight().int_repr())
+            assert torch.equal(got[0].bias(), want[0].bias())
 
 
 def test_pickles_of_inert_globals_stay_on_the_engine(tmp_path):
@@ -915,6 +929,223 @@ def test_pickles_of_inert_globals_stay_on_the_engine(tmp_path):
             assert ckptio.last_report().nbytes > 0
             want = got["state_dict"] if "state_dict" in got else got
             assert torch.equal(want["w"], sd["w"])
+
+
+# --------------------------------------------------------------------------- review of 2026-12-08
+# A pickle that may read tensor values as it decodes (a global outside torch's
+# weights-only allow-list) keeps the engine: every storage is read first, then
+# torch.load decodes the pickle over the filled storages.
+
+
+class HParams(dict):
+    """A user's hyperparameters class (as Lightning's AttributeDict: a dict subclass)."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _storage_records(path) -> list[str]:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return [n for n in z.namelist() if "/data/" in n and not n.endswith("/")]
+
+
+def _data_offset(path, name: str) -> int:
+    """Where record ``name``'s bytes start in the zip at ``path``."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        head = z.getinfo(name).header_offset
+    with open(path, "rb") as f:
+        f.seek(head)
+        local = f.read(30)
+    n_name, n_extra = struct.unpack_from("<HH", local, 26)
+    return head + 30 + n_name + n_extra
+
+
+def _lightning_checkpoint():
+    import argparse
+
+    g = torch.Generator().manual_seed(5)
+    sd = {}
+    for i in range(120):  # many tensors, dtypes, sizes (some empty)
+        dt = (torch.float32, torch.bfloat16, torch.int64, torch.float16)[i % 4]
+        sd[f"layer{i}.weight"] = torch.randn(i % 7 * 13, 5, generator=g).to(dt)
+    sd["embed"] = torch.randn(1000, 64, generator=g)
+    return {
+        "state_dict": sd,
+        "hyper_parameters": HParams(lr=0.1, layers=[64, 64], args=argparse.Namespace(seed=3)),
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(7, generator=g)}}}],
+        "epoch": 3,
+    }
+
+
+@pytest.mark.parametrize(
+    "ml", [None, "cpu", torch.device("cpu"), {"cpu": "cpu"}], ids=["none", "str", "device", "dict"]
+)
+def test_a_lightning_checkpoint_with_a_user_class_loads_through_the_engine(tmp_path, ml):
+    ckpt, p = _lightning_checkpoint(), tmp_path / "l.ckpt"
+    torch.save(ckpt, p)
+    want = torch.load(p, map_location=ml, weights_only=False)
+    got = ckptio.load(p, map_location=ml, weights_only=False)
+    _read_by_the_engine(sum(1 for t in ckpt["state_dict"].values() if t.numel()) + 1)
+    _assert_equal(got["state_dict"], want["state_dict"])
+    assert type(got["hyper_parameters"]) is HParams
+    assert got["hyper_parameters"] == want["hyper_parameters"]
+    assert got["hyper_parameters"].args.seed == 3 and got["epoch"] == 3
+    opt = got["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert torch.equal(opt, want["optimizer_states"][0]["state"][0]["exp_avg"])
+
+
+def test_shared_storages_and_views_stay_shared_when_filled_first(tmp_path):
+    base = torch.arange(100.0)
+    obj = {
+        "base": base,
+        "view": base[10:20],  # a view at an offset
+        "strided": base.view(10, 10)[:, 3],
+        "s": Summed(base[50:]),  # the class's tensor views the same storage
+        "args": HParams(tied=base[90:]),
+    }
+    p = tmp_path / "t.pt"
+    torch.save(obj, p)
+    want = torch.load(p, weights_only=False)
+    got = ckptio.load(p, weights_only=False)
+    _read_by_the_engine(1)
+    ptr = got["base"].untyped_storage().data_ptr()
+    for k, t in (("view", got["view"]), ("strided", got["strided"]), ("s", got["s"].t)):
+        assert t.untyped_storage().data_ptr() == ptr, k
+    assert got["args"]["tied"].untyped_storage().data_ptr() == ptr
+    assert got["view"].storage_offset() == 10 and got["strided"].stride() == (10,)
+    assert got["s"].seen == want["s"].seen == obj["s"].total
+    for k in ("base", "view", "strided"):
+        assert torch.equal(got[k], want[k]), k
+    got["base"][12] = -1.0  # one storage: the view sees it
+    assert got["view"][2] == -1.0
+
+
+def test_verify_checks_the_records_of_a_load_filled_first(tmp_path):
+    obj = {"s": Summed(torch.arange(1000.0)), "w": torch.randn(4096)}
+    p = tmp_path / "v.pt"
+    torch.save(obj, p)
+    got = ckptio.load(p, weights_only=False, verify=True)
+    _read_by_the_engine(2)
+    rep = ckptio.last_report()
+    assert rep.verified and not rep.unchecked, rep
+    assert got["s"].seen == obj["s"].total and torch.equal(got["w"], obj["w"])
+    name = next(n for n in _storage_records(p) if os.path.basename(n) == "1")
+    at = _data_offset(p, name) + 100
+    with open(p, "r+b") as f:  # a flipped bit in a storage's bytes
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ 1]))
+    with pytest.raises(ckptio.FormatError, match="corrupt"):
+        ckptio.load(p, weights_only=False, verify=True)
+
+
+@pytest.mark.parametrize("how", ["reversed", "equal sizes swapped", "one left out"])
+def test_a_scan_that_disagrees_with_torch_load_falls_back_to_it(tmp_path, monkeypatch, how):
+    # The k-th storage torch.load hands over must be the scan's k-th (same size,
+    # location and place in the file): anything else never gives a tensor the
+    # bytes of another record; torch.load reads the file instead.
+    import dataclasses
+
+    from ckptio.formats import torchzip
+
+    g = torch.Generator().manual_seed(9)
+    obj = {
+        "s": Summed(torch.arange(1000.0)),
+        "a": torch.randn(64, generator=g),
+        "b": torch.randn(64, generator=g),
+        "c": torch.randn(3, generator=g),
+    }
+    p = tmp_path / "m.pt"
+    torch.save(obj, p)
+    scan = torchzip.scan_pickle
+
+    def edited(archive):
+        got = scan(archive)
+        st = list(got.storages)
+        assert [x.nbytes for x in st] == [4000, 256, 256, 12]  # torch.load's order
+        if how == "reversed":
+            st.reverse()
+        elif how == "equal sizes swapped":
+            st[1], st[2] = st[2], st[1]
+        else:
+            st.pop()
+        return dataclasses.replace(got, storages=st)
+
+    monkeypatch.setattr(torchzip, "scan_pickle", edited)
+    want = torch.load(p, weights_only=False)
+    got = ckptio.load(p, weights_only=False)
+    reason = ckptio.last_report().direct_reason
+    assert "torch.load read it" in reason and "not the scan's" in reason, reason
+    assert got["s"].seen == want["s"].seen == obj["s"].total
+    for k in "abc":
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_a_damaged_archive_filled_first_is_a_format_error(tmp_path):
+    obj = {"s": Summed(torch.arange(1000.0)), "w": torch.ones(16)}
+    pkl, data = _saved_pickle(tmp_path / "c.pt", obj)
+    cases = {
+        "missing record": {k: v for k, v in data.items() if k != "1"},
+        "short record": {**data, "1": data["1"][:32]},
+    }
+    for name, records in cases.items():
+        p = tmp_path / f"{name}.pt"
+        _with_pickle(p, pkl, records)
+        with pytest.raises(ckptio.FormatError):
+            ckptio.load(p, weights_only=False)
+    p = tmp_path / "cut.pt"
+    torch.save(obj, p)
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) // 2)
+    with pytest.raises(ckptio.FormatError):
+        ckptio.load(p, weights_only=False)
+
+
+def test_a_pickle_weights_only_refuses_reads_no_storage(tmp_path, monkeypatch):
+    # torch.load(weights_only=True) refuses the class before it needs any bytes:
+    # the engine reads nothing first.
+    import ckptio.serialization as ser
+
+    def no_read(*a, **k):
+        raise AssertionError("read before a refusal")
+
+    monkeypatch.setattr(ser, "_read_storages", no_read, raising=False)
+    p = tmp_path / "r.pt"
+    torch.save({"s": Summed(torch.arange(10.0))}, p)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        ckptio.load(p, weights_only=True)
+
+
+def test_python_2_names_of_allowed_globals_are_told_as_torch_tells_them(tmp_path):
+    # Protocol 2 writes a set as __builtin__.set, which torch's unpicklers read as
+    # builtins.set (allowed, inert): the engine reads the file (it went to torch.load).
+    p = tmp_path / "s.pt"
+    torch.save({"w": torch.arange(5.0), "s": {1, 2}}, p)
+    for weights_only in (True, False):
+        got = ckptio.load(p, weights_only=weights_only)
+        assert "torch.load read it" not in ckptio.last_report().direct_reason
+        assert got["s"] == {1, 2} and torch.equal(got["w"], torch.arange(5.0))
+
+
+@pytest.mark.gpu
+def test_gpu_classes_that_read_values_are_filled_on_the_device(tmp_path):
+    obj = {"s": Summed(torch.arange(1000.0)), "w": torch.randn(4096)}
+    p = tmp_path / "g.pt"
+    torch.save(obj, p)
+    for ml in ("cuda", torch.device("cuda:0"), {"cpu": "cuda:0"}):
+        got = ckptio.load(p, map_location=ml, weights_only=False)
+        _read_by_the_engine(2)
+        assert got["s"].t.is_cuda and got["s"].seen == obj["s"].total
+        assert torch.equal(got["w"].cpu(), obj["w"])
 
 
 @pytest.mark.parametrize("protocol", [1, 2, 3, 4, 5])

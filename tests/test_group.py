@@ -26,6 +26,7 @@ GOOD = [
     "load_state_dict",
     "safetensors_out",
     "sharded_out",
+    "user_class",
 ]
 FAILING = [
     "mismatch_size",

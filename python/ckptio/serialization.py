@@ -10,9 +10,11 @@ few large I/Os, CRC-32s stored as the bytes pass, committed atomically.
 the file is opened, :func:`_opened` after) says in one place when torch.load must
 run as is; otherwise the pickle is read natively where it is a plain state dict
 (:func:`_plan_native`), else torch.load rebuilds the object over a lazy mapping
-of the file that is never read (:class:`_Restorer`); either way each storage is
-allocated empty on its destination and the engine reads every record straight
-into it. ``out=`` loads in place (``ckptio.loading.inplace``).
+of the file that is never read (:class:`_Restorer`), or, where the pickle may
+read tensor values as it decodes, over storages the engine has filled before
+(:func:`_load_prefilled`); either way each storage is allocated empty on its
+destination and the engine reads every record straight into it. ``out=`` loads
+in place (``ckptio.loading.inplace``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.serialization import config as _torch_config
@@ -29,6 +31,7 @@ from torch.utils.serialization import config as _torch_config
 from ckptio import _native
 from ckptio import safetensors as _safetensors
 from ckptio.errors import (
+    CkptioError,
     FormatError,
     LocationError,
     NotPickleError,
@@ -356,11 +359,14 @@ def load(
     ``mmap=True``; ``map_location="meta"`` and under ``FakeTensorMode`` (no
     bytes to read); tensor subclasses that torch rebuilds from the
     ``map_location`` itself; byte-swapped storages; TorchScript and
-    torch's legacy (non-zip) files; sparse and nested tensors and Generators
-    (their rebuild reads tensor values while the pickle decodes). With
-    ``weights_only=False``, other pickles decode before their storages are
-    read: an object of yours whose unpickling reads its tensors' values
-    (``__setstate__`` summing them) sees them unread; load it with torch.load.
+    torch's legacy (non-zip) files. A pickle whose decoding may read tensor
+    values (sparse and nested tensors; with ``weights_only=False``, any global
+    outside torch's weights-only allow-list: a class of yours whose
+    ``__setstate__`` reads its tensors, a quantized module, a Generator, an
+    ``argparse.Namespace`` of hyperparameters) has every storage read by the
+    engine first, then decoded by torch.load over them (the report's
+    ``direct_reason`` says so); with a callable ``map_location``, or a
+    location the engine does not fill, torch.load reads it as is.
     A path ending in ``.safetensors`` is read
     by ``ckptio.safetensors.load_file``, as torch.load hands it to safetensors.
     ``f`` may be a file object: over a regular file (at position 0) the engine
@@ -664,8 +670,10 @@ def _load_archive(
 ) -> Any:
     """An opened archive's object, every storage read by the engine straight into
     its destination: the pickle read natively where it is a plain state dict,
-    else by torch.load over a lazy mapping of the file (a tensor subclass that
-    torch rebuilds from ``map_location`` itself: torch.load reads it all)."""
+    else by torch.load over a lazy mapping of the file, or over storages filled
+    before it runs where the pickle may read their values as it decodes
+    (:func:`_load_prefilled`; a tensor subclass that torch rebuilds from
+    ``map_location`` itself: torch.load reads it all)."""
     if not (
         map_location is None
         or isinstance(map_location, (str, torch.device, dict))
@@ -692,42 +700,51 @@ def _load_archive(
     native = None
     if torch_kw["pickle_module"] is None and len(torch_kw) == 2:  # no pickle arguments
         native = _plan_native(archive, map_location)
+    stats: dict[str, Any] | None = None  # the read, where it ran before the pickle decoded
     if native is not None:
         segments, owners, build = native
     else:
         # /proc/self/fd/N: torch reads the very file we mapped, even if the path is
         # replaced meanwhile by a concurrent save.
         src = f"/proc/self/fd/{archive.fileno()}"
-        reads = torchzip.reads_values_while_unpickling(archive)
-        if reads is not None:  # the restorer's storages are filled after torch.load returns
-            return _by_torch(t0, src, reads, map_location, name=shown, **torch_kw)
-        restorer = _Restorer(map_location, list(archive.data.values()), shown)
-        try:
-            with torchzip.unpickling(shown):
-                obj = torch.load(src, map_location=restorer, mmap=True, **torch_kw)
-        except RuntimeError as e:
-            if not torchzip.declines_restorer(e) or callable(map_location):
-                raise
-            # A tensor subclass that torch rebuilds from map_location itself, which
-            # must then be the caller's own (a str, device or dict): torch loads it.
-            return _by_torch(t0, src, "a tensor subclass", map_location, name=shown, **torch_kw)
-        segments, owners = restorer.segments(archive.data)
-    # Memory handed out by the caching allocator may still be in use by work
-    # queued on the current stream: the engine's copies are ordered after it.
-    shared = sharing.current()
-    if shared is not None:  # read once over the group
-        src_file = sharing.SharedFile(shown, archive.reader, os.fstat(archive.fileno()).st_size)
-        # A CRC-32 is checked over a whole record read: not split with verify.
-        pieces = sharing.segment_pieces(0, segments, owners, splittable=not verify)
-        stats = shared.read([src_file], pieces, io, verify)
-        if native is not None:
-            obj = build()
-    elif native is not None:  # the tensors are made while the engine reads
-        stats, obj = transfer.read_while(
-            archive.reader, io.engine(), segments, owners, build, verify=verify
-        )
-    else:
-        stats = transfer.read(archive.reader, io.engine(), segments, owners, verify=verify)
+        scan = torchzip.scan_pickle(archive)
+        if scan.refused is not None and torch_kw["weights_only"]:
+            # torch.load refuses the pickle before it needs a storage: read none
+            why = f"{scan.refused}: torch's weights-only unpickler refuses it"
+            return _by_torch(t0, src, why, map_location, name=shown, **torch_kw)
+        if scan.reads is not None:
+            # The pickle may read tensor values as it decodes: every storage is
+            # read before torch.load runs (or torch.load reads it all).
+            got = _load_prefilled(archive, src, scan, map_location, torch_kw, io, verify)
+            if isinstance(got, str):
+                return _by_torch(t0, src, got, map_location, name=shown, **torch_kw)
+            obj, stats, n_read = got
+        else:
+            restorer = _Restorer(map_location, list(archive.data.values()), shown)
+            try:
+                with torchzip.unpickling(shown):
+                    obj = torch.load(src, map_location=restorer, mmap=True, **torch_kw)
+            except RuntimeError as e:
+                if not torchzip.declines_restorer(e) or callable(map_location):
+                    raise
+                # A tensor subclass that torch rebuilds from map_location itself, which
+                # must then be the caller's own (a str, device or dict): torch loads it.
+                if verify:  # torch.load reads the storages: check their records first
+                    _verify_data(archive, io)
+                why = "a tensor subclass"
+                return _by_torch(t0, src, why, map_location, name=shown, **torch_kw)
+            segments, owners = restorer.segments(archive.data)
+    if stats is None:  # not read yet (by _load_prefilled)
+        n_read = len(segments)
+        if native is not None and sharing.current() is None:
+            # the tensors are made while the engine reads
+            stats, obj = transfer.read_while(
+                archive.reader, io.engine(), segments, owners, build, verify=verify
+            )
+        else:
+            stats = _read_storages(archive, segments, owners, io, verify)
+            if native is not None:
+                obj = build()
     if verify:
         done = set(stats["verified"]) | set(stats["unchecked"])
         unchecked += stats["unchecked"]
@@ -735,10 +752,215 @@ def _load_archive(
         if rest:  # records torch filled itself (other devices, callables)
             rows = archive.reader.verify(io.engine(), rest, strict=True)
             unchecked += [n for n, state, _, _ in rows if state == "unchecked"]
-        reports.report(shown, t0, stats, len(segments), True, tuple(unchecked))
+        reports.report(shown, t0, stats, n_read, True, tuple(unchecked))
     else:
-        reports.report(shown, t0, stats, len(segments))
+        reports.report(shown, t0, stats, n_read)
     return obj
+
+
+def _read_storages(
+    archive: torchzip.Archive,
+    segments: list[tuple[int, int, int, int]],
+    owners: list[Any],
+    io: IoOptions,
+    verify: bool,
+) -> dict[str, Any]:
+    """The engine's reads of an archive's storages (``verify``: each whole
+    record checked against its CRC-32), once over the group where a load runs
+    in one (``sharing.current``). Memory handed out by the caching allocator may
+    still be in use by work queued on the current stream: the engine's copies
+    are ordered after it."""
+    shared = sharing.current()
+    if shared is None:
+        return transfer.read(archive.reader, io.engine(), segments, owners, verify=verify)
+    size = os.fstat(archive.fileno()).st_size
+    src_file = sharing.SharedFile(archive.path, archive.reader, size)
+    # A CRC-32 is checked over a whole record read: not split with verify.
+    pieces = sharing.segment_pieces(0, segments, owners, splittable=not verify)
+    return shared.read([src_file], pieces, io, verify)
+
+
+#: The report's words for a load whose storages the engine read before
+#: torch.load decoded the pickle (:func:`_load_prefilled`).
+_PREFILLED = "the engine read every storage before torch.load decoded the pickle"
+
+
+def _load_prefilled(
+    archive: torchzip.Archive,
+    src: str,
+    scan: torchzip.PickleScan,
+    map_location: MapLocation,
+    torch_kw: dict[str, Any],
+    io: IoOptions,
+    verify: bool,
+) -> tuple[Any, dict[str, Any], int] | str:
+    """The object of an archive whose pickle may read tensor values while it is
+    decoded (``scan.reads``: a class's ``__setstate__``, a quantized module's
+    prepacking, sparse tensors' validation): every storage the scan lists read
+    by the engine into its destination first, then torch.load(mmap=True) run
+    with :class:`_Prefilled` as map_location, which hands torch the filled
+    storage for each one it asks for. Returns (the object, the read's stats,
+    the storages read), or why torch.load must read the whole file instead
+    (the storages read are dropped): a callable map_location, a location the
+    engine does not fill, a pickle the scan does not list as torch meets it,
+    a tensor subclass torch rebuilds from the map_location itself. FormatError
+    for a storage no record holds (as :class:`_Restorer`)."""
+    reads = scan.reads
+    plan = _plan_prefill(archive, scan, map_location)
+    if isinstance(plan, str):
+        if verify:  # torch.load reads the storages: check their records first
+            _verify_data(archive, io)
+        return reads if scan.storages is None else f"{reads}; {plan}"
+    segments, owners, planned = plan
+    stats = _read_storages(archive, segments, owners, io, verify)
+    restorer = _Prefilled(planned)
+    try:
+        with torchzip.unpickling(archive.path):
+            obj = torch.load(src, map_location=restorer, mmap=True, **torch_kw)
+    except Exception as e:
+        if restorer.mismatch is not None:
+            return f"{reads}; {restorer.mismatch}"
+        if torchzip.declines_restorer(e):
+            return f"{reads}; a tensor subclass"
+        raise
+    if restorer.mismatch is not None:  # raised in torch.load, and swallowed there
+        return f"{reads}; {restorer.mismatch}"
+    why = stats.get("direct_reason")
+    ours = f"{_PREFILLED} ({reads})"
+    stats = dict(stats, direct_reason=f"{why}; {ours}" if why else ours)
+    return obj, stats, len(segments)
+
+
+def _verify_data(archive: torchzip.Archive, io: IoOptions) -> None:
+    """Every storage's record against its CRC-32 (FormatError naming the first
+    bad one), before torch.load reads them."""
+    data_prefix = f"{archive.prefix}/data/"
+    names = [n for n, _, _ in archive.records if n.startswith(data_prefix)]
+    if names:
+        archive.reader.verify(io.engine(), names, strict=True)
+
+
+@memory.gc_paused()  # a storage per record: see memory.gc_paused
+def _plan_prefill(
+    archive: torchzip.Archive, scan: torchzip.PickleScan, map_location: MapLocation
+) -> tuple[list[tuple[int, int, int, int]], list[torch.UntypedStorage], list[_Planned]] | str:
+    """Each storage ``scan`` lists allocated empty on its destination
+    (``devices.fill_device``, as :func:`_plan_native`): (the engine's reads,
+    their owners, each storage's record and destination in the scan's
+    order), or why torch.load must read the file: a callable map_location, a
+    storage of a type torch does not name, a location the engine does not
+    fill. FormatError for a storage whose record is missing or of another size."""
+    if callable(map_location) and not isinstance(map_location, torch.device):
+        return "a callable map_location"
+    if scan.restores_itself:
+        return "a tensor subclass"
+    if scan.storages is None:
+        return "a pickle that does not scan"
+    prefix, where, path = archive.prefix, archive.where, archive.path
+    known: dict[Any, torch.device | None] = {}
+    found: list[tuple[int, int, str, torch.device]] = []
+    for st in scan.storages:
+        if st.nbytes is None:
+            return f"storage {st.key!r}: a storage type or size torch must read"
+        record = f"{prefix}/data/{st.key}"
+        rec = where.get(record)
+        if rec is None:
+            raise corrupt(
+                path, f"the pickle declares storage {st.key!r}, but there is no record {record}"
+            )
+        if rec[1] != st.nbytes:
+            raise corrupt(
+                f"{path}, record {record}",
+                f"it holds {rec[1]} bytes, the pickle declares a storage of {st.nbytes}",
+            )
+        loc = st.location
+        dev = known.get(loc, ...) if isinstance(loc, str) else None
+        if dev is ...:
+            dev = known[loc] = devices.fill_device(map_location, loc)
+        if dev is None:
+            return f"storage {st.key!r} at {loc!r}: a location torch.load restores"
+        found.append((rec[0], rec[1], loc, dev))
+    if isinstance(map_location, (str, torch.device)):
+        for dev in {d for *_, d in found if d.type == "cuda"}:
+            memory.reserve_cuda(dev, [n for _, n, _, _ in found])
+    segments, owners, planned = [], [], []
+    for off, n, loc, dev in found:
+        dest = memory.empty_storage(n, dev, off % memory.PAGE)
+        planned.append(_Planned(off, n, loc, dest))
+        if n:
+            segments.append((off, dest.data_ptr(), n, -1 if dev.type == "cpu" else dev.index))
+            owners.append(dest)
+    return segments, owners, planned
+
+
+class _Planned(NamedTuple):
+    """A storage of :func:`_plan_prefill`: its record's data offset and size,
+    the location tag the pickle gives it, its destination (filled by the engine)."""
+
+    offset: int
+    nbytes: int
+    location: str
+    dest: torch.UntypedStorage
+
+
+class _NotPrefilled(CkptioError):
+    """torch.load asked :class:`_Prefilled` for a storage that is not the one
+    planned: stops torch.load (a CkptioError: ``torchzip.unpickling`` passes it)."""
+
+
+class _Prefilled:
+    """torch.load's map_location over storages the engine has filled already
+    (:func:`_load_prefilled`).
+
+    torch.load hands its map_location each storage once, as its persistent_load
+    first meets it: the k-th handed is the k-th of the scan, which this checks
+    before handing back the filled one: the same size and location, and (torch
+    runs with ``mmap=True``: each storage a slice of one mapping of the file)
+    an address that puts it on its record: the first non-empty one sets the
+    mapping's base (checked against the mapping itself where it can be read),
+    every later one lies at that base plus its record's data offset. Anything
+    else sets ``mismatch`` and raises :class:`_NotPrefilled`: no tensor gets
+    bytes of another record, torch.load reads the file instead.
+    """
+
+    def __init__(self, planned: list[_Planned]) -> None:
+        self.planned = planned
+        self.handed = 0
+        self.base: int | None = None
+        self.mismatch: str | None = None
+
+    def __call__(self, storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        k = self.handed
+        self.handed += 1
+        if k >= len(self.planned):
+            return self._refuse(f"torch.load asked for storage {k + 1}, the scan lists {k}")
+        want = self.planned[k]
+        n = storage.nbytes()
+        if n != want.nbytes or location != want.location:
+            return self._refuse(
+                f"torch.load's storage {k} is {n} bytes at {location!r}, the scan's "
+                f"{want.nbytes} at {want.location!r}"
+            )
+        if n:
+            ptr = storage.data_ptr()
+            if self.base is None:
+                self.base = ptr - want.offset
+                mapped = torchzip.mapping_base(ptr)
+                if mapped is not None and mapped != self.base:
+                    return self._refuse(
+                        f"torch.load's storage {k} lies at offset {ptr - mapped} of the file, "
+                        f"the scan's record at {want.offset}"
+                    )
+            elif ptr - self.base != want.offset:
+                return self._refuse(
+                    f"torch.load's storage {k} lies at offset {ptr - self.base} of the file, "
+                    f"the scan's record at {want.offset}"
+                )
+        return want.dest
+
+    def _refuse(self, why: str) -> Any:
+        self.mismatch = f"the storages torch.load met are not the scan's ({why})"
+        raise _NotPrefilled(self.mismatch)
 
 
 @memory.gc_paused()  # a storage and a tensor per record: see memory.gc_paused

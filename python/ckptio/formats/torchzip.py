@@ -805,16 +805,18 @@ def file_offsets(
     if len(bases) > 1:
         # Records of the same sizes at other offsets (extra records a writer
         # other than torch left): the mapping itself says where it starts.
-        mapped = _mapping_base(p0)
+        mapped = mapping_base(p0)
         bases = [b for b in bases if b == mapped]
     if not bases:
         raise corrupt(path, "storages in the pickle do not match the archive's records")
     return [p - bases[0] for p, _, _ in pending]
 
 
-def _mapping_base(address: int) -> int | None:
+def mapping_base(address: int) -> int | None:
     """The address where file offset 0 of the file mapping holding ``address``
-    would be (``memory.mappings``); None where it cannot be read."""
+    would be (``memory.mappings``); None where it cannot be read. (A storage
+    torch.load(mmap=True) hands its map_location lies at this base plus its
+    record's data offset.)"""
     for lo, hi, _, offset in memory.mappings() or ():
         if lo <= address < hi:
             return lo - offset
@@ -846,39 +848,126 @@ def _inert_globals() -> frozenset[str]:
         return frozenset()
 
 
-def reads_values_while_unpickling(archive: Records) -> str | None:
-    """What in the archive's pickle may read tensor values as it is decoded, or
-    None: a global outside :func:`_inert_globals` (a class's ``__setstate__`` or
-    reduce callable may read the tensors it is given: a quantized Linear
-    prepacks its weight, a Generator sets its state). The storages
-    ``ckptio.load`` hands torch.load must then hold their bytes when torch
-    hands them over. Found with every global inert: nothing of the pickle runs."""
+class StorageMet(NamedTuple):
+    """A storage as torch.load's ``persistent_load`` first meets it in a pickle:
+    its key, location tag, dtype (None: a storage class torch does not name)
+    and bytes (None: no dtype, or a count that is not an int of at least 0)."""
+
+    key: str
+    location: Any
+    dtype: torch.dtype | None
+    nbytes: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PickleScan:
+    """What a scan of an archive's pickle with every global inert found
+    (:func:`scan_pickle`)."""
+
+    #: What in the pickle may read tensor values as it is decoded, or None: a
+    #: global outside :func:`_inert_globals` (a class's ``__setstate__`` or
+    #: reduce callable may read the tensors it is given: a quantized Linear
+    #: prepacks its weight, a Generator sets its state), or a pickle that does
+    #: not scan. The storages torch.load is handed must then hold their bytes
+    #: when torch hands them over.
+    reads: str | None
+    #: Each distinct storage the pickle declares (by key), in the order torch.load's
+    #: ``persistent_load`` first meets them, which is the order it hands them to
+    #: its ``map_location``; None where the pickle does not scan.
+    storages: list[StorageMet] | None
+    #: The first global torch's weights-only unpickler refuses (neither in its
+    #: allow-list nor among the caller's safe globals): torch.load with
+    #: ``weights_only=True`` raises there, before it needs any storage's bytes.
+    #: None where it refuses none, or where this torch does not say.
+    refused: str | None = None
+    #: Every global the pickle names ("module.name").
+    names: frozenset[str] = frozenset()
+
+    @property
+    def restores_itself(self) -> bool:
+        """Whether the pickle rebuilds a tensor subclass from torch.load's
+        ``map_location`` itself (``_rebuild_wrapper_subclass``), which torch
+        refuses to do for a callable map_location (:func:`declines_restorer`)."""
+        return "torch._utils._rebuild_wrapper_subclass" in self.names
+
+
+def scan_pickle(archive: Records) -> PickleScan:
+    """The archive's pickle scanned with every global inert (nothing of it
+    runs, :func:`_inert_load`): what may read tensor values while it is decoded,
+    and the storages it declares in torch.load's order (:class:`PickleScan`)."""
     pkl = f"{archive.prefix}/data.pkl"
     if pkl not in archive.where:
-        return None
+        return PickleScan(None, None)
     inert = _inert_globals()
+    allowed = _weights_only_globals()
+    reads: list[str] = []  # the first global outside the inert ones
+    refused: list[str] = []  # the first one torch's weights-only unpickler refuses
+    stand_ins: dict[tuple[str, str], type] = {}
+    met: dict[str, StorageMet] = {}  # key -> storage, in first-met order
 
     def find_class(self: Any, module: str, name: str) -> Any:
-        if f"{module}.{name}" not in inert:
-            raise _NotInert(f"{module}.{name}")  # the first one decides: stop there
-        return type(name, (_Inert,), {"module": module, "name": name})
+        made = stand_ins.get((module, name))
+        if made is None:
+            full = _resolved(module, name)
+            if not reads and full not in inert:
+                reads.append(full)
+            if not refused and allowed is not None and full not in allowed:
+                refused.append(full)
+            made = stand_ins[(module, name)] = type(
+                name, (_Inert,), {"module": module, "name": name}
+            )
+        return made
+
+    def persistent_load(self: Any, pid: object) -> object:
+        got = _pid_storage(pid)
+        if got is not None and got[0] not in met:
+            key, location, dtype, numel = got
+            ok = type(numel) is int and numel >= 0
+            nbytes = numel * dtype.itemsize if dtype is not None and ok else None
+            met[key] = StorageMet(key, location, dtype, nbytes)
+        return _Inert()
+
+    def again() -> None:
+        reads.clear()
+        refused.clear()
+        stand_ins.clear()
+        met.clear()
 
     try:
         with memory.gc_paused():  # many small objects, no cycles
-            _inert_load(archive.reader.read_record(pkl), find_class, _inert_pid, lambda: None)
-    except _NotInert as e:
-        return f"{e}: it may read tensor values while the pickle is decoded"
-    except Exception:  # noqa: BLE001 - a pickle that does not scan: torch.load reads its values
-        return "a pickle that does not scan"
-    return None
+            _inert_load(archive.reader.read_record(pkl), find_class, persistent_load, again)
+    except Exception:  # noqa: BLE001 - a pickle that does not scan: torch.load decides
+        return PickleScan("a pickle that does not scan", None)
+    why = f"{reads[0]}: it may read tensor values while the pickle is decoded" if reads else None
+    names = frozenset(_resolved(m, n) for m, n in stand_ins)
+    return PickleScan(why, list(met.values()), refused[0] if refused else None, names)
 
 
-class _NotInert(Exception):
-    """A global outside :func:`_inert_globals`, met while a pickle is scanned."""
+def _resolved(module: str, name: str) -> str:
+    """A global's "module.name" as torch's unpicklers resolve it: the Python 2
+    names a protocol 2 pickle writes (``__builtin__.set``) mapped to Python 3's
+    (``torch._utils``' mapping, which torch's weights-only unpickler applies)."""
+    mapped = torch._utils.NAME_MAPPING.get((module, name))
+    if mapped is not None:
+        module, name = mapped
+    else:
+        module = torch._utils.IMPORT_MAPPING.get(module, module)
+    return f"{module}.{name}"
 
 
-def _inert_pid(unpickler: Any, pid: object) -> object:
-    return _Inert()
+def _weights_only_globals() -> frozenset[str] | None:
+    """Every global torch's weights-only unpickler takes now: its allow-list and
+    the caller's safe globals (``torch.serialization.add_safe_globals``,
+    ``safe_globals``); None where this torch does not say (its private lists)."""
+    try:
+        from torch._weights_only_unpickler import (
+            _get_allowed_globals,
+            _get_user_allowed_globals,
+        )
+
+        return frozenset(_get_allowed_globals()) | frozenset(_get_user_allowed_globals())
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
 
 
 @contextlib.contextmanager
