@@ -9,7 +9,7 @@ dcp.load: the ``.metadata`` (read, C unpickling, the allow-list's restore
 walk, the checks), torch's planner, read_data.
 
 usage: PYTHONPATH=python python probes/probe_llm_setup.py [--size 4G]
-       [--device cuda] [--rounds 5] [--dir /dev/shm] [--profile]
+       [--device cuda] [--rounds 5] [--dir /dev/shm] [--profile] [--small-item 0]
 """
 
 from __future__ import annotations
@@ -52,7 +52,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dir", default="/dev/shm")
     p.add_argument("--profile", action="store_true", help="and a cProfile of read_data")
+    p.add_argument(
+        "--small-item",
+        type=int,
+        default=None,
+        help="the DCP reader's small-item bound (formats.dcp.SMALL_ITEM) for this run",
+    )
     a = p.parse_args()
+    if a.small_item is not None:
+        fmt.SMALL_ITEM = a.small_item
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     dev = a.device
     sd = benchlib.llm_state_dict(a.size, dev)
