@@ -805,7 +805,7 @@ def _load_prefilled(
     engine does not fill, a pickle the scan does not list as torch meets it,
     a tensor subclass torch rebuilds from the map_location itself. FormatError
     for a storage no record holds (as :class:`_Restorer`)."""
-    reads = scan.reads
+    reads = scan.reads or ""  # set: the caller's condition
     plan = _plan_prefill(archive, scan, map_location)
     if isinstance(plan, str):
         if verify:  # torch.load reads the storages: check their records first
@@ -929,7 +929,7 @@ class _Prefilled:
         self.base: int | None = None
         self.mismatch: str | None = None
 
-    def __call__(self, storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+    def __call__(self, storage: torch.UntypedStorage, location: str) -> Any:
         k = self.handed
         self.handed += 1
         if k >= len(self.planned):

@@ -650,7 +650,7 @@ def _check_metadata(md: Any, path: str) -> None:
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (isinstance(fqn, str) and is_int(offset) and is_int(length)):
             raise bad(f"item {fqn!r} has offset {offset!r} and length {length!r}")
-        if offset + length >= 1 << 63:  # no file reaches there (the reader's ints are i64)
+        if info.offset + info.length >= 1 << 63:  # no file reaches there (the reader's i64s)
             raise bad(f"item {fqn!r} at offset {offset} (+{length}) lies past any file's end")
         rel = getattr(info, "relative_path", None)
         if rel not in seen:
