@@ -298,3 +298,31 @@ def test_object_urls_are_saved_loaded_and_removed(tmp_path, s3, monkeypatch):
     io.remove_checkpoint(url)
     with pytest.raises(FileNotFoundError):
         ckptio.load(url)
+
+
+# ------------------------------------------------------------------- review of the APIs replaced
+
+
+@pytest.mark.parametrize("change", ["remove", "save over", "chmod"])
+def test_a_kept_lazy_tensor_reads_after_the_path_is_removed_replaced_or_chmodded(
+    tmp_path, change
+):
+    """A large tensor kept from load_checkpoint (a hook's stash) raised "written
+    again in place" once the path was removed (save_top_k=1), saved over
+    (last.ckpt: a new file renamed over it) or chmod'ed: each changes the held
+    file's ctime only; TorchCheckpointIO returns the data in all three cases."""
+    io = CkptioCheckpointIO()
+    p = tmp_path / "last.ckpt"
+    w = torch.randn(512, 1024)  # 2 MiB: read on use
+    io.save_checkpoint({"ema": w}, p)
+    ck = io.load_checkpoint(p)
+    assert isinstance(ck["ema"], _Lazy)
+    if change == "remove":
+        io.remove_checkpoint(p)
+    elif change == "save over":
+        io.save_checkpoint({"ema": w * 2}, p)
+    else:
+        os.chmod(p, 0o600)
+    assert torch.equal(ck["ema"], w)
+    if change == "save over":
+        assert torch.equal(io.load_checkpoint(p)["ema"], w * 2)

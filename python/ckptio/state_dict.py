@@ -1188,9 +1188,10 @@ class _Lazy(torch.Tensor):
     def _fill(self, dest: torch.Tensor) -> None:
         if _stamp(self._files[0]) != self._stamp:
             raise CkptioError(
-                f"{self._files[0].path}: written again in place since lazy_load opened it "
-                f"(torch.save to the same path): {self._key!r} cannot be read from it; "
-                "load the checkpoint again"
+                f"{self._files[0].path}: the file lazy_load opened was modified since "
+                f"(its size or modification time changed: written again in place, as "
+                f"torch.save to the same path does): {self._key!r} cannot be read from "
+                "it; load the checkpoint again"
             )
         # copy_ and to() convert dtypes: so does this read.
         fill(
@@ -1270,9 +1271,13 @@ def _wants_grad(func: Any, args: Sequence[Any], kwargs: Any) -> bool:
 
 
 def _stamp(m: Mapped) -> tuple[int, ...]:
-    """What changes when a file is written again in place (not replaced)."""
+    """What changes when the file a lazy tensor reads from is written again in
+    place (its bytes are then no longer those the tensor was opened over): its
+    size and modification time, of the held descriptor's file. Not its change
+    time: removing the path, renaming a new file over it (ckptio.save) or a
+    chmod change that and leave the held file's bytes as they were."""
     st = os.fstat(m.file.fileno())
-    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return (st.st_size, st.st_mtime_ns)
 
 
 #: Checkpoint tensors smaller than this are read when the checkpoint is opened.
