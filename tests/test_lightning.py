@@ -304,9 +304,7 @@ def test_object_urls_are_saved_loaded_and_removed(tmp_path, s3, monkeypatch):
 
 
 @pytest.mark.parametrize("change", ["remove", "save over", "chmod"])
-def test_a_kept_lazy_tensor_reads_after_the_path_is_removed_replaced_or_chmodded(
-    tmp_path, change
-):
+def test_a_kept_lazy_tensor_reads_after_the_path_is_removed_replaced_or_chmodded(tmp_path, change):
     """A large tensor kept from load_checkpoint (a hook's stash) raised "written
     again in place" once the path was removed (save_top_k=1), saved over
     (last.ckpt: a new file renamed over it) or chmod'ed: each changes the held
@@ -326,3 +324,29 @@ def test_a_kept_lazy_tensor_reads_after_the_path_is_removed_replaced_or_chmodded
     assert torch.equal(ck["ema"], w)
     if change == "save over":
         assert torch.equal(io.load_checkpoint(p)["ema"], w * 2)
+
+
+def test_file_urls_are_local_paths_and_other_schemes_go_to_lightnings_plugin(tmp_path, monkeypatch):
+    """file:///x/last.ckpt was saved into ./file:/x/... under the working folder;
+    memory:// (fsspec) loads raised FileNotFoundError and removals did nothing.
+    ckptio writes neither: the plugin hands such URLs to TorchCheckpointIO."""
+    fsspec = pytest.importorskip("fsspec")
+    monkeypatch.chdir(tmp_path)
+    io = CkptioCheckpointIO()
+    target = tmp_path / "run" / "last.ckpt"
+    io.save_checkpoint({"w": torch.ones(2)}, f"file://{target}")
+    assert os.listdir(tmp_path) == ["run"] and target.is_file()
+    assert torch.equal(io.load_checkpoint(f"file://{target}")["w"], torch.ones(2))
+    io.remove_checkpoint(f"file://{target}")
+    assert not target.exists()
+
+    mem = fsspec.filesystem("memory")
+    url = "memory://ckptio-test/x.ckpt"
+    for plugin in (io, AsyncCkptioCheckpointIO()):
+        plugin.save_checkpoint({"w": torch.full((2,), 3.0)}, url)
+        assert torch.equal(plugin.load_checkpoint(url)["w"], torch.full((2,), 3.0))
+        plugin.remove_checkpoint(url)
+        if isinstance(plugin, AsyncCkptioCheckpointIO):
+            plugin.teardown()
+        assert not mem.exists("/ckptio-test/x.ckpt")
+    assert os.listdir(tmp_path) == ["run"]

@@ -10,6 +10,7 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -2043,6 +2044,35 @@ def test_a_url_without_an_objects_key_is_refused_by_single_object_calls(s3):
         ):
             with pytest.raises(ValueError, match="not an object"):
                 call(*args, storage_options=s3.options)
+
+
+def test_file_urls_are_local_and_other_schemes_a_value_error(tmp_path, monkeypatch):
+    """file:///x was saved into ./file:/x under the working folder; memory:// (a
+    scheme ckptio has no client for) was saved there too, and a load of it
+    raised FileNotFoundError."""
+    monkeypatch.chdir(tmp_path)
+    sd = {"w": torch.ones(2)}
+    target = tmp_path / "d" / "m.pt"
+    target.parent.mkdir()
+    for call, args in (
+        (ckptio.save, (sd, f"file://{target}")),
+        (ckptio.load, (f"file://{target}",)),
+        (ckptio.safetensors.save_file, (sd, f"file://{target}.st")),
+        (ckptio.safetensors.load_file, (f"file://{target}.st",)),
+    ):
+        call(*args)
+    assert torch.equal(ckptio.load(target)["w"], sd["w"])
+    assert sorted(os.listdir(target.parent)) == ["m.pt", "m.pt.st"]
+    for url in ("memory://run/x.pt", "hdfs://nn/x.pt", "S3://b/x.pt"):
+        for call, args in (
+            (ckptio.save, (sd, url)),
+            (ckptio.load, (url,)),
+            (ckptio.safetensors.save_file, (sd, url)),
+            (ckptio.safetensors.load_file, (url,)),
+        ):
+            with pytest.raises(ValueError, match=re.escape(url) + ".*s3://, .*gs://"):
+                call(*args)
+    assert os.listdir(tmp_path) == ["d"]
 
 
 def test_an_object_file_whose_publish_fails_is_aborted_and_closed(s3):

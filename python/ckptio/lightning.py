@@ -16,7 +16,12 @@ memory unless a ``map_location`` says otherwise (as ``TorchCheckpointIO`` does).
 
 Paths may be object URLs (``s3://bucket/key``; the store's settings from the
 standard AWS variables, see docs/objectstore.md): saved and loaded as single
-objects, removed from the store.
+objects, removed from the store. ``file://`` URLs are local paths. A URL of
+another scheme (``memory://``, ``hdfs://``, ...), which ckptio cannot write, is
+handed to Lightning's ``TorchCheckpointIO`` (fsspec), whole: a Trainer that
+worked with Lightning's plugin keeps working with this one, where an error
+would stop a run that switched plugins for speed (``ckptio.save`` and
+``ckptio.load`` themselves refuse such URLs with a ValueError).
 
 Resuming is in place (``in_place=True``, the default): ``load_checkpoint`` reads
 only the small tensors and hands the large ones over unread; when Lightning
@@ -45,7 +50,7 @@ from typing import Any
 import torch
 
 try:
-    from lightning.fabric.plugins import CheckpointIO
+    from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 except ImportError as e:  # pragma: no cover - exercised with lightning hidden
     raise ImportError(
         "ckptio.lightning needs PyTorch Lightning (the 'lightning' package): "
@@ -53,7 +58,7 @@ except ImportError as e:  # pragma: no cover - exercised with lightning hidden
     ) from e
 
 from ckptio.formats.torchzip import resolve_weights_only
-from ckptio.io import objects, remote
+from ckptio.io import objects, paths, remote
 from ckptio.io.devices import MapLocation
 from ckptio.io.engines import IoOptions
 from ckptio.serialization import load, save
@@ -89,7 +94,10 @@ class CkptioCheckpointIO(CheckpointIO):
     ) -> None:
         _no_storage_options(self, storage_options)
         path = os.fspath(path)
+        if not remote.handles(path):
+            return TorchCheckpointIO().save_checkpoint(checkpoint, path)
         if not remote.is_url(path):
+            path = paths.path(path, "save")  # (a file:// URL: its local path)
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         save(checkpoint, path, **self._opts)
 
@@ -100,10 +108,14 @@ class CkptioCheckpointIO(CheckpointIO):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         path = os.fspath(path)
-        url = remote.is_url(path)
-        if not url and not os.path.exists(path):
-            raise FileNotFoundError(f"Checkpoint file not found: {path}")
         where = "cpu" if map_location is None else map_location
+        if not remote.handles(path):
+            return TorchCheckpointIO().load_checkpoint(path, where, weights_only)
+        url = remote.is_url(path)
+        if not url:
+            path = paths.path(path, "load")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"Checkpoint file not found: {path}")
         if (
             self._in_place
             and not url  # (an object is read whole, straight into its tensors)
@@ -122,9 +134,14 @@ class CkptioCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         path = os.fspath(path)
+        if not remote.handles(path):
+            TorchCheckpointIO().remove_checkpoint(path)
+            return
         if remote.is_url(path):
             remote.delete(path)
-        elif os.path.isdir(path) and not os.path.islink(path):
+            return
+        path = paths.path(path, "remove_checkpoint")
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         elif os.path.lexists(path):
             os.remove(path)

@@ -27,13 +27,40 @@ from ckptio.errors import FormatError
 TEMP_FILE = re.compile(r"\.(?P<target>.+)\.ckptio-(?P<pid>\d+)-[0-9a-f]{16}\.tmp")
 
 
+#: ``scheme://`` at the start of a path: a URL (RFC 3986's scheme characters).
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+#: The prefix of URLs that name local files.
+FILE_URL = "file://"
+
+
+def url_scheme(f: Any) -> str | None:
+    """The scheme of a path that is a URL (``s3://b/k`` -> ``"s3"``, as written),
+    else None (a local path that is no URL, a file object)."""
+    if isinstance(f, os.PathLike):
+        f = os.fspath(f)
+    if isinstance(f, bytes):
+        f = os.fsdecode(f)
+    m = _URL.match(f) if isinstance(f, str) else None
+    return m.group(1) if m else None
+
+
+def local(p: str) -> str:
+    """The local path a ``file://`` URL names (the prefix dropped, as fsspec, and
+    so Lightning's own ``TorchCheckpointIO``, reads it: ``file:///tmp/x`` ->
+    ``/tmp/x``); any other path as it is. Every API turns a path argument into
+    the file it opens here (:func:`path`), so none saves ``file:///tmp/x`` into
+    ``./file:/tmp/x``."""
+    return p[len(FILE_URL) :] if url_scheme(p) == "file" else p
+
+
 def is_path(f: Any) -> bool:
     return isinstance(f, (str, bytes, os.PathLike))
 
 
 def path(f: Any, what: str) -> str:
     if is_path(f):
-        return os.fsdecode(f)
+        return local(os.fsdecode(f))
     raise TypeError(f"ckptio.{what} needs a file path (str or os.PathLike), not {type(f).__name__}")
 
 

@@ -38,7 +38,7 @@ import torch
 
 from ckptio import _native
 from ckptio.errors import CommitConflictError
-from ckptio.io import liveness
+from ckptio.io import liveness, paths
 from ckptio.io.units import parse_size
 
 #: The URL schemes that name objects (the client's: S3, GCS, Azure).
@@ -51,13 +51,28 @@ StorageOptions = Mapping[str, Any] | None
 T = TypeVar("T")
 
 
+def handles(f: Any) -> bool:
+    """Whether ckptio reads and writes ``f`` itself: a local path (a ``file://``
+    URL too: ``paths.local``), a file object, or an object URL of :data:`SCHEMES`;
+    not a URL of another scheme (``memory://``, ``hdfs://``...)."""
+    scheme = paths.url_scheme(f)
+    return scheme is None or scheme == "file" or f"{scheme}://" in SCHEMES
+
+
 def is_url(f: Any) -> bool:
-    """Whether ``f`` names an object (``s3://...``) rather than a local file."""
-    if isinstance(f, os.PathLike):
-        f = os.fspath(f)
-    if isinstance(f, bytes):
-        f = os.fsdecode(f)
-    return isinstance(f, str) and f.startswith(SCHEMES)
+    """Whether ``f`` names an object (``s3://...``) rather than a local file.
+
+    Every API asks this first of its path: a URL of a scheme ckptio does not
+    handle is a ValueError here, rather than a local path of that name
+    (``./memory:/run/x.pt``) that a save would create and a load would not find.
+    """
+    if not handles(f):
+        url = os.fsdecode(os.fspath(f))
+        raise ValueError(
+            f"{url}: ckptio does not handle {paths.url_scheme(f)}:// URLs; it takes local "
+            f"paths ({paths.FILE_URL} URLs too) and object URLs ({', '.join(SCHEMES)})"
+        )
+    return paths.url_scheme(f) not in (None, "file")
 
 
 def bucket_and_key(url: str) -> tuple[str, str]:
