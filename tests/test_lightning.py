@@ -350,3 +350,33 @@ def test_file_urls_are_local_paths_and_other_schemes_go_to_lightnings_plugin(tmp
             plugin.teardown()
         assert not mem.exists("/ckptio-test/x.ckpt")
     assert os.listdir(tmp_path) == ["run"]
+
+
+def test_a_save_after_a_failed_async_save_is_queued_and_teardown_raises_again(tmp_path):
+    """The save after a failed one raised the failure and was dropped, and
+    teardown then raised nothing: Lightning's AsyncCheckpointIO queues the new
+    save, then raises, and raises again at teardown."""
+    from concurrent.futures import wait
+
+    io = AsyncCkptioCheckpointIO()
+    (tmp_path / "file").write_text("x")
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "file" / "sub" / "a.ckpt")  # fails
+    wait(list(io._pending))  # (ended: the next call sees the failure)
+    with pytest.raises(NotADirectoryError):
+        io.save_checkpoint({"w": torch.full((2,), 2.0)}, tmp_path / "b.ckpt")
+    with pytest.raises(NotADirectoryError):
+        io.teardown()
+    assert torch.equal(torch.load(tmp_path / "b.ckpt")["w"], torch.full((2,), 2.0))
+    io.teardown()  # raised again once: not for ever
+
+
+def test_async_saves_meta_tensors_as_they_are(tmp_path):
+    """The async snapshot copied every tensor to the host: "Cannot copy out of
+    meta tensor"; the sync plugin and Lightning's AsyncCheckpointIO save them."""
+    io = AsyncCkptioCheckpointIO()
+    p = tmp_path / "m.ckpt"
+    io.save_checkpoint({"x": torch.empty(3, device="meta"), "w": torch.ones(2)}, p)
+    io.teardown()
+    out = torch.load(p)
+    assert out["x"].device.type == "meta" and out["x"].shape == (3,)
+    assert torch.equal(out["w"], torch.ones(2))

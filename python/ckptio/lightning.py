@@ -161,7 +161,11 @@ class AsyncCkptioCheckpointIO(CkptioCheckpointIO):
     ``teardown``, which waits for all pending work (Lightning calls it at the
     end of ``fit``; after it, a ``trainer.save_checkpoint`` is written in the
     background too: call ``wait()`` before reading it); one that no call
-    reported is printed to stderr at interpreter exit.
+    reported is printed to stderr at interpreter exit. As with Lightning's
+    ``AsyncCheckpointIO``, a save or removal that raises an earlier failure is
+    queued first (the failure must not cost the next checkpoint too), and a
+    failure raised before ``teardown`` is raised again by it (the end of
+    ``fit`` fails, whoever caught the first one), once.
 
     ``ModelCheckpoint`` picks a ``-v1``, ``-v2`` name by what is on disk: with
     saves in flight, give each checkpoint a name of its own (``{step}`` in
@@ -175,14 +179,17 @@ class AsyncCkptioCheckpointIO(CkptioCheckpointIO):
         self._lock = threading.Lock()
         #: Whether the last save the worker ran failed (removals behind it wait).
         self._last_save_failed = False
+        #: A failure some call raised, which ``teardown`` raises again.
+        self._reported: BaseException | None = None
         _unreported.add(self)
 
     def _submit(self, fn: Any, *args: Any) -> None:
-        self._raise_failed()
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptio-ckpt")
-            self._pending.append(self._executor.submit(fn, *args))
+            new = self._executor.submit(fn, *args)
+            self._pending.append(new)
+        self._raise_failed(skip=new)
 
     def _save(self, snapshot: dict[str, Any], path: Any) -> None:
         try:
@@ -196,15 +203,19 @@ class AsyncCkptioCheckpointIO(CkptioCheckpointIO):
         if not self._last_save_failed:
             super().remove_checkpoint(path)
 
-    def _raise_failed(self, wait: bool = False) -> None:
+    def _raise_failed(self, wait: bool = False, skip: Future[None] | None = None) -> None:
+        """Raise the first failure of the work done (``wait``: of all work, once
+        ended); ``skip``: work just queued, left pending."""
         with self._lock:
-            pending = list(self._pending)
+            pending = [f for f in self._pending if f is not skip]
         for f in pending:
             if wait or f.done():
                 exc = f.exception()
                 with self._lock:
                     self._pending.remove(f)
                 if exc is not None:
+                    with self._lock:
+                        self._reported = self._reported or exc
                     raise exc
 
     def save_checkpoint(
@@ -232,9 +243,12 @@ class AsyncCkptioCheckpointIO(CkptioCheckpointIO):
     def teardown(self) -> None:
         try:
             self.wait()
+            if self._reported is not None:
+                raise self._reported
         finally:
             with self._lock:
                 ex, self._executor = self._executor, None
+                self._reported = None
             if ex is not None:
                 ex.shutdown(wait=True)
 
@@ -263,6 +277,9 @@ def _to_host(checkpoint: Any) -> Any:
     memo: dict[int, Any] = {}
     for t in objects.reachable_tensors(checkpoint):
         d = t.detach()
+        if d.device.type == "meta":  # no data to copy, none that training changes
+            objects.memoize(memo, t, t)
+            continue
         objects.memoize(memo, t, d.to("cpu", copy=True) if d.device.type != "cpu" else d.clone())
     return copy.deepcopy(checkpoint, memo)
 
