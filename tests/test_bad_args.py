@@ -57,6 +57,63 @@ def test_gdsfile_misaligned_offsets_and_sizes_roundtrip_and_short_file_is_an_err
     assert torch.equal(src, dst)
 
 
+def test_gds_has_every_name_of_torchs():
+    """ckptio.gds lacked torch.cuda.gds.is_available."""
+    import torch.cuda.gds as tg
+
+    assert [n for n in tg.__all__ if not hasattr(ckptio.gds, n)] == []
+    assert sorted(ckptio.gds.__all__) == sorted(tg.__all__)
+    assert ckptio.gds.is_available() is True and ckptio.is_available is ckptio.gds.is_available
+
+
+def test_gdsfile_takes_what_torchs_binding_takes(tmp_path):
+    """GdsFile refused offsets torch's binding takes (numpy integers, 0-d integer
+    tensors: ``__index__``) and a bytes file name (os.open's)."""
+    import numpy as np
+
+    p = tmp_path / "g.bin"
+    f = ckptio.GdsFile(os.fsencode(p), os.O_CREAT | os.O_RDWR)
+    assert f.filename == str(p)
+    x = torch.arange(8, dtype=torch.uint8)
+    for off in (np.int64(3), torch.tensor(3), np.uint8(3)):
+        f.save_storage(x.untyped_storage(), off)
+        y = torch.zeros_like(x)
+        f.load_storage(y.untyped_storage(), off)
+        assert torch.equal(x, y), type(off)
+    for off in (torch.tensor(True), torch.tensor(1.0), np.float64(1), "1"):
+        with pytest.raises(TypeError, match="offset must be an int"):
+            f.load_storage(x.untyped_storage(), off)
+    with pytest.raises(ValueError, match=">= 0, not -1"):
+        f.load_storage(x.untyped_storage(), np.int64(-1))
+
+
+def test_gdsfile_errors_are_runtime_errors_as_torchs_and_name_a_short_read(tmp_path):
+    """torch raises RuntimeError for a negative offset and a save to a file opened
+    O_RDONLY (ckptio: ValueError, OSError only); a load past the end of the file
+    read "not a usable checkpoint ... likely corrupted" (a raw file is no
+    checkpoint), and an empty load at the end failed where an empty save works."""
+    p = tmp_path / "g.bin"
+    f = ckptio.GdsFile(p, os.O_CREAT | os.O_RDWR)
+    f.save_storage(torch.arange(4.0).untyped_storage(), 0)  # 16 bytes
+    with pytest.raises(RuntimeError, match="offset must be >= 0") as ei:
+        f.save_storage(torch.ones(1).untyped_storage(), -1)
+    assert isinstance(ei.value, ValueError)
+    with pytest.raises(ckptio.FormatError) as ei:
+        f.load_storage(torch.empty(8).untyped_storage(), 4)
+    assert str(ei.value) == (
+        f"{p}: read of 32 bytes at offset 4 runs past the end of the file (16 bytes)"
+    )
+    for off in (16, 100):
+        f.load_storage(torch.empty(0).untyped_storage(), off)
+        f.save_storage(torch.empty(0).untyped_storage(), off)
+    assert p.stat().st_size == 16
+    r = ckptio.GdsFile(p, os.O_RDONLY)
+    with pytest.raises(RuntimeError) as ei:
+        r.save_storage(torch.ones(1).untyped_storage(), 0)
+    assert isinstance(ei.value, OSError) and ei.value.errno == errno.EBADF
+    assert ei.value.filename == str(p)
+
+
 def _cufile_driver_opens() -> bool:
     return bool(_native.info()["cufile"].get("driver_open"))
 

@@ -54,7 +54,7 @@ from ckptio.errors import (
     StorePermissionError,
     StoreThrottledError,
 )
-from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer
+from ckptio.gds import GdsFile, gds_deregister_buffer, gds_register_buffer, is_available
 from ckptio.io.reports import IOReport, last_report
 from ckptio.io.transfer import release_buffers
 from ckptio.serialization import RecordInfo, TensorInfo, load, records, save
@@ -77,6 +77,7 @@ __all__ = [
     "info",
     "safetensors",
     "GdsFile",
+    "is_available",
     "gds_register_buffer",
     "gds_deregister_buffer",
     "IOReport",

@@ -26,7 +26,9 @@ catches ckptio's errors too; its subclasses single them out:
   ``Checkpointer.close(timeout=)``, its step kept locally;
 - ``SaveFolderNotFoundError`` (``FileNotFoundError``), ``SaveIsADirectoryError``
   (``IsADirectoryError``), ``SaveNameError`` (``ValueError``): a save to a path
-  that cannot be a file, where torch.save raises ``RuntimeError``.
+  that cannot be a file, where torch.save raises ``RuntimeError``;
+- ``GdsValueError`` (``ValueError``), ``GdsAccessError`` (``OSError``, EBADF): a
+  ``GdsFile`` call torch.cuda.gds refuses with ``RuntimeError``.
 
 The operating system's errors stay ``OSError`` subclasses chosen by errno,
 naming the file. See docs/api-conventions.md.
@@ -65,6 +67,8 @@ __all__ = [
     "DrainStoppedError",
     "DtypeMismatchError",
     "FormatError",
+    "GdsAccessError",
+    "GdsValueError",
     "GroupLoadError",
     "GroupMismatchError",
     "InPlaceLoadError",
@@ -271,6 +275,22 @@ def save_destination_error(e: Exception, path: str) -> Exception:
     if isinstance(e, OSError) and type(e) in kind:
         return kind[type(e)](e.errno, e.strerror, e.filename)
     return e
+
+
+# --------------------------------------------------------------------------- GdsFile
+# torch.cuda.gds.GdsFile raises RuntimeError (its C++ checks) where ckptio's raises
+# the class that says what is wrong; each is a CkptioError (a RuntimeError) too, so
+# that ``except RuntimeError`` written for torch catches it.
+
+
+class GdsValueError(ValueError, CkptioError):
+    """A ``GdsFile`` argument out of range (a negative offset)."""
+
+
+class GdsAccessError(OSError, CkptioError):
+    """A ``GdsFile`` transfer its access mode forbids (a save to a file opened
+    O_RDONLY, a load from one opened O_WRONLY): ``errno`` EBADF, as the system
+    says for such a read or write."""
 
 
 # --------------------------------------------------------------------------- conversion

@@ -1,8 +1,8 @@
 """A drop-in for ``torch.cuda.gds`` that always works.
 
-Same names and signatures as torch.cuda.gds (``GdsFile``, ``gds_register_buffer``,
-``gds_deregister_buffer``), so code written for it (e.g. the PyTorch GDS
-tutorial) runs with ``torch.cuda.gds`` replaced by ``ckptio``. Transfers are
+Same names and signatures as torch.cuda.gds (``is_available``, ``GdsFile``,
+``gds_register_buffer``, ``gds_deregister_buffer``), so code written for it (e.g.
+the PyTorch GDS tutorial) runs with ``torch.cuda.gds`` replaced by ``ckptio``. Transfers are
 synchronous, like cuFileRead/cuFileWrite, and start after the work queued on
 the storage's device's current stream. The ``flags`` govern the I/O as in
 torch (the file is opened with them: O_SYNC / O_DSYNC writes are durable when
@@ -33,13 +33,17 @@ semantics differ, ckptio mostly does not raise where torch would:
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import threading
 
 import torch
 
 from ckptio import _native
+from ckptio.errors import FormatError, GdsAccessError, GdsValueError
 from ckptio.io import devices, engines, transfer
+
+__all__ = ["is_available", "gds_register_buffer", "gds_deregister_buffer", "GdsFile"]
 
 # Keyed by address; each registration holds its storage until deregistered.
 _registrations: dict[int, _native.BufferRegistration] = {}
@@ -58,6 +62,14 @@ def _untyped(
         f"{what} must be a torch storage (UntypedStorage or TypedStorage), "
         f"not {type(s).__name__}{hint}"
     )
+
+
+def is_available() -> bool:
+    """Whether this API works here, as torch.cuda.gds's (whether torch was built
+    with cuFile; without it, torch's calls raise): always True, ckptio's moving
+    the bytes through its bounce pipeline where cuFile cannot
+    (``GdsFile.device_path`` says which path a file takes)."""
+    return True
 
 
 def gds_register_buffer(s: torch.UntypedStorage | torch.TypedStorage) -> None:
@@ -101,7 +113,8 @@ class GdsFile:
     access mode and O_SYNC, O_DSYNC and O_NOATIME. So with O_SYNC or O_DSYNC
     each ``save_storage`` is durable when it returns, and loading from a file
     opened O_WRONLY, or saving to one opened O_RDONLY, raises
-    ``OSError(EBADF)`` before anything moves. O_DIRECT in ``flags`` changes
+    ``GdsAccessError`` (an ``OSError``, EBADF; a ``RuntimeError`` as torch's
+    error is) before anything moves. O_DIRECT in ``flags`` changes
     nothing (``direct`` decides); O_APPEND and O_PATH are refused with a
     ``ValueError`` before the file is opened (see the module's notes). ``fd``
     is that first descriptor (no O_DIRECT), open until the GdsFile is deleted.
@@ -124,7 +137,7 @@ class GdsFile:
         threads: int | None = None,
         chunk_size: int | None = None,
     ) -> None:
-        self.filename = os.fspath(filename)
+        self.filename = os.fsdecode(os.fspath(filename))  # (bytes too: os.open's)
         self.flags = flags
         # Every argument is checked before the file is opened (and maybe
         # created or truncated): the engine's here, backend and direct (and,
@@ -178,17 +191,14 @@ class GdsFile:
         # reverse), on every path, before anything moves.
         if (self.flags & os.O_ACCMODE) == (os.O_RDONLY if write else os.O_WRONLY):
             how = "O_RDONLY" if write else "O_WRONLY"
-            raise OSError(
+            raise GdsAccessError(
                 errno.EBADF,
                 f"{os.strerror(errno.EBADF)}: {'save_storage' if write else 'load_storage'} "
                 f"on a file opened {how}",
                 self.filename,
             )
         st = _untyped(storage)
-        if not isinstance(offset, int) or isinstance(offset, bool):
-            raise TypeError(f"offset must be an int, not {type(offset).__name__}")
-        if offset < 0:
-            raise ValueError(f"offset must be >= 0, not {offset}")
+        offset = _offset(offset)
         dev = devices.device_code(st, "storage")
         return st, offset, dev
 
@@ -202,11 +212,39 @@ class GdsFile:
     def load_storage(
         self, storage: torch.UntypedStorage | torch.TypedStorage, offset: int = 0
     ) -> None:
-        """Fill all of ``storage`` from the file at ``offset`` (synchronous)."""
+        """Fill all of ``storage`` from the file at ``offset`` (synchronous); a
+        range past the end of the file is a ``FormatError`` saying so (an empty
+        storage reads nothing: fine anywhere, as an empty save is)."""
         st, offset, dev = self._args(storage, offset, write=False)
+        n = st.nbytes()
+        if n == 0:
+            return
+        size = os.fstat(self.fd).st_size
+        if offset + n > size:
+            raise FormatError(
+                f"{self.filename}: read of {n} bytes at offset {offset} runs past the end "
+                f"of the file ({size} bytes)"
+            )
         transfer.read(self._file, self._engine, [(offset, st.data_ptr(), st.nbytes(), dev)], [st])
 
     def __del__(self) -> None:
         f = getattr(self, "_file", None)
         if f is not None:
             f.deregister_handle()
+
+
+def _offset(offset: object) -> int:
+    """An offset as torch's binding takes it: an int or what stands for one
+    (``__index__``: numpy integers, a 0-d integer tensor), not a bool; >= 0."""
+    is_bool = isinstance(offset, bool) or (
+        isinstance(offset, torch.Tensor) and offset.dtype == torch.bool
+    )
+    try:
+        if is_bool:
+            raise TypeError
+        value = operator.index(offset)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"offset must be an int, not {type(offset).__name__}") from None
+    if value < 0:
+        raise GdsValueError(f"offset must be >= 0, not {value}")
+    return value
