@@ -45,7 +45,7 @@ import sys
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -110,7 +110,8 @@ class CkptioCheckpointIO(CheckpointIO):
         path = os.fspath(path)
         where = "cpu" if map_location is None else map_location
         if not remote.handles(path):
-            return TorchCheckpointIO().load_checkpoint(path, where, weights_only)
+            # (torch.load takes what Lightning's annotation, a callable, leaves out)
+            return TorchCheckpointIO().load_checkpoint(path, cast(Any, where), weights_only)
         url = remote.is_url(path)
         if not url:
             path = paths.path(path, "load")
