@@ -436,8 +436,10 @@ impl Drop for FileMap {
 }
 
 /// Whether `[addr, addr+len)` is wholly private, writable mappings of the file
-/// open as `fd` (by device and inode, as /proc/self/maps lists them): what
-/// [`detach`] may replace. Anything else (the heap, a library, nothing) is not.
+/// open as `fd` (by inode, as /proc/self/maps lists them): what [`detach`] may
+/// replace. Anything else (the heap, a library, nothing) is not. Not by
+/// device: on btrfs, stat's device (the subvolume's) is not the one the
+/// mapping lists (the file system's).
 pub fn maps_private_file(addr: usize, len: usize, fd: std::os::fd::RawFd) -> Result<bool> {
     // SAFETY: a plain C struct, all zeros a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -445,7 +447,6 @@ pub fn maps_private_file(addr: usize, len: usize, fd: std::os::fd::RawFd) -> Res
     if unsafe { libc::fstat(fd, &mut st) } != 0 {
         return Err(Error::io("fstat", None, std::io::Error::last_os_error()));
     }
-    let (major, minor) = (libc::major(st.st_dev), libc::minor(st.st_dev));
     let maps = std::fs::read_to_string("/proc/self/maps")
         .map_err(|e| Error::io("read /proc/self/maps", None, e))?;
     let Some(end) = addr.checked_add(len.next_multiple_of(PAGE)) else {
@@ -455,7 +456,7 @@ pub fn maps_private_file(addr: usize, len: usize, fd: std::os::fd::RawFd) -> Res
     let mut at = addr;
     for line in maps.lines() {
         let mut f = line.split_whitespace();
-        let (Some(range), Some(perms), Some(_), Some(dev), Some(inode)) =
+        let (Some(range), Some(perms), Some(_), Some(_), Some(inode)) =
             (f.next(), f.next(), f.next(), f.next(), f.next())
         else {
             continue;
@@ -473,9 +474,7 @@ pub fn maps_private_file(addr: usize, len: usize, fd: std::os::fd::RawFd) -> Res
         if lo > at {
             return Ok(false); // a hole
         }
-        let same_file = dev.split_once(':').is_some_and(|(a, b)| {
-            u32::from_str_radix(a, 16) == Ok(major) && u32::from_str_radix(b, 16) == Ok(minor)
-        }) && inode.parse::<u64>() == Ok(st.st_ino);
+        let same_file = inode.parse::<u64>() == Ok(st.st_ino) && st.st_ino != 0;
         if !(perms.starts_with("rw") && perms.ends_with('p') && same_file) {
             return Ok(false);
         }
