@@ -270,3 +270,24 @@ def test_torch_to_torch_keeps_ties_and_views(tmp_path, capsys):
     torch.save({"w": w, "step": 3}, src)
     err = run_err(capsys, src, tmp_path / "d.pt")
     assert "'step' is a int, not a tensor: convert moves only tensors" in err, err
+
+
+def test_file_urls_are_the_paths_they_name_for_every_check(tmp_path, capsys, monkeypatch):
+    """A file:// destination is the local file it names for the checks too (a
+    review of 2026-12-07: the existence check looked for ./file:/..., passed, and
+    the save, which reads file:// as its path, replaced the file without --force;
+    `convert x.pt file://$PWD/x.pt --force` converted a file over itself); a
+    file:// source is read."""
+    src = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(4)}, src)
+    dst = tmp_path / "dst.pt"
+    torch.save({"w": torch.zeros(4)}, dst)
+    monkeypatch.chdir(tmp_path)
+    err = run_err(capsys, f"file://{src}", f"file://{dst}")
+    assert "dst.pt exists" in err and "--force" in err
+    assert torch.equal(torch.load(dst)["w"], torch.zeros(4))
+    assert "the source itself" in run_err(capsys, src, f"file://{src}", "--force")
+    out = tmp_path / "out.safetensors"
+    assert main(["convert", "-q", f"file://{src}", f"file://{out}"]) == 0
+    same(st.load_file(out), {"w": torch.ones(4)})
+    assert not (tmp_path / "file:").exists()

@@ -1169,3 +1169,27 @@ def test_one_writer_used_from_two_threads_does_not_deadlock(tmp_path):
     assert not t.is_alive() and not errors
     w.commit()
     assert (tmp_path / "f.bin").read_bytes()[:16] == bytes(range(16))
+
+
+def test_file_urls_name_the_local_folder(tmp_path, monkeypatch):
+    """FileSystemWriter/Reader("file:///abs/dcp") and checkpoint_id="file://..." use
+    the folder the URL names, as ckptio.save does (a review of 2026-12-07: the
+    writer wrote into ./file:/abs/dcp under the working folder)."""
+    monkeypatch.chdir(tmp_path)
+    sd = {"w": torch.randn(8), "b": torch.arange(3)}
+    folder = tmp_path / "ck"
+    dcp.save(sd, storage_writer=FileSystemWriter(f"file://{folder}"), no_dist=True)
+    assert (folder / ".metadata").exists() and not (tmp_path / "file:").exists()
+    out = zeros_like(sd)
+    dcp.load(out, storage_reader=FileSystemReader(f"file://{folder}"), no_dist=True)
+    assert_same(sd, out)
+    other = tmp_path / "ck2"
+    dcp.save(
+        sd, checkpoint_id=f"file://{other}", storage_writer=FileSystemWriter(folder), no_dist=True
+    )
+    assert (other / ".metadata").exists()
+    out = zeros_like(sd)
+    reader = FileSystemReader(folder)
+    dcp.load(out, checkpoint_id=f"file://{other}", storage_reader=reader, no_dist=True)
+    assert_same(sd, out)
+    assert not (tmp_path / "file:").exists()

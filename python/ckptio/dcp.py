@@ -101,7 +101,7 @@ from ckptio.errors import FormatError, corrupt
 from ckptio.formats import dcp as fmt
 from ckptio.formats import torchzip
 from ckptio.formats.dcp import read_metadata
-from ckptio.io import devices, memory, remote, transfer
+from ckptio.io import devices, memory, paths, remote, transfer
 from ckptio.io.engines import IoOptions
 from ckptio.io.paths import inside, open_regular
 from ckptio.io.units import align_up
@@ -193,8 +193,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         )
         remote.check_options(path, storage_options)
         self._store = _Remote(path, storage_options)
-        if self._store.url is not None:
-            path = self._store.folder()
+        path = self._store.where(path)
         _FileSystemWriter.__init__(
             self,
             path,
@@ -643,12 +642,20 @@ class _Remote:
         self.url = os.fsdecode(os.fspath(path)).rstrip("/") if remote.is_url(path) else None
 
     def reset(self, checkpoint_id: Any) -> Any:
-        """A new ``checkpoint_id``: what torch's reset gets (the scratch folder
-        for a URL, else the id as it is)."""
+        """A new ``checkpoint_id``: what torch's reset gets (:meth:`where`)."""
         if checkpoint_id is None:
             return None
         self.point(checkpoint_id)
-        return self.folder() if self.url is not None else checkpoint_id
+        return self.where(checkpoint_id)
+
+    def where(self, path: Any) -> Any:
+        """What torch's writer or reader gets as its folder: the scratch folder
+        for a URL, the local path of a ``file://`` URL, else ``path`` as it is."""
+        if self.url is not None:
+            return self.folder()
+        if isinstance(path, (str, bytes)) and paths.url_scheme(path) == "file":
+            return paths.local(os.fsdecode(path))
+        return path
 
     def folder(self) -> str:
         """The scratch folder the files pass through where they cannot go
@@ -801,8 +808,7 @@ class FileSystemReader(_TorchReader):
     ) -> None:
         remote.check_options(path, storage_options)
         self._store = _Remote(path, storage_options)
-        if self._store.url is not None:
-            path = self._store.folder()
+        path = self._store.where(path)
         super().__init__(path, **_torch_args(_READER_ARGS, _extension_registry=_extension_registry))
         for name, v in (
             ("verify", verify),

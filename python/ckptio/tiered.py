@@ -64,7 +64,7 @@ from ckptio.errors import (
     StoreThrottledError,
 )
 from ckptio.formats import dcp as dcp_format
-from ckptio.io import liveness, transfer
+from ckptio.io import liveness, paths, transfer
 from ckptio.io import remote as objstore
 from ckptio.serialization import load as _load
 from ckptio.serialization import save as _save
@@ -163,7 +163,7 @@ class Checkpointer:
         if keep_remote is not None:
             _check_int("keep_remote", keep_remote, 1)
         _check_retries(tries, backoff, max_backoff=max_backoff)
-        self.local = os.path.abspath(os.fspath(local))
+        self.local = os.path.abspath(paths.local(os.fsdecode(os.fspath(local))))
         self.remote = remote.rstrip("/")
         self.format = format
         self.keep_local = keep_local

@@ -35,7 +35,7 @@ from typing import Any
 
 from ckptio.errors import FormatError
 from ckptio.formats import detect
-from ckptio.io import remote
+from ckptio.io import paths, remote
 from ckptio.io.units import human_bytes, parse_size, size_text
 from ckptio.tools import bench, clean, describe
 from ckptio.tools.convert import convert
@@ -201,6 +201,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    for name in ("path", "src", "dst", "folder"):  # file:// URLs: the local paths they name
+        if isinstance(getattr(a, name, None), str):
+            setattr(a, name, paths.local(getattr(a, name)))
     stdout = sys.stdout
     if stdout is not None:
         sys.stdout = _PipeSafe(stdout)  # type: ignore[assignment]

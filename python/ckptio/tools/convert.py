@@ -41,7 +41,7 @@ from ckptio import safetensors as cst
 from ckptio.errors import ConversionError, FormatError
 from ckptio.formats import detect
 from ckptio.formats import safetensors as st_format
-from ckptio.io import remote
+from ckptio.io import paths, remote
 from ckptio.serialization import last_report, load, save
 from ckptio.tools.describe import printable
 
@@ -148,7 +148,8 @@ def check_destination(src: str, dst: str, overwrite: bool) -> None:
     """Refuse ``dst`` where convert must not write it: the source itself (the same
     file under any name, or the same URL), a symbolic link (convert writes
     nothing through one), a folder, or, unless ``overwrite``, anything that exists."""
-    src, dst = os.fspath(src), os.fspath(dst)
+    # file:// URLs as the local paths they name: the save writes there.
+    src, dst = paths.local(os.fsdecode(src)), paths.local(os.fsdecode(dst))
     if remote.is_url(dst):
         if remote.is_url(src) and src.rstrip("/") == dst.rstrip("/"):
             raise ValueError(f"{dst} is the source itself: convert writes another object")
@@ -196,6 +197,7 @@ def convert(
     existing ``dst`` is replaced (as ``ckptio.save`` replaces) unless
     ``overwrite`` is False (``ckptio convert`` without ``--force``): then
     FileExistsError."""
+    src, dst = paths.local(os.fsdecode(src)), paths.local(os.fsdecode(dst))
     check_destination(src, dst, overwrite)
     if source is not None:
         found = source
