@@ -1186,12 +1186,12 @@ class _Lazy(torch.Tensor):
         return self._real
 
     def _fill(self, dest: torch.Tensor) -> None:
-        if _stamp(self._files[0]) != self._stamp:
+        if _rewritten(self._stamp, _stamp(self._files[0])):
             raise CkptioError(
-                f"{self._files[0].path}: the file lazy_load opened was modified since "
-                f"(its size or modification time changed: written again in place, as "
-                f"torch.save to the same path does): {self._key!r} cannot be read from "
-                "it; load the checkpoint again"
+                f"{self._files[0].path}: the file lazy_load opened may have been written "
+                f"since (its size, modification or change time moved while it still has a "
+                f"name: written again in place, as torch.save to the same path does): "
+                f"{self._key!r} cannot be read from it; load the checkpoint again"
             )
         # copy_ and to() convert dtypes: so does this read.
         fill(
@@ -1271,13 +1271,25 @@ def _wants_grad(func: Any, args: Sequence[Any], kwargs: Any) -> bool:
 
 
 def _stamp(m: Mapped) -> tuple[int, ...]:
-    """What changes when the file a lazy tensor reads from is written again in
-    place (its bytes are then no longer those the tensor was opened over): its
-    size and modification time, of the held descriptor's file. Not its change
-    time: removing the path, renaming a new file over it (ckptio.save) or a
-    chmod change that and leave the held file's bytes as they were."""
+    """(size, modification time, change time, links) of the file a lazy tensor
+    reads from, by its held descriptor: see :func:`_rewritten`."""
     st = os.fstat(m.file.fileno())
-    return (st.st_size, st.st_mtime_ns)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
+
+
+def _rewritten(then: tuple[int, ...], now: tuple[int, ...]) -> bool:
+    """Whether the file may have been written in place since ``then`` (its bytes
+    no longer those the tensor was opened over): its size or modification time
+    moved, or its change time did while it still has a name (a same-size
+    rewrite whose mtime was set back, ``rsync --inplace -t``, moves only that).
+    Once it has no name (the path removed, or a new file renamed over it, as
+    ``ModelCheckpoint`` and ckptio.save do) nothing writes it through one any
+    more: its change time moved with the unlink, and its bytes are as they
+    were. (A chmod or a new hard link moves the change time too: refused, an
+    error rather than bytes that may be others.)"""
+    size, mtime, ctime, _ = then
+    size2, mtime2, ctime2, links = now
+    return (size, mtime) != (size2, mtime2) or (ctime != ctime2 and links > 0)
 
 
 #: Checkpoint tensors smaller than this are read when the checkpoint is opened.
