@@ -880,17 +880,33 @@ def _plan_prefill(
         if dev is None:
             return f"storage {st.key!r} at {loc!r}: a location torch.load restores"
         found.append((rec[0], rec[1], loc, dev))
-    if isinstance(map_location, (str, torch.device)):
-        for dev in {d for *_, d in found if d.type == "cuda"}:
-            memory.reserve_cuda(dev, [n for _, n, _, _ in found])
-    segments, owners, planned = [], [], []
-    for off, n, loc, dev in found:
-        dest = memory.empty_storage(n, dev, off % memory.PAGE)
-        planned.append(_Planned(off, n, loc, dest))
-        if n:
-            segments.append((off, dest.data_ptr(), n, -1 if dev.type == "cpu" else dev.index))
-            owners.append(dest)
+    records = [(off, n) for off, n, _, _ in found]
+    storages, segments, owners = _allocate(records, [f[3] for f in found], map_location)
+    planned = [
+        _Planned(off, n, loc, dest) for (off, n, loc, _), dest in zip(found, storages, strict=True)
+    ]
     return segments, owners, planned
+
+
+def _allocate(
+    records: list[tuple[int, int]], dests: list[torch.device], map_location: MapLocation
+) -> tuple[list[torch.UntypedStorage], list[tuple[int, int, int, int]], list[torch.UntypedStorage]]:
+    """A storage, empty, on its destination for each (data offset, nbytes) of a
+    record (a CUDA reservation first where one map_location sends all to a
+    device: ``memory.reserve_cuda``): (the storages, the engine's reads of the
+    records into them, their owners: the storages that hold bytes)."""
+    if isinstance(map_location, (str, torch.device)):
+        for dev in {d for d in dests if d.type == "cuda"}:
+            memory.reserve_cuda(dev, [n for _, n in records])
+    storages: list[torch.UntypedStorage] = []
+    segments, owners = [], []
+    for (off, n), dev in zip(records, dests, strict=True):
+        st = memory.empty_storage(n, dev, off % memory.PAGE)
+        storages.append(st)
+        if n:
+            segments.append((off, st.data_ptr(), n, -1 if dev.type == "cpu" else dev.index))
+            owners.append(st)
+    return storages, segments, owners
 
 
 class _Planned(NamedTuple):
@@ -988,17 +1004,7 @@ def _plan_native(
         if dev is None:
             return None
         dests.append(dev)
-    if isinstance(map_location, (str, torch.device)):
-        for dev in {d for d in dests if d.type == "cuda"}:
-            memory.reserve_cuda(dev, [f[1] for f in found])
-    storages: list[torch.UntypedStorage] = []
-    segments, owners = [], []
-    for (off, n, _, _), dev in zip(found, dests, strict=True):
-        st = memory.empty_storage(n, dev, off % memory.PAGE)
-        storages.append(st)
-        if n:
-            segments.append((off, st.data_ptr(), n, -1 if dev.type == "cpu" else dev.index))
-            owners.append(st)
+    storages, segments, owners = _allocate([(f[0], f[1]) for f in found], dests, map_location)
     dtypes = [f[2] for f in found]
     path = archive.path
     return segments, owners, lambda: torchzip.rebuild(parsed, storages, dtypes, path)
