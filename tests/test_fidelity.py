@@ -642,6 +642,24 @@ def _assert_equal(a, b):
         assert a == b
 
 
+def test_tensors_of_many_dims_and_tensors_that_require_grad_load_as_torch_loads_them(tmp_path):
+    # 65 dims: more than the native reader takes (src/format/pickle.rs, MAX_DIMS).
+    p = tmp_path / "d.pt"
+    sd = {
+        "many": torch.arange(2.0).reshape([2] + [1] * 64),
+        "dims": torch.arange(6.0).reshape([1] * 61 + [2, 1, 3]),
+        "grad": torch.ones(3, requires_grad=True),
+        "param": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+    }
+    torch.save(sd, p)
+    got, want = ckptio.load(p), torch.load(p)
+    _assert_equal(got, want)
+    for k in sd:
+        assert got[k].shape == want[k].shape and got[k].stride() == want[k].stride()
+        assert got[k].requires_grad == want[k].requires_grad
+        assert got[k]._backward_hooks == want[k]._backward_hooks
+
+
 @pytest.mark.parametrize("case", sorted(OUTSIDE_WEIGHTS_ONLY))
 def test_pickles_outside_weights_only_load_as_torch_loads_them(tmp_path, case):
     """The native unpickler read pickles torch's weights_only unpickler refuses (ckptio.load

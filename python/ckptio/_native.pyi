@@ -406,11 +406,15 @@ class Unpickled:
         rebuild_tensor: Callable[..., Any],
         rebuild_parameter: Callable[..., Any],
         ordered_dict: Callable[[], Any],
+        made: tuple[list[Callable[[], Any]], list[Any], list[int]] | None = None,
     ) -> Any:
         """Make the object: ``rebuild_tensor(storage index, offset, size, stride,
         requires_grad, hooks, need, contiguous)`` per tensor (the storage elements
         the view needs, -1 for a view no checkpoint holds, and whether it is
-        row-major), ``rebuild_parameter(tensor, requires_grad, hooks)`` per Parameter."""
+        row-major), ``rebuild_parameter(tensor, requires_grad, hooks)`` per Parameter.
+        ``made``: (per storage, a maker of an empty tensor of its dtype and device;
+        the storages; the elements each holds): the tensors that fit their storage
+        are made natively (``new().set_(...)``), the rest by ``rebuild_tensor``."""
 
 def safetensors_header(
     json: bytes, data_len: int, itemsizes: dict[str, int]

@@ -49,6 +49,14 @@ pub struct StorageRef {
     pub numel: u64,
 }
 
+/// A tuple's items in the arena of a [`Parsed`] ([`Parsed::tuple`]): not a
+/// vector per tuple (four allocations a tensor).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    start: u32,
+    len: u32,
+}
+
 /// One object of the pickle.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
@@ -57,7 +65,11 @@ pub enum Value {
     Int(i64),
     Float(f64),
     Str(String),
-    Tuple(Vec<usize>),
+    /// Its items ([`Parsed::tuple`]); `ints`: all of them ints.
+    Tuple {
+        items: Span,
+        ints: bool,
+    },
     List(Vec<usize>),
     Dict(Vec<(usize, usize)>),
     /// `collections.OrderedDict`: items, then attributes set by BUILD.
@@ -70,13 +82,16 @@ pub enum Value {
     Storage(usize),
     /// A storage class (`torch.FloatStorage`), named in persistent ids only;
     /// never reachable from the result.
-    StorageClass(String),
+    StorageClass(&'static str),
     /// `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks)`.
     Tensor {
         storage: usize,
         offset: i64,
-        size: Vec<i64>,
-        stride: Vec<i64>,
+        /// Sizes and strides ([`Parsed::dims`]): the items of tuples of ints,
+        /// at most [`MAX_DIMS`], referred to (a memoized tuple is not copied
+        /// per tensor).
+        size: Span,
+        stride: Span,
         requires_grad: bool,
         /// The (empty) OrderedDict set as the tensor's `_backward_hooks`.
         hooks: usize,
@@ -96,6 +111,38 @@ pub struct Parsed {
     pub values: Vec<Value>,
     pub root: usize,
     pub storages: Vec<StorageRef>,
+    /// Per value: whether the result reaches it ([`reachable`]).
+    pub reached: Vec<bool>,
+    /// The tuples' items.
+    items: Vec<usize>,
+}
+
+/// Dims a tensor read natively may have (torch.load reads the others).
+pub const MAX_DIMS: usize = 64;
+
+impl Parsed {
+    /// A tuple's items.
+    pub fn tuple(&self, s: Span) -> &[usize] {
+        span(&self.items, s)
+    }
+
+    /// A tensor's sizes or strides (`s` of a [`Value::Tensor`]), in `out`.
+    pub fn dims<'a>(&self, s: Span, out: &'a mut [i64; MAX_DIMS]) -> &'a [i64] {
+        let n = (s.len as usize).min(MAX_DIMS);
+        for (o, &k) in out.iter_mut().zip(self.tuple(s)) {
+            // An int: the reader made a tensor only of tuples of ints.
+            *o = if let Value::Int(v) = self.values[k] {
+                v
+            } else {
+                0
+            };
+        }
+        &out[..n]
+    }
+}
+
+fn span<T>(arena: &[T], s: Span) -> &[T] {
+    &arena[s.start as usize..s.start as usize + s.len as usize]
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,7 +150,7 @@ enum Global {
     RebuildTensor,
     RebuildParameter,
     OrderedDict,
-    StorageClass(String),
+    StorageClass(&'static str),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -167,6 +214,8 @@ struct Vm {
     sparse: HashMap<u32, Item>,
     storages: Vec<StorageRef>,
     by_key: HashMap<String, usize>,
+    /// The tuples' items ([`Parsed::tuple`]).
+    items: Vec<usize>,
     /// Per value: its depth as a dict key (a plain value 1, a tuple of keys one
     /// more than its deepest item), 0 where it cannot be one. Set once, when the
     /// value is made (a tuple's items are made before it and never change):
@@ -184,9 +233,9 @@ impl Vm {
     fn push(&mut self, v: Value) -> usize {
         let depth = match &v {
             Value::None | Value::Bool(_) | Value::Int(_) | Value::Float(_) | Value::Str(_) => 1,
-            Value::Tuple(items) => {
+            Value::Tuple { items, .. } => {
                 let mut deepest = 0u8;
-                for &i in items {
+                for &i in span(&self.items, *items) {
                     match self.keys[i] {
                         0 => {
                             deepest = MAX_KEY_DEPTH;
@@ -295,11 +344,28 @@ impl Vm {
         }
     }
 
-    fn ints(&self, i: usize) -> R<Vec<i64>> {
-        match &self.values[i] {
-            Value::Tuple(items) => items.iter().map(|&k| self.int(k)).collect(),
-            _ => no("sizes or strides are not a tuple"),
+    /// The items of tuple `i`, if it is one of ints.
+    fn ints(&self, i: usize) -> R<Span> {
+        match self.values[i] {
+            Value::Tuple { items, ints: true } => Ok(items),
+            _ => no("sizes or strides are not a tuple of ints"),
         }
+    }
+
+    /// A tuple of `items` pushed.
+    fn tuple(&mut self, items: impl IntoIterator<Item = usize>) -> R<()> {
+        let start = self.items.len();
+        self.items.extend(items);
+        let all = &self.items[start..];
+        let ints = all.iter().all(|&k| matches!(self.values[k], Value::Int(_)));
+        let (Ok(start), Ok(len)) = (u32::try_from(start), u32::try_from(all.len())) else {
+            return no("a pickle too large");
+        };
+        self.push(Value::Tuple {
+            items: Span { start, len },
+            ints,
+        });
+        Ok(())
     }
 
     fn empty_od(&self, i: usize) -> R<usize> {
@@ -310,10 +376,10 @@ impl Vm {
     }
 
     fn reduce(&mut self, f: Global, args: usize) -> R<Value> {
-        let Value::Tuple(a) = &self.values[args] else {
+        let Value::Tuple { items, .. } = self.values[args] else {
             return no("REDUCE arguments are not a tuple");
         };
-        let a = a.as_slice();
+        let a = span(&self.items, items);
         match f {
             Global::OrderedDict if a.is_empty() => Ok(Value::OrderedDict {
                 items: Vec::new(),
@@ -325,8 +391,11 @@ impl Vm {
                 };
                 let size = self.ints(a[2])?;
                 let stride = self.ints(a[3])?;
-                if size.len() != stride.len() {
+                if size.len != stride.len {
                     return no("sizes and strides of different lengths");
+                }
+                if size.len as usize > MAX_DIMS {
+                    return no(format!("a tensor of {} dims", size.len));
                 }
                 Ok(Value::Tensor {
                     storage,
@@ -352,10 +421,10 @@ impl Vm {
     }
 
     fn persistent(&mut self, pid: usize) -> R<Value> {
-        let Value::Tuple(t) = &self.values[pid] else {
+        let Value::Tuple { items, .. } = self.values[pid] else {
             return no("a persistent id that is not a tuple");
         };
-        let [tag, class, key, location, numel] = t[..] else {
+        let [tag, class, key, location, numel] = *span(&self.items, items) else {
             return no("a persistent id of another length");
         };
         let (Value::Str(tag), Value::StorageClass(class), Value::Str(key), Value::Str(location)) = (
@@ -373,7 +442,7 @@ impl Vm {
         let i = match self.by_key.get(key.as_str()) {
             Some(&i) => {
                 let r = &self.storages[i];
-                if (&r.class, &r.location, r.numel) != (class, location, numel) {
+                if (r.class.as_str(), &r.location, r.numel) != (*class, location, numel) {
                     // One key read as two dtypes or sizes: torch's special cases.
                     return no(format!("storage {key} named twice differently"));
                 }
@@ -382,7 +451,7 @@ impl Vm {
             None => {
                 let r = StorageRef {
                     key: key.clone(),
-                    class: class.clone(),
+                    class: (*class).to_owned(),
                     location: location.clone(),
                     numel,
                 };
@@ -423,7 +492,10 @@ fn global(module: &str, name: &str) -> R<Global> {
         ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildTensor,
         ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
         ("collections", "OrderedDict") => Global::OrderedDict,
-        ("torch", n) if STORAGE_CLASSES.contains(&n) => Global::StorageClass(n.to_owned()),
+        ("torch", n) => match STORAGE_CLASSES.iter().find(|&&c| c == n) {
+            Some(c) => Global::StorageClass(c),
+            None => return no(format!("global {module}.{name}")),
+        },
         _ => return no(format!("global {module}.{name}")),
     })
 }
@@ -431,14 +503,16 @@ fn global(module: &str, name: &str) -> R<Global> {
 /// Read a pickle of the subset in the module doc.
 pub fn parse(data: &[u8]) -> R<Parsed> {
     let mut r = Reader { data, pos: 0 };
+    // About one value per 8 bytes of a state dict's pickle: few regrowths.
     let mut vm = Vm {
-        values: Vec::new(),
+        values: Vec::with_capacity(data.len() / 8),
         stack: Vec::new(),
         memo: Vec::new(),
         sparse: HashMap::new(),
         storages: Vec::new(),
         by_key: HashMap::new(),
-        keys: Vec::new(),
+        items: Vec::with_capacity(data.len() / 8),
+        keys: Vec::with_capacity(data.len() / 8),
     };
     loop {
         let op = r.u8()?;
@@ -458,21 +532,18 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
             b']' => {
                 vm.push(Value::List(Vec::new()));
             }
-            b')' => {
-                vm.push(Value::Tuple(Vec::new()));
-            }
+            b')' => vm.tuple([])?,
             b't' => {
                 let items = Vm::vals(vm.pop_mark()?)?;
-                vm.push(Value::Tuple(items));
+                vm.tuple(items)?;
             }
             0x85..=0x87 => {
                 let n = usize::from(op - 0x84);
-                let mut items = Vec::with_capacity(n);
-                for _ in 0..n {
-                    items.push(vm.pop_val()?);
+                let mut items = [0usize; 3];
+                for k in (0..n).rev() {
+                    items[k] = vm.pop_val()?;
                 }
-                items.reverse();
-                vm.push(Value::Tuple(items));
+                vm.tuple(items[..n].iter().copied())?;
             }
             b'q' | b'r' => {
                 // BINPUT, LONG_BINPUT
@@ -633,17 +704,20 @@ pub fn parse(data: &[u8]) -> R<Parsed> {
         return no("the stack does not end with one value");
     }
     let root = vm.pop_val()?;
-    check_result(&vm.values, root)?;
+    let reached = check_result(&vm.values, &vm.items, root)?;
     Ok(Parsed {
         values: vm.values,
         root,
         storages: vm.storages,
+        reached,
+        items: vm.items,
     })
 }
 
 /// What the result may not hold: storages and storage classes (torch would
 /// hand out storage objects there), hooks that are not empty OrderedDicts.
-fn check_result(values: &[Value], root: usize) -> R<()> {
+/// Returns what the result reaches ([`reachable`]).
+fn check_result(values: &[Value], items: &[usize], root: usize) -> R<Vec<bool>> {
     for v in values {
         if let Value::Tensor { hooks, .. } | Value::Parameter { hooks, .. } = v {
             match &values[*hooks] {
@@ -652,18 +726,18 @@ fn check_result(values: &[Value], root: usize) -> R<()> {
             }
         }
     }
-    let reached = reachable(values, root);
+    let reached = reachable(values, items, root);
     let storage =
         |(v, &r): (&Value, &bool)| r && matches!(v, Value::Storage(_) | Value::StorageClass(_));
     if values.iter().zip(&reached).any(storage) {
         return no("a storage or storage class in the result");
     }
-    Ok(())
+    Ok(reached)
 }
 
 /// Which values the result (`root`) reaches through containers, Parameters
-/// and tensors' hooks (not through a tensor's storage).
-pub fn reachable(values: &[Value], root: usize) -> Vec<bool> {
+/// and tensors' hooks (not through a tensor's storage); `items`: the tuples'.
+fn reachable(values: &[Value], items: &[usize], root: usize) -> Vec<bool> {
     let mut seen = vec![false; values.len()];
     let mut todo = vec![root];
     while let Some(i) = todo.pop() {
@@ -671,7 +745,8 @@ pub fn reachable(values: &[Value], root: usize) -> Vec<bool> {
             continue;
         }
         match &values[i] {
-            Value::Tuple(x) | Value::List(x) => todo.extend(x),
+            Value::Tuple { items: t, .. } => todo.extend(span(items, *t)),
+            Value::List(x) => todo.extend(x),
             Value::Dict(kv) => todo.extend(kv.iter().flat_map(|&(k, v)| [k, v])),
             Value::OrderedDict { items, attrs } => {
                 todo.extend(items.iter().flat_map(|&(k, v)| [k, v]));
@@ -1005,6 +1080,71 @@ mod tests {
         };
         assert_eq!(p.values[l[1]], Value::Float(2.5));
         assert_eq!(p.values[l[4]], Value::Str("s".into()));
+    }
+
+    /// `[t, t, ...]`: `n` tensors of one storage, their sizes and strides one
+    /// tuple of `dims` ones, memoized once and fetched by every later tensor.
+    fn tensors_sharing_one_size_tuple(n: usize, dims: usize) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.op(op::EMPTY_LIST);
+        w.put(None);
+        for i in 0..n {
+            w.global("torch._utils", "_rebuild_tensor_v2");
+            w.op(op::MARK);
+            w.op(op::MARK);
+            w.str("storage");
+            w.global("torch", "FloatStorage");
+            w.str("0");
+            w.str("cpu");
+            w.int(1);
+            w.op(op::TUPLE);
+            w.op(op::BINPERSID);
+            w.int(0);
+            if i == 0 {
+                w.op(op::MARK);
+                for _ in 0..dims {
+                    w.int(1);
+                }
+                w.op(op::TUPLE);
+                w.put(Some(1 << 40)); // memo index 1 (the list took 0)
+            } else {
+                w.get(1);
+            }
+            w.get(1); // strides: the same tuple
+            w.bool(false);
+            w.global("collections", "OrderedDict");
+            w.op(op::EMPTY_TUPLE);
+            w.op(op::REDUCE);
+            w.op(op::TUPLE);
+            w.op(op::REDUCE);
+            w.op(op::APPEND);
+        }
+        w.finish()
+    }
+
+    #[test]
+    fn a_memoized_size_tuple_is_referred_to_not_copied_per_tensor() {
+        // A hostile pickle's size tuple fetched by a million tensors copied its
+        // ints a million times (a 5-byte BINGET each).
+        let p = parse(&tensors_sharing_one_size_tuple(1000, MAX_DIMS)).unwrap();
+        let Value::List(l) = &p.values[p.root] else {
+            panic!("{p:?}")
+        };
+        assert_eq!(l.len(), 1000);
+        let spans: Vec<_> = l
+            .iter()
+            .map(|&t| match &p.values[t] {
+                Value::Tensor { size, stride, .. } => (*size, *stride),
+                v => panic!("{v:?}"),
+            })
+            .collect();
+        assert!(spans.iter().all(|&(s, t)| s == spans[0].0 && t == s));
+        let mut out = [0i64; MAX_DIMS];
+        assert_eq!(p.dims(spans[0].0, &mut out), &[1i64; MAX_DIMS][..]);
+        // Items: each tensor's own tuples (persistent id, arguments), one size tuple.
+        assert!(p.items.len() < 1000 * 12 + MAX_DIMS, "{}", p.items.len());
+        // More dims than torch.load is left to read: refused here.
+        assert!(parse(&tensors_sharing_one_size_tuple(2, MAX_DIMS + 1)).is_err());
     }
 
     #[test]

@@ -776,13 +776,14 @@ def rebuild(
     path: str,
     *,
     lazy: bool = False,
+    devices: list[torch.device] | None = None,
 ) -> Any:
     """The object of a natively read pickle over its storages
-    (``unpickled.build``), what it raises typed (:func:`unpickling`): a tensor
-    per storage, the containers, no cycles, so no collections meanwhile
-    (``memory.gc_paused``)."""
+    (``unpickled.build``; ``devices``: theirs, where the caller knows them),
+    what it raises typed (:func:`unpickling`): a tensor per storage, the
+    containers, no cycles, so no collections meanwhile (``memory.gc_paused``)."""
     with memory.gc_paused(), unpickling(path):
-        return unpickled.build(parsed, storages, dtypes, path, lazy=lazy)
+        return unpickled.build(parsed, storages, dtypes, path, lazy=lazy, devices=devices)
 
 
 def file_offsets(
