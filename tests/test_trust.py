@@ -173,6 +173,20 @@ def test_crafted_metadata_that_evades_the_class_restore_is_refused(tmp_path, cas
         read_metadata(tmp_path / ".metadata")
 
 
+def test_a_stand_in_held_only_outside_the_metadata_refuses_nothing(tmp_path):
+    """The reader counts the references to its stand-ins to know whether to look
+    for one in what it read: one held only by garbage the read left (a list that
+    holds itself and a metadata class, collected later) is not in the metadata."""
+    garbage = b"]q\x01h\x01ah\x00a0"  # L = [L, Metadata], popped
+    (tmp_path / ".metadata").write_bytes(
+        b"\x80\x02" + _g(_MD, "Metadata") + b"q\x000" + garbage + _metadata_obj()
+    )
+    md = read_metadata(tmp_path / ".metadata")
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    assert type(md) is Metadata and md.state_dict_metadata == {}
+
+
 def test_metadata_of_unexpected_value_types_is_a_formaterror(tmp_path):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex

@@ -29,6 +29,8 @@ import pathlib
 import pickle
 import re
 import struct
+import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -398,7 +400,7 @@ class _EncodingRef:
     enum member (a process-wide object that a BUILD must never change): equal to
     the member of its value, which is all ``TensorProperties.__setstate__`` asks."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "__weakref__")
 
     def __init__(self, value: Any) -> None:
         self.value = _md._MEM_FORMAT_ENCODING(value).value  # ValueError: not an encoding
@@ -410,35 +412,120 @@ class _EncodingRef:
         return hash(self.value)
 
 
-def _stand_ins() -> dict[Any, Any]:
+class _StandInType(type):
+    """The type of a metadata class's stand-in: calling it (REDUCE) makes an
+    instance of the real class, as NEWOBJ does through its ``__new__``."""
+
+    _real: type
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return cls._real(*args, **kwargs)
+
+
+class _StandIns(dict[Any, Any]):
     """What the allow-list's mutable objects are replaced by in one unpickling, so
     that a BUILD on them (the C unpickler sets attributes on whatever it is
     given) changes objects of that unpickling only: a fresh subclass of each
-    metadata class (NEWOBJ needs a class; instances get their real class back
-    once read, :func:`_restore`), a fresh function calling each other Python
-    class or function. torch's C types and the builtins are immutable."""
-    out: dict[Any, Any] = {
-        cls: type(cls.__name__, (cls,), {"__slots__": (), "__module__": cls.__module__})
-        for cls in _METADATA_CLASSES
-    }
-    out[_md._MEM_FORMAT_ENCODING] = lambda value: _EncodingRef(value)
-    for f in (
-        torch.serialization._get_layout,
-        pathlib.PurePosixPath,
-        pathlib.PosixPath,
-        pathlib.PureWindowsPath,
-        pathlib.WindowsPath,
-    ):
-        out[f] = lambda *a, _f=f: _f(*a)
-    return out
+    metadata class whose instances are the real class's (NEWOBJ calls its
+    ``__new__``: no walk gives them their class back once read; it took 10 of
+    the 20 ms of a 1,995-item ``.metadata`` on the dev VM), a fresh function
+    calling each other Python class or function, :class:`_EncodingRef` for the
+    encoding enum. torch's C types and the builtins are immutable.
+
+    :meth:`left` says what the read left behind: a stand-in changed by a BUILD,
+    or one that the result holds (the references it holds beyond this map's),
+    or an encoding outside the state of ``TensorProperties`` (where no writer
+    puts one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for cls in _METADATA_CLASSES:
+
+            def new(sub: type, *args: Any, _real: type = cls, **kwargs: Any) -> Any:
+                return _real.__new__(_real, *args, **kwargs)  # type: ignore[call-overload]
+
+            ns = {"__slots__": (), "__module__": cls.__module__, "__new__": new, "_real": cls}
+            self[cls] = _StandInType(cls.__name__, (cls,), ns)
+        self.encodings: list[weakref.ref[_EncodingRef]] = []
+
+        def encoding(value: Any) -> _EncodingRef:
+            e = _EncodingRef(value)
+            self.encodings.append(weakref.ref(e))
+            return e
+
+        self[_md._MEM_FORMAT_ENCODING] = encoding
+        del encoding  # (its reference would count as the result's below)
+        for f in (
+            torch.serialization._get_layout,
+            pathlib.PurePosixPath,
+            pathlib.PosixPath,
+            pathlib.PureWindowsPath,
+            pathlib.WindowsPath,
+        ):
+            self[f] = lambda *a, _f=f: _f(*a)
+        self._before = self._fingerprint()
+        self._held = [sys.getrefcount(x) for x in self.values()]
+
+    def _fingerprint(self) -> list[Any]:
+        """What a BUILD on a stand-in would change: each class's own attributes
+        and bases, each function's attributes and keyword defaults."""
+        out = []
+        for x in self.values():
+            if isinstance(x, type):
+                out.append((dict(vars(x)), x.__bases__))
+            else:
+                out.append((dict(vars(x)), x.__kwdefaults__))
+        return out
+
+    def left(self, root: Any) -> str | None:
+        """What the read of ``root`` left (see the class), once the unpickler is
+        gone; None where nothing. The counts only say where to look: a stand-in
+        or an encoding still alive is looked for under ``root`` (a count that
+        an interpreter keeps otherwise refuses nothing)."""
+        if self._fingerprint() != self._before:
+            return "sets attributes of a class or function"
+        # Counted as in __init__ (a loop variable or zip's tuple would add one).
+        held = [sys.getrefcount(x) for x in self.values()]
+        alive = [e for e in (ref() for ref in self.encodings) if e is not None]
+        if held == self._held and not alive:
+            return None
+        found = _find(root, {id(x): x for x in [*self.values(), *alive]})
+        if found is None:
+            return None
+        if isinstance(found, _EncodingRef):
+            return f"holds a memory format encoding ({found.value}) outside a TensorProperties"
+        return f"holds {found!r} where DCP metadata holds none"
+
+
+def _find(root: Any, targets: dict[int, Any]) -> Any:
+    """The first of ``targets`` (by id) found under ``root``, through containers,
+    slices and instance attributes; None where none is."""
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if id(obj) in targets:
+            return obj
+        if isinstance(obj, dict):
+            todo.extend(obj.keys())
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo.extend(obj)
+        elif type(obj) is slice:
+            todo.extend((obj.start, obj.stop, obj.step))
+        todo.extend(getattr(obj, "__dict__", {}).values())
+    return None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """The C unpickler with an allow-list, and stand-ins (:func:`_stand_ins`) for
+    """The C unpickler with an allow-list, and stand-ins (:class:`_StandIns`) for
     the allowed objects a BUILD could change. (Before, the pure-Python unpickler
     checked each BUILD: 5-10x slower, 0.5-0.9 s for 1,995 items on the dev VM.)"""
 
-    def __init__(self, file: Any, path: str, stand_ins: dict[Any, Any]) -> None:
+    def __init__(self, file: Any, path: str, stand_ins: _StandIns) -> None:
         super().__init__(file)
         self.path = path
         self.stand_ins = stand_ins
@@ -458,82 +545,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise _RefusedGlobal(f"{self.path}: holds a persistent id {pid!r}; refused")
-
-
-def _fingerprint(stand_ins: dict[Any, Any]) -> list[Any]:
-    """What a BUILD on a stand-in would change: each class's own attributes and
-    bases, each function's attributes and keyword defaults."""
-    out = []
-    for x in stand_ins.values():
-        if isinstance(x, type):
-            out.append((dict(vars(x)), x.__bases__))
-        else:
-            out.append((dict(vars(x)), x.__kwdefaults__))
-    return out
-
-
-def _restore(root: Any, stand_ins: dict[Any, Any], path: str, before: list[Any]) -> None:
-    """Refuse a read whose BUILDs changed a stand-in (as the old reader refused
-    any BUILD on a class: a stand-in changed could keep attributes of its own),
-    then give the instances of the metadata classes' stand-ins their real class
-    back (the same layout: the stand-ins add no slot), everywhere under
-    ``root``; a FormatError where a stand-in itself, or an encoding outside the
-    state of ``TensorProperties`` (where no writer puts one), is left in it."""
-    if _fingerprint(stand_ins) != before:
-        raise corrupt(path, "sets attributes of a class or function; refused")
-    real = {sub: cls for cls, sub in stand_ins.items() if isinstance(sub, type)}
-    fakes = {id(x) for x in stand_ins.values()}
-    seen: set[int] = set()
-    todo = [root]
-    leaves = _LEAVES
-    while todo:
-        obj = todo.pop()
-        t = type(obj)
-        if t in leaves or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if id(obj) in fakes or t is _EncodingRef:
-            raise corrupt(path, f"holds {obj!r} where DCP metadata holds none; refused")
-        cls = real.get(t)
-        if cls is not None:
-            object.__setattr__(obj, "__class__", cls)  # not the stand-in's own __setattr__
-            if type(obj) is not cls:
-                raise corrupt(path, f"holds a {cls.__name__} that is not one; refused")
-            # Most attributes are names and values that hold nothing (a third
-            # of the walk's time, 1,995 items, went to pushing and popping them).
-            for k, v in obj.__dict__.items():
-                if type(k) is not str:
-                    todo.append(k)
-                if type(v) not in leaves:
-                    todo.append(v)
-        elif isinstance(obj, dict):
-            todo.extend(obj.keys())
-            todo.extend(obj.values())
-            if t is not dict:
-                todo.extend(getattr(obj, "__dict__", {}).values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            todo.extend(obj)
-        elif t is slice:
-            todo.extend((obj.start, obj.stop, obj.step))
-
-
-# What holds no other object (torch.Size holds ints only: it refuses the rest).
-_LEAVES = frozenset(
-    {
-        int,
-        float,
-        bool,
-        str,
-        bytes,
-        type(None),
-        complex,
-        torch.Size,
-        torch.dtype,
-        torch.device,
-        torch.layout,
-        torch.memory_format,
-    }
-)
 
 
 class _RefusedGlobal(Exception):
@@ -595,10 +606,13 @@ def _unpickle(raw: bytes, path: str, trusted: bool) -> Any:
             f"{path}: not read: copyreg registers an extension code for a global the "
             "allow-list names (its cache would bypass the allow-list)"
         )
-    stand_ins = _stand_ins()
-    before = _fingerprint(stand_ins)
-    md = _MetadataUnpickler(io.BytesIO(raw), path, stand_ins).load()
-    _restore(md, stand_ins, path, before)
+    stand_ins = _StandIns()
+    unpickler = _MetadataUnpickler(io.BytesIO(raw), path, stand_ins)
+    md = unpickler.load()
+    del unpickler  # its memo: the references the result holds are what is left
+    left = stand_ins.left(md)
+    if left is not None:
+        raise corrupt(path, f"{left}; refused")
     return md
 
 
