@@ -689,6 +689,13 @@ def _check_chunks(
     size = tuple(entry.size)
     if not all(type(d) is int and d >= 0 for d in size):
         raise bad(f"tensor {fqn!r} has size {size}")
+    if len(entry.chunks) == 1:  # most tensors: one chunk, the whole tensor
+        c = entry.chunks[0]
+        off, n = tuple(c.offsets), tuple(c.sizes)
+        if n == size and off == (0,) * len(size) and all(type(v) is int for v in (*off, *n)):
+            if (fqn, off) not in items:
+                raise bad(f"no item holds the chunk of {fqn!r} at offsets {off}")
+            return
     boxes = []
     total = 0
     for c in entry.chunks:
