@@ -187,6 +187,47 @@ def test_a_stand_in_held_only_outside_the_metadata_refuses_nothing(tmp_path):
     assert type(md) is Metadata and md.state_dict_metadata == {}
 
 
+def _one_tensor_metadata(offsets, sizes, item_offsets=None, size=(4,)):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), [chunk])
+    key = MetadataIndex("w", torch.Size(offsets if item_offsets is None else item_offsets))
+    return Metadata({"w": entry}, None, {key: _StorageInfo("__0_0.distcp", 0, 16)})
+
+
+@pytest.mark.parametrize(
+    "case, want",
+    [
+        ((([0], [4]),), None),
+        ((([1], [4]),), "lies outside its size"),
+        ((([0], [2]),), "hold 2 of its 4 elements"),
+        ((([0], [4], [1]),), "no item holds the chunk"),
+        ((([0, 0], [4, 4]), {"size": (4, 4)}), None),
+        ((([0], [3]),), "hold 3 of its 4 elements"),
+        ((([0], [5]),), "lies outside its size"),
+        ((([0], [4]), {"size": (4, 1)}), "has not its 2 dims"),
+    ],
+)
+def test_a_tensor_of_one_chunk_must_be_covered_by_it(tmp_path, case, want):
+    """The chunks of a tensor tile it (a chunk outside it, or one that leaves part
+    of it, would leave zeros where data belongs): one chunk, most tensors'."""
+    args, kw = (case[0], case[1]) if len(case) == 2 else (case[0], {})
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_one_tensor_metadata(*args, **kw)))
+    if want is None:
+        assert read_metadata(tmp_path / ".metadata").state_dict_metadata["w"].size[0] == 4
+    else:
+        with pytest.raises(ckptio.FormatError, match=want):
+            read_metadata(tmp_path / ".metadata")
+
+
 def test_metadata_of_unexpected_value_types_is_a_formaterror(tmp_path):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
