@@ -166,6 +166,54 @@ _CRAFTED = {
 }
 
 
+_ENC = _g(_MD, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R"
+
+
+def _metadata_built(extra: bytes = b"", planner: bytes = b"N", then: bytes = b"") -> bytes:
+    """The Metadata global memoized as 0, then a Metadata whose BUILD state has
+    ``extra`` items more, with ``planner`` as its planner_data, ``then`` after."""
+    return (
+        b"\x80\x02"
+        + _g(_MD, "Metadata")
+        + b"q\x000h\x00)\x81}("
+        + _u("state_dict_metadata")
+        + b"}"
+        + _u("planner_data")
+        + planner
+        + _u("storage_data")
+        + b"}"
+        + _u("storage_meta")
+        + b"N"
+        + _u("version")
+        + b"N"
+        + extra
+        + b"ub"
+        + then
+        + b"."
+    )
+
+
+def _path_holding(value: bytes) -> bytes:
+    """planner_data {"k": PurePosixPath("a")} whose slot _str a BUILD set to ``value``."""
+    path = _g("pathlib", "PurePosixPath") + _u("a") + b"\x85RN}(" + _u("_str") + value + b"u\x86b"
+    return b"}" + _u("k") + path + b"s"
+
+
+# Found in review of d16ed8d (the first two slipped past its walk; the slots
+# past the one before it too).
+_CRAFTED.update(
+    {
+        "an instance given a stand-in's class": _metadata_built(
+            then=b"N}(" + _u("__class__") + b"h\x00u\x86b"
+        ),
+        "a stand-in as an attribute name": _metadata_built(extra=b"h\x00N"),
+        "an encoding as an attribute name": _metadata_built(extra=_ENC + b"N"),
+        "a stand-in in a path's slot": _metadata_built(planner=_path_holding(b"h\x00")),
+        "an encoding in a path's slot": _metadata_built(planner=_path_holding(_ENC)),
+    }
+)
+
+
 @pytest.mark.parametrize("case", list(_CRAFTED))
 def test_crafted_metadata_that_evades_the_class_restore_is_refused(tmp_path, case):
     (tmp_path / ".metadata").write_bytes(_CRAFTED[case])

@@ -440,12 +440,8 @@ class _StandIns(dict[Any, Any]):
     def __init__(self) -> None:
         super().__init__()
         for cls in _METADATA_CLASSES:
-
-            def new(sub: type, *args: Any, _real: type = cls, **kwargs: Any) -> Any:
-                return _real.__new__(_real, *args, **kwargs)  # type: ignore[call-overload]
-
-            ns = {"__slots__": (), "__module__": cls.__module__, "__new__": new, "_real": cls}
-            self[cls] = _StandInType(cls.__name__, (cls,), ns)
+            ns = {"__slots__": (), "__module__": cls.__module__, "__new__": _new_of(cls)}
+            self[cls] = _StandInType(cls.__name__, (cls,), {**ns, "_real": cls})
         self.encodings: list[weakref.ref[_EncodingRef]] = []
 
         def encoding(value: Any) -> _EncodingRef:
@@ -494,12 +490,28 @@ class _StandIns(dict[Any, Any]):
             return None
         if isinstance(found, _EncodingRef):
             return f"holds a memory format encoding ({found.value}) outside a TensorProperties"
+        if isinstance(type(found), _StandInType):  # an instance given a stand-in's class
+            return f"holds a {type(found).__name__} that is not one"
         return f"holds {found!r} where DCP metadata holds none"
 
 
+def _new_of(cls: type) -> Callable[..., Any]:
+    """A stand-in's ``__new__``: an instance of ``cls`` (bound here, not a keyword
+    argument NEWOBJ_EX could pass another class in)."""
+
+    def new(sub: type, *args: Any, **kwargs: Any) -> Any:
+        return cls.__new__(cls, *args, **kwargs)
+
+    return new
+
+
+_NO_SLOT = object()
+
+
 def _find(root: Any, targets: dict[int, Any]) -> Any:
-    """The first of ``targets`` (by id) found under ``root``, through containers,
-    slices and instance attributes; None where none is."""
+    """The first object under ``root`` that is one of ``targets`` (by id) or an
+    instance of one, through containers, slices, and the keys and values of
+    instance dicts and slots; None where none is."""
     seen: set[int] = set()
     todo = [root]
     while todo:
@@ -507,7 +519,7 @@ def _find(root: Any, targets: dict[int, Any]) -> Any:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if id(obj) in targets:
+        if id(obj) in targets or id(type(obj)) in targets:
             return obj
         if isinstance(obj, dict):
             todo.extend(obj.keys())
@@ -516,7 +528,17 @@ def _find(root: Any, targets: dict[int, Any]) -> Any:
             todo.extend(obj)
         elif type(obj) is slice:
             todo.extend((obj.start, obj.stop, obj.step))
-        todo.extend(getattr(obj, "__dict__", {}).values())
+        attrs = getattr(obj, "__dict__", None)
+        if attrs is not None:  # a BUILD writes keys of any type there
+            todo.extend(attrs.keys())
+            todo.extend(attrs.values())
+        for cls in type(obj).__mro__:  # slots (pathlib's objects have no __dict__)
+            names = cls.__dict__.get("__slots__", ())
+            for name in (names,) if isinstance(names, str) else names:
+                if isinstance(name, str) and name not in ("__dict__", "__weakref__"):
+                    value = getattr(obj, name, _NO_SLOT)
+                    if value is not _NO_SLOT:
+                        todo.append(value)
     return None
 
 
