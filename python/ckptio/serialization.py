@@ -907,7 +907,12 @@ def _allocate(
     new, page, big = torch.UntypedStorage, memory.PAGE, memory.ALIGNED_ALLOC_MIN
     for (off, n), dev in zip(records, dests, strict=True):
         i = index[dev]
-        st = new(n, device=dev) if i >= 0 or n < big else memory.empty_storage(n, dev, off % page)
+        if i >= 0:
+            st = new(n, device=dev)
+        elif n < big:
+            st = new(n)  # host memory (without device=: a fifth less time)
+        else:
+            st = memory.empty_storage(n, dev, off % page)
         storages.append(st)
         if n:
             segments.append((off, st.data_ptr(), n, i))

@@ -32,6 +32,7 @@ class _Maker:
         "itemsizes",
         "addresses",
         "devices",
+        "made",
         "_news",
     )
 
@@ -53,6 +54,7 @@ class _Maker:
         #: Each storage's address, for placeholders (the eager build needs none).
         self.addresses = [st.data_ptr() for st in storages] if addresses else []
         self.devices = devices  # each storage's, where the caller knows them
+        self.made: list[int] = []  # the storages of the tensors made here
         self._news: list[Any] | None = None  # made on the first tensor
 
     def _makers(self) -> list[Any]:
@@ -114,6 +116,7 @@ class _Maker:
     ) -> torch.Tensor:
         if need < 0 or need * self.itemsizes[i] > self.sizes[i]:
             self.check(i, offset, size, stride, need, contiguous)  # raises, or a view it takes
+        self.made.append(i)
         news = self._news if self._news is not None else self._makers()
         t = news[i]().set_(self.storages[i], offset, size, stride)
         if requires_grad:  # a new tensor's is False
@@ -121,16 +124,15 @@ class _Maker:
         t._backward_hooks = hooks
         return t
 
-    def grown(self, i: int | None = None) -> None:
-        """What :meth:`check` prevents: a storage (``i``, else any) set_ made larger."""
-        for j in range(len(self.storages)) if i is None else (i,):
-            n = self.sizes[j]
-            if self.storages[j].nbytes() != n:
-                raise corrupt(
-                    self.where(j),
-                    f"a tensor reaches past its storage's record "
-                    f"({self.storages[j].nbytes()} bytes needed, the record holds {n})",
-                )
+    def grown(self, i: int) -> None:
+        """What :meth:`check` prevents: storage ``i`` made larger by set_."""
+        n = self.sizes[i]
+        if self.storages[i].nbytes() != n:
+            raise corrupt(
+                self.where(i),
+                f"a tensor reaches past its storage's record "
+                f"({self.storages[i].nbytes()} bytes needed, the record holds {n})",
+            )
 
 
 def _parameter(data: torch.Tensor, requires_grad: bool, hooks: Any) -> torch.nn.Parameter:
@@ -217,7 +219,9 @@ def build(
     limits = [n // size for n, size in zip(maker.sizes, maker.itemsizes, strict=True)]
     fast = (news, maker.storages, limits)
     obj = parsed.build(maker.tensor, _parameter, collections.OrderedDict, fast)
-    maker.grown()
+    # The native build made only views that fit their storage: set_ grew none.
+    for i in set(maker.made):
+        maker.grown(i)
     return obj
 
 
