@@ -1111,12 +1111,7 @@ mod tests {
                 w.get(1);
             }
             w.get(1); // strides: the same tuple
-            w.bool(false);
-            w.global("collections", "OrderedDict");
-            w.op(op::EMPTY_TUPLE);
-            w.op(op::REDUCE);
-            w.op(op::TUPLE);
-            w.op(op::REDUCE);
+            rebuild_tail(&mut w);
             w.op(op::APPEND);
         }
         w.finish()
@@ -1288,13 +1283,18 @@ mod tests {
         w.op(op::TUPLE1);
         w.int(1);
         w.op(op::TUPLE1);
+        rebuild_tail(&mut w);
+        w.finish()
+    }
+
+    /// A `_rebuild_tensor_v2` call's end: requires_grad False, empty hooks, the call.
+    fn rebuild_tail(w: &mut Writer) {
         w.bool(false);
         w.global("collections", "OrderedDict");
         w.op(op::EMPTY_TUPLE);
         w.op(op::REDUCE);
         w.op(op::TUPLE);
         w.op(op::REDUCE);
-        w.finish()
     }
 
     #[test]
