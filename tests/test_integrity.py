@@ -424,6 +424,55 @@ def test_verify_checks_a_dcp_folders_non_tensor_values(tmp_path, where):
     assert not bad.ok, bad
 
 
+def _zstd_folder(folder: Path, sd: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    from ckptio.dcp import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    dcp.save(sd, storage_writer=FileSystemWriter(folder, _extensions=[ZStandard()]), no_dist=True)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_verify_checks_the_records_inside_compressed_dcp_items(tmp_path):
+    """Items of torch's ZStandard transform are zstd frames of torch.save zips
+    (a BytesIO value too: the planner torch.saves it): verify decodes each in
+    memory and checks its records (they were "unchecked"); a damaged frame is a
+    finding."""
+    import io
+
+    folder = tmp_path / "z"
+    sd = {"w": torch.randn(64, 32), "b": torch.arange(10), "raw": io.BytesIO(b"x" * 100)}
+    _zstd_folder(folder, sd)
+    rep = ckptio.verify(folder)
+    assert rep.ok, rep
+    states = {(r.name.split(" ")[0], r.state) for r in rep.records}
+    assert states == {("w", "ok"), ("b", "ok"), ("raw", "ok")}, rep
+    assert any(r.name.endswith("archive/data/0") for r in rep.records if r.name.startswith("w "))
+    (data_file,) = folder.glob("*.distcp")
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 4] ^= 0x40  # inside the first (largest) item's frame
+    data_file.write_bytes(bytes(raw))
+    bad = ckptio.verify(folder)
+    assert not bad.ok, bad
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_compressed_item_decoding_past_its_tensor_is_not_decoded_further(tmp_path):
+    """A zstd frame may decode to any size: no more than the item's tensor (and 1
+    MiB of zip) is decoded, the rest is not judged."""
+    from ckptio.dcp import read_metadata
+
+    folder = tmp_path / "z"
+    _zstd_folder(folder, {"w": torch.zeros(1 << 20)})  # 4 MiB, a frame of a few KiB
+    md = read_metadata(folder / ".metadata")
+    entry = md.state_dict_metadata["w"]
+    entry.size = torch.Size([1])  # the metadata says 4 bytes
+    entry.chunks[0].sizes = torch.Size([1])
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    rep = ckptio.verify(folder)
+    assert rep.ok and [r.state for r in rep.records] == ["unchecked"], rep
+
+
 # ------------------------------------------------------------------- archives held in memory
 
 

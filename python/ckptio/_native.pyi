@@ -29,6 +29,7 @@ __all__ = [
     "stage_device_copy",
     "stage_pin",
     "unpickle",
+    "verify_zstd_item",
     "zip_headers_match",
     "AtomicWriter",
     "BufferRegistration",
@@ -169,6 +170,15 @@ def map_archives(
 
 def map_archive(path: _Path) -> list[tuple[str, int, int]]:
     """[(record name, data offset, size)] of a torch.save zip archive."""
+
+def verify_zstd_item(
+    path: str | os.PathLike[str], offset: int, length: int, limit: int
+) -> list[tuple[str, str, int | None, int | None]] | None:
+    """Verify the DCP item at bytes ``[offset, offset + length)`` of ``path``, zstd
+    frames (torch's ZStandard transform) of a torch.save zip: decoded in memory (at
+    most ``limit`` bytes), its records judged as ``Reader.verify`` rows; None where
+    the frames decode to more than ``limit`` bytes or to no zip. FormatError naming
+    the item where the bytes are no zstd frames or the zip inside is damaged."""
 
 def check_archive(blob: bytes, where: str) -> None:
     """Check every record of the zip archive ``blob`` (a torch.save archive held in

@@ -43,7 +43,7 @@ use faults::{_clear_faults, _op_log, _record_ops, _set_fault, _set_truncation};
 use hostmem::{advise_huge, detach_mapping, HostMemory};
 use pickled::{unpickle, StateDictPickler, Unpickled};
 use probe::info;
-use reader::{check_archive, map_archive, map_archives, Reader};
+use reader::{check_archive, map_archive, map_archives, verify_zstd_item, Reader};
 use safetensors::safetensors_header;
 use staging::{stage_copy, stage_device_copy, stage_pin, HostPin};
 use writer::{clean_temps, AtomicWriter};
@@ -217,8 +217,8 @@ mod _native {
         store::store_list, store::store_put, store::store_read, store::store_read_into,
         store::store_torch_map, store::store_upload, store::store_upload_archive,
         store::store_upload_image, store::store_upload_zstd, store::zip_headers_match,
-        store::ObjectWriter, unpickle, AtomicWriter, BufferRegistration, DeviceFile, Engine,
-        HostMemory, HostPin, Reader, StateDictPickler, Unpickled,
+        store::ObjectWriter, unpickle, verify_zstd_item, AtomicWriter, BufferRegistration,
+        DeviceFile, Engine, HostMemory, HostPin, Reader, StateDictPickler, Unpickled,
     };
 
     use super::*;

@@ -102,6 +102,51 @@ pub(super) fn check_archive(py: Python<'_>, blob: &[u8], r#where: &str) -> PyRes
     Ok(())
 }
 
+/// Verify a DCP item stored as zstd frames (torch's ZStandard transform) at
+/// bytes `[offset, offset + length)` of `path`: decoded in memory, no more than
+/// `limit` bytes, each record of the torch.save zip inside judged against its
+/// CRC-32, as `Reader.verify` rows; None where the frames decode to more than
+/// `limit` bytes or to no zip (a value saved as raw bytes): not judged. A
+/// FormatError naming the file and the item where the bytes are no zstd frames,
+/// or a zip inside them is damaged.
+#[pyfunction]
+pub(super) fn verify_zstd_item(
+    py: Python<'_>,
+    path: PathBuf,
+    offset: u64,
+    length: u64,
+    limit: u64,
+) -> PyResult<Option<VerifyRows>> {
+    let rows = py.detach(|| -> crate::Result<Option<VerifyRows>> {
+        let n = usize::try_from(length).map_err(|_| Error::invalid("item too large"))?;
+        let f = IoFile::open_read(&path, DirectMode::Off)?;
+        let mut compressed = vec![0u8; n];
+        std::os::unix::fs::FileExt::read_exact_at(f.file(), &mut compressed, offset)
+            .map_err(|e| Error::io("pread", Some(path.clone()), e))?;
+        let item = PathBuf::from(format!("{}@{offset}", path.display()));
+        let Some(zip) = crate::format::zstd::decode_bounded(&compressed, limit, &item)? else {
+            return Ok(None);
+        };
+        if !zip.starts_with(b"PK\x03\x04") {
+            return Ok(None);
+        }
+        let rows = integrity::judge_bytes(&zip, &item)?;
+        Ok(Some(
+            rows.into_iter()
+                .map(|(name, state, crc)| {
+                    let (stored, actual) = match state {
+                        State::Mismatch { stored, actual } => (Some(stored), Some(actual)),
+                        State::Ok => (Some(crc), Some(crc)),
+                        State::Unchecked => (None, None),
+                    };
+                    (name, state.name(), stored, actual)
+                })
+                .collect(),
+        ))
+    })?;
+    Ok(rows)
+}
+
 /// An existing checkpoint opened for reading.
 #[pyclass(frozen, module = "ckptio._native")]
 pub struct Reader {

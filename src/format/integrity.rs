@@ -519,18 +519,17 @@ pub fn check(
     Ok(out)
 }
 
-/// Check every record of a zip archive held in memory (a DCP non-tensor
-/// value fetched from an object store: a small torch.save archive) against
-/// the CRC-32 it declares ([`declared`]; one the archive says it did not
-/// compute is not judged). `path` names where the bytes came from in errors:
-/// a format error naming it and the record on a mismatch, or naming it where
-/// the bytes are no zip archive of stored records inside them ([`zipmap::map_bytes`]).
-pub fn check_bytes(bytes: &[u8], path: &Path) -> Result<Verdict> {
+/// Each record of an archive held in memory judged against the CRC-32 it
+/// declares: (record, its state, the CRC-32 its header declares).
+///
+/// # Errors
+/// [`Error::Format`] naming `path` where the bytes are no zip of stored records.
+pub fn judge_bytes(bytes: &[u8], path: &Path) -> Result<Vec<(String, State, u32)>> {
     let a = zipmap::map_bytes(bytes).map_err(|e| e.with_path(path))?;
-    let mut v = Verdict::default();
+    let mut out = Vec::with_capacity(a.records.len());
     for (r, d) in a.records.iter().zip(declared(&a)) {
         if d == Declared::Unchecked {
-            v.unchecked.push(r.name.clone());
+            out.push((r.name.clone(), State::Unchecked, r.crc32));
             continue;
         }
         // map_bytes keeps every record inside the bytes; refused all the same otherwise.
@@ -544,12 +543,30 @@ pub fn check_bytes(bytes: &[u8], path: &Path) -> Result<Verdict> {
                     format!("record {:?} runs past the archive's end", r.name),
                 )
             })?;
-        match judge(d, Some(crc32fast::hash(data))) {
+        out.push((
+            r.name.clone(),
+            judge(d, Some(crc32fast::hash(data))),
+            r.crc32,
+        ));
+    }
+    Ok(out)
+}
+
+/// Check every record of a zip archive held in memory (a DCP non-tensor
+/// value fetched from an object store: a small torch.save archive) against
+/// the CRC-32 it declares ([`declared`]; one the archive says it did not
+/// compute is not judged). `path` names where the bytes came from in errors:
+/// a format error naming it and the record on a mismatch, or naming it where
+/// the bytes are no zip archive of stored records inside them ([`zipmap::map_bytes`]).
+pub fn check_bytes(bytes: &[u8], path: &Path) -> Result<Verdict> {
+    let mut v = Verdict::default();
+    for (name, state, _) in judge_bytes(bytes, path)? {
+        match state {
             State::Mismatch { stored, actual } => {
-                return Err(mismatch_error(path, &r.name, stored, actual))
+                return Err(mismatch_error(path, &name, stored, actual))
             }
-            State::Ok => v.verified.push(r.name.clone()),
-            State::Unchecked => v.unchecked.push(r.name.clone()),
+            State::Ok => v.verified.push(name),
+            State::Unchecked => v.unchecked.push(name),
         }
     }
     Ok(v)

@@ -19,6 +19,28 @@ use crate::io::file::IoFile;
 use crate::workers::Caller;
 use crate::{Error, Result};
 
+/// The frames of `compressed` decoded, or None where they decode to more than
+/// `limit` bytes (a hostile frame may decode to any size: it is not decoded
+/// past that).
+///
+/// # Errors
+/// [`Error::Format`] naming `path` where the bytes are no zstd frames.
+pub fn decode_bounded(
+    compressed: &[u8],
+    limit: u64,
+    path: &std::path::Path,
+) -> Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let bad = |e: std::io::Error| Error::format(Some(path), format!("not zstd frames: {e}"));
+    let mut out = Vec::new();
+    zstd::stream::read::Decoder::new(compressed)
+        .map_err(bad)?
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut out)
+        .map_err(bad)?;
+    Ok((out.len() as u64 <= limit).then_some(out))
+}
+
 /// Items above this many bytes are compressed by several zstd workers.
 pub const BIG: usize = 32 << 20;
 /// zstd's default level, the one torch's ZStandard extension uses.

@@ -138,6 +138,16 @@ def transformed(info: Any) -> bool:
     return bool(getattr(info, "transform_descriptors", None))
 
 
+#: torch's ZStandard stream transform as a DCP item names it.
+ZSTD_DESCRIPTOR = "stream.zstd/1"
+
+
+def zstd_framed(info: Any) -> bool:
+    """Whether a DCP item went through torch's ZStandard transform alone: zstd
+    frames of a torch.save zip (what ``_native.verify_zstd_item`` reads)."""
+    return list(getattr(info, "transform_descriptors", None) or ()) == [ZSTD_DESCRIPTOR]
+
+
 def safetensors_item(path: str, info: Any) -> bool:
     """Whether the tensor item ``info`` (its ``_StorageInfo``) of the data file
     ``path`` is in the layout torch's ``SerializationFormat.SAFETENSORS`` writes:

@@ -10,11 +10,13 @@ memory: their CRC-32 stays 0 and the archive comment lists them as unchecked
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import zlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ckptio import _native
 from ckptio.errors import FormatError, corrupt
@@ -115,10 +117,12 @@ def verify(
     metadata (allow-list, paths inside the folder), then every record of every
     tensor item of every data file, named ``<fqn> (<file>@<offset>) <record>``;
     non-tensor values, torch.save archives too, are checked the same way (other
-    bytes items carry no CRC-32 and are "unchecked"), and items with stream
-    transforms are "unchecked" (compressed; their decoder checks their frames),
-    as are tensor items in the layout torch's ``SerializationFormat.SAFETENSORS``
-    writes (a safetensors blob: no CRC-32; ``formats.dcp.safetensors_item``).
+    bytes items carry no CRC-32 and are "unchecked"); items of torch's ZStandard
+    transform are decoded in memory (at most their tensor's bytes and 1 MiB; a
+    frame that decodes to more is "unchecked") and checked as the others, items
+    with other stream transforms are "unchecked", as are tensor items in the
+    layout torch's ``SerializationFormat.SAFETENSORS`` writes (a safetensors blob:
+    no CRC-32; ``formats.dcp.safetensors_item``).
 
     A safetensors file, or a sharded checkpoint (its index, or the folder), has
     no checksum to compare: its header is validated as ``load_file`` validates
@@ -267,8 +271,18 @@ def _verify_dcp(
             name = f"{index.fqn} ({info.relative_path}@{info.offset})"
             bytes_item = isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
             p = paths.inside(folder, info.relative_path, md_path)
+            if dcp.zstd_framed(info):  # decoded in memory, then checked as any item
+                limit = _decoded_limit(md, index)
+                rows = _native.verify_zstd_item(p, info.offset, info.length, limit)
+                if rows is None:  # decodes to more than its tensor, or to no zip
+                    rows = [("", "unchecked", None, None)]
+                for rec, state, stored, actual in rows:
+                    out.append(RecordCheck(f"{name} {rec}".rstrip(), state, stored, actual))
+                if progress is not None:
+                    progress(info.length)
+                continue
             # A non-tensor value is a torch.save archive (its CRC-32s checked as a
-            # tensor's); other bytes (a BytesIO saved as it is), transformed items: none.
+            # tensor's); other bytes (a BytesIO saved as it is), other transforms: none.
             if (bytes_item and not _is_zip(p, info.offset, info.length)) or dcp.transformed(info):
                 out.append(RecordCheck(name, "unchecked", None, None))
                 if progress is not None:
@@ -294,6 +308,19 @@ def _verify_dcp(
     except FormatError as e:
         return VerifyReport(folder, tuple(out), str(e), "DCP")
     return VerifyReport(folder, tuple(out), None, "DCP")
+
+
+def _decoded_limit(md: Any, index: Any) -> int:
+    """The most bytes a compressed item may decode to: its tensor chunk's bytes and
+    1 MiB of zip around them; 256 MiB for a non-tensor value (larger ones go
+    unchecked: a hostile frame may decode to any size)."""
+    entry = md.state_dict_metadata.get(index.fqn)
+    if isinstance(entry, TensorStorageMetadata):
+        want = tuple(index.offset or ())
+        for c in entry.chunks:
+            if tuple(c.offsets) == want:
+                return math.prod(c.sizes) * entry.properties.dtype.itemsize + (1 << 20)
+    return 256 << 20
 
 
 def _is_zip(path: str, offset: int, length: int) -> bool:
