@@ -473,6 +473,22 @@ def test_a_compressed_item_decoding_past_its_tensor_is_not_decoded_further(tmp_p
     assert rep.ok and [r.state for r in rep.records] == ["unchecked"], rep
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_compressed_item_past_the_end_of_its_file_is_a_finding(tmp_path):
+    """A .metadata giving a zstd item more bytes than its file holds: a finding
+    naming the item, nothing allocated for the bytes it claims."""
+    from ckptio.dcp import read_metadata
+
+    folder = tmp_path / "z"
+    _zstd_folder(folder, {"w": torch.randn(100)})
+    md = read_metadata(folder / ".metadata")
+    (info,) = md.storage_data.values()
+    info.length = 1 << 40
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    rep = ckptio.verify(folder)
+    assert not rep.ok and "past the end of the file" in rep.error, rep
+
+
 # ------------------------------------------------------------------- archives held in memory
 
 

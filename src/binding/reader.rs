@@ -118,13 +118,23 @@ pub(super) fn verify_zstd_item(
     limit: u64,
 ) -> PyResult<Option<VerifyRows>> {
     let rows = py.detach(|| -> crate::Result<Option<VerifyRows>> {
-        let n = usize::try_from(length).map_err(|_| Error::invalid("item too large"))?;
+        use std::io::{Read, Seek, SeekFrom};
         let f = IoFile::open_read(&path, DirectMode::Off)?;
-        let mut compressed = vec![0u8; n];
-        std::os::unix::fs::FileExt::read_exact_at(f.file(), &mut compressed, offset)
-            .map_err(|e| Error::io("pread", Some(path.clone()), e))?;
+        let io_err = |op, e| Error::io(op, Some(path.clone()), e);
+        let size = f.file().metadata().map_err(|e| io_err("fstat", e))?.len();
         let item = PathBuf::from(format!("{}@{offset}", path.display()));
-        let Some(zip) = crate::format::zstd::decode_bounded(&compressed, limit, &item)? else {
+        if offset.checked_add(length).is_none_or(|end| end > size) {
+            return Err(Error::format(
+                Some(&item),
+                format!("the item's {length} bytes lie past the end of the file ({size} bytes)"),
+            ));
+        }
+        // Streamed from the file: only the decoded bytes are held.
+        let mut file = f.file();
+        file.seek(SeekFrom::Start(offset))
+            .map_err(|e| io_err("seek", e))?;
+        let frames = std::io::BufReader::new(file.take(length));
+        let Some(zip) = crate::format::zstd::decode_bounded(frames, limit, &item)? else {
             return Ok(None);
         };
         if !zip.starts_with(b"PK\x03\x04") {

@@ -19,26 +19,35 @@ use crate::io::file::IoFile;
 use crate::workers::Caller;
 use crate::{Error, Result};
 
-/// The frames of `compressed` decoded, or None where they decode to more than
-/// `limit` bytes (a hostile frame may decode to any size: it is not decoded
-/// past that).
+/// The zstd frames `compressed` yields, decoded, or None where they decode to
+/// more than `limit` bytes or to more than this process can allocate (a
+/// hostile frame may decode to any size: it is not decoded past that, and an
+/// allocation that fails is no abort).
 ///
 /// # Errors
 /// [`Error::Format`] naming `path` where the bytes are no zstd frames.
 pub fn decode_bounded(
-    compressed: &[u8],
+    compressed: impl std::io::Read,
     limit: u64,
     path: &std::path::Path,
 ) -> Result<Option<Vec<u8>>> {
     use std::io::Read;
     let bad = |e: std::io::Error| Error::format(Some(path), format!("not zstd frames: {e}"));
-    let mut out = Vec::new();
-    zstd::stream::read::Decoder::new(compressed)
-        .map_err(bad)?
-        .take(limit.saturating_add(1))
-        .read_to_end(&mut out)
-        .map_err(bad)?;
-    Ok((out.len() as u64 <= limit).then_some(out))
+    let mut dec = zstd::stream::read::Decoder::new(compressed).map_err(bad)?;
+    let mut out: Vec<u8> = Vec::new();
+    let mut chunk = vec![0u8; 1 << 20];
+    loop {
+        let n = match dec.read(&mut chunk) {
+            Ok(0) => return Ok(Some(out)),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(bad(e)),
+        };
+        if (out.len() + n) as u64 > limit || out.try_reserve(n).is_err() {
+            return Ok(None);
+        }
+        out.extend_from_slice(&chunk[..n]);
+    }
 }
 
 /// Items above this many bytes are compressed by several zstd workers.
