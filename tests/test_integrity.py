@@ -489,6 +489,42 @@ def test_a_compressed_item_past_the_end_of_its_file_is_a_finding(tmp_path):
     assert not rep.ok and "past the end of the file" in rep.error, rep
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("value", ["tensor", "bytes"])
+def test_a_compressed_item_holding_no_zip_is_a_finding_for_a_tensor(tmp_path, value):
+    """Frames without a checksum (torch's writer) can decode cleanly after a bit
+    flips: a tensor item that decodes to no zip is damaged, a non-tensor value
+    that does (raw bytes) is not judged."""
+    import io
+
+    zstandard = pytest.importorskip("zstandard")
+    from ckptio.dcp import read_metadata
+
+    folder = tmp_path / "z"
+    _zstd_folder(folder, {"w": torch.randn(100)} if value == "tensor" else {"w": io.BytesIO(b"x")})
+    md = read_metadata(folder / ".metadata")
+    (info,) = md.storage_data.values()
+    frame = zstandard.ZstdCompressor().compress(b"no zip here" * 50)
+    (folder / info.relative_path).write_bytes(frame)
+    info.offset, info.length = 0, len(frame)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    rep = ckptio.verify(folder)
+    if value == "tensor":
+        assert not rep.ok and "holds no torch.save zip" in rep.error, rep
+    else:
+        assert rep.ok and [r.state for r in rep.records] == ["unchecked"], rep
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_missing_data_file_of_compressed_items_is_a_finding(tmp_path):
+    folder = tmp_path / "z"
+    _zstd_folder(folder, {"w": torch.randn(100)})
+    (data_file,) = folder.glob("*.distcp")
+    data_file.unlink()
+    rep = ckptio.verify(folder)
+    assert not rep.ok and "No such file" in rep.error and rep.error.startswith("w ("), rep
+
+
 # ------------------------------------------------------------------- archives held in memory
 
 

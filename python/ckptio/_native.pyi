@@ -173,12 +173,14 @@ def map_archive(path: _Path) -> list[tuple[str, int, int]]:
 
 def verify_zstd_item(
     path: str | os.PathLike[str], offset: int, length: int, limit: int
-) -> list[tuple[str, str, int | None, int | None]] | None:
+) -> tuple[str, list[tuple[str, str, int | None, int | None]] | None, list[int] | None]:
     """Verify the DCP item at bytes ``[offset, offset + length)`` of ``path``, zstd
-    frames (torch's ZStandard transform) of a torch.save zip: decoded in memory (at
-    most ``limit`` bytes), its records judged as ``Reader.verify`` rows; None where
-    the frames decode to more than ``limit`` bytes or to no zip. FormatError naming
-    the item where the bytes are no zstd frames or the zip inside is damaged."""
+    frames (torch's ZStandard transform) of a torch.save zip, streamed and decoded
+    in memory (at most ``limit`` bytes): ("checked", its records judged as
+    ``Reader.verify`` rows, None), ("large", None, None) where it decodes to more,
+    ("other", None, its first decoded bytes) where it decodes to no zip.
+    FormatError naming the item where it lies past the file's end, its frames are
+    damaged or the zip inside is."""
 
 def check_archive(blob: bytes, where: str) -> None:
     """Check every record of the zip archive ``blob`` (a torch.save archive held in

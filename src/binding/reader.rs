@@ -102,13 +102,17 @@ pub(super) fn check_archive(py: Python<'_>, blob: &[u8], r#where: &str) -> PyRes
     Ok(())
 }
 
+/// What `verify_zstd_item` found: "checked" and the rows, "large" (decodes to
+/// more than the limit: not judged), or "other" and the first decoded bytes
+/// (no zip: the caller judges).
+type ZstdVerdict = (&'static str, Option<VerifyRows>, Option<Vec<u8>>);
+
 /// Verify a DCP item stored as zstd frames (torch's ZStandard transform) at
-/// bytes `[offset, offset + length)` of `path`: decoded in memory, no more than
-/// `limit` bytes, each record of the torch.save zip inside judged against its
-/// CRC-32, as `Reader.verify` rows; None where the frames decode to more than
-/// `limit` bytes or to no zip (a value saved as raw bytes): not judged. A
-/// FormatError naming the file and the item where the bytes are no zstd frames,
-/// or a zip inside them is damaged.
+/// bytes `[offset, offset + length)` of `path`: streamed from the file and
+/// decoded in memory (no more than `limit` bytes), each record of the
+/// torch.save zip inside judged against its CRC-32, as `Reader.verify` rows. A
+/// FormatError naming the file and the item where the item lies past the
+/// file's end, its frames are damaged, or the zip inside is.
 #[pyfunction]
 pub(super) fn verify_zstd_item(
     py: Python<'_>,
@@ -116,8 +120,9 @@ pub(super) fn verify_zstd_item(
     offset: u64,
     length: u64,
     limit: u64,
-) -> PyResult<Option<VerifyRows>> {
-    let rows = py.detach(|| -> crate::Result<Option<VerifyRows>> {
+) -> PyResult<ZstdVerdict> {
+    use crate::format::zstd::{decode_bounded, Decoded};
+    let verdict = py.detach(|| -> crate::Result<ZstdVerdict> {
         use std::io::{Read, Seek, SeekFrom};
         let f = IoFile::open_read(&path, DirectMode::Off)?;
         let io_err = |op, e| Error::io(op, Some(path.clone()), e);
@@ -134,27 +139,25 @@ pub(super) fn verify_zstd_item(
         file.seek(SeekFrom::Start(offset))
             .map_err(|e| io_err("seek", e))?;
         let frames = std::io::BufReader::new(file.take(length));
-        let Some(zip) = crate::format::zstd::decode_bounded(frames, limit, &item)? else {
-            return Ok(None);
+        let zip = match decode_bounded(frames, limit, b"PK\x03\x04", &item)? {
+            Decoded::Whole(zip) => zip,
+            Decoded::TooLarge => return Ok(("large", None, None)),
+            Decoded::Other(head) => return Ok(("other", None, Some(head))),
         };
-        if !zip.starts_with(b"PK\x03\x04") {
-            return Ok(None);
-        }
-        let rows = integrity::judge_bytes(&zip, &item)?;
-        Ok(Some(
-            rows.into_iter()
-                .map(|(name, state, crc)| {
-                    let (stored, actual) = match state {
-                        State::Mismatch { stored, actual } => (Some(stored), Some(actual)),
-                        State::Ok => (Some(crc), Some(crc)),
-                        State::Unchecked => (None, None),
-                    };
-                    (name, state.name(), stored, actual)
-                })
-                .collect(),
-        ))
+        let rows = integrity::judge_bytes(&zip, &item)?
+            .into_iter()
+            .map(|(name, state, crc)| {
+                let (stored, actual) = match state {
+                    State::Mismatch { stored, actual } => (Some(stored), Some(actual)),
+                    State::Ok => (Some(crc), Some(crc)),
+                    State::Unchecked => (None, None),
+                };
+                (name, state.name(), stored, actual)
+            })
+            .collect();
+        Ok(("checked", Some(rows), None))
     })?;
-    Ok(rows)
+    Ok(verdict)
 }
 
 /// An existing checkpoint opened for reading.

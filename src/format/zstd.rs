@@ -19,35 +19,56 @@ use crate::io::file::IoFile;
 use crate::workers::Caller;
 use crate::{Error, Result};
 
-/// The zstd frames `compressed` yields, decoded, or None where they decode to
-/// more than `limit` bytes or to more than this process can allocate (a
-/// hostile frame may decode to any size: it is not decoded past that, and an
-/// allocation that fails is no abort).
+/// What [`decode_bounded`] made of an item's frames.
+pub enum Decoded {
+    /// The bytes, no more than the limit, starting as `starts` asked.
+    Whole(Vec<u8>),
+    /// More than the limit (or than this process could allocate): not decoded
+    /// past that.
+    TooLarge,
+    /// The first bytes (up to 16), which do not start as asked: not decoded further.
+    Other(Vec<u8>),
+}
+
+/// The zstd frames `compressed` yields, decoded, where they start with
+/// `starts` and decode to no more than `limit` bytes (a hostile frame may
+/// decode to any size: it is not decoded past that, and an allocation that
+/// fails is no abort).
 ///
 /// # Errors
-/// [`Error::Format`] naming `path` where the bytes are no zstd frames.
+/// [`Error::Format`] naming `path` where the bytes are no zstd frames or a
+/// frame is damaged.
 pub fn decode_bounded(
     compressed: impl std::io::Read,
     limit: u64,
+    starts: &[u8],
     path: &std::path::Path,
-) -> Result<Option<Vec<u8>>> {
+) -> Result<Decoded> {
     use std::io::Read;
-    let bad = |e: std::io::Error| Error::format(Some(path), format!("not zstd frames: {e}"));
+    let bad = |e: std::io::Error| Error::format(Some(path), format!("damaged zstd frames: {e}"));
     let mut dec = zstd::stream::read::Decoder::new(compressed).map_err(bad)?;
     let mut out: Vec<u8> = Vec::new();
     let mut chunk = vec![0u8; 1 << 20];
     loop {
         let n = match dec.read(&mut chunk) {
-            Ok(0) => return Ok(Some(out)),
+            Ok(0) => break,
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(bad(e)),
         };
         if (out.len() + n) as u64 > limit || out.try_reserve(n).is_err() {
-            return Ok(None);
+            return Ok(Decoded::TooLarge);
         }
         out.extend_from_slice(&chunk[..n]);
+        if out.len() >= starts.len() && !out.starts_with(starts) {
+            out.truncate(16);
+            return Ok(Decoded::Other(out));
+        }
     }
+    if !out.starts_with(starts) {
+        return Ok(Decoded::Other(out));
+    }
+    Ok(Decoded::Whole(out))
 }
 
 /// Items above this many bytes are compressed by several zstd workers.

@@ -272,11 +272,16 @@ def _verify_dcp(
             bytes_item = isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
             p = paths.inside(folder, info.relative_path, md_path)
             if dcp.zstd_framed(info):  # decoded in memory, then checked as any item
-                limit = _decoded_limit(md, index)
-                rows = _native.verify_zstd_item(p, info.offset, info.length, limit)
-                if rows is None:  # decodes to more than its tensor, or to no zip
-                    rows = [("", "unchecked", None, None)]
-                for rec, state, stored, actual in rows:
+                limit = min(_decoded_limit(md, index), ZSTD_DECODED_MAX)
+                try:
+                    got, rows, head = _native.verify_zstd_item(p, info.offset, info.length, limit)
+                except OSError as e:
+                    return VerifyReport(folder, tuple(out), f"{name}: {e}", "DCP")
+                if got == "other" and not bytes_item and not _safetensors_blob(bytes(head or ())):
+                    raise corrupt(
+                        f"{p}@{info.offset}", f"item {index.fqn!r} holds no torch.save zip"
+                    )
+                for rec, state, stored, actual in rows or [("", "unchecked", None, None)]:
                     out.append(RecordCheck(f"{name} {rec}".rstrip(), state, stored, actual))
                 if progress is not None:
                     progress(info.length)
@@ -308,6 +313,17 @@ def _verify_dcp(
     except FormatError as e:
         return VerifyReport(folder, tuple(out), str(e), "DCP")
     return VerifyReport(folder, tuple(out), None, "DCP")
+
+
+#: The most bytes one compressed DCP item is decoded to in memory by verify; a
+#: larger item is "unchecked" (its decoded bytes are held whole to be checked).
+ZSTD_DECODED_MAX = 1 << 30
+
+
+def _safetensors_blob(head: bytes) -> bool:
+    """Whether decoded bytes start as torch's SAFETENSORS item layout does (an
+    8-byte header length, then ``{``): no CRC-32 to check."""
+    return len(head) > 8 and head[8:9] == b"{"
 
 
 def _decoded_limit(md: Any, index: Any) -> int:
