@@ -118,8 +118,9 @@ def verify(
     tensor item of every data file, named ``<fqn> (<file>@<offset>) <record>``;
     non-tensor values, torch.save archives too, are checked the same way (other
     bytes items carry no CRC-32 and are "unchecked"); items of torch's ZStandard
-    transform are decoded in memory (at most their tensor's bytes and 1 MiB; a
-    frame that decodes to more is "unchecked") and checked as the others, items
+    transform are decoded in memory (at most their tensor's bytes and 1 MiB, and
+    ``ZSTD_DECODED_MAX``; a frame that decodes to more is "unchecked", a tensor
+    item that decodes to no zip damaged) and checked as the others, items
     with other stream transforms are "unchecked", as are tensor items in the
     layout torch's ``SerializationFormat.SAFETENSORS`` writes (a safetensors blob:
     no CRC-32; ``formats.dcp.safetensors_item``).
