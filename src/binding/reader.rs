@@ -146,14 +146,7 @@ pub(super) fn verify_zstd_item(
         };
         let rows = integrity::judge_bytes(&zip, &item)?
             .into_iter()
-            .map(|(name, state, crc)| {
-                let (stored, actual) = match state {
-                    State::Mismatch { stored, actual } => (Some(stored), Some(actual)),
-                    State::Ok => (Some(crc), Some(crc)),
-                    State::Unchecked => (None, None),
-                };
-                (name, state.name(), stored, actual)
-            })
+            .map(|(name, state, crc)| row(name, state, crc))
             .collect();
         Ok(("checked", Some(rows), None))
     })?;
@@ -328,26 +321,25 @@ impl Reader {
         let mut out = Vec::with_capacity(checks.len());
         for (i, state) in checks {
             let r = &self.archive.records[i];
-            let (stored, actual) = match state {
-                State::Mismatch { stored, actual } => {
-                    if strict {
-                        return Err(integrity::mismatch_error(
-                            self.file.io().path(),
-                            &r.name,
-                            stored,
-                            actual,
-                        )
-                        .into());
-                    }
-                    (Some(stored), Some(actual))
-                }
-                State::Ok => (Some(r.crc32), Some(r.crc32)),
-                State::Unchecked => (None, None),
-            };
-            out.push((r.name.clone(), state.name(), stored, actual));
+            if let (true, State::Mismatch { stored, actual }) = (strict, state) {
+                let path = self.file.io().path();
+                return Err(integrity::mismatch_error(path, &r.name, stored, actual).into());
+            }
+            out.push(row(r.name.clone(), state, r.crc32));
         }
         Ok(out)
     }
 }
 
 type VerifyRows = Vec<(String, &'static str, Option<u32>, Option<u32>)>;
+
+/// A verify row: (record, state, the CRC-32 stored, the one computed; None
+/// where unchecked). `crc`: the CRC-32 the record declares.
+fn row(name: String, state: State, crc: u32) -> (String, &'static str, Option<u32>, Option<u32>) {
+    let (stored, actual) = match state {
+        State::Mismatch { stored, actual } => (Some(stored), Some(actual)),
+        State::Ok => (Some(crc), Some(crc)),
+        State::Unchecked => (None, None),
+    };
+    (name, state.name(), stored, actual)
+}

@@ -1089,17 +1089,7 @@ mod tests {
         w.op(op::EMPTY_LIST);
         w.put(None);
         for i in 0..n {
-            w.global("torch._utils", "_rebuild_tensor_v2");
-            w.op(op::MARK);
-            w.op(op::MARK);
-            w.str("storage");
-            w.global("torch", "FloatStorage");
-            w.str("0");
-            w.str("cpu");
-            w.int(1);
-            w.op(op::TUPLE);
-            w.op(op::BINPERSID);
-            w.int(0);
+            rebuild_head(&mut w, "torch", "FloatStorage", 1);
             if i == 0 {
                 w.op(op::MARK);
                 for _ in 0..dims {
@@ -1268,6 +1258,18 @@ mod tests {
     /// `_rebuild_tensor_v2` of 4 elements of a storage of class `module.class`.
     fn tensor_of(module: &str, class: &str) -> Vec<u8> {
         let mut w = Writer::new();
+        rebuild_head(&mut w, module, class, 4);
+        w.int(4);
+        w.op(op::TUPLE1);
+        w.int(1);
+        w.op(op::TUPLE1);
+        rebuild_tail(&mut w);
+        w.finish()
+    }
+
+    /// A `_rebuild_tensor_v2` call's start: the global, its arguments' mark, the
+    /// storage "0" (`numel` elements of class `module.class`, on the CPU), offset 0.
+    fn rebuild_head(w: &mut Writer, module: &str, class: &str, numel: i64) {
         w.global("torch._utils", "_rebuild_tensor_v2");
         w.op(op::MARK);
         w.op(op::MARK);
@@ -1275,16 +1277,10 @@ mod tests {
         w.global(module, class);
         w.str("0");
         w.str("cpu");
-        w.int(4);
+        w.int(numel);
         w.op(op::TUPLE);
         w.op(op::BINPERSID);
         w.int(0);
-        w.int(4);
-        w.op(op::TUPLE1);
-        w.int(1);
-        w.op(op::TUPLE1);
-        rebuild_tail(&mut w);
-        w.finish()
     }
 
     /// A `_rebuild_tensor_v2` call's end: requires_grad False, empty hooks, the call.

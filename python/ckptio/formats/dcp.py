@@ -163,8 +163,14 @@ def safetensors_item(path: str, info: Any) -> bool:
             size = os.fstat(f.fileno()).st_size
     except OSError:
         return False
+    return safetensors_head(head, size - info.offset - 8)
+
+
+def safetensors_head(head: bytes, room: int | None = None) -> bool:
+    """Whether bytes start as a safetensors blob: an 8-byte little-endian header
+    length (of 2 to ``room`` bytes, where the room after it is known), then ``{``."""
     n = int.from_bytes(head[:8], "little")
-    return head[8:9] == b"{" and 2 <= n <= size - info.offset - 8
+    return head[8:9] == b"{" and (room is None or 2 <= n <= room)
 
 
 class ItemZip(NamedTuple):
@@ -451,7 +457,7 @@ class _StandIns(dict[Any, Any]):
         super().__init__()
         for cls in _METADATA_CLASSES:
             ns = {"__slots__": (), "__module__": cls.__module__, "__new__": _new_of(cls)}
-            self[cls] = _StandInType(cls.__name__, (cls,), {**ns, "_real": cls})
+            self[cls] = _StandInType(cls.__name__, (cls,), ns | {"_real": cls})
         self.encodings: list[weakref.ref[_EncodingRef]] = []
 
         def encoding(value: Any) -> _EncodingRef:

@@ -278,7 +278,9 @@ def _verify_dcp(
                     got, rows, head = _native.verify_zstd_item(p, info.offset, info.length, limit)
                 except OSError as e:
                     return VerifyReport(folder, tuple(out), f"{name}: {e}", "DCP")
-                if got == "other" and not bytes_item and not _safetensors_blob(bytes(head or ())):
+                # torch's SAFETENSORS layout inside: no CRC-32 to check
+                blob = dcp.safetensors_head(bytes(head or ()))
+                if got == "other" and not bytes_item and not blob:
                     raise corrupt(
                         f"{p}@{info.offset}", f"item {index.fqn!r} holds no torch.save zip"
                     )
@@ -319,12 +321,6 @@ def _verify_dcp(
 #: The most bytes one compressed DCP item is decoded to in memory by verify; a
 #: larger item is "unchecked" (its decoded bytes are held whole to be checked).
 ZSTD_DECODED_MAX = 1 << 30
-
-
-def _safetensors_blob(head: bytes) -> bool:
-    """Whether decoded bytes start as torch's SAFETENSORS item layout does (an
-    8-byte header length, then ``{``): no CRC-32 to check."""
-    return len(head) > 8 and head[8:9] == b"{"
 
 
 def _decoded_limit(md: Any, index: Any) -> int:
