@@ -198,6 +198,12 @@ def rows_for(
     rows["ckptio dcp.load"] = lambda: dcp.load(
         dests, storage_reader=ckptio.dcp.FileSystemReader(p["dcp"]), no_dist=True
     )
+    rows["ckptio dcp.load, ckptio planner"] = lambda: dcp.load(
+        dests,
+        storage_reader=ckptio.dcp.FileSystemReader(p["dcp"]),
+        planner=ckptio.dcp.DefaultLoadPlanner(),
+        no_dist=True,
+    )
     rows["torch dcp.load"] = lambda: dcp.load(
         dests, storage_reader=dcp.FileSystemReader(p["dcp"]), no_dist=True
     )
@@ -326,7 +332,8 @@ def profile(p: dict[str, str], device: str, nbytes: int) -> dict[str, float]:
 def profile_dcp(p: dict[str, str], device: str) -> dict[str, float]:
     """dcp.load with ckptio's reader split into its steps, each timed alone as
     torch's dcp.load runs them: the reader's ``.metadata``, torch's planner (per
-    item: the floor ckptio's reader cannot go under), the reader's read_data;
+    item: the floor ckptio's reader cannot go under; ckptio's planner beside
+    it), the reader's read_data;
     the median of three each."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -354,6 +361,7 @@ def profile_dcp(p: dict[str, str], device: str) -> dict[str, float]:
         reader = ckptio.dcp.FileSystemReader(p["dcp"])
         md = timed("dcp_metadata_s", reader.read_metadata)
         planner = DefaultLoadPlanner()
+        timed("dcp_ckptio_planner_s", plan, ckptio.dcp.DefaultLoadPlanner(), md)
         local = timed("dcp_torch_planner_s", plan, planner, md)
         reader.set_up_storage_reader(md, True)
         local = reader.prepare_local_plan(local)
@@ -370,6 +378,7 @@ LOADERS = (
     "ckptio.safetensors.load_file",
     "ckptio.safetensors.load_sharded",
     "ckptio dcp.load",
+    "ckptio dcp.load, ckptio planner",
 )
 
 

@@ -6,7 +6,7 @@ the same records; then (``--profile``) a cProfile of the DCP reader's read_data.
 ckptio.load (serialization._load_archive): open the archive, read its pickle
 natively, reserve and allocate the storages, read while the tensors are made.
 dcp.load: the ``.metadata`` (read, C unpickling, the allow-list's restore
-walk, the checks), torch's planner, read_data.
+walk, the checks), torch's planner (and ckptio's), read_data.
 
 usage: PYTHONPATH=python python probes/probe_llm_setup.py [--size 4G]
        [--device cuda] [--rounds 5] [--dir /dev/shm] [--profile] [--small-item 0]
@@ -98,6 +98,10 @@ def main() -> None:
             del got
             load_steps(pt, dev, timed)
             timed("dcp.load (ckptio reader)", lambda: dcp_load(dcp_dir, dests))
+            timed(
+                "dcp.load (ckptio reader, planner)",
+                lambda: dcp_load(dcp_dir, dests, ckptio.dcp.DefaultLoadPlanner()),
+            )
             dcp_steps(dcp_dir, dests, timed)
         for name, ms in steps.items():
             print(f"{name:36s} {statistics.median(ms):8.2f} ms  (min {min(ms):.2f})")
@@ -130,8 +134,9 @@ def pstats_of(prof: cProfile.Profile, stream: io.StringIO) -> Any:
     return pstats.Stats(prof, stream=stream)
 
 
-def dcp_load(folder: str, dests: dict[str, torch.Tensor]) -> None:
-    dcp.load(dests, storage_reader=ckptio.dcp.FileSystemReader(folder), no_dist=True)
+def dcp_load(folder: str, dests: dict[str, torch.Tensor], planner: Any = None) -> None:
+    reader = ckptio.dcp.FileSystemReader(folder)
+    dcp.load(dests, storage_reader=reader, planner=planner, no_dist=True)
 
 
 def load_steps(pt: str, dev: str, timed: Callable[[str, Callable[[], Any]], Any]) -> None:
@@ -183,11 +188,12 @@ def dcp_steps(
     md = timed("  dcp: reader.read_metadata", reader.read_metadata)
     planner = DefaultLoadPlanner()
 
-    def plan() -> Any:
+    def plan(planner: DefaultLoadPlanner) -> Any:
         planner.set_up_planner(dests, md, True)
         return planner.create_local_plan()
 
-    local = timed("  dcp: torch planner", plan)
+    timed("  dcp: ckptio planner", lambda: plan(ckptio.dcp.DefaultLoadPlanner()))
+    local = timed("  dcp: torch planner", lambda: plan(planner))
     reader.set_up_storage_reader(md, True)
     local = reader.prepare_local_plan(local)
     timed("  dcp: read_data", lambda: reader.read_data(local, planner).wait())

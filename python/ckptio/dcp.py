@@ -32,6 +32,11 @@ bytes move:
   temporary on the same device when the request is a strided slice); from an
   object store by ranged GETs, each item's zip head predicted from
   ``.metadata`` and checked in the same GETs (no local copy).
+- ``DefaultLoadPlanner`` (``dcp.load(..., planner=...)``) makes torch's plans
+  (the same reads, in the same order) without torch's per-item checks where
+  the state dict's entries are plain tensors stored whole
+  (``ckptio.loading.planning``); with any planner, the reader finds the
+  destinations of torch's default one straight from its state dict.
 - Nothing in the folder is trusted: ``.metadata`` is unpickled with an
   allow-list (DCP's metadata classes, torch sizes, dtypes and layouts, plain
   containers and values; ``FormatError`` naming the file and the global
@@ -66,7 +71,7 @@ import pickle
 import secrets
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -105,7 +110,8 @@ from ckptio.io import devices, memory, paths, remote, transfer
 from ckptio.io.engines import IoOptions
 from ckptio.io.paths import inside, open_regular
 from ckptio.io.units import align_up
-from ckptio.loading import sharing
+from ckptio.loading import planning, sharing
+from ckptio.loading.planning import DefaultLoadPlanner
 from ckptio.staging import BlockingAsyncStager
 
 try:  # torch >= 2.7: stream transforms of DCP items
@@ -117,7 +123,7 @@ try:  # torch >= 2.8: the items' serialization format
 except ImportError:  # pragma: no cover - older torch
     SerializationFormat = None  # type: ignore[assignment,misc]
 
-__all__ = ["FileSystemWriter", "FileSystemReader"]
+__all__ = ["FileSystemWriter", "FileSystemReader", "DefaultLoadPlanner"]
 
 # What this torch's writer and reader take (the GPU machine runs an older torch).
 _WRITER_ARGS = inspect.signature(_FileSystemWriter.__init__).parameters
@@ -1075,6 +1081,7 @@ class FileSystemReader(_TorchReader):
         known: dict[int, tuple[bytes, tuple[tuple[int, int], ...]]] = {}
         # (data segment, object offset of the stored CRC-32, item name, item offset)
         checks: list[tuple[int, int, str, int]] = []
+        resolve = planning.resolver(planner)
         for req in reqs:
             info = self.storage_data[req.storage_index]
             if info.offset + info.length > size:
@@ -1093,7 +1100,7 @@ class FileSystemReader(_TorchReader):
             known[info.offset] = (item.head, ())
             data_off = info.offset + item.data_off
             seg = self._plan_read(
-                url, req, planner, meta, data_off, segments, owners, commits, claims
+                url, req, resolve, meta, data_off, segments, owners, commits, claims
             )
             if self.verify and seg is not None and item.crc_at:
                 tail = data_off + meta.untyped_storage().nbytes()
@@ -1393,7 +1400,8 @@ class FileSystemReader(_TorchReader):
                         small.append((req, info))
                     else:
                         large.append((req, info))
-                box = pending = _SmallBox.of(small, planner) if small else None
+                resolve = planning.resolver(planner)
+                box = pending = _SmallBox.of(small, resolve) if small else None
                 # Verifying: one read, whose CRC-32s ``checks`` indexes.
                 if self.verify:
                     ranges = [(0, len(large))] if large else []
@@ -1412,7 +1420,7 @@ class FileSystemReader(_TorchReader):
                         else:
                             meta, data_off, crc = self._layout(f, path, info)
                         seg = self._plan_read(
-                            path, req, planner, meta, data_off, segments, owners, commits, claims
+                            path, req, resolve, meta, data_off, segments, owners, commits, claims
                         )
                         if self.verify and seg is not None:
                             checks.append((seg, crc, req, info.offset))
@@ -1430,7 +1438,7 @@ class FileSystemReader(_TorchReader):
                     reads.add(segs, own)
                 if pending is not None:
                     reads.result(0)
-                    copies = pending.cut(self, path, f, planner)
+                    copies = pending.cut(self, path, f, resolve)
             except BaseException as err:
                 reads.abandon(err)  # the destinations stay the engine's until then
                 raise
@@ -1484,7 +1492,7 @@ class FileSystemReader(_TorchReader):
         self,
         path: str,
         req: Any,
-        planner: LoadPlanner,
+        resolve: Callable[[Any], torch.Tensor],
         meta: torch.Tensor,
         data_off: int,
         segments: list[tuple[int, int, int, int]],
@@ -1498,8 +1506,9 @@ class FileSystemReader(_TorchReader):
         (its bit applied by the copy), one whose memory another read of the file
         fills (tied weights: ``claims``), or a partial one when verifying: a
         CRC-32 covers the whole storage). Returns the index of the segment
-        added, None for an empty request."""
-        target = planner.resolve_tensor(req).detach()
+        added, None for an empty request (``resolve``: the planner's
+        ``resolve_tensor``, see ``planning.resolver``)."""
+        target = resolve(req).detach()
         src = _checked(
             path, req, narrow_tensor_by_index(meta, req.storage_offsets, req.lengths), target
         )
@@ -1602,8 +1611,10 @@ class _SmallBox:
     segments: list[tuple[int, int, int, int]]
 
     @classmethod
-    def of(cls, small: list[tuple[Any, _StorageInfo]], planner: LoadPlanner) -> _SmallBox:
-        first = planner.resolve_tensor(small[0][0]).detach()
+    def of(
+        cls, small: list[tuple[Any, _StorageInfo]], resolve: Callable[[Any], torch.Tensor]
+    ) -> _SmallBox:
+        first = resolve(small[0][0]).detach()
         spans = sorted({(info.offset, info.length) for _, info in small})
         place, at = {}, 0
         for span in spans:
@@ -1615,7 +1626,11 @@ class _SmallBox:
         return cls(small, first, buf, place, segs)
 
     def cut(
-        self, reader: FileSystemReader, path: str, f: io.BufferedReader, planner: LoadPlanner
+        self,
+        reader: FileSystemReader,
+        path: str,
+        f: io.BufferedReader,
+        resolve: Callable[[Any], torch.Tensor],
     ) -> list[tuple[Any, torch.Tensor, torch.Tensor]]:
         """Once ``buf`` is read: [(request, destination, source view in the
         buffer)] to copy."""
@@ -1629,7 +1644,7 @@ class _SmallBox:
             items[span] = reader._small_item(path, f, buf, place[span], span, got)
         out = []
         for k, (req, info) in enumerate(self.small):
-            target = self.first if k == 0 else planner.resolve_tensor(req).detach()
+            target = self.first if k == 0 else resolve(req).detach()
             item = items[(info.offset, info.length)]
             src = narrow_tensor_by_index(item, req.storage_offsets, req.lengths)
             out.append((req, target, _checked(path, req, src, target)))
