@@ -1552,12 +1552,13 @@ class FileSystemReader(_TorchReader):
         at: int,
         span: tuple[int, int],
         got: tuple[int, int, list[tuple[str, int, int]]] | None,
+        views: _BoxViews,
     ) -> torch.Tensor:
         """The tensor an item holds, as a view of its bytes in ``buf`` (read at ``at``)."""
         meta = key = rec = None
         if got is not None:
             pkl_off, pkl_n, data = got
-            pkl = buf[pkl_off : pkl_off + pkl_n].numpy().tobytes()
+            pkl = bytes(views.mem[pkl_off : pkl_off + pkl_n])
             found = self._metas.get(pkl)
             if found is None:
                 found = self._metas[pkl] = fmt.meta_of_pickle(path, pkl)
@@ -1568,13 +1569,30 @@ class FileSystemReader(_TorchReader):
             meta, data_off, _ = self._layout(f, path, _StorageInfo(path, span[0], span[1]))
             rec = (None, at + data_off - span[0], meta.untyped_storage().nbytes())
         start, nbytes = rec[1], rec[2]
-        raw = buf[start : start + nbytes]
-        if start % max(meta.element_size(), 1):
-            raw = raw.clone()  # an archive not aligned as torch aligns: realign its bytes
-        typed = raw.view(meta.dtype)
-        # as_strided's offset counts from the buffer's start, not the view's.
-        offset = typed.storage_offset() + meta.storage_offset()
+        isz = max(meta.element_size(), 1)
+        if start % isz:  # an archive not aligned as torch aligns: realign its bytes
+            typed = buf[start : start + nbytes].clone().view(meta.dtype)
+            offset = meta.storage_offset()
+        else:  # one view of the whole buffer per dtype: no slice per item
+            typed = views.typed(meta.dtype)
+            offset = start // isz + meta.storage_offset()
         return _with_bits(typed.as_strided(meta.shape, meta.stride(), offset), meta)
+
+
+class _BoxViews:
+    """A small-item buffer's bytes (``mem``) and its views by dtype, made once
+    per buffer (its length a multiple of every element size: ``_SmallBox.of``)."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.mem = memoryview(buf.numpy().data)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        got = self._typed.get(dtype)
+        if got is None:
+            got = self._typed[dtype] = self.buf.view(dtype)
+        return got
 
 
 class _Fetched:
@@ -1621,7 +1639,8 @@ class _SmallBox:
             at = align_up(at, torchzip.TORCH_ALIGNMENT)  # every item's bytes aligned as in the file
             place[span] = at
             at += span[1]
-        buf = torch.empty(at, dtype=torch.uint8, pin_memory=first.is_cuda)
+        # A whole number of elements of every dtype: the buffer is viewed per dtype.
+        buf = torch.empty(align_up(at, 16), dtype=torch.uint8, pin_memory=first.is_cuda)
         segs = [(off, buf.data_ptr() + place[(off, n)], n, -1) for off, n in spans]
         return cls(small, first, buf, place, segs)
 
@@ -1640,8 +1659,9 @@ class _SmallBox:
             buf.data_ptr(), buf.numel(), [(place[s], s[1]) for s in spans], [buf]
         )
         items = {}
+        views = _BoxViews(buf)
         for span, got in zip(spans, maps, strict=True):
-            items[span] = reader._small_item(path, f, buf, place[span], span, got)
+            items[span] = reader._small_item(path, f, buf, place[span], span, got, views)
         out = []
         for k, (req, info) in enumerate(self.small):
             target = self.first if k == 0 else resolve(req).detach()
