@@ -1,6 +1,8 @@
 """ckptio.dcp.DefaultLoadPlanner makes torch's plans (ckptio.loading.planning), and
 the reader's resolver finds torch's destinations."""
 
+from collections import OrderedDict
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,37 +38,58 @@ def saved(tmp_path, sd: dict) -> Metadata:
     return FileSystemReader(folder).read_metadata()
 
 
-def plans(dest: dict, md: Metadata, **kw) -> tuple:
-    """(torch's planner, ours), each set up over its own copy of ``dest`` and planned."""
+def same_plans(dest: dict, md: Metadata, **kw) -> DefaultLoadPlanner:
+    """Our planner's plan of ``dest`` is torch's: every field of every read in
+    torch's order, the same flattening (mappings, the planned state dict's keys
+    and tensors), the state dict given kept as the original."""
     got = []
     for cls in (torch_planner.DefaultLoadPlanner, DefaultLoadPlanner):
         p = cls(**kw)
-        p.set_up_planner(dict(dest), md, True)
+        given = dest.copy()
+        p.set_up_planner(given, md, True)
+        assert p.original_state_dict is given
         got.append((p, p.create_local_plan()))
-    return tuple(got)
-
-
-def same_plans(dest: dict, md: Metadata, **kw) -> DefaultLoadPlanner:
-    (theirs, want), (ours, got) = plans(dest, md, **kw)
-    assert got.items == want.items  # every field of every read, in torch's order
-    assert [r.dest_index.index for r in got.items] == [r.dest_index.index for r in want.items]
+    (theirs, want), (ours, plan) = got
+    assert plan.items == want.items
+    for a, b in zip(plan.items, want.items, strict=True):
+        assert (a.dest_index.index, a.storage_index.index) == (
+            b.dest_index.index,
+            b.storage_index.index,
+        )
     assert ours.mappings == theirs.mappings
     assert ours.state_dict.keys() == theirs.state_dict.keys()
+    assert all(ours.state_dict[k] is v for k, v in theirs.state_dict.items())
     return ours
+
+
+def by_torch(monkeypatch) -> list:
+    """The entries torch's own code plans from now on (their names, in order)."""
+    names: list = []
+    torchs = torch_planner.create_default_local_load_plan
+    monkeypatch.setattr(
+        torch_planner,
+        "create_default_local_load_plan",
+        lambda d, *a: names.extend(d) or torchs(d, *a),
+    )
+    return names
 
 
 def test_plans_of_a_plain_state_dict_are_torchs(tmp_path, monkeypatch):
     sd = flat()
     md = saved(tmp_path, sd)
-    by_torch = []
-    torchs = planning.create_default_local_load_plan
-    monkeypatch.setattr(
-        planning,
-        "create_default_local_load_plan",
-        lambda d, *a: by_torch.append(*d) or torchs(d, *a),
-    )
-    same_plans({k: torch.empty_like(v) for k, v in sd.items()}, md)
-    assert by_torch == ["empty"]  # torch plans no read of an empty tensor: it decides
+    dest = {k: torch.empty_like(v) for k, v in sd.items()}
+    # model.state_dict() is an OrderedDict; a subset of the checkpoint's keys
+    # (the weights of a model + optimizer checkpoint) keeps the fast path
+    part = OrderedDict((k, v) for k, v in dest.items() if k != "w")
+    for d in (dest, part):
+        same_plans(d, md)
+        planned = by_torch(monkeypatch)
+        ours = DefaultLoadPlanner()
+        ours.set_up_planner(d, md, True)
+        reads = {r.dest_index.fqn for r in ours.create_local_plan().items}
+        assert planned == ["empty"]  # torch plans no read of an empty tensor: it decides
+        assert reads == d.keys() - {"empty"}
+        monkeypatch.undo()
 
 
 def test_plans_of_nested_and_non_tensor_entries_are_torchs(tmp_path):
@@ -102,6 +125,20 @@ def test_plans_of_a_tensor_saved_in_chunks_are_torchs():
     )
     ours = same_plans({"w": torch.empty(4, 6), "v": torch.empty(4)}, md)
     assert len(ours.create_local_plan().items) == 3
+
+
+def test_chunk_offsets_of_another_rank_raise_as_torchs():
+    props = TensorProperties.create_from_tensor(torch.empty(3))
+    chunk = ChunkStorageMetadata(offsets=torch.Size([]), sizes=torch.Size([3]))
+    md = Metadata({"bad": TensorStorageMetadata(props, torch.Size([3]), [chunk])})
+    errors = []
+    for cls in (torch_planner.DefaultLoadPlanner, DefaultLoadPlanner):
+        p = cls()
+        p.set_up_planner({"bad": torch.empty(3)}, md, True)
+        with pytest.raises(Exception) as e:
+            p.create_local_plan()
+        errors.append((type(e.value), str(e.value)))
+    assert errors[0] == errors[1]
 
 
 def test_entries_with_attributes_or_subclasses_go_through_torch(tmp_path):
@@ -183,6 +220,11 @@ def test_the_resolver_finds_torchs_destinations_and_defers_to_overrides(tmp_path
     p.set_up_planner(dest, md, True)
     p.transform_tensor = lambda req, t: t  # on the instance, too
     assert planning.resolver(p) == p.resolve_tensor
+    p = DefaultLoadPlanner()
+    p.set_up_planner(dest, md, True)
+    with pytest.MonkeyPatch.context() as mp:  # and on torch's class
+        mp.setattr(torch_planner.DefaultLoadPlanner, "lookup_tensor", Mine.lookup_tensor)
+        assert planning.resolver(p) == p.resolve_tensor
     # a missing destination: torch's lookup raises its error
     p = DefaultLoadPlanner()
     p.set_up_planner(dest, md, True)

@@ -35,8 +35,9 @@ bytes move:
 - ``DefaultLoadPlanner`` (``dcp.load(..., planner=...)``) makes torch's plans
   (the same reads, in the same order) without torch's per-item checks where
   the state dict's entries are plain tensors stored whole
-  (``ckptio.loading.planning``); with any planner, the reader finds the
-  destinations of torch's default one straight from its state dict.
+  (``ckptio.loading.planning``); with torch's default planner too (or a
+  subclass that keeps its lookup), the reader finds each read's destination
+  straight in the planner's state dict.
 - Nothing in the folder is trusted: ``.metadata`` is unpickled with an
   allow-list (DCP's metadata classes, torch sizes, dtypes and layouts, plain
   containers and values; ``FormatError`` naming the file and the global

@@ -8,24 +8,26 @@ the cyclic collector free to walk the process meanwhile.
 
 :class:`DefaultLoadPlanner` (``ckptio.dcp.DefaultLoadPlanner``) is torch's,
 same arguments and the same plans (equal ``ReadItem`` lists, in the same
-order), made directly where an entry is a plain tensor (a ``Tensor`` or
-``Parameter`` with no attributes of its own, not on the meta device) that the
-checkpoint stores as one whole chunk; every other entry, and every state dict
-torch would rewrite (nested, sharded, missing keys of an older checkpoint),
-goes through torch's own code. :func:`resolver` is the reader's side:
-``planner.resolve_tensor`` for each read, without torch's type checks where
-the planner resolves as torch's default one does.
+order), made directly for each entry that is a plain tensor (a ``Tensor`` or
+``Parameter`` with no attributes of its own) stored as one whole chunk; torch's
+own code plans every other entry. Set-up takes a flat dict of plain tensors
+(none on the meta device) as it is; torch's flattening runs for any other
+(nested, sharded), and its rules for checkpoints of torch < 2.4 decide where
+the checkpoint has keys such a state dict lacks. :func:`resolver` is the
+reader's side: ``planner.resolve_tensor`` for each read, without torch's type
+checks, for torch's default planner and subclasses that keep its lookup.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import default_planner
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner as _TorchPlanner
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
@@ -37,8 +39,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 _ZEROS = tuple(torch.Size([0] * n) for n in range(9))
 
-#: The methods through which torch's default planner finds a read's destination.
-_RESOLVING = ("resolve_tensor", "lookup_tensor", "transform_tensor")
+#: The methods through which torch's default planner finds a read's destination,
+#: as torch defines them (one patched later on torch's class is an override too).
+_RESOLVING = {
+    m: _TorchPlanner.__dict__[m] for m in ("resolve_tensor", "lookup_tensor", "transform_tensor")
+}
 
 
 def _plain(value: Any) -> bool:
@@ -62,10 +67,10 @@ class DefaultLoadPlanner(_TorchPlanner):
         is_coordinator: bool = False,
     ) -> None:
         with memory.gc_paused():
-            flat = (
+            self._flat = flat = (
                 self.flatten_state_dict
                 and self.flatten_sharded_tensors
-                and type(state_dict) is dict
+                and type(state_dict) in (dict, OrderedDict)
                 and all(
                     type(k) is str and _plain(v) and not v.is_meta for k, v in state_dict.items()
                 )
@@ -83,9 +88,12 @@ class DefaultLoadPlanner(_TorchPlanner):
     def create_local_plan(self) -> LoadPlan:
         md = self.metadata
         # Keys the checkpoint has and the state dict lacks: torch's rules for
-        # checkpoints of torch < 2.4 decide (they may re-flatten).
+        # checkpoints of torch < 2.4 decide whether to flatten again, unless the
+        # state dict was flat (both flattenings give its own keys).
         if md is None or (
-            self.flatten_state_dict and not md.state_dict_metadata.keys() <= self.state_dict.keys()
+            self.flatten_state_dict
+            and not getattr(self, "_flat", False)
+            and not md.state_dict_metadata.keys() <= self.state_dict.keys()
         ):
             return super().create_local_plan()
         with memory.gc_paused():
@@ -104,7 +112,9 @@ def _local_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool) ->
         if item is not None:
             items.append(item)
         else:
-            items += create_default_local_load_plan({fqn: obj}, metadata, strict).items
+            items += default_planner.create_default_local_load_plan(
+                {fqn: obj}, metadata, strict
+            ).items
     return LoadPlan(items)
 
 
@@ -120,9 +130,9 @@ def _whole_read(fqn: str, md: Any, obj: Any) -> ReadItem | None:
     if len(chunks) != 1 or md.size != size or 0 in size:
         return None
     saved = chunks[0]
-    if saved.sizes != size or any(saved.offsets):
-        return None
     zeros = _ZEROS[len(size)] if len(size) < len(_ZEROS) else torch.Size([0] * len(size))
+    if saved.sizes != size or saved.offsets != zeros:  # (offsets of other dims: torch raises)
+        return None
     # torch's dest_index and storage_index are equal here (the whole tensor,
     # chunk 0 of each side): one frozen index serves as both.
     index = MetadataIndex(fqn, zeros, 0)
@@ -143,7 +153,7 @@ def resolver(planner: Any) -> Callable[[ReadItem], torch.Tensor]:
     slow: Callable[[ReadItem], torch.Tensor] = planner.resolve_tensor
     cls = type(planner)
     default = isinstance(planner, _TorchPlanner) and all(
-        getattr(cls, m) is getattr(_TorchPlanner, m) and m not in vars(planner) for m in _RESOLVING
+        getattr(cls, m) is f and m not in vars(planner) for m, f in _RESOLVING.items()
     )
     state_dict = getattr(planner, "state_dict", None)
     if not default or type(state_dict) is not dict:
