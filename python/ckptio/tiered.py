@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio import _native
 from ckptio import safetensors as st
-from ckptio.dcp import FileSystemReader, FileSystemWriter
+from ckptio.dcp import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from ckptio.errors import (
     CkptioError,
     CommitConflictError,
@@ -646,8 +646,9 @@ class Checkpointer:
             raise ValueError('a "dcp" checkpoint loads in place: pass out= (the state dict)')
         if in_store:  # ckptio's reader takes the URL: .metadata, then the files it needs
             kw = dict(kw, storage_options=self._options)
-        with _one_process():
-            dcp.load(out, storage_reader=FileSystemReader(where, **kw), no_dist=True)
+        reader = FileSystemReader(where, **kw)
+        with _one_process():  # torch's plan, made without its per-item checks
+            dcp.load(out, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
         return out
 
     # -- lifetime ----------------------------------------------------------------------
