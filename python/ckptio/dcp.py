@@ -1549,13 +1549,13 @@ class FileSystemReader(_TorchReader):
         self,
         path: str,
         f: io.BufferedReader,
-        buf: torch.Tensor,
+        views: _BoxViews,
         at: int,
         span: tuple[int, int],
         got: tuple[int, int, list[tuple[str, int, int]]] | None,
-        views: _BoxViews,
     ) -> torch.Tensor:
-        """The tensor an item holds, as a view of its bytes in ``buf`` (read at ``at``)."""
+        """The tensor an item holds, as a view of its bytes in the small-item
+        buffer (``views.buf``, read at ``at``)."""
         meta = key = rec = None
         if got is not None:
             pkl_off, pkl_n, data = got
@@ -1572,7 +1572,7 @@ class FileSystemReader(_TorchReader):
         start, nbytes = rec[1], rec[2]
         isz = max(meta.element_size(), 1)
         if start % isz:  # an archive not aligned as torch aligns: realign its bytes
-            typed = buf[start : start + nbytes].clone().view(meta.dtype)
+            typed = views.buf[start : start + nbytes].clone().view(meta.dtype)
             offset = meta.storage_offset()
         else:  # one view of the whole buffer per dtype: no slice per item
             typed = views.typed(meta.dtype)
@@ -1662,7 +1662,7 @@ class _SmallBox:
         items = {}
         views = _BoxViews(buf)
         for span, got in zip(spans, maps, strict=True):
-            items[span] = reader._small_item(path, f, buf, place[span], span, got, views)
+            items[span] = reader._small_item(path, f, views, place[span], span, got)
         out = []
         for k, (req, info) in enumerate(self.small):
             target = self.first if k == 0 else resolve(req).detach()
