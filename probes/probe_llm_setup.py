@@ -44,6 +44,9 @@ import benchlib  # noqa: E402
 from bench_shapes import raw_engine_read  # noqa: E402
 from ckptio.io.units import parse_size  # noqa: E402
 
+# ckptio's planner; None in builds before it (the A/B runs' older side).
+FAST_PLANNER = getattr(ckptio.dcp, "DefaultLoadPlanner", None)
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -98,10 +101,11 @@ def main() -> None:
             del got
             load_steps(pt, dev, timed)
             timed("dcp.load (ckptio reader)", lambda: dcp_load(dcp_dir, dests))
-            timed(
-                "dcp.load (ckptio reader, planner)",
-                lambda: dcp_load(dcp_dir, dests, ckptio.dcp.DefaultLoadPlanner()),
-            )
+            if FAST_PLANNER is not None:  # absent from builds before it (A/B runs)
+                timed(
+                    "dcp.load (ckptio reader, planner)",
+                    lambda: dcp_load(dcp_dir, dests, FAST_PLANNER()),
+                )
             dcp_steps(dcp_dir, dests, timed)
         for name, ms in steps.items():
             print(f"{name:36s} {statistics.median(ms):8.2f} ms  (min {min(ms):.2f})")
@@ -192,7 +196,8 @@ def dcp_steps(
         planner.set_up_planner(dests, md, True)
         return planner.create_local_plan()
 
-    timed("  dcp: ckptio planner", lambda: plan(ckptio.dcp.DefaultLoadPlanner()))
+    if FAST_PLANNER is not None:
+        timed("  dcp: ckptio planner", lambda: plan(FAST_PLANNER()))
     local = timed("  dcp: torch planner", lambda: plan(planner))
     reader.set_up_storage_reader(md, True)
     local = reader.prepare_local_plan(local)
