@@ -77,7 +77,6 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import (
@@ -1510,9 +1509,7 @@ class FileSystemReader(_TorchReader):
         added, None for an empty request (``resolve``: the planner's
         ``resolve_tensor``, see ``planning.resolver``)."""
         target = resolve(req).detach()
-        src = _checked(
-            path, req, narrow_tensor_by_index(meta, req.storage_offsets, req.lengths), target
-        )
+        src = _checked(path, req, planning.narrowed(meta, req.storage_offsets, req.lengths), target)
         if target.numel() == 0:
             commits.append((req, target, None, None))
             return None
@@ -1667,7 +1664,7 @@ class _SmallBox:
         for k, (req, info) in enumerate(self.small):
             target = self.first if k == 0 else resolve(req).detach()
             item = items[(info.offset, info.length)]
-            src = narrow_tensor_by_index(item, req.storage_offsets, req.lengths)
+            src = planning.narrowed(item, req.storage_offsets, req.lengths)
             out.append((req, target, _checked(path, req, src, target)))
         return out
 
