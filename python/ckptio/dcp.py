@@ -1889,7 +1889,7 @@ def _checked(path: str, req: Any, src: torch.Tensor, target: torch.Tensor) -> to
     """``src`` (the requested slice of a saved tensor), refused where it does
     not fit ``target``'s shape; another dtype is cast by the copy into it, as
     torch's reader's ``copy_`` casts."""
-    if tuple(target.shape) != tuple(src.shape):
+    if target.shape != src.shape:  # (torch.Size: tuples)
         raise FormatError(
             f"{path}: item {req.storage_index} has shape {tuple(src.shape)}, "
             f"the destination {tuple(target.shape)}"
