@@ -511,7 +511,7 @@ class _StandIns(dict[Any, Any]):
         return f"holds {found!r} where DCP metadata holds none"
 
 
-def _new_of(cls: type) -> staticmethod[..., Any]:
+def _new_of(cls: Any) -> staticmethod[..., Any]:
     """A stand-in's ``__new__``: an instance of ``cls`` (bound here, first, where no
     keyword argument of NEWOBJ_EX can pass another class in). The stand-in it is
     called with comes after ``cls``, an argument ``object.__new__`` lets by for a
