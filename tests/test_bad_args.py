@@ -62,7 +62,10 @@ def test_gds_has_every_name_of_torchs():
     import torch.cuda.gds as tg
 
     assert [n for n in tg.__all__ if not hasattr(ckptio.gds, n)] == []
-    assert sorted(ckptio.gds.__all__) == sorted(tg.__all__)
+    # torch 2.11's has no is_available (later ones do): ckptio's always does.
+    assert sorted(set(ckptio.gds.__all__) - {"is_available"}) == sorted(
+        set(tg.__all__) - {"is_available"}
+    )
     assert ckptio.gds.is_available() is True and ckptio.is_available is ckptio.gds.is_available
 
 

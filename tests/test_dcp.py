@@ -1193,3 +1193,52 @@ def test_file_urls_name_the_local_folder(tmp_path, monkeypatch):
     dcp.load(out, checkpoint_id=f"file://{other}", storage_reader=reader, no_dist=True)
     assert_same(sd, out)
     assert not (tmp_path / "file:").exists()
+
+
+def test_a_metadata_read_error_reaches_the_caller_typed_through_torchs_loader(tmp_path):
+    """torch's loader catches read_metadata's error and asks for the rank's own
+    metadata; torch 2.11 then said only "metadata is None". Every torch version
+    now reports the first error, typed, in the CheckpointException."""
+    import logging
+
+    logging.getLogger("torch.distributed.checkpoint").setLevel(logging.ERROR)
+    with pytest.raises(dcp.api.CheckpointException) as ei:
+        dcp.load({"w": torch.zeros(2)}, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    err = ei.value.failures[0][0]
+    assert isinstance(err, FileNotFoundError) and ".metadata" in str(err), err
+    (tmp_path / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(dcp.api.CheckpointException) as ei:
+        dcp.load({"w": torch.zeros(2)}, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    err = ei.value.failures[0][0]
+    assert isinstance(err, ckptio.FormatError) and ".metadata" in str(err), err
+
+
+def test_read_metadata_of_a_rank_raises_unless_the_global_read_just_failed(tmp_path):
+    """The stand-in comes only where torch's loader would take a missing rank
+    file for "metadata is None": after this reader's global read failed. A rank's
+    own metadata is read whatever came before."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    reader = FileSystemReader(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        reader.read_metadata(rank=0)  # nothing failed before: the plain error
+    (tmp_path / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(ckptio.FormatError) as first:
+        reader.read_metadata()
+    got = reader.read_metadata(rank=0)
+    assert isinstance(got, Metadata) and "not read" in repr(got)
+    with pytest.raises(ckptio.FormatError) as again:
+        _ = got.state_dict_metadata
+    assert again.value is first.value
+    with pytest.raises(ckptio.FormatError):
+        reader.set_up_storage_reader(got, True)
+    good = tmp_path / "good"
+    dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter(good), no_dist=True)
+    (tmp_path / "__0.metadata").write_bytes((good / ".metadata").read_bytes())
+    assert "w" in reader.read_metadata(rank=0).state_dict_metadata
+    os.remove(tmp_path / ".metadata")
+    (tmp_path / ".metadata").write_bytes((good / ".metadata").read_bytes())
+    reader.read_metadata()  # read: the next rank= call raises as before
+    os.remove(tmp_path / "__0.metadata")
+    with pytest.raises(FileNotFoundError):
+        reader.read_metadata(rank=0)

@@ -48,10 +48,10 @@ bytes move:
 
 Errors: DCP wraps a rank's exception in its ``CheckpointException``; the
 original (an ``OSError`` naming the file, a ``ckptio.FormatError`` naming the
-file and the item) is ``exc.failures[rank][0]``. ``.metadata`` that cannot be
-read or is refused makes torch's loader raise an ``AssertionError`` whose text
-carries ckptio's message; ``FileSystemReader(path).read_metadata()`` raises the
-typed error itself.
+file and the item) is ``exc.failures[rank][0]``, for a ``.metadata`` that is
+missing, cannot be read or is refused too (on every torch version: see
+``FileSystemReader.read_metadata``); ``FileSystemReader(path).read_metadata()``
+raises the typed error itself.
 
 torch's ``_extensions`` and ``serialization_format`` are taken too. With
 torch's ``ZStandard`` extension alone, each item becomes one zstd frame made in
@@ -73,7 +73,7 @@ import secrets
 import shutil
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -835,6 +835,8 @@ class FileSystemReader(_TorchReader):
         self.process_group = process_group
         self._sizes: dict[str, tuple[torch.dtype, int]] = {}
         self._metadata: Metadata | None = None
+        # Why this reader's last read of the global ``.metadata`` failed (see read_metadata).
+        self._unread: Exception | None = None
         #: The last load's sharing: items (and bytes) this rank read for the
         #: others, and received from them.
         self.last_share: dict[str, int] = {}
@@ -847,6 +849,8 @@ class FileSystemReader(_TorchReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        if isinstance(metadata, _Unread):
+            metadata.refuse()
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._metadata = metadata
         self._sizes = {
@@ -943,8 +947,29 @@ class FileSystemReader(_TorchReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata`` (``__{rank}.metadata`` with ``rank=``), unpickled with the
-        allow-list and checked (see the module doc)."""
-        path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
+        allow-list and checked (see the module doc).
+
+        torch's ``dcp.load`` catches this call's error, asks for the rank's own
+        metadata instead, catches that error too, and then (torch 2.11) says only
+        "metadata is None". So where the global read failed and the rank has no
+        metadata of its own, the ``rank=`` call returns an :class:`_Unread` that
+        raises the global read's error where it is used: as the reader is set up,
+        or by a planner that looks at it first."""
+        rank = kwargs.get("rank")
+        try:
+            md = self._read_metadata(rank)
+        except Exception as e:
+            if rank is None:
+                self._unread = e
+            elif self._unread is not None and isinstance(e, FileNotFoundError):
+                return _Unread(self._unread)
+            raise
+        if rank is None:
+            self._unread = None
+        return md
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
+        path = os.fspath(self._get_metadata_path(rank))
         if self._store.url is not None:  # one GET, no local copy
             url = self._store.join(os.path.basename(path))
             raw, _ = remote.get_bytes(url, self._store.options)
@@ -1575,6 +1600,26 @@ class FileSystemReader(_TorchReader):
             typed = views.typed(meta.dtype)
             offset = start // isz + meta.storage_offset()
         return _with_bits(typed.as_strided(meta.shape, meta.stride(), offset), meta)
+
+
+class _Unread(Metadata):
+    """DCP metadata that could not be read, as :meth:`FileSystemReader.read_metadata`
+    hands it to torch's loader: using it (any attribute but the special ones)
+    raises the read's error, the original exception (typed, naming the file)."""
+
+    def __init__(self, error: Exception) -> None:  # (no fields: none is ever read)
+        object.__setattr__(self, "_error", error)
+
+    def refuse(self) -> NoReturn:
+        raise object.__getattribute__(self, "_error")
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("__") or name == "refuse":  # isinstance, repr, ...
+            return object.__getattribute__(self, name)
+        object.__getattribute__(self, "refuse")()
+
+    def __repr__(self) -> str:
+        return f"<DCP metadata not read: {object.__getattribute__(self, '_error')}>"
 
 
 class _BoxViews:
