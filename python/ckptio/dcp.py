@@ -1226,11 +1226,14 @@ class FileSystemReader(_TorchReader):
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         shares = plan.storage_data
         self.last_share = {}
-        if isinstance(shares, _Shares) and self._group() is not None:
-            what = f"ckptio.dcp.FileSystemReader({os.fspath(self.path)!r}).read_data"
-            sharing.run(self._group(), what, lambda: self._read_shared(plan, planner, shares))
-        else:
-            self._read_items(plan.items, planner)
+        # Objects per item, no cycles: no collection walking the process meanwhile
+        # (a full one took 130 ms during a 50 ms read of 1,995 items on the dev VM).
+        with memory.gc_paused():
+            if isinstance(shares, _Shares) and self._group() is not None:
+                what = f"ckptio.dcp.FileSystemReader({os.fspath(self.path)!r}).read_data"
+                sharing.run(self._group(), what, lambda: self._read_shared(plan, planner, shares))
+            else:
+                self._read_items(plan.items, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
