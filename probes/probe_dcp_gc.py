@@ -1,12 +1,16 @@
 """What the cyclic garbage collector costs a DCP load of many items (issue 37):
 torch's ``dcp.load`` of the LLM-shaped state dict (benchlib.llm_state_dict,
-1,995 items) with ckptio's FileSystemReader into the same existing tensors,
-``--loads`` loads with the collector on, then off, twice, alternated; each
-load's time printed. A full collection walks every tracked object of the
-process; torch's planner allocates enough per item to set one off every few
-loads.
+1,995 items) with ckptio's FileSystemReader into the same existing tensors.
+``--mode switch``: ``--loads`` loads with the collector on, then off, twice,
+alternated; each load's time printed. A full collection walks every tracked
+object of the process; torch's planner allocates enough per item to set one
+off every few loads. ``--mode planners``: the collector left as it is,
+``--loads`` loads with torch's planner, then with ``ckptio.dcp.DefaultLoadPlanner``:
+the median, mean, min and max of each (a full collection where it lands in a
+load shows in the mean and max, not the median); run two builds alternated
+for an A/B.
 
-usage: PYTHONPATH=python python probes/probe_dcp_gc.py [--size 64M] [--loads 5]
+usage: PYTHONPATH=python python probes/probe_dcp_gc.py [--size 64M] [--loads 5] [--mode planners]
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import argparse
 import gc
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 import warnings
 
+import ckptio.dcp
 import torch
 import torch.distributed.checkpoint as dcp
 from ckptio.dcp import FileSystemReader, FileSystemWriter
@@ -34,23 +40,48 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", type=parse_size, default=parse_size("64M"))
     p.add_argument("--loads", type=int, default=5)
+    p.add_argument("--mode", choices=("switch", "planners"), default="switch")
     a = p.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     sd = benchlib.llm_state_dict(a.size, "cpu")
     folder = tempfile.mkdtemp(dir="/dev/shm")
     try:
-        dcp.save(sd, storage_writer=FileSystemWriter(folder))
+        dcp.save(sd, storage_writer=FileSystemWriter(folder), no_dist=True)
         dest = {k: torch.empty_like(v) for k, v in sd.items()}
-        print(f"# {len(sd)} items, {len(gc.get_objects())} objects tracked")
+        print(
+            f"# {len(sd)} items, {len(gc.get_objects())} objects tracked, torch {torch.__version__}"
+        )
+
+        def loads(planner: type | None) -> list[float]:
+            ms = []
+            for _ in range(a.loads):
+                t0 = time.perf_counter()
+                dcp.load(
+                    dest,
+                    storage_reader=FileSystemReader(folder),
+                    planner=planner() if planner else None,
+                    no_dist=True,
+                )
+                ms.append((time.perf_counter() - t0) * 1e3)
+            return ms
+
+        if a.mode == "planners":
+            for label, planner in (
+                ("torch planner", None),
+                ("ckptio planner", ckptio.dcp.DefaultLoadPlanner),
+            ):
+                ms = loads(planner)
+                med, mean = statistics.median(ms), statistics.mean(ms)
+                print(
+                    f"{label:16s} median {med:6.1f} mean {mean:6.1f}"
+                    f" min {min(ms):6.1f} max {max(ms):6.1f} ms"
+                )
+            return
         for label in ("collector on", "collector off") * 2:
             if label == "collector off":
                 gc.disable()
             try:
-                ms = []
-                for _ in range(a.loads):
-                    t0 = time.perf_counter()
-                    dcp.load(dest, storage_reader=FileSystemReader(folder))
-                    ms.append((time.perf_counter() - t0) * 1e3)
+                ms = loads(None)
             finally:
                 gc.enable()
             print(f"{label:14s} dcp.load ms: {', '.join(f'{m:.0f}' for m in ms)}")

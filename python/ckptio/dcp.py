@@ -845,6 +845,7 @@ class FileSystemReader(_TorchReader):
         super().reset(self._store.reset(checkpoint_id))
         self._layouts = {}
         self._metas = {}
+        self._unread = None
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
