@@ -1242,3 +1242,30 @@ def test_read_metadata_of_a_rank_raises_unless_the_global_read_just_failed(tmp_p
     os.remove(tmp_path / "__0.metadata")
     with pytest.raises(FileNotFoundError):
         reader.read_metadata(rank=0)
+
+
+def test_the_sweep_after_a_commit_does_not_unpickle_what_it_just_wrote(tmp_path, monkeypatch):
+    """The writer's finish hands the sweep the .metadata bytes it committed and the
+    files they name: a metadata file holding exactly those bytes is not unpickled
+    again; one holding anything else is, and decides."""
+    from ckptio.formats import dcp as fmt
+
+    dcp.save({"a": torch.ones(3)}, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    md_path = tmp_path / ".metadata"
+    raw = md_path.read_bytes()
+    named = fmt.files_named(raw, str(md_path))
+    assert named and all((tmp_path / n).exists() for n in named)
+    parsed = []
+    real = fmt.parse_metadata
+    monkeypatch.setattr(fmt, "parse_metadata", lambda *a, **k: parsed.append(1) or real(*a, **k))
+    stray = tmp_path / "__0_0.distcp"  # torch's name, named by no metadata
+    stray.write_bytes(b"x")
+    assert fmt.sweep(str(tmp_path), written=(raw, named)) == [stray.name] and parsed == []
+    stray.write_bytes(b"x")
+    assert fmt.sweep(str(tmp_path), written=(raw + b"!", set())) == [stray.name]
+    assert parsed == [1] and all((tmp_path / n).exists() for n in named)
+    dcp.save({"a": torch.zeros(3)}, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    assert not any((tmp_path / n).exists() for n in named)  # the old generation went
+    out = {"a": torch.empty(3)}
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(out["a"], torch.zeros(3))

@@ -582,8 +582,8 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         name = self._metadata_name()
         target = os.path.join(os.fspath(self.path), name)
         data = pickle.dumps(metadata)
+        files = {info.relative_path for info in storage_md.values()}
         if self._store.url is not None:
-            files = {info.relative_path for info in storage_md.values()}
             self._store.commit(name, data, files)
             return
         guard = _guards.pop(target)
@@ -593,7 +593,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
             transfer.commit_bytes(guard, data)
         # The earlier generations' data files, now named by no metadata. Best
         # effort: what cannot go now goes with the next save.
-        fmt.sweep(os.fspath(self.path))
+        fmt.sweep(os.fspath(self.path), written=(data, files))
 
 
 class _StoreScratch(_fs.FileSystem):

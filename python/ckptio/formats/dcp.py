@@ -348,7 +348,13 @@ _BUILDABLE = (*_METADATA_CLASSES, OrderedDict)
 METADATA_OF_RANK = re.compile(r"__\d+" + re.escape(METADATA))
 
 
-def sweep(folder: str, own: str | None = None, *, unreferenced: bool = True) -> list[str]:
+def sweep(
+    folder: str,
+    own: str | None = None,
+    *,
+    unreferenced: bool = True,
+    written: tuple[bytes, set[str]] | None = None,
+) -> list[str]:
     """Remove what dead saves left in a DCP folder: their temp files, and the data
     files that no metadata file names (a save that died, or failed on a rank that
     could not clean up, before its ``.metadata``). Nothing of the data files while
@@ -360,7 +366,11 @@ def sweep(folder: str, own: str | None = None, *, unreferenced: bool = True) -> 
     only data files that carry the evidence of a dead ckptio save go: ckptio's
     own names (``OWN_DATA_FILE``), and torch's names older than a metadata file
     ckptio committed (one naming ckptio's files): the generation that commit
-    replaced. A torch writer's files before its ``.metadata`` stay."""
+    replaced. A torch writer's files before its ``.metadata`` stay.
+
+    ``written``: (the bytes of a metadata file the caller has just committed, the
+    data files it names): a metadata file holding exactly those bytes is not
+    unpickled again (20-25 ms for 1,995 items on the dev VM)."""
     commits: list[int] = []  # mtimes of the metadata files ckptio committed
 
     def in_use() -> set[str] | None:
@@ -369,11 +379,16 @@ def sweep(folder: str, own: str | None = None, *, unreferenced: bool = True) -> 
             if n == METADATA or METADATA_OF_RANK.fullmatch(n):
                 path = os.path.join(folder, n)
                 try:
-                    md = read_metadata(path)
+                    with open_regular(path) as f:
+                        raw = f.read()
                     mtime = os.stat(path).st_mtime_ns
+                    if written is not None and raw == written[0]:
+                        files = written[1]
+                    else:
+                        md = parse_metadata(raw, path)
+                        files = {info.relative_path for info in md.storage_data.values()}
                 except (FormatError, OSError):
                     return None  # which files it names is not known: none is surely dead
-                files = {info.relative_path for info in md.storage_data.values()}
                 named |= files
                 if any(OWN_DATA_FILE.fullmatch(f) for f in files):
                     commits.append(mtime)
