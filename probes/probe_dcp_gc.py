@@ -1,6 +1,7 @@
-"""What the cyclic garbage collector costs a DCP load of many items (issue 37):
-torch's ``dcp.load`` of the LLM-shaped state dict (benchlib.llm_state_dict,
-1,995 items) with ckptio's FileSystemReader into the same existing tensors.
+"""DCP loads and saves of many items round by round, and what the cyclic
+garbage collector costs them (issue 37): torch's ``dcp.load`` of the
+LLM-shaped state dict (benchlib.llm_state_dict, 1,995 items) with ckptio's
+FileSystemReader into the same existing tensors.
 ``--mode switch``: ``--loads`` loads with the collector on, then off, twice,
 alternated; each load's time printed. A full collection walks every tracked
 object of the process; torch's planner allocates enough per item to set one
@@ -8,9 +9,12 @@ off every few loads. ``--mode planners``: the collector left as it is,
 ``--loads`` loads with torch's planner, then with ``ckptio.dcp.DefaultLoadPlanner``:
 the median, mean, min and max of each (a full collection where it lands in a
 load shows in the mean and max, not the median); run two builds alternated
-for an A/B.
+for an A/B. ``--mode saves``: ``--loads`` ``dcp.save`` calls of the same state
+dict with ckptio's writer, each into a new folder (one per step, as trainers
+keep them), the same four figures.
 
-usage: PYTHONPATH=python python probes/probe_dcp_gc.py [--size 64M] [--loads 5] [--mode planners]
+usage: PYTHONPATH=python python probes/probe_dcp_gc.py [--size 64M] [--loads 5]
+       [--mode switch|planners|saves]
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", type=parse_size, default=parse_size("64M"))
     p.add_argument("--loads", type=int, default=5)
-    p.add_argument("--mode", choices=("switch", "planners"), default="switch")
+    p.add_argument("--mode", choices=("switch", "planners", "saves"), default="switch")
     a = p.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     sd = benchlib.llm_state_dict(a.size, "cpu")
@@ -65,12 +69,27 @@ def main() -> None:
                 ms.append((time.perf_counter() - t0) * 1e3)
             return ms
 
-        if a.mode == "planners":
-            for label, planner in (
-                ("torch planner", None),
-                ("ckptio planner", ckptio.dcp.DefaultLoadPlanner),
-            ):
-                ms = loads(planner)
+        def saves() -> list[float]:
+            ms = []
+            for i in range(a.loads):
+                where = os.path.join(folder, f"step{i}")
+                t0 = time.perf_counter()
+                dcp.save(sd, storage_writer=FileSystemWriter(where), no_dist=True)
+                ms.append((time.perf_counter() - t0) * 1e3)
+                shutil.rmtree(where)
+            return ms
+
+        if a.mode != "switch":
+            ckptio_planner = ckptio.dcp.DefaultLoadPlanner
+            runs = {
+                "planners": [
+                    ("torch planner", lambda: loads(None)),
+                    ("ckptio planner", lambda: loads(ckptio_planner)),
+                ],
+                "saves": [("dcp.save", saves)],
+            }[a.mode]
+            for label, run in runs:
+                ms = run()
                 med, mean = statistics.median(ms), statistics.mean(ms)
                 print(
                     f"{label:16s} median {med:6.1f} mean {mean:6.1f}"
