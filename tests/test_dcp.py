@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import warnings
+import weakref
 from concurrent.futures import Future
 
 import ckptio
@@ -1208,6 +1209,22 @@ def test_a_metadata_read_error_reaches_the_caller_typed_through_torchs_loader(tm
         dcp.load({"w": torch.zeros(2)}, storage_reader=FileSystemReader(tmp_path), no_dist=True)
     err = ei.value.failures[0][0]
     assert isinstance(err, ckptio.FormatError) and ".metadata" in str(err), err
+    # The reader hands the error over as torch's loader asks for a rank's metadata:
+    # it keeps no frame of the caller's (holding the destinations) alive.
+    reader = FileSystemReader(tmp_path)
+
+    def attempt() -> weakref.ref:
+        dest = torch.zeros(2)  # in this frame, which the error's traceback holds
+        try:
+            reader.read_metadata()
+        except ckptio.FormatError:
+            pass
+        assert "not read" in repr(reader.read_metadata(rank=0))
+        return weakref.ref(dest)
+
+    dest = attempt()
+    gc.collect()
+    assert dest() is None
 
 
 def test_read_metadata_of_a_rank_raises_unless_the_global_read_just_failed(tmp_path):
@@ -1232,6 +1249,8 @@ def test_read_metadata_of_a_rank_raises_unless_the_global_read_just_failed(tmp_p
     good = tmp_path / "good"
     dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter(good), no_dist=True)
     (tmp_path / "__0.metadata").write_bytes((good / ".metadata").read_bytes())
+    with pytest.raises(ckptio.FormatError):
+        reader.read_metadata()
     assert "w" in reader.read_metadata(rank=0).state_dict_metadata
     os.remove(tmp_path / ".metadata")
     (tmp_path / ".metadata").write_bytes((good / ".metadata").read_bytes())

@@ -961,12 +961,12 @@ class FileSystemReader(_TorchReader):
             md = self._read_metadata(rank)
         except Exception as e:
             if rank is None:
-                self._unread = e
+                self._unread = e  # (its traceback holds the caller's frames: kept one call)
             elif self._unread is not None and isinstance(e, FileNotFoundError):
-                return _Unread(self._unread)
+                unread, self._unread = self._unread, None
+                return _Unread(unread)
             raise
-        if rank is None:
-            self._unread = None
+        self._unread = None
         return md
 
     def _read_metadata(self, rank: int | None) -> Metadata:
