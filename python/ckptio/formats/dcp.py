@@ -382,13 +382,14 @@ def sweep(
                     with open_regular(path) as f:
                         raw = f.read()
                     mtime = os.stat(path).st_mtime_ns
-                    if written is not None and raw == written[0]:
-                        files = written[1]
-                    else:
-                        md = parse_metadata(raw, path)
-                        files = {info.relative_path for info in md.storage_data.values()}
-                except (FormatError, OSError):
+                except OSError:
                     return None  # which files it names is not known: none is surely dead
+                if written is not None and raw == written[0]:
+                    files: set[str] | None = written[1]
+                else:
+                    files = files_named(raw, path)
+                if files is None:
+                    return None
                 named |= files
                 if any(OWN_DATA_FILE.fullmatch(f) for f in files):
                     commits.append(mtime)
