@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 BUCKET = "ckptio-test"
@@ -137,11 +137,12 @@ def running() -> Iterator[S3Server]:
         server.stop()
 
 
-def start(binary: str) -> S3Server:
+def start(binary: str, flags: Sequence[str] = ()) -> S3Server:
     """A running server; a start that does not come up (a port picked free and
-    taken before the server bound it) is tried again on new ports."""
+    taken before the server bound it) is tried again on new ports. ``flags``:
+    more of ``weed mini``'s (``-cpuprofile=FILE``, say)."""
     for attempt in range(3):
-        server = _spawn(binary)
+        server = _spawn(binary, flags)
         try:
             _wait_up(server)
             return server
@@ -154,7 +155,7 @@ def start(binary: str) -> S3Server:
     raise AssertionError("unreachable")
 
 
-def _spawn(binary: str) -> S3Server:
+def _spawn(binary: str, flags: Sequence[str] = ()) -> S3Server:
     folder = tempfile.mkdtemp(prefix="ckptio-weed-")
     data = os.path.join(folder, "data")
     os.mkdir(data)
@@ -171,7 +172,7 @@ def _spawn(binary: str) -> S3Server:
     # The volume count is otherwise fixed at start from the disk's free space
     # (about 1 GiB a volume), deleted objects did not give a full volume's space
     # back in our runs, and once it is reached every PUT is a 500 InternalError.
-    args += [f"-volume.max={VOLUMES}"]
+    args += [f"-volume.max={VOLUMES}", *flags]
     env = _env(folder)
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env)

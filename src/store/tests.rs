@@ -389,6 +389,28 @@ fn credentials_in_the_options_replace_the_environments_of_other_kinds() {
 }
 
 #[test]
+fn bodies_go_unsigned_over_tls_unless_the_options_say() {
+    use object_store::aws::AmazonS3ConfigKey as K;
+    let unsigned = |opts: &[(K, &str)]| {
+        s3_builder("s3://b/k", opts)
+            .get_config_value(&K::UnsignedPayload)
+            .unwrap()
+    };
+    let https = (K::Endpoint, "https://store.example:9000");
+    let http = (K::Endpoint, "HTTP://127.0.0.1:9000");
+    assert_eq!(unsigned(&[https]), "true");
+    assert_eq!(unsigned(&[http]), "false");
+    assert_eq!(unsigned(&[https, (K::UnsignedPayload, "false")]), "false");
+    assert_eq!(unsigned(&[http, (K::UnsignedPayload, "true")]), "true");
+    if std::env::var_os("AWS_ENDPOINT_URL").is_none()
+        && std::env::var_os("AWS_UNSIGNED_PAYLOAD").is_none()
+    {
+        assert_eq!(unsigned(&[]), "true", "AWS's own endpoint is https");
+    }
+    assert!(plain_http(Some("http://x")) && !plain_http(Some("https://x")) && !plain_http(None));
+}
+
+#[test]
 fn a_folder_url_with_a_trailing_slash_has_its_bucket_as_base() {
     let opts = [
         ("region", "us-east-1"),
