@@ -1308,3 +1308,96 @@ def test_hostile_nesting_in_a_pickle_is_refused_or_read_without_recursion(tmp_pa
     assert torch.equal(got["w"], want["w"])
     names = [t.name for r in ckptio.records(p) for t in r.tensors]
     assert names == ["w"]
+
+
+def _rezipped(src, dst, compression: int = 0, folders: bool = False, extra: str = "") -> None:
+    """``src``'s records zipped again as a zip tool would: ``compression``,
+    folder entries listed (``zip -r``), one more record named ``extra``."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zi, zipfile.ZipFile(dst, "w", compression) as zo:
+        names = zi.namelist()
+        if folders:
+            for d in sorted({n.rsplit("/", 1)[0] + "/" for n in names}, key=len):
+                zo.writestr(zipfile.ZipInfo(d), b"")  # a name ending in "/": a folder
+        for n in names:
+            zo.writestr(n, zi.read(n))
+        if extra:
+            zo.writestr(extra, b"notes")
+
+
+def test_an_archive_zipped_again_with_its_folders_listed_loads_as_torch_loads_it(tmp_path):
+    """Info-ZIP's ``zip -r`` of an unzipped checkpoint lists its folders
+    ("m/", "m/data/"); torch.load reads it, and so does every load of ckptio."""
+    src, p = tmp_path / "m.pt", tmp_path / "folders.pt"
+    model = torch.nn.Linear(3, 2)
+    torch.save(model.state_dict(), src)
+    _rezipped(src, p, folders=True)
+    want = torch.load(p)
+    same(ckptio.load(p, verify=True), want)
+    out = {k: torch.zeros_like(v) for k, v in want.items()}
+    same(ckptio.load(p, out=out), want)
+    ckptio.load_state_dict(torch.nn.Linear(3, 2), p)
+    ckptio.verify(p).raise_if_bad()
+
+
+def test_records_a_zip_tool_compressed_load_through_torch_and_verify(tmp_path):
+    """torch's reader inflates deflated records; ckptio.load hands such a file
+    to torch.load, verify=True checks its CRC-32s first, and mmap=True (where
+    torch.load would hand back the compressed bytes as values) is refused."""
+    import zipfile
+
+    src, p = tmp_path / "orig.pt", tmp_path / "deflated.pt"
+    sd = {"w": torch.arange(600.0).reshape(20, 30), "b": torch.ones(2)}
+    torch.save(sd, src)
+    _rezipped(src, p, zipfile.ZIP_DEFLATED)
+    same(ckptio.load(p), sd)
+    assert "torch.load read it" in str(ckptio.last_report())
+    same(ckptio.load(p, verify=True, map_location="cpu"), sd)
+    with pytest.raises(ckptio.FormatError, match="mmap=True cannot map records compressed"):
+        ckptio.load(p, mmap=True)
+    # What ckptio reads itself names the cause, not a damaged file.
+    with pytest.raises(ckptio.FormatError, match="torch.load reads it") as ei:
+        ckptio.load(p, out={k: torch.zeros_like(v) for k, v in sd.items()})
+    assert "corrupted" not in str(ei.value)
+    # A flipped bit in the compressed bytes: the CRC-32 check names the record.
+    data = bytearray(p.read_bytes())
+    with zipfile.ZipFile(p) as z:
+        info = z.getinfo(f"{z.namelist()[0].split('/')[0]}/data/0")
+    at = info.header_offset + 30 + len(info.filename) + len(info.extra) + info.compress_size // 2
+    data[at] ^= 0x10
+    p.write_bytes(bytes(data))
+    with pytest.raises(ckptio.FormatError, match="data/0"):
+        ckptio.load(p, verify=True)
+
+
+def test_a_record_outside_the_archives_folder_is_refused_as_torch_load_refuses_it(tmp_path):
+    src, p = tmp_path / "orig.pt", tmp_path / "notes.pt"
+    torch.save({"w": torch.ones(3)}, src)
+    _rezipped(src, p, extra="notes/readme.txt")
+    with pytest.raises(RuntimeError, match="not in a subdirectory"):
+        torch.load(p)
+    for kw in ({}, {"verify": True}, {"out": {"w": torch.zeros(3)}}):
+        with pytest.raises(ckptio.FormatError, match="not in a subdirectory orig/: .notes/readme"):
+            ckptio.load(p, **kw)
+
+
+def test_verify_of_a_file_in_torchs_legacy_format_says_it_holds_no_crc(tmp_path):
+    p = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3)}, p, _use_new_zipfile_serialization=False)
+    same(ckptio.load(p), {"w": torch.ones(3)})
+    with pytest.raises(ValueError, match="legacy format.*stores no CRC-32"):
+        ckptio.load(p, verify=True)
+
+
+def test_a_map_location_callable_returning_no_storage_is_the_callers_type_error(tmp_path):
+    """torch.load raises TypeError deep in its code; ckptio says what was returned,
+    as a TypeError too, never that the file is damaged."""
+    p = tmp_path / "c.pt"
+    torch.save({"w": torch.arange(4.0)}, p)
+    with pytest.raises(TypeError):
+        torch.load(p, map_location=lambda s, loc: "cpu")
+    with pytest.raises(ckptio.MapLocationError, match="map_location returned str") as ei:
+        ckptio.load(p, map_location=lambda s, loc: "cpu")
+    assert isinstance(ei.value, TypeError) and "corrupted" not in str(ei.value)
+    same(ckptio.load(p, map_location=lambda s, loc: None), {"w": torch.arange(4.0)})

@@ -118,6 +118,12 @@ class LocationError(CkptioError):
     file after it. ``map_location`` sends the storages elsewhere."""
 
 
+class MapLocationError(TypeError, CkptioError):
+    """A ``map_location`` callable returned what torch.load cannot use (no
+    storage): the caller's error, a ``TypeError`` as torch.load raises it,
+    not a damaged file."""
+
+
 class RecordValueError(FormatError, ValueError):
     """A record holds a value torch.load refuses with ``ValueError`` (a byte order
     other than little or big): a ``FormatError`` naming the file and the record,

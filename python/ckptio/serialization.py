@@ -34,6 +34,7 @@ from ckptio.errors import (
     CkptioError,
     FormatError,
     LocationError,
+    MapLocationError,
     NotPickleError,
     corrupt,
     save_destination_error,
@@ -467,12 +468,14 @@ def load(
             return _by_torch(t0, f, why, map_location, mmap=mmap, **torch_kw)
         path, shown = f"/proc/self/fd/{fd}", paths.object_name(f, fd)
     why = _torch_loads(path, map_location, mmap)
+    if why == "mmap":
+        torchzip.refuse_deflated_mmap(path, shown)
     archive = None
     if why is None:
         archive, why = _opened(path, shown, io)
     if why is not None:
         if verify:  # torch reads the bytes itself here: check the whole file first.
-            _verify_all(path, io)
+            _verify_all(path, io, why, shown)
         try:
             return _by_torch(t0, path, why, map_location, mmap=mmap, name=shown, **torch_kw)
         except pickle.UnpicklingError as e:
@@ -603,16 +606,14 @@ def _torch_loads(path: str, map_location: MapLocation, mmap: bool | None) -> str
 
 def _opened(path: str, shown: str, io: IoOptions) -> tuple[torchzip.Archive | None, str | None]:
     """The archive opened, and why torch.load must read it after all (None: it
-    need not): a TorchScript archive (handed to torch.jit), byte-swapped
-    storages (swapped by torch)."""
+    need not): a TorchScript archive (handed to torch.jit), records a zip tool
+    compressed (inflated by torch), byte-swapped storages (swapped by torch)."""
     try:
         archive = torchzip.open_archive(path, io.direct, io.backend, shown)
-    except FormatError:
-        if not torchzip.is_torchscript(path):
-            raise
-        return None, "a TorchScript archive"
+    except torchzip.ReadByTorch as e:
+        return None, e.why
     if f"{archive.prefix}/constants.pkl" in archive.where:
-        return archive, "a TorchScript archive"
+        return archive, torchzip.TORCHSCRIPT
     if not torchzip.native_byteorder(archive):
         return archive, "byte-swapped storages"
     return archive, None
@@ -1057,6 +1058,13 @@ class _Restorer:
             result = self.map_location(own, location)
             if result is None:
                 result = torch.serialization.default_restore_location(storage, location)
+            if not isinstance(result, torch.UntypedStorage):
+                # torch.load fails later, deep in its own code, on what this returned.
+                raise MapLocationError(
+                    f"{self.path}: map_location returned {type(result).__name__} "
+                    f"({result!r:.60}) for a storage tagged {location!r}; it takes "
+                    "(storage, location) and returns a storage, or None for torch's default"
+                )
             return result
         dev = devices.fill_device(self.map_location, location)
         if dev is None:  # not ours to fill: torch copies from the mapping (or raises)
@@ -1174,10 +1182,21 @@ def _load_into(
         return result
 
 
-def _verify_all(path: str, io: IoOptions) -> None:
+def _verify_all(path: str, io: IoOptions, why: str, name: str) -> None:
     """Every record of the archive at ``path`` against its CRC-32 (FormatError naming
-    the first bad one), before torch.load reads it."""
-    torchzip.open_archive(path, io.direct, None).reader.verify(io.engine(), None, True)
+    the first bad one), before torch.load reads it for ``why``; a ValueError for a
+    file in torch's legacy format, which holds none."""
+    if why == detect.LEGACY:
+        raise ValueError(
+            f"{name}: verify=True needs a zip archive (torch's legacy format, torch < 1.6, "
+            "stores no CRC-32)"
+        )
+    try:
+        archive = torchzip.open_archive(path, io.direct, None)
+    except torchzip.ReadByTorch:
+        torchzip.check_crcs(path)  # compressed records: Python's zipfile inflates them
+        return
+    archive.reader.verify(io.engine(), None, True)
 
 
 def records(f: str | os.PathLike[str], *, weights_only: bool = True) -> list[RecordInfo]:

@@ -692,6 +692,13 @@ fn parse_central_directory(
     // `end.entries` is at most cd.len() / 46, checked by the caller.
     let mut records = Vec::with_capacity(usize::try_from(end.entries).unwrap_or(0));
     let mut p = 0usize;
+    // torch's words, which users search for.
+    let not_in_folder = |top: &str, name: &str| {
+        bad(format!(
+            "file in archive is not in a subdirectory {top}: {name:?} (torch's reader refuses it)"
+        ))
+    };
+    let mut prefix: Option<String> = None;
     for i in 0..end.entries {
         let at = end.cd_offset.saturating_add(p as u64);
         let Some(h) = cd.get(p..p.saturating_add(CD_ENTRY_LEN)) else {
@@ -740,16 +747,29 @@ fn parse_central_directory(
                 flags & REFUSED_FLAGS
             )));
         }
+        // torch's reader takes the first entry's top folder as the archive's
+        // and lists every entry when torch.load opens it, refusing one outside.
+        let top: &str = match &prefix {
+            Some(top) => top,
+            None => prefix.insert(match name.split_once('/') {
+                Some((top, _)) => format!("{top}/"),
+                None => return Err(not_in_folder("", name)),
+            }),
+        };
+        if !name.starts_with(top) {
+            return Err(not_in_folder(top, name));
+        }
+        // A folder entry (an unzipped checkpoint zipped again by a tool that
+        // lists folders) holds nothing torch reads.
         let external = le32(h, 38);
         if external & DOS_DIR_ATTRIBUTE != 0 || name.ends_with('/') {
-            return Err(bad(format!(
-                "record {name:?} is marked as a folder (external attributes {external:#010x}), \
-                 whose bytes torch's reader does not read"
-            )));
+            p = entry_end;
+            continue;
         }
         if method != METHOD_STORED {
             return Err(bad(format!(
-                "record {name:?} is compressed (method {method}); ckptio needs stored records"
+                "record {name:?} is compressed (method {method}): torch.load inflates it; \
+                 ckptio reads stored records only"
             )));
         }
 
@@ -1698,7 +1718,7 @@ mod tests {
         let text = err.to_string();
         assert!(
             text.contains(
-                "record \"archive/data.pkl\" is compressed (method 8); ckptio needs stored records"
+                "record \"archive/data.pkl\" is compressed (method 8): torch.load inflates it"
             ),
             "{text}"
         );
@@ -1829,7 +1849,7 @@ mod tests {
         let e = img.cd_entries[4];
         rejects_patched(
             &v,
-            "record \"archive/data/0\" is compressed (method 8); ckptio needs stored records",
+            "record \"archive/data/0\" is compressed (method 8): torch.load inflates it",
             |v| set16(v, e + 10, 8),
         );
         rejects_patched(
@@ -1985,13 +2005,50 @@ mod tests {
         }
         let loc = img.eocd - LOCATOR_LEN as u64;
         rejects_patched(&v, "spans several disks", |v| set32(v, loc + 16, 0));
-        // An entry miniz takes for a folder (DOS directory bit): torch reads none of it.
-        rejects_patched(&v, "marked as a folder", |v| {
-            set32(v, img.cd_entries[2] + 38, 0xD6)
-        });
+        // An entry miniz takes for a folder (DOS directory bit): torch reads
+        // none of it, and neither does the map.
+        let mut w = v.clone();
+        set32(&mut w, img.cd_entries[2] + 38, 0xD6);
+        let a = map_bytes(&w).unwrap();
+        assert_eq!(a.records.len(), img.placed.len() - 1);
+        let folder = std::str::from_utf8(&img.placed[2].name).unwrap();
+        assert!(a.get(folder).is_none());
         let mut w = v.clone();
         set32(&mut w, img.cd_entries[2] + 38, 0o644 << 16); // Unix mode bits: a file
         img.check(&map_bytes(&w).unwrap());
+    }
+
+    #[test]
+    fn folder_entries_are_passed_over_and_every_entry_lies_in_the_archives_folder() {
+        // An unzipped checkpoint zipped again with its folders listed (Info-ZIP's `zip -r`).
+        let mut b = Builder::new(64);
+        b.add("m/", Data::Bytes(&[]))
+            .add("m/data.pkl", Data::Bytes(&PKL))
+            .add("m/data/", Data::Bytes(&[]))
+            .add("m/data/0", Data::Bytes(&[7; 64]));
+        let a = map_bytes(&b.finish(true).to_vec()).unwrap();
+        let names: Vec<&str> = a.records.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["m/data.pkl", "m/data/0"]);
+        assert_eq!(a.prefix(), "m");
+        assert_eq!(a.storage("0").unwrap().size, 64);
+        // torch.load lists every entry and refuses one outside the first one's folder.
+        for (names, outside) in [
+            (
+                &["m/data.pkl", "notes/readme.txt"][..],
+                "subdirectory m/: \"notes/readme.txt\"",
+            ),
+            (
+                &["m/data.pkl", "mx/data/0"],
+                "subdirectory m/: \"mx/data/0\"",
+            ),
+            (&["data.pkl", "m/data/0"], "subdirectory : \"data.pkl\""),
+        ] {
+            let mut b = Builder::new(64);
+            for n in names {
+                b.add(n, Data::Bytes(&[1; 8]));
+            }
+            rejects(&b.finish(true).to_vec(), outside);
+        }
     }
 
     #[test]

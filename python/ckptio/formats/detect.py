@@ -171,7 +171,11 @@ def torch_load_reads(head: bytes, size: int) -> str | None:
     one that is not (``torch.serialization._is_zipfile``)."""
     if _is_zip(head) or _is_safetensors(head, size):
         return None
-    return "torch's legacy format" if is_legacy(head) else NOT_LEGACY
+    return LEGACY if is_legacy(head) else NOT_LEGACY
+
+
+#: :func:`torch_load_reads` of a file in torch's legacy format (torch < 1.6).
+LEGACY = "torch's legacy format"
 
 
 #: :func:`torch_load_reads` of a file that is no zip archive and does not start

@@ -40,6 +40,7 @@ import traceback
 import types
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -526,13 +527,68 @@ def archive_entries(
     return entries
 
 
-def is_torchscript(path: str) -> bool:
-    """A TorchScript zip (compressed code records, which torch.load hands to torch.jit)."""
+#: :func:`read_by_torch` of a TorchScript archive.
+TORCHSCRIPT = "a TorchScript archive"
+
+#: :func:`read_by_torch` of an archive whose records a zip tool compressed.
+DEFLATED = "records compressed by a zip tool (torch inflates them)"
+
+
+def read_by_torch(path: str) -> str | None:
+    """Why torch.load reads a zip archive that ckptio's mapper refuses, or None:
+    a TorchScript archive (compressed code records; torch.load hands it to
+    torch.jit), or a torch.save archive zipped again with deflate, which
+    torch's reader inflates (ckptio reads stored records only)."""
     try:
         with zipfile.ZipFile(path) as z:
-            return any(n.endswith("/constants.pkl") for n in z.namelist())
-    except Exception:  # noqa: BLE001 - a zip Python cannot read is no TorchScript to hand on
-        return False
+            infos = z.infolist()
+    except Exception:  # noqa: BLE001 - a zip Python cannot read is none torch reads either
+        return None
+    if any(i.filename.endswith("/constants.pkl") for i in infos):
+        return TORCHSCRIPT
+    methods = {i.compress_type for i in infos}
+    if zipfile.ZIP_DEFLATED in methods and methods <= {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED}:
+        return DEFLATED
+    return None
+
+
+class ReadByTorch(FormatError):
+    """An archive torch.load reads and ckptio's mapper does not (``why``:
+    :func:`read_by_torch`): ``ckptio.load`` hands it to torch.load; loads in
+    place, ``verify`` and the listings refuse it with this."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(
+            f"{name}: {why}: torch.load reads it; ckptio maps zip archives of stored records"
+        )
+        self.why = why
+
+
+def refuse_deflated_mmap(path: str, name: str) -> None:
+    """FormatError naming ``name`` where ``path`` is an archive whose records a
+    zip tool compressed: torch.load(mmap=True) maps their compressed bytes as
+    the tensors' (wrong values, no error)."""
+    try:
+        _native.Reader(path, None, None)  # maps the directory only: a fraction of a ms
+    except FormatError:
+        if read_by_torch(path) == DEFLATED:
+            raise FormatError(
+                f"{name}: mmap=True cannot map records compressed by a zip tool (torch.load "
+                "would hand their compressed bytes back as tensors); load it without mmap"
+            ) from None
+
+
+def check_crcs(path: str) -> None:
+    """Every record of a zip archive ckptio's mapper refuses (:func:`read_by_torch`)
+    against its CRC-32, inflating what is compressed (Python's zipfile): a
+    FormatError naming the first bad one."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:  # testzip catches only its own
+        raise corrupt(path, f"the archive does not read back: {e}") from e
+    if bad is not None:
+        raise corrupt(path, f"record {bad!r} is corrupt: its bytes do not have its CRC-32")
 
 
 class RecordReader(Protocol):
@@ -617,8 +673,7 @@ def map_stored(url: str, options: remote.StorageOptions = None) -> StoredArchive
     info, prefix, records, small, heads = remote.map_torch(url, options)
     rows = [(name, off, n) for name, off, n, _ in records]
     archive = Records(url, StoredRecords(url, prefix, small), rows)
-    if f"{prefix}/data.pkl" not in archive.where:
-        raise corrupt(url, "no data.pkl record: not a torch.save checkpoint")
+    require_pickle(archive)
     return StoredArchive(info, archive, {n: c for n, _, _, c in records}, heads, small)
 
 
@@ -628,10 +683,15 @@ def open_archive(
     """Open and map a checkpoint, as torch.load would take it: a zip without a
     pickle is no checkpoint, nor one that torch's own reader refuses
     (unsupported version, flags...). ``name``: the file in messages."""
-    reader = _native.Reader(path, direct, backend)
+    try:
+        reader = _native.Reader(path, direct, backend)
+    except FormatError as e:
+        why = read_by_torch(path)
+        if why is None:
+            raise
+        raise ReadByTorch(name or path, why) from e
     archive = Archive(name or path, reader, reader.records())
-    if f"{reader.prefix}/data.pkl" not in archive.where:
-        raise corrupt(archive.path, "no data.pkl record: not a torch.save checkpoint")
+    require_pickle(archive)
     torch_reads(archive.path, reader.fileno())
     return archive
 
@@ -1167,6 +1227,12 @@ def check_locations(archive: Archive, locations: Mapping[int, Any]) -> None:
         ok.add(loc)
 
 
+def require_pickle(archive: Records) -> None:
+    """A zip archive without ``<prefix>/data.pkl`` is no torch.save checkpoint."""
+    if f"{archive.prefix}/data.pkl" not in archive.where:
+        raise corrupt(archive.path, "no data.pkl record: not a torch.save checkpoint")
+
+
 def check_pickle(archive: Records) -> None:
     """What a load relies on in the pickle, checked without running any of it
     (``ckptio.verify``: if it says ok, the file loads): every storage it declares
@@ -1174,11 +1240,12 @@ def check_pickle(archive: Records) -> None:
     location tag torch.load can restore; every tensor's view (offset, sizes,
     strides) is one ``set_`` takes and lies inside its storage. FormatError
     naming the file and the record otherwise."""
+    require_pickle(archive)
     prefix, path = archive.prefix, archive.path
     sizes = {name: size for name, (_, size) in archive.where.items()}
     pkl = f"{prefix}/data.pkl"
-    if pkl not in sizes or sizes[pkl] > 64 << 20:
-        return  # no pickle to read here (a plain zip), or one too large to read whole
+    if sizes[pkl] > 64 << 20:
+        return  # one too large to read whole
     try:
         storages, views = _declared(archive.reader.read_record(pkl))
     except Exception as e:  # any failure of a pickle that runs nothing: it is malformed
