@@ -646,15 +646,20 @@ def rewrite_zip(src: bytes, dst: Path, compression: int = zipfile.ZIP_STORED, ch
                 zout.writestr(name, content)
 
 
-def test_deflated_record_is_formaterror(tmp_path, good, writer):
-    """A checkpoint with deflated records (which plain torch.load reads) is refused, not misread."""
+def test_deflated_records_load_through_torch_and_the_listing_says_why_it_refuses(
+    tmp_path, good, writer
+):
+    """A checkpoint with deflated records (which plain torch.load reads) loads as
+    torch.load loads it; what ckptio maps itself (the listing) refuses it, saying why."""
     data, obj = good[writer]
     p = tmp_path / "deflated.pt"
     rewrite_zip(data, p, zipfile.ZIP_DEFLATED)
     with zipfile.ZipFile(p) as z:
         assert any(i.compress_type == zipfile.ZIP_DEFLATED for i in z.infolist())
     assert_same(torch.load(p, weights_only=True), obj)  # the file itself is fine
-    assert_format_error(p)
+    assert_same(ckptio.load(p), obj)
+    with pytest.raises(ckptio.FormatError, match="torch.load reads it"):
+        ckptio.records(p)
 
 
 def test_python_zipfile_stored_rewrite_loads(tmp_path, good, writer):

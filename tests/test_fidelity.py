@@ -1401,3 +1401,14 @@ def test_a_map_location_callable_returning_no_storage_is_the_callers_type_error(
         ckptio.load(p, map_location=lambda s, loc: "cpu")
     assert isinstance(ei.value, TypeError) and "corrupted" not in str(ei.value)
     same(ckptio.load(p, map_location=lambda s, loc: None), {"w": torch.arange(4.0)})
+
+
+@pytest.mark.parametrize("content", [b"", b"\x80\x02"], ids=["empty", "cut-pickle"])
+def test_an_empty_or_cut_file_is_an_eof_error_as_torch_load_raises(tmp_path, content):
+    p = tmp_path / "c.pt"
+    p.write_bytes(content)
+    with pytest.raises(EOFError):
+        torch.load(p)
+    with pytest.raises(ckptio.PickleEndError, match="c.pt: .*ends early") as ei:
+        ckptio.load(p)
+    assert isinstance(ei.value, (EOFError, ckptio.FormatError))

@@ -124,6 +124,11 @@ class MapLocationError(TypeError, CkptioError):
     not a damaged file."""
 
 
+class PickleEndError(FormatError, EOFError):
+    """A pickle that ends before its end mark (an empty file, one cut short):
+    torch.load raises ``EOFError`` ("Ran out of input")."""
+
+
 class RecordValueError(FormatError, ValueError):
     """A record holds a value torch.load refuses with ``ValueError`` (a byte order
     other than little or big): a ``FormatError`` naming the file and the record,

@@ -36,6 +36,7 @@ from ckptio.errors import (
     LocationError,
     MapLocationError,
     NotPickleError,
+    PickleEndError,
     corrupt,
     save_destination_error,
 )
@@ -478,6 +479,11 @@ def load(
             _verify_all(path, io, why, shown)
         try:
             return _by_torch(t0, path, why, map_location, mmap=mmap, name=shown, **torch_kw)
+        except PickleEndError as e:
+            if why != detect.NOT_LEGACY:
+                raise
+            # No zip: the file itself is the pickle, cut short (or empty).
+            raise corrupt(shown, f"{why}, and a pickle that ends early", PickleEndError) from e
         except pickle.UnpicklingError as e:
             if why != detect.NOT_LEGACY or isinstance(e, FormatError):
                 raise
@@ -1191,6 +1197,8 @@ def _verify_all(path: str, io: IoOptions, why: str, name: str) -> None:
             f"{name}: verify=True needs a zip archive (torch's legacy format, torch < 1.6, "
             "stores no CRC-32)"
         )
+    if why == torchzip.DEFLATED:
+        return  # every record checked already, before torch.load was chosen for it
     try:
         archive = torchzip.open_archive(path, io.direct, None)
     except torchzip.ReadByTorch:

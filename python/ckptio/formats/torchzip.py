@@ -48,7 +48,14 @@ import torch
 from torch.utils.serialization import config as _torch_config
 
 from ckptio import _native
-from ckptio.errors import CkptioError, FormatError, LocationError, RecordValueError, corrupt
+from ckptio.errors import (
+    CkptioError,
+    FormatError,
+    LocationError,
+    PickleEndError,
+    RecordValueError,
+    corrupt,
+)
 from ckptio.formats import unpickled
 from ckptio.formats.mapped import Mapped
 from ckptio.io import devices, memory, remote
@@ -538,7 +545,8 @@ def read_by_torch(path: str) -> str | None:
     """Why torch.load reads a zip archive that ckptio's mapper refuses, or None:
     a TorchScript archive (compressed code records; torch.load hands it to
     torch.jit), or a torch.save archive zipped again with deflate, which
-    torch's reader inflates (ckptio reads stored records only)."""
+    torch's reader inflates (ckptio reads stored records only) once every
+    record is checked against its CRC-32 (FormatError otherwise)."""
     try:
         with zipfile.ZipFile(path) as z:
             infos = z.infolist()
@@ -548,6 +556,9 @@ def read_by_torch(path: str) -> str | None:
         return TORCHSCRIPT
     methods = {i.compress_type for i in infos}
     if zipfile.ZIP_DEFLATED in methods and methods <= {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED}:
+        # torch's reader inflates without checking CRC-32s: a record marked
+        # compressed that is not (a damaged directory) loads as wrong values.
+        check_crcs(path)
         return DEFLATED
     return None
 
@@ -1050,6 +1061,9 @@ def unpickling(path: str, *, caller_location: bool = False) -> Iterator[None]:
         raise type(e)(f"{e}\n\n(while loading {path}, record data.pkl)") from None
     except (CkptioError, OSError, MemoryError):
         raise
+    except EOFError as e:
+        where = f"{path}, record data.pkl"
+        raise corrupt(where, f"the pickle ends early ({e or 'EOFError'})", PickleEndError) from e
     except Exception as e:
         text = str(e).strip().splitlines()
         msg = text[0] if text else ""
