@@ -1202,7 +1202,7 @@ def _verify_all(path: str, io: IoOptions, why: str, name: str) -> None:
     try:
         archive = torchzip.open_archive(path, io.direct, None)
     except torchzip.ReadByTorch:
-        torchzip.check_crcs(path)  # compressed records: Python's zipfile inflates them
+        torchzip.check_crcs(path, name)  # compressed records: Python's zipfile inflates them
         return
     archive.reader.verify(io.engine(), None, True)
 

@@ -541,12 +541,12 @@ TORCHSCRIPT = "a TorchScript archive"
 DEFLATED = "records compressed by a zip tool (torch inflates them)"
 
 
-def read_by_torch(path: str) -> str | None:
+def read_by_torch(path: str, name: str | None = None) -> str | None:
     """Why torch.load reads a zip archive that ckptio's mapper refuses, or None:
     a TorchScript archive (compressed code records; torch.load hands it to
     torch.jit), or a torch.save archive zipped again with deflate, which
     torch's reader inflates (ckptio reads stored records only) once every
-    record is checked against its CRC-32 (FormatError otherwise)."""
+    record is checked against its CRC-32 (FormatError naming ``name`` otherwise)."""
     try:
         with zipfile.ZipFile(path) as z:
             infos = z.infolist()
@@ -558,7 +558,7 @@ def read_by_torch(path: str) -> str | None:
     if zipfile.ZIP_DEFLATED in methods and methods <= {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED}:
         # torch's reader inflates without checking CRC-32s: a record marked
         # compressed that is not (a damaged directory) loads as wrong values.
-        check_crcs(path)
+        check_crcs(path, name)
         return DEFLATED
     return None
 
@@ -582,24 +582,25 @@ def refuse_deflated_mmap(path: str, name: str) -> None:
     try:
         _native.Reader(path, None, None)  # maps the directory only: a fraction of a ms
     except FormatError:
-        if read_by_torch(path) == DEFLATED:
+        if read_by_torch(path, name) == DEFLATED:
             raise FormatError(
                 f"{name}: mmap=True cannot map records compressed by a zip tool (torch.load "
                 "would hand their compressed bytes back as tensors); load it without mmap"
             ) from None
 
 
-def check_crcs(path: str) -> None:
+def check_crcs(path: str, name: str | None = None) -> None:
     """Every record of a zip archive ckptio's mapper refuses (:func:`read_by_torch`)
     against its CRC-32, inflating what is compressed (Python's zipfile): a
-    FormatError naming the first bad one."""
+    FormatError naming the file (``name``, else ``path``) and the first bad one."""
+    name = name or path
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
     except (zipfile.BadZipFile, zlib.error, EOFError) as e:  # testzip catches only its own
-        raise corrupt(path, f"the archive does not read back: {e}") from e
+        raise corrupt(name, f"the archive does not read back: {e}") from e
     if bad is not None:
-        raise corrupt(path, f"record {bad!r} is corrupt: its bytes do not have its CRC-32")
+        raise corrupt(name, f"record {bad!r} is corrupt: its bytes do not have its CRC-32")
 
 
 class RecordReader(Protocol):
@@ -697,7 +698,7 @@ def open_archive(
     try:
         reader = _native.Reader(path, direct, backend)
     except FormatError as e:
-        why = read_by_torch(path)
+        why = read_by_torch(path, name)
         if why is None:
             raise
         raise ReadByTorch(name or path, why) from e
