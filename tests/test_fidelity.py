@@ -1354,6 +1354,8 @@ def test_records_a_zip_tool_compressed_load_through_torch_and_verify(tmp_path):
     same(ckptio.load(p), sd)
     assert "torch.load read it" in str(ckptio.last_report())
     same(ckptio.load(p, verify=True, map_location="cpu"), sd)
+    rep = ckptio.verify(p)
+    assert rep.ok and {r.state for r in rep.records} == {"ok"} and len(rep.records) > 3, rep
     with pytest.raises(ckptio.FormatError, match="mmap=True cannot map records compressed"):
         ckptio.load(p, mmap=True)
     # What ckptio reads itself names the cause, not a damaged file.
@@ -1369,6 +1371,10 @@ def test_records_a_zip_tool_compressed_load_through_torch_and_verify(tmp_path):
     p.write_bytes(bytes(data))
     with pytest.raises(ckptio.FormatError, match="data/0"):
         ckptio.load(p, verify=True)
+    with pytest.raises(ckptio.FormatError, match="data/0"):
+        ckptio.load(p)  # torch's reader would not have checked
+    bad = [r.name for r in ckptio.verify(p).records if r.state == "mismatch"]
+    assert len(bad) == 1 and bad[0].endswith("data/0"), bad
 
 
 def test_a_record_outside_the_archives_folder_is_refused_as_torch_load_refuses_it(tmp_path):

@@ -541,12 +541,11 @@ TORCHSCRIPT = "a TorchScript archive"
 DEFLATED = "records compressed by a zip tool (torch inflates them)"
 
 
-def read_by_torch(path: str, name: str | None = None) -> str | None:
+def read_by_torch(path: str) -> str | None:
     """Why torch.load reads a zip archive that ckptio's mapper refuses, or None:
     a TorchScript archive (compressed code records; torch.load hands it to
     torch.jit), or a torch.save archive zipped again with deflate, which
-    torch's reader inflates (ckptio reads stored records only) once every
-    record is checked against its CRC-32 (FormatError naming ``name`` otherwise)."""
+    torch's reader inflates (ckptio reads stored records only)."""
     try:
         with zipfile.ZipFile(path) as z:
             infos = z.infolist()
@@ -556,9 +555,6 @@ def read_by_torch(path: str, name: str | None = None) -> str | None:
         return TORCHSCRIPT
     methods = {i.compress_type for i in infos}
     if zipfile.ZIP_DEFLATED in methods and methods <= {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED}:
-        # torch's reader inflates without checking CRC-32s: a record marked
-        # compressed that is not (a damaged directory) loads as wrong values.
-        check_crcs(path, name)
         return DEFLATED
     return None
 
@@ -582,25 +578,46 @@ def refuse_deflated_mmap(path: str, name: str) -> None:
     try:
         _native.Reader(path, None, None)  # maps the directory only: a fraction of a ms
     except FormatError:
-        if read_by_torch(path, name) == DEFLATED:
+        if read_by_torch(path) == DEFLATED:
             raise FormatError(
                 f"{name}: mmap=True cannot map records compressed by a zip tool (torch.load "
                 "would hand their compressed bytes back as tensors); load it without mmap"
             ) from None
 
 
-def check_crcs(path: str, name: str | None = None) -> None:
-    """Every record of a zip archive ckptio's mapper refuses (:func:`read_by_torch`)
-    against its CRC-32, inflating what is compressed (Python's zipfile): a
-    FormatError naming the file (``name``, else ``path``) and the first bad one."""
-    name = name or path
+def crc_rows(path: str, name: str | None = None) -> list[tuple[str, str, int, int | None]]:
+    """(record, "ok" or "mismatch", stored CRC-32, CRC-32 of its bytes where
+    known) for every record of a zip archive ckptio's mapper refuses
+    (:func:`read_by_torch`), inflating what is compressed (Python's zipfile,
+    which compares the CRC-32s as it reads); a FormatError naming the file
+    (``name``, else ``path``) where the archive does not read back."""
+    rows: list[tuple[str, str, int, int | None]] = []
     try:
         with zipfile.ZipFile(path) as z:
-            bad = z.testzip()
-    except (zipfile.BadZipFile, zlib.error, EOFError) as e:  # testzip catches only its own
-        raise corrupt(name, f"the archive does not read back: {e}") from e
-    if bad is not None:
-        raise corrupt(name, f"record {bad!r} is corrupt: its bytes do not have its CRC-32")
+            for info in z.infolist():
+                with z.open(info) as f:
+                    try:
+                        while f.read(16 << 20):
+                            pass
+                    except (zipfile.BadZipFile, zlib.error, EOFError):  # its bytes, not the zip
+                        rows.append((info.filename, "mismatch", info.CRC, None))
+                        continue
+                rows.append((info.filename, "ok", info.CRC, info.CRC))
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
+        raise corrupt(name or path, f"the archive does not read back: {e}") from e
+    return rows
+
+
+def check_crcs(path: str, name: str | None = None) -> None:
+    """:func:`crc_rows`, a FormatError naming the file and the first record
+    whose bytes do not have their CRC-32."""
+    for record, state, stored, _ in crc_rows(path, name):
+        if state != "ok":
+            raise corrupt(
+                name or path,
+                f"record {record!r} is corrupt: its bytes do not inflate to the CRC-32 "
+                f"the archive stores ({stored:#010x})",
+            )
 
 
 class RecordReader(Protocol):
@@ -698,9 +715,13 @@ def open_archive(
     try:
         reader = _native.Reader(path, direct, backend)
     except FormatError as e:
-        why = read_by_torch(path, name)
+        why = read_by_torch(path)
         if why is None:
             raise
+        if why == DEFLATED:
+            # torch's reader inflates without checking CRC-32s: a record marked
+            # compressed that is not (a damaged directory) loads as wrong values.
+            check_crcs(path, name)
         raise ReadByTorch(name or path, why) from e
     archive = Archive(name or path, reader, reader.records())
     require_pickle(archive)
