@@ -699,11 +699,47 @@ def test_a_local_folder_is_drained_only_into_its_own_remote(tmp_path, s3):
         h = c.save(1, _state(1))
         h.local.result(60)
     remote.delete(s3.url("x", step_name(1), COMMIT), s3.options)  # x's drain not done
-    with pytest.warns(UserWarning, match="not drained here"):
+    with pytest.warns(UserWarning, match="not drained, loaded or pruned here"):
         c = Checkpointer(tmp_path / "shm", s3.url("y"), storage_options=s3.options)
     with c:
-        assert c.resumed == [] and c.latest() == 1  # still there locally
-        assert c.remote_steps() == []
+        assert c.resumed == [] and c.latest() is None  # x's, not y's
+        assert c.remote_steps() == [] and c.local_steps() == []
+    assert (tmp_path / "shm" / step_name(1) / COMMIT).is_file()  # left for x
+
+
+@pytest.mark.filterwarnings("ignore:ckptio.tiered. .* not drained, loaded or pruned here")
+def test_a_local_step_of_another_remote_is_not_this_checkpointers(tmp_path, s3):
+    """Two runs sharing a node-local folder, each with its own remote: run B
+    read run A's local step 100 as its own (latest, load, a save of 100
+    refused as saved already). Now only B's store answers for it, a save of
+    100 is refused naming both remotes (A's copy is the only one until A
+    drains it), and B's pruning leaves A's steps alone."""
+    shared, a_url, b_url = tmp_path / "shm", s3.url("a"), s3.url("b")
+    with Checkpointer(shared, a_url, storage_options=s3.options) as a:
+        a.save(100, _state(1)).local.result(60)
+        a.save(200, _state(2)).local.result(60)
+    with Checkpointer(tmp_path / "elsewhere", b_url, storage_options=s3.options) as b:
+        b.save(100, _state(3)).wait(60)  # B's step 100, saved on another node
+    a_copy = (tmp_path / "shm" / step_name(100) / "state.pt").read_bytes()
+    with Checkpointer(shared, b_url, storage_options=s3.options, keep_local=1) as b:
+        assert b.local_steps() == [] and b.latest() == 100
+        _same(b.load(100), _state(3))
+        _same(b.load(), _state(3))
+        with pytest.raises(FileExistsError, match="another run") as e:
+            b.save(100, _state(4))
+        assert a_url in str(e.value) and b_url in str(e.value)
+        assert e.value.filename == str(shared / step_name(100))
+        for step in (300, 400, 500):  # keep_local=1 prunes B's own steps only
+            b.save(step, _state(step)).wait(60)
+        assert b.local_steps() == [500]
+    with Checkpointer(shared, s3.url("c"), storage_options=s3.options) as c:
+        assert c.latest() is None  # an empty remote: no step, A's are not C's
+        with pytest.raises(FileNotFoundError):
+            c.load()
+    assert (tmp_path / "shm" / step_name(100) / "state.pt").read_bytes() == a_copy
+    with Checkpointer(shared, a_url, storage_options=s3.options) as a:
+        assert a.local_steps() == [100, 200]
+        _same(a.load(100), _state(1))
 
 
 def test_load_reads_the_store_when_the_local_copy_goes_under_it(tmp_path, s3, monkeypatch):

@@ -218,13 +218,34 @@ class Checkpointer:
         return objstore.join(self.remote, step_name(step))
 
     def local_steps(self) -> list[int]:
-        """Steps complete in the local folder, oldest first."""
-        found = []
+        """Steps complete in the local folder, oldest first: this remote's only
+        (a step another run saved there, for another remote, is not one)."""
+        return sorted(s for s, remote in self._committed().items() if remote == self.remote)
+
+    def _committed(self) -> dict[int, str]:
+        """Each step committed in the local folder: the remote it was saved for
+        (its commit record's; one written before records named it: this one)."""
+        found = {}
         for name in os.listdir(self.local):
             m = _STEP.match(name)
-            if m and os.path.isfile(os.path.join(self.local, name, COMMIT)):
-                found.append(int(m.group(1)))
-        return sorted(found)
+            if m and (manifest := _read_manifest(os.path.join(self.local, name))) is not None:
+                found[int(m.group(1))] = manifest.get("remote", self.remote)
+        return found
+
+    def _check_not_foreign(self, step: int) -> None:
+        """A FileExistsError where the local ``step`` is another run's: saved
+        for another remote. Its folder is the only copy of that save until
+        that run drains it: neither removed nor written over here."""
+        folder = self._step_dir(step)
+        manifest = _read_manifest(folder)
+        if manifest is not None and manifest.get("remote", self.remote) != self.remote:
+            raise FileExistsError(
+                17,
+                f"step {step} is saved in {self.local} for {manifest['remote']}, not "
+                f"{self.remote}: another run's local copy, left as it is (give each "
+                "remote a local folder of its own)",
+                folder,
+            )
 
     def remote_steps(self) -> list[int]:
         """Steps complete in the store (their commit record is there and no
@@ -256,11 +277,13 @@ class Checkpointer:
         return max(steps) if steps else None
 
     def _local_manifest(self, step: int) -> dict[str, Any] | None:
-        """The step's local commit record where every file it names is whole."""
+        """The step's local commit record where it was saved for this remote and
+        every file it names is whole."""
         folder = self._step_dir(step)
+        manifest = _read_manifest(folder)
+        if manifest is None or manifest.get("remote", self.remote) != self.remote:
+            return None
         try:
-            with open(os.path.join(folder, COMMIT), "rb") as fh:
-                manifest = json.loads(fh.read())
             for name, size in manifest["files"]:
                 if os.path.getsize(os.path.join(folder, name)) != size:
                     return None
@@ -289,6 +312,7 @@ class Checkpointer:
             # A step whose local write failed may be saved again.
             if step < last.step or (step == last.step and not failed):
                 raise ValueError(f"step {step} is not after the last saved step {last.step}")
+        self._check_not_foreign(step)
         if os.path.exists(self._step_dir(step)) and self._local_manifest(step) is not None:
             raise ValueError(f"step {step} is saved already in {self.local}")
         staged_copy = self._stager.stage(state)
@@ -333,6 +357,7 @@ class Checkpointer:
     def _write_local(self, step: int, state: Any) -> str:
         folder = self._step_dir(step)
         if os.path.exists(folder):  # a save of this step that died
+            self._check_not_foreign(step)  # (another run's, saved since save() looked)
             shutil.rmtree(folder)
         os.makedirs(folder)
         try:
@@ -476,7 +501,7 @@ class Checkpointer:
                 folder = self._step_dir(step)
                 # Its local copy, kept (keep_local), is not drained again by
                 # every later Checkpointer: it was, and left the store.
-                if self._is_own(step) and os.path.isfile(os.path.join(folder, COMMIT)):
+                if self._is_own(step) and self._local_manifest(step) is not None:
                     _write_commit(os.path.join(folder, DROPPED), b"{}")
                 self._remove_step(step)
         with self._lock:
@@ -536,7 +561,15 @@ class Checkpointer:
             if _STEP.match(name) and not os.path.isfile(os.path.join(path, COMMIT)):
                 if not liveness.running(_read_owner(os.path.join(path, WRITER))):
                     shutil.rmtree(path, ignore_errors=True)  # a save that died
-        local = self.local_steps()
+        committed = self._committed()
+        for step, other in sorted(committed.items()):
+            if other != self.remote:
+                warnings.warn(
+                    f"ckptio.tiered: {self._step_dir(step)} was saved for "
+                    f"{other}, not {self.remote}: not drained, loaded or pruned here",
+                    stacklevel=3,
+                )
+        local = sorted(s for s, remote in committed.items() if remote == self.remote)
         if not local and self.keep_remote is None:
             return []
         try:
@@ -563,14 +596,6 @@ class Checkpointer:
                 with self._lock:  # drained, then removed from the store: not again
                     self._own.add(step)
                     self._dropped.add(step)
-                continue
-            manifest = self._local_manifest(step) or {}
-            if manifest.get("remote", self.remote) != self.remote:
-                warnings.warn(
-                    f"ckptio.tiered: {self._step_dir(step)} was saved for "
-                    f"{manifest['remote']}, not {self.remote}: not drained here",
-                    stacklevel=2,
-                )
                 continue
             todo.append(step)
         for step in todo:
@@ -1462,6 +1487,16 @@ def _read_uploaded(folder: str) -> dict[str, str | None]:
 
 def _write_uploaded(folder: str, done: dict[str, str | None]) -> None:
     _write_commit(os.path.join(folder, UPLOADED), json.dumps(done).encode())
+
+
+def _read_manifest(folder: str) -> dict[str, Any] | None:
+    """The commit record in a local step folder (None: none, or unreadable)."""
+    try:
+        with open(os.path.join(folder, COMMIT), "rb") as fh:
+            manifest = json.loads(fh.read())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
 
 
 def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
