@@ -1577,6 +1577,30 @@ def test_load_state_dict_from_a_store_falls_back_where_torchs_steps_must_run(s3,
     assert os.listdir(scratch) == []
 
 
+@pytest.mark.parametrize("cast", [False, True])
+def test_load_state_dict_of_an_index_url_copies_its_shards(s3, scratch, cast):
+    """The scratch copy of an index's URL (a module with a _load_from_state_dict
+    override, BatchNorm's, or cast=True) held the index alone, so the shards it
+    names were missing: now the index and its shards, as load_sharded copies."""
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+
+    torch.manual_seed(0)
+    src = model()
+    src[1].running_mean.fill_(3.0)
+    url = s3.url("bn")
+    sd = {k: v.clone() for k, v in src.state_dict().items()}
+    ckptio.safetensors.save_sharded(sd, url, max_shard_size="200B", storage_options=s3.options)
+    index = url + "/model.safetensors.index.json"
+    dst = model() if not cast else model().double()
+    got = ckptio.load_state_dict(dst, index, storage_options=s3.options, cast=cast)
+    assert tuple(got) == ([], [])
+    assert torch.equal(dst[1].running_mean, src[1].running_mean.to(dst[1].running_mean.dtype))
+    assert torch.equal(dst[0].weight, src[0].weight.to(dst[0].weight.dtype))
+    assert os.listdir(scratch) == []  # the scratch copy is removed
+
+
 # --------------------------------------------------------------------------- straight reads
 
 
