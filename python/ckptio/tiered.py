@@ -188,7 +188,8 @@ class Checkpointer:
         #: retry or file (their steps stay local, for the next Checkpointer).
         self._stopping = threading.Event()
         self._last: SaveHandle | None = None
-        self._pending: list[Future[Any]] = []
+        #: Each drain's future not reported yet (by wait()), and its step.
+        self._pending: dict[Future[Any], int] = {}
         #: Steps known complete in the store (filled by listings and drains).
         self._in_store: set[int] = set()
         #: Steps this process removed from the store (keep_remote), or an
@@ -347,7 +348,7 @@ class Checkpointer:
                 raise RuntimeError("ckptio.tiered.Checkpointer: save() after close()")
             self._last = handle
             self._order[step] = next(self._queue_seq)
-            self._pending.append(remote_done)
+            self._pending[remote_done] = step
             self._writer.submit(write_local)
             # Queued now, not once the local write is done: an executor refuses
             # new work at interpreter exit, but runs what was queued before it.
@@ -602,7 +603,7 @@ class Checkpointer:
             done: Future[str] = Future()
             with self._lock:
                 self._order[step] = next(self._queue_seq)
-                self._pending.append(done)
+                self._pending[done] = step
             self._drainer.submit(self._drain_into, step, done)
         return todo
 
@@ -703,7 +704,7 @@ class Checkpointer:
         _, late = wait_futures(pending, timeout)
         first = next((e for f in pending if f.done() and (e := f.exception()) is not None), None)
         with self._lock:
-            self._pending = [f for f in self._pending if not f.done()]
+            self._pending = {f: s for f, s in self._pending.items() if not f.done()}
         if late:
             raise TimeoutError(
                 f"ckptio.tiered: {len(late)} of {len(pending)} drains to {self.remote} "
@@ -714,6 +715,10 @@ class Checkpointer:
 
     def close(self, timeout: float | None = None) -> None:
         """Finish the saves under way (local and remote), then stop the threads.
+        A drain that failed for good (its error not raised by :meth:`wait`
+        yet) is a warning naming its step and its error: close() itself does
+        not raise, so that a training run's exit is not broken by its store
+        (:meth:`wait` raises it, also after close()).
 
         ``timeout`` (seconds; None: no limit) bounds the wait for the drains,
         which retry for long while the store is down: the local writes always
@@ -723,6 +728,9 @@ class Checkpointer:
         in the local folder for the next ``Checkpointer`` on the same folders,
         their ``remote`` futures fail with ``DrainStoppedError``, and a warning
         names them."""
+        self._close(timeout, 3)
+
+    def _close(self, timeout: float | None, stacklevel: int) -> None:
         self._check_process()
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be None or a number >= 0, not {timeout!r}")
@@ -730,7 +738,7 @@ class Checkpointer:
             if self._closed:
                 return
             self._closed = True
-            pending = list(self._pending)
+            pending = dict(self._pending)
         self._writer.shutdown(wait=True)
         if timeout is not None:
             _, late = wait_futures(pending, timeout)
@@ -745,8 +753,24 @@ class Checkpointer:
                 warnings.warn(
                     f"ckptio.tiered: close() timed out; steps {left} are not in "
                     f"{self.remote} yet and stay in {self.local} for the next Checkpointer",
-                    stacklevel=2,
+                    stacklevel=stacklevel,
                 )
+        # Failed for good (and not a stop above): silent until now but for the
+        # handles, which a trainer that only closes never asks.
+        failed = {
+            step: e
+            for f, step in pending.items()
+            if (e := f.exception()) is not None and not isinstance(e, DrainStoppedError)
+        }
+        if failed:
+            said = "; ".join(
+                f"step {s}: {type(e).__name__}: {e}" for s, e in sorted(failed.items())
+            )
+            warnings.warn(
+                f"ckptio.tiered: steps {sorted(failed)} did not reach {self.remote} ({said}); "
+                f"those complete locally stay in {self.local} for the next Checkpointer",
+                stacklevel=stacklevel,
+            )
         if self._own_stager:
             self._stager.close()
 
@@ -754,7 +778,7 @@ class Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._close(None, 3)  # the warnings point at the with statement
 
 
 # --------------------------------------------------------------------------- DCP
