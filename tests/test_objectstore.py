@@ -261,6 +261,57 @@ def test_a_bad_retry_timeout_is_a_value_error_naming_the_url_and_option(s3, valu
     assert url in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "option, value",
+    [("concurrency", "abc"), ("concurrency", 1.5), ("concurrency", True), ("concurrency", "0"),
+     ("part_size", "100G"), ("part_size", 0), ("part_size", "lots")],
+)  # fmt: skip
+def test_a_bad_concurrency_or_part_size_is_a_value_error_naming_the_url_and_option(
+    s3, tmp_path, option, value
+):
+    """concurrency="abc" was int()'s bare ValueError, and a part_size over
+    5 GiB (no multipart upload takes such parts) the core's message of a grid:
+    neither named the URL. Now loads and saves alike refuse them up front."""
+    url = s3.url("opt.pt")
+    opts = dict(s3.options, **{option: value})
+    for call in (
+        lambda: ckptio.save(_state(), url, storage_options=opts),
+        lambda: ckptio.load(url, storage_options=opts),
+        lambda: ckptio.safetensors.save_file(_state(), url + ".st", storage_options=opts),
+    ):
+        with pytest.raises(ValueError, match=option) as e:
+            call()
+        assert url in str(e.value)
+    from ckptio.tiered import Checkpointer
+
+    with pytest.raises(ValueError, match=option) as e:  # made, not at its first drain
+        Checkpointer(tmp_path / "local", s3.url("run"), storage_options=opts)
+    assert s3.url("run") in str(e.value)
+
+
+@pytest.mark.parametrize("age", ["-5", "nan", "inf", "1e400"])
+def test_clean_refuses_an_age_that_is_negative_or_not_finite(s3, age):
+    """clean --older-than -5 aborted the uploads of saves running now (begun in
+    the last five seconds: all of them); nan was a ValueError of datetime's.
+    Now one line naming the URL, exit 1, nothing aborted."""
+    client = _boto3_client(s3)
+    bucket, _, key = s3.url("live.pt").split("://", 1)[1].partition("/")
+    up = client.create_multipart_upload(Bucket=bucket, Key=key)
+    try:
+        r = _cli(s3, "clean", s3.url(""), "--older-than", age)
+        assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+        assert len(r.stderr.splitlines()) == 1 and "older_than" in r.stderr, r.stderr
+        assert s3.url("").rstrip("/") in r.stderr
+        ups = client.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", [])
+        assert [u["UploadId"] for u in ups] == [up["UploadId"]]
+    finally:
+        client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"])
+    from ckptio.tools.clean import abort_uploads
+
+    with pytest.raises(ValueError, match="older_than"):
+        abort_uploads(s3.url(""), float(age), s3.options)
+
+
 def test_conditional_puts_are_typed_conflicts(s3):
     url = s3.url("commit.json")
     v1 = remote.put_bytes(url, b"one", s3.options, create=True)

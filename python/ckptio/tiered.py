@@ -1362,6 +1362,7 @@ def _check_tiers(local: Any, remote: Any, storage_options: objstore.StorageOptio
     if objstore.is_url(local):
         raise ValueError(f"local must be a local folder, not the URL {local!r}")
     objstore.check_options(remote, storage_options)
+    objstore.client_options(storage_options, remote)  # now, not at the first drain
 
 
 def _check_step(step: Any) -> None:

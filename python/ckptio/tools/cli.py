@@ -181,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
         "--older-than",
         type=float,
         default=86400.0,
-        help="s3://: abort uploads begun more than this many seconds ago (default 1 day)",
+        help="s3://: abort uploads begun more than this many seconds ago (>= 0; default 1 day)",
     )
     cl.add_argument(
         "--unreferenced",
