@@ -2319,6 +2319,67 @@ def test_listing_errors_name_the_url_not_the_scratch_copy(s3, scratch):
             assert not rep.ok and obj in rep.error and str(scratch) not in rep.error
 
 
+class _Kept:  # a class torch's weights_only unpickler refuses
+    pass
+
+
+def test_errors_raised_on_a_scratch_copy_name_the_url(s3, scratch):
+    """A legacy-format object loaded with verify=True, and one that weights_only
+    refuses, go through a scratch copy: their errors named the copy
+    (/dev/shm/ckptio-stage-.../x.pt), gone by then. Now the URL."""
+    legacy = s3.url("legacy.pt")
+    ckptio.save(_state(), legacy, storage_options=s3.options, _use_new_zipfile_serialization=False)
+    with pytest.raises(ckptio.FormatError) as e:
+        ckptio.load(legacy, verify=True, storage_options=s3.options)
+    assert legacy in str(e.value) and str(scratch) not in str(e.value)
+    refused = s3.url("refused.pt")
+    buf = io.BytesIO()
+    torch.save({"o": _Kept()}, buf, _use_new_zipfile_serialization=False)
+    remote.put_bytes(refused, buf.getvalue(), s3.options)
+    with pytest.raises(pickle.UnpicklingError) as e:
+        ckptio.load(refused, weights_only=True, storage_options=s3.options)
+    assert refused in str(e.value) and str(scratch) not in str(e.value)
+    assert os.listdir(scratch) == []
+
+
+def test_a_sharded_url_missing_a_shard_is_refused_naming_it_before_any_copy(
+    s3, scratch, monkeypatch
+):
+    """verify and listing of a sharded folder whose index names a shard the
+    store lacks downloaded every other shard first (the docs say the index and
+    headers are read), then named the missing one in the scratch copy."""
+    url = s3.url("holed")
+    sd = {f"t{i}": torch.full((1000,), float(i)) for i in range(3)}
+    ckptio.safetensors.save_sharded(sd, url, max_shard_size="5KB", storage_options=s3.options)
+    shard = sorted(u for u, *_ in remote.listing(url, s3.options) if u.endswith(".safetensors"))[1]
+    remote.delete(shard, s3.options)
+    copied = []
+    real = remote.download
+    monkeypatch.setattr(remote, "download", lambda u, *a, **k: copied.append(u) or real(u, *a, **k))
+    for call in (ckptio.verify, ckptio.listing):
+        with pytest.raises(FileNotFoundError) as e:
+            call(url, storage_options=s3.options)
+        assert e.value.filename == shard and str(scratch) not in str(e.value)
+    assert copied == []
+
+
+def test_cli_convert_refuses_a_folder_url_before_downloading_it(s3, tmp_path, monkeypatch):
+    """convert of a sharded folder's URL copied the whole folder, then refused it
+    naming the copy. Now refused from the folder's names, naming the URL."""
+    url = s3.url("conv-sharded")
+    sd = {f"t{i}": torch.zeros(1000) for i in range(3)}
+    ckptio.safetensors.save_sharded(sd, url, max_shard_size="5KB", storage_options=s3.options)
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_bytes(b"")
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(blocked))  # any scratch copy would fail
+    r = _cli(s3, "convert", url, str(tmp_path / "out.pt"))
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert f"{url} is a sharded safetensors checkpoint" in r.stderr, r.stderr
+    r = _cli(s3, "convert", s3.url("nothing-here"), str(tmp_path / "out.pt"))
+    assert r.returncode == 1 and s3.url("nothing-here") in r.stderr, r.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_a_folder_url_with_a_trailing_slash_is_the_same_folder(s3):
     """s3://b/p/dcp/ made the core's client of the bucket take s3://b/p/dcp as its base:
     the call failed (a doubled key), and so did every later call of the process without

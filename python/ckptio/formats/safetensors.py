@@ -571,7 +571,8 @@ def _index_named(url: str) -> tuple[str, str | None]:
 def stored_copy(url: str, options: remote.StorageOptions = None) -> Iterator[str]:
     """A local scratch folder holding the sharded checkpoint at ``url`` (its
     folder or index, :func:`stored_shards`): the index and the shards it
-    names, or a single model.safetensors; removed after the block."""
+    names, or a single model.safetensors; removed after the block. Errors
+    raised on the copy name the store's URLs."""
     base, index_name, index, _, files = stored_shards(url, options)
     folder = remote.scratch_folder()
     try:
@@ -580,7 +581,8 @@ def stored_copy(url: str, options: remote.StorageOptions = None) -> Iterator[str
                 fh.write(index)
         for name in files:
             remote.download(remote.join(base, name), os.path.join(folder, name), options)
-        yield folder
+        with remote.named_for(folder, base):
+            yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -443,9 +443,24 @@ def local_tree(f: Any, options: StorageOptions = None) -> Iterator[str]:
                 dst = os.path.join(path, *rel.split("/"))
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 download(obj, dst, options)
-        yield path
+        with named_for(path, url):
+            yield path
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def named_for(local: str, url: str) -> Iterator[None]:
+    """An error raised in the block on ``local``, the scratch copy of ``url``,
+    names ``url`` instead (:func:`named_as`): the copy is gone once the block
+    ends, and the caller asked for ``url``."""
+    try:
+        yield
+    except Exception as e:
+        named = named_as(e, local, url)
+        if named is e:
+            raise
+        raise named from e.__cause__
 
 
 def named_as(e: BaseException, local: str, url: str) -> BaseException:
@@ -463,6 +478,8 @@ def named_as(e: BaseException, local: str, url: str) -> BaseException:
             new: BaseException = type(e)(e.errno, sub(e.strerror), sub(e.filename))
         else:
             new = type(e)(*map(sub, e.args))
+        # What the error's class keeps beside its args (a step, the keys).
+        new.__dict__.update({k: sub(v) for k, v in vars(e).items()})
     except Exception:
         return e
     if local in str(new):
@@ -561,7 +578,8 @@ def staged_save(url: str, options: StorageOptions = None) -> Iterator[str]:
     A block that raises uploads nothing."""
     folder, path = _scratch_path(url)
     try:
-        yield path
+        with named_for(path, url):
+            yield path
         upload(path, url, options)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -575,6 +593,7 @@ def staged_load(url: str, options: StorageOptions = None) -> Iterator[str]:
     folder, path = _scratch_path(url, size)
     try:
         download(url, path, options)
-        yield path
+        with named_for(path, url):
+            yield path
     finally:
         shutil.rmtree(folder, ignore_errors=True)
