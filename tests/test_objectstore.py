@@ -261,6 +261,57 @@ def test_a_bad_retry_timeout_is_a_value_error_naming_the_url_and_option(s3, valu
     assert url in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "option, value",
+    [("concurrency", "abc"), ("concurrency", 1.5), ("concurrency", True), ("concurrency", "0"),
+     ("part_size", "100G"), ("part_size", 0), ("part_size", "lots")],
+)  # fmt: skip
+def test_a_bad_concurrency_or_part_size_is_a_value_error_naming_the_url_and_option(
+    s3, tmp_path, option, value
+):
+    """concurrency="abc" was int()'s bare ValueError, and a part_size over
+    5 GiB (no multipart upload takes such parts) the core's message of a grid:
+    neither named the URL. Now loads and saves alike refuse them up front."""
+    url = s3.url("opt.pt")
+    opts = dict(s3.options, **{option: value})
+    for call in (
+        lambda: ckptio.save(_state(), url, storage_options=opts),
+        lambda: ckptio.load(url, storage_options=opts),
+        lambda: ckptio.safetensors.save_file(_state(), url + ".st", storage_options=opts),
+    ):
+        with pytest.raises(ValueError, match=option) as e:
+            call()
+        assert url in str(e.value)
+    from ckptio.tiered import Checkpointer
+
+    with pytest.raises(ValueError, match=option) as e:  # made, not at its first drain
+        Checkpointer(tmp_path / "local", s3.url("run"), storage_options=opts)
+    assert s3.url("run") in str(e.value)
+
+
+@pytest.mark.parametrize("age", ["-5", "nan", "inf", "1e400"])
+def test_clean_refuses_an_age_that_is_negative_or_not_finite(s3, age):
+    """clean --older-than -5 aborted the uploads of saves running now (begun in
+    the last five seconds: all of them); nan was a ValueError of datetime's.
+    Now one line naming the URL, exit 1, nothing aborted."""
+    client = _boto3_client(s3)
+    bucket, _, key = s3.url("live.pt").split("://", 1)[1].partition("/")
+    up = client.create_multipart_upload(Bucket=bucket, Key=key)
+    try:
+        r = _cli(s3, "clean", s3.url(""), "--older-than", age)
+        assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+        assert len(r.stderr.splitlines()) == 1 and "older_than" in r.stderr, r.stderr
+        assert s3.url("").rstrip("/") in r.stderr
+        ups = client.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", [])
+        assert [u["UploadId"] for u in ups] == [up["UploadId"]]
+    finally:
+        client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"])
+    from ckptio.tools.clean import abort_uploads
+
+    with pytest.raises(ValueError, match="older_than"):
+        abort_uploads(s3.url(""), float(age), s3.options)
+
+
 def test_conditional_puts_are_typed_conflicts(s3):
     url = s3.url("commit.json")
     v1 = remote.put_bytes(url, b"one", s3.options, create=True)
@@ -1577,6 +1628,30 @@ def test_load_state_dict_from_a_store_falls_back_where_torchs_steps_must_run(s3,
     assert os.listdir(scratch) == []
 
 
+@pytest.mark.parametrize("cast", [False, True])
+def test_load_state_dict_of_an_index_url_copies_its_shards(s3, scratch, cast):
+    """The scratch copy of an index's URL (a module with a _load_from_state_dict
+    override, BatchNorm's, or cast=True) held the index alone, so the shards it
+    names were missing: now the index and its shards, as load_sharded copies."""
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+
+    torch.manual_seed(0)
+    src = model()
+    src[1].running_mean.fill_(3.0)
+    url = s3.url("bn")
+    sd = {k: v.clone() for k, v in src.state_dict().items()}
+    ckptio.safetensors.save_sharded(sd, url, max_shard_size="200B", storage_options=s3.options)
+    index = url + "/model.safetensors.index.json"
+    dst = model() if not cast else model().double()
+    got = ckptio.load_state_dict(dst, index, storage_options=s3.options, cast=cast)
+    assert tuple(got) == ([], [])
+    assert torch.equal(dst[1].running_mean, src[1].running_mean.to(dst[1].running_mean.dtype))
+    assert torch.equal(dst[0].weight, src[0].weight.to(dst[0].weight.dtype))
+    assert os.listdir(scratch) == []  # the scratch copy is removed
+
+
 # --------------------------------------------------------------------------- straight reads
 
 
@@ -2242,6 +2317,67 @@ def test_listing_errors_name_the_url_not_the_scratch_copy(s3, scratch):
             assert text.startswith(obj + ":") and str(scratch) not in text, text
             rep = ckptio.verify(asked, storage_options=s3.options)
             assert not rep.ok and obj in rep.error and str(scratch) not in rep.error
+
+
+class _Kept:  # a class torch's weights_only unpickler refuses
+    pass
+
+
+def test_errors_raised_on_a_scratch_copy_name_the_url(s3, scratch):
+    """A legacy-format object loaded with verify=True, and one that weights_only
+    refuses, go through a scratch copy: their errors named the copy
+    (/dev/shm/ckptio-stage-.../x.pt), gone by then. Now the URL."""
+    legacy = s3.url("legacy.pt")
+    ckptio.save(_state(), legacy, storage_options=s3.options, _use_new_zipfile_serialization=False)
+    with pytest.raises(ckptio.FormatError) as e:
+        ckptio.load(legacy, verify=True, storage_options=s3.options)
+    assert legacy in str(e.value) and str(scratch) not in str(e.value)
+    refused = s3.url("refused.pt")
+    buf = io.BytesIO()
+    torch.save({"o": _Kept()}, buf, _use_new_zipfile_serialization=False)
+    remote.put_bytes(refused, buf.getvalue(), s3.options)
+    with pytest.raises(pickle.UnpicklingError) as e:
+        ckptio.load(refused, weights_only=True, storage_options=s3.options)
+    assert refused in str(e.value) and str(scratch) not in str(e.value)
+    assert os.listdir(scratch) == []
+
+
+def test_a_sharded_url_missing_a_shard_is_refused_naming_it_before_any_copy(
+    s3, scratch, monkeypatch
+):
+    """verify and listing of a sharded folder whose index names a shard the
+    store lacks downloaded every other shard first (the docs say the index and
+    headers are read), then named the missing one in the scratch copy."""
+    url = s3.url("holed")
+    sd = {f"t{i}": torch.full((1000,), float(i)) for i in range(3)}
+    ckptio.safetensors.save_sharded(sd, url, max_shard_size="5KB", storage_options=s3.options)
+    shard = sorted(u for u, *_ in remote.listing(url, s3.options) if u.endswith(".safetensors"))[1]
+    remote.delete(shard, s3.options)
+    copied = []
+    real = remote.download
+    monkeypatch.setattr(remote, "download", lambda u, *a, **k: copied.append(u) or real(u, *a, **k))
+    for call in (ckptio.verify, ckptio.listing):
+        with pytest.raises(FileNotFoundError) as e:
+            call(url, storage_options=s3.options)
+        assert e.value.filename == shard and str(scratch) not in str(e.value)
+    assert copied == []
+
+
+def test_cli_convert_refuses_a_folder_url_before_downloading_it(s3, tmp_path, monkeypatch):
+    """convert of a sharded folder's URL copied the whole folder, then refused it
+    naming the copy. Now refused from the folder's names, naming the URL."""
+    url = s3.url("conv-sharded")
+    sd = {f"t{i}": torch.zeros(1000) for i in range(3)}
+    ckptio.safetensors.save_sharded(sd, url, max_shard_size="5KB", storage_options=s3.options)
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_bytes(b"")
+    monkeypatch.setenv("CKPTIO_SCRATCH", str(blocked))  # any scratch copy would fail
+    r = _cli(s3, "convert", url, str(tmp_path / "out.pt"))
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert f"{url} is a sharded safetensors checkpoint" in r.stderr, r.stderr
+    r = _cli(s3, "convert", s3.url("nothing-here"), str(tmp_path / "out.pt"))
+    assert r.returncode == 1 and s3.url("nothing-here") in r.stderr, r.stderr
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_a_folder_url_with_a_trailing_slash_is_the_same_folder(s3):

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import ckptio
 import pytest
@@ -39,6 +40,10 @@ def _dcp_from(where, s3, step: int) -> dict[str, torch.Tensor]:
     out = {k: torch.zeros_like(v) for k, v in _state(step).items()}
     dcp.load(out, storage_reader=FileSystemReader(where, storage_options=s3.options), no_dist=True)
     return out
+
+
+#: A test whose drain fails on purpose (its handle checked): close() warns of it.
+_DRAIN_FAILS = pytest.mark.filterwarnings("ignore:ckptio.tiered. steps .* did not reach")
 
 
 def _ckpt(tmp_path, s3, **kw):
@@ -178,6 +183,32 @@ def test_a_store_that_is_down_keeps_the_local_copy_and_the_next_process_drains(t
         assert third.resumed == []
 
 
+def test_a_drain_that_failed_for_good_is_a_warning_at_close(tmp_path, s3):
+    """A trainer that only closes (or leaves the with block) never asked a
+    handle: a drain that failed for good was silent. Now close() warns, naming
+    the step and its error (it does not raise: the run's exit stays), and
+    wait() raises it, also after close()."""
+    down = dict(s3.options, endpoint="http://127.0.0.1:9", max_retries="0")
+    local, url = tmp_path / "local", s3.url("run")
+    with pytest.warns(UserWarning, match=r"steps \[1\] did not reach .*StoreConnectionError") as w:
+        with Checkpointer(local, url, storage_options=down, tries=1) as c:
+            h = c.save(1, _state(1))
+    assert url in str(w[0].message) and str(local) in str(w[0].message)
+    assert w[0].filename == __file__  # pointed at the with statement
+    with pytest.raises(ckptio.StoreConnectionError):
+        h.remote.result(0)
+    with pytest.raises(ckptio.StoreConnectionError):
+        c.wait(0)
+    # Raised by wait() already: not said again.
+    c = Checkpointer(tmp_path / "other", url, storage_options=down, tries=1)
+    c.save(1, _state(1))
+    with pytest.raises(ckptio.StoreConnectionError):
+        c.wait(60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c.close()
+
+
 def test_a_dead_local_save_is_removed(tmp_path, s3):
     dead = tmp_path / "local" / step_name(7)
     dead.mkdir(parents=True)
@@ -188,6 +219,7 @@ def test_a_dead_local_save_is_removed(tmp_path, s3):
             c.load()
 
 
+@_DRAIN_FAILS
 def test_a_step_committed_with_other_contents_is_a_conflict(tmp_path, s3):
     url = s3.url("run", step_name(3), COMMIT)
     remote.put_bytes(url, b'{"someone":"else"}', s3.options)
@@ -620,6 +652,7 @@ def test_a_tiered_dcp_drain_of_two_hosts_is_resumed_by_each(tmp_path, s3):
 # --------------------------------------------------------------------------- review of 2026-12-06
 
 
+@_DRAIN_FAILS
 def test_a_step_saved_again_is_a_conflict_not_the_old_bytes(tmp_path, s3):
     """The store's step 2 is another save's: a new save of step 2 (same files,
     same sizes) fails with a conflict instead of being taken as durable."""
@@ -699,11 +732,47 @@ def test_a_local_folder_is_drained_only_into_its_own_remote(tmp_path, s3):
         h = c.save(1, _state(1))
         h.local.result(60)
     remote.delete(s3.url("x", step_name(1), COMMIT), s3.options)  # x's drain not done
-    with pytest.warns(UserWarning, match="not drained here"):
+    with pytest.warns(UserWarning, match="not drained, loaded or pruned here"):
         c = Checkpointer(tmp_path / "shm", s3.url("y"), storage_options=s3.options)
     with c:
-        assert c.resumed == [] and c.latest() == 1  # still there locally
-        assert c.remote_steps() == []
+        assert c.resumed == [] and c.latest() is None  # x's, not y's
+        assert c.remote_steps() == [] and c.local_steps() == []
+    assert (tmp_path / "shm" / step_name(1) / COMMIT).is_file()  # left for x
+
+
+@pytest.mark.filterwarnings("ignore:ckptio.tiered. .* not drained, loaded or pruned here")
+def test_a_local_step_of_another_remote_is_not_this_checkpointers(tmp_path, s3):
+    """Two runs sharing a node-local folder, each with its own remote: run B
+    read run A's local step 100 as its own (latest, load, a save of 100
+    refused as saved already). Now only B's store answers for it, a save of
+    100 is refused naming both remotes (A's copy is the only one until A
+    drains it), and B's pruning leaves A's steps alone."""
+    shared, a_url, b_url = tmp_path / "shm", s3.url("a"), s3.url("b")
+    with Checkpointer(shared, a_url, storage_options=s3.options) as a:
+        a.save(100, _state(1)).local.result(60)
+        a.save(200, _state(2)).local.result(60)
+    with Checkpointer(tmp_path / "elsewhere", b_url, storage_options=s3.options) as b:
+        b.save(100, _state(3)).wait(60)  # B's step 100, saved on another node
+    a_copy = (tmp_path / "shm" / step_name(100) / "state.pt").read_bytes()
+    with Checkpointer(shared, b_url, storage_options=s3.options, keep_local=1) as b:
+        assert b.local_steps() == [] and b.latest() == 100
+        _same(b.load(100), _state(3))
+        _same(b.load(), _state(3))
+        with pytest.raises(FileExistsError, match="another run") as e:
+            b.save(100, _state(4))
+        assert a_url in str(e.value) and b_url in str(e.value)
+        assert e.value.filename == str(shared / step_name(100))
+        for step in (300, 400, 500):  # keep_local=1 prunes B's own steps only
+            b.save(step, _state(step)).wait(60)
+        assert b.local_steps() == [500]
+    with Checkpointer(shared, s3.url("c"), storage_options=s3.options) as c:
+        assert c.latest() is None  # an empty remote: no step, A's are not C's
+        with pytest.raises(FileNotFoundError):
+            c.load()
+    assert (tmp_path / "shm" / step_name(100) / "state.pt").read_bytes() == a_copy
+    with Checkpointer(shared, a_url, storage_options=s3.options) as a:
+        assert a.local_steps() == [100, 200]
+        _same(a.load(100), _state(1))
 
 
 def test_load_reads_the_store_when_the_local_copy_goes_under_it(tmp_path, s3, monkeypatch):
@@ -732,6 +801,7 @@ def test_keep_remote_covers_steps_an_earlier_process_left(tmp_path, s3):
         assert c.remote_steps() == [3, 4]
 
 
+@_DRAIN_FAILS
 def test_a_step_whose_local_write_failed_may_be_saved_again(tmp_path, s3, monkeypatch):
     import ckptio.tiered as tiered
 
@@ -991,6 +1061,7 @@ def test_a_forked_child_is_told_to_make_its_own(tmp_path, s3):
         assert c.remote_steps() == [1, 2]
 
 
+@_DRAIN_FAILS
 def test_a_step_whose_drain_met_another_save_stays_local(tmp_path, s3):
     """A step whose drain failed with a CommitConflictError (the store holds
     another save of its number) was pruned locally at the next drain, as the
@@ -1012,6 +1083,7 @@ def test_a_step_whose_drain_met_another_save_stays_local(tmp_path, s3):
         _same(c.load(2), _state(22))
 
 
+@_DRAIN_FAILS
 def test_retention_after_a_restart_from_an_older_step_keeps_the_new_saves(tmp_path, s3):
     """keep_remote ranked the store's steps by number: a run restarted from step
     100 after 200 was saved had each new save (150, 160) removed from the store

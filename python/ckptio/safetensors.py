@@ -35,14 +35,13 @@ shards inside its folder.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -744,23 +743,6 @@ def _save_sharded_remote(
         )  # fmt: skip
 
 
-@contextlib.contextmanager
-def _sharded_copy(url: str, options: remote.StorageOptions) -> Iterator[str]:
-    """A local copy of the sharded checkpoint at ``url`` (its folder or index):
-    the index and the shards it names, or a single model.safetensors."""
-    base, index_name, index, _, files = fmt.stored_shards(url, options)
-    folder = remote.scratch_folder()
-    try:
-        if index is not None:
-            with open(os.path.join(folder, index_name), "wb") as fh:
-                fh.write(index)
-        for name in files:
-            remote.download(remote.join(base, name), os.path.join(folder, name), options)
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def _remove(path: str) -> None:
     try:
         os.unlink(path)
@@ -815,7 +797,7 @@ def load_sharded(
             got = _load_into_remote(url, shards, out, storage_options, wm)
             if got is not None:
                 return got
-        with _sharded_copy(url, storage_options) as local:
+        with fmt.stored_copy(url, storage_options) as local:
             return load_sharded(local, device, **kw)
     io = IoOptions.of(
         threads, chunk_size, direct, _device_backend(backend, device_backend, "load_sharded")

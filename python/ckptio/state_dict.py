@@ -1031,7 +1031,7 @@ def load_state_dict(
             strict=strict, cast=cast, key=key, weights_only=weights_only, threads=threads,
             chunk_size=chunk_size, direct=direct, backend=backend, verify=verify, group=group,
         )  # fmt: skip
-        with remote.local_tree(f, storage_options) as local:
+        with st_format.local_copy(f, storage_options) as local:
             return load_state_dict(obj, local, **kw)
     t0 = time.perf_counter()
     check_flags(strict=strict, cast=cast, verify=verify)

@@ -188,7 +188,8 @@ class Checkpointer:
         #: retry or file (their steps stay local, for the next Checkpointer).
         self._stopping = threading.Event()
         self._last: SaveHandle | None = None
-        self._pending: list[Future[Any]] = []
+        #: Each drain's future not reported yet (by wait()), and its step.
+        self._pending: dict[Future[Any], int] = {}
         #: Steps known complete in the store (filled by listings and drains).
         self._in_store: set[int] = set()
         #: Steps this process removed from the store (keep_remote), or an
@@ -218,13 +219,34 @@ class Checkpointer:
         return objstore.join(self.remote, step_name(step))
 
     def local_steps(self) -> list[int]:
-        """Steps complete in the local folder, oldest first."""
-        found = []
+        """Steps complete in the local folder, oldest first: this remote's only
+        (a step another run saved there, for another remote, is not one)."""
+        return sorted(s for s, remote in self._committed().items() if remote == self.remote)
+
+    def _committed(self) -> dict[int, str]:
+        """Each step committed in the local folder: the remote it was saved for
+        (its commit record's; one written before records named it: this one)."""
+        found = {}
         for name in os.listdir(self.local):
             m = _STEP.match(name)
-            if m and os.path.isfile(os.path.join(self.local, name, COMMIT)):
-                found.append(int(m.group(1)))
-        return sorted(found)
+            if m and (manifest := _read_manifest(os.path.join(self.local, name))) is not None:
+                found[int(m.group(1))] = manifest.get("remote", self.remote)
+        return found
+
+    def _check_not_foreign(self, step: int) -> None:
+        """A FileExistsError where the local ``step`` is another run's: saved
+        for another remote. Its folder is the only copy of that save until
+        that run drains it: neither removed nor written over here."""
+        folder = self._step_dir(step)
+        manifest = _read_manifest(folder)
+        if manifest is not None and manifest.get("remote", self.remote) != self.remote:
+            raise FileExistsError(
+                17,
+                f"step {step} is saved in {self.local} for {manifest['remote']}, not "
+                f"{self.remote}: another run's local copy, left as it is (give each "
+                "remote a local folder of its own)",
+                folder,
+            )
 
     def remote_steps(self) -> list[int]:
         """Steps complete in the store (their commit record is there and no
@@ -256,11 +278,13 @@ class Checkpointer:
         return max(steps) if steps else None
 
     def _local_manifest(self, step: int) -> dict[str, Any] | None:
-        """The step's local commit record where every file it names is whole."""
+        """The step's local commit record where it was saved for this remote and
+        every file it names is whole."""
         folder = self._step_dir(step)
+        manifest = _read_manifest(folder)
+        if manifest is None or manifest.get("remote", self.remote) != self.remote:
+            return None
         try:
-            with open(os.path.join(folder, COMMIT), "rb") as fh:
-                manifest = json.loads(fh.read())
             for name, size in manifest["files"]:
                 if os.path.getsize(os.path.join(folder, name)) != size:
                     return None
@@ -289,6 +313,7 @@ class Checkpointer:
             # A step whose local write failed may be saved again.
             if step < last.step or (step == last.step and not failed):
                 raise ValueError(f"step {step} is not after the last saved step {last.step}")
+        self._check_not_foreign(step)
         if os.path.exists(self._step_dir(step)) and self._local_manifest(step) is not None:
             raise ValueError(f"step {step} is saved already in {self.local}")
         staged_copy = self._stager.stage(state)
@@ -323,7 +348,7 @@ class Checkpointer:
                 raise RuntimeError("ckptio.tiered.Checkpointer: save() after close()")
             self._last = handle
             self._order[step] = next(self._queue_seq)
-            self._pending.append(remote_done)
+            self._pending[remote_done] = step
             self._writer.submit(write_local)
             # Queued now, not once the local write is done: an executor refuses
             # new work at interpreter exit, but runs what was queued before it.
@@ -333,6 +358,7 @@ class Checkpointer:
     def _write_local(self, step: int, state: Any) -> str:
         folder = self._step_dir(step)
         if os.path.exists(folder):  # a save of this step that died
+            self._check_not_foreign(step)  # (another run's, saved since save() looked)
             shutil.rmtree(folder)
         os.makedirs(folder)
         try:
@@ -476,7 +502,7 @@ class Checkpointer:
                 folder = self._step_dir(step)
                 # Its local copy, kept (keep_local), is not drained again by
                 # every later Checkpointer: it was, and left the store.
-                if self._is_own(step) and os.path.isfile(os.path.join(folder, COMMIT)):
+                if self._is_own(step) and self._local_manifest(step) is not None:
                     _write_commit(os.path.join(folder, DROPPED), b"{}")
                 self._remove_step(step)
         with self._lock:
@@ -536,7 +562,15 @@ class Checkpointer:
             if _STEP.match(name) and not os.path.isfile(os.path.join(path, COMMIT)):
                 if not liveness.running(_read_owner(os.path.join(path, WRITER))):
                     shutil.rmtree(path, ignore_errors=True)  # a save that died
-        local = self.local_steps()
+        committed = self._committed()
+        for step, other in sorted(committed.items()):
+            if other != self.remote:
+                warnings.warn(
+                    f"ckptio.tiered: {self._step_dir(step)} was saved for "
+                    f"{other}, not {self.remote}: not drained, loaded or pruned here",
+                    stacklevel=3,
+                )
+        local = sorted(s for s, remote in committed.items() if remote == self.remote)
         if not local and self.keep_remote is None:
             return []
         try:
@@ -564,20 +598,12 @@ class Checkpointer:
                     self._own.add(step)
                     self._dropped.add(step)
                 continue
-            manifest = self._local_manifest(step) or {}
-            if manifest.get("remote", self.remote) != self.remote:
-                warnings.warn(
-                    f"ckptio.tiered: {self._step_dir(step)} was saved for "
-                    f"{manifest['remote']}, not {self.remote}: not drained here",
-                    stacklevel=2,
-                )
-                continue
             todo.append(step)
         for step in todo:
             done: Future[str] = Future()
             with self._lock:
                 self._order[step] = next(self._queue_seq)
-                self._pending.append(done)
+                self._pending[done] = step
             self._drainer.submit(self._drain_into, step, done)
         return todo
 
@@ -678,7 +704,7 @@ class Checkpointer:
         _, late = wait_futures(pending, timeout)
         first = next((e for f in pending if f.done() and (e := f.exception()) is not None), None)
         with self._lock:
-            self._pending = [f for f in self._pending if not f.done()]
+            self._pending = {f: s for f, s in self._pending.items() if not f.done()}
         if late:
             raise TimeoutError(
                 f"ckptio.tiered: {len(late)} of {len(pending)} drains to {self.remote} "
@@ -689,6 +715,10 @@ class Checkpointer:
 
     def close(self, timeout: float | None = None) -> None:
         """Finish the saves under way (local and remote), then stop the threads.
+        A drain that failed for good (its error not raised by :meth:`wait`
+        yet) is a warning naming its step and its error: close() itself does
+        not raise, so that a training run's exit is not broken by its store
+        (:meth:`wait` raises it, also after close()).
 
         ``timeout`` (seconds; None: no limit) bounds the wait for the drains,
         which retry for long while the store is down: the local writes always
@@ -698,6 +728,9 @@ class Checkpointer:
         in the local folder for the next ``Checkpointer`` on the same folders,
         their ``remote`` futures fail with ``DrainStoppedError``, and a warning
         names them."""
+        self._close(timeout, 3)
+
+    def _close(self, timeout: float | None, stacklevel: int) -> None:
         self._check_process()
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be None or a number >= 0, not {timeout!r}")
@@ -705,7 +738,7 @@ class Checkpointer:
             if self._closed:
                 return
             self._closed = True
-            pending = list(self._pending)
+            pending = dict(self._pending)
         self._writer.shutdown(wait=True)
         if timeout is not None:
             _, late = wait_futures(pending, timeout)
@@ -720,8 +753,24 @@ class Checkpointer:
                 warnings.warn(
                     f"ckptio.tiered: close() timed out; steps {left} are not in "
                     f"{self.remote} yet and stay in {self.local} for the next Checkpointer",
-                    stacklevel=2,
+                    stacklevel=stacklevel,
                 )
+        # Failed for good (and not a stop above): silent until now but for the
+        # handles, which a trainer that only closes never asks.
+        failed = {
+            step: e
+            for f, step in pending.items()
+            if (e := f.exception()) is not None and not isinstance(e, DrainStoppedError)
+        }
+        if failed:
+            said = "; ".join(
+                f"step {s}: {type(e).__name__}: {e}" for s, e in sorted(failed.items())
+            )
+            warnings.warn(
+                f"ckptio.tiered: steps {sorted(failed)} did not reach {self.remote} ({said}); "
+                f"those complete locally stay in {self.local} for the next Checkpointer",
+                stacklevel=stacklevel,
+            )
         if self._own_stager:
             self._stager.close()
 
@@ -729,7 +778,7 @@ class Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._close(None, 3)  # the warnings point at the with statement
 
 
 # --------------------------------------------------------------------------- DCP
@@ -1313,6 +1362,7 @@ def _check_tiers(local: Any, remote: Any, storage_options: objstore.StorageOptio
     if objstore.is_url(local):
         raise ValueError(f"local must be a local folder, not the URL {local!r}")
     objstore.check_options(remote, storage_options)
+    objstore.client_options(storage_options, remote)  # now, not at the first drain
 
 
 def _check_step(step: Any) -> None:
@@ -1462,6 +1512,16 @@ def _read_uploaded(folder: str) -> dict[str, str | None]:
 
 def _write_uploaded(folder: str, done: dict[str, str | None]) -> None:
     _write_commit(os.path.join(folder, UPLOADED), json.dumps(done).encode())
+
+
+def _read_manifest(folder: str) -> dict[str, Any] | None:
+    """The commit record in a local step folder (None: none, or unreadable)."""
+    try:
+        with open(os.path.join(folder, COMMIT), "rb") as fh:
+            manifest = json.loads(fh.read())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
 
 
 def _manifest_bytes(manifest: dict[str, Any]) -> bytes:

@@ -196,6 +196,40 @@ def detect_stored(url: str, options: remote.StorageOptions = None) -> Detected:
     return Detected(found, url, url)
 
 
+def detect_url(url: str, options: remote.StorageOptions = None) -> Detected:
+    """What a store URL names: an object judged from its first bytes
+    (:func:`detect_stored`), else a folder from its names
+    (:func:`detect_stored_folder`); nothing is downloaded. Where neither is
+    there: the store's error for the object (a StoreNotFoundError)."""
+    try:
+        return detect_stored(url, options)
+    except FileNotFoundError as missing:
+        try:
+            return detect_stored_folder(url, options)
+        except FileNotFoundError:
+            raise missing from None
+
+
+def detect_stored_folder(url: str, options: remote.StorageOptions = None) -> Detected:
+    """:func:`detect` of a folder in a store, from the names right in it (one
+    listing, nothing downloaded), as a local folder is judged: ``.metadata``
+    (DCP), else a ``*.safetensors.index.json`` or ``model.safetensors``
+    (sharded safetensors). FileNotFoundError where nothing is there;
+    FormatError naming the URL for a folder of neither."""
+    url = url.rstrip("/")
+    names = st_format.stored_names(url, options)
+    if ".metadata" in names:
+        return Detected(DCP, url, url)
+    if any(n.endswith(".safetensors.index.json") for n in names) or "model.safetensors" in names:
+        return Detected(SHARDED, url, url)
+    if not names:
+        raise FileNotFoundError(2, "no object, nor any under it as a folder", url)
+    raise FormatError(
+        f"{url}: a folder, but no checkpoint ckptio reads: no .metadata (DCP) nor "
+        "*.safetensors.index.json / model.safetensors (sharded safetensors)"
+    )
+
+
 def _is_index(path: str) -> bool:
     try:
         with open_regular(path) as f:

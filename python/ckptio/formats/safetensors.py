@@ -35,6 +35,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -539,9 +540,7 @@ def stored_shards(
     the folder's URL, the index's name, its bytes and weight_map (None: no
     index, a single model.safetensors) and the shard files it names, in
     first-named order."""
-    base, named = url.rstrip("/"), None
-    if base.endswith(".json"):
-        base, named = base.rsplit("/", 1)
+    base, named = _index_named(url)
     index_name = named or INDEX_NAME
     try:
         index, _ = remote.get_bytes(remote.join(base, index_name), options)
@@ -556,6 +555,51 @@ def stored_shards(
         index, _ = remote.get_bytes(remote.join(base, index_name), options)
     wm = weight_map_of(index, remote.join(base, index_name))
     return base, index_name, index, wm, list(dict.fromkeys(wm.values()))
+
+
+def _index_named(url: str) -> tuple[str, str | None]:
+    """(the folder's URL, the index's name) where ``url`` names an index (a
+    ``.json`` object), else (``url``, None): a folder or a single file."""
+    base = url.rstrip("/")
+    if base.endswith(".json"):
+        folder, name = base.rsplit("/", 1)
+        return folder, name
+    return base, None
+
+
+@contextlib.contextmanager
+def stored_copy(url: str, options: remote.StorageOptions = None) -> Iterator[str]:
+    """A local scratch folder holding the sharded checkpoint at ``url`` (its
+    folder or index, :func:`stored_shards`): the index and the shards it
+    names, or a single model.safetensors; removed after the block. Errors
+    raised on the copy name the store's URLs."""
+    base, index_name, index, _, files = stored_shards(url, options)
+    folder = remote.scratch_folder()
+    try:
+        if index is not None:
+            with open(os.path.join(folder, index_name), "wb") as fh:
+                fh.write(index)
+        for name in files:
+            remote.download(remote.join(base, name), os.path.join(folder, name), options)
+        with remote.named_for(folder, base):
+            yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_copy(f: Any, options: remote.StorageOptions = None) -> Iterator[str]:
+    """``remote.local_tree(f)`` (``f`` itself where local), but an index's URL
+    brings the shards it names: the copy of the index, beside theirs (an index
+    alone names files that are not there)."""
+    remote.check_options(f, options)
+    named = remote.is_url(f) and _index_named(os.fsdecode(os.fspath(f)))[1]
+    if not named:
+        with remote.local_tree(f, options) as local:
+            yield local
+        return
+    with stored_copy(os.fsdecode(os.fspath(f)), options) as folder:
+        yield os.path.join(folder, named)
 
 
 def stored_foreign_shards(url: str, options: remote.StorageOptions = None) -> set[str] | None:

@@ -16,7 +16,7 @@ and container credentials; ``storage_options`` overrides them with the
 client's keys (``endpoint``, ``access_key_id``, ``region``, ...) and ckptio's
 own: ``max_retries``, ``retry_timeout`` (seconds), ``concurrency`` (parallel
 parts, default 8), ``part_size`` (bytes or "64M"; default 16 MiB, grown to stay
-under 10,000 parts). Errors: ``ckptio.StoreError`` and its subclasses, each an
+under 10,000 parts; at most 5 GiB). Errors: ``ckptio.StoreError`` and its subclasses, each an
 ``OSError`` naming the URL (docs/objectstore.md).
 """
 
@@ -101,16 +101,37 @@ def check_options(f: Any, storage_options: StorageOptions, *, single: bool = Fal
         raise TypeError(f"storage_options must be a mapping, not {type(storage_options).__name__}")
 
 
-def client_options(options: StorageOptions) -> tuple[dict[str, Any], int, int]:
-    """(the client's options, ``concurrency``, ``part_size``) of ``storage_options``."""
+#: The most bytes a part of a multipart upload may hold (S3's limit, the core's).
+MAX_PART = 5 << 30
+
+
+def client_options(options: StorageOptions, url: str) -> tuple[dict[str, Any], int, int]:
+    """(the client's options, ``concurrency``, ``part_size``) of ``storage_options``
+    for a call on ``url``: a value out of range is a ValueError naming the
+    option and the URL (as the client's own are)."""
     # A None value is unset: the environment's value or the default.
     client = {k: v for k, v in (options or {}).items() if v is not None}
-    concurrency = int(client.pop("concurrency", 8))
+    given = client.pop("concurrency", 8)
+    try:  # an int, or its digits (the client's options are strings)
+        if isinstance(given, bool) or not isinstance(given, (int, str)):
+            raise ValueError
+        concurrency = int(given)
+    except ValueError:
+        concurrency = 0
     if concurrency < 1:
-        raise ValueError(f"storage_options: concurrency must be >= 1, not {concurrency}")
-    part = parse_size(client.pop("part_size", 16 << 20), "storage_options part_size")
-    if part < 1:
-        raise ValueError("storage_options: part_size must be > 0")
+        raise ValueError(
+            f"{url}: bad value {given!r} for concurrency: a whole number >= 1 is expected"
+        )
+    try:
+        part = parse_size(client.pop("part_size", 16 << 20), "part_size")
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{url}: storage_options {e}") from None
+    # Every upload's parts are at least this: over S3's limit, none could go.
+    if part > MAX_PART:
+        raise ValueError(
+            f"{url}: storage_options part_size {part} is over 5 GiB, the most a part "
+            "of a multipart upload may hold"
+        )
     return client, concurrency, part
 
 
@@ -122,13 +143,13 @@ def join(url: str, *names: str) -> str:
 def upload(path: str | os.PathLike[str], url: str, options: StorageOptions = None) -> dict:
     """Upload the local file ``path`` to ``url``: the object appears whole, or
     not at all (a failed upload is aborted and the old object stays)."""
-    client, n, part = client_options(options)
+    client, n, part = client_options(options, url)
     return _native.store_upload(url, os.fspath(path), client, n, part)
 
 
 def download(url: str, path: str | os.PathLike[str], options: StorageOptions = None) -> dict:
     """Download ``url`` into a new local file ``path`` (not fsynced: a copy to read)."""
-    client, n, part = client_options(options)
+    client, n, part = client_options(options, url)
     return _native.store_download(url, os.fspath(path), client, n, part)
 
 
@@ -142,7 +163,7 @@ def put_bytes(
 ) -> dict[str, Any]:
     """One PUT of a small object; ``create``: only where none is (else
     ``CommitConflictError``); ``if_match``: only over that ETag."""
-    client, _, _ = client_options(options)
+    client, _, _ = client_options(options, url)
     return _native.store_put(url, data, client, create=create, if_match=if_match)
 
 
@@ -191,7 +212,7 @@ def read(
     """``length`` bytes of ``url`` from ``offset`` (fewer at its end), of the
     version ``e_tag`` where given (``CommitConflictError`` if it changed); and
     the object's size and version."""
-    client, _, _ = client_options(options)
+    client, _, _ = client_options(options, url)
     return _native.store_read(url, offset, length, client, e_tag)
 
 
@@ -210,7 +231,7 @@ def map_torch(
     the archive says it computed none), the bytes of every record
     but the storages, and (storage record, local header offset, predicted data
     offset) for the reader to confirm (``_native.zip_headers_match``)."""
-    client, n, part = client_options(options)
+    client, n, part = client_options(options, url)
     return _native.store_torch_map(url, client, max(n, 16), part)
 
 
@@ -223,18 +244,18 @@ def crc32_ranges(
     """The CRC-32 of each (offset, length) range of ``url`` (of the version
     ``e_tag`` where given), read by ranged GETs through a buffer of
     ``concurrency`` x ``part_size``: nothing kept, memory bounded."""
-    client, n, part = client_options(options)
+    client, n, part = client_options(options, url)
     return _native.store_crc32(url, ranges, client, n, part, e_tag)
 
 
 def get_bytes(url: str, options: StorageOptions = None) -> tuple[bytes, dict[str, Any]]:
     """A small object's bytes and version (``e_tag``)."""
-    client, _, _ = client_options(options)
+    client, _, _ = client_options(options, url)
     return _native.store_get(url, client)
 
 
 def head(url: str, options: StorageOptions = None) -> dict[str, Any]:
-    client, _, _ = client_options(options)
+    client, _, _ = client_options(options, url)
     return _native.store_head(url, client)
 
 
@@ -245,7 +266,7 @@ Listed = tuple[str, int, str | None, float]
 
 def listing(url: str, options: StorageOptions = None) -> list[Listed]:
     """Every object under the folder ``url`` (:data:`Listed`)."""
-    client, _, _ = client_options(options)
+    client, _, _ = client_options(options, url)
     return _native.store_list(url, client)
 
 
@@ -280,7 +301,7 @@ def sweep_before(
 
 
 def delete(url: str, options: StorageOptions = None) -> None:
-    client, _, _ = client_options(options)
+    client, _, _ = client_options(options, url)
     _native.store_delete(url, client)
 
 
@@ -422,9 +443,24 @@ def local_tree(f: Any, options: StorageOptions = None) -> Iterator[str]:
                 dst = os.path.join(path, *rel.split("/"))
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 download(obj, dst, options)
-        yield path
+        with named_for(path, url):
+            yield path
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def named_for(local: str, url: str) -> Iterator[None]:
+    """An error raised in the block on ``local``, the scratch copy of ``url``,
+    names ``url`` instead (:func:`named_as`): the copy is gone once the block
+    ends, and the caller asked for ``url``."""
+    try:
+        yield
+    except Exception as e:
+        named = named_as(e, local, url)
+        if named is e:
+            raise
+        raise named from e.__cause__
 
 
 def named_as(e: BaseException, local: str, url: str) -> BaseException:
@@ -442,6 +478,8 @@ def named_as(e: BaseException, local: str, url: str) -> BaseException:
             new: BaseException = type(e)(e.errno, sub(e.strerror), sub(e.filename))
         else:
             new = type(e)(*map(sub, e.args))
+        # What the error's class keeps beside its args (a step, the keys).
+        new.__dict__.update({k: sub(v) for k, v in vars(e).items()})
     except Exception:
         return e
     if local in str(new):
@@ -477,7 +515,7 @@ class ObjectFile(io.RawIOBase):
         self, url: str, options: StorageOptions = None, *, publish_on_close: bool = False
     ) -> None:
         super().__init__()
-        client, n, part = client_options(options)
+        client, n, part = client_options(options, url)
         self.name = url
         self._w = _native.ObjectWriter(url, client, n, part)
         #: close() publishes (for writers that close what they wrote: torch's
@@ -540,7 +578,8 @@ def staged_save(url: str, options: StorageOptions = None) -> Iterator[str]:
     A block that raises uploads nothing."""
     folder, path = _scratch_path(url)
     try:
-        yield path
+        with named_for(path, url):
+            yield path
         upload(path, url, options)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -554,6 +593,7 @@ def staged_load(url: str, options: StorageOptions = None) -> Iterator[str]:
     folder, path = _scratch_path(url, size)
     try:
         download(url, path, options)
-        yield path
+        with named_for(path, url):
+            yield path
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -656,7 +656,7 @@ def read_from_store(
     current streams (``streams``: those of the thread this read is for). The
     object's size and version, and the stats of a report
     (``reports.report``); with ``crc``, "crc32": each segment's CRC-32."""
-    client, n, part = remote.client_options(options)
+    client, n, part = remote.client_options(options, url)
     if streams is None:
         streams = _streams_of(segments)
     info = _native.store_read_into(url, segments, owners, client, n, part, e_tag, streams, crc)
@@ -675,7 +675,7 @@ def upload_zstd(
     ``workers`` threads and uploaded to ``url`` as the frames are made (parts
     of ``part_size``, ``concurrency`` uploads at once): one multipart upload,
     committed by its completion. (each item's (offset, length), the stats)."""
-    client, n, part = remote.client_options(options)
+    client, n, part = remote.client_options(options, url)
     info = _native.store_upload_zstd(url, items, owners, client, n, part, workers)
     spans = [tuple(s) for s in info.pop("spans")]
     return spans, _store_stats(info, info["size"], n)
@@ -692,7 +692,7 @@ def upload_archive(
     straight from memory, after the work queued on the current streams: one
     multipart upload, committed by its completion. The object's size and
     version, and the stats of a report."""
-    client, n, part = remote.client_options(options)
+    client, n, part = remote.client_options(options, url)
     devices = (e[1][2] for e in entries if isinstance(e[1], tuple))
     info = _native.store_upload_archive(url, entries, owners, client, n, part, streams(devices))
     return _store_stats(info, info["size"], n)
@@ -714,7 +714,7 @@ def upload_image(
     index, object offset)] where a segment's CRC-32 goes (after it: a zip's
     data descriptor), as for ``write``. The object's size and version, and
     the stats of a report."""
-    client, n, part = remote.client_options(options)
+    client, n, part = remote.client_options(options, url)
     info = _native.store_upload_image(
         url, head, segments, owners, total, client, n, part, _streams_of(segments), patches or []
     )

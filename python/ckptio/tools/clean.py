@@ -20,6 +20,7 @@ as every ckptio save into the folder does first.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from typing import Any
 
@@ -61,8 +62,9 @@ def abort_uploads(
     url: str, older_than: float = 86400.0, storage_options: remote.StorageOptions = None
 ) -> list[str]:
     """Abort the multipart uploads under ``url`` (``s3://bucket/prefix``) begun
-    more than ``older_than`` seconds ago: what saves killed midway leave in a
-    store (invisible as objects, billed as storage). ``key (upload id)`` of each.
+    more than ``older_than`` seconds ago (finite, >= 0: else a ValueError naming
+    the URL): what saves killed midway leave in a store (invisible as objects,
+    billed as storage). ``key (upload id)`` of each.
     ``url`` names a folder (``s3://b/run1`` is ``s3://b/run1/``: never the
     uploads of ``run10/`` or ``run1-eval/``) or one object (whose own uploads
     go too: ``s3://b/run1/model.pt``).
@@ -74,6 +76,15 @@ def abort_uploads(
     remote.check_options(url, storage_options)
     if not url.startswith(("s3://", "s3a://")):
         raise ValueError(f"{url}: aborting dangling uploads needs an s3:// URL")
+    # A negative age took the uploads of saves running now; NaN raised deep in datetime.
+    if (
+        isinstance(older_than, bool)
+        or not isinstance(older_than, (int, float))
+        or not 0 <= older_than < math.inf
+    ):
+        raise ValueError(
+            f"{url}: older_than must be a finite number of seconds >= 0, not {older_than!r}"
+        )
     try:
         import boto3
     except ImportError:
@@ -86,7 +97,12 @@ def abort_uploads(
         if key in _BOTO_ARGS:
             kwargs[_BOTO_ARGS[key]] = str(value)
     client = boto3.client("s3", **kwargs)
-    cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=older_than)
+    try:
+        cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(
+            seconds=older_than
+        )
+    except OverflowError:  # before year 1: no upload began that long ago
+        return []
     aborted = []
     pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix)
     folder = prefix if not prefix or prefix.endswith("/") else prefix + "/"

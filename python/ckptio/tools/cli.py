@@ -181,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
         "--older-than",
         type=float,
         default=86400.0,
-        help="s3://: abort uploads begun more than this many seconds ago (default 1 day)",
+        help="s3://: abort uploads begun more than this many seconds ago (>= 0; default 1 day)",
     )
     cl.add_argument(
         "--unreferenced",
@@ -262,8 +262,10 @@ def _local_copies(a: argparse.Namespace, stack: contextlib.ExitStack) -> None:
         return  # clean acts on the store itself
     if a.cmd in ("ls", "inspect", "verify"):
         return  # they read a torch.save object straight, anything else from a scratch copy
-    if a.cmd == "convert" and (not remote.is_url(a.src) or _is_object(a.src)):
-        return  # read straight from the store, written straight to it
+    if a.cmd == "convert":
+        # Objects read straight from the store, written straight to it; a folder
+        # (no format convert takes) refused from its names, nothing downloaded.
+        return
     for name in ("path", "src"):
         value = getattr(a, name, None)
         if value is not None and remote.is_url(value):
@@ -271,15 +273,6 @@ def _local_copies(a: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     dst = getattr(a, "dst", None)
     if dst is not None and remote.is_url(dst):
         a.dst = stack.enter_context(remote.staged_save(dst))
-
-
-def _is_object(url: str) -> bool:
-    """Whether ``url`` names an object (not a folder, nor nothing)."""
-    try:
-        remote.head(url)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _object_size(url: str) -> int:
@@ -371,7 +364,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 def _cmd_convert(a: argparse.Namespace) -> int:
     stored = remote.is_url(a.src)
-    src = detect.detect_stored(a.src) if stored else detect.detect(a.src)
+    src = detect.detect_url(a.src) if stored else detect.detect(a.src)
     if src.format not in (detect.TORCH, detect.SAFETENSORS):
         raise FormatError(
             f"{a.src} is a {src.format} checkpoint; convert takes a torch.save file or a "

@@ -202,7 +202,7 @@ def convert(
     if source is not None:
         found = source
     elif remote.is_url(src):
-        found = detect.detect_stored(os.fsdecode(os.fspath(src)))
+        found = detect.detect_url(os.fsdecode(os.fspath(src)))
     else:
         found = detect.detect(src)
     formats = {detect.TORCH: "torch", detect.SAFETENSORS: "safetensors"}

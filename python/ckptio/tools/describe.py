@@ -141,16 +141,9 @@ def listing(
     if remote.is_url(path) or storage_options is not None:
         url = os.fsdecode(os.fspath(path))
         with remote.local_tree(path, storage_options) as local:
-            # Named by what was asked for, not by the scratch copy: the listing,
-            # and an error raised on the copy.
-            try:
-                lst = listing(local)
-            except Exception as e:
-                named = remote.named_as(e, local, url.rstrip("/"))
-                if named is e:
-                    raise
-                raise named from None
-            return dataclasses.replace(lst, path=url)
+            # Named by what was asked for, not by the scratch copy (as an error
+            # raised on the copy is, by local_tree).
+            return dataclasses.replace(listing(local), path=url)
     # bytes and PathLike taken as verify and records take them; anything else a TypeError.
     src = source or detect(paths.path(path, "listing"))
     if src.format == TORCH:
@@ -207,10 +200,15 @@ def _stored_safetensors(url: str, options: remote.StorageOptions) -> Listing | N
 def _stored_sharded(url: str, options: remote.StorageOptions) -> Listing | None:
     try:
         folder, index_name, index, wm, files = st_format.stored_shards(url, options)
-        if index is None:  # no index: the folder may hold anything (a copy decides)
-            return None
-        heads = [st_format.read_stored_header(remote.join(folder, f), options) for f in files]
     except (FileNotFoundError, FormatError):
+        return None
+    if index is None:  # no index: the folder may hold anything (a copy decides)
+        return None
+    try:
+        # A shard the index names and the store lacks is the answer (its URL in a
+        # FileNotFoundError, as a local folder's is): no copy of the others first.
+        heads = [st_format.read_stored_header(remote.join(folder, f), options) for f in files]
+    except FormatError:
         return None
     per_file = [_st_entries(f, h[3], h[4]) for f, h in zip(files, heads, strict=True)]
     index_url = remote.join(folder, index_name)
