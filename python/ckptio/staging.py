@@ -1170,7 +1170,7 @@ class ReplicationStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 "ReplicationStager needs an initialized torch.distributed process group"
             )
         # (WORLD is None only before the group is initialized, checked above)
-        self._pg = pg if pg is not None else cast(dist.ProcessGroup, dist.group.WORLD)
+        self._pg = pg if pg is not None else cast("dist.ProcessGroup", dist.group.WORLD)
         world = dist.get_world_size(self._pg)
         if world < 2 or world % 2:
             raise ValueError(

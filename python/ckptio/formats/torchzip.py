@@ -1141,7 +1141,7 @@ def _native_open(
     name = archive.path
     whole = torch.UntypedStorage.from_file(f"/proc/self/fd/{archive.fileno()}", False, size)
     # StorageBase's own slicing: UntypedStorage's asks for the device first (1 us).
-    # (mypy reads StorageBase.__getitem__ on the class as a generic alias)
+    # (a private torch class on purpose; mypy takes .__getitem__ for indexing the class)
     cut = torch._C.StorageBase.__getitem__  # type: ignore[misc]
     storages = [cut(whole, slice(off, off + n)) for off, n, _, _ in found]
     with unpickling(name):

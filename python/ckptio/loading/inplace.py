@@ -842,9 +842,8 @@ def _piece(it: Item, verify: bool) -> sharing.Piece:
             it.file, it.offset, it.nbytes, it.dest.device, target, splittable=not verify
         )
 
-    src = cast(torch.Tensor, it.src)  # a Placeholder only in a direct item
-
     def finish(tmp: torch.Tensor) -> None:
+        src = cast(torch.Tensor, it.src)  # a Placeholder only in a direct item
         it.dest.copy_(tmp.view(src.dtype).as_strided(src.shape, src.stride()))
 
     return sharing.Piece(
