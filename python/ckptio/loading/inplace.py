@@ -40,7 +40,7 @@ import time
 import types
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import torch
 
@@ -60,9 +60,6 @@ from ckptio.formats.unpickled import Placeholder
 from ckptio.io import devices, memory, reports, transfer
 from ckptio.io.engines import IoOptions
 from ckptio.loading import sharing
-
-if TYPE_CHECKING:
-    from ckptio.io.reports import IOReport
 
 #: Bytes of temporaries (destinations that cannot be read into directly) alive
 #: at once; a larger tensor gets a batch of its own.
@@ -910,7 +907,7 @@ def report_plan(
     verify: bool,
     missing: Sequence[str] = (),
     unexpected: Sequence[str] = (),
-) -> IOReport:
+) -> reports.IOReport:
     unchecked = _finish_verify(p, io, stats) if verify else ()
     path = (
         p.files[0].path

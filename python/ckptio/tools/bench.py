@@ -18,14 +18,11 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TypeVar, cast
 
 import torch
 
 from ckptio import serialization
-
-if TYPE_CHECKING:
-    from ckptio.io.reports import IOReport
 
 GiB = 2**30
 
@@ -339,7 +336,7 @@ def run(
                 timed(name, fn)
                 if name.startswith("ckptio"):
                     # (never None: the save just reported)
-                    rep = cast("IOReport", serialization.last_report())
+                    rep = cast("serialization.IOReport", serialization.last_report())
             loads: list[tuple[str, str, Callable[[], object]]] = [
                 (
                     "torch.load, cold",
