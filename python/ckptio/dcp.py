@@ -72,8 +72,8 @@ import pickle
 import secrets
 import shutil
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO, Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,7 @@ from ckptio.loading import planning, sharing
 from ckptio.loading.planning import DefaultLoadPlanner
 from ckptio.staging import BlockingAsyncStager
 
+_ZStandard: type[Any] | None  # (None on older torch)
 try:  # torch >= 2.7: stream transforms of DCP items
     from torch.distributed.checkpoint._extension import ZStandard as _ZStandard
 except ImportError:  # pragma: no cover - older torch
@@ -212,7 +213,10 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         )
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self._io = IoOptions.of(threads, chunk_size, direct, backend)
-        self.last_stats: list[dict[str, Any]] = []
+        # (The stager's stage() sets its own last_stats, a dict, on this object
+        # until the next write resets it: one name for two things, not sorted
+        # out here as it changes an API.)
+        self.last_stats: list[dict[str, Any]] = []  # type: ignore[assignment]
         self._file_system()
 
     # The writer travels to DCP's checkpoint process (PROCESS mode): the stager's
@@ -337,7 +341,8 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         # (no local copy); the store's completion is the durability, no fsync.
         streams = _ObjectStreams(self._store)
         fs, sync = self.fs, self.sync_files
-        self.fs, self.sync_files = streams, False
+        # (a duck-typed FileSystem: what torch's writer calls of it)
+        self.fs, self.sync_files = cast(_fs.FileSystem, streams), False
         try:
             return self._write_files(plan, planner)
         except BaseException:
@@ -413,7 +418,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         until the bytes are written)."""
         image = fmt.FileImage()
         results = []
-        keep = []
+        keep: list[torch.Tensor] = []
         for item in items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
@@ -422,7 +427,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                 image.bytes_at(offset, blob)
                 length = len(blob)
             else:
-                t = data.detach()
+                t = cast(torch.Tensor, data).detach()  # not BYTE_IO: a tensor
                 if not t.is_contiguous() or t.is_conj() or t.is_neg():
                     t = t.contiguous().resolve_conj().resolve_neg()
                 keep.append(t)
@@ -542,7 +547,7 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
                 blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                 parts.append((blob, 0, 0, b"", []))
                 continue
-            t = data.detach().to("cpu")
+            t = cast(torch.Tensor, data).detach().to("cpu")  # not BYTE_IO: a tensor
             if not t.is_contiguous() or t.is_conj() or t.is_neg():
                 t = t.contiguous().resolve_conj().resolve_neg()
             keep.append(t)
@@ -977,9 +982,10 @@ class FileSystemReader(_TorchReader):
             metadata = fmt.parse_metadata(raw, url, trusted=self.trusted_metadata)
         else:
             metadata = read_metadata(path, trusted=self.trusted_metadata)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = _md.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = _md.StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -1191,9 +1197,10 @@ class FileSystemReader(_TorchReader):
         owners = list(bufs.values())
         stats = transfer.read_from_store(url, segments, owners, self._store.options, e_tag)
         self.last_stats.append(dict(stats, path=url))
-        ranges = {off: memoryview(b.numpy()) for off, b in bufs.items()}
+        ranges = {off: b.numpy().data for off, b in bufs.items()}  # (memoryview(array))
         ranges.update((off, memoryview(b"")) for off, n in spans.items() if not n)
-        fs, self.fs = self.fs, _Fetched({rel: fmt.SparseSource(url, ranges)})
+        # (a duck-typed FileSystem: what torch's reader calls of it)
+        fs, self.fs = self.fs, cast(_fs.FileSystem, _Fetched({rel: fmt.SparseSource(url, ranges)}))
         try:
             super().read_data(LoadPlan(reqs), planner).wait()
         finally:
@@ -1344,7 +1351,8 @@ class FileSystemReader(_TorchReader):
                 return got
             try:
                 meta = torch.load(
-                    _fs._create_file_view(f, info.offset, info.length),
+                    # (an IO of bytes: torch's own reader casts it so too)
+                    cast(IO[bytes], _fs._create_file_view(f, info.offset, info.length)),
                     map_location="meta",
                     weights_only=True,
                 )
@@ -1415,7 +1423,9 @@ class FileSystemReader(_TorchReader):
         # (segment index, stored CRC-32 or None, request, item offset) when verifying
         checks: list[tuple[int, int | None, Any, int]] = []
         # The predicted zip heads of each batch, and the buffer they are read into.
-        heads: list[tuple[list[tuple[int, tuple[bytes, tuple[()]]]], torch.Tensor]] = []
+        heads: list[
+            tuple[list[tuple[int, tuple[bytes, tuple[tuple[int, int], ...]]]], torch.Tensor]
+        ] = []
         copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         claims = memory.Claims()  # the destinations read into straight
         reads = transfer.Pipeline.of_file(dev_file, engine, verify=self.verify, join=True)
@@ -1439,7 +1449,7 @@ class FileSystemReader(_TorchReader):
                 guess = predict and not self.verify
                 for lo, hi in ranges or [(0, 0)]:
                     first = len(segments)
-                    known: list[tuple[int, tuple[bytes, tuple[()]]]] = []
+                    known: list[tuple[int, tuple[bytes, tuple[tuple[int, int], ...]]]] = []
                     for req, info in large[lo:hi]:
                         layout = self._predicted_item(req, info) if guess else None
                         if layout is not None:
@@ -1558,7 +1568,7 @@ class FileSystemReader(_TorchReader):
         )
         if straight and claims.claim(dev, target.data_ptr(), target.numel() * isz):
             # Straight into the destination.
-            start = data_off + src.storage_offset() * isz
+            start = data_off + cast(int, src.storage_offset()) * isz
             segments.append((start, target.data_ptr(), target.numel() * isz, dev))
             owners.append(target)
             commits.append((req, target, None, None))
@@ -1582,7 +1592,8 @@ class FileSystemReader(_TorchReader):
     ) -> torch.Tensor:
         """The tensor an item holds, as a view of its bytes in the small-item
         buffer (``views.buf``, read at ``at``)."""
-        meta = key = rec = None
+        meta = key = None
+        rec: tuple[str | None, int, int] | None = None
         if got is not None:
             pkl_off, pkl_n, data = got
             pkl = bytes(views.mem[pkl_off : pkl_off + pkl_n])
@@ -1784,7 +1795,7 @@ def _placed(
 
 
 def _checked_items(
-    path: str, checks: list[tuple[int, int | None, str, int]], crcs: list[int | None]
+    path: str, checks: Sequence[tuple[int, int | None, str, int]], crcs: list[int | None]
 ) -> dict[str, list[str]]:
     """Each item's data CRC-32 (``crcs``, per segment; None: not computed, cuFile
     moved the bytes) against the one its zip stores (``checks``: (segment,

@@ -276,7 +276,8 @@ def _plan(path: str, fill: torch.device, io: IoOptions) -> _Plan:
         proto = protos.get(dtype)
         if proto is None:
             proto = protos[dtype] = torch.empty(0, dtype=dtype, device=fill)
-        t = proto.new().set_(st, 0, shape)
+        # torch's stubs lack set_(source, offset, size) (the stride is optional)
+        t = proto.new().set_(st, 0, shape)  # type: ignore[call-overload]
         tensors[name] = t
         if nbytes:
             segments.append((off, st.data_ptr(), nbytes, dev))
@@ -409,7 +410,8 @@ def _plan_remote(url: str, dest: torch.device, options: remote.StorageOptions) -
     for name, dtype, shape, begin, end in entries:
         nbytes = end - begin
         st = memory.empty_storage(nbytes, dest, 0)
-        t = torch.empty(0, dtype=dtype, device=dest).set_(st, 0, shape)
+        # torch's stubs lack set_(source, offset, size) (the stride is optional)
+        t = torch.empty(0, dtype=dtype, device=dest).set_(st, 0, shape)  # type: ignore[call-overload]
         plan.tensors[name] = t
         plan.rows.append((name, base + begin, nbytes))
         if nbytes:

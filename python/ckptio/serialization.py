@@ -260,7 +260,8 @@ def _save_streamed(
     why = _torch_writes(new_zip) or "torch's pickling arguments: torch wrote the archive"
     with remote.ObjectFile(url, options) as fh:
         with torchzip.torch_writing():
-            torch.save(obj, fh, torch_args[0], torch_args[1], new_zip, torch_args[2])
+            # torch's stubs: a path or an IO; a RawIOBase is a file object it writes to
+            torch.save(obj, fh, torch_args[0], torch_args[1], new_zip, torch_args[2])  # type: ignore[arg-type]
     assert fh.committed is not None
     stats = dict(reports.torch_stats(fh.committed["size"], why), backend="store")
     reports.report(url, t0, stats, 0)
@@ -465,8 +466,8 @@ def load(
                     f"load(verify=True) needs a path or a file object over a regular file, "
                     f"not {type(f).__name__}"
                 )
-            why = "a file object without a usable descriptor"
-            return _by_torch(t0, f, why, map_location, mmap=mmap, **torch_kw)
+            no_fd = "a file object without a usable descriptor"
+            return _by_torch(t0, f, no_fd, map_location, mmap=mmap, **torch_kw)
         path, shown = f"/proc/self/fd/{fd}", paths.object_name(f, fd)
     why = _torch_loads(path, map_location, mmap)
     if why == "mmap":
@@ -730,7 +731,8 @@ def _load_archive(
             restorer = _Restorer(map_location, list(archive.data.values()), shown)
             try:
                 with torchzip.unpickling(shown):
-                    obj = torch.load(src, map_location=restorer, mmap=True, **torch_kw)
+                    # torch's stubs say map_location gets a Storage: it gets an UntypedStorage
+                    obj = torch.load(src, map_location=restorer, mmap=True, **torch_kw)  # type: ignore[arg-type]
             except RuntimeError as e:
                 if not torchzip.declines_restorer(e) or callable(map_location):
                     raise
@@ -823,7 +825,8 @@ def _load_prefilled(
     restorer = _Prefilled(planned)
     try:
         with torchzip.unpickling(archive.path):
-            obj = torch.load(src, map_location=restorer, mmap=True, **torch_kw)
+            # torch's stubs say map_location gets a Storage: it gets an UntypedStorage
+            obj = torch.load(src, map_location=restorer, mmap=True, **torch_kw)  # type: ignore[arg-type]
     except Exception as e:
         if restorer.mismatch is not None:
             return f"{reads}; {restorer.mismatch}"

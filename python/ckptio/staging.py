@@ -49,7 +49,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -555,8 +555,15 @@ class _Plan:
 
     def host_copies(self) -> list[tuple[int, int, Any, int, int]]:
         """stage_copy's jobs: (source address, source device or -1, pin, offset, nbytes)."""
+        # (not k[3]: a host buffer or slot, as _unallocated makes them)
         return [
-            (k[1], k[0], b.pin, b.offset if isinstance(b, _HostSlot) else 0, k[2])
+            (
+                k[1],
+                k[0],
+                cast("_HostBuffer | _HostSlot", b).pin,
+                b.offset if isinstance(b, _HostSlot) else 0,
+                k[2],
+            )
             for k, b in self.memo.items()
             if not k[3]
         ]
@@ -566,7 +573,8 @@ class _Plan:
         out: dict[int, list[tuple[int, int, int]]] = {}
         for k, b in self.memo.items():
             if k[3]:
-                out.setdefault(k[0], []).append((b.ptr, k[1], k[2]))  # type: ignore[union-attr]
+                # (k[3]: a device snapshot buffer, as _unallocated makes them)
+                out.setdefault(k[0], []).append((cast(_DeviceBuffer, b).ptr, k[1], k[2]))
         return out
 
     def device_buffers(self, device: int) -> list[torch.UntypedStorage]:
@@ -1161,7 +1169,8 @@ class ReplicationStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             raise RuntimeError(
                 "ReplicationStager needs an initialized torch.distributed process group"
             )
-        self._pg = pg if pg is not None else dist.group.WORLD
+        # (WORLD is None only before the group is initialized, checked above)
+        self._pg = pg if pg is not None else cast("dist.ProcessGroup", dist.group.WORLD)
         world = dist.get_world_size(self._pg)
         if world < 2 or world % 2:
             raise ValueError(

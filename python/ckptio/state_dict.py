@@ -497,7 +497,8 @@ def _plain_module(m: torch.nn.Module) -> bool:
 _Module = torch.nn.Module
 _DEFAULT_LOAD = _Module._load_from_state_dict
 _DEFAULT_EXTRA = _Module.set_extra_state
-_LAZY = torch.nn.parameter.UninitializedTensorMixin  # what is_lazy() tests
+# what is_lazy() tests (in torch.nn.parameter's __all__; its .pyi stub omits it)
+_LAZY = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
 _Tensor = torch.Tensor
 
 
@@ -516,7 +517,7 @@ def _plain_state(m: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         or m._load_state_dict_post_hooks
     ):
         return None
-    own = {}
+    own: dict[str, torch.Tensor] = {}
     for k, t in m._parameters.items():
         if t is not None:
             if t.is_meta or isinstance(t, _LAZY):
@@ -524,12 +525,12 @@ def _plain_state(m: torch.nn.Module) -> dict[str, torch.Tensor] | None:
             own[k] = t
     if m._buffers:  # two loops: one over both tables cost the walk 8-10%
         skip = m._non_persistent_buffers_set
-        for k, t in m._buffers.items():
-            if t is not None:
-                if t.is_meta or isinstance(t, _LAZY):
+        for k, b in m._buffers.items():
+            if b is not None:
+                if b.is_meta or isinstance(b, _LAZY):
                     return None
                 if k not in skip:
-                    own[k] = t
+                    own[k] = b
     return own
 
 
@@ -816,7 +817,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, state_dict: Any, run: _Run, *, t
             device = param.device
         if where is None:  # not the checkpoint's bytes (a pre-hook made it)
             return value.to(dtype=dtype, device=device)
-        state = opt.state.get(param)
+        state: Any = opt.state.get(param)  # (None: the optimizer has none for it)
         # A state tensor the optimizer has: a top-level one (a nested key of the
         # same name is another tensor), and one no other entry of this load
         # fills (torch makes a tensor per entry: state tensors shared before
@@ -1249,8 +1250,10 @@ class _Lazy(torch.Tensor):
         args, kwargs = tree_map_only(_Lazy, _Lazy._materialize, (args, kwargs))
         return func(*args, **kwargs)
 
+    # torch's stubs declare Tensor's __torch_dispatch__ as a plain function
+    # (the disabled impl); subclasses override it as a classmethod, as here.
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
         args, kwargs = tree_map_only(_Lazy, _Lazy._materialize, (args, kwargs or {}))

@@ -33,7 +33,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch.distributed.checkpoint import metadata as _md
@@ -209,7 +209,7 @@ def item_zip(dtype: torch.dtype, shape: tuple[int, ...], align: int = ALIGN) -> 
     shell = torch.empty(shape, dtype=dtype)  # untouched pages: costs nothing
     sink = _SparseSink()
     with torchzip.exclusive_config(align), torch.serialization.skip_data():
-        torch.save(shell, sink)
+        torch.save(shell, sink)  # type: ignore[arg-type]  # torch's stubs: IO only; any stream does
     nbytes = shell.numel() * shell.element_size()
     head, tail = bytearray(), bytearray()
     for pos, data in sink.parts:
@@ -416,8 +416,8 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     out = {(o.__module__, o.__qualname__): o for o in objs}
     for o in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath):
         out[("pathlib", o.__name__)] = o  # as older Pythons name them
-    for o in (set, frozenset, complex, bytearray, slice, range):
-        out[("builtins", o.__name__)] = o
+    for b in (set, frozenset, complex, bytearray, slice, range):
+        out[("builtins", b.__name__)] = b
     for name in dir(torch):
         if isinstance(getattr(torch, name, None), torch.dtype):
             out[("torch", name)] = getattr(torch, name)
@@ -728,7 +728,7 @@ def _check_metadata(md: Any, path: str) -> None:
         rel = getattr(info, "relative_path", None)
         if rel not in seen:
             inside(folder, rel, f"{path}: item {fqn!r}")
-            seen.add(rel)
+            seen.add(cast(str, rel))  # inside() raised unless it is a str
     items = {(k.fqn, None if k.offset is None else tuple(k.offset)) for k in sd}
     for fqn, entry in sdm.items():
         if isinstance(entry, _md.TensorStorageMetadata):

@@ -11,7 +11,7 @@ needed are then read, straight into their destinations.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -56,4 +56,4 @@ class Mapped:
 def storage_address(t: torch.Tensor) -> int:
     """The address of a strided tensor's storage, without making the storage's
     Python object (``untyped_storage()``: 0.5 us a tensor)."""
-    return t.data_ptr() - t.storage_offset() * t.element_size()
+    return t.data_ptr() - cast(int, t.storage_offset()) * t.element_size()

@@ -38,7 +38,7 @@ import secrets
 import shutil
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard, TypeVar
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -339,7 +339,7 @@ def _short(x: Any) -> str:
     return s if len(s) <= 200 else s[:200] + "..."
 
 
-def _int_list(x: Any) -> bool:
+def _int_list(x: Any) -> TypeGuard[list[int]]:
     # type() is int: not bool; the set and min run in C (one call per entry here).
     return type(x) is list and (not x or ({type(v) for v in x} == {int} and min(x) >= 0))
 
@@ -647,10 +647,10 @@ def header_of(
     dtypes = DTYPES
     # Entry's made as tuples are (its __new__ takes keywords: 5x the time).
     new = tuple.__new__
-    entries: list[Entry] = [
+    made: list[Entry] = [
         new(Entry, (name, dtypes[dt], shape, b, e)) for name, dt, shape, b, e in rows
     ]
-    return (None if pairs is None else dict(pairs)), entries, 8 + n
+    return (None if pairs is None else dict(pairs)), made, 8 + n
 
 
 def shard_files(index_path_or_folder: str) -> tuple[str, dict[str, str] | None]:
@@ -783,11 +783,12 @@ def generation(folder: str) -> set[str] | None:
 def foreign_shards(folder: str) -> set[str] | None:
     """The files the folder's other indexes (:func:`other_indexes`) name: another
     writer's checkpoint (None: one that cannot be read, which may name any)."""
-    named: set[str] | None = set()
+    named: set[str] = set()
     for index in other_indexes(os.listdir(folder)):
-        named = _named_by(os.path.join(folder, index), named)
-        if named is None:
+        got = _named_by(os.path.join(folder, index), named)
+        if got is None:
             return None
+        named = got
     return named
 
 
@@ -832,12 +833,15 @@ def sweep(folder: str, own: str | None = None, *, unreferenced: bool = True) -> 
     return sweep_unnamed(folder, SHARD_FILE, own, in_use, dead)
 
 
+_T = TypeVar("_T")  # what gather's dicts hold: tensors, or describe's entries
+
+
 def gather(
-    src: str, files: list[str], tensors: list[dict[str, torch.Tensor]], wm: dict[str, str] | None
-) -> dict[str, torch.Tensor]:
+    src: str, files: list[str], tensors: list[dict[str, _T]], wm: dict[str, str] | None
+) -> dict[str, _T]:
     """The shards' tensors in one dict; a name in two shards, or a tensor not in
     the shard the index's weight_map names, is a SafetensorError."""
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, _T] = {}
     where: dict[str, str] = {}
     for f, ts in zip(files, tensors, strict=True):
         for name, t in ts.items():
@@ -869,7 +873,8 @@ def open_file(
         off = start + e.begin
         isz = e.dtype.itemsize
         if off % isz == 0:
-            t = torch.empty(0, dtype=e.dtype).set_(mapping, off // isz, e.shape)
+            # torch's stubs lack set_(source, offset, size) (the stride is optional)
+            t = torch.empty(0, dtype=e.dtype).set_(mapping, off // isz, e.shape)  # type: ignore[call-overload]
         else:  # a view would need an aligned offset: copy these bytes
             raw = mapping[off : off + e.end - e.begin]
             t = torch.empty(e.shape, dtype=e.dtype)

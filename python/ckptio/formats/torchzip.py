@@ -42,7 +42,7 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 from torch.utils.serialization import config as _torch_config
@@ -442,7 +442,8 @@ class _Pickler(pickle.Pickler):
             or t.is_nested
             or t._backward_hooks
             or t.__dict__
-            or torch._C._get_tensor_metadata(t)
+            # private torch API, absent from torch's stubs
+            or torch._C._get_tensor_metadata(t)  # type: ignore[attr-defined]
         ):
             return NotImplemented
         st = t.untyped_storage()
@@ -472,7 +473,7 @@ def native_pickler() -> _native.StateDictPickler:
         collections.OrderedDict,
         torch.strided,
         _v2_storage_classes(),
-        torch._C._get_tensor_metadata,
+        torch._C._get_tensor_metadata,  # type: ignore[attr-defined]  # private; not in the stubs
         torch.serialization.location_tag,
         torch._utils._rebuild_tensor_v2,
         torch._utils._rebuild_parameter,
@@ -1199,7 +1200,8 @@ def open_torch(
     with unpickling(archive.path):
         obj = torch.load(
             f"/proc/self/fd/{reader.fileno()}",
-            map_location=_keep_mapped(found, holders),
+            # torch's stubs say the function gets a Storage: torch.load passes UntypedStorage
+            map_location=_keep_mapped(found, holders),  # type: ignore[arg-type]
             mmap=True,
             **(torch_kw or {}),
         )
@@ -1235,7 +1237,8 @@ def _native_open(
     name = archive.path
     whole = torch.UntypedStorage.from_file(f"/proc/self/fd/{archive.fileno()}", False, size)
     # StorageBase's own slicing: UntypedStorage's asks for the device first (1 us).
-    cut = torch._C.StorageBase.__getitem__
+    # (a private torch class on purpose; mypy takes .__getitem__ for indexing the class)
+    cut = torch._C.StorageBase.__getitem__  # type: ignore[misc]
     storages = [cut(whole, slice(off, off + n)) for off, n, _, _ in found]
     with unpickling(name):
         dtypes = [dtype for _, _, dtype, _ in found]
@@ -1647,7 +1650,11 @@ def _record_infos(archive: Records, meta: Any, crcs: dict[str, int | None]) -> l
             )
         by_offset.setdefault(off, []).append(
             TensorInfo(
-                name or "<root>", t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
+                name or "<root>",
+                t.dtype,
+                tuple(t.shape),
+                tuple(t.stride()),
+                cast(int, t.storage_offset()),
             )
         )
     return [

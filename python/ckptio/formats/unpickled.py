@@ -11,7 +11,7 @@ dev VM)."""
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, final
 
 import torch
 
@@ -142,6 +142,7 @@ def _parameter(data: torch.Tensor, requires_grad: bool, hooks: Any) -> torch.nn.
     return p
 
 
+@final  # `type(x) is Placeholder` checks: no subclass may pass for one
 class Placeholder:
     """A tensor of the checkpoint not made yet: its ``dtype``, ``shape``,
     whether it is ``contiguous``, the ``address`` of its first byte in the

@@ -17,7 +17,7 @@ import re
 import stat
 from collections.abc import Callable
 from pathlib import PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any
 
 from ckptio import _native
 from ckptio.errors import FormatError
@@ -145,7 +145,7 @@ def inside(
     return full
 
 
-def open_regular(path: str) -> BinaryIO:
+def open_regular(path: str) -> io.BufferedReader:
     """``open(path, "rb")`` of a regular file; anything else refused before a
     byte is read (a read of a FIFO or a device blocks for ever or never ends):
     IsADirectoryError for a folder, OSError naming what it is otherwise. The

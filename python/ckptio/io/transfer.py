@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from ckptio import _native
 from ckptio.errors import check_crc
@@ -513,10 +513,14 @@ def read_after(
 
 class File(Protocol):
     """A file of a read of several files: its name in reports, the native file
-    (or an object in a store)."""
+    (or an object in a store). Read-only members: a :class:`~ckptio.formats.mapped.Mapped`
+    (whose ``file`` is never a ``StoredObject``) is one."""
 
-    path: str
-    file: _native.Reader | _native.DeviceFile | StoredObject
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def file(self) -> _native.Reader | _native.DeviceFile | StoredObject: ...
 
 
 @dataclasses.dataclass
@@ -577,7 +581,8 @@ def check_records(
     read a whole record of ``declared`` (data offset -> (name, size, CRC-32 or
     None)) checked, a FormatError naming the first that differs: "verified"
     and "unchecked" (none declared) record names."""
-    verified, unchecked = [], []
+    verified: list[str] = []
+    unchecked: list[str] = []
     for (off, _, n, _), crc in zip(segments, crcs, strict=True):
         rec = declared.get(off)
         if rec is None or rec[1] != n:
@@ -602,8 +607,9 @@ def _read_local_files(
         if fi in done:
             continue
         f = files[fi]
-        check = verify and isinstance(f.file, _native.Reader)
-        got[fi] = dict(read(f.file, engine, segs, owners, verify=check), path=f.path)
+        local = cast("_native.Reader | _native.DeviceFile", f.file)  # objects are in done
+        check = verify and isinstance(local, _native.Reader)
+        got[fi] = dict(read(local, engine, segs, owners, verify=check), path=f.path)
     return [got[fi] for fi in per_file]
 
 

@@ -40,7 +40,7 @@ import time
 import types
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 
@@ -212,7 +212,7 @@ _DROP = object()
 
 def replace_tensors(
     obj: Any,
-    fn: Callable[[tuple[Any, ...], torch.Tensor], Any],
+    fn: Callable[[tuple[Any, ...], Any], Any],
     path: tuple[Any, ...] = (),
     memo: dict[int, Any] | None = None,
 ) -> Any:
@@ -220,7 +220,9 @@ def replace_tensors(
     dicts, lists, deques and objects' ``__dict__`` and ``__slots__`` changed in
     place, tuples rebuilt (named tuples too). Shared containers are walked once
     (``memo``: an :class:`_Unsharing`, at each key path instead). Other
-    containers (sets, objects keeping values elsewhere) are not entered."""
+    containers (sets, objects keeping values elsewhere) are not entered.
+    ``t`` is a tensor, or a :class:`Placeholder` where ``obj`` holds any (so
+    ``fn`` takes ``Any``: most walks' objects hold tensors only)."""
     r = _walk(obj, path, fn, {} if memo is None else memo)
     return None if r is _DROP else r
 
@@ -228,7 +230,7 @@ def replace_tensors(
 def _walk(
     o: Any,
     p: tuple[Any, ...],
-    fn: Callable[[tuple[Any, ...], torch.Tensor], Any],
+    fn: Callable[[tuple[Any, ...], Any], Any],
     memo: dict[int, Any],
 ) -> Any:
     """:func:`replace_tensors` of ``o`` at key path ``p`` (``memo``: the containers seen).
@@ -255,7 +257,7 @@ def _walk(
 def _walk_open(
     o: Any,
     p: tuple[Any, ...],
-    fn: Callable[[tuple[Any, ...], torch.Tensor], Any],
+    fn: Callable[[tuple[Any, ...], Any], Any],
     memo: _Unsharing,
 ) -> Any:
     """:func:`_walk_container` of ``o``, marked open meanwhile (a cycle back to it
@@ -283,7 +285,7 @@ class _Unsharing(dict):  # type: ignore[type-arg]
 def _walk_container(
     o: Any,
     p: tuple[Any, ...],
-    fn: Callable[[tuple[Any, ...], torch.Tensor], Any],
+    fn: Callable[[tuple[Any, ...], Any], Any],
     memo: dict[int, Any],
 ) -> Any:
     """:func:`_walk` of a value that is not a tensor, seen the first time."""
@@ -796,21 +798,22 @@ def execute(
             stats += transfer.read_files(p.files, per_file, io, verify)
             with torch.no_grad():
                 for it, tmp in temps:
-                    view = tmp.view(it.src.dtype).as_strided(it.src.shape, it.src.stride())
+                    made = cast(torch.Tensor, it.src)  # a Placeholder only in a direct item
+                    view = tmp.view(made.dtype).as_strided(made.shape, made.stride())
                     it.dest.copy_(view)
             del temps
         if copies:
             started = True
             with torch.no_grad():
                 for it in copies:
-                    it.dest.copy_(it.src)
+                    it.dest.copy_(cast(torch.Tensor, it.src))  # not direct: a tensor
         for it in ordered:  # one by one, in order (see Item.ordered)
             started = True
             src: torch.Tensor = unpickled.tensor(it.src)
             if it.file is not None and it.nbytes:
                 tmp = torch.empty(it.nbytes, dtype=torch.uint8, device=_temp_device(it.dest))
                 seg = (it.offset, tmp.data_ptr(), it.nbytes, devices.device_code(tmp, it.key))
-                stats += transfer.read_files(p.files, {it.file: ([seg], [tmp])}, io, verify)  # type: ignore[arg-type]
+                stats += transfer.read_files(p.files, {it.file: ([seg], [tmp])}, io, verify)
                 src = tmp.view(src.dtype).as_strided(src.shape, src.stride())
             with torch.no_grad():
                 it.dest.copy_(src)
@@ -837,7 +840,8 @@ def _piece(it: Item, verify: bool) -> sharing.Piece:
         )
 
     def finish(tmp: torch.Tensor) -> None:
-        it.dest.copy_(tmp.view(it.src.dtype).as_strided(it.src.shape, it.src.stride()))
+        src = cast(torch.Tensor, it.src)  # a Placeholder only in a direct item
+        it.dest.copy_(tmp.view(src.dtype).as_strided(src.shape, src.stride()))
 
     return sharing.Piece(
         it.file, it.offset, it.nbytes, _temp_device(it.dest), None, finish, splittable=False
@@ -903,7 +907,7 @@ def report_plan(
     verify: bool,
     missing: Sequence[str] = (),
     unexpected: Sequence[str] = (),
-) -> transfer.IOReport:
+) -> reports.IOReport:
     unchecked = _finish_verify(p, io, stats) if verify else ()
     path = (
         p.files[0].path

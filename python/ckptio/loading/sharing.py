@@ -112,7 +112,8 @@ def as_bytes(owner: torch.Tensor | torch.UntypedStorage, address: int, nbytes: i
     at = address - st.data_ptr()
     if not (0 <= at and at + nbytes <= st.nbytes()):
         raise ValueError("a segment outside its owner's memory")
-    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, at, (nbytes,))
+    # torch's stubs lack set_(source, offset, size) (the stride is optional)
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, at, (nbytes,))  # type: ignore[call-overload]
 
 
 def segment_pieces(
@@ -392,7 +393,10 @@ def _difference(ref: dict[str, Any], e: dict[str, Any], r: int) -> str | None:
     if same == {k: v for k, v in ref.items() if k != "names"}:
         return None
     if e.get("kind") != ref.get("kind"):
-        what = {"read": "reading the checkpoint", "end": "done with the load"}
+        what: dict[str | None, str] = {
+            "read": "reading the checkpoint",
+            "end": "done with the load",
+        }
         there, here = (what.get(x.get("kind"), x.get("kind")) for x in (e, ref))
         return (
             f"rank {r} is {there} where rank 0 is {here}: the ranks load the checkpoint differently"
@@ -524,9 +528,11 @@ class _Rounds:
             land = self._layout(batch)
             need = sum(land.sizes.values())
             with self.ahead:
-                self.ahead.wait_for(
-                    lambda n=need: self.stop or not self.held or self.held + n <= AHEAD
-                )
+
+                def room(n: int = need) -> bool:
+                    return self.stop or not self.held or self.held + n <= AHEAD
+
+                self.ahead.wait_for(room)
                 if self.stop:
                     return
                 self.held += need

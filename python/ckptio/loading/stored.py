@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -85,8 +85,10 @@ def meta_tensor(
     load's object ``file``."""
     st = torch.UntypedStorage(nbytes, device="meta")
     st._checkpoint_offset = offset
-    st._checkpoint_file = file
-    return torch.empty(0, dtype=dtype, device="meta").set_(st, 0, tuple(shape))
+    # an attribute of ckptio's own on the storage (torch's stubs declare none)
+    setattr(st, "_checkpoint_file", file)  # noqa: B010
+    # torch's stubs lack set_(source, offset, size) (the stride is optional)
+    return torch.empty(0, dtype=dtype, device="meta").set_(st, 0, tuple(shape))  # type: ignore[call-overload]
 
 
 def open_archive(
@@ -170,8 +172,9 @@ def _source_of(src: torch.Tensor) -> tuple[int, int]:
     """(file index, offset of its first byte) of a tensor made by
     :func:`meta_tensor` or ``torchzip.meta_object``."""
     st = src.untyped_storage()
-    return getattr(st, "_checkpoint_file", 0), st._checkpoint_offset + (
-        src.storage_offset() * src.element_size()
+    # (torch types the offset int | None: these tensors' storages all have one)
+    return getattr(st, "_checkpoint_file", 0), cast(int, st._checkpoint_offset) + (
+        cast(int, src.storage_offset()) * src.element_size()
     )
 
 
@@ -239,7 +242,9 @@ class Reads:
     checked once they are in (:meth:`moved`)."""
 
     def __init__(
-        self, f: StoredFile, reads: list[tuple[tuple[int, int, int, int], torch.Tensor]]
+        self,
+        f: StoredFile,
+        reads: Sequence[tuple[tuple[int, int, int, int], torch.Tensor | torch.UntypedStorage]],
     ) -> None:
         used = {seg[0] for seg, _ in reads}
         self.f = f
@@ -250,8 +255,9 @@ class Reads:
             heads.append((lh, ptr, off - lh, -1))
             ptr += off - lh
         self.segments = heads + [seg for seg, _ in reads]
-        #: One owner per segment.
-        self.owners = [self.head_bytes] * len(heads) + [d for _, d in reads]
+        #: One owner per segment (a tensor or a storage: what holds its memory).
+        owners: list[torch.Tensor | torch.UntypedStorage] = [self.head_bytes] * len(heads)
+        self.owners = owners + [d for _, d in reads]
 
     def read(self, options: remote.StorageOptions, verify: bool) -> dict[str, Any]:
         """Read alone (``verify``: each whole record's CRC-32 checked)."""

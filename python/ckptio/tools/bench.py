@@ -17,8 +17,8 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar, cast
 
 import torch
 
@@ -320,8 +320,13 @@ def run(
             times.setdefault(raw_w, []).append(raw.write)
             times.setdefault(raw_r, []).append(raw.read)
             times.setdefault(RAW_FRESH, []).append(raw.read_fresh)
+
+            def torch_save() -> None:
+                torch.save(sd, p_torch)
+                fsync_path(p_torch)
+
             saves: list[tuple[str, Callable[[], object]]] = [
-                ("torch.save + fsync", lambda: (torch.save(sd, p_torch), fsync_path(p_torch))),
+                ("torch.save + fsync", torch_save),
                 (
                     "ckptio.save (durable)",
                     lambda: serialization.save(sd, p_ck, threads=threads, chunk_size=chunk_size),
@@ -330,7 +335,8 @@ def run(
             for name, fn in _in_turn(saves, rnd):
                 timed(name, fn)
                 if name.startswith("ckptio"):
-                    rep = serialization.last_report()
+                    # (never None: the save just reported)
+                    rep = cast("serialization.IOReport", serialization.last_report())
             loads: list[tuple[str, str, Callable[[], object]]] = [
                 (
                     "torch.load, cold",
@@ -348,10 +354,7 @@ def run(
             for name, p, fn in _in_turn(loads, rnd):
                 drop_cache(p)
                 timed(name, fn)
-        log(
-            f"# ckptio.save: backend={rep.backend} direct={rep.direct} "  # type: ignore[union-attr]
-            f"threads={rep.threads}"
-        )  # type: ignore[union-attr]
+        log(f"# ckptio.save: backend={rep.backend} direct={rep.direct} threads={rep.threads}")
         for name in (
             "torch.save + fsync",
             "ckptio.save (durable)",
@@ -450,7 +453,7 @@ def _value(v: float, unit: str) -> str:
 def plot_bars(
     path: str,
     title: str,
-    panels: list[tuple[str, list[Bar]]] | list[tuple[str, list[Bar], str]],
+    panels: Sequence[tuple[str, list[Bar]] | tuple[str, list[Bar], str]],
     *,
     unit: str = "GiB/s",
     caption: str = "",

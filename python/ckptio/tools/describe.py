@@ -275,9 +275,9 @@ def _sharded(src: Detected) -> Listing:
     folder, files, wm = sharded_files(src.root)
     metas, per_file = [], []
     for name in files:
-        meta, entries = _safetensors_file(os.path.join(folder, name), name)
+        meta, found = _safetensors_file(os.path.join(folder, name), name)
         metas.append(meta)
-        per_file.append(entries)
+        per_file.append(found)
     # The index's weight_map must agree with the shards (load_sharded's check).
     st_format.gather(src.root, files, [{e.name: e for e in es} for es in per_file], wm)
     sizes = tuple((f, os.path.getsize(os.path.join(folder, f))) for f in files)
@@ -349,12 +349,12 @@ def _dcp(src: Detected) -> Listing:
     for fqn, meta in sdm.items():
         if isinstance(meta, BytesStorageMetadata):
             info = where.get((fqn, None))
-            shards = (
+            held = (
                 ()
                 if info is None
                 else (Shard((), (), info.relative_path, info.offset, info.length),)
             )
-            stored.append(Stored(fqn, "bytes", None, None, shards))
+            stored.append(Stored(fqn, "bytes", None, None, held))
             continue
         shards = []
         for c in meta.chunks:
@@ -373,8 +373,8 @@ def _dcp(src: Detected) -> Listing:
             Stored(fqn, "tensor", _dtype(meta.properties.dtype), tuple(meta.size), tuple(shards))
         )
     files = sorted({e.file for e in entries})
-    sizes = tuple((f, os.path.getsize(os.path.join(folder, f))) for f in files)
-    return Listing(src.path, DCP, sizes, tuple(entries), None, tuple(stored))
+    file_sizes = tuple((f, os.path.getsize(os.path.join(folder, f))) for f in files)
+    return Listing(src.path, DCP, file_sizes, tuple(entries), None, tuple(stored))
 
 
 # --------------------------------------------------------------------------- text

@@ -215,8 +215,8 @@ def _verify_stored(
             return None
         if progress is not None:
             progress(sum(n for _, n in lst.files))
-        checks = tuple(RecordCheck(e.name, "unchecked", None, None) for e in lst.entries)
-        return VerifyReport(url, checks, None, lst.format)
+        unchecked = tuple(RecordCheck(e.name, "unchecked", None, None) for e in lst.entries)
+        return VerifyReport(url, unchecked, None, lst.format)
     archive, declared = stored.archive, stored.declared
     checks: dict[str, RecordCheck] = {}
 
