@@ -1285,3 +1285,18 @@ def test_the_sweep_after_a_commit_does_not_unpickle_what_it_just_wrote(tmp_path,
     out = {"a": torch.empty(3)}
     dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
     assert torch.equal(out["a"], torch.zeros(3))
+
+
+def test_a_writer_that_stages_keeps_its_file_stats_apart_from_the_stagers(tmp_path):
+    """FileSystemWriter is its own stager: stage() (which may run while a write
+    appends to last_stats) records into last_stage_stats, never over the
+    writer's per-file list."""
+    sd = {"w": torch.arange(12.0)}
+    w = FileSystemWriter(tmp_path / "ck")
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    files = w.last_stats
+    assert isinstance(files, list) and files and all("path" in s for s in files)
+    staged = w.stage({"w": torch.arange(12.0)})
+    assert torch.equal(staged["w"], sd["w"])
+    assert w.last_stats is files and isinstance(w.last_stage_stats, dict)
+    assert w.last_stage_stats["staged_bytes"] == 48

@@ -213,11 +213,19 @@ class FileSystemWriter(_FileSystemWriter, BlockingAsyncStager):  # type: ignore[
         )
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self._io = IoOptions.of(threads, chunk_size, direct, backend)
-        # (The stager's stage() sets its own last_stats, a dict, on this object
-        # until the next write resets it: one name for two things, not sorted
-        # out here as it changes an API.)
-        self.last_stats: list[dict[str, Any]] = []  # type: ignore[assignment]
+        self._file_stats: list[dict[str, Any]] = []
         self._file_system()
+
+    # Its own stats under the name a writer's have: the stager's (a dict, set
+    # by stage() while a write may be appending here) stay in last_stage_stats.
+    @property  # type: ignore[override]  # the stager's is a dict: see above
+    def last_stats(self) -> list[dict[str, Any]]:
+        """Per data file of the last write: its path and what moving it did."""
+        return self._file_stats
+
+    @last_stats.setter
+    def last_stats(self, value: list[dict[str, Any]]) -> None:
+        self._file_stats = value
 
     # The writer travels to DCP's checkpoint process (PROCESS mode): the stager's
     # buffers and threads stay behind.

@@ -679,7 +679,14 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
             _native.pinned_memory()
         #: Seconds the caller was blocked in the last ``stage()`` call.
         self.last_stage_call_s = 0.0
-        self.last_stats: dict[str, Any] = {}
+        #: What the last staging copied (bytes, threads, ...; ``last_stats`` too).
+        self.last_stage_stats: dict[str, Any] = {}
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """``last_stage_stats`` (a writer that stages too, ``ckptio.dcp.FileSystemWriter``,
+        keeps its written files' stats under this name)."""
+        return self.last_stage_stats
 
     # -- protocol -----------------------------------------------------------------
 
@@ -1038,15 +1045,14 @@ class DefaultStager(_AsyncStagerBase):  # type: ignore[misc,valid-type]
                 # The owners of both ends: the sources and the snapshot buffers.
                 owners = [*plan.sources, *plan.device_buffers(dev)]
                 _native.stage_device_copy(dev, side.cuda_stream, copies, owners)
-            self.last_stats = {"bytes": 0}
+            stats: dict[str, Any] = {"bytes": 0}
             jobs = plan.host_copies()
             if jobs:
                 for dev in plan.devices():
                     events[dev].synchronize()
-                self.last_stats = dict(
-                    _native.stage_copy(jobs, plan.sources, threads=self._threads)
-                )
-            self.last_stats["staged_bytes"] = plan.nbytes()
+                stats = dict(_native.stage_copy(jobs, plan.sources, threads=self._threads))
+            stats["staged_bytes"] = plan.nbytes()
+            self.last_stage_stats = stats
         finally:
             # No copy may outlive the sources it reads, error or not.
             for side in sides:

@@ -174,12 +174,12 @@ def verify(
         # torch.load's to read (records a zip tool compressed, TorchScript):
         # their CRC-32s through Python's zipfile, which inflates them.
         try:
-            rows = torchzip.crc_rows(path)
+            inflated = tuple(RecordCheck(*row) for row in torchzip.crc_rows(path))
         except FormatError as e2:
             return VerifyReport(path, (), str(e2))
         if progress is not None:
             progress(os.path.getsize(path))
-        return VerifyReport(path, tuple(RecordCheck(*row) for row in rows))
+        return VerifyReport(path, inflated)
     try:
         torchzip.torch_reads(path, reader.fileno())
         if progress is None:
