@@ -1356,7 +1356,7 @@ def test_records_a_zip_tool_compressed_load_through_torch_and_verify(tmp_path):
     same(ckptio.load(p, verify=True, map_location="cpu"), sd)
     rep = ckptio.verify(p)
     assert rep.ok and {r.state for r in rep.records} == {"ok"} and len(rep.records) > 3, rep
-    with pytest.raises(ckptio.FormatError, match="mmap=True cannot map records compressed"):
+    with pytest.raises(ckptio.FormatError, match="mmap=True cannot map storage records compressed"):
         ckptio.load(p, mmap=True)
     # What ckptio reads itself names the cause, not a damaged file.
     with pytest.raises(ckptio.FormatError, match="torch.load reads it") as ei:
@@ -1418,3 +1418,37 @@ def test_an_empty_or_cut_file_is_an_eof_error_as_torch_load_raises(tmp_path, con
     with pytest.raises(ckptio.PickleEndError, match="c.pt: .*ends early") as ei:
         ckptio.load(p)
     assert isinstance(ei.value, (EOFError, ckptio.FormatError))
+
+
+def test_deflated_pickle_stored_storages_map_and_a_deflated_archive_verifies_its_pickle(tmp_path):
+    """mmap=True is refused only where a storage record is compressed (a
+    deflated data.pkl alone maps as torch maps it); verify of a deflated
+    archive checks what load decodes, as for a stored one."""
+    import zipfile
+
+    src, p = tmp_path / "orig.pt", tmp_path / "pkl-deflated.pt"
+    sd = {"w": torch.arange(600.0)}
+    torch.save(sd, src)
+    with zipfile.ZipFile(src) as zi, zipfile.ZipFile(p, "w") as zo:
+        for n in zi.namelist():
+            method = zipfile.ZIP_DEFLATED if n.endswith("data.pkl") else zipfile.ZIP_STORED
+            zo.writestr(n, zi.read(n), compress_type=method)
+    same(torch.load(p, mmap=True), sd)
+    same(ckptio.load(p, mmap=True), sd)
+    # A deflated archive whose pickle names a storage it lacks: not ok.
+    holed = tmp_path / "holed.pt"
+    with zipfile.ZipFile(src) as zi, zipfile.ZipFile(holed, "w", zipfile.ZIP_DEFLATED) as zo:
+        for n in zi.namelist():
+            if not n.endswith("/data/0"):
+                zo.writestr(n, zi.read(n))
+    rep = ckptio.verify(holed)
+    assert not rep.ok and "data/0" in (rep.error or ""), rep
+
+
+def test_a_cut_legacy_file_names_no_record(tmp_path):
+    p = tmp_path / "leg.pt"
+    torch.save({"w": torch.ones(3)}, p, _use_new_zipfile_serialization=False)
+    p.write_bytes(p.read_bytes()[:40])
+    with pytest.raises(EOFError) as ei:
+        ckptio.load(p)
+    assert "record data.pkl" not in str(ei.value) and "()" not in str(ei.value), ei.value

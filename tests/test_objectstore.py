@@ -261,6 +261,13 @@ def test_a_bad_retry_timeout_is_a_value_error_naming_the_url_and_option(s3, valu
     assert url in str(e.value)
 
 
+def test_a_whole_concurrency_of_any_integral_type_is_taken():
+    import numpy as np
+
+    for given in (8, "8", np.int64(8), np.uint16(8)):
+        assert remote.client_options({"concurrency": given}, "s3://b/k")[1] == 8
+
+
 @pytest.mark.parametrize(
     "option, value",
     [("concurrency", "abc"), ("concurrency", 1.5), ("concurrency", True), ("concurrency", "0"),

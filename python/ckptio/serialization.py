@@ -481,7 +481,7 @@ def load(
         try:
             return _by_torch(t0, path, why, map_location, mmap=mmap, name=shown, **torch_kw)
         except PickleEndError as e:
-            if why != detect.NOT_LEGACY:
+            if why not in (detect.NOT_LEGACY, detect.LEGACY):
                 raise
             # No zip: the file itself is the pickle, cut short (or empty).
             raise corrupt(shown, f"{why}, and a pickle that ends early", PickleEndError) from e
@@ -1204,8 +1204,9 @@ def _verify_all(path: str, io: IoOptions, why: str, name: str) -> None:
         return  # every record checked already, before torch.load was chosen for it
     try:
         archive = torchzip.open_archive(path, io.direct, None)
-    except torchzip.ReadByTorch:
-        torchzip.check_crcs(path, name)  # compressed records: Python's zipfile inflates them
+    except torchzip.ReadByTorch as e:
+        if e.why != torchzip.DEFLATED:  # (open_archive checked a deflated one's)
+            torchzip.check_crcs(path, name)  # compressed records: zipfile inflates them
         return
     archive.reader.verify(io.engine(), None, True)
 

@@ -573,17 +573,49 @@ class ReadByTorch(FormatError):
 
 
 def refuse_deflated_mmap(path: str, name: str) -> None:
-    """FormatError naming ``name`` where ``path`` is an archive whose records a
-    zip tool compressed: torch.load(mmap=True) maps their compressed bytes as
-    the tensors' (wrong values, no error)."""
+    """FormatError naming ``name`` where ``path`` is an archive whose storage
+    records a zip tool compressed: torch.load(mmap=True) maps their compressed
+    bytes as the tensors' (wrong values, no error)."""
     try:
         _native.Reader(path, None, None)  # maps the directory only: a fraction of a ms
     except FormatError:
-        if read_by_torch(path) == DEFLATED:
+        if read_by_torch(path) == DEFLATED and any(
+            i.compress_type != zipfile.ZIP_STORED for i in _storage_infos(path)
+        ):
             raise FormatError(
-                f"{name}: mmap=True cannot map records compressed by a zip tool (torch.load "
-                "would hand their compressed bytes back as tensors); load it without mmap"
+                f"{name}: mmap=True cannot map storage records compressed by a zip tool "
+                "(torch.load would hand their compressed bytes back as tensors); load it "
+                "without mmap"
             ) from None
+
+
+def _storage_infos(path: str) -> list[zipfile.ZipInfo]:
+    """The ``<prefix>/data/<key>`` entries of a zip archive."""
+    with zipfile.ZipFile(path) as z:
+        return [i for i in z.infolist() if i.filename.partition("/")[2].startswith("data/")]
+
+
+class InflatedRecords:
+    """What reads the small records of an archive torch.load reads itself
+    (:func:`read_by_torch`), through Python's zipfile (which inflates them):
+    for :func:`check_pickle`, with :func:`inflated_archive`."""
+
+    def __init__(self, path: str, prefix: str) -> None:
+        self.path, self.prefix = path, prefix
+
+    def read_record(self, name: str) -> bytes:
+        with zipfile.ZipFile(self.path) as z:
+            return z.read(name)
+
+
+def inflated_archive(path: str, name: str | None = None) -> Records:
+    """The records of an archive torch.load reads itself, by their inflated
+    sizes (offsets: their local headers'), read through zipfile."""
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+    prefix = infos[0].filename.split("/", 1)[0] if infos else ""
+    rows = [(i.filename, i.header_offset, i.file_size) for i in infos if not i.is_dir()]
+    return Records(name or path, InflatedRecords(path, prefix), rows)
 
 
 def crc_rows(path: str, name: str | None = None) -> list[tuple[str, str, int, int | None]]:
@@ -1086,7 +1118,8 @@ def unpickling(path: str, *, caller_location: bool = False) -> Iterator[None]:
         raise
     except EOFError as e:
         where = f"{path}, record data.pkl"
-        raise corrupt(where, f"the pickle ends early ({e or 'EOFError'})", PickleEndError) from e
+        why = f"the pickle ends early ({str(e) or 'EOFError'})"
+        raise corrupt(where, why, PickleEndError) from e
     except Exception as e:
         text = str(e).strip().splitlines()
         msg = text[0] if text else ""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import numbers
 import os
 import re
 import secrets
@@ -112,8 +113,8 @@ def client_options(options: StorageOptions, url: str) -> tuple[dict[str, Any], i
     # A None value is unset: the environment's value or the default.
     client = {k: v for k, v in (options or {}).items() if v is not None}
     given = client.pop("concurrency", 8)
-    try:  # an int, or its digits (the client's options are strings)
-        if isinstance(given, bool) or not isinstance(given, (int, str)):
+    try:  # a whole number (numpy's too), or its digits (the client's options are strings)
+        if isinstance(given, bool) or not isinstance(given, (numbers.Integral, str)):
             raise ValueError
         concurrency = int(given)
     except ValueError:

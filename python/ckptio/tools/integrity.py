@@ -175,11 +175,14 @@ def verify(
         # their CRC-32s through Python's zipfile, which inflates them.
         try:
             inflated = tuple(RecordCheck(*row) for row in torchzip.crc_rows(path))
+            if progress is not None:
+                progress(os.path.getsize(path))
+            rep = VerifyReport(path, inflated)
+            if rep.ok:  # what load decodes, as for any archive
+                torchzip.check_pickle(torchzip.inflated_archive(path))
         except FormatError as e2:
             return VerifyReport(path, (), str(e2))
-        if progress is not None:
-            progress(os.path.getsize(path))
-        return VerifyReport(path, inflated)
+        return rep
     try:
         torchzip.torch_reads(path, reader.fileno())
         if progress is None:
